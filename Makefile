@@ -1,0 +1,26 @@
+# ember: two commands matter. `make test` and `make demo` (soon `make serve`) set up first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ember-setup
+
+.PHONY: setup test demo clean
+
+setup: $(STAMP)
+	@$(PY) -m ember.loader.default_model >/dev/null
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/ember chat -m "What is the capital of France?"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

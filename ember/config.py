@@ -1,0 +1,94 @@
+"""EngineConfig: user flags (vLLM's names), validated, and `resolve()`: the one place where
+flags + model + hardware become the numbers every part uses. Frozen; never mutated."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ember.models.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_MEMORY = 1 << 30  # default KV pool on the CPU: 1 GiB (vLLM's CPU backend uses 4)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # .gguf file or HF directory; None: the default SmolLM2 GGUF
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None  # default: the model's context length
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the pool size (vLLM's num_gpu_blocks_override)
+    kv_cache_memory: int | None = None  # bytes for the KV pool
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # per-step token budget; default 2048
+    seed: int = 0
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    # filled by resolve()
+    model_config: ModelConfig | None = None
+
+    def __post_init__(self) -> None:
+        _choice("load_format", self.load_format, ("auto", "gguf", "safetensors", "dummy"))
+        _choice("dtype", self.dtype, ("auto", *_DTYPES))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def resolve(self) -> EngineConfig:
+        """Fill every 'auto' and None from the model and the machine."""
+        from ember.loader.model_files import locate_model
+
+        files = locate_model(self.model, self.load_format)
+        model_config = files.model_config()
+        device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device: use device='cpu'")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} is longer than the model's context "
+                f"({model_config.max_position_embeddings}): lower max_model_len"
+            )
+        budget = self.max_num_batched_tokens or 2048
+        return dataclasses.replace(
+            self,
+            model=str(files.path),
+            load_format=files.load_format,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=budget,
+            attention_backend="torch" if self.attention_backend == "auto" else self.attention_backend,
+            model_config=model_config,
+        )
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,139 @@
+"""The offline API: `LLM(...).generate(prompts)` and `.chat(conversations)`, vLLM's shape."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Union
+
+from ember.config import EngineConfig
+from ember.engine.core import EngineCore
+from ember.engine.output_processor import OutputProcessor
+from ember.loader.tokenizer import Tokenizer, load_tokenizer
+from ember.outputs import RequestOutput
+from ember.request import Request
+from ember.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, dict[str, Any]]  # "text" or {"prompt_token_ids": [...]}
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", load_format: str = "auto",
+                 **engine_args: Any) -> None:
+        self.config = EngineConfig(model=model, dtype=dtype, load_format=load_format, **engine_args).resolve()
+        self.tokenizer: Tokenizer | None = self._load_tokenizer()
+        self.engine = EngineCore(self.config)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def _load_tokenizer(self) -> Tokenizer | None:
+        try:
+            return load_tokenizer(self.config.model)
+        except ValueError:
+            if self.config.load_format != "dummy":
+                raise
+            logger.warning("no tokenizer for %s: dummy model runs on prompt_token_ids only", self.config.model)
+            return None
+
+    # -- public API -----------------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(requests)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        if not messages:
+            raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self._require_tokenizer()
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One prompt's output after every step that changed it, the last one finished."""
+        yield from self._drive([self._make_request(prompt, sampling_params or SamplingParams())])
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self._require_tokenizer()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _run(self, requests: list[Request]) -> list[RequestOutput]:
+        finished = {o.request_id: o for o in self._drive(requests) if o.finished}
+        return [finished[r.request_id] for r in requests]
+
+    def _drive(self, requests: list[Request]) -> Iterator[RequestOutput]:
+        """Run the engine until these requests finish, yielding every output on the way."""
+        added = []
+        try:
+            for req in requests:
+                self.engine.add_request(req)
+                self.processor.add_request(req)
+                added.append(req.request_id)
+            while self.engine.has_unfinished_requests():
+                outputs, stopped = self.processor.process(self.engine.step())
+                for request_id, stop in stopped:
+                    self.engine.finish_request(request_id, stop)
+                yield from outputs
+        finally:  # an error or Ctrl-C leaves nothing behind in the engine
+            for request_id in added:
+                self.engine.abort_request(request_id)
+                self.processor.abort(request_id)
+
+    def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts: pass one, or one per prompt")
+        return sampling_params
+
+    def _make_request(self, prompt: PromptType, params: SamplingParams) -> Request:
+        if params.n != 1:
+            raise ValueError("SamplingParams.n > 1 is not supported yet: pass the prompt n times")
+        if isinstance(prompt, str):
+            text, ids = prompt, self._require_tokenizer().encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text, ids = prompt["prompt"], self._require_tokenizer().encode(prompt["prompt"])
+        else:
+            raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+        self._check_prompt(ids)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
+        if not eos and self.config.model_config.eos_token_id is not None:
+            eos = frozenset([self.config.model_config.eos_token_id])
+        return Request(str(next(self._ids)), ids, params, prompt=text, eos_token_ids=eos)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.config.max_model_len}, "
+                "which leaves no room for output: shorten the prompt or raise max_model_len"
+            )
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model} has no tokenizer: pass {{'prompt_token_ids': [...]}} prompts")
+        return self.tokenizer

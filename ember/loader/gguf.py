@@ -1,0 +1,393 @@
+"""GGUF files: open, read metadata, dequantize tensors, map names to HF's.
+
+    f = GGUFFile(path)                  # checks the file; reads header and tensor table only
+    f.metadata["llama.block_count"]     # plain Python values
+    for name, w in iter_hf_weights(f, num_heads, num_kv_heads):   # one tensor at a time
+        ...                             # name is HF's ("model.layers.0.self_attn.q_proj.weight")
+
+Tensors come out as float32 in PyTorch's shape order. GGUF lists a tensor's dims fastest
+first (`ne = [cols, rows]`); PyTorch lists them slowest first, so shape = reversed(ne) and
+a 2-D weight is (out_features, in_features).
+
+`dequantize` is ember's own vectorized torch code for the common types and gives the same
+float32 bits as `gguf.quants.dequantize` (the tests check it); other types go to gguf-py.
+The `gguf` package is imported lazily so that `import ember` needs torch alone.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    import gguf
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of a GGUF file's tensor table."""
+
+    name: str
+    qtype: int  # a gguf.GGMLQuantizationType value
+    shape: tuple[int, ...]  # PyTorch order: reversed GGUF ne
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def qtype_name(self) -> str:
+        import gguf
+
+        return gguf.GGMLQuantizationType(self.qtype).name
+
+
+class GGUFFile:
+    """A GGUF file, opened read-only through a memory map.
+
+    Opening reads the header, the metadata and the tensor table and checks that every
+    tensor's data lies inside the file; tensor data is read only when asked for.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        _check_magic(self.path)
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(self.path)
+        except Exception as e:  # the reader fails in many ways on bad bytes
+            raise ValueError(
+                f"{self.path} is not a readable GGUF file: it looks truncated or corrupt "
+                f"({type(e).__name__}: {e}). Download or convert it again."
+            ) from e
+        if reader.byte_order != "I":
+            raise ValueError(
+                f"{self.path} was written for the other byte order (big-endian); ember reads "
+                "little-endian GGUF files only. Convert the model again on a little-endian machine."
+            )
+        self._reader = reader
+
+        self.metadata: dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):  # version and counts from the header, not key/values
+                continue
+            self.metadata[key] = _field_value(self.path, key, field)
+        self.architecture: str = str(self.metadata.get("general.architecture", ""))
+        if not self.architecture:
+            raise ValueError(
+                f"{self.path} has no general.architecture in its metadata; it is not a model "
+                "file ember can load (was it written by a GGUF converter?)"
+            )
+
+        size = self.path.stat().st_size
+        self._tensors: dict[str, Any] = {}  # name -> gguf ReaderTensor
+        self._infos: dict[str, TensorInfo] = {}
+        for t in reader.tensors:
+            info = TensorInfo(
+                name=t.name,
+                qtype=int(t.tensor_type),
+                shape=tuple(int(n) for n in reversed(t.shape.tolist())),
+                offset=int(t.data_offset),
+                nbytes=int(t.n_bytes),
+            )
+            if info.offset < reader.data_offset or info.offset + info.nbytes > size:
+                raise ValueError(
+                    f"{self.path} is truncated or corrupt: tensor {t.name!r} needs bytes "
+                    f"[{info.offset}, {info.offset + info.nbytes}) but the file has {size} bytes. "
+                    "Download or convert it again."
+                )
+            self._tensors[t.name] = t
+            self._infos[t.name] = info
+        self.tensor_names: list[str] = list(self._tensors)
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensor_names)} tensors)"
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        return self._infos[self._check_name(name)]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored (a read-only view on the memory map)."""
+        return self._tensors[self._check_name(name)].data
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor dequantized to float32, shape in PyTorch order."""
+        info = self.tensor_info(name)
+        return dequantize(self._tensors[name].data, info.qtype, info.shape)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor in file order, dequantized one at a time."""
+        for name in self.tensor_names:
+            yield name, self.tensor(name)
+
+    def _check_name(self, name: str) -> str:
+        if name not in self._tensors:
+            raise KeyError(
+                f"{self.path.name} has no tensor {name!r} ({len(self.tensor_names)} tensors, "
+                f"e.g. {', '.join(self.tensor_names[:3])})"
+            )
+        return name
+
+
+def _check_magic(path: Path) -> None:
+    if not path.exists():
+        raise ValueError(
+            f"no such file: {path}. Pass the path of a .gguf model file "
+            "(`python -m ember.loader.default_model` fetches the default one and prints its path)."
+        )
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file; pass the path of the .gguf file itself")
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    if head != GGUF_MAGIC:
+        raise ValueError(
+            f"{path} is not a GGUF file: it starts with {head!r}, a GGUF file starts with "
+            f"{GGUF_MAGIC!r}. For an HF model, pass its directory (config.json + safetensors)."
+        )
+
+
+def _field_value(path: Path, key: str, field: Any) -> Any:
+    """A GGUFReader field as plain Python: str, int, float, bool or a list of those.
+
+    Array elements are separate `parts`; `field.data` indexes the ones holding values.
+    An array of arrays comes out flattened (gguf-py's reader flattens it already).
+    """
+    import gguf
+
+    string = gguf.GGUFValueType.STRING
+
+    def decode(raw: np.ndarray) -> str:
+        try:
+            return raw.tobytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: metadata {key!r} holds a string that is not UTF-8 ({e})") from e
+
+    if not field.types:
+        return None
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        if field.types[-1] == string:
+            return [decode(field.parts[i]) for i in field.data]
+        return [field.parts[i].item() for i in field.data] if len(field.types) > 1 else []
+    if field.types[0] == string:
+        return decode(field.parts[-1])
+    return field.parts[-1].item()
+
+
+# ---------------------------------------------------------------------------------------
+# Dequantization. Each quantized type stores a row as a run of fixed-size blocks of
+# `block_size` values; the decoders below see the bytes as (n_blocks, type_size) and
+# return (n_blocks, block_size) float32. Scales d and minimums m are float16, and all
+# arithmetic happens in float32 in the same order as gguf-py, so the bits match. (A
+# product d * q of an 11-bit f16 mantissa and a <= 8-bit integer is exact in float32, so
+# even an fma would agree; the one rounding is the "+ m" of the types with a minimum.)
+
+
+def _f16(cols: torch.Tensor) -> torch.Tensor:
+    """(n, 2) uint8 holding little-endian float16 -> (n, 1) float32."""
+    return cols.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 16) uint8 -> (n, 32) uint8: value j is qs[j] & 0xF, value 16+j is qs[j] >> 4."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(n, 4) uint8, a little-endian uint32 -> (n, 32) uint8: value j is bit j."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], 32)
+
+
+# Q4_0, 32 values in 18 bytes:
+#   | d f16 | qs[0] .. qs[15]            |   value j    = d * ((qs[j] & 0xF) - 8)
+#   0       2                            18  value 16+j = d * ((qs[j] >> 4)  - 8)
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, 0:2])
+    q = _nibbles(b[:, 2:18]).to(torch.int8) - 8
+    return d * q.float()
+
+
+# Q4_1, 32 values in 20 bytes:
+#   | d f16 | m f16 | qs[0] .. qs[15]    |   value j    = d * (qs[j] & 0xF) + m
+#   0       2       4                    20  value 16+j = d * (qs[j] >> 4)  + m
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    out = _nibbles(b[:, 4:20]).float()
+    return out.mul_(d).add_(m)  # (d * q) + m as gguf-py; d * q is exact, the add rounds once
+
+
+# Q5_0, 32 values in 22 bytes:
+#   | d f16 | qh u32 | qs[0] .. qs[15]   |   q_j = (low nibble as Q4_0) | (bit j of qh) << 4
+#   0       2        6                   22  value j = d * (q_j - 16)
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, 0:2])
+    q = (_nibbles(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4)).to(torch.int8) - 16
+    return d * q.float()
+
+
+# Q5_1, 32 values in 24 bytes:
+#   | d f16 | m f16 | qh u32 | qs[0] .. qs[15]  |   q_j as Q5_0
+#   0       2       4        8                  24  value j = d * q_j + m
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    out = (_nibbles(b[:, 8:24]) | (_high_bits(b[:, 4:8]) << 4)).float()
+    return out.mul_(d).add_(m)
+
+
+# Q8_0, 32 values in 34 bytes:
+#   | d f16 | qs[0] .. qs[31] int8       |   value j = qs[j] * d
+#   0       2                            34
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, 0:2])
+    return b[:, 2:34].contiguous().view(torch.int8).float().mul_(d)
+
+
+# BF16: 2 bytes a value, the top half of a float32:  value = bits << 16 (exact)
+def _bf16(b: torch.Tensor) -> torch.Tensor:
+    return (b.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+
+
+# F16: 2 bytes a value, IEEE half (exact in float32).
+def _f16_values(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float16).float()
+
+
+# F32: 4 bytes a value.
+def _f32(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float32)
+
+
+# qtype value -> (block_size, type_size, decoder). Values from ggml.h, which fixes them.
+_DECODERS = {
+    0: (1, 4, _f32),  # F32
+    1: (1, 2, _f16_values),  # F16
+    2: (32, 18, _q4_0),  # Q4_0
+    3: (32, 20, _q4_1),  # Q4_1
+    6: (32, 22, _q5_0),  # Q5_0
+    7: (32, 24, _q5_1),  # Q5_1
+    8: (32, 34, _q8_0),  # Q8_0
+    30: (1, 2, _bf16),  # BF16
+}
+
+
+def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType | int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Decode a tensor's stored bytes to a new float32 tensor of `shape` (PyTorch order).
+
+    raw: the bytes as stored (any dtype; read as bytes, never modified).
+    """
+    import gguf
+
+    try:
+        qt = gguf.GGMLQuantizationType(int(qtype))
+    except ValueError:
+        raise ValueError(f"unknown GGML tensor type {int(qtype)}; is the file from a newer llama.cpp?") from None
+    shape = tuple(int(n) for n in shape)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qt]
+    numel = math.prod(shape)
+    row = shape[-1] if shape else 1
+    if row % block_size != 0:
+        raise ValueError(f"a {qt.name} row holds whole blocks of {block_size} values; shape {shape} does not")
+    want = numel // block_size * type_size
+    data = np.asarray(raw)
+    if data.nbytes != want:
+        raise ValueError(f"{qt.name} tensor of shape {shape} needs {want} bytes, got {data.nbytes}")
+    # A private copy of the bytes: the memory map is read-only and callers own the result.
+    data = np.array(np.ascontiguousarray(data).view(np.uint8).reshape(-1), copy=True)
+
+    if int(qt) in _DECODERS:
+        _, _, decode = _DECODERS[int(qt)]
+        blocks = torch.from_numpy(data).view(-1, type_size)
+        return decode(blocks).reshape(shape)
+
+    try:  # K-quants, IQ types, ...: gguf-py's numpy decoders
+        values = gguf.quants.dequantize(data.reshape(-1, row // block_size * type_size), qt)
+    except NotImplementedError:
+        raise ValueError(
+            f"cannot dequantize tensor type {qt.name}: neither ember nor gguf-py "
+            f"{getattr(gguf, '__version__', '')} decodes it. Use a file quantized differently "
+            "(F16, BF16, Q8_0, Q4_K, ...)."
+        ) from None
+    return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF -> HF names for the llama family (llama, mistral, qwen2, qwen3, smollm, ...).
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF's name for a GGUF tensor name, or None if the llama family has no such tensor."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return None
+
+
+# llama.cpp's convert_hf_to_gguf.py reorders the rows of each head of Q and K (for
+# architecture "llama" only) so that its rope can rotate adjacent pairs. With head_dim 8:
+#
+#   HF   (rotate_half pairs row i with i + 4):  r0 r1 r2 r3 | r4 r5 r6 r7   = (2, head_dim/2)
+#   GGUF (adjacent pairs):                      r0 r4 | r1 r5 | r2 r6 | r3 r7 = (head_dim/2, 2)
+#
+# GGUF's order is HF's viewed as (2, head_dim/2) and transposed; undoing it views GGUF's
+# rows as (heads, head_dim/2, 2) and swaps the last two axes. Biases are rows of length 1.
+def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    rows = w.shape[0]
+    if rows % num_heads or (rows // num_heads) % 2:
+        raise ValueError(f"cannot split {rows} rows into {num_heads} heads of even size")
+    head_dim = rows // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_hf_weights(f: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of `f` as (HF name, float32 tensor), one at a time, in file order.
+
+    A tensor the map does not know is yielded under its GGUF name, so the model loader's
+    completeness check names it. Nothing is skipped: rope_freqs.weight (Llama 3.1's RoPE
+    scaling, baked into a tensor) carries real information, and ModelConfig refuses it.
+    A tied model has no output.weight, so no lm_head.weight comes out.
+    """
+    unpermute = f.architecture == "llama"
+    for gguf_name in f.tensor_names:
+        w = f.tensor(gguf_name)
+        name = hf_name(gguf_name)
+        if name is None:
+            yield gguf_name, w
+            continue
+        if unpermute and ".self_attn.q_proj." in name:
+            w = unpermute_rows(w, num_heads)
+        elif unpermute and ".self_attn.k_proj." in name:
+            w = unpermute_rows(w, num_kv_heads)
+        yield name, w

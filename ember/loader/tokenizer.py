@@ -1,0 +1,339 @@
+"""The tokenizer: text <-> token ids, and chat messages -> prompt text.
+
+One `Tokenizer` class wraps a `tokenizers.Tokenizer`, built either from a GGUF file's
+metadata (llama.cpp's key names) or from an HF model directory (tokenizer.json).
+
+    tok = load_tokenizer("model.gguf")
+    ids = tok.encode("Hello world")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """Encode/decode with a `tokenizers.Tokenizer`, plus the model's special ids and chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        extra_eos_token_ids: Sequence[int] = (),
+        pad_token_id: int | None = None,
+        chat_template: str | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self._bos_token_id = bos_token_id
+        self._eos_token_id = eos_token_id
+        eos = {eos_token_id} if eos_token_id is not None else set()
+        self._eos_token_ids = frozenset(eos | set(extra_eos_token_ids))
+        self._pad_token_id = pad_token_id
+        self._chat_template = chat_template
+        self._vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
+
+    # -- text <-> ids -------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. "<|im_start|>")
+        become their ids. `add_special_tokens` adds BOS/EOS only where the model asks for it."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        tokens = [self.backend.id_to_token(i) for i in ids]
+        if None in tokens:
+            bad = [i for i, t in zip(ids, tokens) if t is None]
+            raise ValueError(f"token ids {bad} are outside the vocabulary (size {self.vocab_size})")
+        return tokens  # type: ignore[return-value]
+
+    # -- special tokens -----------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation: EOS plus end-of-turn ids the model names."""
+        return self._eos_token_ids
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._pad_token_id
+
+    @cached_property
+    def all_special_ids(self) -> list[int]:
+        return sorted(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    def _token_text(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    # -- chat ---------------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` into prompt text with the model's Jinja chat template, with the
+        variables HF templates expect (`messages`, `add_generation_prompt`, `bos_token`,
+        `eos_token`, `tools`, and any extra keyword)."""
+        variables = {
+            "bos_token": self._token_text(self._bos_token_id) or "",
+            "eos_token": self._token_text(self._eos_token_id) or "",
+            **kwargs,
+        }
+        return self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
+        )
+
+    @cached_property
+    def _compiled_template(self) -> Any:
+        if self._chat_template is None:
+            raise ValueError(
+                "this model has no chat template, so chat messages cannot be turned into a "
+                "prompt: pass a plain text prompt instead (completions, not chat)"
+            )
+        return _jinja_env().from_string(self._chat_template)
+
+
+def _jinja_env() -> Any:
+    """A sandboxed Jinja environment with the conventions HF chat templates are written for."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template error: {message}")
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        # Jinja's own tojson escapes HTML characters ('<' -> \u003c); templates expect plain JSON.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a `.gguf` file or of an HF model directory (tokenizer.json)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"tokenizer path {str(path)!r} does not exist: pass a .gguf file or an HF model "
+            "directory that holds tokenizer.json"
+        )
+    if path.is_dir():
+        return _from_hf_dir(path)
+    if path.suffix == ".gguf":
+        return _from_gguf(path)
+    raise ValueError(
+        f"cannot load a tokenizer from {str(path)!r}: pass a .gguf file or an HF model directory "
+        "that holds tokenizer.json"
+    )
+
+
+# The text splitting before BPE, by `tokenizer.ggml.pre`, as llama.cpp does it.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_REGEX = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+# Starcoder-style vocabularies: every digit on its own, then the GPT-2 split.
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "codeshell", "command-r"}
+_GPT2_LIKE = {"default", "gpt2", "gpt-2"}
+# llama.cpp looks a whole Llama-3 word up in the vocabulary before applying merges.
+_IGNORE_MERGES = {"llama-bpe", "llama3"}
+
+
+def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre in _SPLIT_REGEX:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_REGEX[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    if pre not in _GPT2_LIKE:
+        logger.warning("unknown tokenizer.ggml.pre %r: splitting text with the GPT-2 regex", pre)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _gguf_metadata(path: Path) -> dict[str, Any]:
+    """The `tokenizer.*` keys of a GGUF file, as Python values."""
+    from gguf import GGUFReader  # lazy: `import ember` needs torch alone
+
+    reader = GGUFReader(path)
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    meta = _gguf_metadata(path)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        raise ValueError(
+            f"{path.name}: SentencePiece GGUF tokenizers (tokenizer.ggml.model = 'llama') are not "
+            "supported yet; supported: 'gpt2' (byte-level BPE). Use the model's HF directory instead."
+        )
+    if kind != "gpt2":
+        raise ValueError(
+            f"{path.name}: tokenizer.ggml.model = {kind!r} is not supported; supported: 'gpt2' "
+            "(byte-level BPE)"
+        )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    model = tokenizers.models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=pre in _IGNORE_MERGES
+    )
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+
+    # Control and user-defined tokens are matched whole in the text, never split by BPE;
+    # only control ones are special (dropped by skip_special_tokens).
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    )
+
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        backend.post_processor = _bos_eos_processor(
+            (tokens[bos], bos) if add_bos else None, (tokens[eos], eos) if add_eos else None
+        )
+    end_of_turn = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+    return Tokenizer(
+        backend,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        extra_eos_token_ids=end_of_turn,
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"),
+        vocab_size=len(tokens),
+    )
+
+
+def _bos_eos_processor(
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
+) -> processors.TemplateProcessing:
+    """A post-processor that writes `bos $A eos` (either end optional)."""
+    head = [bos[0]] if bos else []
+    tail = [eos[0]] if eos else []
+    return processors.TemplateProcessing(
+        single=[*head, "$A", *tail],
+        pair=[*head, "$A", *tail, *head, "$B", *tail],
+        special_tokens=[t for t in (bos, eos) if t],
+    )
+
+
+def _from_hf_dir(path: Path) -> Tokenizer:
+    tokenizer_json = path / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise ValueError(
+            f"{str(path)!r} has no tokenizer.json: ember reads HF fast tokenizers only "
+            "(tokenizer.json + tokenizer_config.json), or pass a .gguf file"
+        )
+    backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    config = _read_json(path / "tokenizer_config.json")
+
+    def token_id(key: str) -> int | None:
+        token = config.get(key)
+        if isinstance(token, dict):  # {"content": "<s>", "lstrip": false, ...}
+            token = token.get("content")
+        return backend.token_to_id(token) if isinstance(token, str) else None
+
+    bos, eos = token_id("bos_token"), token_id("eos_token")
+    # The tokenizer.json post-processor normally adds BOS itself; add it only where the config
+    # asks for it and the post-processor does not.
+    if config.get("add_bos_token") and bos is not None:
+        if backend.encode("", add_special_tokens=True).ids[:1] != [bos]:
+            ours = _bos_eos_processor((backend.id_to_token(bos), bos), None)
+            old = backend.post_processor
+            backend.post_processor = processors.Sequence([old, ours]) if old else ours
+
+    generation = _read_json(path / "generation_config.json")
+    gen_eos = generation.get("eos_token_id")
+    extra_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else []
+    if eos is None and extra_eos:
+        eos = extra_eos[0]
+
+    return Tokenizer(
+        backend,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        extra_eos_token_ids=extra_eos,
+        pad_token_id=token_id("pad_token"),
+        chat_template=_hf_chat_template(path, config),
+    )
+
+
+def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

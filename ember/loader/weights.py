@@ -1,0 +1,110 @@
+"""Checkpoint tensors (HF names) -> model parameters, ending with a completeness check.
+
+Every source (GGUF, safetensors, dummy) yields HF-named tensors; this file alone knows
+how those names land on ember's merged parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ember.models.config import ModelConfig
+
+# checkpoint projection -> (merged ember module, shard index)
+PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of this config holds, with its shape."""
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if cfg.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+    return shapes
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    """HF name -> (ember parameter name, shard index or None)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in PACKED:
+            merged, shard = PACKED[part]
+            return ".".join(parts[:i] + [merged] + parts[i + 1:]), shard
+    return name, None
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy every checkpoint tensor into its parameter; each parameter (shard) exactly once.
+
+    Raises ValueError naming unknown, duplicated and missing tensors."""
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    expected: set[tuple[str, int | None]] = set()
+    for pname, param in params.items():
+        module = model.get_submodule(pname.rsplit(".", 1)[0])
+        shards = getattr(module, "num_shards", None)
+        expected |= {(pname, s) for s in range(shards)} if shards else {(pname, None)}
+    done: set[tuple[str, int | None]] = set()
+    unknown: list[str] = []
+    for name, tensor in weights:
+        if tied and name == "lm_head.weight":
+            continue  # some tied checkpoints store a copy of the embedding
+        pname, shard = _target(name)
+        if pname not in params:
+            unknown.append(name)
+            continue
+        if (pname, shard) in done:
+            raise ValueError(f"{source}: tensor {name!r} appears twice")
+        param = params[pname]
+        loader = getattr(param, "weight_loader", None)
+        try:
+            with torch.no_grad():
+                if shard is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
+                    param.data.copy_(tensor)
+                else:
+                    loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"{source}: tensor {name!r} does not fit {pname}: {e}") from None
+        done.add((pname, shard))
+    missing = sorted(expected - done, key=str)
+    if unknown or missing:
+        msg = [f"{source} does not match the model ({type(model).__name__}):"]
+        if unknown:
+            msg.append(f"{len(unknown)} unknown tensor(s): {', '.join(unknown[:8])}")
+        if missing:
+            msg.append(f"{len(missing)} missing: {', '.join(_show(m) for m in missing[:8])}")
+        raise ValueError(" ".join(msg))
+
+
+def _show(item: tuple[str, int | None]) -> str:
+    name, shard = item
+    return name if shard is None else f"{name}[shard {shard}]"

@@ -1,0 +1,18 @@
+"""ModelConfig.architecture -> model class."""
+
+from torch import nn
+
+from ember.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; ember runs {sorted(_MODELS)}")
+    return _MODELS[architecture]

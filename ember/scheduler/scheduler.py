@@ -1,0 +1,183 @@
+"""Continuous batching under one rule: each step a request gets up to
+`num_tokens - num_computed_tokens` new tokens, within the step's token budget and
+`max_num_seqs`. Running requests come first, then waiting ones in FCFS order. Prefill,
+chunked prefill and decode all fall out of the rule; one step mixes them.
+
+Out of blocks, the most recently admitted running request is preempted by recompute:
+its blocks are freed and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ember.request import Request, RequestStatus
+from ember.scheduler.block_pool import BlockPool
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens: a token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.pool = block_pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- admission ------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        longest = min(req.num_prompt_tokens + (req.max_tokens or self.max_model_len), self.max_model_len)
+        if self.blocks_for(longest) > self.pool.num_blocks:
+            raise ValueError(
+                f"request {req.request_id!r} may reach {longest} tokens, which needs "
+                f"{self.blocks_for(longest)} KV blocks, but the whole pool has {self.pool.num_blocks}: "
+                "lower max_tokens or give the KV cache more memory (num_kv_blocks / kv_cache_memory)"
+            )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, n, out):
+                continue
+            out.chunks.append(ScheduledChunk(req, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            self._grow(req, n)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, n))
+            budget -= n
+        return out
+
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Make room for `n` more tokens of a running request, preempting the newest running
+        requests if needed. False when `req` itself had to be preempted."""
+        while self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        self._grow(req, n)
+        return True
+
+    def _grow(self, req: Request, n: int) -> None:
+        need = self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+        if need > 0:
+            req.block_ids += self.pool.allocate(need)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, apply stop rules.
+        Returns the requests that finished in this step (their blocks already freed)."""
+        finished = []
+        for chunk in out.chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            req.append_token(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, *reason)
+                finished.append(req)
+        return finished
+
+    def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
+        params = req.sampling_params
+        num_out = len(req.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or req.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    # -- leaving --------------------------------------------------------------------------
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None,
+               status: RequestStatus = RequestStatus.FINISHED) -> None:
+        """Finish or abort a request: it leaves the queues and holds no block."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.finish(reason, stop_reason, status)
+        del self.requests[req.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "abort", status=RequestStatus.ABORTED)
+        return req

@@ -1,0 +1,130 @@
+"""The `ember` command: generate, chat (serve and bench come with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from ember.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags under vLLM's names; defaults come from EngineConfig."""
+    d = EngineConfig()
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--load-format", default=d.load_format, choices=["auto", "gguf", "safetensors", "dummy"])
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
+    parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--enforce-eager", action="store_true")
+
+
+def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
+    names = ["load_format", "dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
+             "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager"]
+    return {"model": ns.model} | {n: getattr(ns, n) for n in names}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+
+
+def sampling_params(ns: argparse.Namespace):
+    from ember.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                          seed=ns.seed if ns.temperature > 0 else None)
+
+
+def _stream(llm, prompt, params) -> tuple[str, int, float]:
+    """Print a completion as it comes; return its text, token count and tokens/s."""
+    start, first, shown, out = time.perf_counter(), None, 0, None
+    for out in llm.stream(prompt, params):
+        first = first or time.perf_counter()
+        text = out.outputs[0].text
+        print(text[shown:], end="", flush=True)
+        shown = len(text)
+    print()
+    elapsed = time.perf_counter() - start
+    n = len(out.outputs[0].token_ids)
+    return out.outputs[0].text, n, n / elapsed if elapsed > 0 else 0.0
+
+
+def cmd_generate(ns: argparse.Namespace) -> None:
+    from ember import LLM
+
+    llm = LLM(**engine_args(ns))
+    _, n, rate = _stream(llm, ns.prompt, sampling_params(ns))
+    print(f"[{n} tokens, {rate:.1f} tok/s]", file=sys.stderr)
+
+
+def cmd_chat(ns: argparse.Namespace) -> None:
+    from ember import LLM
+
+    llm = LLM(**engine_args(ns))
+    tok = llm.get_tokenizer()
+    params = sampling_params(ns)
+    messages: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
+
+    def answer(user: str) -> None:
+        messages.append({"role": "user", "content": user})
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        reply, n, rate = _stream(llm, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)},
+                                 params)
+        messages.append({"role": "assistant", "content": reply})
+        print(f"[{n} tokens, {rate:.1f} tok/s]", file=sys.stderr)
+
+    if ns.message is not None:  # one-shot
+        answer(ns.message)
+        return
+    print("ember chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        answer(user)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ember", description="ember: a small LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print it as it comes")
+    gen.add_argument("prompt")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model (interactive, or one message with -m)")
+    chat.add_argument("-m", "--message", default=None, help="answer this one message and exit")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        ns.func(ns)
+    except (ValueError, RuntimeError) as e:
+        print(f"ember: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,85 @@
+"""The paged reference attention equals dense causal attention, whatever the block layout."""
+
+import math
+
+import torch
+
+from ember.layers.attention import AttentionMetadata, get_attention_backend
+
+
+def dense_attention(q, k, v, scale):
+    """q: [n, H, D] for the last n positions of a context k/v: [L, Hkv, D]; causal."""
+    n, L, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    q_pos = torch.arange(L - n, L)[:, None]
+    scores = scores.masked_fill(torch.arange(L)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+
+
+def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16, block_size=4, seed=0):
+    """Sequences with `cached[i]` tokens already in the cache and `new[i]` new ones."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(cached, new)) + 3
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks, generator=g).tolist()  # shuffled, non-contiguous blocks
+    full_k, full_v, tables = [], [], []
+    for c, n in zip(cached, new):
+        blocks = [free.pop() for _ in range(-(-(c + n) // block_size))]
+        tables.append(blocks)
+        kk = torch.randn(c + n, kv_heads, head_dim, generator=g)
+        vv = torch.randn(c + n, kv_heads, head_dim, generator=g)
+        for p in range(c):  # the cached prefix is already in place
+            k_cache[blocks[p // block_size], p % block_size] = kk[p]
+            v_cache[blocks[p // block_size], p % block_size] = vv[p]
+        full_k.append(kk)
+        full_v.append(vv)
+    q = torch.randn(sum(new), heads, head_dim, generator=g)
+    k = torch.cat([kk[c:] for kk, c in zip(full_k, cached)])
+    v = torch.cat([vv[c:] for vv, c in zip(full_v, cached)])
+    slots = [tables[i][p // block_size] * block_size + p % block_size
+             for i, (c, n) in enumerate(zip(cached, new)) for p in range(c, c + n)]
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for c, n in zip(cached, new)], dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_lens_cpu=list(new),
+        seq_lens_cpu=[c + n for c, n in zip(cached, new)],
+    )
+    scale = 1 / math.sqrt(head_dim)
+    out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, meta, scale)
+    start = 0
+    for i, (c, n) in enumerate(zip(cached, new)):
+        expected = dense_attention(q[start:start + n], full_k[i], full_v[i], scale)
+        torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-5)
+        start += n
+    # the new K/V landed in the cache, in their slots
+    flat_k = k_cache.view(-1, kv_heads, head_dim)
+    assert torch.equal(flat_k[torch.tensor(slots)], k)
+
+
+def test_prefill_only():
+    run_case(cached=[0, 0, 0], new=[5, 1, 9])
+
+
+def test_decode_batch():
+    run_case(cached=[7, 0, 12, 3], new=[1, 1, 1, 1])
+
+
+def test_mixed_prefix_extend_and_decode():
+    # a chunked prefill over a cached prefix, decodes, and a fresh prompt in one step
+    run_case(cached=[9, 4, 0, 17], new=[6, 1, 3, 1], seed=3)
+
+
+def test_mha_without_gqa():
+    run_case(cached=[2, 5], new=[3, 1], heads=4, kv_heads=4)
+
+
+def test_refuses_unknown_backend():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        get_attention_backend("nope")

@@ -1,0 +1,340 @@
+"""ember.loader.gguf: dequantization bit-exact with gguf-py, the GGUF -> HF name map, the
+Q/K un-permutation (checked against HF transformers' own GGUF loading) and bad files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from ember.loader.default_model import fetch_default_model
+from ember.loader.gguf import GGUFFile, dequantize, hf_name, iter_hf_weights, unpermute_rows
+
+Q = gguf.GGMLQuantizationType
+NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS = 30, 9, 3
+
+# Every type ember decodes itself (the rest go to gguf-py).
+EMBER_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return fetch_default_model()
+
+
+@pytest.fixture(scope="module")
+def model(model_path: Path) -> GGUFFile:
+    return GGUFFile(model_path)
+
+
+@pytest.fixture(scope="module")
+def hf_state(model_path: Path) -> dict[str, torch.Tensor]:
+    """HF transformers' own reading of the same GGUF file (dequantized, un-permuted)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+    )
+    return {k: v.detach() for k, v in hf.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def ember_state(model: GGUFFile) -> dict[str, torch.Tensor]:
+    return dict(iter_hf_weights(model, NUM_HEADS, NUM_KV_HEADS))
+
+
+def assert_bit_exact(ours: torch.Tensor, ref: np.ndarray | torch.Tensor) -> None:
+    """Same shape, float32, same bits (stricter than ==: tells -0.0 from 0.0, compares NaNs)."""
+    ref = torch.from_numpy(np.array(ref, dtype=np.float32)) if isinstance(ref, np.ndarray) else ref
+    assert ours.dtype == torch.float32
+    assert ours.shape == ref.shape
+    assert torch.equal(ours.view(torch.int32), ref.view(torch.int32))
+
+
+def gguf_reference(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    return gguf.quants.dequantize(raw, qtype)
+
+
+# ---- dequantization: real tensors --------------------------------------------------------
+
+
+def test_default_model_has_the_types_we_test(model: GGUFFile) -> None:
+    types = {model.tensor_info(n).qtype for n in model.tensor_names}
+    assert types == {Q.F32, Q.Q4_1, Q.Q8_0}
+    assert model.tensor_info("token_embd.weight").qtype == Q.Q8_0
+
+
+def test_real_tensors_bit_exact(model: GGUFFile) -> None:
+    by_type: dict[int, list[str]] = {}
+    for name in model.tensor_names:
+        by_type.setdefault(model.tensor_info(name).qtype, []).append(name)
+    for qtype, names in by_type.items():
+        picked = sorted(set(names[:2] + names[len(names) // 2 : len(names) // 2 + 2] + names[-2:]))
+        for name in picked:
+            info = model.tensor_info(name)
+            ours = model.tensor(name)
+            ref = gguf_reference(model.raw(name), Q(qtype))
+            assert_bit_exact(ours, ref)
+            assert ours.shape == info.shape
+
+
+def test_shape_is_reversed_ne(model: GGUFFile) -> None:
+    # ne = [in_features, out_features] in the file; PyTorch order is (out, in)
+    assert model.tensor("token_embd.weight").shape == (49152, 576)
+    assert model.tensor("blk.0.ffn_down.weight").shape == (576, 1536)
+    assert model.tensor("blk.0.attn_k.weight").shape == (192, 576)
+    assert model.tensor("output_norm.weight").shape == (576,)
+
+
+# ---- dequantization: synthetic data ------------------------------------------------------
+
+
+def _random_values(rng: np.random.Generator) -> np.ndarray:
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    x *= np.float32(10.0) ** rng.integers(-6, 3, size=(8, 1)).astype(np.float32)  # rows of all scales
+    x[0, :32] = 0.0  # an all-zero block (scale 0)
+    x[1, 32:64] = 3.0  # a constant block (max == min)
+    return x
+
+
+@pytest.mark.parametrize("qtype", EMBER_TYPES, ids=lambda q: q.name)
+def test_synthetic_quantized_bit_exact(qtype: Q) -> None:
+    x = _random_values(np.random.default_rng(int(qtype)))
+    if qtype == Q.F16:
+        x[2, :4] = [np.inf, -np.inf, -0.0, 1e-7]  # specials and an f16 subnormal
+    raw = gguf.quants.quantize(x, qtype)
+    assert_bit_exact(dequantize(raw, qtype, x.shape), gguf_reference(raw, qtype))
+    if qtype not in (Q.F32,):  # a lossy type actually changed something, so it was decoded
+        assert not np.array_equal(gguf_reference(raw, qtype), x)
+
+
+def _random_bytes(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks whose f16 scale fields are finite (incl. negative and subnormal)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
+    scale_bytes = {Q.Q4_0: [0], Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2],
+                   Q.Q4_K: [0, 2], Q.F16: [0]}[qtype]
+    for at in scale_bytes:
+        scale = raw[:, at : at + 2].copy().view(np.uint16)
+        scale[(scale & 0x7C00) == 0x7C00] &= np.uint16(0xBFFF)  # inf/NaN exponent -> finite
+        raw[:, at : at + 2] = scale.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda q: q.name)
+def test_random_bytes_bit_exact(qtype: Q) -> None:
+    raw = _random_bytes(qtype, 16, 512, np.random.default_rng(100 + int(qtype)))
+    assert_bit_exact(dequantize(raw, qtype, (16, 512)), gguf_reference(raw, qtype))
+
+
+def test_bf16_all_bit_patterns() -> None:
+    raw = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.uint8)  # NaNs too
+    assert_bit_exact(dequantize(raw, Q.BF16, (256, 256)), gguf_reference(raw.reshape(256, 512), Q.BF16))
+
+
+def test_falls_back_to_gguf_py_for_k_quants() -> None:
+    raw = _random_bytes(Q.Q4_K, 4, 512, np.random.default_rng(7))
+    assert_bit_exact(dequantize(raw, Q.Q4_K, (4, 512)), gguf_reference(raw, Q.Q4_K))
+
+
+def test_dequantize_refuses_what_it_cannot_decode() -> None:
+    with pytest.raises(ValueError, match="I32"):
+        dequantize(np.zeros(16, np.int32), Q.I32, (16,))
+    with pytest.raises(ValueError, match="unknown GGML tensor type 999"):
+        dequantize(np.zeros(4, np.uint8), 999, (1,))
+    with pytest.raises(ValueError, match="needs 40 bytes, got 39"):
+        dequantize(np.zeros(39, np.uint8), Q.Q4_1, (64,))
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        dequantize(np.zeros(20, np.uint8), Q.Q4_1, (2, 16))
+
+
+def test_dequantize_returns_a_private_tensor(model: GGUFFile) -> None:
+    t = model.tensor("output_norm.weight")
+    t.zero_()  # would crash or corrupt the file if it were the read-only memory map
+    assert model.tensor("output_norm.weight").abs().sum() > 0
+
+
+# ---- metadata ----------------------------------------------------------------------------
+
+
+def test_metadata_is_plain_python(model: GGUFFile) -> None:
+    md = model.metadata
+    assert model.architecture == "llama"
+    assert md["llama.block_count"] == NUM_LAYERS and type(md["llama.block_count"]) is int
+    assert md["llama.attention.head_count"] == NUM_HEADS
+    assert md["llama.attention.head_count_kv"] == NUM_KV_HEADS
+    assert md["llama.rope.freq_base"] == 100000.0 and type(md["llama.rope.freq_base"]) is float
+    assert md["tokenizer.ggml.add_bos_token"] is False
+    assert md["general.languages"] == ["en"]
+    tokens = md["tokenizer.ggml.tokens"]
+    assert len(tokens) == 49152 and tokens[1] == "<|im_start|>"
+    assert md["tokenizer.ggml.token_type"][:2] == [3, 3]
+    assert not any(k.startswith("GGUF.") for k in md)
+    plain = (str, int, float, bool)
+    for key, value in md.items():
+        items = value if isinstance(value, list) else [value]
+        assert all(type(v) in plain for v in items), key
+
+
+def test_tensors_streams_in_file_order(model: GGUFFile) -> None:
+    it = model.tensors()
+    assert next(it)[0] == model.tensor_names[0] == "token_embd.weight"
+    assert len(model.tensor_names) == 272
+    with pytest.raises(KeyError, match="no tensor 'nope'"):
+        model.tensor("nope")
+
+
+# ---- name map ----------------------------------------------------------------------------
+
+
+def expected_hf_names(num_layers: int) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}  # tied: no lm_head.weight
+    per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    for i in range(num_layers):
+        names |= {f"model.layers.{i}.{p}.weight" for p in per_layer}
+    return names
+
+
+def test_every_tensor_maps_to_the_hf_llama_names(model: GGUFFile, ember_state: dict[str, torch.Tensor]) -> None:
+    assert all(hf_name(n) is not None for n in model.tensor_names)
+    assert len(ember_state) == len(model.tensor_names)  # no two GGUF names map to one HF name
+    assert set(ember_state) == expected_hf_names(NUM_LAYERS)
+    assert ember_state["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert ember_state["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert all(t.dtype == torch.float32 for t in ember_state.values())
+
+
+def test_hf_name_examples() -> None:
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
+    assert hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    assert hf_name("blk.3.ffn_gate.weight") == "model.layers.3.mlp.gate_proj.weight"
+    assert hf_name("rope_freqs.weight") is None
+    assert hf_name("blk.0.ffn_gate_exps.weight") is None
+
+
+# ---- un-permutation ----------------------------------------------------------------------
+
+
+def permute_like_llama_cpp(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The forward reordering, row by row: in each head, row i and row i + head_dim/2 of
+    the HF layout become neighbours 2i and 2i + 1."""
+    head_dim = w.shape[0] // num_heads
+    half = head_dim // 2
+    rows = []
+    for h in range(num_heads):
+        for i in range(half):
+            rows.append(w[h * head_dim + i])
+            rows.append(w[h * head_dim + half + i])
+    return torch.stack(rows)
+
+
+def test_unpermute_undoes_permute() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3 * 8, 5, generator=g)  # 3 heads of head_dim 8
+    permuted = permute_like_llama_cpp(w, 3)
+    assert not torch.equal(permuted, w)
+    assert torch.equal(permuted[:4, 0], w[[0, 4, 1, 5], 0])
+    assert torch.equal(unpermute_rows(permuted, 3), w)
+    assert not torch.equal(unpermute_rows(w, 3), w)
+    bias = torch.randn(3 * 8, generator=g)
+    assert torch.equal(unpermute_rows(permute_like_llama_cpp(bias, 3), 3), bias)
+    with pytest.raises(ValueError, match="heads of even size"):
+        unpermute_rows(torch.zeros(9, 2), 3)
+
+
+def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:
+    w = gguf.GGUFWriter(path, arch)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_only_llama_is_unpermuted_and_unknown_names_pass_through(tmp_path: Path, arch: str) -> None:
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2 * 4, 6)).astype(np.float32)  # 2 heads, head_dim 4
+    k = rng.standard_normal((1 * 4, 6)).astype(np.float32)  # 1 kv head
+    qb = rng.standard_normal(2 * 4).astype(np.float32)
+    v = rng.standard_normal((4, 6)).astype(np.float32)
+    freqs = np.ones(2, np.float32)
+    path = tmp_path / f"{arch}.gguf"
+    _write_gguf(path, arch, {"blk.0.attn_q.weight": q, "blk.0.attn_q.bias": qb, "blk.0.attn_k.weight": k,
+                             "blk.0.attn_v.weight": v, "rope_freqs.weight": freqs})
+    out = dict(iter_hf_weights(GGUFFile(path), num_heads=2, num_kv_heads=1))
+    assert set(out) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+                        "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+                        "rope_freqs.weight"}
+    t = torch.from_numpy
+    if arch == "llama":
+        assert torch.equal(permute_like_llama_cpp(out["model.layers.0.self_attn.q_proj.weight"], 2), t(q))
+        assert torch.equal(permute_like_llama_cpp(out["model.layers.0.self_attn.q_proj.bias"], 2), t(qb))
+        assert torch.equal(permute_like_llama_cpp(out["model.layers.0.self_attn.k_proj.weight"], 1), t(k))
+    else:
+        assert torch.equal(out["model.layers.0.self_attn.q_proj.weight"], t(q))
+        assert torch.equal(out["model.layers.0.self_attn.k_proj.weight"], t(k))
+    assert torch.equal(out["model.layers.0.self_attn.v_proj.weight"], t(v))
+    assert torch.equal(out["rope_freqs.weight"], t(freqs))
+
+
+@pytest.mark.slow
+def test_matches_transformers_gguf_loading(ember_state: dict[str, torch.Tensor], hf_state: dict[str, torch.Tensor]) -> None:
+    assert set(hf_state) - {"lm_head.weight"} == set(ember_state)  # HF ties lm_head to the embedding
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.embed_tokens.weight", "model.layers.7.mlp.down_proj.weight", "model.norm.weight",
+                 "model.layers.7.post_attention_layernorm.weight"]:
+        assert torch.equal(ember_state[name], hf_state[name]), name
+    mismatched = [name for name, t in ember_state.items() if not torch.equal(t, hf_state[name])]
+    assert mismatched == []
+
+
+# ---- bad files ---------------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no such file: .*nowhere\.gguf.*default_model"):
+        GGUFFile(tmp_path / "nowhere.gguf")
+
+
+def test_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a file"):
+        GGUFFile(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, I am a text file\n", b"GGU"], ids=["empty", "text", "short"])
+def test_not_a_gguf_file(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"model\.gguf is not a GGUF file: it starts with"):
+        GGUFFile(path)
+
+
+def test_truncated_to_half(tmp_path: Path, model_path: Path) -> None:
+    path = tmp_path / "half.gguf"
+    size = model_path.stat().st_size
+    with open(model_path, "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read(size // 2))
+    with pytest.raises(ValueError, match=r"half\.gguf .*truncated or corrupt.*again"):
+        GGUFFile(path)
+
+
+def test_truncated_inside_the_header(tmp_path: Path, model_path: Path) -> None:
+    path = tmp_path / "head.gguf"
+    with open(model_path, "rb") as src:
+        path.write_bytes(src.read(100_000))  # metadata cut in the middle of the vocabulary
+    with pytest.raises(ValueError, match=r"head\.gguf .*truncated or corrupt"):
+        GGUFFile(path)
+
+
+@pytest.mark.parametrize("version", [b"", b"\x03\x00\x00\x00"], ids=["garbage", "v3-then-garbage"])
+def test_magic_then_garbage(tmp_path: Path, version: bytes) -> None:
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"GGUF" + version + np.random.default_rng(1).bytes(4096))
+    with pytest.raises(ValueError, match=r"garbage\.gguf .*truncated or corrupt"):
+        GGUFFile(path)
