@@ -37,3 +37,29 @@ def hf_model(gguf_path):
 def hf_tokenizer(gguf_path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+def _forward_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits at every position of each prompt, all prompts in one ember forward."""
+    from ember.request import Request
+    from ember.sampling_params import SamplingParams
+    from ember.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+
+    core = llm.engine
+    reqs = [Request(f"logits-{i}", ids, SamplingParams(max_tokens=1)) for i, ids in enumerate(prompts)]
+    for r in reqs:
+        r.block_ids = core.block_pool.allocate(core.scheduler.blocks_for(r.num_tokens))
+    try:
+        plan = SchedulerOutput([ScheduledChunk(r, r.num_tokens) for r in reqs])
+        input_ids, positions, meta, _, _ = core.runner._prepare(plan)
+        with torch.inference_mode():
+            logits = core.runner.model.compute_logits(core.runner.model(input_ids, positions, meta))
+    finally:
+        for r in reqs:
+            core.block_pool.free(r.block_ids)
+    return list(logits.split([len(p) for p in prompts]))
+
+
+@pytest.fixture(scope="session")
+def forward_logits():
+    return _forward_logits

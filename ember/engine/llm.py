@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
@@ -31,13 +32,11 @@ class LLM:
         self._ids = itertools.count()
 
     def _load_tokenizer(self) -> Tokenizer | None:
-        try:
-            return load_tokenizer(self.config.model)
-        except ValueError:
-            if self.config.load_format != "dummy":
-                raise
-            logger.warning("no tokenizer for %s: dummy model runs on prompt_token_ids only", self.config.model)
+        path = Path(self.config.model)
+        if path.is_dir() and not (path / "tokenizer.json").is_file():
+            logger.warning("%s has no tokenizer.json: ember takes {'prompt_token_ids': [...]} prompts only", path)
             return None
+        return load_tokenizer(path)
 
     # -- public API -----------------------------------------------------------------------
 

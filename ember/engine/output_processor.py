@@ -27,7 +27,8 @@ class OutputProcessor:
     def add_request(self, request: Request) -> None:
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.sampling_params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, request.sampling_params.skip_special_tokens,
+                                           request.prompt_token_ids)
         self.states[request.request_id] = _RequestState(request, detok)
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
@@ -39,6 +40,8 @@ class OutputProcessor:
             if state.detokenizer is not None and state.stop_reason is None:
                 searched = len(state.text)
                 state.text += state.detokenizer.add(out.new_token_ids)
+                if out.finished:
+                    state.text += state.detokenizer.flush()  # a tail that ends mid-character
                 if not out.finished and self._check_stop_strings(state, searched):
                     stopped.append((out.request.request_id, state.stop_reason))
             results.append(self._make_output(state, finished=out.finished or state.stop_reason is not None))

@@ -16,6 +16,8 @@ The `gguf` package is imported lazily so that `import ember` needs torch alone.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import re
 from collections.abc import Iterator
@@ -391,3 +393,16 @@ def iter_hf_weights(f: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[
         elif unpermute and ".self_attn.k_proj." in name:
             w = unpermute_rows(w, num_kv_heads)
         yield name, w
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """A GGUFFile, opened once per file version: the config, the tokenizer and the weights
+    all read the same file, and parsing its metadata costs seconds."""
+    p = Path(path).expanduser().resolve()
+    stat = p.stat() if p.exists() else None
+    return _open_cached(p, stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)

@@ -41,9 +41,9 @@ class ModelFiles:
         return iter_safetensors(self.path)
 
     def _gguf(self):
-        from ember.loader.gguf import GGUFFile
+        from ember.loader.gguf import open_gguf
 
-        return GGUFFile(self.path)
+        return open_gguf(self.path)
 
 
 def locate_model(model: str | None, load_format: str) -> ModelFiles:

@@ -208,10 +208,9 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 def _gguf_metadata(path: Path) -> dict[str, Any]:
     """The `tokenizer.*` keys of a GGUF file, as Python values."""
-    from gguf import GGUFReader  # lazy: `import ember` needs torch alone
+    from ember.loader.gguf import open_gguf
 
-    reader = GGUFReader(path)
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    return {k: v for k, v in open_gguf(path).metadata.items() if k.startswith("tokenizer.")}
 
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types

@@ -30,31 +30,12 @@ def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
     return tokens
 
 
-def test_one_forward_logits_match_hf(llm, hf_model):
+def test_one_forward_logits_match_hf(llm, hf_model, forward_logits):
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in RAW_PROMPTS]
-    # all four prompts in one ember forward; logits at every prompt position
-    from ember.request import Request
-    from ember.scheduler.scheduler import ScheduledChunk, SchedulerOutput
-
-    core = llm.engine
-    reqs = [Request(f"logits-{i}", ids, SamplingParams(max_tokens=1)) for i, ids in enumerate(prompts)]
-    for r in reqs:
-        r.block_ids = core.block_pool.allocate(core.scheduler.blocks_for(r.num_tokens))
-    try:
-        plan = SchedulerOutput([ScheduledChunk(r, r.num_tokens) for r in reqs])
-        input_ids, positions, meta, _, _ = core.runner._prepare(plan)
-        with torch.inference_mode():
-            logits = core.runner.model.compute_logits(core.runner.model(input_ids, positions, meta))
-    finally:
-        for r in reqs:
-            core.block_pool.free(r.block_ids)
-    start = 0
-    for ids in prompts:
+    for ids, ours in zip(prompts, forward_logits(llm, prompts)):  # all four in one forward
         with torch.no_grad():
             ref = hf_model(torch.tensor([ids])).logits[0].float()
-        ours = logits[start:start + len(ids)]
-        start += len(ids)
         rel = (ours - ref).abs().max() / ref.abs().max()
         assert rel < 1e-4, f"relative error {rel:.2e}"
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
