@@ -6,13 +6,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# one dict per token: the sampled (or prompt) token and the top-N alternatives
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
-    logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -26,4 +38,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first token
     num_cached_tokens: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ class Request:
     sampling_params: SamplingParams
     prompt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower runs first under the "priority" policy (vLLM's convention)
+    parent: Request | None = None  # set on the samples 1..n-1 forked from a request with n > 1
+    index: int = 0  # which of the parent's n samples this is
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -55,6 +59,30 @@ class Request:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
+
+    @property
+    def num_samples_to_draw(self) -> int:
+        """Tokens its next sampling step draws: all n first tokens at once (it then forks
+        into n requests, each a running slot), one after that."""
+        return self.sampling_params.n if not self.output_token_ids else 1
+
+    def child_id(self, index: int) -> str:
+        return f"{self.request_id}#{index}"
+
+    def fork(self, index: int, token_id: int) -> Request:
+        """Sample `index` of this request's n: the same prompt and computed tokens, its own
+        first token. The caller gives it its blocks."""
+        params = dataclasses.replace(self.sampling_params, n=1)
+        if params.seed is not None:
+            params.seed += index
+        child = Request(self.child_id(index), self.prompt_token_ids, params, prompt=self.prompt,
+                        eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
+                        priority=self.priority, parent=self, index=index)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.first_scheduled_time = self.first_scheduled_time
+        child.append_token(token_id)
+        return child
 
     def append_token(self, token_id: int) -> None:
         if not self.output_token_ids:

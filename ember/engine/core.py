@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from ember.config import EngineConfig
 from ember.request import Request, RequestStatus
-from ember.runner.model_runner import ModelRunner
+from ember.runner.model_runner import ModelRunner, ModelRunnerOutput, PromptLogprobs
+from ember.runner.sampler import TokenLogprobs
 from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.scheduler import Scheduler
 
@@ -18,6 +19,8 @@ class EngineCoreOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    logprobs: list[TokenLogprobs] | None = None  # one per new token
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class EngineCore:
@@ -26,14 +29,14 @@ class EngineCore:
         self.runner = ModelRunner(config)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.scheduler = Scheduler(self.block_pool, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len)
+                                   config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None:
-            self.runner.release(request_id)
+        for req in self.scheduler.abort(request_id):
+            self.runner.release(req.request_id)
 
     def finish_request(self, request_id: str, stop_reason: str) -> None:
         """End a request that its stop string ended (found on the text, outside the core)."""
@@ -49,9 +52,16 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        sampled = self.runner.execute(plan)
-        finished = self.scheduler.update(plan, sampled)
+        result = self.runner.execute(plan)
+        stepped, finished = self.scheduler.update(plan, result.sampled)
         for req in finished:
             self.runner.release(req.request_id)
-        return [EngineCoreOutput(c.request, [sampled[c.request.request_id]], c.request.status.is_finished)
-                for c in plan.chunks if c.request.request_id in sampled]
+        return [self._output(req, result) for req in stepped] + [
+            EngineCoreOutput(c.request, [], False, prompt_logprobs=result.prompt_logprobs[c.request.request_id])
+            for c in plan.chunks if c.request.request_id in result.prompt_logprobs and not c.samples]
+
+    def _output(self, req: Request, result: ModelRunnerOutput) -> EngineCoreOutput:
+        logprobs = result.logprobs.get(req.request_id)
+        return EngineCoreOutput(req, [req.output_token_ids[-1]], req.status.is_finished,
+                                [logprobs] if logprobs is not None else None,
+                                result.prompt_logprobs.get(req.request_id))

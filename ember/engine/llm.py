@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import Any, Union
@@ -41,16 +42,22 @@ class LLM:
     # -- public API -----------------------------------------------------------------------
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
-        return self._run(requests)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts: pass one per prompt")
+        requests = [self._make_request(p, sp, priority[i] if priority is not None else 0)
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
+        return self._run(requests, use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             **template_kwargs: Any) -> list[RequestOutput]:
         if not messages:
             raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -59,7 +66,7 @@ class LLM:
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """One prompt's output after every step that changed it, the last one finished."""
@@ -70,8 +77,16 @@ class LLM:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _run(self, requests: list[Request]) -> list[RequestOutput]:
-        finished = {o.request_id: o for o in self._drive(requests) if o.finished}
+    def _run(self, requests: list[Request], use_tqdm: bool = False) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _ProgressBar(len(requests)) if use_tqdm else None
+        for out in self._drive(requests):
+            if bar is not None:
+                bar.update(out)
+            if out.finished:
+                finished[out.request_id] = out
+        if bar is not None:
+            bar.close()
         return [finished[r.request_id] for r in requests]
 
     def _drive(self, requests: list[Request]) -> Iterator[RequestOutput]:
@@ -102,9 +117,7 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts: pass one, or one per prompt")
         return sampling_params
 
-    def _make_request(self, prompt: PromptType, params: SamplingParams) -> Request:
-        if params.n != 1:
-            raise ValueError("SamplingParams.n > 1 is not supported yet: pass the prompt n times")
+    def _make_request(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> Request:
         if isinstance(prompt, str):
             text, ids = prompt, self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -117,7 +130,9 @@ class LLM:
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
         if not eos and self.config.model_config.eos_token_id is not None:
             eos = frozenset([self.config.model_config.eos_token_id])
-        return Request(str(next(self._ids)), ids, params, prompt=text, eos_token_ids=eos)
+        if params.logit_bias and any(not 0 <= int(t) < self.config.model_config.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {self.config.model_config.vocab_size})")
+        return Request(str(next(self._ids)), ids, params, prompt=text, eos_token_ids=eos, priority=priority)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -136,3 +151,28 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model} has no tokenizer: pass {{'prompt_token_ids': [...]}} prompts")
         return self.tokenizer
+
+
+class _ProgressBar:
+    """tqdm over finished requests, with prompt and output tokens/s."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.seen: dict[str, int] = {}
+        self.prompt_tokens = 0
+
+    def update(self, out: RequestOutput) -> None:
+        if out.request_id not in self.seen:
+            self.prompt_tokens += len(out.prompt_token_ids)
+        self.seen[out.request_id] = sum(len(c.token_ids) for c in out.outputs)
+        elapsed = time.perf_counter() - self.start
+        self.bar.set_postfix_str(f"input: {self.prompt_tokens / elapsed:.1f} toks/s, "
+                                 f"output: {sum(self.seen.values()) / elapsed:.1f} toks/s", refresh=False)
+        if out.finished:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,76 +1,144 @@
-"""Turns the core's new tokens into RequestOutputs: incremental text, stop strings."""
+"""Turns the core's new tokens into RequestOutputs: incremental text, stop strings,
+logprobs, and the n samples of a request gathered into one output."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ember.engine.core import EngineCoreOutput
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.loader.tokenizer import Tokenizer
-from ember.outputs import CompletionOutput, RequestOutput
+from ember.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.request import Request
+from ember.runner.sampler import TokenLogprobs
 
 
 @dataclass
-class _RequestState:
+class _Sample:
+    """One of a request's n completions."""
+
     request: Request
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
-    stop_reason: str | None = None  # set when a stop string ended the request
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Group:
+    request: Request  # the request as added (sample 0)
+    samples: dict[int, _Sample] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        n = self.request.sampling_params.n
+        return len(self.samples) == n and all(s.finish_reason is not None for s in self.samples.values())
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, _RequestState] = {}
+        self.groups: dict[str, _Group] = {}
 
     def add_request(self, request: Request) -> None:
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.sampling_params.skip_special_tokens,
-                                           request.prompt_token_ids)
-        self.states[request.request_id] = _RequestState(request, detok)
+        group = _Group(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # the first prompt token has no context
+        self.groups[request.request_id] = group
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Returns the requests' outputs and the (request id, stop string) pairs that the
+        """Returns the changed requests' outputs and the (request id, stop string) pairs the
         engine must now finish."""
-        results, stopped = [], []
+        touched: dict[str, _Group] = {}
+        stopped = []
         for out in outputs:
-            state = self.states[out.request.request_id]
-            if state.detokenizer is not None and state.stop_reason is None:
-                searched = len(state.text)
-                state.text += state.detokenizer.add(out.new_token_ids)
-                if out.finished:
-                    state.text += state.detokenizer.flush()  # a tail that ends mid-character
-                if not out.finished and self._check_stop_strings(state, searched):
-                    stopped.append((out.request.request_id, state.stop_reason))
-            results.append(self._make_output(state, finished=out.finished or state.stop_reason is not None))
+            req = out.request
+            group = self.groups[req.parent.request_id if req.parent is not None else req.request_id]
+            touched[group.request.request_id] = group
+            if out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(group, out.prompt_logprobs.first_position, out.prompt_logprobs.tokens)
+            if not out.new_token_ids:
+                continue
+            sample = group.samples.get(req.index) or self._new_sample(group, req)
+            if sample.finish_reason is not None:
+                continue
+            if out.logprobs is not None:
+                self._add_logprobs(sample, out.logprobs)
+            if self._add_text(sample, out):
+                stopped.append((req.request_id, sample.stop_reason))
+            elif out.finished:
+                sample.finish_reason, sample.stop_reason = req.finish_reason, req.stop_reason
+        results = [self._make_output(g) for g in touched.values()]
+        for g in touched.values():
+            if g.finished:
+                del self.groups[g.request.request_id]
         return results, stopped
 
-    def _check_stop_strings(self, state: _RequestState, searched: int) -> bool:
-        """Look for a stop string that ends in the new text (the first `searched` chars held none)."""
-        params = state.request.sampling_params
-        if not params.stop or len(state.request.output_token_ids) < params.min_tokens:
+    def abort(self, request_id: str) -> None:
+        self.groups.pop(request_id, None)
+
+    def _new_sample(self, group: _Group, req: Request) -> _Sample:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params.skip_special_tokens,
+                                           req.prompt_token_ids)
+        sample = _Sample(req, detok)
+        if req.sampling_params.logprobs is not None:
+            sample.logprobs, sample.cumulative_logprob = [], 0.0
+        group.samples[req.index] = sample
+        return sample
+
+    def _add_text(self, sample: _Sample, out: EngineCoreOutput) -> bool:
+        """Append the new text; True when a stop string ended the sample here."""
+        if sample.detokenizer is None:
             return False
-        for stop in params.stop:
-            at = state.text.find(stop, max(0, searched - len(stop) + 1))
+        searched = len(sample.text)
+        sample.text += sample.detokenizer.add(out.new_token_ids)
+        if out.finished:
+            sample.text += sample.detokenizer.flush()  # a tail that ends mid-character
+            return False
+        params = sample.request.sampling_params
+        if not params.stop or len(sample.request.output_token_ids) < params.min_tokens:
+            return False
+        for stop in params.stop:  # only a stop string that ends in the new text
+            at = sample.text.find(stop, max(0, searched - len(stop) + 1))
             if at != -1:
-                state.text = state.text[: at + len(stop) if params.include_stop_str_in_output else at]
-                state.stop_reason = stop
+                sample.text = sample.text[: at + len(stop) if params.include_stop_str_in_output else at]
+                sample.finish_reason, sample.stop_reason = "stop", stop
                 return True
         return False
 
-    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
-        req = state.request
-        reason = "stop" if state.stop_reason is not None else req.finish_reason
-        completion = CompletionOutput(
-            index=0, text=state.text, token_ids=list(req.output_token_ids),
-            finish_reason=reason if finished else None,
-            stop_reason=state.stop_reason if state.stop_reason is not None else req.stop_reason,
-        )
-        if finished:
-            del self.states[req.request_id]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished)
+    def _add_logprobs(self, sample: _Sample, tokens: list[TokenLogprobs]) -> None:
+        for t in tokens:
+            sample.logprobs.append(self._logprob_dict(t))
+            sample.cumulative_logprob += t.logprob
 
-    def abort(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+    def _add_prompt_logprobs(self, group: _Group, first_position: int, tokens: list[TokenLogprobs]) -> None:
+        # a preempted request recomputes its prompt: keep only positions not seen yet
+        for position, t in enumerate(tokens, start=first_position):
+            if position == len(group.prompt_logprobs):
+                group.prompt_logprobs.append(self._logprob_dict(t))
+
+    def _logprob_dict(self, t: TokenLogprobs) -> dict[int, Logprob]:
+        entries = {t.token_id: Logprob(t.logprob, t.rank, self._decode(t.token_id))}
+        for rank, (tid, lp) in enumerate(zip(t.top_ids, t.top_logprobs), start=1):
+            entries.setdefault(tid, Logprob(lp, rank, self._decode(tid)))
+        return entries
+
+    def _decode(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        req = group.request
+        completions = [
+            CompletionOutput(index=i, text=s.text, token_ids=list(s.request.output_token_ids),
+                             cumulative_logprob=s.cumulative_logprob,
+                             logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                             finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+            for i, s in sorted(group.samples.items())
+        ]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, group.finished,
+                             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None)

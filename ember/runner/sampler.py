@@ -1,42 +1,156 @@
-"""Batched sampling with per-request parameters."""
+"""Batched sampling with per-request parameters, one row of logits per sampled token.
+
+Order, as in vLLM: logit_bias and min_tokens, then penalties (repetition over prompt and
+output, frequency and presence over the output), then greedy argmax or temperature,
+top-k, top-p, min-p and a draw. Logprobs are those of the raw logits.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ember.sampling_params import SamplingParams
 
 
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None  # a seeded request's own: its draws ignore the batch
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_ids: frozenset[int]
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and rank, and the top-N alternatives (descending)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
-        self.generator: torch.Generator | None = None
         self.seed = seed
+        self.generator: torch.Generator | None = None  # for rows without a seed
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """logits: [num_rows, vocab] float32, one row per sampled request."""
-        greedy = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy.tolist()
-        if self.generator is None or self.generator.device != logits.device:
-            self.generator = torch.Generator(device=logits.device).manual_seed(self.seed)
-        out = greedy.tolist()
-        for i, p in enumerate(params):
-            if not p.greedy:
-                probs = _probs(logits[i], p)
-                out[i] = int(torch.multinomial(probs, 1, generator=generators[i] or self.generator))
-        return out
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [len(rows), vocab] float32."""
+        raw = logits
+        logits = _apply_bias_and_min_tokens(logits, rows)
+        logits = _apply_penalties(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            probs = _probs(logits[idx], [rows[i].params for i in sampled])
+            tokens[idx] = self._draw(probs, [rows[i].generator for i in sampled])
+        token_list = tokens.tolist()
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if want:
+            for i, lp in zip(want, token_logprobs(raw[want], tokens[want], [rows[i].params.logprobs for i in want])):
+                logprobs[i] = lp
+        return SamplerOutput(token_list, logprobs)
+
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row by the exponential race: argmax(p / q), q ~ Exp(1)."""
+        if self.generator is None or self.generator.device != probs.device:
+            self.generator = torch.Generator(device=probs.device).manual_seed(self.seed)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                q[i].exponential_(generator=g)
+        return (probs / q).argmax(dim=-1)
 
 
-def _probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    row = row / p.temperature
-    if p.top_k > 0:
-        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-        probs = probs.scatter(0, order[drop], 0.0)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> list[TokenLogprobs]:
+    """log_softmax of each row; the given token's logprob and rank, and the top-N."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
+    ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
+    k = max(top_n)
+    top = lp.topk(k, dim=-1) if k > 0 else None
+    out = []
+    for i, n in enumerate(top_n):
+        out.append(TokenLogprobs(
+            int(tokens[i]), float(chosen[i]), int(ranks[i]),
+            top.indices[i, :n].tolist() if top is not None else [],
+            top.values[i, :n].tolist() if top is not None else [],
+        ))
+    return out
+
+
+def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    edits = [(i, r) for i, r in enumerate(rows)
+             if r.params.logit_bias or len(r.output_ids) < r.params.min_tokens]
+    if not edits:
+        return logits
+    logits = logits.clone()
+    for i, r in edits:
+        for token, bias in (r.params.logit_bias or {}).items():
+            logits[i, int(token)] += bias
+        if len(r.output_ids) < r.params.min_tokens:  # nothing may end the request yet
+            banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_ids))
+            if banned:
+                logits[i, list(banned)] = float("-inf")
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def used(p: SamplingParams) -> bool:
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+    if not any(used(r.params) for r in rows):
+        return logits
+    num_rows, vocab = logits.shape
+    dev = logits.device
+    counts = torch.zeros(num_rows, vocab + 1, device=dev)  # column `vocab` takes the padding
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=dev)
+    for i, r in enumerate(rows):
+        if used(r.params):
+            if r.output_ids:
+                counts[i].index_add_(0, torch.tensor(r.output_ids, device=dev), torch.ones(len(r.output_ids), device=dev))
+            seen[i, r.prompt_ids + r.output_ids] = True
+    counts, seen = counts[:, :vocab], seen[:, :vocab]
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+    # repetition (HF / CTRL): tokens seen in prompt or output shrink toward "less likely"
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    # frequency and presence (OpenAI): over the generated tokens only
+    return logits - freq * counts - pres * (counts > 0).float()
+
+
+def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    logits = logits / temperature
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cut = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # top-p keeps the smallest head whose mass reaches top_p; the first token always stays
+        cut = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs

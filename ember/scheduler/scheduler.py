@@ -3,8 +3,12 @@
 `max_num_seqs`. Running requests come first, then waiting ones in FCFS order. Prefill,
 chunked prefill and decode all fall out of the rule; one step mixes them.
 
-Out of blocks, the most recently admitted running request is preempted by recompute:
-its blocks are freed and it goes back to the front of the waiting queue.
+Out of blocks, the most recently admitted running request (under the "priority"
+policy: the lowest-priority one) is preempted by recompute: its blocks are freed and it
+goes back to the front of the waiting queue.
+
+A request with n > 1 samples its n first tokens from one prefill, then forks: each
+sample shares the prompt's full blocks and gets a copy of the partial last one.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +49,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.policy = policy
         self.pool = block_pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -54,12 +62,16 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._pending_copies: list[tuple[int, int]] = []
 
     # -- admission ------------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params.n > self.max_num_seqs:
+            raise ValueError(f"n={req.sampling_params.n} is more than max_num_seqs={self.max_num_seqs}: "
+                             "lower n or raise max_num_seqs")
         longest = min(req.num_prompt_tokens + (req.max_tokens or self.max_model_len), self.max_model_len)
         if self.blocks_for(longest) > self.pool.num_blocks:
             raise ValueError(
@@ -79,7 +91,8 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(block_copies=self._pending_copies)
+        self._pending_copies = []
         budget = self.max_num_batched_tokens
         for req in list(self.running):
             if budget == 0:
@@ -91,12 +104,14 @@ class Scheduler:
                 continue
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+        while self.waiting and budget > 0 and not out.preempted:
+            req = self._next_waiting()
+            if len(self.running) + req.num_samples_to_draw > self.max_num_seqs:
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_free:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self._grow(req, n)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -106,11 +121,21 @@ class Scheduler:
             budget -= n
         return out
 
+    def _next_waiting(self) -> Request:
+        if self.policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return self.waiting[0]
+
+    def _victim(self) -> Request:
+        if self.policy == "priority":
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Make room for `n` more tokens of a running request, preempting the newest running
         requests if needed. False when `req` itself had to be preempted."""
         while self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_free:
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
@@ -133,22 +158,42 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, apply stop rules.
-        Returns the requests that finished in this step (their blocks already freed)."""
-        finished = []
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> tuple[list[Request], list[Request]]:
+        """Advance computed tokens, append sampled tokens, fork n > 1 requests, apply stop
+        rules. Returns (requests that got tokens, incl. new forks; those that finished,
+        their blocks already freed)."""
+        stepped, finished = [], []
         for chunk in out.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is None:
+            tokens = sampled.get(req.request_id)
+            if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
-            req.append_token(token)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.finish(req, *reason)
-                finished.append(req)
-        return finished
+            req.append_token(tokens[0])
+            forks = [self._fork(req, i, t) for i, t in enumerate(tokens[1:], start=1)]
+            for r in [req, *forks]:
+                stepped.append(r)
+                reason = self._stop_reason(r, r.output_token_ids[-1])
+                if reason is not None:
+                    self.finish(r, *reason)
+                    finished.append(r)
+        return stepped, finished
+
+    def _fork(self, parent: Request, index: int, token: int) -> Request:
+        child = parent.fork(index, token)
+        full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        self.requests[child.request_id] = child
+        if partial and not self.pool.num_free:  # no room for its own last block: recompute later
+            child.num_computed_tokens, child.status = 0, RequestStatus.WAITING
+            self.waiting.appendleft(child)
+            return child
+        child.block_ids = parent.block_ids[:full]
+        self.pool.share(child.block_ids)
+        if partial:
+            child.block_ids = child.block_ids + self.pool.allocate(1)
+            self._pending_copies.append((parent.block_ids[full], child.block_ids[-1]))
+        self.running.append(child)
+        return child
 
     def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
         params = req.sampling_params
@@ -176,8 +221,10 @@ class Scheduler:
         req.finish(reason, stop_reason, status)
         del self.requests[req.request_id]
 
-    def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is not None:
+    def abort(self, request_id: str) -> list[Request]:
+        """Abort a request and the samples forked from it; returns those it ended."""
+        ended = [r for r in self.requests.values() if r.request_id == request_id
+                 or (r.parent is not None and r.parent.request_id == request_id)]
+        for req in ended:
             self.finish(req, "abort", status=RequestStatus.ABORTED)
-        return req
+        return ended

@@ -102,6 +102,12 @@ def cmd_chat(ns: argparse.Namespace) -> None:
         answer(user)
 
 
+def cmd_bench_throughput(ns: argparse.Namespace) -> None:
+    from ember.bench.throughput import run_throughput
+
+    run_throughput(ns, engine_args(ns))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ember", description="ember: a small LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +124,15 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks, as `vllm bench`")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    throughput = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
+    add_engine_args(throughput)
+    from ember.bench.throughput import add_throughput_args
+
+    add_throughput_args(throughput)
+    throughput.set_defaults(func=cmd_bench_throughput)
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

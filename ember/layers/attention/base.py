@@ -20,7 +20,8 @@ each other and fully to the cached prefix before them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,8 @@ class AttentionMetadata:
     # host copies, so a CPU backend plans without device syncs
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # what a backend derives once per step and reuses in every layer
+    plans: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -1,6 +1,14 @@
-"""Plain-torch paged attention: runs anywhere and is the oracle for the other backends."""
+"""Plain-torch paged attention: runs anywhere and is the oracle for the other backends.
+
+Per step it plans once (which cache slots each sequence reads, which keys each query
+may see) and every layer reuses the plan. Sequences with one new token (decode) run as
+one padded batch; each sequence with several new tokens (prefill, chunked prefill over
+a cached prefix) runs on its own.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,13 +23,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_seqs, length, kv_heads, head_dim]: each sequence's first `length` cached tokens
-    (past a sequence's own length, whatever its padded blocks hold: callers mask it)."""
-    block_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
-    return cache.view(-1, *cache.shape[2:])[slots]
+def context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[num_seqs, length]: the cache slot of each sequence's positions 0 .. length-1
+    (past a sequence's own length, whatever its padded table points at: callers mask it)."""
+    pos = torch.arange(length, device=block_tables.device)
+    return block_tables[:, pos // block_size].long() * block_size + pos % block_size
+
+
+@dataclass
+class _Group:
+    tokens: torch.Tensor | slice  # which rows of q this group answers
+    slots: torch.Tensor  # [B, L] cache slots to read
+    mask: torch.Tensor  # [B, 1, n, L] True where a query may see a key
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -29,48 +42,48 @@ class TorchReferenceBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        groups = meta.plans.get(self.name)
+        if groups is None:
+            groups = meta.plans[self.name] = _plan(meta, k_cache.shape[1])
+        if len(groups) == 1 and isinstance(groups[0].tokens, slice) and groups[0].tokens == slice(None):
+            return self._attend(q, k_cache, v_cache, groups[0], scale)  # one group covers all rows
         out = torch.empty_like(q)
-        decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        if decode:
-            self._decode(q, k_cache, v_cache, meta, decode, scale, out)
-        starts = meta.query_start_loc.tolist()
-        for i, n in enumerate(meta.query_lens_cpu):
-            if n > 1:
-                seq = slice(starts[i], starts[i] + n)
-                out[seq] = self._extend(q[seq], k_cache, v_cache, meta.block_tables[i: i + 1],
-                                        meta.seq_lens_cpu[i], scale)
+        for g in groups:
+            out[g.tokens] = self._attend(q[g.tokens], k_cache, v_cache, g, scale)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, rows: list[int], scale, out) -> None:
-        """One new token per sequence: all such sequences in one padded batch."""
-        idx = torch.tensor(rows, device=q.device)
-        token_idx = meta.query_start_loc[idx].long()
-        lens = meta.seq_lens[idx]
-        max_len = max(meta.seq_lens_cpu[i] for i in rows)
-        keys = gather_context(k_cache, meta.block_tables[idx], max_len)
-        values = gather_context(v_cache, meta.block_tables[idx], max_len)
-        valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, L]
-        o = _sdpa(q[token_idx].unsqueeze(1), keys, values, valid[:, None, None, :], scale)
-        out[token_idx] = o.squeeze(1)
-
-    def _extend(self, q, k_cache, v_cache, block_table, seq_len: int, scale) -> torch.Tensor:
-        """n new tokens of one sequence: causal among themselves, full over the cached prefix."""
-        n = q.shape[0]
-        keys = gather_context(k_cache, block_table, seq_len)
-        values = gather_context(v_cache, block_table, seq_len)
-        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
-        return _sdpa(q.unsqueeze(0), keys, values, mask[None, None], scale).squeeze(0)
+    @staticmethod
+    def _attend(q, k_cache, v_cache, g: _Group, scale: float) -> torch.Tensor:
+        """q rows of B sequences: [B * n, H, D] -> [B * n, H, D]."""
+        batch, n = g.slots.shape[0], g.mask.shape[2]
+        keys = k_cache.view(-1, *k_cache.shape[2:])[g.slots]  # [B, L, Hkv, D]
+        values = v_cache.view(-1, *v_cache.shape[2:])[g.slots]
+        o = F.scaled_dot_product_attention(
+            q.view(batch, n, *q.shape[1:]).transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype), attn_mask=g.mask, scale=scale, enable_gqa=True,
+        )
+        return o.transpose(1, 2).reshape(q.shape)
 
 
-def _sdpa(q, k, v, mask, scale) -> torch.Tensor:
-    """q: [B, n, H, D], k/v: [B, L, Hkv, D], mask broadcastable to [B, H, n, L] -> [B, n, H, D]."""
-    group = q.shape[2] // k.shape[2]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask, scale=scale,
-    )
-    return o.transpose(1, 2)
+def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
+    device = meta.block_tables.device
+    groups = []
+    decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+    if decode:
+        longest = max(meta.seq_lens_cpu[i] for i in decode)
+        if len(decode) == meta.num_seqs:
+            rows, tables, lens = slice(None), meta.block_tables, meta.seq_lens
+        else:
+            idx = torch.tensor(decode, device=device)
+            rows, tables, lens = meta.query_start_loc[idx].long(), meta.block_tables[idx], meta.seq_lens[idx]
+        valid = torch.arange(longest, device=device)[None, :] < lens[:, None]  # [B, L]
+        groups.append(_Group(rows, context_slots(tables, longest, block_size), valid[:, None, None, :]))
+    starts = meta.query_start_loc.tolist()
+    for i, n in enumerate(meta.query_lens_cpu):
+        if n > 1:  # causal among the n new tokens, full over the cached prefix before them
+            length = meta.seq_lens_cpu[i]
+            q_pos = torch.arange(length - n, length, device=device)
+            mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]  # [n, L]
+            groups.append(_Group(slice(starts[i], starts[i] + n),
+                                 context_slots(meta.block_tables[i:i + 1], length, block_size), mask[None, None]))
+    return groups

@@ -1,0 +1,220 @@
+"""`ember bench throughput`: offline throughput on random prompts, as `vllm bench throughput`
+measures it with its random dataset.
+
+All prompts go to one `LLM.generate` call with `SamplingParams(n=1, temperature=1.0,
+top_p=1.0, ignore_eos=True, max_tokens=output_len)`; only that call is timed, after the model
+is loaded and a tiny warm-up generate has paid the one-time costs. `--compare hf` then runs
+the same prompts through HF transformers (see hf_baseline.py) in the same process.
+
+The printed report and the `--output-json` file are both made from one dict:
+
+    {"config": {...flags}, "engine": {...resolved}, "date": ISO, "machine": {...},
+     "results": {"ember": {...}, "hf": {...}, "ember_over_hf_output_tok_s": R}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RandomRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    label: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.elapsed_s
+        return asdict(self) | {
+            "requests_per_s": self.num_requests / t,
+            "total_tokens_per_s": (self.prompt_tokens + self.output_tokens) / t,
+            "output_tokens_per_s": self.output_tokens / t,
+        }
+
+
+# -- flags --------------------------------------------------------------------------------
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    """The workload flags (vLLM's random dataset); `--seed` comes with the engine flags and
+    seeds both the dataset and the engine, as in vLLM."""
+    parser.add_argument("--input-len", type=int, default=64, help="prompt tokens per request (mean)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (mean)")
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]; 0 <= r < 1")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--compare", choices=["hf"], default=None,
+                        help="also run the same workload through HF transformers' generate")
+    parser.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--hf-batch-size", type=int, default=None, help="static batch size (default: all prompts)")
+    parser.add_argument("--output-json", default=None, help="write the config, machine and results here")
+
+
+# -- the random dataset -------------------------------------------------------------------
+
+
+def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
+                    vocab_size: int, special_ids: Sequence[int], seed: int) -> list[RandomRequest]:
+    """vLLM's random dataset, kept as token ids (no decode/re-encode round trip).
+
+    Lengths are integers drawn uniformly from [floor(len*(1-r)), ceil(len*(1+r))] (output at
+    least 1). Prompt i is a run of consecutive allowed ids from a random offset:
+    allowed[(offset_i + i + arange(input_len_i)) % len(allowed)], special ids left out.
+    """
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1); got {range_ratio}")
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1; got {num_prompts}")
+    rng = np.random.default_rng(seed)
+    in_lo, in_hi = math.floor(input_len * (1 - range_ratio)), math.ceil(input_len * (1 + range_ratio))
+    out_lo, out_hi = max(1, math.floor(output_len * (1 - range_ratio))), max(1, math.ceil(output_len * (1 + range_ratio)))
+    if in_lo < 1:
+        raise ValueError(f"--input-len {input_len} with --range-ratio {range_ratio} allows empty prompts: "
+                         "raise --input-len or lower --range-ratio")
+    input_lens = rng.integers(in_lo, in_hi + 1, size=num_prompts)
+    output_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
+    offsets = rng.integers(0, vocab_size, size=num_prompts)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=np.int64))
+    return [
+        RandomRequest(allowed[(offsets[i] + i + np.arange(input_lens[i])) % len(allowed)].tolist(), int(output_lens[i]))
+        for i in range(num_prompts)
+    ]
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+def bench_ember(llm: Any, requests: list[RandomRequest]) -> ThroughputResult:
+    from ember.sampling_params import SamplingParams
+
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens)
+
+    llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:4]}], params(2))  # warm-up
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, [params(r.output_len) for r in requests])
+    elapsed = time.perf_counter() - start
+    cfg = llm.config
+    return ThroughputResult(
+        label=f"ember ({Path(cfg.model).name}, {cfg.dtype}, {cfg.device})",
+        num_requests=len(outputs),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+        output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
+        elapsed_s=elapsed,
+    )
+
+
+def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Run the benchmark the flags describe; print the report, write it if asked, return it."""
+    from ember import LLM
+
+    llm = LLM(**engine_kwargs)
+    cfg = llm.config
+    tok = llm.tokenizer
+    vocab = min(tok.vocab_size, cfg.model_config.vocab_size) if tok else cfg.model_config.vocab_size
+    requests = random_requests(ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio, vocab,
+                               tok.all_special_ids if tok else [], ns.seed)
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    if longest > cfg.max_model_len:
+        raise ValueError(f"a request needs up to {longest} tokens (prompt + output) but max_model_len is "
+                         f"{cfg.max_model_len}: lower --input-len/--output-len or raise --max-model-len")
+
+    report: dict[str, Any] = {
+        "config": {k: v for k, v in vars(ns).items() if k != "func"},
+        "engine": {k: getattr(cfg, k) for k in ("model", "load_format", "dtype", "device", "max_model_len",
+                                                 "block_size", "num_kv_blocks", "max_num_seqs",
+                                                 "max_num_batched_tokens")},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(cfg.device),
+        "results": {"ember": bench_ember(llm, requests).to_dict()},
+    }
+    if ns.compare == "hf":
+        if cfg.load_format == "dummy":
+            raise ValueError("--compare hf needs real weights: drop --load-format dummy")
+        model_path = cfg.model
+        del llm, cfg  # free ember's weights and KV cache before HF loads its copy
+        gc.collect()
+        from ember.bench.hf_baseline import bench_hf
+
+        hf = bench_hf(model_path, requests, dtype=ns.hf_dtype, batch_size=ns.hf_batch_size or len(requests),
+                      seed=ns.seed).to_dict()
+        results = report["results"]
+        results["hf"] = hf
+        results["ember_over_hf_output_tok_s"] = results["ember"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
+
+    print(format_report(report))
+    if ns.output_json:
+        path = Path(ns.output_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+# -- reporting ----------------------------------------------------------------------------
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """vLLM's three lines per engine, then the ratio when there is a baseline."""
+    lines = []
+    results = report["results"]
+    for name in ("ember", "hf"):
+        if name in results:
+            r = results[name]
+            lines += [
+                f"== {r['label']} ==",
+                f"Throughput: {r['requests_per_s']:.2f} requests/s, {r['total_tokens_per_s']:.2f} total tokens/s, "
+                f"{r['output_tokens_per_s']:.2f} output tokens/s",
+                f"Total num prompt tokens:  {r['prompt_tokens']}",
+                f"Total num output tokens:  {r['output_tokens']}",
+            ]
+    if "ember_over_hf_output_tok_s" in results:
+        lines.append(f"ember/hf output tok/s = {results['ember_over_hf_output_tok_s']:.2f}")
+    return "\n".join(lines)
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

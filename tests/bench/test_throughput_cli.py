@@ -1,0 +1,66 @@
+"""`ember bench throughput` run in-process through `ember.server.cli.main` on a tiny workload
+with the real SmolLM2 model, and the random dataset on its own. (`--compare hf` is run by
+hand: too slow for the suite.)"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from ember.bench.throughput import random_requests
+from ember.server.cli import main
+
+TINY = ["bench", "throughput", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+        "--num-kv-blocks", "64", "--max-model-len", "128"]
+THROUGHPUT_LINE = re.compile(
+    r"^Throughput: \d+\.\d{2} requests/s, \d+\.\d{2} total tokens/s, \d+\.\d{2} output tokens/s$", re.M
+)
+
+
+def totals(out: str) -> tuple[int, int]:
+    prompt = re.search(r"^Total num prompt tokens:  (\d+)$", out, re.M)
+    output = re.search(r"^Total num output tokens:  (\d+)$", out, re.M)
+    assert prompt and output, out
+    return int(prompt.group(1)), int(output.group(1))
+
+
+def test_fixed_lengths_and_json(gguf_path, tmp_path, capsys):
+    path = tmp_path / "out" / "tp.json"
+    main([*TINY, str(gguf_path), "--output-json", str(path)])
+    out = capsys.readouterr().out
+    assert len(THROUGHPUT_LINE.findall(out)) == 1, out
+    assert totals(out) == (24, 12)  # 3 x 8 prompt tokens, 3 x 4 output tokens (ignore_eos)
+
+    report = json.loads(path.read_text())
+    assert set(report) == {"config", "engine", "date", "machine", "results"}
+    assert report["config"]["num_prompts"] == 3 and report["config"]["input_len"] == 8
+    assert report["engine"]["max_model_len"] == 128 and report["engine"]["num_kv_blocks"] == 64
+    assert {"platform", "cpu_count", "torch", "device"} <= set(report["machine"])
+    ember = report["results"]["ember"]
+    assert (ember["num_requests"], ember["prompt_tokens"], ember["output_tokens"]) == (3, 24, 12)
+    assert ember["output_tokens_per_s"] == pytest.approx(12 / ember["elapsed_s"])
+    assert "hf" not in report["results"]
+
+
+def test_range_ratio_is_seeded(gguf_path, capsys):
+    main([*TINY, str(gguf_path), "--range-ratio", "0.5", "--seed", "1"])
+    # input lengths in [4, 12], output lengths in [2, 6]; recorded once for seed 1
+    assert totals(capsys.readouterr().out) == (26, 10)
+
+
+def test_random_requests_bounds_and_special_ids():
+    special = list(range(17))
+    reqs = random_requests(200, 64, 128, 0.25, 49152, special, seed=3)
+    assert all(48 <= len(r.prompt_token_ids) <= 80 and 96 <= r.output_len <= 160 for r in reqs)
+    assert not {t for r in reqs for t in r.prompt_token_ids} & set(special)
+    assert reqs == random_requests(200, 64, 128, 0.25, 49152, special, seed=3)
+    assert reqs != random_requests(200, 64, 128, 0.25, 49152, special, seed=4)
+    fixed = random_requests(5, 8, 4, 0.0, 49152, special, seed=0)
+    assert [(len(r.prompt_token_ids), r.output_len) for r in fixed] == [(8, 4)] * 5
+
+
+def test_bad_range_ratio_is_refused():
+    with pytest.raises(ValueError, match="range-ratio"):
+        random_requests(1, 8, 4, 1.0, 100, [], seed=0)

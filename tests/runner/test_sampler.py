@@ -1,0 +1,129 @@
+"""Each sampling parameter against a plain reference computation, on synthetic logits."""
+
+import math
+
+import pytest
+import torch
+
+from ember.runner.sampler import Sampler, SamplingRow
+from ember.sampling_params import SamplingParams
+
+VOCAB = 12
+
+
+def row(params: SamplingParams, prompt=(1, 2), output=(), eos=frozenset({0}), generator=None) -> SamplingRow:
+    return SamplingRow(params, generator, list(prompt), list(output), eos)
+
+
+def logits(*rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+L = [0.5, 2.0, -1.0, 3.0, 0.0, 1.5, -2.0, 2.5, 0.1, -0.5, 1.0, 2.9]
+
+
+def test_greedy_is_argmax():
+    # reversed L: index i holds L[11 - i]; its max 3.0 sits at 11 - 3 = 8
+    out = Sampler(0)(logits(L, L[::-1]), [row(SamplingParams(temperature=0))] * 2)
+    assert out.token_ids == [3, 8]
+
+
+def test_top_k_one_is_greedy_whatever_the_temperature():
+    rows = [row(SamplingParams(temperature=5.0, top_k=1, seed=s)) for s in range(8)]
+    assert Sampler(0)(logits(*[L] * 8), rows).token_ids == [3] * 8
+
+
+def test_top_p_keeps_the_smallest_head_reaching_p():
+    probs = torch.tensor(L).softmax(-1)
+    order = probs.argsort(descending=True)
+    # the two best tokens (3.0 and 2.9) carry less than 0.5 together; with a tiny top_p only the best stays
+    p = SamplingParams(temperature=1.0, top_p=float(probs[order[0]]) * 0.99)
+    draws = {Sampler(s)(logits(L), [row(p)]).token_ids[0] for s in range(30)}
+    assert draws == {3}
+    head = float(probs[order[0]] + probs[order[1]])
+    p = SamplingParams(temperature=1.0, top_p=head * 0.999)  # first two reach it: exactly {3, 11}
+    draws = {Sampler(s)(logits(L), [row(p)]).token_ids[0] for s in range(60)}
+    assert draws == {3, 11}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    probs = torch.tensor(L).softmax(-1)
+    # keep tokens with p >= 0.5 * p_max: logits >= 3.0 - ln 2 = 2.307 -> indices 3, 7, 11
+    p = SamplingParams(temperature=1.0, min_p=0.5)
+    draws = {Sampler(s)(logits(L), [row(p)]).token_ids[0] for s in range(80)}
+    assert draws == {i for i in range(VOCAB) if probs[i] >= 0.5 * probs.max()} == {3, 7, 11}
+
+
+def test_seeded_rows_ignore_their_batch():
+    def draw(batch_size: int, position: int) -> list[int]:
+        tokens = []
+        g = torch.Generator().manual_seed(1234)
+        for _ in range(20):
+            rows = [row(SamplingParams(temperature=1.0))] * batch_size
+            rows[position] = row(SamplingParams(temperature=1.0, seed=1234), generator=g)
+            tokens.append(Sampler(99)(logits(*[L] * batch_size), rows).token_ids[position])
+        return tokens
+
+    alone = draw(1, 0)
+    assert draw(5, 3) == alone == draw(3, 0)
+    assert len(set(alone)) > 2  # it really samples
+
+
+def test_sampling_follows_the_distribution():
+    p = SamplingParams(temperature=0.7)
+    n = 4000
+    counts = torch.zeros(VOCAB)
+    out = Sampler(0)(logits(*[L] * n), [row(p)] * n).token_ids
+    counts.index_add_(0, torch.tensor(out), torch.ones(n))
+    expected = (torch.tensor(L) / 0.7).softmax(-1)
+    assert (counts / n - expected).abs().max() < 0.03
+
+
+def test_penalties_match_reference():
+    prompt, output = [1, 2, 7], [3, 3, 5, 7]
+    p = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.25,
+                       logprobs=None)
+    ref = torch.tensor(L)
+    for t in set(prompt + output):  # repetition over prompt and output
+        ref[t] = ref[t] / 1.3 if ref[t] > 0 else ref[t] * 1.3
+    for t in set(output):  # frequency and presence over the output only
+        ref[t] -= 0.4 * output.count(t) + 0.25
+    from ember.runner import sampler as s
+
+    got = s._apply_penalties(logits(L), [row(p, prompt, output)])
+    torch.testing.assert_close(got[0], ref)
+    assert Sampler(0)(logits(L), [row(p, prompt, output)]).token_ids == [int(ref.argmax())]
+
+
+def test_penalties_leave_other_rows_alone():
+    from ember.runner import sampler as s
+
+    rows = [row(SamplingParams(temperature=0)), row(SamplingParams(temperature=0, presence_penalty=2.0), output=[3])]
+    got = s._apply_penalties(logits(L, L), rows)
+    assert torch.equal(got[0], torch.tensor(L))
+    assert got[1, 3] == L[3] - 2.0
+
+
+def test_logit_bias_and_min_tokens():
+    p = SamplingParams(temperature=0, logit_bias={6: 10.0})
+    assert Sampler(0)(logits(L), [row(p)]).token_ids == [6]  # -2 + 10 = 8 beats 3.0
+    eos_first = list(L)
+    eos_first[0] = 9.0
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
+    # before min_tokens, neither EOS (0) nor stop token 3 may come: the best other is 11
+    assert Sampler(0)(logits(eos_first), [row(p, output=[5])]).token_ids == [11]
+    assert Sampler(0)(logits(eos_first), [row(p, output=[5, 5])]).token_ids == [0]
+    p = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert Sampler(0)(logits(eos_first), [row(p, output=[5])]).token_ids == [0]
+
+
+def test_logprobs_are_raw_log_softmax_with_rank_and_top_n():
+    p = SamplingParams(temperature=0, logprobs=3, presence_penalty=2.0)
+    out = Sampler(0)(logits(L), [row(p, output=[3])])
+    lp = torch.tensor(L).log_softmax(-1)
+    t = out.logprobs[0]
+    assert t.token_id == out.token_ids[0] == 11  # the penalty moved the choice off 3 ...
+    assert math.isclose(t.logprob, float(lp[11]), rel_tol=1e-6)  # ... but logprobs are the raw ones
+    assert t.rank == 2
+    assert t.top_ids == [3, 11, 7]
+    assert t.top_logprobs == pytest.approx(lp[[3, 11, 7]].tolist(), rel=1e-6)
