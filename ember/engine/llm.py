@@ -16,6 +16,7 @@ from ember.loader.tokenizer import Tokenizer, load_tokenizer
 from ember.outputs import RequestOutput
 from ember.request import Request
 from ember.sampling_params import SamplingParams
+from ember.scheduler.scheduler import check_prompt_length
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +142,7 @@ class LLM:
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {self.config.max_model_len}, "
-                "which leaves no room for output: shorten the prompt or raise max_model_len"
-            )
+        check_prompt_length(len(ids), self.config.max_model_len)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

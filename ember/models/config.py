@@ -96,7 +96,13 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_dir(path: str | Path) -> ModelConfig:
-        return ModelConfig.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+        file = Path(path) / "config.json"
+        try:
+            return ModelConfig.from_hf_config(json.loads(file.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON ({e}): fix or replace the file") from None
+        except KeyError as e:
+            raise ValueError(f"{file} lacks the required key {e.args[0]!r}: the model's config is incomplete") from None
 
     @staticmethod
     def from_gguf_metadata(md: dict[str, Any], tensor_names: list[str]) -> ModelConfig:

@@ -72,11 +72,13 @@ class Scheduler:
         if req.sampling_params.n > self.max_num_seqs:
             raise ValueError(f"n={req.sampling_params.n} is more than max_num_seqs={self.max_num_seqs}: "
                              "lower n or raise max_num_seqs")
-        longest = min(req.num_prompt_tokens + (req.max_tokens or self.max_model_len), self.max_model_len)
+        check_prompt_length(req.num_prompt_tokens, self.max_model_len)
+        # the last sampled token never gets KV, so the longest sequence holds one less
+        longest = min(req.num_prompt_tokens + (req.max_tokens or self.max_model_len), self.max_model_len) - 1
         if self.blocks_for(longest) > self.pool.num_blocks:
             raise ValueError(
-                f"request {req.request_id!r} may reach {longest} tokens, which needs "
-                f"{self.blocks_for(longest)} KV blocks, but the whole pool has {self.pool.num_blocks}: "
+                f"request {req.request_id!r} may grow to {longest + 1} tokens, whose KV needs "
+                f"{self.blocks_for(longest)} blocks, but the whole pool has {self.pool.num_blocks}: "
                 "lower max_tokens or give the KV cache more memory (num_kv_blocks / kv_cache_memory)"
             )
         self.requests[req.request_id] = req
@@ -94,7 +96,7 @@ class Scheduler:
         out = SchedulerOutput(block_copies=self._pending_copies)
         self._pending_copies = []
         budget = self.max_num_batched_tokens
-        for req in list(self.running):
+        for req in self._by_policy(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
@@ -121,21 +123,25 @@ class Scheduler:
             budget -= n
         return out
 
-    def _next_waiting(self) -> Request:
+    def _by_policy(self, requests) -> list[Request]:
+        """Who goes first: admission order (fcfs), or priority then arrival."""
         if self.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return self.waiting[0]
+            return sorted(requests, key=lambda r: (r.priority, r.arrival_time))
+        return list(requests)
 
-    def _victim(self) -> Request:
-        if self.policy == "priority":
-            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+    def _next_waiting(self) -> Request:
+        return self._by_policy(self.waiting)[0] if self.policy == "priority" else self.waiting[0]
+
+    def _victim(self, scheduled: set[str]) -> Request:
+        """The last request in policy order that has no tokens in this step yet. Running
+        requests are walked in that order, so the victim is never one already planned."""
+        return [r for r in self._by_policy(self.running) if r.request_id not in scheduled][-1]
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Make room for `n` more tokens of a running request, preempting the newest running
         requests if needed. False when `req` itself had to be preempted."""
         while self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_free:
-            victim = self._victim()
+            victim = self._victim({c.request.request_id for c in out.chunks})
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
@@ -228,3 +234,11 @@ class Scheduler:
         for req in ended:
             self.finish(req, "abort", status=RequestStatus.ABORTED)
         return ended
+
+
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}, "
+            "which leaves no room for output: shorten the prompt or raise max_model_len"
+        )
