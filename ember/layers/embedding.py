@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.layers.linear import pack_weight, packed_linear
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -20,7 +22,16 @@ class LMHead(nn.Module):
         self.tied_to = tied_to
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """A packed copy for the matmul (a tied embedding still needs its rows for lookups)."""
+        self.packed = pack_weight(self.tied_to.weight if self.tied_to is not None else self.weight)
+        if self.tied_to is None:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(hidden, self.packed, None)
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         return F.linear(hidden, weight)

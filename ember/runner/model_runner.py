@@ -10,6 +10,7 @@ import torch
 
 from ember.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from ember.layers.attention import AttentionMetadata
+from ember.layers.linear import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.request import Request
 from ember.runner.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
@@ -47,6 +48,10 @@ class ModelRunner:
         self.model = load_model(files, mc, config.max_model_len, config.torch_dtype, config.device,
                                 config.attention_backend, config.seed)
         self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
+        if self.device.type == "cpu" and cpu_packing_supported(config.torch_dtype):
+            for module in self.model.modules():
+                if hasattr(module, "pack_for_cpu"):
+                    module.pack_for_cpu()
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
         self.num_blocks = self._num_kv_blocks()
         shape = (2, mc.num_layers, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)

@@ -65,14 +65,17 @@ class Sampler:
         return SamplerOutput(token_list, logprobs)
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One token per row by the exponential race: argmax(p / q), q ~ Exp(1)."""
+        """One token per row by inverse CDF: a single uniform number per row, so a seeded
+        row's draw depends on its own generator only."""
         if self.generator is None or self.generator.device != probs.device:
             self.generator = torch.Generator(device=probs.device).manual_seed(self.seed)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        u = torch.rand(probs.shape[0], 1, generator=self.generator, device=probs.device)
         for i, g in enumerate(generators):
             if g is not None:
-                q[i].exponential_(generator=g)
-        return (probs / q).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=g, device=probs.device)
+        cdf = probs.cumsum(dim=-1)
+        # the first token whose cumulative mass passes u: zero-probability tokens never match
+        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> list[TokenLogprobs]:

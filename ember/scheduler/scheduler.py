@@ -69,6 +69,13 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.check_request(req)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def check_request(self, req: Request) -> None:
+        """Refuse a request this engine can never serve (ValueError). Reads only fixed sizes,
+        so any thread may call it: the async front checks here before the engine loop sees it."""
         if req.sampling_params.n > self.max_num_seqs:
             raise ValueError(f"n={req.sampling_params.n} is more than max_num_seqs={self.max_num_seqs}: "
                              "lower n or raise max_num_seqs")
@@ -81,8 +88,6 @@ class Scheduler:
                 f"{self.blocks_for(longest)} blocks, but the whole pool has {self.pool.num_blocks}: "
                 "lower max_tokens or give the KV cache more memory (num_kv_blocks / kv_cache_memory)"
             )
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -23,17 +23,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """[num_seqs, length]: the cache slot of each sequence's positions 0 .. length-1
-    (past a sequence's own length, whatever its padded table points at: callers mask it)."""
-    pos = torch.arange(length, device=block_tables.device)
-    return block_tables[:, pos // block_size].long() * block_size + pos % block_size
+def context_blocks(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[num_seqs, L, kv_heads, head_dim], L >= length rounded up to whole blocks: each
+    sequence's cached tokens in order (past a sequence's own length, whatever its padded
+    table points at: callers mask it). Gathering whole blocks beats gathering tokens."""
+    block_size = cache.shape[1]
+    tables = block_tables[:, : -(-length // block_size)].long()
+    return cache[tables].flatten(1, 2)
 
 
 @dataclass
 class _Group:
     tokens: torch.Tensor | slice  # which rows of q this group answers
-    slots: torch.Tensor  # [B, L] cache slots to read
+    tables: torch.Tensor  # [B, max_blocks] the sequences' block tables
     mask: torch.Tensor  # [B, 1, n, L] True where a query may see a key
 
 
@@ -55,14 +57,15 @@ class TorchReferenceBackend(AttentionBackend):
     @staticmethod
     def _attend(q, k_cache, v_cache, g: _Group, scale: float) -> torch.Tensor:
         """q rows of B sequences: [B * n, H, D] -> [B * n, H, D]."""
-        batch, n = g.slots.shape[0], g.mask.shape[2]
-        keys = k_cache.view(-1, *k_cache.shape[2:])[g.slots]  # [B, L, Hkv, D]
-        values = v_cache.view(-1, *v_cache.shape[2:])[g.slots]
+        batch, n, length = g.tables.shape[0], g.mask.shape[2], g.mask.shape[3]
+        keys = context_blocks(k_cache, g.tables, length)  # [B, L, Hkv, D]
+        values = context_blocks(v_cache, g.tables, length)
+        # in float32: torch's CPU attention is much slower in bfloat16, and these are small
         o = F.scaled_dot_product_attention(
-            q.view(batch, n, *q.shape[1:]).transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
-            values.transpose(1, 2).to(q.dtype), attn_mask=g.mask, scale=scale, enable_gqa=True,
+            q.view(batch, n, *q.shape[1:]).transpose(1, 2).float(), keys.transpose(1, 2).float(),
+            values.transpose(1, 2).float(), attn_mask=g.mask, scale=scale, enable_gqa=True,
         )
-        return o.transpose(1, 2).reshape(q.shape)
+        return o.transpose(1, 2).reshape(q.shape).to(q.dtype)
 
 
 def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
@@ -70,20 +73,20 @@ def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
     groups = []
     decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
     if decode:
-        longest = max(meta.seq_lens_cpu[i] for i in decode)
+        longest = -(-max(meta.seq_lens_cpu[i] for i in decode) // block_size) * block_size
         if len(decode) == meta.num_seqs:
             rows, tables, lens = slice(None), meta.block_tables, meta.seq_lens
         else:
             idx = torch.tensor(decode, device=device)
             rows, tables, lens = meta.query_start_loc[idx].long(), meta.block_tables[idx], meta.seq_lens[idx]
         valid = torch.arange(longest, device=device)[None, :] < lens[:, None]  # [B, L]
-        groups.append(_Group(rows, context_slots(tables, longest, block_size), valid[:, None, None, :]))
+        groups.append(_Group(rows, tables, valid[:, None, None, :]))
     starts = meta.query_start_loc.tolist()
     for i, n in enumerate(meta.query_lens_cpu):
         if n > 1:  # causal among the n new tokens, full over the cached prefix before them
             length = meta.seq_lens_cpu[i]
+            padded = -(-length // block_size) * block_size
             q_pos = torch.arange(length - n, length, device=device)
-            mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]  # [n, L]
-            groups.append(_Group(slice(starts[i], starts[i] + n),
-                                 context_slots(meta.block_tables[i:i + 1], length, block_size), mask[None, None]))
+            mask = torch.arange(padded, device=device)[None, :] <= q_pos[:, None]  # [n, L]
+            groups.append(_Group(slice(starts[i], starts[i] + n), meta.block_tables[i:i + 1], mask[None, None]))
     return groups
