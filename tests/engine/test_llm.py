@@ -373,7 +373,7 @@ def test_eos_text_left_out_even_without_skipping_special_tokens(llm):
 
 # ---- seeded sampling ------------------------------------------------------------------------
 
-SEEDED = {1: [260, 3575, 282, 4649, 43], 2: [7042, 30, 7042, 18038, 1481]}
+SEEDED = {1: [7042, 30, 198, 504, 701], 2: [7042, 30, 1068, 1183, 28]}
 
 
 def sampled(seed: int | None, max_tokens: int = 5) -> SamplingParams:
