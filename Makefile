@@ -1,10 +1,12 @@
-# ember: two commands matter. `make test` and `make demo` (soon `make serve`) set up first.
+# ember: `make serve` (the OpenAI-compatible server), `make test`, `make demo`; each sets up first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ember-setup
 
-.PHONY: setup test demo clean
+.PHONY: setup serve test demo clean
+
+SERVE_ARGS ?=
 
 setup: $(STAMP)
 	@$(PY) -m ember.loader.default_model >/dev/null
@@ -15,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/ember serve $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest -q

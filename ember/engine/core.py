@@ -34,6 +34,10 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError for a request this engine can never serve; safe from any thread."""
+        self.scheduler.check_request(request)
+
     def abort_request(self, request_id: str) -> None:
         for req in self.scheduler.abort(request_id):
             self.runner.release(req.request_id)

@@ -5,40 +5,32 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from pathlib import Path
 from collections.abc import Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
+from ember.engine.input_processor import Conversation, InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
-from ember.loader.tokenizer import Tokenizer, load_tokenizer
+from ember.loader.tokenizer import Tokenizer
 from ember.outputs import RequestOutput
 from ember.request import Request
 from ember.sampling_params import SamplingParams
-from ember.scheduler.scheduler import check_prompt_length
 
 logger = logging.getLogger(__name__)
 
-PromptType = Union[str, dict[str, Any]]  # "text" or {"prompt_token_ids": [...]}
-Conversation = list[dict[str, Any]]
+__all__ = ["LLM", "PromptType", "Conversation"]
 
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", load_format: str = "auto",
                  **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, load_format=load_format, **engine_args).resolve()
-        self.tokenizer: Tokenizer | None = self._load_tokenizer()
+        self.tokenizer: Tokenizer | None = load_engine_tokenizer(self.config)
         self.engine = EngineCore(self.config)
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.engine.check_request)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-
-    def _load_tokenizer(self) -> Tokenizer | None:
-        path = Path(self.config.model)
-        if path.is_dir() and not (path / "tokenizer.json").is_file():
-            logger.warning("%s has no tokenizer.json: ember takes {'prompt_token_ids': [...]} prompts only", path)
-            return None
-        return load_tokenizer(path)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -62,11 +54,7 @@ class LLM:
         if not messages:
             raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        tok = self._require_tokenizer()
-        prompts = []
-        for conv in conversations:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        prompts = [self.inputs.chat_prompt(conv, add_generation_prompt, **template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -74,7 +62,7 @@ class LLM:
         yield from self._drive([self._make_request(prompt, sampling_params or SamplingParams())])
 
     def get_tokenizer(self) -> Tokenizer:
-        return self._require_tokenizer()
+        return self.inputs.require_tokenizer()
 
     # -- internals ------------------------------------------------------------------------
 
@@ -119,35 +107,7 @@ class LLM:
         return sampling_params
 
     def _make_request(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> Request:
-        if isinstance(prompt, str):
-            text, ids = prompt, self._require_tokenizer().encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            text, ids = prompt["prompt"], self._require_tokenizer().encode(prompt["prompt"])
-        else:
-            raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
-        self._check_prompt(ids)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
-        if not eos and self.config.model_config.eos_token_id is not None:
-            eos = frozenset([self.config.model_config.eos_token_id])
-        if params.logit_bias and any(not 0 <= int(t) < self.config.model_config.vocab_size for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {self.config.model_config.vocab_size})")
-        return Request(str(next(self._ids)), ids, params, prompt=text, eos_token_ids=eos, priority=priority)
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.config.model_config.vocab_size
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        check_prompt_length(len(ids), self.config.max_model_len)
-
-    def _require_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise ValueError(f"{self.config.model} has no tokenizer: pass {{'prompt_token_ids': [...]}} prompts")
-        return self.tokenizer
+        return self.inputs.make_request(str(next(self._ids)), prompt, params, priority)
 
 
 class _ProgressBar:

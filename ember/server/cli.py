@@ -1,4 +1,4 @@
-"""The `ember` command: generate, chat (serve and bench come with their issues)."""
+"""The `ember` command: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
@@ -102,6 +102,16 @@ def cmd_chat(ns: argparse.Namespace) -> None:
         answer(user)
 
 
+def cmd_serve(ns: argparse.Namespace) -> None:
+    from ember.server.openai_api import run_server
+
+    logging.getLogger("ember").setLevel(logging.INFO)
+    code = run_server(EngineConfig(**engine_args(ns)), host=ns.host, port=ns.port, api_key=ns.api_key,
+                      served_model_names=[ns.served_model_name] if ns.served_model_name else None, max_waiting_requests=ns.max_waiting_requests,
+                      shutdown_timeout=ns.shutdown_timeout, log_level=ns.uvicorn_log_level)
+    sys.exit(code)
+
+
 def cmd_bench_throughput(ns: argparse.Namespace) -> None:
     from ember.bench.throughput import run_throughput
 
@@ -125,6 +135,21 @@ def main(argv: list[str] | None = None) -> None:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients pass (default: the MODEL argument as given)")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="answer 503 + Retry-After while this many requests wait (default: no limit)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.set_defaults(func=cmd_serve)
+
     bench = sub.add_parser("bench", help="benchmarks, as `vllm bench`")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     throughput = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
@@ -143,3 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""AsyncEngine: the engine loop on its own thread, behind an asyncio front.
+
+    event loop thread                          engine thread
+    ─────────────────                          ─────────────
+    add_request(): validate, tokenize  ──┐
+      (InputProcessor; errors raise here)│ _new, _aborts (lock + condition)
+    abort(request_id)                  ──┤
+                                         └──>  take adds and aborts
+                                               EngineCore.step()
+                                               OutputProcessor: text, stop strings
+    RequestStream (deque + Event) <── call_soon_threadsafe(put) ── one output per request
+                                                                   that changed
+
+The engine thread owns EngineCore and OutputProcessor: nothing else touches them. It
+sleeps on a condition while it has nothing to do. After every pass it publishes an
+`EngineStats` snapshot (one attribute assignment, so any thread may read it), and after
+every step hands `IterationStats` to its stat loggers (Prometheus, the log line).
+
+A RequestStream yields cumulative RequestOutputs; when the consumer falls behind, the
+outputs waiting in its queue collapse into the newest (each one holds all text so far).
+Closing a stream before its request finished (a client that went away) aborts the
+request: its KV blocks are freed on the engine thread's next pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+
+from ember.config import EngineConfig
+from ember.engine.core import EngineCore, EngineCoreOutput
+from ember.engine.input_processor import InputProcessor, PromptType, load_engine_tokenizer
+from ember.engine.output_processor import OutputProcessor
+from ember.engine.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
+from ember.outputs import RequestOutput
+from ember.request import Request
+from ember.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests wait than `max_waiting_requests` allows: try again later."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down or its loop died: it takes no new request."""
+
+
+_END = object()  # ends a stream whose request was aborted or that the engine gave up on
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. `abort()` (or leaving an
+    `async with` block, or being garbage-collected) before the end aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request: Request, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self._engine = engine
+        self._loop = loop
+        self._items: deque = deque()  # RequestOutput, then maybe _END or an exception
+        self._ready = asyncio.Event()
+        self._done = False  # the consumer saw the end, or gave up
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        while not self._items:
+            self._ready.clear()
+            try:
+                await self._ready.wait()
+            except BaseException:  # cancelled: the consumer is gone
+                self.abort()
+                raise
+        item = self._items.popleft()
+        while isinstance(item, RequestOutput) and self._items and isinstance(self._items[0], RequestOutput):
+            item = self._items.popleft()  # a backlog collapses into the newest output
+        if item is _END:
+            self._done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+    def __del__(self) -> None:  # a safety net: a stream nobody reads any more frees its request
+        if not getattr(self, "_done", True):
+            try:
+                self._engine.abort(self.request_id)
+            except Exception:
+                pass
+
+    def _put(self, item) -> None:  # runs on the event loop (call_soon_threadsafe)
+        self._items.append(item)
+        self._ready.set()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
+                 stat_loggers: list[StatLogger] | None = None) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1 (or None: no limit); got {max_waiting_requests}")
+        self.config = config if config.model_config is not None else config.resolve()
+        self.max_waiting_requests = max_waiting_requests
+        self.tokenizer = load_engine_tokenizer(self.config)
+        self.core = EngineCore(self.config)
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.core.check_request)
+        self._processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.stat_loggers = list(stat_loggers or [])
+        # the engine thread's own: each request as added, and when each sample's last token came
+        self._requests: dict[str, Request] = {}
+        self._token_times: dict[str, dict[int, float]] = {}
+        # shared between the threads, under _lock
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._new: list[Request] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._accepting = True
+        self._stop = False
+        self.error: BaseException | None = None  # what killed the engine loop, if anything
+        self.stats = EngineStats(num_kv_blocks=self.core.block_pool.num_blocks)
+        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+        self._thread.start()
+
+    # -- the asyncio side -----------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stop
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Validate and queue one request; iterate the returned stream for its outputs.
+        Raises ValueError for bad input, EngineOverloadedError when too many wait, and
+        EngineStoppedError once shutting down. Call it from the event loop's thread."""
+        loop = asyncio.get_running_loop()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = self.inputs.make_request(request_id, prompt, params or SamplingParams(), priority)
+        with self._lock:
+            if not self._accepting or self.error is not None:
+                raise EngineStoppedError("the engine is shutting down" if self.error is None
+                                         else f"the engine loop died: {self.error!r}")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            waiting = self.stats.num_waiting + len(self._new)
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise EngineOverloadedError(f"{waiting} requests are waiting already "
+                                            f"(max_waiting_requests={self.max_waiting_requests}): retry later")
+            stream = RequestStream(self, req, loop)
+            self._streams[request_id] = stream
+            self._new.append(req)
+            self._wakeup.notify()
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None):
+        """add_request + iterate, as one async generator; closing it aborts the request."""
+        stream = self.add_request(prompt, params, request_id)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def current_stats(self) -> EngineStats:
+        """The last snapshot, with requests not yet handed to the scheduler counted as waiting."""
+        with self._lock:
+            stats, pending = self.stats, len(self._new)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending) if pending else stats
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed on the engine's next pass."""
+        with self._lock:
+            self._aborts.append(request_id)
+            self._wakeup.notify()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting; let in-flight requests finish for up to `timeout` s, then abort
+        what is left and stop the engine thread."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._in_flight() and self._thread.is_alive():
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.stop)
+
+    def stop(self) -> None:
+        """Abort everything and join the engine thread (blocking)."""
+        with self._lock:
+            self._accepting = False
+            self._stop = True
+            self._wakeup.notify()
+        self._thread.join()
+
+    def _in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    # -- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not (self._new or self._aborts or self._stop or self.core.has_unfinished_requests()):
+                        self._wakeup.wait()
+                    new, self._new = self._new, []
+                    aborts, self._aborts = self._aborts, []
+                    stop = self._stop
+                    if new:  # they still wait, until the step's stats say otherwise
+                        self.stats = dataclasses.replace(self.stats, num_waiting=self.stats.num_waiting + len(new))
+                for req in new:
+                    self.core.add_request(req)
+                    self._processor.add_request(req)
+                    self._requests[req.request_id] = req
+                    logger.debug("added %s (%d prompt tokens)", req.request_id, req.num_prompt_tokens)
+                for request_id in aborts:
+                    self._abort(request_id)
+                    logger.debug("aborted %s", request_id)
+                if stop:
+                    break
+                if self.core.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._publish_stats()
+        except BaseException as e:  # the loop died: fail every stream, refuse new requests
+            logger.exception("the engine loop died")
+            self.error = e
+            self._fail_all(EngineStoppedError(f"the engine loop died: {e!r}"))
+            return
+        self._fail_all(None)  # stopped: end whatever is left
+        self._publish_stats()
+
+    def _step(self) -> None:
+        preemptions = self.stats.num_preemptions
+        core_outputs = self.core.step()
+        now = time.monotonic()
+        outputs, stopped = self._processor.process(core_outputs)
+        for request_id, stop in stopped:
+            self.core.finish_request(request_id, stop)
+        self._publish_stats()  # before the outputs: a client that hears back sees fresh numbers
+        iteration = self._iteration_stats(core_outputs, outputs, now)
+        iteration.num_preemptions = self.stats.num_preemptions - preemptions
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(self.stats, iteration)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.pop(out.request_id, None) if out.finished else \
+                    self._streams.get(out.request_id)
+            if stream is not None:
+                self._send(stream, out)
+
+    def _iteration_stats(self, core_outputs: list[EngineCoreOutput], outputs: list[RequestOutput],
+                         now: float) -> IterationStats:
+        it = IterationStats()
+        for o in core_outputs:
+            if not o.new_token_ids:
+                continue
+            req = o.request
+            it.num_generation_tokens += len(o.new_token_ids)
+            times = self._token_times.setdefault(req.parent.request_id if req.parent else req.request_id, {})
+            last = times.get(req.index)
+            if last is not None:
+                it.inter_token_latencies.append(now - last)
+            elif req.parent is None:  # the request's first token (its forks share the prompt)
+                it.num_prompt_tokens += req.num_prompt_tokens
+                it.time_to_first_tokens.append(now - req.arrival_time)
+            times[req.index] = now
+        for out in outputs:
+            if not out.finished:
+                continue
+            self._token_times.pop(out.request_id, None)
+            req = self._requests.pop(out.request_id, None)
+            if req is None:
+                continue
+            scheduled = req.first_scheduled_time or now
+            first_token = req.first_token_time or now
+            it.finished.append(FinishedRequestStats(
+                finish_reason=out.outputs[0].finish_reason or "abort",
+                num_prompt_tokens=len(out.prompt_token_ids),
+                num_generation_tokens=sum(len(c.token_ids) for c in out.outputs),
+                e2e_latency=now - req.arrival_time, queue_time=scheduled - req.arrival_time,
+                prefill_time=first_token - scheduled, decode_time=now - first_token))
+        return it
+
+    def _abort(self, request_id: str) -> None:
+        self.core.abort_request(request_id)
+        self._processor.abort(request_id)
+        self._requests.pop(request_id, None)
+        self._token_times.pop(request_id, None)
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._send(stream, _END)
+
+    def _fail_all(self, error: BaseException | None) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            try:
+                self.core.abort_request(stream.request_id)
+                self._processor.abort(stream.request_id)
+            except Exception:
+                pass
+            self._send(stream, error if error is not None else _END)
+
+    @staticmethod
+    def _send(stream: RequestStream, item) -> None:
+        try:
+            stream._loop.call_soon_threadsafe(stream._put, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening
+            pass
+
+    def _publish_stats(self) -> None:
+        sched, pool = self.core.scheduler, self.core.block_pool
+        self.stats = EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_kv_blocks=pool.num_blocks,
+            num_kv_blocks_in_use=pool.num_in_use,
+            num_preemptions=sched.num_preemptions,
+        )

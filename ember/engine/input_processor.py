@@ -1,0 +1,100 @@
+"""The boundary: every check a request passes before it reaches the engine loop.
+
+Both fronts use it, the offline `LLM` and the server's `AsyncEngine`: a prompt (text,
+token ids, or chat messages) becomes a `Request` with its token ids, EOS ids and
+SamplingParams, or a ValueError whose message says what to change. Nothing here touches
+the engine's running state, so the async front calls it on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Union
+
+from ember.config import EngineConfig
+from ember.loader.tokenizer import Tokenizer, load_tokenizer
+from ember.request import Request
+from ember.sampling_params import SamplingParams
+from ember.scheduler.scheduler import check_prompt_length
+
+PromptType = Union[str, dict[str, Any]]  # "text" or {"prompt_token_ids": [...]} (+ optional "prompt")
+Conversation = list[dict[str, Any]]
+
+logger = logging.getLogger(__name__)
+
+
+def load_engine_tokenizer(config: EngineConfig) -> Tokenizer | None:
+    """The resolved model's tokenizer; None for an HF directory without tokenizer.json."""
+    path = Path(config.model)
+    if path.is_dir() and not (path / "tokenizer.json").is_file():
+        logger.warning("%s has no tokenizer.json: ember takes {'prompt_token_ids': [...]} prompts only", path)
+        return None
+    return load_tokenizer(path)
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None,
+                 check_request: Callable[[Request], None] | None = None) -> None:
+        """`check_request`: the engine's own admission check (n, KV pool size), called last."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model_config.vocab_size
+        self._check_request = check_request
+        eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
+        if not eos and config.model_config.eos_token_id is not None:
+            eos = frozenset([config.model_config.eos_token_id])
+        self.eos_token_ids: frozenset[int] = eos
+
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                     priority: int = 0) -> Request:
+        """Tokenize and check one prompt; ValueError if anything in it is invalid."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams; got {type(params).__name__}")
+        text, ids = self.tokenize_prompt(prompt)
+        self.check_prompt(ids)
+        self.check_params(params)
+        req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, priority=priority)
+        if self._check_request is not None:
+            self._check_request(req)
+        return req
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.require_tokenizer().encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.require_tokenizer().encode(prompt["prompt"])
+        raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+
+    def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> dict[str, Any]:
+        """Render one conversation with the chat template: {"prompt", "prompt_token_ids"}."""
+        if not messages:
+            raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
+        tok = self.require_tokenizer()
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        # the template already wrote any BOS: add no special tokens on top
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        check_prompt_length(len(ids), self.config.max_model_len)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        if params.logit_bias and any(not 0 <= int(t) < self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size})")
+        if any(not 0 <= int(t) < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size})")
+
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model} has no tokenizer: pass {{'prompt_token_ids': [...]}} prompts")
+        return self.tokenizer

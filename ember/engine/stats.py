@@ -1,0 +1,91 @@
+"""What the engine thread reports: a state snapshot after every pass (`EngineStats`) and
+what one step did (`IterationStats`), handed to stat loggers (Prometheus, the log line).
+
+Per-request times are those of `Request` (time.monotonic()), as vLLM defines them:
+
+    arrival ── queued ──> first scheduled ── prefill ──> first token ── decode ──> finished
+    |<──────────────── time to first token ────────────>|
+    |<─────────────────────────── end-to-end latency ──────────────────────────>|
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+logger = logging.getLogger("ember.stats")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state, published after every pass (one attribute assignment, so any
+    thread may read it)."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # in the scheduler's queue, plus those not yet handed to it
+    num_kv_blocks: int = 0
+    num_kv_blocks_in_use: int = 0
+    num_preemptions: int = 0  # since start
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_in_use / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    finish_reason: str  # "stop" | "length"
+    num_prompt_tokens: int
+    num_generation_tokens: int  # all n samples
+    e2e_latency: float
+    queue_time: float
+    prefill_time: float
+    decode_time: float
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did."""
+
+    num_prompt_tokens: int = 0  # prompts of the requests that got their first token
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    """Called on the engine thread after each step: keep it cheap, never raise."""
+
+    def record(self, stats: EngineStats, iteration: IterationStats) -> None: ...
+
+
+class LoggingStatLogger:
+    """A line in the log every `interval` seconds while the engine works: prompt and
+    generation throughput, running, waiting, KV use, preemptions."""
+
+    def __init__(self, interval: float = 5.0) -> None:
+        self.interval = interval
+        self._start = self._last = time.monotonic()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._preemptions = 0
+
+    def record(self, stats: EngineStats, iteration: IterationStats) -> None:
+        now = time.monotonic()
+        if now - self._last > self.interval:  # idle since the last step: a new window starts now
+            self._start, self._prompt_tokens, self._generation_tokens, self._preemptions = now, 0, 0, 0
+        self._last = now
+        self._prompt_tokens += iteration.num_prompt_tokens
+        self._generation_tokens += iteration.num_generation_tokens
+        self._preemptions += iteration.num_preemptions
+        if now - self._start < self.interval:
+            return
+        elapsed = now - self._start
+        logger.info("prompt: %.1f tok/s, generation: %.1f tok/s, running: %d, waiting: %d, KV cache: %.1f%%, "
+                    "preemptions: %d", self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
+                    stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, self._preemptions)
+        self._start, self._prompt_tokens, self._generation_tokens, self._preemptions = now, 0, 0, 0

@@ -1,0 +1,604 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes in front of one AsyncEngine.
+
+    POST /v1/chat/completions   POST /v1/completions     (stream or not)
+    GET  /v1/models             GET  /health (503 until the model is loaded)
+    POST /tokenize              POST /detokenize         GET /version   GET /metrics
+
+Every request is validated here (pydantic shapes, SamplingParams, chat template,
+tokenize, prompt length): bad input is refused with 400 before it reaches the engine
+thread. Errors take OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+The model loads on a background thread after the server starts listening, so /health
+can say 503 while it loads. `run_server()` is what `ember serve` calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import ember
+from ember.config import EngineConfig
+from ember.engine.async_engine import AsyncEngine, EngineOverloadedError, EngineStoppedError, RequestStream
+from ember.engine.stats import LoggingStatLogger
+from ember.outputs import CompletionOutput, Logprob, RequestOutput
+from ember.sampling_params import SamplingParams
+from ember.server import protocol as p
+from ember.server.metrics import ServerMetrics
+
+logger = logging.getLogger("ember.server")
+
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig  # resolved
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(e: Exception) -> APIError:
+    return APIError(400, str(e), param=getattr(e, "param", None))
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: AsyncEngine | None = None
+    load_error: BaseException | None = None
+    stat_loggers: list = field(default_factory=list)  # handed to the engine it loads
+    on_fatal: Callable[[], None] | None = None  # the engine could not load: stop the server
+    started: float = field(default_factory=time.time)
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            if self.load_error is not None:
+                raise APIError(503, f"the model failed to load: {self.load_error}", "server_error")
+            raise APIError(503, "the model is still loading: retry shortly", "server_error",
+                           code="loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+        if not self.engine.is_running:
+            raise APIError(503, "the engine is not running (shutting down, or its loop died)", "server_error")
+        return self.engine
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.config.served_model_names:
+            return self.config.model_name
+        raise APIError(404, f"The model `{model}` does not exist. This server serves: "
+                       f"{', '.join(self.config.served_model_names)}", param="model", code="model_not_found")
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Build the engine (runs on its own thread)."""
+        try:
+            engine = AsyncEngine(self.config.engine, self.config.max_waiting_requests, self.stat_loggers)
+        except BaseException as e:
+            logger.exception("the model failed to load")
+            self.load_error = e
+            if self.on_fatal is not None:
+                loop.call_soon_threadsafe(self.on_fatal)
+            return
+        self.engine = engine
+        logger.info("ready: %s (%d KV blocks of %d tokens, max_model_len %d)", self.config.model_name,
+                    engine.core.block_pool.num_blocks, self.config.engine.block_size, self.config.engine.max_model_len)
+
+
+# -- the app ---------------------------------------------------------------------------------
+
+
+def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAPI:
+    """The FastAPI app. With `engine` given it serves that one (already loaded); otherwise
+    it loads one from `config.engine` in the background once the server starts."""
+    state = ServerState(config, engine)
+    metrics = ServerMetrics(config.model_name, lambda: state.engine.current_stats() if state.engine else None)
+    state.stat_loggers = [LoggingStatLogger(), metrics.stat_logger]
+    if engine is not None:
+        engine.stat_loggers.extend(state.stat_loggers)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if state.engine is None:
+            loop = asyncio.get_running_loop()
+            threading.Thread(target=state.load, args=(loop,), name="ember-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            await state.engine.shutdown(config.shutdown_timeout)
+
+    app = FastAPI(title="ember", version=ember.__version__, lifespan=lifespan)
+    app.state.ember = state
+    if config.api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        state.ready_engine()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": ember.__version__}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = [p.ModelCard(id=name, root=config.engine.model, max_model_len=config.engine.max_model_len,
+                             created=int(state.started)) for name in config.served_model_names]
+        return p.ModelList(data=cards).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest) -> dict[str, Any]:
+        engine = state.ready_engine()
+        state.check_model(body.model)
+        try:
+            if (body.prompt is None) == (body.messages is None):
+                raise p.InvalidRequest("give exactly one of prompt and messages", "prompt")
+            tok = engine.inputs.require_tokenizer()
+            if body.messages is not None:
+                conv = p.ChatCompletionRequest(messages=body.messages).conversation()
+                ids = engine.inputs.chat_prompt(conv, body.add_generation_prompt)["prompt_token_ids"]
+            else:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise bad_request(e) from None
+        return {"count": len(ids), "max_model_len": config.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest) -> dict[str, Any]:
+        engine = state.ready_engine()
+        state.check_model(body.model)
+        vocab = engine.inputs.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+        try:
+            return {"prompt": engine.inputs.require_tokenizer().decode(body.tokens)}
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, raw: Request) -> Response:
+        engine = state.ready_engine()
+        model = state.check_model(body.model)
+        try:
+            params = body.to_sampling_params()
+            prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt,
+                                               **(body.chat_template_kwargs or {}))
+        except (ValueError, jinja2.TemplateError) as e:
+            raise bad_request(e) from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = [_add_request(engine, prompt, params, request_id, body.priority)]
+        if body.stream:
+            return _sse(_chat_chunks(streams[0], request_id, model, params, body.include_usage), streams)
+        final = (await _until_disconnected(raw, _final_outputs(streams), streams))[0]
+        choices = [p.ChatCompletionChoice(index=c.index, message=p.ChatMessageOut(content=c.text),
+                                          logprobs=_chat_logprobs(c.logprobs, params) if c.logprobs is not None
+                                          else None,
+                                          finish_reason=_finish_reason(c), stop_reason=c.stop_reason)
+                   for c in _all_samples(final, params)]
+        response = p.ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage([final]))
+        return JSONResponse(response.model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, raw: Request) -> Response:
+        engine = state.ready_engine()
+        model = state.check_model(body.model)
+        try:
+            params = body.to_sampling_params()
+            prompts = body.prompts()
+        except ValueError as e:
+            raise bad_request(e) from None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:  # every prompt passes, or none is queued
+            for i, prompt in enumerate(prompts):
+                streams.append(_add_request(engine, prompt, params, f"{request_id}-{i}", body.priority))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        if body.stream:
+            return _sse(_completion_chunks(streams, request_id, model, params, body.include_usage), streams)
+        finals = await _until_disconnected(raw, _final_outputs(streams), streams)
+        choices = [p.CompletionChoice(index=i * params.n + c.index, text=c.text,
+                                      logprobs=_completion_logprobs(c.logprobs, params, 0)
+                                      if c.logprobs is not None else None,
+                                      finish_reason=_finish_reason(c), stop_reason=c.stop_reason)
+                   for i, final in enumerate(finals) for c in _all_samples(final, params)]
+        response = p.CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
+        return JSONResponse(response.model_dump())
+
+    return app
+
+
+def _add_request(engine: AsyncEngine, prompt, params: SamplingParams, request_id: str,
+                 priority: int) -> RequestStream:
+    try:
+        return engine.add_request(prompt, params, request_id, priority)
+    except EngineOverloadedError as e:
+        raise APIError(503, str(e), "server_error", code="overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), "server_error") from None
+    except ValueError as e:
+        raise bad_request(e) from None
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+class _APIKeyMiddleware:
+    """401 for any /v1 request without `Authorization: Bearer <key>` (as vLLM: only /v1)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        if any(err.get("type") == "json_invalid" for err in errors):
+            ctx = next(err for err in errors if err.get("type") == "json_invalid").get("ctx", {})
+            return APIError(400, f"malformed JSON in the request body: {ctx.get('error', 'cannot parse it')}",
+                            code="invalid_json").response()
+        parts, param = [], None
+        for err in errors:
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            param = param or (loc[0] if loc else None)
+            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        return APIError(400, "invalid request: " + "; ".join(parts), param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        try:
+            phrase = HTTPStatus(e.status_code).phrase
+        except ValueError:
+            phrase = "error"
+        message = e.detail if isinstance(e.detail, str) else phrase
+        return APIError(e.status_code, f"{message}: {request.method} {request.url.path}", kind).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)
+        return APIError(500, f"internal server error: {type(e).__name__}: {e}", "server_error").response()
+
+
+# -- collecting outputs ----------------------------------------------------------------------
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except BaseException as e:
+            queue.put_nowait((i, e))
+            raise
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def _final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, out in _merge(streams):
+            finals[i] = out
+    except EngineStoppedError as e:
+        raise APIError(503, str(e), "server_error") from None
+    missing = [s.request_id for s, f in zip(streams, finals) if f is None]
+    if missing:  # aborted before its first token (shutdown)
+        raise APIError(503, "the request was aborted: the server is shutting down", "server_error")
+    return finals
+
+
+async def _until_disconnected(raw: Request, work: Awaitable, streams: list[RequestStream]):
+    """Await `work`, but abort the requests if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            for s in streams:
+                s.abort()
+    if not task.done():  # nobody is left to answer
+        raise APIError(499, "the client disconnected", "invalid_request_error")
+    return task.result()
+
+
+def _all_samples(out: RequestOutput, params: SamplingParams) -> list[CompletionOutput]:
+    """All n completions of a request, in order (an aborted one may lack some)."""
+    have = {c.index: c for c in out.outputs}
+    return [have.get(i) or CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
+            for i in range(params.n)]
+
+
+def _finish_reason(c: CompletionOutput) -> str:
+    return c.finish_reason or "abort"
+
+
+def _usage(outputs: list[RequestOutput]) -> p.UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+# -- logprobs in OpenAI's two shapes ---------------------------------------------------------
+
+
+def _ranked(entry: dict[int, Logprob], top: int) -> list[tuple[int, Logprob]]:
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top), key=lambda x: x[1].rank)[:top]
+
+
+def _token_text(lp: Logprob, token_id: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"<{token_id}>"
+
+
+def _chat_logprobs(entries: list[dict[int, Logprob]], params: SamplingParams) -> p.ChatChoiceLogprobs:
+    content = []
+    for entry in entries:
+        token_id, lp = next(iter(entry.items()))  # the sampled token comes first
+        text = _token_text(lp, token_id)
+        tops = [p.TopLogprob(token=_token_text(t, tid), logprob=t.logprob, bytes=list(_token_text(t, tid).encode()))
+                for tid, t in _ranked(entry, params.logprobs or 0)]
+        content.append(p.ChatCompletionTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()),
+                                                    top_logprobs=tops))
+    return p.ChatChoiceLogprobs(content=content)
+
+
+def _completion_logprobs(entries: list[dict[int, Logprob]], params: SamplingParams,
+                         offset: int) -> p.CompletionLogprobs:
+    out = p.CompletionLogprobs()
+    for entry in entries:
+        token_id, lp = next(iter(entry.items()))
+        text = _token_text(lp, token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.text_offset.append(offset)
+        offset += len(text)
+        top = {_token_text(t, tid): t.logprob for tid, t in _ranked(entry, params.logprobs or 0)}
+        out.top_logprobs.append(top if params.logprobs else None)
+    return out
+
+
+# -- streaming -------------------------------------------------------------------------------
+
+
+def _sse(chunks: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except EngineStoppedError as e:
+            error = p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error"))
+            yield f"data: {error.model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (cancelled) or we are done: nothing stays in the engine
+            for s in streams:
+                s.abort()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@dataclass
+class _Sent:
+    """How much of one choice the client has: text chars, logprob entries, done or not."""
+
+    text: int = 0
+    logprobs: int = 0
+    done: bool = False
+
+
+def _new_text(c: CompletionOutput, sent: _Sent, params: SamplingParams) -> str:
+    """Text not sent yet. While running, the last len(longest stop) - 1 chars are held back:
+    a stop string found later may cut them off, and sent text cannot be taken back."""
+    end = len(c.text)
+    if params.stop and not c.finished:
+        end = max(sent.text, end - (max(len(s) for s in params.stop) - 1))
+    delta = c.text[sent.text:end]
+    sent.text = end
+    return delta
+
+
+def _new_logprobs(c: CompletionOutput, sent: _Sent) -> list[dict[int, Logprob]] | None:
+    if c.logprobs is None:
+        return None
+    new = c.logprobs[sent.logprobs:]
+    sent.logprobs = len(c.logprobs)
+    return new
+
+
+def _data(chunk) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+async def _chat_chunks(stream: RequestStream, request_id: str, model: str, params: SamplingParams,
+                       include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[p.ChatCompletionStreamChoice], usage: p.UsageInfo | None = None) -> str:
+        return _data(p.ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
+                                           usage=usage))
+
+    sent = [_Sent() for _ in range(params.n)]
+    for i in range(params.n):  # the role first, as OpenAI does
+        yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
+    last: RequestOutput | None = None
+    async for out in stream:
+        last = out
+        for c in out.outputs:
+            s = sent[c.index]
+            if s.done:
+                continue
+            text, logprobs = _new_text(c, s, params), _new_logprobs(c, s)
+            s.done = c.finished
+            if text or logprobs or s.done:
+                yield chunk([p.ChatCompletionStreamChoice(
+                    index=c.index, delta=p.DeltaMessage(content=text),
+                    logprobs=_chat_logprobs(logprobs, params) if logprobs is not None else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+    for i, s in enumerate(sent):  # aborted (server shutting down) before the end
+        if not s.done:
+            yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(), finish_reason="abort")])
+    if include_usage:
+        yield chunk([], _usage([last] if last is not None else []))
+    yield "data: [DONE]\n\n"
+
+
+async def _completion_chunks(streams: list[RequestStream], request_id: str, model: str, params: SamplingParams,
+                             include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[p.CompletionChoice], usage: p.UsageInfo | None = None) -> str:
+        return _data(p.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                          usage=usage))
+
+    sent = [[_Sent() for _ in range(params.n)] for _ in streams]
+    last: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in _merge(streams):
+        last[i] = out
+        for c in out.outputs:
+            s = sent[i][c.index]
+            if s.done:
+                continue
+            offset = s.text
+            text, logprobs = _new_text(c, s, params), _new_logprobs(c, s)
+            s.done = c.finished
+            if text or logprobs or s.done:
+                yield chunk([p.CompletionChoice(
+                    index=i * params.n + c.index, text=text,
+                    logprobs=_completion_logprobs(logprobs, params, offset) if logprobs is not None else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+    for i, per_prompt in enumerate(sent):
+        for j, s in enumerate(per_prompt):
+            if not s.done:
+                yield chunk([p.CompletionChoice(index=i * params.n + j, text="", finish_reason="abort")])
+    if include_usage:
+        yield chunk([], _usage([o for o in last if o is not None]))
+    yield "data: [DONE]\n\n"
+
+
+# -- running it ------------------------------------------------------------------------------
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        from ember.loader.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    return model
+
+
+def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               served_model_names: list[str] | None = None, max_waiting_requests: int | None = None,
+               shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
+    """Serve until SIGTERM / SIGINT; returns the exit code (0 after a graceful stop)."""
+    import uvicorn
+
+    names = tuple(served_model_names or [default_model_name(engine_config.model)])
+    resolved = engine_config.resolve()  # a bad model path or flag fails here, before listening
+    config = ServerConfig(resolved, names, api_key, max_waiting_requests, shutdown_timeout)
+    app = build_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=shutdown_timeout))
+    state: ServerState = app.state.ember
+
+    def fatal() -> None:
+        server.should_exit = True
+
+    state.on_fatal = fatal
+    # uvicorn drains in-flight requests on SIGTERM / SIGINT, then re-raises the signal to the
+    # handler that was in place before it: with this one there, the process exits 0.
+    terminated = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: terminated.append(signum))
+    logger.info("serving %s (%s) on http://%s:%d", names[0], Path(resolved.model).name, host, port)
+    server.run()
+    return 1 if state.load_error is not None else 0
