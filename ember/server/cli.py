@@ -118,6 +118,12 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> None:
     run_throughput(ns, engine_args(ns))
 
 
+def cmd_bench_serve(ns: argparse.Namespace) -> None:
+    from ember.bench.serve import run_serve_bench
+
+    run_serve_bench(ns)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ember", description="ember: a small LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
 
     add_throughput_args(throughput)
     throughput.set_defaults(func=cmd_bench_throughput)
+    serve_bench = bench_sub.add_parser("serve", help="online serving latency and throughput against any "
+                                       "OpenAI-compatible server (ember, llama-server, vLLM)")
+    from ember.bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(serve_bench)
+    serve_bench.set_defaults(func=cmd_bench_serve)
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

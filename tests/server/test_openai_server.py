@@ -516,3 +516,37 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(small_server, llm):
     assert small_server.proc.wait(60) == 0, small_server.log_tail()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{small_server.url}/health")
+
+
+def test_bench_serve_measures_the_server(server, tmp_path, capsys):
+    """`ember bench serve` against this server: exact token totals, sane latencies."""
+    from ember.server.cli import main
+
+    out_json = tmp_path / "serve.json"
+    before = server.metrics()
+    main(["bench", "serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "4",
+          "--random-input-len", "8", "--random-output-len", "6", "--max-concurrency", "2", "--ignore-eos",
+          "--seed", "3", "--output-json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert re.search(r"Successful requests:\s+4\n", printed)
+    assert re.search(r"Total input tokens:\s+32\n", printed)
+    assert re.search(r"Total generated tokens:\s+24\n", printed)
+    result = json.loads(out_json.read_text())["results"]
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
+    assert result["mean_tpot_ms"] > 0 and result["p99_itl_ms"] >= result["median_itl_ms"] > 0
+    after = server.wait_idle()
+    # the server saw exactly these prompts and outputs
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 32
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 24
+
+
+def test_bench_serve_counts_failures(server, capsys):
+    """A wrong API key: every request fails with its HTTP status, and the report says so."""
+    from ember.server.cli import main
+
+    main(["bench", "serve", "--base-url", server.url, "--model", MODEL, "--api-key", "wrong", "--num-prompts", "2",
+          "--random-input-len", "4", "--random-output-len", "2"])
+    printed = capsys.readouterr().out
+    assert re.search(r"Successful requests:\s+0\n", printed) and re.search(r"Failed requests:\s+2\n", printed)
+    assert "HTTP 401" in printed

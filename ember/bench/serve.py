@@ -1,0 +1,204 @@
+"""`ember bench serve`: an async streaming client that measures any OpenAI-compatible
+server (ember, llama.cpp's llama-server, vLLM) the way `vllm bench serve` does.
+
+Per request: TTFT (send -> first streamed token), ITL (gaps between streamed chunks),
+TPOT ((E2EL - TTFT) / (output tokens - 1)), E2EL (send -> last byte). Over the run:
+request, output-token and total-token throughput over the benchmark's wall time.
+Arrivals: all at once (`--request-rate inf`), or Poisson (`--burstiness 1`) / gamma
+inter-arrival times, capped by `--max-concurrency`. Prompts: vLLM's random dataset, sent
+as token ids so every server sees exactly the same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ember.bench.throughput import RandomRequest, machine_info, random_requests
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    ok: bool = False
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a .gguf or HF dir whose vocabulary the random prompts use (default: ember's default model)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--random-input-len", type=int, default=64)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson arrivals; gamma shape otherwise")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request runs to max_tokens")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--extra-body", default=None, help='JSON merged into each request, e.g. \'{"cache_prompt": false}\'')
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--label", default=None, help="a name for this run in the report")
+    parser.add_argument("--output-json", default=None)
+
+
+async def _send(client, url: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
+    result = RequestResult(prompt_len)
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            chunks = 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                body = json.loads(data)
+                if body.get("usage"):
+                    result.output_len = body["usage"].get("completion_tokens") or result.output_len
+                choice = (body.get("choices") or [{}])[0]
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if text:
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last, chunks = now, chunks + 1
+            result.latency = time.perf_counter() - start
+            result.output_len = result.output_len or chunks
+            result.ok = chunks > 0
+    except Exception as e:  # a failed request is counted, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n).tolist()
+
+
+async def _run(ns: argparse.Namespace, requests: list[RandomRequest], model: str) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    url = ns.base_url.rstrip("/") + ns.endpoint
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    extra = json.loads(ns.extra_body) if ns.extra_body else {}
+    limit = asyncio.Semaphore(ns.max_concurrency or len(requests))
+    gaps = _arrival_gaps(len(requests), ns.request_rate, ns.burstiness, ns.seed)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=None)) as client:
+        async def one(req: RandomRequest) -> RequestResult:
+            payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
+                       "temperature": ns.temperature, "stream": True, "stream_options": {"include_usage": True},
+                       **({"ignore_eos": True} if ns.ignore_eos else {}), **extra}
+            async with limit:
+                return await _send(client, url, payload, headers, len(req.prompt_token_ids))
+
+        start = time.perf_counter()
+        tasks = []
+        for req, gap in zip(requests, gaps):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(req)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ms = 1000.0
+
+    def stats(name: str, values: list[float]) -> dict[str, float]:
+        v = np.asarray(values or [0.0]) * ms
+        return {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
+                f"std_{name}_ms": float(v.std()), f"p99_{name}_ms": float(np.percentile(v, 99))}
+
+    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        **stats("ttft", [r.ttft for r in ok]), **stats("tpot", tpots),
+        **stats("itl", [x for r in ok for x in r.itl]), **stats("e2el", [r.latency for r in ok]),
+    }
+
+
+def format_summary(label: str, s: dict[str, Any]) -> str:
+    def row(name: str, value: Any) -> str:
+        return f"{name:<40}{value:>12.2f}" if isinstance(value, float) else f"{name:<40}{value:>12}"
+
+    lines = [f"{' Serving Benchmark Result: ' + label + ' ':=^52}",
+             row("Successful requests:", s["completed"]), row("Failed requests:", s["failed"]),
+             row("Benchmark duration (s):", s["duration_s"]), row("Total input tokens:", s["total_input_tokens"]),
+             row("Total generated tokens:", s["total_output_tokens"]),
+             row("Request throughput (req/s):", s["request_throughput"]),
+             row("Output token throughput (tok/s):", s["output_throughput"]),
+             row("Total Token throughput (tok/s):", s["total_token_throughput"])]
+    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append(f"{title:-^52}")
+        for stat in ("mean", "median", "p99"):
+            lines.append(row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):",
+                             s[f"{stat}_{key}_ms"]))
+    if s["errors"]:
+        lines.append(f"errors: {s['errors']}")
+    lines.append("=" * 52)
+    return "\n".join(lines)
+
+
+def _server_model(base_url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    models = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"]
+    return models[0]["id"]
+
+
+def run_serve_bench(ns: argparse.Namespace) -> dict[str, Any]:
+    from ember.loader.tokenizer import load_tokenizer
+
+    if ns.tokenizer is None:
+        from ember.loader.default_model import fetch_default_model
+
+        ns.tokenizer = str(fetch_default_model())
+    tok = load_tokenizer(ns.tokenizer)
+    requests = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
+                               tok.vocab_size, tok.all_special_ids, ns.seed)
+    model = ns.model or _server_model(ns.base_url, ns.api_key)
+    results, duration = asyncio.run(_run(ns, requests, model))
+    summary = summarize(results, duration)
+    label = ns.label or f"{model} @ {ns.base_url}"
+    report = {"config": {k: v for k, v in vars(ns).items() if k != "func"}, "label": label,
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info("client"),
+              "results": summary}
+    print(format_summary(label, summary))
+    if ns.output_json:
+        Path(ns.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.output_json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
