@@ -433,9 +433,10 @@ def test_a_client_gone_before_a_non_streamed_answer_frees_its_request(server):
     server.wait_idle(timeout=15)
 
 
-def test_16_concurrent_streaming_clients_get_their_offline_greedy_text(server, llm):
-    chats = [[{"role": "user", "content": p}] for p in PROMPTS[::2]]
-    texts = PROMPTS[1::2]
+def test_32_concurrent_streaming_clients_get_their_offline_greedy_text(server, llm):
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]  # every prompt as a chat ...
+    texts = list(PROMPTS)  # ... and as a completion
+    assert len(chats) + len(texts) == 32
     ref_chat = [o.outputs[0].text for o in llm.chat(chats, greedy(16))]
     ref_text = [o.outputs[0].text for o in llm.generate(texts, greedy(16))]
 
