@@ -49,6 +49,15 @@ class EngineCore:
             self.scheduler.finish(req, "stop", stop_reason)
             self.runner.release(request_id)
 
+    def check_idle(self) -> None:
+        """Assert that nothing is left behind: no request, no KV block in use, no generator."""
+        pool = self.block_pool
+        pool.check_integrity()
+        assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks still held"
+        assert not (self.scheduler.waiting or self.scheduler.running or self.scheduler.requests), \
+            "the scheduler still holds requests"
+        assert not self.runner.generators, "a seeded request's generator outlived it"
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -61,6 +61,11 @@ class LLM:
         """One prompt's output after every step that changed it, the last one finished."""
         yield from self._drive([self._make_request(prompt, sampling_params or SamplingParams())])
 
+    def check_idle(self) -> None:
+        """Assert that no request left anything behind (tests call it between requests)."""
+        self.engine.check_idle()
+        assert not self.processor.groups, "the output processor still tracks requests"
+
     def get_tokenizer(self) -> Tokenizer:
         return self.inputs.require_tokenizer()
 

@@ -64,13 +64,7 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 
 def assert_idle(llm: LLM) -> None:
-    engine = llm.engine
-    pool = engine.block_pool
-    pool.check_integrity()
-    assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks still held"
-    assert not engine.scheduler.waiting and not engine.scheduler.running and not engine.scheduler.requests
-    assert not engine.has_unfinished_requests()
-    assert not engine.runner.generators
+    llm.check_idle()
 
 
 _ENGINES: list[LLM] = []

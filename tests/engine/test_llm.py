@@ -68,17 +68,7 @@ def tiny_pool_llm(gguf_path):
 
 
 def assert_idle(llm: LLM) -> None:
-    engine = llm.engine
-    pool = engine.block_pool
-    pool.check_integrity()
-    assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks still held"
-    assert not engine.scheduler.waiting
-    assert not engine.scheduler.running
-    assert not engine.scheduler.requests
-    assert not engine.has_unfinished_requests()
-    assert not engine.runner.generators, "a seeded request's generator outlived it"
-    tracked = {k: v for k, v in vars(llm.processor).items() if isinstance(v, dict) and v}
-    assert not tracked, f"the output processor still tracks requests: {tracked}"
+    llm.check_idle()
 
 
 @pytest.fixture(autouse=True)
