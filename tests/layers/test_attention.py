@@ -17,25 +17,26 @@ def dense_attention(q, k, v, scale):
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16, block_size=4, seed=0):
+def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16, block_size=4, seed=0,
+             dtype=torch.float32):
     """Sequences with `cached[i]` tokens already in the cache and `new[i]` new ones."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(cached, new)) + 3
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks, generator=g).tolist()  # shuffled, non-contiguous blocks
     full_k, full_v, tables = [], [], []
     for c, n in zip(cached, new):
         blocks = [free.pop() for _ in range(-(-(c + n) // block_size))]
         tables.append(blocks)
-        kk = torch.randn(c + n, kv_heads, head_dim, generator=g)
-        vv = torch.randn(c + n, kv_heads, head_dim, generator=g)
+        kk = torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype)
+        vv = torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype)
         for p in range(c):  # the cached prefix is already in place
             k_cache[blocks[p // block_size], p % block_size] = kk[p]
             v_cache[blocks[p // block_size], p % block_size] = vv[p]
         full_k.append(kk)
         full_v.append(vv)
-    q = torch.randn(sum(new), heads, head_dim, generator=g)
+    q = torch.randn(sum(new), heads, head_dim, generator=g).to(dtype)
     k = torch.cat([kk[c:] for kk, c in zip(full_k, cached)])
     v = torch.cat([vv[c:] for vv, c in zip(full_v, cached)])
     slots = [tables[i][p // block_size] * block_size + p % block_size
@@ -53,8 +54,9 @@ def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16
     out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, meta, scale)
     start = 0
     for i, (c, n) in enumerate(zip(cached, new)):
-        expected = dense_attention(q[start:start + n], full_k[i], full_v[i], scale)
-        torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-5)
+        expected = dense_attention(q[start:start + n].float(), full_k[i].float(), full_v[i].float(), scale)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16 output: 8 bits of mantissa
+        torch.testing.assert_close(out[start:start + n].float(), expected, rtol=tol, atol=tol)
         start += n
     # the new K/V landed in the cache, in their slots
     flat_k = k_cache.view(-1, kv_heads, head_dim)
@@ -72,6 +74,10 @@ def test_decode_batch():
 def test_mixed_prefix_extend_and_decode():
     # a chunked prefill over a cached prefix, decodes, and a fresh prompt in one step
     run_case(cached=[9, 4, 0, 17], new=[6, 1, 3, 1], seed=3)
+
+
+def test_bfloat16_cache_decode_and_extend():
+    run_case(cached=[9, 4, 0, 17, 30], new=[6, 1, 3, 1, 1], seed=5, dtype=torch.bfloat16)
 
 
 def test_mha_without_gqa():
