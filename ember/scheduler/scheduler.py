@@ -113,7 +113,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and not out.preempted:
             req = self._next_waiting()
-            if len(self.running) + req.num_samples_to_draw > self.max_num_seqs:
+            if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_free:
@@ -127,6 +127,10 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
         return out
+
+    def _seats_taken(self) -> int:
+        """Running slots, counting the n a not-yet-forked n > 1 request will take."""
+        return sum(r.num_samples_to_draw for r in self.running)
 
     def _by_policy(self, requests) -> list[Request]:
         """Who goes first: admission order (fcfs), or priority then arrival."""

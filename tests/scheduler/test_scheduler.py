@@ -611,3 +611,27 @@ def test_finished_requests_leave_the_scheduler_and_finish_in_one_step():
     plan, _, done = step(s, {"b": 42})
     assert done == [b] and b.stop_reason == 42
     assert_all_free(s)
+
+
+def test_a_request_with_n_samples_holds_n_seats_from_admission_to_fork():
+    """n=3 under max_num_seqs=3: while its prompt is still being prefilled in chunks, no
+    other request may take the seats its forks will need."""
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    parent = make_request("p", 40, max_tokens=3, n=3)
+    other = make_request("o", 4, max_tokens=2)
+    s.add_request(parent)
+    s.add_request(other)
+    for _ in range(3):  # 16 + 16 + 8 prompt tokens
+        out = s.schedule()
+        assert [c.request.request_id for c in out.chunks] == ["p"]
+        sampled = {"p": [TOKEN, TOKEN, TOKEN]} if out.chunks[0].samples else {}
+        s.update(out, sampled)
+    assert [r.request_id for r in s.running] == ["p", "p#1", "p#2"]
+    assert list(s.waiting) == [other]
+    while s.has_unfinished():
+        out = s.schedule()
+        assert len(out.chunks) <= 3
+        s.update(out, {c.request.request_id: [TOKEN] * c.request.num_samples_to_draw
+                       for c in out.chunks if c.samples})
+    assert other.finish_reason == "length" and s.pool.num_free == s.pool.num_blocks
+    s.pool.check_integrity()
