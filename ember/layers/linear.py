@@ -8,12 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
-
-
 def cpu_packing_supported(dtype: torch.dtype) -> bool:
     """oneDNN can prepack weights for this dtype on this CPU."""
     if not torch.backends.mkldnn.is_available():
