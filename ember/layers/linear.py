@@ -1,5 +1,6 @@
-"""Linear layers. Each parameter carries a `weight_loader` that knows where a checkpoint
-tensor goes in it; merged layers take several checkpoint tensors, one per shard."""
+"""Linear layers. A merged layer takes several checkpoint tensors, one per shard, through
+the `weight_loader` its parameters carry; plain ones are copied whole by the loader. On the
+CPU the weights can be prepacked once for oneDNN (`pack_for_cpu`)."""
 
 from __future__ import annotations
 
