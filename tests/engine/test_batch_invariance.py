@@ -63,38 +63,16 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def assert_idle(llm: LLM) -> None:
-    llm.check_idle()
-
-
-_ENGINES: list[LLM] = []
-
-
-@pytest.fixture(autouse=True)
-def engines_idle(llm):
-    for e in [llm, *_ENGINES]:
-        assert_idle(e)
-    yield
-    for e in [llm, *_ENGINES]:
-        assert_idle(e)
-
-
 @pytest.fixture(scope="module")
-def chunked_llm(gguf_path):
+def chunked_llm(extra_llm):
     """A 128-token step budget: a 1000-token prompt is prefilled in 8 chunks."""
-    llm = LLM(str(gguf_path), max_num_batched_tokens=128, num_kv_blocks=80, block_size=16)
-    _ENGINES.append(llm)
-    yield llm
-    _ENGINES.remove(llm)
+    return extra_llm(max_num_batched_tokens=128, num_kv_blocks=80, block_size=16)
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(gguf_path):
+def tiny_llm(extra_llm):
     """12 blocks of 16 tokens: six 40+40-token requests (5 blocks each at the end) must preempt."""
-    llm = LLM(str(gguf_path), num_kv_blocks=12, block_size=16)
-    _ENGINES.append(llm)
-    yield llm
-    _ENGINES.remove(llm)
+    return extra_llm(num_kv_blocks=12, block_size=16)
 
 
 def token_ids(outs) -> list[list[int]]:
@@ -225,6 +203,6 @@ def test_abort_everything_mid_flight_then_serve_the_same_output(llm, alone):
     for r in reqs:
         engine.abort_request(r.request_id)
     assert all(r.finish_reason == "abort" and r.block_ids == [] for r in reqs)
-    assert_idle(llm)
+    llm.check_idle()
     # the engine serves on, with the same output (8 tokens: enough to see the KV is sound)
     assert token_ids(llm.generate({"prompt_token_ids": ids[4]}, greedy(8))) == [want[4][:8]]

@@ -46,38 +46,16 @@ def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
 
 # ---- engines and the idle check ----------------------------------------------------------
 
-_ENGINES: list[LLM] = []
-
-
 @pytest.fixture(scope="module")
-def short_llm(gguf_path):
+def short_llm(extra_llm):
     """max_model_len=64: prompts of 64+ tokens are refused."""
-    llm = LLM(str(gguf_path), max_model_len=64)
-    _ENGINES.append(llm)
-    yield llm
-    _ENGINES.remove(llm)
+    return extra_llm(max_model_len=64)
 
 
 @pytest.fixture(scope="module")
-def tiny_pool_llm(gguf_path):
+def tiny_pool_llm(extra_llm):
     """A KV pool of 4 blocks of 16 tokens: 64 tokens in all, whatever max_model_len says."""
-    llm = LLM(str(gguf_path), num_kv_blocks=4, block_size=16)
-    _ENGINES.append(llm)
-    yield llm
-    _ENGINES.remove(llm)
-
-
-def assert_idle(llm: LLM) -> None:
-    llm.check_idle()
-
-
-@pytest.fixture(autouse=True)
-def engines_idle(llm):
-    for e in [llm, *_ENGINES]:
-        assert_idle(e)
-    yield
-    for e in [llm, *_ENGINES]:
-        assert_idle(e)
+    return extra_llm(num_kv_blocks=4, block_size=16)
 
 
 def ids_of(outs: list[RequestOutput]) -> list[list[int]]:
@@ -174,7 +152,7 @@ def test_an_error_inside_the_loop_leaves_nothing_behind(llm, monkeypatch):
     monkeypatch.setattr(llm.engine.runner, "execute", failing_execute)
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([FRANCE, "Water boils at"], greedy(5))
-    assert_idle(llm)
+    llm.check_idle()
     monkeypatch.undo()
     assert llm.generate(FRANCE, greedy(3))[0].outputs[0].token_ids == FRANCE_OUT[:3]
 

@@ -1,0 +1,36 @@
+"""Every engine test ends as it began: no request, KV block or per-request state left behind,
+in the session `llm` and in every extra engine a module builds with `extra_llm`."""
+
+import pytest
+
+from ember import LLM
+
+
+@pytest.fixture(scope="session")
+def live_engines() -> list:
+    return []
+
+
+@pytest.fixture(scope="module")
+def extra_llm(gguf_path, live_engines):
+    """Build an LLM on the default model with other engine args, for this module only."""
+    made: list[LLM] = []
+
+    def make(**engine_args) -> LLM:
+        llm = LLM(str(gguf_path), **engine_args)
+        made.append(llm)
+        live_engines.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        live_engines.remove(llm)
+
+
+@pytest.fixture(autouse=True)
+def engines_idle(llm, live_engines):
+    for engine in [llm, *live_engines]:
+        engine.check_idle()
+    yield
+    for engine in [llm, *live_engines]:
+        engine.check_idle()
