@@ -192,7 +192,8 @@ class Scheduler:
         if full > req.num_blocks_in_cache:
             blocks = req.block_ids[:full]
             self.prefix_cache.insert(req.all_token_ids[:full * self.block_size], blocks)
-            req.block_ids[:full] = blocks  # where the cache had its own copy, it gave it
+            if blocks != req.block_ids[:full]:  # the cache had its own copy of some: use those
+                req.block_ids = blocks + req.block_ids[full:]  # a new list, so no stale view of the old one
             req.num_blocks_in_cache = full
 
     def _victim(self, scheduled: set[str]) -> Request:
