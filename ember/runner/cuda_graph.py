@@ -1,5 +1,6 @@
 """CUDA graphs for decode steps: the whole forward (every layer's kernels) replayed with
-one launch, at padded batch sizes 1, 2, 4, 8, 16, 24, ... up to max_num_seqs.
+one launch, at padded batch sizes 1, 2, 4, 8, 16, 24, ..., 256, then every 32, up to
+max_num_seqs.
 
 A graph reads its inputs from static buffers that each step fills:
 
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 8))
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, min(max_num_seqs, 256), 8))
+    sizes += list(range(256, max_num_seqs, 32))
     return sorted(set(sizes) | {max_num_seqs})
 
 

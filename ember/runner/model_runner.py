@@ -169,7 +169,7 @@ class ModelRunner:
         if sampled_chunks:
             # a request that forks into n samples draws n tokens from its one row of logits
             owners = [(c.request, i) for c in sampled_chunks for i in range(c.request.num_samples_to_draw)]
-            if len(owners) == hidden.shape[0]:  # every row samples once (decode): no gather
+            if len(owners) == len(sample_rows) == hidden.shape[0]:  # every row samples once (decode): no gather
                 logits = self.model.compute_logits(hidden)
             else:
                 rows_idx = torch.tensor([r for c, r in zip(sampled_chunks, sample_rows)
