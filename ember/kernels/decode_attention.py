@@ -95,8 +95,10 @@ def _decode_merge_kernel(part_ptr, lse_ptr, o_ptr, stride_pb, stride_ph, stride_
 
 def num_decode_splits(batch: int, num_kv_heads: int, max_splits: int = 32, target_programs: int = 528) -> int:
     """Enough splits that batch x kv_heads x splits fills the GPU (~4 programs per SM of
-    an H200's 132); a function of the batch size alone, so a CUDA graph fixes it."""
-    return max(1, min(max_splits, -(-target_programs // (batch * num_kv_heads))))
+    an H200's 132); a function of the batch size alone, so a CUDA graph fixes it. A power
+    of two: few kernel variants to compile."""
+    want = min(max_splits, -(-target_programs // (batch * num_kv_heads)))
+    return 1 << max(0, want - 1).bit_length()
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
