@@ -17,11 +17,15 @@ Everything the kernels read is on the GPU (no host lengths), so a CUDA graph rep
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# BLOCK_N, num_warps, num_stages of the split kernel (EMBER_DECODE_CONFIG="64,4,3" overrides, for sweeps)
+DECODE_CONFIG = tuple(int(x) for x in os.environ.get("EMBER_DECODE_CONFIG", "64,4,3").split(","))
 
 
 @triton.jit
@@ -103,7 +107,8 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_splits: int = 32, targe
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     block_n: int = 64) -> torch.Tensor:
+                     block_n: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """q [B, H, D] (one token per sequence), caches [num_blocks, block_size, Hkv, D],
     block_tables [B, >= cdiv(max seq_len, block_size)] int32, seq_lens [B] int32 (0: no
     context, output 0). Returns [B, H, D]."""
@@ -127,7 +132,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     block_h = max(16, triton.next_power_of_2(group))
     grid = (batch, kv_heads, num_splits)
-    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits)
+    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_N=block_n or DECODE_CONFIG[0], PAGE=page,
+                  NUM_SPLITS=num_splits, num_warps=num_warps or DECODE_CONFIG[1],
+                  num_stages=num_stages or DECODE_CONFIG[2])
     scale_log2 = scale * LOG2E
     if num_splits == 1:
         _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, scale_log2,

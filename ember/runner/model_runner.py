@@ -255,13 +255,15 @@ class ModelRunner:
             req, start = chunk.request, chunk.request.num_computed_tokens
             end = start + chunk.num_new_tokens
             prompt = req.num_prompt_tokens
-            if start >= prompt:  # decode: no copy of the whole prompt + output
-                ids += req.output_token_ids[start - prompt:end - prompt]
+            blocks = req.block_ids
+            if chunk.num_new_tokens == 1:  # decode: the hot path, no lists copied
+                ids.append(req.output_token_ids[start - prompt] if start >= prompt else req.prompt_token_ids[start])
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
             else:
                 ids += req.all_token_ids[start:end]
-            positions += range(start, end)
-            blocks = req.block_ids
-            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+                positions += range(start, end)
+                slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(len(ids))
             seq_lens.append(end)
             if chunk.samples:
