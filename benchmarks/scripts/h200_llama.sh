@@ -23,5 +23,3 @@ $B $Q --num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048 --ou
 echo "== Llama throughput, profiled =="
 $B $L --num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 \
   --max-num-batched-tokens 16384 --profile-steps 2>&1 | grep -E "Throughput|Per step"
-for f in $J/*.json; do python3 -c "import json,sys; print(json.dumps(json.load(open('$f'))))"; done > $OUT/results.jsonl
-rm -rf $J
