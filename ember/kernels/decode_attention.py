@@ -24,8 +24,10 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# BLOCK_N, num_warps, num_stages of the split kernel (EMBER_DECODE_CONFIG="64,4,3" overrides, for sweeps)
-DECODE_CONFIG = tuple(int(x) for x in os.environ.get("EMBER_DECODE_CONFIG", "64,4,3").split(","))
+# BLOCK_N, num_warps, num_stages of the split kernel, from benchmarks/scripts/decode_sweep.py on
+# the H200 (3.99 / 4.37 TB/s of KV at the Qwen3-0.6B / Llama-8B benchmark shapes);
+# EMBER_DECODE_CONFIG="64,4,3" overrides, for sweeps
+DECODE_CONFIG = tuple(int(x) for x in os.environ.get("EMBER_DECODE_CONFIG", "128,4,4").split(","))
 
 
 @triton.jit

@@ -83,6 +83,9 @@ class Sampler:
             return logits.argmax(dim=-1)
         if self.generator is None or self.generator.device != logits.device:
             self.generator = torch.Generator(device=logits.device).manual_seed(self.seed)
+        if len(set(temperatures)) == 1:  # one temperature (the common case): no host-to-device copy
+            probs = (logits / temperatures[0]).softmax(dim=-1)
+            return probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
         temps = torch.tensor(temperatures, dtype=torch.float32).to(logits.device, non_blocking=True)[:, None]
         probs = (logits / torch.where(temps > 0, temps, 1.0)).softmax(dim=-1)
         drawn = probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
