@@ -8,6 +8,7 @@ Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
 B="python3 -m ember.server.cli bench throughput --load-format dummy --seed 0"
 NANO="--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+python3 -m pytest -m gpu -q -s tests/kernels tests/models/test_cuda_vs_hf.py tests/runner/test_cuda_graph.py 2>&1 | grep -E "agreement|agrees|invariance|graph vs|passed|failed|Error"
 echo "== nano-vllm protocol =="
 $B $Q $NANO --output-json $J/nano.json 2>&1 | grep -v "^\s*$"
 $B $Q $NANO --profile-steps 2>&1 | grep -E "Throughput|Per step"

@@ -70,6 +70,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler(config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.table_rows: dict[str, tuple[list[int], int, np.ndarray]] = {}  # see _table_row
         # seconds per phase, synchronized, when `profile_steps` is on (ember bench --profile)
         self.profile_steps = False
         self.step_times: dict[str, float] = defaultdict(float)
@@ -225,6 +226,22 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.table_rows.pop(request_id, None)
+
+    def _table_row(self, req: Request) -> np.ndarray:
+        """The request's block-table row, [max_blocks_per_seq] int32 zero-padded, kept across
+        steps: a request's block list only grows in place (only new entries are copied);
+        a new list object (preemption, fork) rebuilds the row."""
+        blocks = req.block_ids
+        entry = self.table_rows.get(req.request_id)
+        if entry is None or entry[0] is not blocks or entry[1] > len(blocks):
+            entry = (blocks, 0, np.zeros(self.config.max_blocks_per_seq, dtype=np.int32))
+        _, filled, row = entry
+        if filled < len(blocks):
+            row[filled:len(blocks)] = blocks[filled:]
+            entry = (blocks, len(blocks), row)
+        self.table_rows[req.request_id] = entry
+        return row
 
     def _prompt_logprob_rows(self, plan: SchedulerOutput):
         """(chunk, rows) for chunks whose tokens predict prompt tokens that want logprobs.
@@ -271,9 +288,7 @@ class ModelRunner:
                 sampled_chunks.append(chunk)
         n, t = len(plan.chunks), len(ids)
         width = max(len(c.request.block_ids) for c in plan.chunks)
-        tables = np.zeros((n, width), dtype=np.int32)
-        for i, c in enumerate(plan.chunks):
-            tables[i, :len(c.request.block_ids)] = c.request.block_ids
+        tables = np.stack([self._table_row(c.request)[:width] for c in plan.chunks])
         dev = self.device
         # one int64 vector: ids [t] | positions [t] | slots [t] | seq_lens [n] | query_start [n + 1]
         flat = torch.tensor(ids + positions + slots + seq_lens + query_start, dtype=torch.int64)
