@@ -54,6 +54,7 @@ class Sampler:
         self.seed = seed
         self.race = race
         self.generator: torch.Generator | None = None  # for rows without a seed
+        self.draws = 0  # Gumbel-max steps so far: each step's Philox seed
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] float32."""
@@ -84,6 +85,11 @@ class Sampler:
         if self.generator is None or self.generator.device != logits.device:
             self.generator = torch.Generator(device=logits.device).manual_seed(self.seed)
         if len(set(temperatures)) == 1:  # one temperature (the common case): no host-to-device copy
+            if logits.is_cuda:  # one Triton pass over the logits (Gumbel-max), seeded per step
+                from ember.kernels.sampling import gumbel_argmax
+
+                self.draws += 1
+                return gumbel_argmax(logits, temperatures[0], seed=self.seed * 1_000_003 + self.draws)
             probs = (logits / temperatures[0]).softmax(dim=-1)
             return probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
         temps = torch.tensor(temperatures, dtype=torch.float32).to(logits.device, non_blocking=True)[:, None]
