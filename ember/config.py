@@ -32,7 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     # filled by resolve()
     model_config: ModelConfig | None = None
 
@@ -74,6 +74,9 @@ class EngineConfig:
                 f"({model_config.max_position_embeddings}): lower max_model_len"
             )
         budget = self.max_num_batched_tokens or 2048
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if device == "cuda" else "torch"
         return dataclasses.replace(
             self,
             model=str(files.path),
@@ -82,7 +85,7 @@ class EngineConfig:
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
-            attention_backend="torch" if self.attention_backend == "auto" else self.attention_backend,
+            attention_backend=backend,
             model_config=model_config,
         )
 

@@ -17,21 +17,26 @@ import torch
 from ember.bench.throughput import RandomRequest, ThroughputResult
 
 
-def load_hf_model(model: str, dtype: str) -> torch.nn.Module:
-    """The same weights through transformers: a .gguf file (dequantized) or an HF directory."""
-    from transformers import AutoModelForCausalLM
+def load_hf_model(model: str, dtype: str, device: str = "cpu", random_weights: bool = False) -> torch.nn.Module:
+    """The same weights through transformers: a .gguf file (dequantized) or an HF directory;
+    with `random_weights` (ember's dummy load format) HF's own random init of the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(model)
     torch_dtype = getattr(torch, dtype)
-    if path.suffix == ".gguf":
+    if random_weights:
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch_dtype)
+    elif path.suffix == ".gguf":
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
-    return hf.eval()
+    return hf.to(device).eval()
 
 
-def bench_hf(model: str, requests: list[RandomRequest], dtype: str, batch_size: int, seed: int) -> ThroughputResult:
-    hf = load_hf_model(model, dtype)
+def bench_hf(model: str, requests: list[RandomRequest], dtype: str, batch_size: int, seed: int,
+             device: str = "cpu", random_weights: bool = False) -> ThroughputResult:
+    hf = load_hf_model(model, dtype, device, random_weights)
     pad_id = _pad_id(hf)
     torch.manual_seed(seed)
     _generate(hf, [requests[0].prompt_token_ids[:4]], 2, pad_id)  # warm-up
@@ -41,9 +46,11 @@ def bench_hf(model: str, requests: list[RandomRequest], dtype: str, batch_size: 
         batch = requests[i:i + batch_size]
         new = _generate(hf, [r.prompt_token_ids for r in batch], max(r.output_len for r in batch), pad_id)
         output_tokens += sum(min(r.output_len, new) for r in batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return ThroughputResult(
-        label=f"hf transformers ({Path(model).name}, {dtype}, batch {batch_size})",
+        label=f"hf transformers ({Path(model).name}, {dtype}, batch {batch_size}, {device})",
         num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=output_tokens,
@@ -54,8 +61,9 @@ def bench_hf(model: str, requests: list[RandomRequest], dtype: str, batch_size: 
 def _generate(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int, pad_id: int) -> int:
     """One static batch, left-padded; returns the number of new tokens each row got."""
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = next(hf.parameters()).device
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     out = hf.generate(
         input_ids=input_ids, attention_mask=attention_mask, pad_token_id=pad_id,
         max_new_tokens=new_tokens, min_new_tokens=new_tokens,

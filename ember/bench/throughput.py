@@ -69,6 +69,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--hf-batch-size", type=int, default=None, help="static batch size (default: all prompts)")
     parser.add_argument("--output-json", default=None, help="write the config, machine and results here")
+    parser.add_argument("--profile-steps", action="store_true",
+                        help="time each step's phases (schedule, prepare, forward, sample, update) with device syncs")
 
 
 # -- the random dataset -------------------------------------------------------------------
@@ -112,6 +114,7 @@ def bench_ember(llm: Any, requests: list[RandomRequest]) -> ThroughputResult:
         return SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens)
 
     llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:4]}], params(2))  # warm-up
+    llm.engine.runner.step_times.clear()  # the profile counts the timed run only
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, [params(r.output_len) for r in requests])
@@ -130,7 +133,12 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
     """Run the benchmark the flags describe; print the report, write it if asked, return it."""
     from ember import LLM
 
+    import logging
+
+    logging.getLogger("ember.runner").setLevel(logging.INFO)  # the memory breakdown and graph capture time
+    start = time.perf_counter()
     llm = LLM(**engine_kwargs)
+    startup_s = time.perf_counter() - start  # load, memory profile, KV pool, CUDA graphs: ready to serve
     cfg = llm.config
     tok = llm.tokenizer
     vocab = min(tok.vocab_size, cfg.model_config.vocab_size) if tok else cfg.model_config.vocab_size
@@ -148,18 +156,40 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
                                                  "max_num_batched_tokens")},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(cfg.device),
-        "results": {"ember": bench_ember(llm, requests).to_dict()},
+        "results": {"ember": {}},
     }
+    runner = llm.engine.runner
+    runner.profile_steps = getattr(ns, "profile_steps", False)
+    ember = report["results"]["ember"] = bench_ember(llm, requests).to_dict() | {"startup_s": startup_s}
+    ember["memory_gib"] = {"weights": runner.weight_bytes / 2**30, "peak_activations": runner.activation_bytes / 2**30,
+                           "kv_cache": runner.kv_cache.nbytes / 2**30, "kv_blocks": runner.num_blocks}
+    if runner.graphs is not None:
+        ember["cuda_graphs"] = {"count": len(runner.graphs.sizes), "capture_s": runner.graphs.capture_seconds,
+                                "pool_gib": runner.graphs.pool_bytes / 2**30}
+    if runner.profile_steps:
+        times = dict(runner.step_times)
+        steps = times.pop("steps", 0) or 1
+        ember["profile_ms_per_step"] = {k: 1e3 * v / (steps if k != "steps" else 1) for k, v in times.items()}
+        ember["profile_steps"] = steps
+    if cfg.device == "cuda":
+        from ember.bench.roofline import workload_floor
+
+        floor = workload_floor(cfg.model_config, [(len(r.prompt_token_ids), r.output_len) for r in requests],
+                               cfg.max_num_seqs)
+        ember["floor_output_tokens_per_s"] = floor.output_tokens_per_s
+        ember["roofline"] = floor.describe(ember["output_tokens_per_s"])
     if ns.compare == "hf":
-        if cfg.load_format == "dummy":
-            raise ValueError("--compare hf needs real weights: drop --load-format dummy")
-        model_path = cfg.model
-        del llm, cfg  # free ember's weights and KV cache before HF loads its copy
+        model_path, load_format, device = cfg.model, cfg.load_format, cfg.device
+        del llm, cfg, runner  # free ember's weights and KV cache before HF loads its copy
         gc.collect()
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
         from ember.bench.hf_baseline import bench_hf
 
         hf = bench_hf(model_path, requests, dtype=ns.hf_dtype, batch_size=ns.hf_batch_size or len(requests),
-                      seed=ns.seed).to_dict()
+                      seed=ns.seed, device=device, random_weights=load_format == "dummy").to_dict()
         results = report["results"]
         results["hf"] = hf
         results["ember_over_hf_output_tok_s"] = results["ember"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
@@ -189,6 +219,13 @@ def format_report(report: dict[str, Any]) -> str:
                 f"Total num prompt tokens:  {r['prompt_tokens']}",
                 f"Total num output tokens:  {r['output_tokens']}",
             ]
+            if "startup_s" in r:
+                lines.append(f"Start-up to ready: {r['startup_s']:.1f} s")
+            if "roofline" in r:
+                lines.append(f"Roofline: {r['roofline']}")
+            if "profile_ms_per_step" in r:
+                lines.append(f"Per step ({r['profile_steps']} steps), ms: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in r["profile_ms_per_step"].items()))
     if "ember_over_hf_output_tok_s" in results:
         lines.append(f"ember/hf output tok/s = {results['ember_over_hf_output_tok_s']:.2f}")
     return "\n".join(lines)
@@ -206,7 +243,11 @@ def machine_info(device: str) -> dict[str, Any]:
         "device": device,
     }
     if device == "cuda":
+        import triton
+
         info["gpu"] = torch.cuda.get_device_name()
+        info["triton"] = triton.__version__
+        info["cuda"] = torch.version.cuda
     return info
 
 

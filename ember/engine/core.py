@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ember.config import EngineConfig
@@ -67,11 +68,19 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        t1 = time.perf_counter()
         result = self.runner.execute(plan)
+        t2 = time.perf_counter()
         stepped, finished = self.scheduler.update(plan, result.sampled)
+        if self.runner.profile_steps:
+            times = self.runner.step_times
+            times["schedule"] += t1 - t0
+            times["update"] += time.perf_counter() - t2
+            times["steps"] += 1
         for req in finished:
             self.runner.release(req.request_id)
         return [self._output(req, result) for req in stepped] + [

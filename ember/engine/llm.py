@@ -74,7 +74,7 @@ class LLM:
     def _run(self, requests: list[Request], use_tqdm: bool = False) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = _ProgressBar(len(requests)) if use_tqdm else None
-        for out in self._drive(requests):
+        for out in self._drive(requests, finished_only=bar is None):
             if bar is not None:
                 bar.update(out)
             if out.finished:
@@ -83,8 +83,9 @@ class LLM:
             bar.close()
         return [finished[r.request_id] for r in requests]
 
-    def _drive(self, requests: list[Request]) -> Iterator[RequestOutput]:
-        """Run the engine until these requests finish, yielding every output on the way."""
+    def _drive(self, requests: list[Request], finished_only: bool = False) -> Iterator[RequestOutput]:
+        """Run the engine until these requests finish, yielding every output on the way (or
+        only the finished ones)."""
         added = []
         try:
             for req in requests:
@@ -92,7 +93,7 @@ class LLM:
                 self.processor.add_request(req)
                 added.append(req.request_id)
             while self.engine.has_unfinished_requests():
-                outputs, stopped = self.processor.process(self.engine.step())
+                outputs, stopped = self.processor.process(self.engine.step(), finished_only)
                 for request_id, stop in stopped:
                     self.engine.finish_request(request_id, stop)
                 yield from outputs

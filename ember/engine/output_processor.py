@@ -49,9 +49,11 @@ class OutputProcessor:
             group.prompt_logprobs = [None]  # the first prompt token has no context
         self.groups[request.request_id] = group
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Returns the changed requests' outputs and the (request id, stop string) pairs the
-        engine must now finish."""
+    def process(self, outputs: list[EngineCoreOutput],
+                finished_only: bool = False) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """Returns the changed requests' outputs (with `finished_only`, those that finished:
+        an offline batch skips copying every request's tokens every step) and the
+        (request id, stop string) pairs the engine must now finish."""
         touched: dict[str, _Group] = {}
         stopped = []
         for out in outputs:
@@ -71,7 +73,7 @@ class OutputProcessor:
                 stopped.append((req.request_id, sample.stop_reason))
             elif out.finished and sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = req.finish_reason, req.stop_reason
-        results = [self._make_output(g) for g in touched.values()]
+        results = [self._make_output(g) for g in touched.values() if g.finished or not finished_only]
         for g in touched.values():
             if g.finished:
                 del self.groups[g.request.request_id]

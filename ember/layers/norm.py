@@ -3,14 +3,29 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, computed in float32 like the reference implementations."""
+    """y = x / rms(x) * weight, computed in float32 like the reference implementations.
+
+    With `residual`, the residual add before the norm is fused in: returns
+    (norm(x + residual), x + residual). On CUDA one Triton kernel does both."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda:
+            from ember.kernels.rms_norm import rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, residual), residual  # residual updated in place
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -37,15 +37,21 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim]: cos | sin halves, looked up by position each step
         self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions, [T, 1, head_dim / 2] each: once per forward, shared
-        by every layer."""
-        return self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, head_dim] float32, cos | sin of these positions: once per forward, shared by
+        every layer."""
+        return self.cos_sin[positions]
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; rope from `RotaryEmbedding.lookup`."""
-    cos, sin = rope
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; rope from `RotaryEmbedding.lookup`.
+    On CUDA q and k are rotated in place by one Triton kernel."""
+    if q.is_cuda:
+        from ember.kernels.rotary import rope_inplace
+
+        rope_inplace(q, k, rope)
+        return q, k
+    cos, sin = rope.unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

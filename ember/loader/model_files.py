@@ -27,11 +27,14 @@ class ModelFiles:
             return ModelConfig.from_gguf_metadata(f.metadata, f.tensor_names)
         return ModelConfig.from_hf_dir(self.path)
 
-    def weights(self, cfg: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, cfg: ModelConfig, seed: int, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         if self.load_format == "dummy":
             from ember.loader.dummy import iter_dummy_weights
 
-            return iter_dummy_weights(cfg, seed)
+            if device == "cpu":
+                return iter_dummy_weights(cfg, seed)
+            return iter_dummy_weights(cfg, seed, dtype, device)
         if self.is_gguf:
             from ember.loader.gguf import iter_hf_weights
 
@@ -88,5 +91,5 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
             model = model_class(cfg, max_positions, get_attention_backend(attention_backend))
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, files.weights(cfg, seed), source=str(files.path))
+    load_weights(model, files.weights(cfg, seed, device, dtype), source=str(files.path))
     return model.eval()

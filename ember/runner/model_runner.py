@@ -4,8 +4,11 @@ forward pass and the sampled tokens."""
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ember.config import CPU_KV_CACHE_MEMORY, EngineConfig
@@ -13,6 +16,7 @@ from ember.layers.attention import AttentionMetadata
 from ember.layers.linear import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.request import Request
+from ember.runner.cuda_graph import DecodeGraphs
 from ember.runner.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
 from ember.scheduler.scheduler import SchedulerOutput
 
@@ -39,6 +43,9 @@ class _Rows:
     offset: int  # row - position
 
 
+GRAPH_POOL_RESERVE = 512 << 20  # kept out of the KV pool for the decode graphs' memory (logged as measured)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -53,6 +60,8 @@ class ModelRunner:
                 if hasattr(module, "pack_for_cpu"):
                     module.pack_for_cpu()
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0
         self.num_blocks = self._num_kv_blocks()
         shape = (2, mc.num_layers, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
         # zeroed: padded block-table entries are read (then masked), never NaN
@@ -61,10 +70,27 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler(config.seed)
         self.generators: dict[str, torch.Generator] = {}
-        logger.info("memory: weights %.1f MiB, peak activations %.1f MiB, KV cache %.1f MiB = %d blocks "
-                    "of %d tokens (%d tokens)", self.weight_bytes / 2**20, self.activation_bytes / 2**20,
-                    self.kv_cache.nbytes / 2**20, self.num_blocks, config.block_size,
-                    self.num_blocks * config.block_size)
+        self.table_rows: dict[str, tuple[list[int], int, np.ndarray]] = {}  # see _table_row
+        # seconds per phase, synchronized, when `profile_steps` is on (ember bench --profile)
+        self.profile_steps = False
+        self.step_times: dict[str, float] = defaultdict(float)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq, self.device)
+            self.graphs.capture()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            logger.info("memory (GiB): total %.2f x utilization %.2f = %.2f; weights %.2f, peak activations %.2f, "
+                        "CUDA graphs %.2f (reserved %.2f), KV cache %.2f = %d blocks of %d tokens (%d tokens); "
+                        "free now %.2f", total / 2**30, config.gpu_memory_utilization,
+                        config.gpu_memory_utilization * total / 2**30, self.weight_bytes / 2**30,
+                        self.activation_bytes / 2**30, (self.graphs.pool_bytes if self.graphs else 0) / 2**30,
+                        self.graph_reserve / 2**30, self.kv_cache.nbytes / 2**30, self.num_blocks,
+                        config.block_size, self.num_blocks * config.block_size, free / 2**30)
+        else:
+            logger.info("memory: weights %.1f MiB, KV cache %.1f MiB = %d blocks of %d tokens (%d tokens)",
+                        self.weight_bytes / 2**20, self.kv_cache.nbytes / 2**20, self.num_blocks,
+                        config.block_size, self.num_blocks * config.block_size)
 
     def kv_bytes_per_block(self) -> int:
         mc, c = self.config.model_config, self.config
@@ -80,7 +106,8 @@ class ModelRunner:
             # the pool gets utilization x total minus what is already used (weights, other
             # processes, the CUDA context) minus the profiled peak of one full-budget forward
             free, total = torch.cuda.mem_get_info(self.device)
-            memory = int(c.gpu_memory_utilization * total - (total - free) - self.activation_bytes)
+            memory = int(c.gpu_memory_utilization * total - (total - free) - self.activation_bytes
+                         - self.graph_reserve)
         else:
             memory = CPU_KV_CACHE_MEMORY
         # never more than every sequence slot at full length could use
@@ -93,29 +120,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_activations(self) -> int:
-        """Peak memory of one forward over `max_num_batched_tokens` tokens (plus sampling
-        logits for `max_num_seqs` rows), measured before the KV pool exists."""
+        """Peak memory of one forward over `max_num_batched_tokens` tokens (as sequences of
+        at most max_model_len) plus sampling `max_num_seqs` rows, measured before the KV
+        pool exists. It also compiles the prefill-path Triton kernels."""
         c, mc = self.config, self.config.model_config
         tokens = c.max_num_batched_tokens
-        blocks = -(-tokens // c.block_size)
-        cache = torch.zeros(2, blocks, c.block_size, mc.num_kv_heads, mc.head_dim, dtype=c.torch_dtype,
+        seq = min(tokens, c.max_model_len)
+        lens = [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
+        per_seq = -(-seq // c.block_size)
+        cache = torch.zeros(2, per_seq * len(lens), c.block_size, mc.num_kv_heads, mc.head_dim, dtype=c.torch_dtype,
                             device=self.device)
         for attn in self.model.attention_layers():
             attn.k_cache, attn.v_cache = cache[0], cache[1]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        positions = torch.arange(tokens, device=self.device)
+        dev = self.device
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        # sequence i owns blocks [i * per_seq, (i + 1) * per_seq): slot = i * per_seq * block_size + position
+        slots = torch.cat([i * per_seq * c.block_size + torch.arange(n, device=dev) for i, n in enumerate(lens)])
         meta = AttentionMetadata(
-            slot_mapping=positions, query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
-            query_lens_cpu=[tokens], seq_lens_cpu=[tokens])
-        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta)
-        self.model.compute_logits(hidden[: min(tokens, c.max_num_seqs)]).softmax(-1)
+            slot_mapping=slots,
+            query_start_loc=torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.arange(per_seq * len(lens), dtype=torch.int32, device=dev).view(len(lens), per_seq),
+            query_lens_cpu=lens, seq_lens_cpu=lens)
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=dev), positions, meta)
+        logits = self.model.compute_logits(hidden[: min(tokens, c.max_num_seqs)])
+        logits.softmax(-1).cumsum(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del hidden, cache
+        del hidden, cache, logits
         torch.cuda.empty_cache()
         return peak
 
@@ -123,17 +158,27 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        clock = self._clock()
         input_ids, positions, meta, sample_rows, sampled_chunks = self._prepare(plan)
-        hidden = self.model(input_ids, positions, meta)
+        clock("prepare")
+        if self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
+            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        clock("forward")
         out = ModelRunnerOutput()
         if sampled_chunks:
             # a request that forks into n samples draws n tokens from its one row of logits
             owners = [(c.request, i) for c in sampled_chunks for i in range(c.request.num_samples_to_draw)]
-            rows_idx = torch.tensor([r for c, r in zip(sampled_chunks, sample_rows)
-                                     for _ in range(c.request.num_samples_to_draw)], device=self.device)
-            logits = self.model.compute_logits(hidden[rows_idx])
+            if len(owners) == len(sample_rows) == hidden.shape[0]:  # every row samples once (decode): no gather
+                logits = self.model.compute_logits(hidden)
+            else:
+                rows_idx = torch.tensor([r for c, r in zip(sampled_chunks, sample_rows)
+                                         for _ in range(c.request.num_samples_to_draw)], device=self.device)
+                logits = self.model.compute_logits(hidden[rows_idx])
             rows = [self._sampling_row(req, i) for req, i in owners]
             result = self.sampler(logits, rows)
+            clock("sample")
             for (req, i), token, lp in zip(owners, result.token_ids, result.logprobs):
                 out.sampled.setdefault(req.request_id, []).append(token)
                 if lp is not None:  # keyed by the sample's own request id (a fork's child id)
@@ -148,6 +193,22 @@ class ModelRunner:
                 tokens=token_logprobs(logits, targets, [req.sampling_params.prompt_logprobs] * len(targets)),
             )
         return out
+
+    def _clock(self):
+        """clock(phase) adds the seconds since the last call to step_times[phase] (after a
+        device sync) when profiling; a no-op otherwise."""
+        if not self.profile_steps:
+            return lambda phase: None
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        last = [time.perf_counter()]
+
+        def clock(phase: str) -> None:
+            sync()
+            now = time.perf_counter()
+            self.step_times[phase] += now - last[0]
+            last[0] = now
+
+        return clock
 
     def _sampling_row(self, req: Request, sample_index: int) -> SamplingRow:
         return SamplingRow(req.sampling_params, self._generator(req, sample_index), req.prompt_token_ids,
@@ -165,6 +226,22 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.table_rows.pop(request_id, None)
+
+    def _table_row(self, req: Request) -> np.ndarray:
+        """The request's block-table row, [max_blocks_per_seq] int32 zero-padded, kept across
+        steps: a request's block list only grows in place (only new entries are copied);
+        a new list object (preemption, fork) rebuilds the row."""
+        blocks = req.block_ids
+        entry = self.table_rows.get(req.request_id)
+        if entry is None or entry[0] is not blocks or entry[1] > len(blocks):
+            entry = (blocks, 0, np.zeros(self.config.max_blocks_per_seq, dtype=np.int32))
+        _, filled, row = entry
+        if filled < len(blocks):
+            row[filled:len(blocks)] = blocks[filled:]
+            entry = (blocks, len(blocks), row)
+        self.table_rows[req.request_id] = entry
+        return row
 
     def _prompt_logprob_rows(self, plan: SchedulerOutput):
         """(chunk, rows) for chunks whose tokens predict prompt tokens that want logprobs.
@@ -181,7 +258,8 @@ class ModelRunner:
             row += n
 
     def _prepare(self, plan: SchedulerOutput):
-        """Flatten the step's chunks into one varlen batch (see layers/attention/base.py)."""
+        """Flatten the step's chunks into one varlen batch (see layers/attention/base.py).
+        The int64 inputs travel to the device in one copy, the block tables in another."""
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -193,24 +271,35 @@ class ModelRunner:
         for chunk in plan.chunks:
             req, start = chunk.request, chunk.request.num_computed_tokens
             end = start + chunk.num_new_tokens
-            ids += req.all_token_ids[start:end]
-            positions += range(start, end)
-            slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            prompt = req.num_prompt_tokens
+            blocks = req.block_ids
+            if chunk.num_new_tokens == 1:  # decode: the hot path, no lists copied
+                ids.append(req.output_token_ids[start - prompt] if start >= prompt else req.prompt_token_ids[start])
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                ids += req.all_token_ids[start:end]
+                positions += range(start, end)
+                slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(len(ids))
             seq_lens.append(end)
             if chunk.samples:
                 sample_rows.append(len(ids) - 1)
                 sampled_chunks.append(chunk)
+        n, t = len(plan.chunks), len(ids)
         width = max(len(c.request.block_ids) for c in plan.chunks)
-        tables = [c.request.block_ids + [0] * (width - len(c.request.block_ids)) for c in plan.chunks]
+        tables = np.stack([self._table_row(c.request)[:width] for c in plan.chunks])
         dev = self.device
+        # one int64 vector: ids [t] | positions [t] | slots [t] | seq_lens [n] | query_start [n + 1]
+        flat = torch.tensor(ids + positions + slots + seq_lens + query_start, dtype=torch.int64)
+        flat = flat.to(dev, non_blocking=True)
+        input_ids, pos, slot_mapping, lens, starts = flat.split([t, t, t, n, n + 1])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=slot_mapping,
+            query_start_loc=starts.to(torch.int32),
+            seq_lens=lens.to(torch.int32),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
             query_lens_cpu=[c.num_new_tokens for c in plan.chunks],
             seq_lens_cpu=seq_lens,
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
-                meta, torch.tensor(sample_rows, dtype=torch.int64, device=dev), sampled_chunks)
+        return input_ids, pos, meta, sample_rows, sampled_chunks

@@ -40,13 +40,26 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def _plain(r: SamplingRow) -> bool:
+    """A row that needs only temperature (or argmax): no seed, filters, penalties or logprobs."""
+    p = r.params
+    return (r.generator is None and not p.logit_bias and len(r.output_ids) >= p.min_tokens and p.top_k <= 0
+            and p.top_p >= 1.0 and p.min_p <= 0 and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+
+
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, race: bool | None = None) -> None:
+        """race: draw plain rows by an exponential race (default: on CUDA), see `_race`."""
         self.seed = seed
+        self.race = race
         self.generator: torch.Generator | None = None  # for rows without a seed
+        self.draws = 0  # Gumbel-max steps so far: each step's Philox seed
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] float32."""
+        if (self.race if self.race is not None else logits.is_cuda) and all(_plain(r) for r in rows):
+            return SamplerOutput(self._race(logits, [r.params.temperature for r in rows]).tolist(), [None] * len(rows))
         raw = logits
         logits = _apply_bias_and_min_tokens(logits, rows)
         logits = _apply_penalties(logits, rows)
@@ -63,6 +76,28 @@ class Sampler:
             for i, lp in zip(want, token_logprobs(raw[want], tokens[want], [rows[i].params.logprobs for i in want])):
                 logprobs[i] = lp
         return SamplerOutput(token_list, logprobs)
+
+    def _race(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+        """argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i: one
+        pass over the vocabulary, no cumulative sum or search; greedy rows take the argmax."""
+        if all(t == 0 for t in temperatures):
+            return logits.argmax(dim=-1)
+        if self.generator is None or self.generator.device != logits.device:
+            self.generator = torch.Generator(device=logits.device).manual_seed(self.seed)
+        if len(set(temperatures)) == 1:  # one temperature (the common case): no host-to-device copy
+            if logits.is_cuda:  # one Triton pass over the logits (Gumbel-max), seeded per step
+                from ember.kernels.sampling import gumbel_argmax
+
+                self.draws += 1
+                return gumbel_argmax(logits, temperatures[0], seed=self.seed * 1_000_003 + self.draws)
+            probs = (logits / temperatures[0]).softmax(dim=-1)
+            return probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
+        temps = torch.tensor(temperatures, dtype=torch.float32).to(logits.device, non_blocking=True)[:, None]
+        probs = (logits / torch.where(temps > 0, temps, 1.0)).softmax(dim=-1)
+        drawn = probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
+        if any(t == 0 for t in temperatures):
+            drawn = torch.where(temps[:, 0] > 0, drawn, logits.argmax(dim=-1))
+        return drawn
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One token per row by inverse CDF: a single uniform number per row, so a seeded

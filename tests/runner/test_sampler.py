@@ -79,6 +79,17 @@ def test_sampling_follows_the_distribution():
     assert (counts / n - expected).abs().max() < 0.03
 
 
+def test_exponential_race_follows_the_distribution():
+    """The CUDA default for plain rows (temperature only), run here on the CPU."""
+    n = 4000
+    rows = [row(SamplingParams(temperature=0.7))] * (n - 1) + [row(SamplingParams(temperature=0))]
+    out = Sampler(0, race=True)(logits(*[L] * n), rows).token_ids
+    assert out[-1] == 3  # the greedy row
+    counts = torch.zeros(VOCAB).index_add_(0, torch.tensor(out[:-1]), torch.ones(n - 1))
+    expected = (torch.tensor(L) / 0.7).softmax(-1)
+    assert (counts / (n - 1) - expected).abs().max() < 0.03
+
+
 def test_penalties_match_reference():
     prompt, output = [1, 2, 7], [3, 3, 5, 7]
     p = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.25,

@@ -3,7 +3,14 @@
 from ember.layers.attention.base import AttentionBackend, AttentionMetadata
 from ember.layers.attention.torch_ref import TorchReferenceBackend
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchReferenceBackend}
+
+def _triton_backend() -> AttentionBackend:
+    from ember.layers.attention.triton_backend import TritonBackend  # imports triton: CUDA runs only
+
+    return TritonBackend()
+
+
+_BACKENDS = {"torch": TorchReferenceBackend, "triton": _triton_backend}
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -1,0 +1,6 @@
+"""Triton kernels, each small and next to a typed wrapper that checks layouts.
+
+Triton is imported only here and only when a kernel is used, so the engine core stays
+importable with torch alone. Tests run the same kernels on the CPU under Triton's
+interpreter (TRITON_INTERPRET=1, set before triton is first imported).
+"""

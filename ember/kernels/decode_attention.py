@@ -1,0 +1,156 @@
+"""Decode attention over the paged KV cache: one new query token per sequence, split along
+the context (flash-decoding) so that a small batch still fills the GPU.
+
+Stage 1: program (b, kv_head, s) takes split s of sequence b's context,
+
+    context  [0 ............................................ seq_len)
+    splits   [0, L) [L, 2L) ... [(S-1)L, seq_len)      L = cdiv(seq_len, S) rounded up to BLOCK_N
+
+and attends the GROUP query heads that share kv_head (GQA, padded to BLOCK_H >= 16 rows
+for tl.dot) over it: a partial output and its log-sum-exp. A split past the context writes
+lse = -inf. Stage 2 merges the S partials of each (b, head). With S == 1 stage 1 writes
+the output itself.
+
+The key at context position p is at k_cache[block_tables[b, p // block_size], p % block_size].
+Everything the kernels read is on the GPU (no host lengths), so a CUDA graph replays them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# BLOCK_N, num_warps, num_stages of the split kernel, from benchmarks/scripts/decode_sweep.py on
+# the H200 (3.99 / 4.37 TB/s of KV at the Qwen3-0.6B / Llama-8B benchmark shapes);
+# EMBER_DECODE_CONFIG="64,4,3" overrides, for sweeps
+DECODE_CONFIG = tuple(int(x) for x in os.environ.get("EMBER_DECODE_CONFIG", "128,4,4").split(","))
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+                         scale_log2, stride_qt, stride_qh, stride_tb, stride_cb, stride_cs, stride_ch,
+                         stride_ob, stride_oh, stride_os,
+                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + rows
+    hmask = rows < GROUP
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pmask = pos < end
+        block = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=pmask, other=0)
+        off = block.to(tl.int64) * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_H, BLOCK_N], log2 domain
+        qk = tl.where(pmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    o_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:
+        tl.store(o_ptr + o_off + s * stride_os, out, mask=hmask[:, None])
+        lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + s, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_merge_kernel(part_ptr, lse_ptr, o_ptr, stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    smask = s < NUM_SPLITS
+    lse = tl.load(lse_ptr + (b * NUM_HEADS + h) * NUM_SPLITS + s, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # an empty sequence (graph padding): output 0
+    w = tl.exp2(lse - top)
+    d = tl.arange(0, D)
+    part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                   mask=smask[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+def num_decode_splits(batch: int, num_kv_heads: int, max_splits: int = 32, target_programs: int = 528) -> int:
+    """Enough splits that batch x kv_heads x splits fills the GPU (~4 programs per SM of
+    an H200's 132); a function of the batch size alone, so a CUDA graph fixes it. A power
+    of two: few kernel variants to compile."""
+    want = min(max_splits, -(-target_programs // (batch * num_kv_heads)))
+    return 1 << max(0, want - 1).bit_length()
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
+                     block_n: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
+    """q [B, H, D] (one token per sequence), caches [num_blocks, block_size, Hkv, D],
+    block_tables [B, >= cdiv(max seq_len, block_size)] int32, seq_lens [B] int32 (0: no
+    context, output 0). Returns [B, H, D]."""
+    batch, heads, dim = q.shape
+    num_blocks, page, kv_heads, cdim = k_cache.shape
+    if cdim != dim or heads % kv_heads or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q's last dim and the caches must be contiguous")
+    if block_tables.shape[0] != batch or seq_lens.shape != (batch,) or block_tables.dtype != torch.int32 \
+            or seq_lens.dtype != torch.int32:
+        raise ValueError(f"block_tables must be [{batch}, W] int32 and seq_lens [{batch}] int32; got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}, {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {dim}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    group = heads // kv_heads
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    block_h = max(16, triton.next_power_of_2(group))
+    grid = (batch, kv_heads, num_splits)
+    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_N=block_n or DECODE_CONFIG[0], PAGE=page,
+                  NUM_SPLITS=num_splits, num_warps=num_warps or DECODE_CONFIG[1],
+                  num_stages=num_stages or DECODE_CONFIG[2])
+    scale_log2 = scale * LOG2E
+    if num_splits == 1:
+        _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, scale_log2,
+                                   q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
+                                   k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), 0,
+                                   **common)
+        return out
+    part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, part, lse, scale_log2,
+                               q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
+                               k_cache.stride(1), k_cache.stride(2), part.stride(0), part.stride(1),
+                               part.stride(2), **common)
+    _decode_merge_kernel[(batch, heads)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
+                                         out.stride(0), out.stride(1), NUM_HEADS=heads, D=dim,
+                                         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
+    return out

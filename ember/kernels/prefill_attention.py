@@ -1,0 +1,101 @@
+"""Prefill / extend attention over the paged KV cache (varlen): each sequence's new query
+tokens attend to its cached prefix and causally to each other. The new K/V are already in
+the cache (written by kv_write first), so keys are read from the cache only.
+
+Sequence b, with n = q_len new tokens and P = seq_len - n cached ones:
+
+    q rows      query_start_loc[b] ... query_start_loc[b + 1]   (new tokens, positions P .. P+n-1)
+    keys        context positions 0 ........ P-1 | P ..... P+n-1
+                                  cached prefix  | new (causal: key p <= query position)
+
+Program (m, h, b) takes query rows [m * BLOCK_M, (m + 1) * BLOCK_M) of sequence b for head
+h and walks keys up to its last row's position; rows past n load nothing and store nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, scale_log2,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
+                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAGE: tl.constexpr):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    q_pos = prefix + rows
+    kvh = h // GROUP
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None],
+                other=0.0)
+    # keys up to the block's last query position; nothing for a block past the new tokens
+    rows_here = tl.maximum(tl.minimum(q_len - mb * BLOCK_M, BLOCK_M), 0)
+    end = tl.minimum(prefix + mb * BLOCK_M + rows_here, rows_here * seq_len)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pmask = pos < end
+        block = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=pmask, other=0)
+        off = block.to(tl.int64) * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded row that sees nothing yet
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(o_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                      out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+    """q [T, H, D] flattened new tokens, caches [num_blocks, block_size, Hkv, D] holding
+    every sequence's context (new tokens included), block_tables [B, W] int32,
+    query_start_loc [B + 1] int32, seq_lens [B] int32. Returns [T, H, D]."""
+    tokens, heads, dim = q.shape
+    num_blocks, page, kv_heads, cdim = k_cache.shape
+    batch = seq_lens.shape[0]
+    if cdim != dim or heads % kv_heads or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q's last dim and the caches must be contiguous")
+    if query_start_loc.shape != (batch + 1,) or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        raise ValueError(f"query_start_loc must be [{batch + 1}] and block_tables [{batch}, W] with contiguous rows; "
+                         f"got {tuple(query_start_loc.shape)}, {tuple(block_tables.shape)}")
+    if any(t.dtype != torch.int32 for t in (block_tables, query_start_loc, seq_lens)):
+        raise ValueError("block_tables, query_start_loc and seq_lens must be int32")
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {dim}")
+    out = torch.empty_like(q) if out is None else out
+    if tokens == 0:
+        return out
+    grid = (triton.cdiv(max_query_len, block_m), heads, batch)
+    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
+                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                          GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page)
+    return out

@@ -1,0 +1,53 @@
+"""Rotary embedding (rotate-half layout) applied in place to q and k, one program per token.
+
+    cos_sin  [T, D]: cos | sin of each token's position (D/2 each), looked up once per forward
+    x        [T, heads, D]: x[..., :D/2] and x[..., D/2:] are a head's pairs
+    out1 = x1 cos - x2 sin,  out2 = x2 cos + x1 sin   (float32, rounded to x's dtype)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x_ptr, t, stride_t, stride_h, cos, sin, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+            HALF: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    c = tl.arange(0, HALF)
+    mask = (h < HEADS)[:, None]
+    p1 = x_ptr + t * stride_t + h[:, None] * stride_h + c[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(p1, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(p1 + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                 QH: tl.constexpr, KH: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+                 HALF: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.arange(0, HALF)
+    cos = tl.load(cs_ptr + t * 2 * HALF + c)[None, :]
+    sin = tl.load(cs_ptr + t * 2 * HALF + HALF + c)[None, :]
+    _rotate(q_ptr, t, stride_qt, stride_qh, cos, sin, QH, BLOCK_QH, HALF)
+    _rotate(k_ptr, t, stride_kt, stride_kh, cos, sin, KH, BLOCK_KH, HALF)
+
+
+def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """q [T, H, D], k [T, Hkv, D] (last dim contiguous; may be views of qkv), cos_sin [T, D] float32."""
+    tokens, heads, dim = q.shape
+    if k.shape[0] != tokens or k.shape[2] != dim or q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] with a contiguous last dim")
+    if cos_sin.shape != (tokens, dim) or not cos_sin.is_contiguous() or cos_sin.dtype != torch.float32:
+        raise ValueError(f"cos_sin must be a contiguous float32 [{tokens}, {dim}]; got {tuple(cos_sin.shape)}")
+    if dim & (dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {dim}")
+    if tokens:
+        _rope_kernel[(tokens,)](q, k, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), QH=heads,
+                                KH=k.shape[1], BLOCK_QH=triton.next_power_of_2(heads),
+                                BLOCK_KH=triton.next_power_of_2(k.shape[1]), HALF=dim // 2)

@@ -1,0 +1,81 @@
+"""The fused small-op kernels (RMSNorm with residual, SiLU-and-mul, RoPE) against the
+plain-torch layer code they replace on CUDA. CPU: Triton's interpreter; `-m gpu`: CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ember.kernels.activation import silu_and_mul as fused_silu_and_mul  # noqa: E402
+from ember.kernels.rms_norm import rms_norm  # noqa: E402
+from ember.kernels.rotary import rope_inplace  # noqa: E402
+from ember.layers.activation import silu_and_mul  # noqa: E402
+from ember.layers.norm import RMSNorm  # noqa: E402
+from ember.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+
+
+def _setup(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tol = dict(atol=2e-2, rtol=2e-2) if device == "cuda" else dict(atol=1e-5, rtol=1e-5)
+    return torch.Generator().manual_seed(0), dtype, tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("size", [64, 96])
+def test_rms_norm_with_and_without_residual(device, size):
+    g, dtype, tol = _setup(device)
+    norm = RMSNorm(size, 1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(size, generator=g)).to(dtype)
+    x = torch.randn(7, size, generator=g).to(dtype)
+    res = torch.randn(7, size, generator=g).to(dtype)
+    want_y, want_res = norm(x, res.clone())  # the CPU (torch) path
+    w = norm.weight.detach().to(device)
+    torch.testing.assert_close(rms_norm(x.to(device), w, 1e-6).cpu(), norm(x), **tol)
+    got_res = res.to(device)
+    got_y = rms_norm(x.to(device), w, 1e-6, got_res)
+    torch.testing.assert_close(got_y.cpu(), want_y, **tol)
+    torch.testing.assert_close(got_res.cpu(), want_res, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_per_head_on_a_strided_view(device):
+    """Qwen3's q/k norm: x is [T, heads, D] cut out of the fused qkv output."""
+    g, dtype, tol = _setup(device)
+    qkv = torch.randn(5, 4 * 32 + 2 * 2 * 32, generator=g).to(dtype)
+    q = qkv[:, :128].view(5, 4, 32)
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(32, generator=g)).to(dtype)
+    got = rms_norm(qkv.to(device)[:, :128].view(5, 4, 32), norm.weight.detach().to(device), 1e-6)
+    torch.testing.assert_close(got.cpu(), norm(q), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_and_mul(device):
+    g, dtype, tol = _setup(device)
+    x = torch.randn(6, 2 * 80, generator=g).to(dtype)
+    torch.testing.assert_close(fused_silu_and_mul(x.to(device), block=32).cpu(), silu_and_mul(x), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_in_place_on_qkv_views(device):
+    g, dtype, tol = _setup(device)
+    heads, kv_heads, dim, tokens = 4, 2, 32, 6
+    rotary = RotaryEmbedding(dim, 64, 10000.0, None)
+    positions = torch.tensor([0, 5, 1, 63, 17, 2])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+
+    def views(t):
+        return t[:, :heads * dim].view(tokens, heads, dim), t[:, heads * dim:(heads + kv_heads) * dim].view(
+            tokens, kv_heads, dim)
+
+    want_q, want_k = apply_rotary(*views(qkv), rotary.lookup(positions))
+    got = qkv.to(device)
+    rope_inplace(*views(got), rotary.lookup(positions).to(device))
+    got_q, got_k = views(got.cpu())
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    assert torch.equal(got[:, (heads + kv_heads) * dim:].cpu(), qkv[:, (heads + kv_heads) * dim:])  # v untouched
