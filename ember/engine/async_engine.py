@@ -132,7 +132,7 @@ class AsyncEngine:
         self.config = config if config.model_config is not None else config.resolve()
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = load_engine_tokenizer(self.config)
-        self.core = EngineCore(self.config)
+        self.core = EngineCore(self.config, self.tokenizer)
         self.inputs = InputProcessor(self.config, self.tokenizer, self.core.check_request)
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

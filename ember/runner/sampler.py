@@ -1,8 +1,10 @@
 """Batched sampling with per-request parameters, one row of logits per sampled token.
 
-Order, as in vLLM: logit_bias and min_tokens, then penalties (repetition over prompt and
-output, frequency and presence over the output), then greedy argmax or temperature,
-top-k, top-p, min-p and a draw. Logprobs are those of the raw logits.
+Order: logit_bias and min_tokens, then penalties (repetition over prompt and output,
+frequency and presence over the output), then the grammar's mask (structured output:
+forbidden tokens get -inf), then greedy argmax or temperature, top-k, top-p, min-p and a
+draw. Logprobs are those of the raw logits. (vLLM masks before the penalties; as every
+edit before it keeps -inf at -inf, the order gives the same tokens.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     eos_ids: frozenset[int]
+    allowed: torch.Tensor | None = None  # structured output: int32 bits of the tokens allowed next
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Sampler:
         raw = logits
         logits = _apply_bias_and_min_tokens(logits, rows)
         logits = _apply_penalties(logits, rows)
+        logits = apply_grammar_masks(logits, rows)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
@@ -108,6 +112,27 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) ->
             banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_ids))
             if banned:
                 logits[i, list(banned)] = float("-inf")
+    return logits
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, words] (bit t % 32 of word t // 32 = token t allowed) -> bool [rows, vocab]."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf for the tokens a row's grammar forbids; rows without a grammar are untouched."""
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not masked:
+        return logits
+    allowed = unpack_bitmask(torch.stack([rows[i].allowed for i in masked]).to(logits.device), logits.shape[1])
+    idx = torch.tensor(masked, device=logits.device)
+    logits = logits.clone()
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
     return logits
 
 
