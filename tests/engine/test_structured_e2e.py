@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -183,3 +184,90 @@ def test_jump_forward_appends_forced_tokens_and_the_output_still_validates(llm, 
     # a schema whose whole output is forced but the last token: one sampled token finishes it
     out = llm.generate(chat(llm, "Say ok."), constrained(json={"const": {"status": "ok"}}))[0].outputs[0]
     assert json.loads(out.text) == {"status": "ok"}
+
+
+def test_the_guidance_backend_gives_valid_output_too(extra_llm):
+    guided = extra_llm(structured_outputs_backend="guidance")
+    picked = [SCHEMAS[i] for i in (0, 2, 4, 16)]
+    prompts = [chat(guided, q) for q, _ in picked] + [chat(guided, REGEXES[0][0]), chat(guided, "Pick a city."),
+                                                      chat(guided, "Write a sum.")]
+    params = [constrained(json=s) for _, s in picked] + [constrained(32, regex=REGEXES[0][1]),
+                                                         constrained(8, choice=["Rome", "Oslo"]),
+                                                         constrained(32, grammar=ARITHMETIC)]
+    outs = guided.generate(prompts, params)
+    for (_, schema), out in zip(picked, outs):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    regex, choice, arithmetic = (o.outputs[0] for o in outs[len(picked):])
+    assert re.fullmatch(REGEXES[0][1], regex.text), regex.text
+    assert choice.text in ("Rome", "Oslo") and choice.finish_reason == "stop"
+    assert ARITHMETIC_RE.fullmatch(arithmetic.text), arithmetic.text
+    with pytest.raises(ValueError, match="invalid regex"):
+        guided.generate("x", constrained(regex="(a"))
+
+
+@pytest.mark.parametrize("constraint,message", [
+    ({"json": {"type": "nope"}}, 'invalid json for structured output: Unsupported type "nope"'),
+    ({"json": {"type": "string", "minLength": "x"}}, "invalid json for structured output: minLength must be an integer"),
+    ({"regex": "(a"}, "invalid regex for structured output: Regex parsing error at position 3: The parenthesis "
+                      "is not closed."),
+    ({"grammar": "root ::= foo"}, 'invalid grammar for structured output: EBNF parser error at line 1, column 10: '
+                                  'Rule "foo" is not defined'),
+])
+def test_a_bad_constraint_is_refused_at_the_boundary_with_the_compilers_message(llm, constraint, message):
+    with pytest.raises(ValueError) as e:
+        llm.generate(["Hi", "Hello"], [SamplingParams(max_tokens=2), constrained(**constraint)])
+    assert str(e.value) == message or str(e.value).startswith(message), str(e.value)
+    assert llm.engine.structured.num_compiling == 0 and not llm.engine.scheduler.requests
+
+
+def test_n_samples_of_a_constrained_request_each_follow_the_grammar(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=24,
+                            structured_outputs=StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} (is|was) (red|blue)"))
+    out = llm.generate(chat(llm, "What colour is the sky?"), params)[0]
+    assert len(out.outputs) == 3
+    for c in out.outputs:
+        assert c.finish_reason == "stop" and re.fullmatch(r"[A-Z][a-z]{2,8} (is|was) (red|blue)", c.text), c.text
+
+
+def test_a_request_whose_grammar_compiles_waits_without_stalling_the_others(llm):
+    """While a grammar compiles (held here by an event around the real compile), the free
+    request runs; the constrained one stays out of the scheduler, then runs when ready.
+    Aborting a request that waits for its grammar leaves nothing behind."""
+    core = llm.engine
+    backend = core.structured.backend
+    gate = threading.Event()
+    real_compile = backend.compile
+
+    def held_compile(params):
+        gate.wait(60)
+        return real_compile(params)
+
+    backend.compile = held_compile
+    schema = {"type": "object", "properties": {"held": {"type": "integer"}}, "required": ["held"]}
+    try:
+        free = llm.inputs.make_request("free", "The capital of France is", SamplingParams(temperature=0, max_tokens=4))
+        held = llm.inputs.make_request("held", chat(llm, "Give a number."), constrained(16, json=schema))
+        core.add_request(held)
+        core.add_request(free)
+        for _ in range(4):
+            core.step()
+        assert free.status.is_finished and len(free.output_token_ids) == 4
+        assert held.request_id not in core.scheduler.requests and core.structured.num_compiling == 1
+        assert not held.output_token_ids and core.has_unfinished_requests()
+        gate.set()
+        while core.has_unfinished_requests():
+            core.step()
+        assert held.finish_reason == "stop"
+        assert list(json.loads(llm.get_tokenizer().decode(held.output_token_ids[:-1]))) == ["held"]
+        gate.clear()
+        schema["properties"]["other"] = {"type": "string"}  # a new key: compiled afresh, held again
+        aborted = llm.inputs.make_request("aborted", "Hi", constrained(8, json=schema))
+        core.add_request(aborted)
+        core.step()
+        assert core.structured.num_compiling == 1
+        core.abort_request("aborted")
+        assert core.structured.num_compiling == 0 and not core.has_unfinished_requests()
+    finally:
+        gate.set()
+        del backend.compile
