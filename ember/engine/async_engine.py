@@ -347,7 +347,7 @@ class AsyncEngine:
         sched, pool = self.core.scheduler, self.core.block_pool
         self.stats = EngineStats(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_waiting=len(sched.waiting) + self.core.structured.num_compiling,  # and those whose grammar compiles
             num_kv_blocks=pool.num_blocks,
             num_kv_blocks_in_use=pool.num_in_use,
             num_preemptions=sched.num_preemptions,

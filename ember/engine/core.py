@@ -40,7 +40,7 @@ class EngineCore:
                                    config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy)
         vocab_size = config.model_config.vocab_size  # the logits' width: what the bitmask covers
         self.structured = StructuredOutputManager(
-            make_backend(config.structured_outputs_backend, tokenizer, vocab_size), tokenizer, vocab_size,
+            lambda: make_backend(config.structured_outputs_backend, tokenizer, vocab_size), tokenizer, vocab_size,
             config.max_model_len, config.structured_outputs_jump_forward)
 
     def add_request(self, request: Request) -> None:

@@ -8,7 +8,6 @@ import json
 import threading
 
 import llguidance
-import llguidance.torch
 import torch
 
 from ember.loader.tokenizer import Tokenizer
@@ -44,7 +43,10 @@ class _Matcher(GrammarMatcher):
         return n
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        # what llguidance.torch.fill_next_token_bitmask does, without importing torch._dynamo
+        words = bitmask[row]
+        assert bitmask.dtype == torch.int32 and words.is_contiguous() and words.device.type == "cpu"
+        self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def is_terminated(self) -> bool:
         return self._m.is_stopped()

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
+from collections.abc import Callable
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -49,9 +51,13 @@ class GrammarAdvance:
 
 
 class StructuredOutputManager:
-    def __init__(self, backend: GrammarBackend, tokenizer: Tokenizer | None, vocab_size: int,
+    def __init__(self, make_backend: Callable[[], GrammarBackend], tokenizer: Tokenizer | None, vocab_size: int,
                  max_model_len: int, jump_forward: bool = True) -> None:
-        self.backend = backend
+        """`make_backend` is called once, on the first constrained request: importing a
+        grammar package takes a second or two that an engine without one should not pay."""
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -62,6 +68,13 @@ class StructuredOutputManager:
         self._grammars: dict[str, CompiledGrammar] = {}  # per live request (its forks use it too)
         self._matchers: dict[str, GrammarMatcher] = {}
         self.num_forced_tokens = 0  # appended by jump-forward, since start
+
+    @property
+    def backend(self) -> GrammarBackend:
+        with self._backend_lock:  # the boundary may ask from another thread than the engine's
+            if self._backend is None:
+                self._backend = self._make_backend()
+            return self._backend
 
     # -- the boundary ---------------------------------------------------------------------
 
