@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ember.sampling_params import SamplingParams
@@ -115,13 +116,16 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) ->
     return logits
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [rows, words] (bit t % 32 of word t // 32 = token t allowed) -> bool [rows, vocab]."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, invert: bool = False) -> torch.Tensor:
+    """int32 [rows, words] on the CPU (bit t % 32 of word t // 32 = token t allowed) ->
+    bool [rows, vocab] (`invert`: True where forbidden). The int32 words are little-endian,
+    so their bytes unpacked little-bit-first are the tokens in order (numpy's unpackbits:
+    much faster than shifting in torch)."""
+    words = bitmask.contiguous().numpy()
+    if invert:
+        words = np.invert(words)
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -129,10 +133,13 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return logits
-    allowed = unpack_bitmask(torch.stack([rows[i].allowed for i in masked]).to(logits.device), logits.shape[1])
+    bitmask = torch.stack([rows[i].allowed for i in masked])
+    forbidden = unpack_bitmask(bitmask, logits.shape[1], invert=True).to(logits.device)
+    if len(masked) == len(rows):
+        return torch.where(forbidden, float("-inf"), logits)
     idx = torch.tensor(masked, device=logits.device)
     logits = logits.clone()
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    logits[idx] = torch.where(forbidden, float("-inf"), logits[idx])
     return logits
 
 
