@@ -28,7 +28,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # per-step token budget; default 2048
-    scheduling_policy: str = "fcfs"  # fcfs | priority
+    scheduling_policy: str = "fcfs"  # fcfs | priority | lpm (longest cached prefix first)
+    enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False
     attention_backend: str = "auto"
@@ -41,7 +42,7 @@ class EngineConfig:
         _choice("load_format", self.load_format, ("auto", "gguf", "safetensors", "dummy"))
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "lpm"))
         _choice("structured_outputs_backend", self.structured_outputs_backend, ("xgrammar", "guidance"))
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)

@@ -36,6 +36,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
+    num_blocks_in_cache: int = 0  # leading block_ids that the prefix cache holds
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission (vLLM's name)
+    times_passed_over: int = 0  # later arrivals admitted first (bounds the lpm policy)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -79,6 +82,8 @@ class Request:
                         eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
                         priority=self.priority, parent=self, index=index)
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_blocks_in_cache = self.num_blocks_in_cache
+        child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         child.first_scheduled_time = self.first_scheduled_time
         child.append_token(token_id)

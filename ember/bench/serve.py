@@ -5,8 +5,16 @@ Per request: TTFT (send -> first streamed token), ITL (gaps between streamed chu
 TPOT ((E2EL - TTFT) / (output tokens - 1)), E2EL (send -> last byte). Over the run:
 request, output-token and total-token throughput over the benchmark's wall time.
 Arrivals: all at once (`--request-rate inf`), or Poisson (`--burstiness 1`) / gamma
-inter-arrival times, capped by `--max-concurrency`. Prompts: vLLM's random dataset, sent
-as token ids so every server sees exactly the same prompt.
+inter-arrival times, capped by `--max-concurrency`. Prompts are sent as token ids so
+every server sees exactly the same prompt:
+
+- `--dataset random`: vLLM's random dataset.
+- `--dataset shared-prefix`: `--num-prompts` conversations, all at once, that share one
+  system prompt of `--shared-prefix-len` random ids. Each runs `--num-turns` turns in
+  sequence; turn k's prompt is the system prompt, every earlier user message and answer
+  (the answer's text re-tokenized, as a chat client would send it), and a new user
+  message of `--turn-input-len` ids. TTFT is also reported for the first turn alone and
+  for the later ones, which a prefix cache can serve from the history.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from ember.bench.throughput import RandomRequest, machine_info, random_requests
 class RequestResult:
     prompt_len: int
     ok: bool = False
+    text: str = ""
+    turn: int = 0  # in a conversation (shared-prefix dataset)
     output_len: int = 0
     ttft: float = 0.0
     latency: float = 0.0
@@ -42,7 +52,11 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     parser.add_argument("--tokenizer", default=None,
                         help="a .gguf or HF dir whose vocabulary the random prompts use (default: ember's default model)")
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+    parser.add_argument("--num-prompts", type=int, default=16, help="requests, or conversations for shared-prefix")
+    parser.add_argument("--shared-prefix-len", type=int, default=2048, help="shared-prefix: system prompt tokens")
+    parser.add_argument("--num-turns", type=int, default=5, help="shared-prefix: turns per conversation")
+    parser.add_argument("--turn-input-len", type=int, default=32, help="shared-prefix: tokens of each user message")
     parser.add_argument("--random-input-len", type=int, default=64)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -79,6 +93,7 @@ async def _send(client, url: str, payload: dict[str, Any], headers: dict[str, st
                 choice = (body.get("choices") or [{}])[0]
                 text = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if text:
+                    result.text += text
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft = now - start
@@ -126,6 +141,42 @@ async def _run(ns: argparse.Namespace, requests: list[RandomRequest], model: str
         return list(results), time.perf_counter() - start
 
 
+async def _run_conversations(ns: argparse.Namespace, conversations: list[list[RandomRequest]], system: list[int],
+                             model: str, encode) -> tuple[list[RequestResult], float]:
+    """Each conversation's turns in sequence, all conversations at once."""
+    import httpx
+
+    url = ns.base_url.rstrip("/") + ns.endpoint
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    extra = json.loads(ns.extra_body) if ns.extra_body else {}
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=None)) as client:
+        async def converse(turns: list[RandomRequest]) -> list[RequestResult]:
+            history, results = list(system), []
+            for k, turn in enumerate(turns):
+                prompt = history + turn.prompt_token_ids
+                payload = {"model": model, "prompt": prompt, "max_tokens": turn.output_len,
+                           "temperature": ns.temperature, "stream": True, "stream_options": {"include_usage": True},
+                           **({"ignore_eos": True} if ns.ignore_eos else {}), **extra}
+                result = await _send(client, url, payload, headers, len(prompt))
+                result.turn = k
+                results.append(result)
+                history = prompt + encode(result.text)
+            return results
+
+        start = time.perf_counter()
+        per_conversation = await asyncio.gather(*(converse(c) for c in conversations))
+        return [r for rs in per_conversation for r in rs], time.perf_counter() - start
+
+
+def shared_prefix_requests(ns: argparse.Namespace, vocab_size: int, special_ids) -> tuple[list[int], list[list[RandomRequest]]]:
+    """The system prompt, and each conversation's user turns (ids, answer length)."""
+    system = random_requests(1, ns.shared_prefix_len, 1, 0.0, vocab_size, special_ids, ns.seed)[0].prompt_token_ids
+    turns = random_requests(ns.num_prompts * ns.num_turns, ns.turn_input_len, ns.random_output_len,
+                            ns.random_range_ratio, vocab_size, special_ids, ns.seed + 1)
+    return system, [turns[i * ns.num_turns:(i + 1) * ns.num_turns] for i in range(ns.num_prompts)]
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ms = 1000.0
@@ -138,7 +189,12 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_len for r in ok)
+    by_turn = {}
+    if any(r.turn for r in results):
+        by_turn = {**{f"first_turn_{k}": v for k, v in stats("ttft", [r.ttft for r in ok if r.turn == 0]).items()},
+                   **{f"later_turns_{k}": v for k, v in stats("ttft", [r.ttft for r in ok if r.turn > 0]).items()}}
     return {
+        **by_turn,
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration, "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
@@ -166,6 +222,10 @@ def format_summary(label: str, s: dict[str, Any]) -> str:
         for stat in ("mean", "median", "p99"):
             lines.append(row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):",
                              s[f"{stat}_{key}_ms"]))
+    if "first_turn_mean_ttft_ms" in s:
+        lines.append(f"{'Time to First Token by turn':-^52}")
+        lines.append(row("Mean TTFT, first turns (ms):", s["first_turn_mean_ttft_ms"]))
+        lines.append(row("Mean TTFT, later turns (ms):", s["later_turns_mean_ttft_ms"]))
     if s["errors"]:
         lines.append(f"errors: {s['errors']}")
     lines.append("=" * 52)
@@ -188,10 +248,15 @@ def run_serve_bench(ns: argparse.Namespace) -> dict[str, Any]:
 
         ns.tokenizer = str(fetch_default_model())
     tok = load_tokenizer(ns.tokenizer)
-    requests = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
-                               tok.vocab_size, tok.all_special_ids, ns.seed)
     model = ns.model or _server_model(ns.base_url, ns.api_key)
-    results, duration = asyncio.run(_run(ns, requests, model))
+    if ns.dataset == "shared-prefix":
+        system, conversations = shared_prefix_requests(ns, tok.vocab_size, tok.all_special_ids)
+        results, duration = asyncio.run(_run_conversations(
+            ns, conversations, system, model, lambda text: tok.encode(text, add_special_tokens=False)))
+    else:
+        requests = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
+                                   tok.vocab_size, tok.all_special_ids, ns.seed)
+        results, duration = asyncio.run(_run(ns, requests, model))
     summary = summarize(results, duration)
     label = ns.label or f"{model} @ {ns.base_url}"
     report = {"config": {k: v for k, v in vars(ns).items() if k != "func"}, "label": label,

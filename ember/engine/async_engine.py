@@ -261,7 +261,7 @@ class AsyncEngine:
         self._publish_stats()
 
     def _step(self) -> None:
-        preemptions = self.stats.num_preemptions
+        before = self.stats
         core_outputs = self.core.step()
         now = time.monotonic()
         outputs, stopped = self._processor.process(core_outputs)
@@ -269,7 +269,9 @@ class AsyncEngine:
             self.core.finish_request(request_id, stop)
         self._publish_stats()  # before the outputs: a client that hears back sees fresh numbers
         iteration = self._iteration_stats(core_outputs, outputs, now)
-        iteration.num_preemptions = self.stats.num_preemptions - preemptions
+        iteration.num_preemptions = self.stats.num_preemptions - before.num_preemptions
+        iteration.prefix_cache_queries = self.stats.prefix_cache_queries - before.prefix_cache_queries
+        iteration.prefix_cache_hits = self.stats.prefix_cache_hits - before.prefix_cache_hits
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(self.stats, iteration)
@@ -351,4 +353,6 @@ class AsyncEngine:
             num_kv_blocks=pool.num_blocks,
             num_kv_blocks_in_use=pool.num_in_use,
             num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits,
         )

@@ -11,6 +11,7 @@ from ember.request import Request, RequestStatus
 from ember.runner.model_runner import ModelRunner, ModelRunnerOutput, PromptLogprobs
 from ember.runner.sampler import TokenLogprobs
 from ember.scheduler.block_pool import BlockPool
+from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler
 from ember.structured.manager import StructuredOutputManager
 from ember.structured.registry import make_backend
@@ -36,8 +37,10 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config)
         self.block_pool = BlockPool(self.runner.num_blocks)
+        self.prefix_cache = make_prefix_cache(config.enable_prefix_caching, self.block_pool, config.block_size)
         self.scheduler = Scheduler(self.block_pool, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy)
+                                   config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy,
+                                   self.prefix_cache)
         vocab_size = config.model_config.vocab_size  # the logits' width: what the bitmask covers
         self.structured = StructuredOutputManager(
             lambda: make_backend(config.structured_outputs_backend, tokenizer, vocab_size), tokenizer, vocab_size,
@@ -74,10 +77,12 @@ class EngineCore:
         self.structured.release(request_id)
 
     def check_idle(self) -> None:
-        """Assert that nothing is left behind: no request, no KV block in use, no generator."""
+        """Assert that nothing is left behind: no request, no KV block in use (cached ones
+        may stay, evictable), no generator."""
         pool = self.block_pool
         pool.check_integrity()
-        assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks still held"
+        self.prefix_cache.check_integrity()
+        assert pool.num_in_use == 0, f"{pool.num_in_use} KV blocks still held"
         assert not (self.scheduler.waiting or self.scheduler.running or self.scheduler.requests), \
             "the scheduler still holds requests"
         assert not self.runner.generators, "a seeded request's generator outlived it"

@@ -144,4 +144,5 @@ class OutputProcessor:
             for i, s in sorted(group.samples.items())
         ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, group.finished,
-                             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None)
+                             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None,
+                             num_cached_tokens=req.num_cached_tokens or 0)

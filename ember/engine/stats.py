@@ -28,6 +28,8 @@ class EngineStats:
     num_kv_blocks: int = 0
     num_kv_blocks_in_use: int = 0
     num_preemptions: int = 0  # since start
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found
 
     @property
     def kv_cache_usage(self) -> float:
@@ -52,6 +54,8 @@ class IterationStats:
     num_prompt_tokens: int = 0  # prompts of the requests that got their first token
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
@@ -65,7 +69,7 @@ class StatLogger(Protocol):
 
 class LoggingStatLogger:
     """A line in the log every `interval` seconds while the engine works: prompt and
-    generation throughput, running, waiting, KV use, preemptions."""
+    generation throughput, running, waiting, KV use, prefix-cache hit rate, preemptions."""
 
     def __init__(self, interval: float = 5.0) -> None:
         self.interval = interval
@@ -73,19 +77,28 @@ class LoggingStatLogger:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._preemptions = 0
+        self._queries = self._hits = 0
 
     def record(self, stats: EngineStats, iteration: IterationStats) -> None:
         now = time.monotonic()
         if now - self._last > self.interval:  # idle since the last step: a new window starts now
-            self._start, self._prompt_tokens, self._generation_tokens, self._preemptions = now, 0, 0, 0
+            self._reset(now)
         self._last = now
         self._prompt_tokens += iteration.num_prompt_tokens
         self._generation_tokens += iteration.num_generation_tokens
         self._preemptions += iteration.num_preemptions
+        self._queries += iteration.prefix_cache_queries
+        self._hits += iteration.prefix_cache_hits
         if now - self._start < self.interval:
             return
         elapsed = now - self._start
         logger.info("prompt: %.1f tok/s, generation: %.1f tok/s, running: %d, waiting: %d, KV cache: %.1f%%, "
-                    "preemptions: %d", self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
-                    stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, self._preemptions)
+                    "prefix cache hit rate: %.1f%%, preemptions: %d", self._prompt_tokens / elapsed,
+                    self._generation_tokens / elapsed, stats.num_running, stats.num_waiting,
+                    100 * stats.kv_cache_usage, 100 * self._hits / self._queries if self._queries else 0.0,
+                    self._preemptions)
+        self._reset(now)
+
+    def _reset(self, now: float) -> None:
         self._start, self._prompt_tokens, self._generation_tokens, self._preemptions = now, 0, 0, 0
+        self._queries = self._hits = 0

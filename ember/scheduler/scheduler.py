@@ -1,7 +1,13 @@
 """Continuous batching under one rule: each step a request gets up to
 `num_tokens - num_computed_tokens` new tokens, within the step's token budget and
-`max_num_seqs`. Running requests come first, then waiting ones in FCFS order. Prefill,
-chunked prefill and decode all fall out of the rule; one step mixes them.
+`max_num_seqs`. Running requests come first, then waiting ones in policy order. Prefill,
+chunked prefill, decode and prefix-cache hits all fall out of the rule; one step mixes them.
+
+Admission first matches the request's tokens against the prefix cache: the cached blocks
+join its block table and count as computed. After each step every block that filled
+enters the cache, so a finished request leaves its prompt and output behind for the next
+turn. Policies: fcfs (arrival order), priority (then arrival), lpm (longest cached prefix
+first, SGLang's; a request passed over LPM_MAX_PASSED_OVER times goes first).
 
 Out of blocks, the most recently admitted running request (under the "priority"
 policy: the lowest-priority one) is preempted by recompute: its blocks are freed and it
@@ -19,6 +25,10 @@ from dataclasses import dataclass, field
 
 from ember.request import Request, RequestStatus
 from ember.scheduler.block_pool import BlockPool
+from ember.scheduler.prefix_cache import NullPrefixCache, PrefixCache
+
+POLICIES = ("fcfs", "priority", "lpm")
+LPM_MAX_PASSED_OVER = 32
 
 
 @dataclass
@@ -49,11 +59,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs") -> None:
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
+                 prefix_cache: PrefixCache | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         self.policy = policy
         self.pool = block_pool
+        self.prefix_cache = prefix_cache or NullPrefixCache()
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,6 +74,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found cached
         self._pending_copies: list[tuple[int, int]] = []
 
     # -- admission ------------------------------------------------------------------------
@@ -115,9 +129,12 @@ class Scheduler:
             req = self._next_waiting()
             if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
                 break
+            self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_free:
+            if self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available:
+                self._release_blocks(req)
                 break
+            self._admitted(req)
             self.waiting.remove(req)
             self._grow(req, n)
             req.status = RequestStatus.RUNNING
@@ -139,7 +156,45 @@ class Scheduler:
         return list(requests)
 
     def _next_waiting(self) -> Request:
+        if self.policy == "lpm":
+            tokens = {r.request_id: self.prefix_cache.peek(r.all_token_ids) for r in self.waiting}
+            return min(self.waiting, key=lambda r: (r.times_passed_over < LPM_MAX_PASSED_OVER,
+                                                    -tokens[r.request_id], r.arrival_time))
         return self._by_policy(self.waiting)[0] if self.policy == "priority" else self.waiting[0]
+
+    def _match_prefix(self, req: Request) -> None:
+        """Take the request's longest cached prefix as computed. At least one token is left
+        to compute (its logits give the next token); prompt logprobs need every position."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return
+        hit = self.prefix_cache.match(req.all_token_ids, (req.num_tokens - 1) // self.block_size)
+        self.pool.share(hit.block_ids)
+        req.block_ids = list(hit.block_ids)
+        req.num_blocks_in_cache = len(hit.block_ids)
+        req.num_computed_tokens = hit.num_tokens
+
+    def _admitted(self, req: Request) -> None:
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += req.num_computed_tokens
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_computed_tokens
+        for other in self.waiting:
+            if other.arrival_time < req.arrival_time:
+                other.times_passed_over += 1
+
+    def _release_blocks(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids, req.num_blocks_in_cache, req.num_computed_tokens = [], 0, 0
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        """Hand the blocks the last step filled to the prefix cache."""
+        full = req.num_computed_tokens // self.block_size
+        if full > req.num_blocks_in_cache:
+            blocks = req.block_ids[:full]
+            self.prefix_cache.insert(req.all_token_ids[:full * self.block_size], blocks)
+            if blocks != req.block_ids[:full]:  # the cache had its own copy of some: use those
+                req.block_ids = blocks + req.block_ids[full:]  # a new list, so no stale view of the old one
+            req.num_blocks_in_cache = full
 
     def _victim(self, scheduled: set[str]) -> Request:
         """The last request in policy order that has no tokens in this step yet. Running
@@ -149,7 +204,7 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Make room for `n` more tokens of a running request, preempting the newest running
         requests if needed. False when `req` itself had to be preempted."""
-        while self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_free:
+        while self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available:
             victim = self._victim({c.request.request_id for c in out.chunks})
             self._preempt(victim)
             out.preempted.append(victim)
@@ -165,9 +220,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
-        req.num_computed_tokens = 0
+        self._release_blocks(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -181,6 +234,7 @@ class Scheduler:
         for chunk in out.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_new_tokens
+            self._cache_full_blocks(req)
             tokens = sampled.get(req.request_id)
             if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
@@ -198,8 +252,8 @@ class Scheduler:
         child = parent.fork(index, token)
         full, partial = divmod(parent.num_computed_tokens, self.block_size)
         self.requests[child.request_id] = child
-        if partial and not self.pool.num_free:  # no room for its own last block: recompute later
-            child.num_computed_tokens, child.status = 0, RequestStatus.WAITING
+        if partial and not self.pool.num_available:  # no room for its own last block: recompute later
+            child.num_computed_tokens, child.num_blocks_in_cache, child.status = 0, 0, RequestStatus.WAITING
             self.waiting.appendleft(child)
             return child
         child.block_ids = parent.block_ids[:full]

@@ -3,7 +3,7 @@
 Gauges (read from `AsyncEngine.current_stats()` at scrape time):
     num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction, 1 = full)
 Counters: prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason},
-    num_preemptions_total
+    num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total (in tokens)
 Histograms (seconds): time_to_first_token, inter_token_latency, e2e_request_latency,
     request_queue_time, request_prefill_time, request_decode_time
 
@@ -64,6 +64,8 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests that got their first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Preemptions.")
+        self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.success = counter("request_success", "Requests that finished, by finish reason.", ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a sample.",
@@ -84,6 +86,10 @@ class PrometheusStatLogger:
             self.generation_tokens.labels(m).inc(it.num_generation_tokens)
         if it.num_preemptions:
             self.preemptions.labels(m).inc(it.num_preemptions)
+        if it.prefix_cache_queries:
+            self.prefix_queries.labels(m).inc(it.prefix_cache_queries)
+        if it.prefix_cache_hits:
+            self.prefix_hits.labels(m).inc(it.prefix_cache_hits)
         for t in it.time_to_first_tokens:
             self.ttft.labels(m).observe(t)
         for t in it.inter_token_latencies:
@@ -104,7 +110,8 @@ class ServerMetrics:
         self.registry.register(_StateCollector(model_name, stats))
         self.stat_logger = PrometheusStatLogger(self.registry, model_name)
         for metric in (self.stat_logger.prompt_tokens, self.stat_logger.generation_tokens,
-                       self.stat_logger.preemptions, self.stat_logger.ttft, self.stat_logger.itl,
+                       self.stat_logger.preemptions, self.stat_logger.prefix_queries,
+                       self.stat_logger.prefix_hits, self.stat_logger.ttft, self.stat_logger.itl,
                        self.stat_logger.e2e, self.stat_logger.queue, self.stat_logger.prefill,
                        self.stat_logger.decode):
             metric.labels(model_name)  # present from the start, at 0

@@ -406,7 +406,9 @@ def _finish_reason(c: CompletionOutput) -> str:
 def _usage(outputs: list[RequestOutput]) -> p.UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
 
 
 # -- logprobs in OpenAI's two shapes ---------------------------------------------------------

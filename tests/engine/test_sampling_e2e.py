@@ -16,7 +16,7 @@ def test_n_samples_share_the_prompt_blocks(llm):
     bs = llm.config.block_size
     full, partial = divmod(len(ids), bs)
     assert partial, "the prompt must end inside a block"
-    free_before = pool.num_free
+    in_use_before = pool.num_in_use
     req = Request("fork", ids, SamplingParams(n=4, temperature=0, max_tokens=6, ignore_eos=True))
     core.add_request(req)
     core.step()  # prefill, 4 first tokens, fork
@@ -28,11 +28,11 @@ def test_n_samples_share_the_prompt_blocks(llm):
         for b in req.block_ids[:full]:
             assert pool.ref_counts[b] == 4
         assert len({k.block_ids[full] for k in kids} | {req.block_ids[full]}) == 4
-        assert free_before - pool.num_free == full + 4
+        assert pool.num_in_use - in_use_before == full + 4
         pool.check_integrity()
     finally:
         core.abort_request("fork")
-    assert pool.num_free == free_before
+    assert pool.num_in_use == in_use_before
 
 
 def test_n_greedy_samples_equal_one_greedy_sample(llm):

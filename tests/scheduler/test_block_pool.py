@@ -120,12 +120,12 @@ def test_freeing_a_free_block_raises():
 def test_allocate_more_than_free_raises_and_changes_nothing():
     pool = BlockPool(8)
     pool.allocate(5)
-    with pytest.raises(RuntimeError, match="asked for 4 KV blocks, 3 free"):
+    with pytest.raises(RuntimeError, match="asked for 4 KV blocks, 3 available"):
         pool.allocate(4)
     pool.check_integrity()
     assert free_queue(pool) == [5, 6, 7]
     assert pool.allocate(3) == [5, 6, 7]
-    with pytest.raises(RuntimeError, match="asked for 1 KV blocks, 0 free"):
+    with pytest.raises(RuntimeError, match="asked for 1 KV blocks, 0 available"):
         pool.allocate(1)
     assert pool.allocate(0) == []
     pool.check_integrity()
@@ -141,7 +141,7 @@ def test_check_integrity_catches_a_free_block_with_a_ref_count():
     pool = BlockPool(4)
     pool.allocate(1)
     pool.ref_counts[2] = 1  # block 2 is still in the free queue
-    with pytest.raises(AssertionError, match="block 2: ref count 1 but free=True"):
+    with pytest.raises(AssertionError, match="block 2: ref count 1, cached=False, but free=True"):
         pool.check_integrity()
 
 
@@ -149,7 +149,7 @@ def test_check_integrity_catches_a_used_block_with_no_ref_count():
     pool = BlockPool(4)
     pool.allocate(2)
     pool.ref_counts[1] = 0  # in use, yet nobody owns it
-    with pytest.raises(AssertionError, match="block 1: ref count 0 but free=False"):
+    with pytest.raises(AssertionError, match="block 1: ref count 0, cached=False, but free=False"):
         pool.check_integrity()
 
 

@@ -349,6 +349,19 @@ def test_metrics_count_tokens_requests_and_latencies_exactly(server, client):
     assert after["num_preemptions_total"] == 0
 
 
+def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server, client):
+    prompt = [5000 + 7 * i for i in range(45)]  # ids no other test sends: 2 full blocks of 16, then 13
+    before = server.metrics()
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    after = server.metrics()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    assert second.choices[0].text == first.choices[0].text
+    assert after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"] == 2 * 45
+    assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] == 32
+
+
 # ---- bad input: its status, OpenAI's error shape, and the server keeps serving ----------------
 
 LONG = [504] * (CONTEXT + 8)
@@ -540,6 +553,26 @@ def test_bench_serve_measures_the_server(server, tmp_path, capsys):
     # the server saw exactly these prompts and outputs
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 32
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 24
+
+
+def test_bench_serve_shared_prefix_conversations_hit_the_prefix_cache(server, tmp_path, capsys):
+    """2 conversations x 3 turns on one 40-token system prompt: every later turn carries
+    its history, so it finds at least the system prompt's 2 full blocks cached."""
+    from ember.server.cli import main
+
+    out_json = tmp_path / "shared.json"
+    before = server.metrics()
+    main(["bench", "serve", "--base-url", server.url, "--api-key", KEY, "--dataset", "shared-prefix",
+          "--num-prompts", "2", "--num-turns", "3", "--shared-prefix-len", "40", "--turn-input-len", "5",
+          "--random-output-len", "4", "--ignore-eos", "--seed", "5", "--output-json", str(out_json)])
+    assert re.search(r"Successful requests:\s+6\n", capsys.readouterr().out)
+    result = json.loads(out_json.read_text())["results"]
+    assert result["total_output_tokens"] == 6 * 4
+    assert result["first_turn_mean_ttft_ms"] > 0 and result["later_turns_mean_ttft_ms"] > 0
+    after = server.wait_idle()
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == result["total_input_tokens"]
+    assert after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"] == result["total_input_tokens"]
+    assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] >= 4 * 32
 
 
 def test_bench_serve_counts_failures(server, capsys):

@@ -1,0 +1,377 @@
+"""The radix prefix cache, alone and inside the Scheduler (no model).
+
+Block ids are exact: the pool's free queue is FIFO (allocate from the left, free to the
+right) and a request's blocks are freed last-first. `tree(cache)` draws the tree as
+nested (token_ids, block_ids, children) tuples, children in key order.
+
+The property test at the end drives 1000 random requests through a small pool with a
+fake KV cache: every scheduled token "writes" its id into its block slot, and before a
+chunk runs, every slot the request counts as computed must hold that request's token.
+A cache hit that pointed at the wrong block, a block evicted while in use, or a shared
+block overwritten would all show there.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ember.scheduler.scheduler as scheduler_module
+from ember.request import Request, RequestStatus
+from ember.sampling_params import SamplingParams
+from ember.scheduler.block_pool import BlockPool
+from ember.scheduler.prefix_cache import NullPrefixCache, RadixPrefixCache, make_prefix_cache
+from ember.scheduler.scheduler import Scheduler
+
+EOS = 2
+
+
+def tree(cache: RadixPrefixCache, node=None):
+    node = node or cache.root
+    return [(list(c.token_ids), list(c.block_ids), tree(cache, c))
+            for _, c in sorted(node.children.items())]
+
+
+def check(pool: BlockPool, cache: RadixPrefixCache) -> None:
+    pool.check_integrity()
+    cache.check_integrity()
+    assert pool.num_free + pool.num_in_use + pool.num_evictable == pool.num_blocks
+
+
+def cache_with(num_blocks: int = 10, block_size: int = 2) -> tuple[BlockPool, RadixPrefixCache]:
+    pool = BlockPool(num_blocks)
+    return pool, RadixPrefixCache(pool, block_size)
+
+
+# ---- the tree alone ---------------------------------------------------------------------------
+
+def test_insert_then_match_splits_a_node_at_the_block_where_tokens_differ():
+    pool, cache = cache_with()
+    blocks = pool.allocate(3)
+    cache.insert([1, 2, 3, 4, 5, 6], blocks)
+    assert tree(cache) == [([1, 2, 3, 4, 5, 6], [0, 1, 2], [])]
+    assert cache.peek([1, 2, 3, 4, 5, 6, 7]) == 6
+    assert cache.peek([1, 2, 3, 9]) == 2
+    assert tree(cache) == [([1, 2, 3, 4, 5, 6], [0, 1, 2], [])], "peek changes nothing"
+
+    hit = cache.match([1, 2, 3, 4, 9, 9, 9], max_blocks=3)
+    assert (hit.block_ids, hit.num_tokens) == ([0, 1], 4)
+    assert tree(cache) == [([1, 2, 3, 4], [0, 1], [([5, 6], [2], [])])]
+    check(pool, cache)
+
+
+def test_match_stops_at_max_blocks_and_at_a_partial_block():
+    pool, cache = cache_with()
+    cache.insert([1, 2, 3, 4, 5, 6], pool.allocate(3))
+    assert cache.match([1, 2, 3, 4, 5, 6], max_blocks=2).block_ids == [0, 1]
+    assert cache.match([1, 2, 3, 4, 5], max_blocks=2).block_ids == [0, 1]
+    assert cache.match([1, 2, 3], max_blocks=5).block_ids == [0]  # [3] is not a whole block
+    assert cache.match([9, 9, 1, 2], max_blocks=2).block_ids == []
+    assert tree(cache) == [([1, 2], [0], [([3, 4], [1], [([5, 6], [2], [])])])]
+    check(pool, cache)
+
+
+def test_insert_branches_and_reuses_the_trees_copy_of_a_block_computed_twice():
+    pool, cache = cache_with()
+    first = pool.allocate(3)  # [0, 1, 2]
+    cache.insert([1, 2, 3, 4, 5, 6], first)
+    second = pool.allocate(3)  # [3, 4, 5]: the same first two blocks, computed again
+    cache.insert([1, 2, 3, 4, 7, 8], second)
+    assert second == [0, 1, 5], "the caller's list now names the tree's blocks"
+    assert tree(cache) == [([1, 2, 3, 4], [0, 1], [([5, 6], [2], []), ([7, 8], [5], [])])]
+    assert pool.ref_counts[:6] == [2, 2, 1, 0, 0, 1]
+    assert list(pool._free)[-2:] == [3, 4], "the duplicates went back to the free queue"
+    check(pool, cache)
+
+
+def test_freed_cached_blocks_are_evictable_not_free_and_come_back_on_a_hit():
+    pool, cache = cache_with(num_blocks=4)
+    blocks = pool.allocate(2)
+    cache.insert([1, 2, 3, 4], blocks)
+    pool.free(blocks)
+    assert (pool.num_free, pool.num_in_use, pool.num_evictable) == (2, 0, 2)
+    hit = cache.match([1, 2, 3, 4, 5], max_blocks=2)
+    pool.share(hit.block_ids)
+    assert (pool.num_free, pool.num_in_use, pool.num_evictable) == (2, 2, 0)
+    check(pool, cache)
+
+
+def test_eviction_takes_least_recently_used_leaves_first_and_a_leafs_tail_first():
+    pool, cache = cache_with(num_blocks=6)
+    a = pool.allocate(2)  # [0, 1]: tokens 1 2 | 3 4
+    cache.insert([1, 2, 3, 4], a)
+    b = pool.allocate(3)  # [2, 3, 4]: tokens 5 6 | 7 8 | 9 9
+    cache.insert([5, 6, 7, 8, 9, 9], b)
+    pool.free(a)
+    pool.free(b)
+    cache.match([1, 2, 3, 4], max_blocks=2)  # a hit on a: now b is the least recently used
+    assert tree(cache) == [([1, 2, 3, 4], [0, 1], []), ([5, 6, 7, 8, 9, 9], [2, 3, 4], [])]
+    assert (pool.num_free, pool.num_evictable) == (1, 5)
+
+    got = pool.allocate(3)  # 1 free + 2 evicted from the LRU leaf, b, tail first
+    assert got == [5, 4, 3]
+    assert tree(cache) == [([1, 2, 3, 4], [0, 1], []), ([5, 6], [2], [])]
+    got = pool.allocate(2)  # b's last block, then a's tail
+    assert got == [2, 1]
+    assert tree(cache) == [([1, 2], [0], [])]
+    assert pool.allocate(1) == [0]
+    assert tree(cache) == []
+    with pytest.raises(RuntimeError, match="asked for 1 KV blocks, 0 available"):
+        pool.allocate(1)
+    check(pool, cache)
+
+
+def test_eviction_never_takes_a_block_in_use():
+    pool, cache = cache_with(num_blocks=5)
+    held = pool.allocate(2)  # [0, 1], still used by a running request
+    cache.insert([1, 2, 3, 4], held)
+    done = pool.allocate(2)  # [2, 3], its request finished
+    cache.insert([5, 6, 7, 8], done)
+    pool.free(done)
+    assert pool.num_available == 3
+    assert pool.allocate(3) == [4, 3, 2]
+    assert tree(cache) == [([1, 2, 3, 4], [0, 1], [])]
+    assert pool.ref_counts == [1, 1, 1, 1, 1]
+    with pytest.raises(RuntimeError, match="0 available"):
+        pool.allocate(1)
+    check(pool, cache)
+
+
+def test_a_parent_is_evicted_only_after_its_children():
+    pool, cache = cache_with(num_blocks=4)
+    a = pool.allocate(2)
+    cache.insert([1, 2, 3, 4], a)
+    hit = cache.match([1, 2, 5, 6], max_blocks=2)  # a second request shares [1 2] ...
+    pool.share(hit.block_ids)
+    b = hit.block_ids + pool.allocate(1)
+    cache.insert([1, 2, 5, 6], b)  # ... and adds its own [5 6], touched last
+    pool.free(a)
+    pool.free(b)
+    assert tree(cache) == [([1, 2], [0], [([3, 4], [1], []), ([5, 6], [2], [])])]
+    assert pool.allocate(3) == [3, 1, 2]  # the free one, then the leaves by age; their parent [1 2] stays
+    assert tree(cache) == [([1, 2], [0], [])]
+    check(pool, cache)
+
+
+def test_make_prefix_cache_off_is_the_null_object():
+    pool = BlockPool(4)
+    off = make_prefix_cache(False, pool, 2)
+    assert isinstance(off, NullPrefixCache) and pool.evictor is None
+    blocks = pool.allocate(2)
+    off.insert([1, 2, 3, 4], blocks)
+    assert off.match([1, 2, 3, 4, 5], 2).block_ids == [] and off.peek([1, 2, 3, 4]) == 0
+    pool.free(blocks)
+    assert pool.num_free == 4 and pool.num_evictable == 0
+
+
+# ---- inside the scheduler -------------------------------------------------------------------
+
+def make(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
+         policy: str = "fcfs") -> Scheduler:
+    pool = BlockPool(num_blocks)
+    return Scheduler(pool, block_size, max_num_seqs, budget, 256, policy, RadixPrefixCache(pool, block_size))
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 3, **params) -> Request:
+    return Request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params),
+                   eos_token_ids=frozenset({EOS}))
+
+
+def run(s: Scheduler, tokens: dict[str, list[int]] | None = None) -> list[tuple[str, int]]:
+    """Step until idle; request i samples tokens[i] in turn (else 7). Returns [(id, n)] per chunk."""
+    plan, tokens = [], {k: list(v) for k, v in (tokens or {}).items()}
+    while s.has_unfinished():
+        out = s.schedule()
+        plan += [(c.request.request_id, c.num_new_tokens) for c in out.chunks]
+        sampled = {c.request.request_id: [(tokens.get(c.request.request_id) or [7]).pop(0)]
+                   for c in out.chunks if c.samples}
+        s.update(out, sampled)
+        s.pool.check_integrity()
+        s.prefix_cache.check_integrity()
+    assert s.pool.num_in_use == 0
+    return plan
+
+
+PROMPT = list(range(100, 110))  # 10 tokens: blocks [100..103] [104..107], then 2 more
+
+
+def test_a_repeated_prompt_reuses_its_full_blocks_and_computes_the_rest():
+    s = make()
+    first = request("a", PROMPT)
+    s.add_request(first)
+    assert run(s) == [("a", 10), ("a", 1), ("a", 1)]
+    assert first.num_cached_tokens == 0
+    # a's 12 tokens with KV (10 prompt + 2 of 3 outputs) filled three blocks: all cached
+    assert tree(s.prefix_cache) == [(PROMPT[:8], [0, 1], [(PROMPT[8:] + [7, 7], [2], [])])]
+
+    again = request("b", PROMPT)
+    s.add_request(again)
+    s.schedule()
+    assert again.block_ids == [0, 1, 3] and again.num_computed_tokens == 8
+    assert again.num_cached_tokens == 8
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (20, 8)
+
+
+def test_the_last_token_is_always_computed_even_when_all_blocks_are_cached():
+    s = make()
+    s.add_request(request("a", PROMPT[:8], max_tokens=1))
+    run(s)
+    b = request("b", PROMPT[:8], max_tokens=1)
+    s.add_request(b)
+    assert run(s) == [("b", 4)], "8 tokens cached in 2 blocks, yet the last block runs again"
+    assert b.num_cached_tokens == 4
+
+
+def test_the_next_turn_reuses_the_previous_turns_output():
+    s = make()
+    turn1 = request("t1", PROMPT, max_tokens=6)
+    s.add_request(turn1)
+    run(s, {"t1": [20, 21, 22, 23, 24, 25]})
+    history = PROMPT + [20, 21, 22, 23, 24, 25]  # 16 tokens; the last (25) never got KV
+    turn2 = request("t2", history + [30, 31, 32])
+    s.add_request(turn2)
+    s.schedule()
+    # turn 1 held blocks 0..3; its 15 tokens with KV filled 0, 1, 2 (prompt, then 108 109 20 21)
+    assert turn2.num_computed_tokens == 12 and turn2.block_ids[:3] == [0, 1, 2]
+
+
+def test_prompt_logprobs_requests_do_not_read_the_cache():
+    s = make()
+    s.add_request(request("a", PROMPT))
+    run(s)
+    b = request("b", PROMPT, prompt_logprobs=1)
+    s.add_request(b)
+    s.schedule()
+    assert b.num_computed_tokens == 0 and b.num_cached_tokens == 0
+
+
+def test_a_request_admitted_with_a_hit_that_then_cannot_fit_gives_the_hit_back():
+    s = make(num_blocks=6, max_num_seqs=8, budget=64)
+    s.add_request(request("a", PROMPT, max_tokens=1))
+    run(s)  # cached: [100..103] [104..107] in blocks 0, 1; free: 3, 4, 5, 2
+    s.add_request(request("big", list(range(200, 216)), max_tokens=1))  # takes the 4 free blocks
+    c = request("c", PROMPT + list(range(300, 310)), max_tokens=1)  # hits 2 blocks, needs 3 more
+    s.add_request(c)
+    out = s.schedule()
+    assert [ch.request.request_id for ch in out.chunks] == ["big"]
+    assert c.block_ids == [] and c.num_computed_tokens == 0 and c.status is RequestStatus.WAITING
+    assert s.pool.ref_counts[:2] == [0, 0] and s.pool.num_evictable == 2
+    s.pool.check_integrity()
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_but_nobody_starves(monkeypatch):
+    s = make(max_num_seqs=1, policy="lpm")
+    s.add_request(request("warm", PROMPT, max_tokens=1))
+    run(s)
+    cold = request("cold", list(range(500, 510)), max_tokens=1)
+    hot = request("hot", PROMPT, max_tokens=1)
+    s.add_request(cold)
+    s.add_request(hot)
+    assert [rid for rid, _ in run(s)] == ["hot", "cold"]
+
+    monkeypatch.setattr(scheduler_module, "LPM_MAX_PASSED_OVER", 2)
+    old = request("old", list(range(600, 610)), max_tokens=1)
+    s.add_request(old)
+    for i in range(4):
+        s.add_request(request(f"hot{i}", PROMPT, max_tokens=1))
+    assert [rid for rid, _ in run(s)] == ["hot0", "hot1", "old", "hot2", "hot3"]
+
+
+def test_fcfs_ignores_cached_prefixes_when_ordering():
+    s = make(max_num_seqs=1)
+    s.add_request(request("warm", PROMPT, max_tokens=1))
+    run(s)
+    s.add_request(request("cold", list(range(500, 510)), max_tokens=1))
+    s.add_request(request("hot", PROMPT, max_tokens=1))
+    assert [rid for rid, _ in run(s)] == ["cold", "hot"]
+
+
+def test_forks_of_an_n_request_cache_their_blocks_once():
+    s = make()
+    parent = request("p", PROMPT, max_tokens=3, n=3, seed=None)
+    s.add_request(parent)
+    out = s.schedule()
+    s.update(out, {"p": [40, 41, 42]})
+    assert s.pool.ref_counts[0:2] == [3, 3]  # prompt's two full blocks: parent and two forks
+    s.prefix_cache.check_integrity()
+    run(s)
+    s.pool.check_integrity()
+    assert tree(s.prefix_cache)[0][1] == [0, 1]
+
+
+# ---- 1000 random requests through a small pool ---------------------------------------------
+
+PREFIXES = [[1000 + 37 * p + i for i in range(length)] for p, length in enumerate([0, 5, 9, 16, 23, 40])]
+
+
+def fake_next_token(tokens: list[int]) -> int:
+    """A deterministic 'model': the same history gives the same token, as real greedy does."""
+    return EOS if (tokens[-1] * 7 + len(tokens)) % 29 == 0 else 3000 + (tokens[-1] * 31 + len(tokens)) % 97
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), pool_tokens=st.integers(48, 160), block_size=st.sampled_from([1, 2, 4]),
+       policy=st.sampled_from(["fcfs", "lpm", "priority"]))
+def test_random_shared_prefix_workload_leaks_nothing_and_reads_only_its_own_kv(seed, pool_tokens, block_size, policy):
+    rng = random.Random(seed)
+    num_blocks = pool_tokens // block_size
+    pool = BlockPool(num_blocks)
+    cache = RadixPrefixCache(pool, block_size)
+    s = Scheduler(pool, block_size, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
+                  policy=policy, prefix_cache=cache)
+    kv: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}
+    histories: list[list[int]] = []
+    to_abort: dict[str, int] = {}
+    num_added, hits, steps = 0, 0, 0
+    while num_added < 100 or s.has_unfinished():
+        while num_added < 100 and len(s.waiting) < 4 and rng.random() < 0.6:
+            if histories and rng.random() < 0.3:  # a next turn: an earlier request's whole history
+                prompt = list(rng.choice(histories))
+            else:
+                prompt = list(rng.choice(PREFIXES))
+            prompt += [rng.randrange(5, 900) for _ in range(rng.randint(1, 8))]
+            prompt = prompt[-30:]
+            rid = f"r{num_added}"
+            req = Request(rid, prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 10),
+                                                      n=rng.choice([1, 1, 1, 2]), seed=None),
+                          eos_token_ids=frozenset({EOS}), priority=rng.randint(0, 2))
+            s.add_request(req)
+            num_added += 1
+            if rng.random() < 0.15:
+                to_abort[rid] = steps + rng.randint(0, 6)
+        for rid, when in list(to_abort.items()):
+            if when <= steps:
+                s.abort(rid)
+                del to_abort[rid]
+        out = s.schedule()
+        for src, dst in out.block_copies:
+            kv[dst] = list(kv[src])
+        sampled = {}
+        for chunk in out.chunks:
+            req, tokens = chunk.request, chunk.request.all_token_ids
+            for pos in range(req.num_computed_tokens):  # what attention would read
+                assert kv[req.block_ids[pos // block_size]][pos % block_size] == tokens[pos], \
+                    f"{req.request_id} reads the wrong KV at position {pos}"
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + chunk.num_new_tokens):
+                block = req.block_ids[pos // block_size]
+                assert pool.ref_counts[block] == 1 and not pool.cached[block], "a shared block is written"
+                kv[block][pos % block_size] = tokens[pos]
+            if chunk.samples:
+                draws = req.num_samples_to_draw
+                sampled[req.request_id] = [fake_next_token(tokens)] * draws
+        _, finished = s.update(out, sampled)
+        for req in finished:
+            histories.append(req.all_token_ids)
+            hits += req.num_cached_tokens or 0
+        pool.check_integrity()
+        cache.check_integrity()
+        for req in s.running:
+            assert all(pool.ref_counts[b] > 0 for b in req.block_ids)
+        steps += 1
+        assert steps < 20_000
+    assert pool.num_in_use == 0 and pool.ref_counts == [0] * num_blocks
+    assert pool.num_free + pool.num_evictable == num_blocks
+    assert s.prefix_cache_hits > 0, "the workload never hit the cache: it tests nothing"
