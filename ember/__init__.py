@@ -2,7 +2,7 @@
 
 from ember.config import EngineConfig
 from ember.outputs import CompletionOutput, RequestOutput
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -16,4 +16,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ember' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

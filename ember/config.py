@@ -33,6 +33,8 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
+    structured_outputs_backend: str = "xgrammar"  # xgrammar | guidance
+    structured_outputs_jump_forward: bool = True  # append grammar-forced tokens without a forward each
     # filled by resolve()
     model_config: ModelConfig | None = None
 
@@ -41,6 +43,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "lpm"))
+        _choice("structured_outputs_backend", self.structured_outputs_backend, ("xgrammar", "guidance"))
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):

@@ -5,11 +5,15 @@ All prompts go to one `LLM.generate` call with `SamplingParams(n=1, temperature=
 top_p=1.0, ignore_eos=True, max_tokens=output_len)`; only that call is timed, after the model
 is loaded and a tiny warm-up generate has paid the one-time costs. `--compare hf` then runs
 the same prompts through HF transformers (see hf_baseline.py) in the same process.
+`--structured-output json` runs the same prompts twice back to back, free and then each
+constrained by BENCH_SCHEMA (JSON records that cannot close within the output length,
+so both runs produce the same number of tokens), and reports the ratio of output tok/s.
 
 The printed report and the `--output-json` file are both made from one dict:
 
     {"config": {...flags}, "engine": {...resolved}, "date": ISO, "machine": {...},
-     "results": {"ember": {...}, "hf": {...}, "ember_over_hf_output_tok_s": R}}
+     "results": {"ember": {...}, "hf": {...}, "ember_over_hf_output_tok_s": R,
+                 "ember_json": {...}, "json_over_free_output_tok_s": R}}
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class ThroughputResult:
     prompt_tokens: int
     output_tokens: int
     elapsed_s: float
+    forced_tokens: int = 0  # structured output: appended by jump-forward, without a forward each
 
     def to_dict(self) -> dict[str, Any]:
         t = self.elapsed_s
@@ -68,9 +73,24 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                         help="also run the same workload through HF transformers' generate")
     parser.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--hf-batch-size", type=int, default=None, help="static batch size (default: all prompts)")
+    parser.add_argument("--structured-output", choices=["json"], default=None,
+                        help="also run every prompt constrained by a JSON schema, back to back with the free run")
     parser.add_argument("--output-json", default=None, help="write the config, machine and results here")
     parser.add_argument("--profile-steps", action="store_true",
                         help="time each step's phases (schedule, prepare, forward, sample, update) with device syncs")
+
+
+# a list of records: the array has no upper bound and more items than fit in --output-len,
+# so no constrained request ends before its max_tokens (as the free ones, with ignore_eos)
+BENCH_SCHEMA = {
+    "type": "object", "required": ["records"],
+    "properties": {"records": {"type": "array", "minItems": 1000, "items": {
+        "type": "object", "required": ["id", "name", "status", "score"],
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
+                       "name": {"type": "string", "maxLength": 12},
+                       "status": {"enum": ["active", "inactive", "pending"]},
+                       "score": {"type": "number"}}}}},
+}
 
 
 # -- the random dataset -------------------------------------------------------------------
@@ -107,25 +127,33 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
 # -- running ------------------------------------------------------------------------------
 
 
-def bench_ember(llm: Any, requests: list[RandomRequest]) -> ThroughputResult:
-    from ember.sampling_params import SamplingParams
+def bench_ember(llm: Any, requests: list[RandomRequest], schema: dict[str, Any] | None = None) -> ThroughputResult:
+    from ember.sampling_params import SamplingParams, StructuredOutputsParams
+
+    structured = StructuredOutputsParams(json=schema) if schema is not None else None
 
     def params(max_tokens: int) -> SamplingParams:
-        return SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens)
+        return SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens,
+                              structured_outputs=structured)
 
-    llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:4]}], params(2))  # warm-up
+    llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:4]}], params(2))  # warm-up (and compile)
     llm.engine.runner.step_times.clear()  # the profile counts the timed run only
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    cached = getattr(llm.engine.prefix_cache, "num_cached_blocks", 0)
+    if cached:  # each timed run starts cold: the free and the constrained run share their prompts
+        llm.engine.prefix_cache.evict(cached)
+    forced = llm.engine.structured.num_forced_tokens
     start = time.perf_counter()
     outputs = llm.generate(prompts, [params(r.output_len) for r in requests])
     elapsed = time.perf_counter() - start
     cfg = llm.config
     return ThroughputResult(
-        label=f"ember ({Path(cfg.model).name}, {cfg.dtype}, {cfg.device})",
+        label=f"ember ({Path(cfg.model).name}, {cfg.dtype}, {cfg.device})" + (", JSON schema" if schema else ""),
         num_requests=len(outputs),
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
         output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
         elapsed_s=elapsed,
+        forced_tokens=llm.engine.structured.num_forced_tokens - forced,
     )
 
 
@@ -178,6 +206,11 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
                                cfg.max_num_seqs)
         ember["floor_output_tokens_per_s"] = floor.output_tokens_per_s
         ember["roofline"] = floor.describe(ember["output_tokens_per_s"])
+    if ns.structured_output == "json":
+        results = report["results"]
+        results["ember_json"] = bench_ember(llm, requests, BENCH_SCHEMA).to_dict()
+        results["json_over_free_output_tok_s"] = (results["ember_json"]["output_tokens_per_s"]
+                                                  / results["ember"]["output_tokens_per_s"])
     if ns.compare == "hf":
         model_path, load_format, device = cfg.model, cfg.load_format, cfg.device
         del llm, cfg, runner  # free ember's weights and KV cache before HF loads its copy
@@ -209,7 +242,7 @@ def format_report(report: dict[str, Any]) -> str:
     """vLLM's three lines per engine, then the ratio when there is a baseline."""
     lines = []
     results = report["results"]
-    for name in ("ember", "hf"):
+    for name in ("ember", "ember_json", "hf"):
         if name in results:
             r = results[name]
             lines += [
@@ -226,8 +259,12 @@ def format_report(report: dict[str, Any]) -> str:
             if "profile_ms_per_step" in r:
                 lines.append(f"Per step ({r['profile_steps']} steps), ms: " + ", ".join(
                     f"{k} {v:.3f}" for k, v in r["profile_ms_per_step"].items()))
+            if name == "ember_json":
+                lines.append(f"Output tokens appended by jump-forward:  {r['forced_tokens']}")
     if "ember_over_hf_output_tok_s" in results:
         lines.append(f"ember/hf output tok/s = {results['ember_over_hf_output_tok_s']:.2f}")
+    if "json_over_free_output_tok_s" in results:
+        lines.append(f"json/free output tok/s = {results['json_over_free_output_tok_s']:.2f}")
     return "\n".join(lines)
 
 

@@ -132,7 +132,7 @@ class AsyncEngine:
         self.config = config if config.model_config is not None else config.resolve()
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = load_engine_tokenizer(self.config)
-        self.core = EngineCore(self.config)
+        self.core = EngineCore(self.config, self.tokenizer)
         self.inputs = InputProcessor(self.config, self.tokenizer, self.core.check_request)
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -349,7 +349,7 @@ class AsyncEngine:
         sched, pool = self.core.scheduler, self.core.block_pool
         self.stats = EngineStats(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_waiting=len(sched.waiting) + self.core.structured.num_compiling,  # and those whose grammar compiles
             num_kv_blocks=pool.num_blocks,
             num_kv_blocks_in_use=pool.num_in_use,
             num_preemptions=sched.num_preemptions,

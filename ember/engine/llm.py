@@ -27,7 +27,7 @@ class LLM:
                  **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, load_format=load_format, **engine_args).resolve()
         self.tokenizer: Tokenizer | None = load_engine_tokenizer(self.config)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(self.config, self.tokenizer)
         self.inputs = InputProcessor(self.config, self.tokenizer, self.engine.check_request)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -62,7 +62,7 @@ class OutputProcessor:
             touched[group.request.request_id] = group
             if out.prompt_logprobs is not None:
                 self._add_prompt_logprobs(group, out.prompt_logprobs.first_position, out.prompt_logprobs.tokens)
-            if not out.new_token_ids:
+            if not out.new_token_ids and not out.finished:
                 continue
             sample = group.samples.get(req.index) or self._new_sample(group, req)
             if sample.finish_reason is not None:
@@ -99,7 +99,8 @@ class OutputProcessor:
             return False
         req, params = sample.request, sample.request.sampling_params
         new_ids = out.new_token_ids
-        if out.finished and req.finish_reason == "stop" and not params.include_stop_str_in_output:
+        if (out.finished and req.finish_reason == "stop" and not params.include_stop_str_in_output and new_ids
+                and (new_ids[-1] in req.eos_token_ids or new_ids[-1] in params.stop_token_ids)):
             new_ids = new_ids[:-1]  # as vLLM: an EOS or stop token's own text is left out
         searched = len(sample.text)
         sample.text += sample.detokenizer.add(new_ids)

@@ -155,7 +155,10 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, plan: SchedulerOutput, grammar_masks: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
+        """`grammar_masks`: request id -> its allowed-token bits (structured output), applied
+        to its row's logits before sampling; all n samples of a forking request share it."""
+        grammar_masks = grammar_masks or {}
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         clock = self._clock()
@@ -176,7 +179,7 @@ class ModelRunner:
                 rows_idx = torch.tensor([r for c, r in zip(sampled_chunks, sample_rows)
                                          for _ in range(c.request.num_samples_to_draw)], device=self.device)
                 logits = self.model.compute_logits(hidden[rows_idx])
-            rows = [self._sampling_row(req, i) for req, i in owners]
+            rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id)) for req, i in owners]
             result = self.sampler(logits, rows)
             clock("sample")
             for (req, i), token, lp in zip(owners, result.token_ids, result.logprobs):
@@ -210,9 +213,9 @@ class ModelRunner:
 
         return clock
 
-    def _sampling_row(self, req: Request, sample_index: int) -> SamplingRow:
+    def _sampling_row(self, req: Request, sample_index: int, allowed: torch.Tensor | None) -> SamplingRow:
         return SamplingRow(req.sampling_params, self._generator(req, sample_index), req.prompt_token_ids,
-                           req.output_token_ids, req.eos_token_ids)
+                           req.output_token_ids, req.eos_token_ids, allowed)
 
     def _generator(self, req: Request, sample_index: int) -> torch.Generator | None:
         """A seeded request's own generator; sample i of a forking request is seeded seed + i."""

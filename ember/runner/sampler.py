@@ -1,14 +1,17 @@
 """Batched sampling with per-request parameters, one row of logits per sampled token.
 
-Order, as in vLLM: logit_bias and min_tokens, then penalties (repetition over prompt and
-output, frequency and presence over the output), then greedy argmax or temperature,
-top-k, top-p, min-p and a draw. Logprobs are those of the raw logits.
+Order: logit_bias and min_tokens, then penalties (repetition over prompt and output,
+frequency and presence over the output), then the grammar's mask (structured output:
+forbidden tokens get -inf), then greedy argmax or temperature, top-k, top-p, min-p and a
+draw. Logprobs are those of the raw logits. (vLLM masks before the penalties; as every
+edit before it keeps -inf at -inf, the order gives the same tokens.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ember.sampling_params import SamplingParams
@@ -21,6 +24,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     eos_ids: frozenset[int]
+    allowed: torch.Tensor | None = None  # structured output: int32 bits of the tokens allowed next
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Sampler:
         raw = logits
         logits = _apply_bias_and_min_tokens(logits, rows)
         logits = _apply_penalties(logits, rows)
+        logits = apply_grammar_masks(logits, rows)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
@@ -143,6 +148,33 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) ->
             banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_ids))
             if banned:
                 logits[i, list(banned)] = float("-inf")
+    return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, invert: bool = False) -> torch.Tensor:
+    """int32 [rows, words] on the CPU (bit t % 32 of word t // 32 = token t allowed) ->
+    bool [rows, vocab] (`invert`: True where forbidden). The int32 words are little-endian,
+    so their bytes unpacked little-bit-first are the tokens in order (numpy's unpackbits:
+    much faster than shifting in torch)."""
+    words = bitmask.contiguous().numpy()
+    if invert:
+        words = np.invert(words)
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf for the tokens a row's grammar forbids; rows without a grammar are untouched."""
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not masked:
+        return logits
+    bitmask = torch.stack([rows[i].allowed for i in masked])
+    forbidden = unpack_bitmask(bitmask, logits.shape[1], invert=True).to(logits.device)
+    if len(masked) == len(rows):
+        return torch.where(forbidden, float("-inf"), logits)
+    idx = torch.tensor(masked, device=logits.device)
+    logits = logits.clone()
+    logits[idx] = torch.where(forbidden, float("-inf"), logits[idx])
     return logits
 
 

@@ -32,12 +32,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="waiting requests go in arrival order, by priority, or longest cached prefix first")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching, help="reuse the KV of earlier requests' common prefixes")
+    parser.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
+                        choices=["xgrammar", "guidance"], help="the grammar backend for structured output")
+    parser.add_argument("--no-jump-forward", dest="structured_outputs_jump_forward", action="store_false",
+                        help="structured output: sample every token, even those the grammar forces")
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
     names = ["load_format", "dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
              "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
-             "scheduling_policy", "enable_prefix_caching"]
+             "scheduling_policy", "enable_prefix_caching",
+             "structured_outputs_backend", "structured_outputs_jump_forward"]
     return {"model": ns.model} | {n: getattr(ns, n) for n in names}
 
 

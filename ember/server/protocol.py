@@ -10,7 +10,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives one token may ask for (OpenAI's top_logprobs limit)
 
@@ -28,6 +28,22 @@ class InvalidRequest(ValueError):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(BaseModel):
@@ -56,6 +72,13 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs, and the older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -82,6 +105,8 @@ class _SamplingRequest(BaseModel):
         def given(value, default):
             return default if value is None else value
 
+        structured = self._structured_outputs()
+
         try:
             return SamplingParams(
                 n=self.n,
@@ -102,12 +127,41 @@ class _SamplingRequest(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 logprobs=logprobs,
                 logit_bias=bias,
+                structured_outputs=structured,
             )
         except ValueError as e:  # "SamplingParams.top_p must be ..." names the field
             message = str(e)
             param = message.split(" ", 1)[0].removeprefix("SamplingParams.") if message.startswith(
                 "SamplingParams.") else None
             raise InvalidRequest(message, param) from None
+
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request gives, from whichever field gives it."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise InvalidRequest("response_format of type json_schema needs json_schema.schema",
+                                     "response_format")
+            given.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        if self.structured_outputs:
+            given.append(("structured_outputs", {k: v for k, v in self.structured_outputs.items() if v is not None}))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise InvalidRequest(f"give one output constraint; got {', '.join(n for n, _ in given)}", given[1][0])
+        name, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequest(f"{name}: {e}", name) from None
 
 
 class ChatMessage(BaseModel):

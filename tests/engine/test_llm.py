@@ -143,11 +143,11 @@ def test_an_error_inside_the_loop_leaves_nothing_behind(llm, monkeypatch):
     frees their blocks, and the engine serves the next call."""
     real_execute, calls = llm.engine.runner.execute, []
 
-    def failing_execute(plan):
+    def failing_execute(plan, *args):
         calls.append(plan)
         if len(calls) == 2:
             raise RuntimeError("boom")
-        return real_execute(plan)
+        return real_execute(plan, *args)
 
     monkeypatch.setattr(llm.engine.runner, "execute", failing_execute)
     with pytest.raises(RuntimeError, match="boom"):

@@ -61,6 +61,7 @@ def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16
     # the new K/V landed in the cache, in their slots
     flat_k = k_cache.view(-1, kv_heads, head_dim)
     assert torch.equal(flat_k[torch.tensor(slots)], k)
+    return meta
 
 
 def test_prefill_only():
@@ -78,6 +79,17 @@ def test_mixed_prefix_extend_and_decode():
 
 def test_bfloat16_cache_decode_and_extend():
     run_case(cached=[9, 4, 0, 17, 30], new=[6, 1, 3, 1, 1], seed=5, dtype=torch.bfloat16)
+
+
+def test_short_chunks_share_one_padded_batch_and_long_ones_run_alone():
+    # jump-forward's appended tokens (2..16 new tokens over a cached prefix) next to decodes
+    # and a prompt longer than SHORT_CHUNK
+    meta = run_case(cached=[9, 4, 0, 17, 3, 30], new=[6, 1, 3, 2, 1, 20], seed=7)
+    decode, short, long = meta.plans["torch"]
+    assert decode.tables.shape[0] == 2 and long.tables.shape[0] == 1 and long.mask.shape[2] == 20
+    assert short.mask.shape[:3] == (3, 1, 6)  # three sequences, padded to the widest (6)
+    # rows: seq 0's 6 new tokens, seq 2's 3 (its last repeated), seq 3's 2 (its last repeated)
+    assert short.tokens.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9, 9, 9, 9, 10, 11, 11, 11, 11, 11]
 
 
 def test_mha_without_gqa():

@@ -2,8 +2,9 @@
 
 Per step it plans once (which cache slots each sequence reads, which keys each query
 may see) and every layer reuses the plan. Sequences with one new token (decode) run as
-one padded batch; each sequence with several new tokens (prefill, chunked prefill over
-a cached prefix) runs on its own.
+one padded batch; so do those with a few new tokens (up to SHORT_CHUNK: tokens that
+structured output's jump-forward appended, the tail of a chunked prompt); each sequence
+with more (prefill, chunked prefill over a cached prefix) runs on its own.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def context_blocks(cache: torch.Tensor, block_tables: torch.Tensor, length: int)
     block_size = cache.shape[1]
     tables = block_tables[:, : -(-length // block_size)].long()
     return cache[tables].flatten(1, 2)
+
+
+SHORT_CHUNK = 16  # sequences with 2..SHORT_CHUNK new tokens share one padded batch
 
 
 @dataclass
@@ -99,11 +103,35 @@ def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
         valid = torch.arange(longest, device=device)[None, :] < lens[:, None]  # [B, L]
         groups.append(_Group(rows, tables, valid[:, None, None, :]))
     starts = meta.query_start_loc.tolist()
+    short = [i for i, n in enumerate(meta.query_lens_cpu) if 1 < n <= SHORT_CHUNK]
+    if short:
+        groups.append(_short_chunks(meta, short, starts, block_size))
     for i, n in enumerate(meta.query_lens_cpu):
-        if n > 1:  # causal among the n new tokens, full over the cached prefix before them
+        if n > SHORT_CHUNK:  # causal among the n new tokens, full over the cached prefix before them
             length = meta.seq_lens_cpu[i]
             padded = -(-length // block_size) * block_size
             q_pos = torch.arange(length - n, length, device=device)
             mask = torch.arange(padded, device=device)[None, :] <= q_pos[:, None]  # [n, L]
             groups.append(_Group(slice(starts[i], starts[i] + n), meta.block_tables[i:i + 1], mask[None, None]))
     return groups
+
+
+def _short_chunks(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int) -> _Group:
+    """Sequences with a few new tokens each, padded to the widest: a sequence with n < width
+    new tokens repeats its last query in the padding, which writes the same output row
+    again with the same value.
+
+        seq a, n=3:  rows [r, r+1, r+2, r+2]   positions [p-3, p-2, p-1, p-1]   (width 4)
+    """
+    device = meta.block_tables.device
+    width = max(meta.query_lens_cpu[i] for i in seqs)
+    rows, positions = [], []
+    for i in seqs:
+        n, length = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        rows += [starts[i] + min(j, n - 1) for j in range(width)]
+        positions += [length - n + min(j, n - 1) for j in range(width)]
+    longest = -(-max(meta.seq_lens_cpu[i] for i in seqs) // block_size) * block_size
+    q_pos = torch.tensor(positions, device=device).view(len(seqs), width)
+    mask = torch.arange(longest, device=device)[None, None, :] <= q_pos[:, :, None]  # [B, width, L]
+    tables = meta.block_tables[torch.tensor(seqs, device=device)]
+    return _Group(torch.tensor(rows, device=device), tables, mask[:, None])

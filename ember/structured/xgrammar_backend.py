@@ -1,0 +1,126 @@
+"""The xgrammar backend (the default): JSON schema, regex, choice and EBNF grammars
+compiled to a token-level automaton with a precomputed mask cache."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+import xgrammar as xgr
+
+from ember.loader.tokenizer import Tokenizer
+from ember.sampling_params import StructuredOutputsParams
+from ember.structured.base import CompiledGrammar, GrammarBackend, GrammarMatcher
+
+
+def _choice_ebnf(choices: tuple[str, ...]) -> str:
+    # a JSON string literal is also an EBNF string literal (same escapes)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    """The tokenizer-free grammar: cheap, and raises on a bad schema / regex / EBNF."""
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        # compact JSON (", " and ": "): a small model given free whitespace may emit
+        # newlines forever, and a fixed layout lets jump-forward fill in keys
+        return xgr.Grammar.from_json_schema(params.schema, any_whitespace=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(_choice_ebnf(params.choice))
+    return xgr.Grammar.from_ebnf(params.grammar)
+
+
+def _compiler_message(e: Exception) -> str:
+    # "[00:44:10] /project/cpp/regex_converter.cc:94: Regex parsing error ..." -> the message
+    text = str(e).strip()
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.startswith("[") and ".cc:" in head else text
+
+
+class _Matcher(GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self._m = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._m.accept_token(token_id)
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        for i, t in enumerate(token_ids):
+            if not self._m.accept_token(t):
+                return i
+        return len(token_ids)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def jump_forward(self) -> str:
+        return self._m.find_jump_forward_string()
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+
+class _Compiled(CompiledGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._compiled = compiled
+
+    def matcher(self) -> GrammarMatcher:
+        return _Matcher(xgr.GrammarMatcher(self._compiled))
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        try:
+            _grammar(params)
+        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError
+            raise ValueError(f"invalid {params.kind.replace('_', ' ')} for structured output: "
+                             f"{_compiler_message(e)}") from None
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        return _Compiled(self.compiler().compile_grammar(_grammar(params)))
+
+    def compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:  # built once, on first use (~30 ms)
+            if self._compiler is None:
+                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size), max_threads=2)
+            return self._compiler
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
+    """xgrammar's view of ember's tokenizer: each id's byte-level token text, special tokens
+    as "" (so no grammar matches them as text), ids past the tokenizer up to the model's
+    logits width as "" too (never allowed)."""
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    if len(vocab) > vocab_size or max(vocab.values()) >= vocab_size:
+        raise ValueError(f"the tokenizer has {len(vocab)} tokens but the model's logits are {vocab_size} wide")
+    encoded = [""] * vocab_size
+    for token, i in vocab.items():
+        encoded[i] = token
+    for i in tokenizer.all_special_ids:
+        encoded[i] = ""
+    return xgr.TokenizerInfo(encoded, _vocab_type(tokenizer), vocab_size=vocab_size,
+                             stop_token_ids=sorted(tokenizer.eos_token_ids))
+
+
+def _vocab_type(tokenizer: Tokenizer) -> xgr.VocabType:
+    decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+    if "ByteLevel" in kinds:
+        return xgr.VocabType.BYTE_LEVEL
+    if "ByteFallback" in kinds:
+        return xgr.VocabType.BYTE_FALLBACK
+    return xgr.VocabType.RAW
