@@ -19,7 +19,7 @@ from typing import Protocol
 
 class Evictor(Protocol):
     def evict(self, num_blocks: int) -> None:
-        """Give exactly `num_blocks` evictable blocks back to the free queue (`BlockPool.uncache`)."""
+        """Give at least `num_blocks` evictable blocks back to the free queue (`BlockPool.uncache`)."""
 
 
 class BlockPool:

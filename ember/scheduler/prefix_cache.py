@@ -28,6 +28,8 @@ from typing import Sequence
 
 from ember.scheduler.block_pool import BlockPool
 
+EVICT_BATCH_DIVISOR = 64  # an eviction frees at least 1/64 of the pool (when that much is evictable)
+
 
 @dataclass(frozen=True)
 class MatchResult:
@@ -55,7 +57,7 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def evict(self, num_blocks: int) -> None:
-        """Free `num_blocks` evictable blocks, least recently used leaves first."""
+        """Free at least `num_blocks` evictable blocks, least recently used leaves first."""
 
     def check_integrity(self) -> None:
         """Assert the tree's invariants (tests)."""
@@ -149,6 +151,9 @@ class RadixPrefixCache(PrefixCache):
             self._touch(leaf)
 
     def evict(self, num_blocks: int) -> None:
+        # finding the leaves walks the whole tree: once the pool is full of cached blocks
+        # every allocation evicts, so free a batch at a time to walk it less often
+        num_blocks = min(max(num_blocks, self.pool.num_blocks // EVICT_BATCH_DIVISOR), self.pool.num_evictable)
         ref = self.pool.ref_counts
         leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and ref[n.block_ids[-1]] == 0]
         heapq.heapify(leaves)

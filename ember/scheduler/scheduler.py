@@ -7,7 +7,8 @@ Admission first matches the request's tokens against the prefix cache: the cache
 join its block table and count as computed. After each step every block that filled
 enters the cache, so a finished request leaves its prompt and output behind for the next
 turn. Policies: fcfs (arrival order), priority (then arrival), lpm (longest cached prefix
-first, SGLang's; a request passed over LPM_MAX_PASSED_OVER times goes first).
+first, SGLang's; a request passed over LPM_MAX_PASSED_OVER times goes first, and past
+LPM_MAX_QUEUE waiting requests it falls back to arrival order, as SGLang does).
 
 Out of blocks, the most recently admitted running request (under the "priority"
 policy: the lowest-priority one) is preempted by recompute: its blocks are freed and it
@@ -29,6 +30,7 @@ from ember.scheduler.prefix_cache import NullPrefixCache, PrefixCache
 
 POLICIES = ("fcfs", "priority", "lpm")
 LPM_MAX_PASSED_OVER = 32
+LPM_MAX_QUEUE = 128  # a longer queue is taken in arrival order: lpm looks up every waiting request
 
 
 @dataclass
@@ -156,7 +158,7 @@ class Scheduler:
         return list(requests)
 
     def _next_waiting(self) -> Request:
-        if self.policy == "lpm":
+        if self.policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
             tokens = {r.request_id: self.prefix_cache.peek(r.all_token_ids) for r in self.waiting}
             return min(self.waiting, key=lambda r: (r.times_passed_over < LPM_MAX_PASSED_OVER,
                                                     -tokens[r.request_id], r.arrival_time))

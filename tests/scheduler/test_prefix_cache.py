@@ -156,6 +156,18 @@ def test_a_parent_is_evicted_only_after_its_children():
     check(pool, cache)
 
 
+def test_a_big_pool_evicts_a_batch_at_a_time():
+    pool, cache = cache_with(num_blocks=128)  # evictions free at least 128 // 64 = 2 blocks
+    a = pool.allocate(3)
+    cache.insert([1, 2, 3, 4, 5, 6], a)
+    pool.free(a)
+    pool.allocate(125)  # every free block
+    assert pool.allocate(1) == [2], "the leaf's last two blocks were evicted, the last first"
+    assert tree(cache) == [([1, 2], [0], [])]
+    assert (pool.num_free, pool.num_evictable) == (1, 1)
+    check(pool, cache)
+
+
 def test_make_prefix_cache_off_is_the_null_object():
     pool = BlockPool(4)
     off = make_prefix_cache(False, pool, 2)
@@ -278,6 +290,16 @@ def test_lpm_admits_the_longest_cached_prefix_first_but_nobody_starves(monkeypat
     for i in range(4):
         s.add_request(request(f"hot{i}", PROMPT, max_tokens=1))
     assert [rid for rid, _ in run(s)] == ["hot0", "hot1", "old", "hot2", "hot3"]
+
+
+def test_lpm_takes_a_long_queue_in_arrival_order(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "LPM_MAX_QUEUE", 1)
+    s = make(max_num_seqs=1, policy="lpm")
+    s.add_request(request("warm", PROMPT, max_tokens=1))
+    run(s)
+    s.add_request(request("cold", list(range(500, 510)), max_tokens=1))
+    s.add_request(request("hot", PROMPT, max_tokens=1))
+    assert [rid for rid, _ in run(s)] == ["cold", "hot"]
 
 
 def test_fcfs_ignores_cached_prefixes_when_ordering():
