@@ -90,6 +90,13 @@ def test_exponential_race_follows_the_distribution():
     assert (counts / (n - 1) - expected).abs().max() < 0.03
 
 
+def test_a_grammar_row_never_takes_the_race_path_that_ignores_masks():
+    """On CUDA plain rows skip the slow path; a row with a grammar mask must not."""
+    allowed = torch.tensor([1 << 2], dtype=torch.int32)  # only token 2 (L's second lowest)
+    rows = [SamplingRow(SamplingParams(temperature=t), None, [1], [], frozenset(), allowed) for t in (0, 0.7)]
+    assert Sampler(0, race=True)(logits(L, L), rows).token_ids == [2, 2]
+
+
 def test_penalties_match_reference():
     prompt, output = [1, 2, 7], [3, 3, 5, 7]
     p = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.25,
