@@ -101,7 +101,7 @@ class EngineCore:
                 self.structured.wait(GRAMMAR_WAIT_S)
             return admitted
         t1 = time.perf_counter()
-        result = self.runner.execute(plan, self.structured.bitmasks(plan))
+        result = self.runner.execute(plan, lambda: self.structured.bitmasks(plan))
         t2 = time.perf_counter()
         stepped, finished = self.scheduler.update(plan, result.sampled)
         new_tokens = {req.request_id: [req.output_token_ids[-1]] for req in stepped}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,10 +156,12 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, grammar_masks: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
-        """`grammar_masks`: request id -> its allowed-token bits (structured output), applied
-        to its row's logits before sampling; all n samples of a forking request share it."""
-        grammar_masks = grammar_masks or {}
+    def execute(self, plan: SchedulerOutput,
+                fill_grammar_masks: Callable[[], dict[str, torch.Tensor]] | None = None) -> ModelRunnerOutput:
+        """`fill_grammar_masks()` gives request id -> its allowed-token bits (structured
+        output), applied to its row's logits before sampling; all n samples of a forking
+        request share it. It is called once the forward and the LM head are queued, so on
+        CUDA the CPU fills the masks while the GPU computes."""
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         clock = self._clock()
@@ -179,6 +182,7 @@ class ModelRunner:
                 rows_idx = torch.tensor([r for c, r in zip(sampled_chunks, sample_rows)
                                          for _ in range(c.request.num_samples_to_draw)], device=self.device)
                 logits = self.model.compute_logits(hidden[rows_idx])
+            grammar_masks = fill_grammar_masks() if fill_grammar_masks is not None else {}
             rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id)) for req, i in owners]
             result = self.sampler(logits, rows)
             clock("sample")

@@ -4,7 +4,7 @@
                     waits here, outside the scheduler, until the grammar is ready
     ready()         requests whose grammar compiled: each gets its matcher (and the
                     tokens the grammar forces at the start: jump-forward)
-    bitmasks(plan)  each step, before the forward: the allowed tokens of every
+    bitmasks(plan)  each step, once the forward is queued: the allowed tokens of every
                     constrained row that samples (filled on the CPU)
     advance(req)    after the step: feed the sampled token to the matcher; terminated?
                     and the tokens the grammar now forces (jump-forward)
