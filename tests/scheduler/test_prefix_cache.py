@@ -292,18 +292,10 @@ def test_lpm_admits_the_longest_cached_prefix_first_but_nobody_starves(monkeypat
     assert [rid for rid, _ in run(s)] == ["hot0", "hot1", "old", "hot2", "hot3"]
 
 
-def test_lpm_takes_a_long_queue_in_arrival_order(monkeypatch):
-    monkeypatch.setattr(scheduler_module, "LPM_MAX_QUEUE", 1)
-    s = make(max_num_seqs=1, policy="lpm")
-    s.add_request(request("warm", PROMPT, max_tokens=1))
-    run(s)
-    s.add_request(request("cold", list(range(500, 510)), max_tokens=1))
-    s.add_request(request("hot", PROMPT, max_tokens=1))
-    assert [rid for rid, _ in run(s)] == ["cold", "hot"]
-
-
-def test_fcfs_ignores_cached_prefixes_when_ordering():
-    s = make(max_num_seqs=1)
+@pytest.mark.parametrize("policy,max_queue", [("fcfs", 128), ("lpm", 1)], ids=["fcfs", "lpm-past-its-queue-bound"])
+def test_arrival_order_ignores_cached_prefixes(monkeypatch, policy, max_queue):
+    monkeypatch.setattr(scheduler_module, "LPM_MAX_QUEUE", max_queue)
+    s = make(max_num_seqs=1, policy=policy)
     s.add_request(request("warm", PROMPT, max_tokens=1))
     run(s)
     s.add_request(request("cold", list(range(500, 510)), max_tokens=1))
