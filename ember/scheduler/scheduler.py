@@ -180,9 +180,10 @@ class Scheduler:
         self.prefix_cache_hits += req.num_computed_tokens
         if req.num_cached_tokens is None:
             req.num_cached_tokens = req.num_computed_tokens
-        for other in self.waiting:
-            if other.arrival_time < req.arrival_time:
-                other.times_passed_over += 1
+        if self.policy == "lpm":  # only lpm admits out of arrival order
+            for other in self.waiting:
+                if other.arrival_time < req.arrival_time:
+                    other.times_passed_over += 1
 
     def _release_blocks(self, req: Request) -> None:
         self.pool.free(req.block_ids)
