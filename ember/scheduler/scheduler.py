@@ -180,7 +180,7 @@ class Scheduler:
         self.prefix_cache_hits += req.num_computed_tokens
         if req.num_cached_tokens is None:
             req.num_cached_tokens = req.num_computed_tokens
-        if self.policy == "lpm":  # only lpm admits out of arrival order
+        if self.policy == "lpm":  # the starvation bound only lpm reads
             for other in self.waiting:
                 if other.arrival_time < req.arrival_time:
                     other.times_passed_over += 1
