@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from ember import SamplingParams, StructuredOutputsParams
-from test_openai_server import KEY, MODEL, Server, _post, assert_openai_error
+from test_openai_server import KEY, MODEL, _post, assert_openai_error, client, server  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 
@@ -23,22 +23,6 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"]}
 ASK = [{"role": "user", "content": "Describe a person. Answer in JSON."}]
 DATE = r"\d{4}-\d{2}-\d{2}"
-
-
-@pytest.fixture(scope="module")
-def server(gguf_path, tmp_path_factory):
-    s = Server(gguf_path, tmp_path_factory.mktemp("structured") / "server.log", "--api-key", KEY)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        code = s.stop()
-    assert code == 0, f"the server exited with {code} after SIGTERM:\n{s.log_tail()}"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def offline(llm, messages, max_tokens: int, **constraint) -> str:
