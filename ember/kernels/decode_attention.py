@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from ember.kernels.paged import LOG2E, load_kv_tile
+
 # BLOCK_N, num_warps, num_stages of the split kernel, from benchmarks/scripts/decode_sweep.py on
 # the H200 (3.99 / 4.37 TB/s of KV at the Qwen3-0.6B / Llama-8B benchmark shapes);
 # EMBER_DECODE_CONFIG="64,4,3" overrides, for sweeps
@@ -56,10 +57,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
-        block = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=pmask, other=0)
-        off = block.to(tl.int64) * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, pos, pmask, kvh, d,
+                            stride_cb, stride_cs, stride_ch, PAGE)
         qk = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_H, BLOCK_N], log2 domain
         qk = tl.where(pmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from ember.kernels.paged import LOG2E, load_kv_tile
+
 
 
 @triton.jit
@@ -50,10 +51,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
-        block = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=pmask, other=0)
-        off = block.to(tl.int64) * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, pos, pmask, kvh, d,
+                            stride_cb, stride_cs, stride_ch, PAGE)
         qk = tl.dot(q, tl.trans(k)) * scale_log2
         visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
