@@ -47,8 +47,8 @@ class SamplerOutput:
 def _plain(r: SamplingRow) -> bool:
     """A row that needs only temperature (or argmax): no seed, filters, penalties, grammar or logprobs."""
     p = r.params
-    return (r.generator is None and r.allowed is None and not p.logit_bias and len(r.output_ids) >= p.min_tokens and p.top_k <= 0
-            and p.top_p >= 1.0 and p.min_p <= 0 and p.logprobs is None and p.repetition_penalty == 1.0
+    return (r.generator is None and r.allowed is None and not p.logit_bias and len(r.output_ids) >= p.min_tokens
+            and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 and p.logprobs is None and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
 
