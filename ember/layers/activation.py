@@ -1,13 +1,17 @@
 import torch
 import torch.nn.functional as F
 
+from ember.kernels import cpu as cpu_kernels
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up, where gate_up = [gate | up] along the last dim (one Triton
-    kernel on CUDA)."""
+    kernel on CUDA, one C++ loop on the CPU)."""
     if gate_up.is_cuda:
         from ember.kernels.activation import silu_and_mul as fused
 
         return fused(gate_up)
+    if (ops := cpu_kernels.for_tensor(gate_up)) is not None and gate_up.is_contiguous():
+        return ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

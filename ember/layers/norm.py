@@ -1,12 +1,15 @@
 import torch
 from torch import nn
 
+from ember.kernels import cpu as cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, computed in float32 like the reference implementations.
 
     With `residual`, the residual add before the norm is fused in: returns
-    (norm(x + residual), x + residual). On CUDA one Triton kernel does both."""
+    (norm(x + residual), x + residual). On CUDA one Triton kernel does both, on the CPU
+    one C++ kernel (ember/kernels/cpu); both update `residual` in place."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -20,6 +23,9 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return rms_norm(x, self.weight, self.eps, residual), residual  # residual updated in place
+        if (ops := cpu_kernels.for_tensor(x)) is not None and self.weight.dtype == x.dtype:
+            return ops.rms_norm(x, self.weight, self.eps) if residual is None else \
+                (ops.rms_norm(x, self.weight, self.eps, residual), residual)
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from ember.kernels import cpu as cpu_kernels
 from ember.models.config import RopeScaling
 
 
@@ -45,11 +46,14 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; rope from `RotaryEmbedding.lookup`.
-    On CUDA q and k are rotated in place by one Triton kernel."""
+    On CUDA (one Triton kernel) and on the CPU (one C++ loop) q and k are rotated in place."""
     if q.is_cuda:
         from ember.kernels.rotary import rope_inplace
 
         rope_inplace(q, k, rope)
+        return q, k
+    if (ops := cpu_kernels.for_tensor(q)) is not None:
+        ops.rotary_inplace(q, k, rope)
         return q, k
     cos, sin = rope.unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -12,11 +12,20 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from ember.kernels import cpu as cpu_kernels  # noqa: E402
+
 from ember.kernels.decode_attention import _decode_split_kernel, decode_attention, num_decode_splits  # noqa: E402
 from ember.kernels.kv_write import kv_write  # noqa: E402
 from ember.kernels.prefill_attention import prefill_attention  # noqa: E402
 from ember.layers.attention import AttentionMetadata, get_attention_backend  # noqa: E402
 from ember.layers.attention.torch_ref import write_kv  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def plain_torch_reference():
+    """The reference is the plain-torch layer code, not the C++ CPU kernels."""
+    with cpu_kernels.disabled():
+        yield
+
 
 DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
 

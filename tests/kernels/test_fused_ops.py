@@ -8,12 +8,21 @@ import torch
 
 pytest.importorskip("triton")
 
+from ember.kernels import cpu as cpu_kernels  # noqa: E402
+
 from ember.kernels.activation import silu_and_mul as fused_silu_and_mul  # noqa: E402
 from ember.kernels.rms_norm import rms_norm  # noqa: E402
 from ember.kernels.rotary import rope_inplace  # noqa: E402
 from ember.layers.activation import silu_and_mul  # noqa: E402
 from ember.layers.norm import RMSNorm  # noqa: E402
 from ember.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def plain_torch_reference():
+    """The reference is the plain-torch layer code, not the C++ CPU kernels."""
+    with cpu_kernels.disabled():
+        yield
+
 
 DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
 

@@ -2,9 +2,22 @@
 
 import math
 
+import pytest
 import torch
 
+from ember.kernels import cpu as cpu_kernels
 from ember.layers.attention import AttentionMetadata, get_attention_backend
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernels", "plain-torch"])
+def kernels(request):
+    """Every case runs twice: decode rows through the C++ kernel, and in plain torch."""
+    if request.param == "cpu-kernels":
+        assert cpu_kernels.ops() is not None
+        yield
+    else:
+        with cpu_kernels.disabled():
+            yield
 
 
 def dense_attention(q, k, v, scale):

@@ -1,4 +1,6 @@
 """Plain-torch paged attention: runs anywhere and is the oracle for the other backends.
+On the CPU its decode rows go to a C++ kernel that reads the paged cache in place
+(`ember/kernels/cpu`), where that kernel could be built.
 
 Per step it plans once (which cache slots each sequence reads, which keys each query
 may see) and every layer reuses the plan. Sequences with one new token (decode) run as
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ember.kernels import cpu as cpu_kernels
 from ember.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -41,6 +44,7 @@ class _Group:
     tokens: torch.Tensor | slice  # which rows of q this group answers
     tables: torch.Tensor  # [B, max_blocks] the sequences' block tables
     mask: torch.Tensor  # [B, 1, n, L] True where a query may see a key
+    lens: torch.Tensor | None = None  # [B] int32 context lengths, for one-token (decode) groups
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -62,6 +66,8 @@ class TorchReferenceBackend(AttentionBackend):
     def _attend(q, k_cache, v_cache, g: _Group, scale: float) -> torch.Tensor:
         """q rows of B sequences: [B * n, H, D] -> [B * n, H, D]."""
         batch, n, length = g.tables.shape[0], g.mask.shape[2], g.mask.shape[3]
+        if g.lens is not None and _in_place_decode_ok(q, k_cache):
+            return cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, g.tables, g.lens, scale)
         keys = context_blocks(k_cache, g.tables, length)  # [B, L, Hkv, D]
         values = context_blocks(v_cache, g.tables, length)
         if n == 1 and q.dtype != torch.float32:
@@ -74,6 +80,10 @@ class TorchReferenceBackend(AttentionBackend):
             values.transpose(1, 2).float(), attn_mask=g.mask, scale=scale, enable_gqa=True,
         )
         return o.transpose(1, 2).reshape(q.shape).to(q.dtype)
+
+
+def _in_place_decode_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return k_cache.dtype == q.dtype and cpu_kernels.for_tensor(q) is not None
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -101,7 +111,7 @@ def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
             idx = torch.tensor(decode, device=device)
             rows, tables, lens = meta.query_start_loc[idx].long(), meta.block_tables[idx], meta.seq_lens[idx]
         valid = torch.arange(longest, device=device)[None, :] < lens[:, None]  # [B, L]
-        groups.append(_Group(rows, tables, valid[:, None, None, :]))
+        groups.append(_Group(rows, tables.contiguous(), valid[:, None, None, :], lens.contiguous()))
     starts = meta.query_start_loc.tolist()
     short = [i for i, n in enumerate(meta.query_lens_cpu) if 1 < n <= SHORT_CHUNK]
     if short:

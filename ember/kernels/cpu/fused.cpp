@@ -1,0 +1,145 @@
+// Fused elementwise ops for the CPU: one pass over the rows instead of the ~10 small torch
+// ops (and their float32 round trips) each of these takes per layer. The arithmetic is
+// float32 and the roundings to the model dtype are where the plain-torch versions in
+// ember/layers round (y = weight * T(x / rms(x)), silu rounded before the product).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+
+namespace {
+
+template <typename T>
+inline float f32(T v) {
+  return static_cast<float>(v);
+}
+
+// rows of a [rows, n] or [tokens, heads, n] tensor whose last dim is contiguous
+struct Rows {
+  int64_t count, per_token, stride_token, stride_head;
+  explicit Rows(const at::Tensor& x)
+      : count(x.numel() / x.size(-1)),
+        per_token(x.dim() == 3 ? x.size(1) : 1),
+        stride_token(x.stride(0)),
+        stride_head(x.dim() == 3 ? x.stride(1) : 0) {}
+  int64_t offset(int64_t row) const { return (row / per_token) * stride_token + (row % per_token) * stride_head; }
+};
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, T* residual, at::Tensor& out) {
+  const int64_t n = x.size(-1);
+  const Rows rows(x);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows.count, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* src = xp + rows.offset(r);
+      T* dst = op + r * n;
+      if (residual != nullptr) {  // residual <- x + residual, rounded; the norm reads it
+        T* res = residual + r * n;
+        for (int64_t i = 0; i < n; ++i) res[i] = static_cast<T>(f32(src[i]) + f32(res[i]));
+        src = res;
+      }
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < n; ++i) squares += f32(src[i]) * f32(src[i]);
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + feps);
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(f32(wp[i]) * f32(static_cast<T>(f32(src[i]) * inv)));
+    }
+  });
+}
+
+// y = weight * norm(x); with `residual`, residual += x first (in place) and y = weight * norm(residual)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1, "x must be [rows, n] or [tokens, heads, n], last dim contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous() &&
+              weight.scalar_type() == x.scalar_type(), "weight must be a contiguous [n] of x's dtype");
+  if (residual.has_value()) {
+    TORCH_CHECK(x.dim() == 2 && residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == x.scalar_type(), "residual must be a contiguous [rows, n] like x");
+  }
+  auto out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x, weight, eps, residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr, out);
+  });
+  return out;
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* src, T* dst, int64_t tokens, int64_t inter) {
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = src + t * 2 * inter;
+      const T* up = gate + inter;
+      T* o = dst + t * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = f32(gate[i]);
+        o[i] = static_cast<T>(f32(static_cast<T>(g / (1.f + std::exp(-g)))) * f32(up[i]));
+      }
+    }
+  });
+}
+
+// [tokens, 2 * inter] = [gate | up] -> [tokens, inter]: silu(gate) * up
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous [tokens, 2 * inter]");
+  const int64_t tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({tokens, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), tokens, inter);
+  });
+  return out;
+}
+
+template <typename T>
+void rotate_rows(const at::Tensor& x, const float* cos_sin, int64_t dim) {
+  const Rows rows(x);
+  const int64_t half = dim / 2;
+  T* xp = x.data_ptr<T>();
+  at::parallel_for(0, rows.count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = xp + rows.offset(r);
+      const float* cos = cos_sin + (r / rows.per_token) * dim;
+      const float* sin = cos + half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = f32(row[i]), x2 = f32(row[i + half]);
+        row[i] = static_cast<T>(x1 * cos[i] - x2 * sin[i]);
+        row[i + half] = static_cast<T>(x2 * cos[i] + x1 * sin[i]);
+      }
+    }
+  });
+}
+
+// rotate-half RoPE of q [tokens, heads, dim] and k [tokens, kv_heads, dim] in place (they may
+// be views of the fused qkv output); cos_sin [tokens, dim] float32 = cos | sin
+void rotary_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(-1) == 1 && k.stride(-1) == 1 && q.size(0) == k.size(0) &&
+              q.size(2) == k.size(2) && q.scalar_type() == k.scalar_type(), "q and k must be [tokens, heads, dim] alike");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.scalar_type() == at::kFloat &&
+              cos_sin.size(0) == q.size(0) && cos_sin.size(1) == q.size(2), "cos_sin must be a contiguous float32 [tokens, dim]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_inplace", [&] {
+    rotate_rows<scalar_t>(q, cos_sin.data_ptr<float>(), q.size(2));
+    rotate_rows<scalar_t>(k, cos_sin.data_ptr<float>(), k.size(2));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos_sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_inplace", &rotary_inplace);
+}

@@ -1,0 +1,150 @@
+"""The C++ CPU kernels (ember/kernels/cpu) against the plain-torch code they replace, which
+runs inside `cpu_kernels.disabled()`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ember.kernels import cpu as cpu_kernels
+from ember.layers.activation import silu_and_mul
+from ember.layers.attention.torch_ref import _decode_attention, context_blocks
+from ember.layers.norm import RMSNorm
+from ember.layers.rotary import RotaryEmbedding, apply_rotary
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    # float32: the sums run in another order; bfloat16: at most one rounding step apart
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+
+
+def test_the_library_builds_here():
+    """CI's machine has a compiler: a build that breaks must fail here, not fall back quietly."""
+    ops = cpu_kernels.ops()
+    assert ops is not None
+    x = torch.randn(2, 8)
+    assert cpu_kernels.for_tensor(x) is ops
+    assert cpu_kernels.for_tensor(x.to(torch.int32)) is None
+    with cpu_kernels.disabled():
+        assert cpu_kernels.for_tensor(x) is None
+    assert cpu_kernels.for_tensor(x) is ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [64, 576, 1000])
+def test_rms_norm_with_and_without_residual(dtype, size):
+    g = torch.Generator().manual_seed(size)
+    norm = RMSNorm(size, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(size, generator=g))
+    x = torch.randn(7, size, generator=g).to(dtype)
+    residual = torch.randn(7, size, generator=g).to(dtype)
+    with cpu_kernels.disabled():
+        want = norm(x)
+        want_y, want_residual = norm(x, residual.clone())
+    torch.testing.assert_close(norm(x), want, **tolerance(dtype))
+    got_residual = residual.clone()
+    got_y, returned = norm(x, got_residual)
+    assert returned is got_residual  # updated in place, as on CUDA
+    assert torch.equal(got_residual, want_residual)  # one rounded add: exact
+    torch.testing.assert_close(got_y, want_y, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_strided_view(dtype):
+    """Qwen3's q/k norm runs on [tokens, heads, head_dim] views of the fused qkv output."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 4 * 32 + 2 * 2 * 32, generator=g).to(dtype)
+    q = qkv[:, :128].view(5, 4, 32)
+    norm = RMSNorm(32, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(32, generator=g) + 0.5)
+    with cpu_kernels.disabled():
+        want = norm(q)
+    got = norm(q)
+    assert got.shape == (5, 4, 32)
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    with cpu_kernels.disabled():
+        want = silu_and_mul(x)
+    torch.testing.assert_close(silu_and_mul(x), want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_qkv_views_in_place(dtype):
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens = 9, 3, 64, 11
+    rotary = RotaryEmbedding(dim, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+
+    def views(t):
+        return t[:, :heads * dim].view(tokens, heads, dim), t[:, heads * dim:(heads + kv_heads) * dim].view(
+            tokens, kv_heads, dim)
+
+    with cpu_kernels.disabled():
+        want_q, want_k = apply_rotary(*views(qkv.clone()), rotary.lookup(positions))
+    q, k = views(qkv)
+    got_q, got_k = apply_rotary(q, k, rotary.lookup(positions))
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    torch.testing.assert_close(got_q, want_q, **tolerance(dtype))
+    torch.testing.assert_close(got_k, want_k, **tolerance(dtype))
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
+
+
+def plain_decode(q, k_cache, v_cache, tables, lens, scale):
+    block_size = k_cache.shape[1]
+    length = -(-int(lens.max()) // block_size) * block_size
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    return _decode_attention(q.float(), context_blocks(k_cache, tables, length).float(),
+                             context_blocks(v_cache, tables, length).float(), mask, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 1, 40)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_decode_attention_matches_plain_torch(dtype, heads, kv_heads, dim, seed):
+    """Shuffled block tables, lengths on and off block boundaries (1, 16, 17, ...), q a
+    strided view of a fused qkv row, padded table columns pointing at garbage blocks."""
+    g = torch.Generator().manual_seed(seed)
+    block_size, num_blocks = 16, 64
+    lens = torch.tensor([1, 16, 17, 100, 47, 160][: 4 + seed * 2], dtype=torch.int32)
+    batch, width = len(lens), -(-int(lens.max()) // block_size)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: batch * width].view(batch, width).to(torch.int32)
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q = qkv[:, : heads * dim].view(batch, heads, dim)
+    scale = 1 / math.sqrt(dim)
+    got = cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    want = plain_decode(q, k_cache, v_cache, tables, lens, scale)
+    assert got.dtype == dtype and got.shape == (batch, heads, dim)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+    # one token of context: the output is that token's value row, whatever the query
+    first = v_cache[tables[0, 0], 0].float().repeat_interleave(heads // kv_heads, 0)
+    torch.testing.assert_close(got[0].float(), first, **tol)
+
+
+def test_paged_decode_attention_refuses_bad_layouts():
+    ops = cpu_kernels.ops()
+    cache = torch.zeros(4, 16, 2, 8)
+    q = torch.zeros(1, 4, 8)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_decode_attention(q, cache, cache, tables.long(), lens, 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.paged_decode_attention(q.bfloat16(), cache, cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        ops.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.paged_decode_attention(q, cache.transpose(1, 2), cache, tables, lens, 1.0)
