@@ -6,10 +6,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 
 namespace {
+
+// Threads only pay past this many elements (ATen's own GRAIN_SIZE): a decode step's
+// [16, 576] norm is cheaper on one thread than a fork-join of two.
+constexpr int64_t kGrainElements = 32768;
+
+inline int64_t grain(int64_t elements_per_item) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, elements_per_item));
+}
 
 template <typename T>
 inline float f32(T v) {
@@ -35,7 +44,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, T*
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows.count, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows.count, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = xp + rows.offset(r);
       T* dst = op + r * n;
@@ -71,7 +80,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
 
 template <typename T>
 void silu_and_mul_rows(const T* src, T* dst, int64_t tokens, int64_t inter) {
-  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain(2 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = src + t * 2 * inter;
       const T* up = gate + inter;
@@ -102,7 +111,7 @@ void rotate_rows(const at::Tensor& x, const float* cos_sin, int64_t dim) {
   const Rows rows(x);
   const int64_t half = dim / 2;
   T* xp = x.data_ptr<T>();
-  at::parallel_for(0, rows.count, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows.count, grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = xp + rows.offset(r);
       const float* cos = cos_sin + (r / rows.per_token) * dim;

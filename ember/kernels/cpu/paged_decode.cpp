@@ -12,9 +12,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 namespace {
+
+constexpr int64_t kThreadRows = 2048;
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
@@ -50,7 +53,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // threads pay only past ~2k context rows in all (batch 1 at a short context runs on one)
+  const int64_t rows = std::accumulate(lens, lens + batch, int64_t{0}) * kv_heads;
+  const int64_t grain = std::max<int64_t>(1, kThreadRows * batch * kv_heads / std::max<int64_t>(1, rows));
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), row(dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, kv_head = item % kv_heads, len = lens[b];
