@@ -23,6 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "fused.cpp")]
+HEADER = Path(__file__).with_name("convert.h")
 FLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-w"]
 
 _ops = None
@@ -78,7 +79,7 @@ def _build() -> Path:
 
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     key = hashlib.sha256()
-    for part in [p.read_bytes() for p in SOURCES] + [torch.__version__.encode(), " ".join(FLAGS + [abi]).encode(),
+    for part in [p.read_bytes() for p in SOURCES + [HEADER]] + [torch.__version__.encode(), " ".join(FLAGS + [abi]).encode(),
                                                      _cpu_flags().encode()]:
         key.update(part)
     folder = cache_dir() / "cpu_kernels"

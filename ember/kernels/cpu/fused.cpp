@@ -10,6 +10,8 @@
 #include <cmath>
 #include <optional>
 
+#include "convert.h"
+
 namespace {
 
 // Threads only pay past this many elements (ATen's own GRAIN_SIZE): a decode step's
@@ -20,10 +22,9 @@ inline int64_t grain(int64_t elements_per_item) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, elements_per_item));
 }
 
-template <typename T>
-inline float f32(T v) {
-  return static_cast<float>(v);
-}
+using ember_cpu::load;
+using ember_cpu::round_to;
+using ember_cpu::store;
 
 // rows of a [rows, n] or [tokens, heads, n] tensor whose last dim is contiguous
 struct Rows {
@@ -50,14 +51,14 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, T*
       T* dst = op + r * n;
       if (residual != nullptr) {  // residual <- x + residual, rounded; the norm reads it
         T* res = residual + r * n;
-        for (int64_t i = 0; i < n; ++i) res[i] = static_cast<T>(f32(src[i]) + f32(res[i]));
+        for (int64_t i = 0; i < n; ++i) res[i] = store<T>(load(src[i]) + load(res[i]));
         src = res;
       }
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < n; ++i) squares += f32(src[i]) * f32(src[i]);
+      for (int64_t i = 0; i < n; ++i) squares += load(src[i]) * load(src[i]);
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + feps);
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(f32(wp[i]) * f32(static_cast<T>(f32(src[i]) * inv)));
+      for (int64_t i = 0; i < n; ++i) dst[i] = store<T>(load(wp[i]) * round_to<T>(load(src[i]) * inv));
     }
   });
 }
@@ -87,8 +88,8 @@ void silu_and_mul_rows(const T* src, T* dst, int64_t tokens, int64_t inter) {
       T* o = dst + t * inter;
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
-        const float g = f32(gate[i]);
-        o[i] = static_cast<T>(f32(static_cast<T>(g / (1.f + std::exp(-g)))) * f32(up[i]));
+        const float g = load(gate[i]);
+        o[i] = store<T>(round_to<T>(g / (1.f + std::exp(-g))) * load(up[i]));
       }
     }
   });
@@ -118,9 +119,9 @@ void rotate_rows(const at::Tensor& x, const float* cos_sin, int64_t dim) {
       const float* sin = cos + half;
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
-        const float x1 = f32(row[i]), x2 = f32(row[i + half]);
-        row[i] = static_cast<T>(x1 * cos[i] - x2 * sin[i]);
-        row[i + half] = static_cast<T>(x2 * cos[i] + x1 * sin[i]);
+        const float x1 = load(row[i]), x2 = load(row[i + half]);
+        row[i] = store<T>(x1 * cos[i] - x2 * sin[i]);
+        row[i + half] = store<T>(x2 * cos[i] + x1 * sin[i]);
       }
     }
   });

@@ -15,24 +15,15 @@
 #include <numeric>
 #include <vector>
 
+#include "convert.h"
+
 namespace {
 
 constexpr int64_t kThreadRows = 2048;
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// bfloat16 is the top half of a float32: a shift the compiler vectorizes (c10's
-// conversion is not)
-template <>
-inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(dst + i, &word, sizeof(float));
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = ember_cpu::load(src[i]);
 }
 
 // kDim > 0: the head size as a compile-time constant, so the inner loops unroll (2x faster
@@ -63,7 +54,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int32_t* table = tables + b * max_blocks;
       for (int64_t g = 0; g < group; ++g) {
         const T* src = qp + b * q_seq_stride + (kv_head * group + g) * q_head_stride;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]) * fscale;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ember_cpu::load(src[d]) * fscale;
       }
       scores.resize(group * len);
       for (int64_t t = 0; t < len; ++t) {
@@ -97,7 +88,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       for (int64_t g = 0; g < group; ++g) {
         T* dst = op + (b * heads + kv_head * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d]);
+        for (int64_t d = 0; d < dim; ++d) dst[d] = ember_cpu::store<T>(acc[g * dim + d]);
       }
     }
   });
