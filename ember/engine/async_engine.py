@@ -52,6 +52,11 @@ class EngineStoppedError(RuntimeError):
     """The engine is shutting down or its loop died: it takes no new request."""
 
 
+def _put_all(batch: list) -> None:  # runs on the event loop
+    for stream, item in batch:
+        stream._put(item)
+
+
 _END = object()  # ends a stream whose request was aborted or that the engine gave up on
 
 
@@ -277,12 +282,14 @@ class AsyncEngine:
                 stat_logger.record(self.stats, iteration)
             except Exception:
                 logger.exception("stat logger %r failed", stat_logger)
-        for out in outputs:
-            with self._lock:
+        deliveries = []
+        with self._lock:
+            for out in outputs:
                 stream = self._streams.pop(out.request_id, None) if out.finished else \
                     self._streams.get(out.request_id)
-            if stream is not None:
-                self._send(stream, out)
+                if stream is not None:
+                    deliveries.append((stream, out))
+        self._send_all(deliveries)
 
     def _iteration_stats(self, core_outputs: list[EngineCoreOutput], outputs: list[RequestOutput],
                          now: float) -> IterationStats:
@@ -337,6 +344,18 @@ class AsyncEngine:
             except Exception:
                 pass
             self._send(stream, error if error is not None else _END)
+
+    @staticmethod
+    def _send_all(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
+        """A step's outputs wake each event loop once, not once per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in deliveries:
+            by_loop.setdefault(stream._loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                pass
 
     @staticmethod
     def _send(stream: RequestStream, item) -> None:
