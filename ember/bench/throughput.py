@@ -179,8 +179,8 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
 
     report: dict[str, Any] = {
         "config": {k: v for k, v in vars(ns).items() if k != "func"},
-        "engine": {k: getattr(cfg, k) for k in ("model", "load_format", "dtype", "device", "max_model_len",
-                                                 "block_size", "num_kv_blocks", "max_num_seqs",
+        "engine": {k: getattr(cfg, k) for k in ("model", "load_format", "dtype", "kv_cache_dtype", "device",
+                                                 "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
                                                  "max_num_batched_tokens")},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(cfg.device),
