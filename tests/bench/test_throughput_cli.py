@@ -48,7 +48,9 @@ def test_fixed_lengths_and_json(gguf_path, tmp_path, capsys):
 def test_fp8_kv_cache_flag(gguf_path, tmp_path, capsys):
     path = tmp_path / "fp8.json"
     main([*TINY, str(gguf_path), "--kv-cache-dtype", "fp8", "--output-json", str(path)])
-    assert totals(capsys.readouterr().out) == (24, 12)
+    out = capsys.readouterr().out
+    assert totals(out) == (24, 12)
+    assert "KV cache: 64 blocks, 0.01 GiB; preemptions: 0" in out
     report = json.loads(path.read_text())
     assert report["config"]["kv_cache_dtype"] == report["engine"]["kv_cache_dtype"] == "fp8"
     # 64 blocks x 16 tokens x 30 layers x K|V x 3 KV heads x 64 dims x 1 byte
