@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import LOG2E, is_fp8, kv_scale_arg, load_kv_tile
+from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, load_kv_tile,
+                                 queries_for_dot)
 
 # BLOCK_N, num_warps, num_stages of the split kernel, from benchmarks/scripts/decode_sweep.py on
 # the H200 (3.99 / 4.37 TB/s of KV at the Qwen3-0.6B / Llama-8B benchmark shapes);
@@ -38,7 +39,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
                          k_scale_ptr, v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_tb, stride_cb, stride_cs,
                          stride_ch, stride_ob, stride_oh, stride_os,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr):
+                         PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
+                         DOT_FP16: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -54,6 +56,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
     if FP8:  # the cache holds K / k_scale and V / v_scale: q.K = k_scale * (q.(K / k_scale))
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    q = queries_for_dot(q, DOT_FP16)  # the dots' dtype: q's, or float16 over fp8 (see paged.py)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -145,7 +148,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_h = max(16, triton.next_power_of_2(group))
     grid = (batch, kv_heads, num_splits)
     common = dict(GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_N=block_n or DECODE_CONFIG[0], PAGE=page,
-                  NUM_SPLITS=num_splits, FP8=fp8, num_warps=num_warps or DECODE_CONFIG[1],
+                  NUM_SPLITS=num_splits, FP8=fp8, DOT_FP16=dot_in_fp16(q, k_cache), num_warps=num_warps or DECODE_CONFIG[1],
                   num_stages=num_stages or DECODE_CONFIG[2])
     scale_log2 = scale * LOG2E
     if num_splits == 1:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import LOG2E, is_fp8, kv_scale_arg, load_kv_tile
+from ember.kernels.paged import LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, load_kv_tile, queries_for_dot
 
 
 
@@ -26,7 +26,7 @@ from ember.kernels.paged import LOG2E, is_fp8, kv_scale_arg, load_kv_tile
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, k_scale_ptr,
                     v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb,
                     stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, DOT_FP16: tl.constexpr):
     mb = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -43,6 +43,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
                 other=0.0)
     if FP8:  # the cache holds K / k_scale and V / v_scale (see paged.py)
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    q = queries_for_dot(q, DOT_FP16)
     # keys up to the block's last query position; nothing for a block past the new tokens
     rows_here = tl.maximum(tl.minimum(q_len - mb * BLOCK_M, BLOCK_M), 0)
     end = tl.minimum(prefix + mb * BLOCK_M + rows_here, rows_here * seq_len)
@@ -106,5 +107,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
                           scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                          GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8)
+                          GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
+                          DOT_FP16=dot_in_fp16(q, k_cache))
     return out

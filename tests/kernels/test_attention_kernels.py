@@ -46,9 +46,10 @@ class Case:
     """Sequences with cached[i] tokens already in a shuffled paged cache and new[i] new ones.
     With fp8_scales the cache is float8_e4m3fn holding K / k_scale, V / v_scale."""
 
-    def __init__(self, cached, new, heads, kv_heads, head_dim, block_size, device, seed, fp8_scales=None):
+    def __init__(self, cached, new, heads, kv_heads, head_dim, block_size, device, seed, fp8_scales=None,
+                 dtype=None):
         g = torch.Generator().manual_seed(seed)
-        dtype = _dtype(device)
+        dtype = dtype or _dtype(device)
         cache_dtype = dtype if fp8_scales is None else FP8
         self.k_scale = self.v_scale = None
         if fp8_scales is not None:
@@ -108,7 +109,7 @@ class Case:
                                                       meta, self.scale, **self.scales)
 
 
-def _random_case(device: str, seed: int, decode: bool, fp8_scales=None) -> Case:
+def _random_case(device: str, seed: int, decode: bool, fp8_scales=None, dtype=None) -> Case:
     rng = random.Random(seed)
     if device == "cuda":
         batch, most, heads, kv_heads, head_dim, block_size = rng.randint(1, 40), 3000, *rng.choice(
@@ -120,7 +121,7 @@ def _random_case(device: str, seed: int, decode: bool, fp8_scales=None) -> Case:
     cached = [rng.randint(0, most) for _ in range(batch)]
     if not decode:
         cached[0] = 0  # a plain prefill in every mix
-    return Case(cached, new, heads, kv_heads, head_dim, block_size, device, seed, fp8_scales)
+    return Case(cached, new, heads, kv_heads, head_dim, block_size, device, seed, fp8_scales, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -278,6 +279,21 @@ def test_triton_backend_fp8_matches_reference_on_a_mixed_step(device, fp8_scales
     got = get_attention_backend("triton").forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta,
                                                   case.scale, case.k_scale, case.v_scale)
     torch.testing.assert_close(got.float(), want, **_tol(device))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fp8_with_bfloat16_queries_on_the_interpreter(seed):
+    """bfloat16 queries over an fp8 cache take the float16 dots (DOT_FP16, as on the GPU);
+    here too, not only under `-m gpu`."""
+    from ember.kernels.paged import dot_in_fp16
+
+    for decode in (True, False):
+        case = _random_case("cpu", seed, decode=decode, fp8_scales=(0.5, 3.0), dtype=torch.bfloat16)
+        assert dot_in_fp16(case.q, case.k_cache)
+        want = case.reference()
+        got = get_attention_backend("triton").forward(case.q, case.k, case.v, case.k_cache, case.v_cache,
+                                                      case.meta, case.scale, case.k_scale, case.v_scale)
+        torch.testing.assert_close(got.float(), want, **_tol("cuda"))
 
 
 def test_fp8_scales_are_checked():
