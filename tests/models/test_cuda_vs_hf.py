@@ -119,7 +119,9 @@ def fp8_llm(models):
 
 def test_fp8_kv_logits_and_greedy_stay_close_to_hf(models, fp8_llm, forward_logits):
     """What the fp8 KV cache costs against HF in float32 (printed), with loose bounds: the
-    bf16 engine itself is within 2 % of the mean |logit| and agrees on >= 95 % of argmaxes."""
+    bf16 engine itself is within 2 % of the mean |logit| and agrees on >= 95 % of argmaxes.
+    Measured on the H200: mean |logit diff| 0.025-0.029 (bf16 KV: 0.005-0.006; mean |logit|
+    0.51), argmax agreement 714/809 = 88.3 %, greedy tokens HF agrees with 355/384 = 92.4 %."""
     from ember import SamplingParams
 
     _, hf = models
