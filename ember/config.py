@@ -12,6 +12,8 @@ import torch
 from ember.models.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --kv-cache-dtype: auto stores K/V in the model dtype; fp8 (= fp8_e4m3) in float8_e4m3fn
+_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 CPU_KV_CACHE_MEMORY = 1 << 30  # default KV pool on the CPU: 1 GiB (vLLM's CPU backend uses 4)
 
 
@@ -20,6 +22,7 @@ class EngineConfig:
     model: str | None = None  # .gguf file or HF directory; None: the default SmolLM2 GGUF
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # default: the model's context length
     block_size: int = 16
@@ -41,6 +44,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _choice("load_format", self.load_format, ("auto", "gguf", "safetensors", "dummy"))
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
+        _choice("kv_cache_dtype", self.kv_cache_dtype, tuple(_KV_CACHE_DTYPES))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "lpm"))
         _choice("structured_outputs_backend", self.structured_outputs_backend, ("xgrammar", "guidance"))
@@ -55,6 +59,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """What the paged KV cache stores: the model dtype, or float8_e4m3fn."""
+        return _KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -76,6 +85,11 @@ class EngineConfig:
                 f"max_model_len={max_model_len} is longer than the model's context "
                 f"({model_config.max_position_embeddings}): lower max_model_len"
             )
+        if device == "cuda" and _KV_CACHE_DTYPES[self.kv_cache_dtype] is not None \
+                and torch.cuda.get_device_capability() < (8, 9):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU with fp8 (compute capability "
+                             f">= 8.9: Ada, Hopper); this one is {torch.cuda.get_device_capability()}: "
+                             "use kv_cache_dtype='auto'")
         budget = self.max_num_batched_tokens or 2048
         backend = self.attention_backend
         if backend == "auto":

@@ -1,15 +1,22 @@
 """Decode-attention kernel configs on the GPU: achieved KV bandwidth per (BLOCK_N,
-num_warps, num_stages) at the benchmark shapes. `python3 benchmarks/scripts/decode_sweep.py`"""
+num_warps, num_stages) at the benchmark shapes, with a bfloat16 or an fp8 cache.
+`python3 benchmarks/scripts/decode_sweep.py [fp8]`"""
 
 import itertools
+import sys
 
 import torch
 from triton.testing import do_bench
 
 from ember.kernels.decode_attention import decode_attention, num_decode_splits
 
+SHAPES = {"qwen3-0.6b bs256 ctx U[100,2048]": (256, 16, 8, 100, 2048),
+          "llama-8b bs512 ctx U[1000,2000]": (512, 32, 8, 1000, 2000),
+          "qwen3-0.6b bs1 ctx 640": (1, 16, 8, 640, 640)}
 
-def case(batch, heads, kv_heads, lo, hi, page=16, dim=128, seed=0):
+
+def case(batch, heads, kv_heads, lo, hi, page=16, dim=128, seed=0, kv_dtype=torch.bfloat16):
+    """q, the caches (in kv_dtype), block tables, seq lens and the bytes of KV one step reads."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (batch,), generator=g)
     per = (lens + page - 1) // page
@@ -21,32 +28,39 @@ def case(batch, heads, kv_heads, lo, hi, page=16, dim=128, seed=0):
     for i, n in enumerate(per.tolist()):
         tables[i, :n] = order[at:at + n]
         at += n
-    kc = torch.randn(num_blocks, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
+    kc = torch.randn(num_blocks, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+    vc = torch.randn(num_blocks, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-    return q, kc, vc, tables.cuda(), lens.to(torch.int32).cuda(), int(lens.sum()) * kv_heads * dim * 2 * 2
+    nbytes = int(lens.sum()) * kv_heads * dim * 2 * kc.element_size()
+    return q, kc, vc, tables.cuda(), lens.to(torch.int32).cuda(), nbytes
 
 
-for name, (batch, heads, kv_heads, lo, hi) in {"qwen3-0.6b bs256 ctx U[100,2048]": (256, 16, 8, 100, 2048),
-                                               "llama-8b bs512 ctx U[1000,2000]": (512, 32, 8, 1000, 2000),
-                                               "qwen3-0.6b bs1 ctx 640": (1, 16, 8, 640, 640)}.items():
-    q, kc, vc, tables, lens, nbytes = case(batch, heads, kv_heads, lo, hi)
-    splits = num_decode_splits(batch, kv_heads)
-    ref = decode_attention(q, kc, vc, tables, lens, 0.088, splits, block_n=64, num_warps=4, num_stages=3).float()
-    rows = []
-    for bn, nw, ns in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-        try:
-            out = decode_attention(q, kc, vc, tables, lens, 0.088, splits, block_n=bn, num_warps=nw, num_stages=ns)
-            assert (out.float() - ref).abs().max() < 2e-2
-            ms = do_bench(lambda: decode_attention(q, kc, vc, tables, lens, 0.088, splits, block_n=bn, num_warps=nw,
-                                                   num_stages=ns), warmup=5, rep=20)
-            rows.append((ms, bn, nw, ns))
-        except Exception as e:  # out of shared memory etc.
-            print(f"  {bn},{nw},{ns}: {type(e).__name__}")
-    rows.sort()
-    if name.startswith("qwen3-0.6b bs256"):
-        best = rows[0][1:]
-    print(f"{name}: splits {splits}, {nbytes / 1e9:.2f} GB of KV")
-    for ms, bn, nw, ns in rows[:5] + [r for r in rows if r[1:] == (64, 4, 3)]:
-        print(f"  BLOCK_N {bn:3d} warps {nw} stages {ns}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s")
-print("BEST_QWEN=%d,%d,%d" % best)
+def sweep(kv_dtype: torch.dtype) -> None:
+    best = None
+    for name, (batch, heads, kv_heads, lo, hi) in SHAPES.items():
+        q, kc, vc, tables, lens, nbytes = case(batch, heads, kv_heads, lo, hi, kv_dtype=kv_dtype)
+        splits = num_decode_splits(batch, kv_heads)
+        ref = decode_attention(q, kc, vc, tables, lens, 0.088, splits, block_n=64, num_warps=4,
+                               num_stages=3).float()
+        rows = []
+        for bn, nw, ns in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4)):
+            try:
+                out = decode_attention(q, kc, vc, tables, lens, 0.088, splits, block_n=bn, num_warps=nw,
+                                       num_stages=ns)
+                assert (out.float() - ref).abs().max() < 2e-2
+                ms = do_bench(lambda: decode_attention(q, kc, vc, tables, lens, 0.088, splits, block_n=bn,
+                                                       num_warps=nw, num_stages=ns), warmup=5, rep=20)
+                rows.append((ms, bn, nw, ns))
+            except Exception as e:  # out of shared memory etc.
+                print(f"  {bn},{nw},{ns}: {type(e).__name__}")
+        rows.sort()
+        if name.startswith("qwen3-0.6b bs256"):
+            best = rows[0][1:]
+        print(f"{name}, {kv_dtype}: splits {splits}, {nbytes / 1e9:.2f} GB of KV")
+        for ms, bn, nw, ns in rows[:5] + [r for r in rows if r[1:] == (64, 4, 3)]:
+            print(f"  BLOCK_N {bn:3d} warps {nw} stages {ns}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s")
+    print("BEST_QWEN=%d,%d,%d" % best)
+
+
+if __name__ == "__main__":
+    sweep(torch.float8_e4m3fn if sys.argv[1:] == ["fp8"] else torch.bfloat16)

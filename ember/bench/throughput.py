@@ -179,8 +179,8 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
 
     report: dict[str, Any] = {
         "config": {k: v for k, v in vars(ns).items() if k != "func"},
-        "engine": {k: getattr(cfg, k) for k in ("model", "load_format", "dtype", "device", "max_model_len",
-                                                 "block_size", "num_kv_blocks", "max_num_seqs",
+        "engine": {k: getattr(cfg, k) for k in ("model", "load_format", "dtype", "kv_cache_dtype", "device",
+                                                 "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
                                                  "max_num_batched_tokens")},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(cfg.device),
@@ -188,7 +188,9 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
     }
     runner = llm.engine.runner
     runner.profile_steps = getattr(ns, "profile_steps", False)
+    preempted = llm.engine.scheduler.num_preemptions
     ember = report["results"]["ember"] = bench_ember(llm, requests).to_dict() | {"startup_s": startup_s}
+    ember["preemptions"] = llm.engine.scheduler.num_preemptions - preempted
     ember["memory_gib"] = {"weights": runner.weight_bytes / 2**30, "peak_activations": runner.activation_bytes / 2**30,
                            "kv_cache": runner.kv_cache.nbytes / 2**30, "kv_blocks": runner.num_blocks}
     if runner.graphs is not None:
@@ -254,6 +256,10 @@ def format_report(report: dict[str, Any]) -> str:
             ]
             if "startup_s" in r:
                 lines.append(f"Start-up to ready: {r['startup_s']:.1f} s")
+            if "memory_gib" in r:
+                m = r["memory_gib"]
+                lines.append(f"KV cache: {m['kv_blocks']} blocks, {m['kv_cache']:.2f} GiB; preemptions: "
+                             f"{r.get('preemptions', 0)}")
             if "roofline" in r:
                 lines.append(f"Roofline: {r['roofline']}")
             if "profile_ms_per_step" in r:

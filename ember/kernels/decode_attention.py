@@ -13,6 +13,8 @@ the output itself.
 
 The key at context position p is at k_cache[block_tables[b, p // block_size], p % block_size].
 Everything the kernels read is on the GPU (no host lengths), so a CUDA graph replays them.
+An fp8 cache is read as kernels/paged.py says: k_scale folds into the softmax scale, v_scale
+multiplies the split's output.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import LOG2E, load_kv_tile
+from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, load_kv_tile,
+                                 queries_for_dot)
 
 # BLOCK_N, num_warps, num_stages of the split kernel, from benchmarks/scripts/decode_sweep.py on
 # the H200 (3.99 / 4.37 TB/s of KV at the Qwen3-0.6B / Llama-8B benchmark shapes);
@@ -33,10 +36,11 @@ DECODE_CONFIG = tuple(int(x) for x in os.environ.get("EMBER_DECODE_CONFIG", "128
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-                         scale_log2, stride_qt, stride_qh, stride_tb, stride_cb, stride_cs, stride_ch,
-                         stride_ob, stride_oh, stride_os,
+                         k_scale_ptr, v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_tb, stride_cb, stride_cs,
+                         stride_ch, stride_ob, stride_oh, stride_os,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
+                         DOT_FP16: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -50,6 +54,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
     hmask = rows < GROUP
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    if FP8:  # the cache holds K / k_scale and V / v_scale: q.K = k_scale * (q.(K / k_scale))
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    q = queries_for_dot(q, DOT_FP16)  # the dots' dtype: q's, or float16 over fp8 (see paged.py)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -59,17 +66,19 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
         pmask = pos < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, pos, pmask, kvh, d,
                             stride_cb, stride_cs, stride_ch, PAGE)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_H, BLOCK_N], log2 domain
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2  # [BLOCK_H, BLOCK_N], log2 domain
         qk = tl.where(pmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
 
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr)
     o_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if NUM_SPLITS == 1:
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
@@ -108,17 +117,22 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_splits: int = 32, targe
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     block_n: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> torch.Tensor:
-    """q [B, H, D] (one token per sequence), caches [num_blocks, block_size, Hkv, D],
-    block_tables [B, >= cdiv(max seq_len, block_size)] int32, seq_lens [B] int32 (0: no
-    context, output 0). Returns [B, H, D]."""
+                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] (one token per sequence), caches [num_blocks, block_size, Hkv, D] in q's
+    dtype or fp8 (then k_scale / v_scale: [1] float32, None: 1.0), block_tables
+    [B, >= cdiv(max seq_len, block_size)] int32, seq_lens [B] int32 (0: no context,
+    output 0). Returns [B, H, D]."""
     batch, heads, dim = q.shape
     num_blocks, page, kv_heads, cdim = k_cache.shape
-    if cdim != dim or heads % kv_heads or k_cache.shape != v_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    fp8 = is_fp8(k_cache)
+    if cdim != dim or heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype \
+            or (k_cache.dtype != q.dtype and not fp8):
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit caches {tuple(k_cache.shape)} {k_cache.dtype} "
+                         f"/ {tuple(v_cache.shape)} {v_cache.dtype}")
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q's last dim and the caches must be contiguous")
+    k_scale, v_scale = kv_scale_arg(k_scale, k_cache), kv_scale_arg(v_scale, v_cache)
     if block_tables.shape[0] != batch or seq_lens.shape != (batch,) or block_tables.dtype != torch.int32 \
             or seq_lens.dtype != torch.int32:
         raise ValueError(f"block_tables must be [{batch}, W] int32 and seq_lens [{batch}] int32; got "
@@ -134,18 +148,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_h = max(16, triton.next_power_of_2(group))
     grid = (batch, kv_heads, num_splits)
     common = dict(GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_N=block_n or DECODE_CONFIG[0], PAGE=page,
-                  NUM_SPLITS=num_splits, num_warps=num_warps or DECODE_CONFIG[1],
+                  NUM_SPLITS=num_splits, FP8=fp8, DOT_FP16=dot_in_fp16(q, k_cache), num_warps=num_warps or DECODE_CONFIG[1],
                   num_stages=num_stages or DECODE_CONFIG[2])
     scale_log2 = scale * LOG2E
     if num_splits == 1:
-        _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, scale_log2,
+        _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, scale_log2,
                                    q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
                                    k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), 0,
                                    **common)
         return out
     part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, part, lse, scale_log2,
+    _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, part, lse, k_scale, v_scale, scale_log2,
                                q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
                                k_cache.stride(1), k_cache.stride(2), part.stride(0), part.stride(1),
                                part.stride(2), **common)

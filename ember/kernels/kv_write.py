@@ -3,6 +3,10 @@
     k, v      [T, Hkv, D]               (a token's heads contiguous; rows may be strided)
     cache     [num_blocks, block_size, Hkv, D]   contiguous; slot s = block * block_size + offset
     slots     [T] int64; a slot < 0 (padding in a CUDA graph) writes nothing
+
+An fp8 cache (float8_e4m3fn) stores x / scale, clamped to +-448 and rounded to nearest even:
+the per-tensor k_scale / v_scale ([1] float32, read on the device so a CUDA graph keeps
+whatever value they hold at replay). Other caches store x as it is, in their dtype.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.paged import FP8_MAX, is_fp8, kv_scale_arg
+
 
 @triton.jit
-def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, stride_k, stride_v,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -22,6 +28,9 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k,
         mask = cols < ROW
         k = tl.load(k_ptr + t * stride_k + cols, mask=mask)
         v = tl.load(v_ptr + t * stride_v + cols, mask=mask)
+        if FP8:  # an IEEE division (div_rn), as torch's x / scale, so both round alike
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
         dst = slot.to(tl.int64) * ROW + cols
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -34,18 +43,24 @@ def _check_rows(x: torch.Tensor, name: str) -> None:
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """k_scale / v_scale: an fp8 cache's scales ([1] float32 on the device; None: 1.0);
+    ignored for other caches."""
     _check_rows(k, "k")
     _check_rows(v, "v")
-    if k.shape != v.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
+    if k.shape != v.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:] \
+            or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+                         f"caches {tuple(k_cache.shape)} {k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the K/V caches must be contiguous [num_blocks, block_size, Hkv, D]")
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {tuple(slot_mapping.shape)}")
+    fp8 = is_fp8(k_cache)
+    k_scale, v_scale = kv_scale_arg(k_scale, k_cache), kv_scale_arg(v_scale, v_cache)
     if k.shape[0] == 0:
         return
     row = k.shape[1] * k.shape[2]
-    _kv_write_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                                    ROW=row, BLOCK=triton.next_power_of_2(row))
+    _kv_write_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k.stride(0),
+                                    v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row), FP8=fp8)

@@ -1,20 +1,70 @@
-"""What the attention kernels share: reading a tile of K and V out of the paged cache.
+"""What the attention kernels share: reading a tile of K and V out of the paged cache, and
+the fp8 cache's scales.
 
-Context position p of a sequence is at cache[table_row[p // PAGE], p % PAGE, kv_head]."""
+Context position p of a sequence is at cache[table_row[p // PAGE], p % PAGE, kv_head].
+
+An fp8 cache (float8_e4m3fn) holds x / scale, with one scale per tensor (k_scale, v_scale:
+[1] float32 on the device, 1.0 unless calibrated). A kernel loads the fp8 tile, converts it
+to the compute dtype (exact: every e4m3 value is a bfloat16), and applies the scales where
+it is cheapest: k_scale in the softmax scale, v_scale on the output. With bfloat16 queries
+the dots then run in float16 (DOT_FP16): e4m3 -> float16 is one cvt.rn.f16x2.e4m3x2 per
+two values, e4m3 -> bfloat16 three instructions, which made an fp8 decode step slower than
+a bfloat16 one on the H200 (conversion-bound at 1.8 TB/s). Every e4m3 value and every
+probability is a float16; queries are clamped to float16's range (+-65504) first. With it,
+at the Qwen3-0.6B benchmark shape: 245 us against bfloat16's 276 us (2.2 TB/s of fp8, so
+still not memory-bound: the tiles go through registers for the conversion)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
+FP16_MAX = tl.constexpr(65504.0)
+
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
+
+
+def dot_in_fp16(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether a kernel computes its dots in float16: bfloat16 queries over an fp8 cache."""
+    return is_fp8(cache) and q.dtype == torch.bfloat16
+
+
+def kv_scale_arg(scale: torch.Tensor | None, cache: torch.Tensor) -> torch.Tensor:
+    """The scale pointer a kernel takes: for an fp8 cache `scale` ([1] float32 on the cache's
+    device), or 1.0 when None; for any other cache a placeholder the kernel never reads."""
+    if not is_fp8(cache):
+        return cache
+    if scale is None:
+        if cache.device not in _UNIT_SCALES:
+            _UNIT_SCALES[cache.device] = torch.ones(1, dtype=torch.float32, device=cache.device)
+        return _UNIT_SCALES[cache.device]
+    if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != cache.device:
+        raise ValueError(f"an fp8 cache's scale must be one float32 on {cache.device}; got {scale.dtype} "
+                         f"{tuple(scale.shape)} on {scale.device}")
+    return scale
+
+
+@triton.jit
+def queries_for_dot(q, DOT_FP16: tl.constexpr):
+    """q as the dots take it: float16 (clamped to its range) with DOT_FP16, else as it is."""
+    if DOT_FP16:
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    return q
 
 
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, pos, pmask, kvh, d, stride_cb, stride_cs, stride_ch,
                  PAGE: tl.constexpr):
     """K and V of KV head `kvh` at context positions `pos` ([N], masked by `pmask`): [N, D]
-    each, 0 where masked. `table_row_ptr` points at the sequence's block-table row."""
+    each, 0 where masked, in the cache's dtype. `table_row_ptr` points at the sequence's
+    block-table row."""
     block = tl.load(table_row_ptr + pos // PAGE, mask=pmask, other=0)
     off = block.to(tl.int64) * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
     k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)

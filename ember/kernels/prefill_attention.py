@@ -18,15 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import LOG2E, load_kv_tile
+from ember.kernels.paged import LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, load_kv_tile, queries_for_dot
 
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, scale_log2,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb, stride_cs, stride_ch,
-                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PAGE: tl.constexpr):
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, k_scale_ptr,
+                    v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb,
+                    stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, DOT_FP16: tl.constexpr):
     mb = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -41,6 +41,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None],
                 other=0.0)
+    if FP8:  # the cache holds K / k_scale and V / v_scale (see paged.py)
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    q = queries_for_dot(q, DOT_FP16)
     # keys up to the block's last query position; nothing for a block past the new tokens
     rows_here = tl.maximum(tl.minimum(q_len - mb * BLOCK_M, BLOCK_M), 0)
     end = tl.minimum(prefix + mb * BLOCK_M + rows_here, rows_here * seq_len)
@@ -53,7 +56,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
         pmask = pos < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, pos, pmask, kvh, d,
                             stride_cb, stride_cs, stride_ch, PAGE)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
         visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
@@ -61,27 +64,35 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
         p = tl.exp2(qk - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr)
     tl.store(o_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                      out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                      out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] flattened new tokens, caches [num_blocks, block_size, Hkv, D] holding
-    every sequence's context (new tokens included), block_tables [B, W] int32,
-    query_start_loc [B + 1] int32, seq_lens [B] int32. Returns [T, H, D]."""
+    every sequence's context (new tokens included) in q's dtype or fp8 (then k_scale /
+    v_scale: [1] float32, None: 1.0), block_tables [B, W] int32, query_start_loc [B + 1]
+    int32, seq_lens [B] int32. Returns [T, H, D]."""
     tokens, heads, dim = q.shape
     num_blocks, page, kv_heads, cdim = k_cache.shape
     batch = seq_lens.shape[0]
-    if cdim != dim or heads % kv_heads or k_cache.shape != v_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    fp8 = is_fp8(k_cache)
+    if cdim != dim or heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype \
+            or (k_cache.dtype != q.dtype and not fp8):
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit caches {tuple(k_cache.shape)} {k_cache.dtype} "
+                         f"/ {tuple(v_cache.shape)} {v_cache.dtype}")
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q's last dim and the caches must be contiguous")
+    k_scale, v_scale = kv_scale_arg(k_scale, k_cache), kv_scale_arg(v_scale, v_cache)
     if query_start_loc.shape != (batch + 1,) or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
         raise ValueError(f"query_start_loc must be [{batch + 1}] and block_tables [{batch}, W] with contiguous rows; "
                          f"got {tuple(query_start_loc.shape)}, {tuple(block_tables.shape)}")
@@ -93,8 +104,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if tokens == 0:
         return out
     grid = (triton.cdiv(max_query_len, block_m), heads, batch)
-    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
+                          scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                          GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page)
+                          GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
+                          DOT_FP16=dot_in_fp16(q, k_cache))
     return out

@@ -38,6 +38,10 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None  # bound by the runner once the pool exists
         self.v_cache: torch.Tensor | None = None
+        # an fp8 KV cache's per-tensor scales (read only then): 1.0, vLLM's default for a
+        # checkpoint without calibrated ones; tensors, so a loader could fill them later
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -47,7 +51,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -44,6 +44,10 @@ class _Rows:
     offset: int  # row - position
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 GRAPH_POOL_RESERVE = 512 << 20  # kept out of the KV pool for the decode graphs' memory (logged as measured)
 
 
@@ -66,7 +70,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         shape = (2, mc.num_layers, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
         # zeroed: padded block-table entries are read (then masked), never NaN
-        self.kv_cache = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=config.kv_cache_torch_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler(config.seed)
@@ -82,20 +86,21 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             logger.info("memory (GiB): total %.2f x utilization %.2f = %.2f; weights %.2f, peak activations %.2f, "
-                        "CUDA graphs %.2f (reserved %.2f), KV cache %.2f = %d blocks of %d tokens (%d tokens); "
+                        "CUDA graphs %.2f (reserved %.2f), KV cache %.2f (%s) = %d blocks of %d tokens (%d tokens); "
                         "free now %.2f", total / 2**30, config.gpu_memory_utilization,
                         config.gpu_memory_utilization * total / 2**30, self.weight_bytes / 2**30,
                         self.activation_bytes / 2**30, (self.graphs.pool_bytes if self.graphs else 0) / 2**30,
-                        self.graph_reserve / 2**30, self.kv_cache.nbytes / 2**30, self.num_blocks,
-                        config.block_size, self.num_blocks * config.block_size, free / 2**30)
+                        self.graph_reserve / 2**30, self.kv_cache.nbytes / 2**30, _dtype_name(self.kv_cache.dtype),
+                        self.num_blocks, config.block_size, self.num_blocks * config.block_size, free / 2**30)
         else:
-            logger.info("memory: weights %.1f MiB, KV cache %.1f MiB = %d blocks of %d tokens (%d tokens)",
-                        self.weight_bytes / 2**20, self.kv_cache.nbytes / 2**20, self.num_blocks,
-                        config.block_size, self.num_blocks * config.block_size)
+            logger.info("memory: weights %.1f MiB, KV cache %.1f MiB (%s) = %d blocks of %d tokens (%d tokens)",
+                        self.weight_bytes / 2**20, self.kv_cache.nbytes / 2**20, _dtype_name(self.kv_cache.dtype),
+                        self.num_blocks, config.block_size, self.num_blocks * config.block_size)
 
     def kv_bytes_per_block(self) -> int:
+        """K and V of one block in every layer, in the cache dtype (fp8: half of bfloat16's)."""
         mc, c = self.config.model_config, self.config
-        return 2 * mc.num_layers * c.block_size * mc.num_kv_heads * mc.head_dim * c.torch_dtype.itemsize
+        return 2 * mc.num_layers * c.block_size * mc.num_kv_heads * mc.head_dim * c.kv_cache_torch_dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         c = self.config
@@ -129,8 +134,8 @@ class ModelRunner:
         seq = min(tokens, c.max_model_len)
         lens = [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
         per_seq = -(-seq // c.block_size)
-        cache = torch.zeros(2, per_seq * len(lens), c.block_size, mc.num_kv_heads, mc.head_dim, dtype=c.torch_dtype,
-                            device=self.device)
+        cache = torch.zeros(2, per_seq * len(lens), c.block_size, mc.num_kv_heads, mc.head_dim,
+                            dtype=c.kv_cache_torch_dtype, device=self.device)
         for attn in self.model.attention_layers():
             attn.k_cache, attn.v_cache = cache[0], cache[1]
         torch.cuda.synchronize(self.device)

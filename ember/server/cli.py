@@ -18,6 +18,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct Q4_1)")
     parser.add_argument("--load-format", default=d.load_format, choices=["auto", "gguf", "safetensors", "dummy"])
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3"],
+                        help="KV cache storage: auto (the model dtype) or fp8 (e4m3, scale 1.0): half the bytes "
+                             "per token, twice the blocks")
     parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--block-size", type=int, default=d.block_size)
@@ -39,8 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
-    names = ["load_format", "dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
-             "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
+    names = ["load_format", "dtype", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks",
+             "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
              "structured_outputs_backend", "structured_outputs_jump_forward"]
     return {"model": ns.model} | {n: getattr(ns, n) for n in names}

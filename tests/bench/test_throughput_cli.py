@@ -37,11 +37,24 @@ def test_fixed_lengths_and_json(gguf_path, tmp_path, capsys):
     assert set(report) == {"config", "engine", "date", "machine", "results"}
     assert report["config"]["num_prompts"] == 3 and report["config"]["input_len"] == 8
     assert report["engine"]["max_model_len"] == 128 and report["engine"]["num_kv_blocks"] == 64
+    assert report["engine"]["kv_cache_dtype"] == "auto"
     assert {"platform", "cpu_count", "torch", "device"} <= set(report["machine"])
     ember = report["results"]["ember"]
     assert (ember["num_requests"], ember["prompt_tokens"], ember["output_tokens"]) == (3, 24, 12)
     assert ember["output_tokens_per_s"] == pytest.approx(12 / ember["elapsed_s"])
     assert "hf" not in report["results"]
+
+
+def test_fp8_kv_cache_flag(gguf_path, tmp_path, capsys):
+    path = tmp_path / "fp8.json"
+    main([*TINY, str(gguf_path), "--kv-cache-dtype", "fp8", "--output-json", str(path)])
+    out = capsys.readouterr().out
+    assert totals(out) == (24, 12)
+    assert "KV cache: 64 blocks, 0.01 GiB; preemptions: 0" in out
+    report = json.loads(path.read_text())
+    assert report["config"]["kv_cache_dtype"] == report["engine"]["kv_cache_dtype"] == "fp8"
+    # 64 blocks x 16 tokens x 30 layers x K|V x 3 KV heads x 64 dims x 1 byte
+    assert report["results"]["ember"]["memory_gib"]["kv_cache"] * 2**30 == 64 * 16 * 30 * 2 * 3 * 64
 
 
 def test_range_ratio_is_seeded(gguf_path, capsys):

@@ -10,6 +10,7 @@ After every test the engines hold no KV block and no request (autouse `engines_i
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ember import EngineConfig, LLM, SamplingParams
 from ember.outputs import RequestOutput
@@ -501,6 +502,8 @@ def test_unknown_engine_arg(gguf_path):
 @pytest.mark.parametrize("kwargs, message", [
     ({"block_size": 0}, "block_size must be a positive integer, got 0"),
     ({"dtype": "fp8"}, "dtype must be one of auto, float32, bfloat16, float16; got 'fp8'"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got 'int8'"),
+    ({"kv_cache_dtype": "float8_e4m3fn"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got 'float8_e4m3fn'"),
     ({"load_format": "pt"}, "load_format must be one of auto, gguf, safetensors, dummy; got 'pt'"),
     ({"device": "tpu"}, "device must be one of auto, cpu, cuda; got 'tpu'"),
     ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer, got 0"),
@@ -520,6 +523,7 @@ def test_max_model_len_longer_than_the_model(gguf_path):
 def test_resolve_fills_the_defaults(gguf_path, llm):
     c = llm.config
     assert (c.model, c.load_format, c.device, c.dtype) == (str(gguf_path), "gguf", "cpu", "float32")
+    assert (c.kv_cache_dtype, c.kv_cache_torch_dtype) == ("auto", torch.float32)  # auto: the model dtype
     assert (c.max_model_len, c.max_num_batched_tokens, c.attention_backend) == (CONTEXT, 2048, "torch")
     assert c.model_config.vocab_size == VOCAB
 

@@ -1,6 +1,12 @@
-"""Triton 3.6's interpreter turns a loop bound into an int with `int(array)`, which
-NumPy >= 2.4 refuses for its one-element arrays (every interpreter scalar is one): the
-kernels' runtime-bounded `for` loops then fail on the CPU only. Read the one element."""
+"""Two fixes to Triton 3.6's interpreter, so the kernels run on the CPU as they do on a GPU.
+
+1. It turns a loop bound into an int with `int(array)`, which NumPy >= 2.4 refuses for its
+   one-element arrays (every interpreter scalar is one): the kernels' runtime-bounded `for`
+   loops then fail on the CPU only. Read the one element.
+2. Its float -> float8e4nv conversion drops the carry when rounding up crosses a power of
+   two (1.9973 becomes 1.0 instead of 2.0; ~2% of random values are off by a factor 2),
+   and reads the e4m3fn NaN code as 480. The GPU converts with cvt.rn.satfinite (round to
+   nearest even), as torch does: convert fp8 through torch instead."""
 
 import os
 
@@ -8,6 +14,9 @@ import pytest
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     triton = pytest.importorskip("triton")
+    import numpy as np
+    import torch
+    import triton.language as tl
     from triton.runtime import interpreter
 
     _patch = interpreter._patch_lang_tensor
@@ -17,3 +26,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = _patch_lang_tensor
+
+    _convert_float = interpreter._convert_float
+    _TORCH = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+              tl.float8e4nv: torch.float8_e4m3fn}
+
+    def _convert_float_fp8(data, input_dtype, output_dtype, rounding_mode):
+        if tl.float8e4nv not in (input_dtype, output_dtype):
+            return _convert_float(data, input_dtype, output_dtype, rounding_mode)
+        # the interpreter keeps bfloat16 as uint16 and fp8 as uint8: reinterpret the bits
+        bits = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(_TORCH[input_dtype])
+        out = bits.to(_TORCH[output_dtype])
+        width = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[out.element_size()]
+        return out.view(width).numpy().reshape(np.shape(data))
+
+    interpreter._convert_float = _convert_float_fp8

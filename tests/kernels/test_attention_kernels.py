@@ -1,6 +1,7 @@
 """The Triton attention kernels against the plain-torch reference backend, at random
-shapes and shuffled block tables. Each case runs twice: on the CPU through Triton's
-interpreter (small shapes, every run) and on CUDA (`-m gpu`, larger shapes)."""
+shapes and shuffled block tables, with caches in the compute dtype and in fp8 (with unit
+and non-unit scales). Each case runs twice: on the CPU through Triton's interpreter (small
+shapes, every run) and on CUDA (`-m gpu`, larger shapes)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ember.kernels.decode_attention import _decode_split_kernel, decode_attentio
 from ember.kernels.kv_write import kv_write  # noqa: E402
 from ember.kernels.prefill_attention import prefill_attention  # noqa: E402
 from ember.layers.attention import AttentionMetadata, get_attention_backend  # noqa: E402
-from ember.layers.attention.torch_ref import write_kv  # noqa: E402
+from ember.layers.attention.torch_ref import FP8, FP8_MAX, quantize_kv, write_kv  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def plain_torch_reference():
@@ -46,12 +47,22 @@ def test_interpreter_is_what_runs_on_the_cpu():
     assert type(_decode_split_kernel).__name__ == "InterpretedFunction"
 
 
-class Case:
-    """Sequences with cached[i] tokens already in a shuffled paged cache and new[i] new ones."""
+# an fp8 cache's (k_scale, v_scale): vLLM's default 1.0, and calibrated-looking others
+FP8_SCALES = [pytest.param((1.0, 1.0), id="scale1"), pytest.param((0.5, 3.0), id="scaled")]
 
-    def __init__(self, cached, new, heads, kv_heads, head_dim, block_size, device, seed):
+
+class Case:
+    """Sequences with cached[i] tokens already in a shuffled paged cache and new[i] new ones.
+    With fp8_scales the cache is float8_e4m3fn holding K / k_scale, V / v_scale."""
+
+    def __init__(self, cached, new, heads, kv_heads, head_dim, block_size, device, seed, fp8_scales=None,
+                 dtype=None):
         g = torch.Generator().manual_seed(seed)
-        dtype = _dtype(device)
+        dtype = dtype or _dtype(device)
+        cache_dtype = dtype if fp8_scales is None else FP8
+        self.k_scale = self.v_scale = None
+        if fp8_scales is not None:
+            self.k_scale, self.v_scale = (torch.tensor([x], dtype=torch.float32, device=device) for x in fp8_scales)
         self.cached, self.new = cached, new
         lens = [c + n for c, n in zip(cached, new)]
         num_blocks = sum(-(-n // block_size) for n in lens) + 3
@@ -62,15 +73,16 @@ class Case:
         width = max(len(t) for t in tables) + 1  # a spare column: reads past a table's end are masked
         k_ctx = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for n in lens]
         v_ctx = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for n in lens]
-        self.k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)  # junk
-        self.v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+        self.k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)  # junk
+        self.v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
         slots = []
+        scales = [None if s is None else s.cpu() for s in (self.k_scale, self.v_scale)]
         for i, (c, n) in enumerate(zip(cached, new)):
             for p in range(c + n):
                 slot = tables[i][p // block_size] * block_size + p % block_size
                 if p < c:  # the cached prefix is in place already
-                    self.k_cache.view(-1, kv_heads, head_dim)[slot] = k_ctx[i][p]
-                    self.v_cache.view(-1, kv_heads, head_dim)[slot] = v_ctx[i][p]
+                    self.k_cache.view(-1, kv_heads, head_dim)[slot] = quantize_kv(k_ctx[i][p], cache_dtype, scales[0])
+                    self.v_cache.view(-1, kv_heads, head_dim)[slot] = quantize_kv(v_ctx[i][p], cache_dtype, scales[1])
                 else:
                     slots.append(slot)
         self.q = torch.randn(sum(new), heads, head_dim, generator=g).to(dtype)
@@ -91,17 +103,22 @@ class Case:
             setattr(self.meta, name, getattr(self.meta, name).to(device))
         self.scale = head_dim ** -0.5
 
+    @property
+    def scales(self) -> dict:
+        return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
     def reference(self) -> torch.Tensor:
-        """The torch backend on float32 copies (it writes K/V into its own caches)."""
-        kc, vc = self.k_cache.float().clone(), self.v_cache.float().clone()
+        """The torch backend in float32 on copies of the caches (it writes K/V into them);
+        an fp8 cache stays fp8, quantized and read back by the reference's own rules."""
+        kc, vc = ((c.clone() if c.dtype == FP8 else c.float().clone()) for c in (self.k_cache, self.v_cache))
         meta = AttentionMetadata(**{f: getattr(self.meta, f) for f in
                                     ("slot_mapping", "query_start_loc", "seq_lens", "block_tables",
                                      "query_lens_cpu", "seq_lens_cpu")})
         return get_attention_backend("torch").forward(self.q.float(), self.k.float(), self.v.float(), kc, vc,
-                                                      meta, self.scale)
+                                                      meta, self.scale, **self.scales)
 
 
-def _random_case(device: str, seed: int, decode: bool) -> Case:
+def _random_case(device: str, seed: int, decode: bool, fp8_scales=None, dtype=None) -> Case:
     rng = random.Random(seed)
     if device == "cuda":
         batch, most, heads, kv_heads, head_dim, block_size = rng.randint(1, 40), 3000, *rng.choice(
@@ -113,7 +130,7 @@ def _random_case(device: str, seed: int, decode: bool) -> Case:
     cached = [rng.randint(0, most) for _ in range(batch)]
     if not decode:
         cached[0] = 0  # a plain prefill in every mix
-    return Case(cached, new, heads, kv_heads, head_dim, block_size, device, seed)
+    return Case(cached, new, heads, kv_heads, head_dim, block_size, device, seed, fp8_scales, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -197,3 +214,107 @@ def test_decode_checks_layouts():
     with pytest.raises(ValueError, match="int32"):
         decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
                          1.0, 1)
+
+
+# ---- fp8 cache ----------------------------------------------------------------------------
+
+def _bits(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_scales", FP8_SCALES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kv_write_fp8_is_bit_exact(device, fp8_scales, seed):
+    """The kernel stores the very bytes the reference does: x / scale, clamped to +-448, to
+    nearest even; rows far past the range (here x 1000) saturate instead of becoming NaN."""
+    case = _random_case(device, seed, decode=False, fp8_scales=fp8_scales)
+    k, v = case.k.clone(), case.v.clone()
+    k[::3] *= 1000
+    v[1::4] *= -1000
+    want_k, want_v = case.k_cache.clone(), case.v_cache.clone()
+    write_kv(k, v, want_k, want_v, case.meta.slot_mapping, **case.scales)
+    assert want_k.float().abs().max() == FP8_MAX and not want_k.float().isnan().any()
+    k = torch.cat([k, torch.ones_like(k[:1])])  # a padded row (slot -1) writes nothing
+    v = torch.cat([v, torch.ones_like(v[:1])])
+    slots = torch.cat([case.meta.slot_mapping, torch.full((1,), -1, device=device)])
+    kv_write(k, v, case.k_cache, case.v_cache, slots, **case.scales)
+    assert torch.equal(_bits(case.k_cache), _bits(want_k)) and torch.equal(_bits(case.v_cache), _bits(want_v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_scales", FP8_SCALES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefill_fp8_matches_reference(device, fp8_scales, seed):
+    case = _random_case(device, seed, decode=False, fp8_scales=fp8_scales)
+    want = case.reference()
+    kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, **case.scales)
+    block = 64 if device == "cuda" else 16
+    got = prefill_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.query_start_loc,
+                            case.meta.seq_lens, max(case.new), case.scale, block_m=block, block_n=block,
+                            **case.scales)
+    torch.testing.assert_close(got.float(), want, **_tol(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_scales", FP8_SCALES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_fp8_matches_reference(device, fp8_scales, seed):
+    case = _random_case(device, seed, decode=True, fp8_scales=fp8_scales)
+    want = case.reference()
+    kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, **case.scales)
+    block = 64 if device == "cuda" else 16
+    for s in [1, 3, num_decode_splits(len(case.new), case.k_cache.shape[2])]:
+        got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
+                               case.scale, num_splits=s, block_n=block, **case.scales)
+        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_fp8_stays_near_the_unquantized_cache(device):
+    """What fp8 costs: the same case with an fp8 cache (scale 1) and with the compute dtype's
+    (float32 on the CPU); unit-variance K/V lose ~3% each to e4m3's 3 mantissa bits."""
+    exact = _random_case(device, 5, decode=True).reference()
+    quantized = _random_case(device, 5, decode=True, fp8_scales=(1.0, 1.0)).reference()
+    err = (quantized - exact).abs()
+    assert err.max() < 0.25 and err.mean() < 0.02, (err.max(), err.mean())  # CPU: 0.025, 0.004
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_scales", FP8_SCALES)
+def test_triton_backend_fp8_matches_reference_on_a_mixed_step(device, fp8_scales):
+    case = Case([0, 37, 5, 60], [20, 9, 1, 1], 4, 2, 32, 8, device, seed=3, fp8_scales=fp8_scales)
+    want = case.reference()
+    got = get_attention_backend("triton").forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta,
+                                                  case.scale, case.k_scale, case.v_scale)
+    torch.testing.assert_close(got.float(), want, **_tol(device))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fp8_with_bfloat16_queries_on_the_interpreter(seed):
+    """bfloat16 queries over an fp8 cache take the float16 dots (DOT_FP16, as on the GPU);
+    here too, not only under `-m gpu`."""
+    from ember.kernels.paged import dot_in_fp16
+
+    for decode in (True, False):
+        case = _random_case("cpu", seed, decode=decode, fp8_scales=(0.5, 3.0), dtype=torch.bfloat16)
+        assert dot_in_fp16(case.q, case.k_cache)
+        want = case.reference()
+        got = get_attention_backend("triton").forward(case.q, case.k, case.v, case.k_cache, case.v_cache,
+                                                      case.meta, case.scale, case.k_scale, case.v_scale)
+        torch.testing.assert_close(got.float(), want, **_tol("cuda"))
+
+
+def test_fp8_scales_are_checked():
+    k = torch.zeros(3, 2, 16)
+    cache = torch.zeros(4, 4, 2, 16, dtype=FP8)
+    slots = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="scale must be one float32"):
+        kv_write(k, k, cache, cache, slots, k_scale=torch.ones(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="scale must be one float32"):
+        kv_write(k, k, cache, cache, slots, v_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="shapes disagree"):
+        kv_write(k, k, cache, torch.zeros(4, 4, 2, 16), slots)
+    with pytest.raises(ValueError, match="does not fit"):  # a cache neither in q's dtype nor fp8
+        decode_attention(torch.zeros(2, 4, 16), *[torch.zeros(4, 4, 2, 16, dtype=torch.float16)] * 2,
+                         torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 1.0, 1)

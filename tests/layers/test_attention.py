@@ -1,4 +1,5 @@
-"""The paged reference attention equals dense causal attention, whatever the block layout."""
+"""The paged reference attention equals dense causal attention, whatever the block layout;
+with an fp8 cache, dense attention over the same K/V quantized and read back."""
 
 import math
 
@@ -7,6 +8,7 @@ import torch
 
 from ember.kernels import cpu as cpu_kernels
 from ember.layers.attention import AttentionMetadata, get_attention_backend
+from ember.layers.attention.torch_ref import FP8, dequantize_kv, quantize_kv
 
 
 @pytest.fixture(autouse=True, params=["cpu-kernels", "plain-torch"])
@@ -31,11 +33,14 @@ def dense_attention(q, k, v, scale):
 
 
 def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16, block_size=4, seed=0,
-             dtype=torch.float32):
-    """Sequences with `cached[i]` tokens already in the cache and `new[i]` new ones."""
+             dtype=torch.float32, fp8_scales=None):
+    """Sequences with `cached[i]` tokens already in the cache and `new[i]` new ones; with
+    fp8_scales (k, v) the cache is float8_e4m3fn."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(cached, new)) + 3
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    cache_dtype = dtype if fp8_scales is None else FP8
+    k_scale, v_scale = (None, None) if fp8_scales is None else (torch.tensor([s]) for s in fp8_scales)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks, generator=g).tolist()  # shuffled, non-contiguous blocks
     full_k, full_v, tables = [], [], []
@@ -45,8 +50,8 @@ def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16
         kk = torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype)
         vv = torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype)
         for p in range(c):  # the cached prefix is already in place
-            k_cache[blocks[p // block_size], p % block_size] = kk[p]
-            v_cache[blocks[p // block_size], p % block_size] = vv[p]
+            k_cache[blocks[p // block_size], p % block_size] = quantize_kv(kk[p], cache_dtype, k_scale)
+            v_cache[blocks[p // block_size], p % block_size] = quantize_kv(vv[p], cache_dtype, v_scale)
         full_k.append(kk)
         full_v.append(vv)
     q = torch.randn(sum(new), heads, head_dim, generator=g).to(dtype)
@@ -64,16 +69,20 @@ def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16
         seq_lens_cpu=[c + n for c, n in zip(cached, new)],
     )
     scale = 1 / math.sqrt(head_dim)
-    out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, meta, scale)
+    out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
     start = 0
     for i, (c, n) in enumerate(zip(cached, new)):
-        expected = dense_attention(q[start:start + n].float(), full_k[i].float(), full_v[i].float(), scale)
+        # what the cache holds, read back: the K/V themselves, or their fp8 round trip
+        kk, vv = (dequantize_kv(quantize_kv(x, cache_dtype, s), s).float()
+                  for x, s in ((full_k[i], k_scale), (full_v[i], v_scale)))
+        expected = dense_attention(q[start:start + n].float(), kk, vv, scale)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16 output: 8 bits of mantissa
         torch.testing.assert_close(out[start:start + n].float(), expected, rtol=tol, atol=tol)
         start += n
     # the new K/V landed in the cache, in their slots
     flat_k = k_cache.view(-1, kv_heads, head_dim)
-    assert torch.equal(flat_k[torch.tensor(slots)], k)
+    want = quantize_kv(k, cache_dtype, k_scale)
+    assert torch.equal(flat_k[torch.tensor(slots)].view(torch.uint8), want.view(torch.uint8))
     return meta
 
 
@@ -92,6 +101,24 @@ def test_mixed_prefix_extend_and_decode():
 
 def test_bfloat16_cache_decode_and_extend():
     run_case(cached=[9, 4, 0, 17, 30], new=[6, 1, 3, 1, 1], seed=5, dtype=torch.bfloat16)
+
+
+def test_fp8_cache_decode_and_extend():
+    run_case(cached=[9, 4, 0, 17, 30], new=[6, 1, 3, 1, 1], seed=5, fp8_scales=(1.0, 1.0))
+
+
+def test_fp8_cache_with_scales_in_bfloat16():
+    # bfloat16 queries take the reference's float32 decode path; short chunks and a long prompt too
+    run_case(cached=[9, 4, 0, 17, 3, 30], new=[6, 1, 3, 2, 1, 20], seed=7, dtype=torch.bfloat16,
+             fp8_scales=(0.25, 4.0))
+
+
+def test_fp8_quantization_saturates_and_rounds_to_nearest_even():
+    x = torch.tensor([1000.0, -1000.0, 448.0, 17.0, 19.0, 0.3])
+    got = quantize_kv(x, FP8, torch.tensor([1.0])).float().tolist()
+    assert got == [448.0, -448.0, 448.0, 16.0, 20.0, 0.3125]  # 17: tie -> even mantissa; 19: tie -> 20
+    # scaled: 1000 / 4 = 250 is in range, and rounds to 256 (steps of 16 there)
+    assert quantize_kv(x, FP8, torch.tensor([4.0])).float().tolist()[:2] == [256.0, -256.0]
 
 
 def test_short_chunks_share_one_padded_batch_and_long_ones_run_alone():

@@ -41,3 +41,10 @@ def test_a_bad_model_path_is_a_clear_error():
     done = ember("generate", "hi", "/nonexistent/model.gguf")
     assert done.returncode == 2
     assert "ember: error: model '/nonexistent/model.gguf' not found" in done.stderr
+
+
+def test_a_bad_kv_cache_dtype_is_refused_with_the_choices():
+    done = ember("serve", "--kv-cache-dtype", "int8")
+    assert done.returncode == 2
+    assert "argument --kv-cache-dtype: invalid choice: 'int8'" in done.stderr
+    assert all(choice in done.stderr for choice in ("auto", "'fp8'", "fp8_e4m3"))

@@ -15,6 +15,11 @@ A sequence's token at logical position p lives in cache slot
     block_tables[seq, p // block_size] * block_size + p % block_size
 and `slot_mapping[i]` is that slot for new token i. New tokens attend causally to
 each other and fully to the cached prefix before them.
+
+The cache is in the model dtype, or fp8 (float8_e4m3fn, --kv-cache-dtype fp8): then it
+holds K / k_scale and V / v_scale, clamped to +-448 and rounded to nearest even, and
+attention reads them back times the scale. The scales are per layer and per tensor, [1]
+float32 on the device (1.0 unless a checkpoint brings calibrated ones; None means 1.0).
 """
 
 from __future__ import annotations
@@ -58,5 +63,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # [1] float32: an fp8 cache's scales; unused otherwise
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

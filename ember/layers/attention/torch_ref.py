@@ -7,6 +7,9 @@ may see) and every layer reuses the plan. Sequences with one new token (decode) 
 one padded batch; so do those with a few new tokens (up to SHORT_CHUNK: tokens that
 structured output's jump-forward appended, the tail of a chunked prompt); each sequence
 with more (prefill, chunked prefill over a cached prefix) runs on its own.
+
+An fp8 cache is quantized on write and dequantized (to float32) on read, as base.py says;
+the Triton kernels must match this bit for bit on write and closely on read.
 """
 
 from __future__ import annotations
@@ -20,11 +23,35 @@ from ember.kernels import cpu as cpu_kernels
 from ember.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """What a cache of `cache_dtype` stores for x: x itself, or for fp8 x / scale clamped to
+    the e4m3 range (the cast rounds to nearest even)."""
+    if cache_dtype != FP8:
+        return x.to(cache_dtype)
+    x = x.float() if scale is None else x.float() / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache contents back in a compute dtype: fp8 times its scale, in float32; others as they are."""
+    if x.dtype != FP8:
+        return x
+    return x.float() if scale is None else x.float() * scale
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows, flat = quantize_kv(x, cache.dtype, scale), cache.view(-1, num_kv_heads, head_dim)
+        if cache.dtype == FP8:  # index_copy_ has no float8 kernel: copy the bytes
+            rows, flat = rows.view(torch.uint8), flat.view(torch.uint8)
+        flat.index_copy_(0, slot_mapping, rows)
 
 
 def context_blocks(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -50,26 +77,28 @@ class _Group:
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         groups = meta.plans.get(self.name)
         if groups is None:
             groups = meta.plans[self.name] = _plan(meta, k_cache.shape[1])
+        scales = (k_scale, v_scale)
         if len(groups) == 1 and isinstance(groups[0].tokens, slice) and groups[0].tokens == slice(None):
-            return self._attend(q, k_cache, v_cache, groups[0], scale)  # one group covers all rows
+            return self._attend(q, k_cache, v_cache, groups[0], scale, scales)  # one group covers all rows
         out = torch.empty_like(q)
         for g in groups:
-            out[g.tokens] = self._attend(q[g.tokens], k_cache, v_cache, g, scale)
+            out[g.tokens] = self._attend(q[g.tokens], k_cache, v_cache, g, scale, scales)
         return out
 
     @staticmethod
-    def _attend(q, k_cache, v_cache, g: _Group, scale: float) -> torch.Tensor:
+    def _attend(q, k_cache, v_cache, g: _Group, scale: float, kv_scales) -> torch.Tensor:
         """q rows of B sequences: [B * n, H, D] -> [B * n, H, D]."""
         batch, n, length = g.tables.shape[0], g.mask.shape[2], g.mask.shape[3]
-        if g.lens is not None and _in_place_decode_ok(q, k_cache):
+        if g.lens is not None and _in_place_decode_ok(q, k_cache):  # not an fp8 cache: its dtype differs
             return cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, g.tables, g.lens, scale)
-        keys = context_blocks(k_cache, g.tables, length)  # [B, L, Hkv, D]
-        values = context_blocks(v_cache, g.tables, length)
+        keys = dequantize_kv(context_blocks(k_cache, g.tables, length), kv_scales[0])  # [B, L, Hkv, D]
+        values = dequantize_kv(context_blocks(v_cache, g.tables, length), kv_scales[1])
         if n == 1 and q.dtype != torch.float32:
             # measured at batch 16: for a bfloat16 cache two small float32 matmuls beat
             # upcasting everything for SDPA; in float32, SDPA's kernel is the faster one

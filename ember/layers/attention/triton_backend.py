@@ -1,7 +1,7 @@
 """Triton paged attention for CUDA: the KV-write kernel, then flash-decoding when every
 sequence has one new token, else the varlen prefill/extend kernel (which also takes the
 decode rows of a mixed step). Reads only device tensors and the host query lengths, so
-a decode step can be captured in a CUDA graph."""
+a decode step can be captured in a CUDA graph. An fp8 cache: see kernels/paged.py."""
 
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ class TritonBackend(AttentionBackend):
             plan = meta.plans[self.name] = _Plan(max_q == 1, max_q, self._num_splits(batch, num_kv_heads))
         return plan
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         plan = self.plan(meta, k_cache.shape[2])
         if plan.decode:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, plan.num_splits)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, plan.num_splits,
+                                k_scale=k_scale, v_scale=v_scale)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                             plan.max_query_len, scale)
+                             plan.max_query_len, scale, k_scale=k_scale, v_scale=v_scale)
