@@ -35,6 +35,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     structured_outputs_backend: str = "xgrammar"  # xgrammar | guidance
     structured_outputs_jump_forward: bool = True  # append grammar-forced tokens without a forward each
+    # schedule and prepare step N+1 while step N runs on the device (vLLM's flag);
+    # None: on for CUDA, off on the CPU (where torch runs synchronously: nothing to overlap)
+    async_scheduling: bool | None = None
     # filled by resolve()
     model_config: ModelConfig | None = None
 
@@ -77,6 +80,7 @@ class EngineConfig:
                 f"({model_config.max_position_embeddings}): lower max_model_len"
             )
         budget = self.max_num_batched_tokens or 2048
+        async_scheduling = self.async_scheduling if self.async_scheduling is not None else device == "cuda"
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
@@ -89,6 +93,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
             attention_backend=backend,
+            async_scheduling=async_scheduling,
             model_config=model_config,
         )
 
