@@ -52,6 +52,8 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (auto); got {self.async_scheduling!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

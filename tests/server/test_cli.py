@@ -41,3 +41,15 @@ def test_a_bad_model_path_is_a_clear_error():
     done = ember("generate", "hi", "/nonexistent/model.gguf")
     assert done.returncode == 2
     assert "ember: error: model '/nonexistent/model.gguf' not found" in done.stderr
+
+
+def test_async_scheduling_flag_reaches_the_engine_args():
+    import argparse
+
+    from ember.server.cli import add_engine_args, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args(parser.parse_args([]))["async_scheduling"] is None  # the device decides
+    assert engine_args(parser.parse_args(["--async-scheduling"]))["async_scheduling"] is True
+    assert engine_args(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
