@@ -25,11 +25,14 @@ computes: a request whose last token is pending gets it as its one new token (th
 takes its id on the device). Then:
 - a request sure to finish on its pending token (max_tokens, max_model_len) is not
   scheduled again;
-- a request that leaves (finished, aborted, preempted) while a launched step still
-  computes for it gives its blocks back only when the last launched step is collected;
+- a request that leaves (finished or aborted) while a launched step still computes for
+  it gives its blocks back only when the last launched step is updated;
 - no request is preempted while a step is in flight: a step short of blocks schedules
   the running requests that fit and sets `short_of_blocks`; the engine then collects
-  before the next schedule, which may preempt.
+  before the next schedule, which may preempt;
+- blocks enter the prefix cache once their tokens are known, counting what launched
+  steps compute, so each schedule sees the cache (and the cache's copies of duplicate
+  blocks) that the synchronous engine's schedule of the same step sees.
 """
 
 from __future__ import annotations
@@ -212,11 +215,13 @@ class Scheduler:
         self.pool.free(req.block_ids)
         req.block_ids, req.num_blocks_in_cache, req.num_computed_tokens = [], 0, 0
 
-    def _cache_full_blocks(self, req: Request) -> None:
-        """Hand the blocks the last step filled to the prefix cache: those whose tokens are
-        all computed and known. The newest known token has no KV yet (the next step writes
-        it), however far a launched step has run."""
-        full = min(req.num_computed_tokens, req.num_known_tokens - 1) // self.block_size
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Hand the prefix cache the full blocks of the first `num_tokens` tokens (all known)
+        that launched steps compute. (Synchronously that is every computed token. With a step
+        in flight it includes the tokens that step computes: the next schedule then sees the
+        cache, and uses the cache's copies, as the synchronous engine's schedule of that step
+        does. A block's readers are launched after the step that writes it.)"""
+        full = min(req.num_computed_tokens, num_tokens) // self.block_size
         if full > req.num_blocks_in_cache:
             new = req.block_ids[req.num_blocks_in_cache:full]
             self.pool.share(new)  # held while the cache may swap in its own copy of some
@@ -293,14 +298,17 @@ class Scheduler:
                 continue  # finished or aborted while the step ran: its token is dropped
             tokens = sampled.get(req.request_id) if chunk.samples else None
             if tokens is None:
-                self._cache_full_blocks(req)
+                self._cache_full_blocks(req, req.num_known_tokens)
                 continue  # a prefill chunk that does not reach the end of the prompt
             req.append_token(tokens[0])
-            self._cache_full_blocks(req)
+            reason = self._stop_reason(req, tokens[0])
+            # a request that ends here caches no KV of its last token (a step in flight may compute it)
+            self._cache_full_blocks(req, req.num_known_tokens - (reason is not None))
             forks = [self._fork(req, i, t) for i, t in enumerate(tokens[1:], start=1)]
             for r in [req, *forks]:
                 stepped.append(r)
-                reason = self._stop_reason(r, r.output_token_ids[-1])
+                if r is not req:
+                    reason = self._stop_reason(r, r.output_token_ids[-1])
                 if reason is not None:
                     self.finish(r, *reason)
                     finished.append(r)

@@ -124,10 +124,10 @@ def test_no_preemption_while_a_step_is_in_flight():
     assert_all_free(s)
 
 
-def test_filled_blocks_are_cached_as_in_a_synchronous_step():
-    """A block is cached once its tokens are known and computed, the newest known token
-    left out (its KV comes with the next step), however far a launched step has run: the
-    cache holds what it would after the same steps run one by one."""
+def test_a_block_is_cached_once_its_tokens_are_known_and_a_launched_step_computes_them():
+    """Cached as soon as the next schedule can use it (the synchronous engine's next
+    schedule sees it after the update of the step in flight here); a request that ends
+    caches nothing of the token the step after it computed."""
     from ember.scheduler.prefix_cache import RadixPrefixCache
 
     pool = BlockPool(16)
@@ -136,16 +136,16 @@ def test_filled_blocks_are_cached_as_in_a_synchronous_step():
     s.add_request(a)
     p1 = schedule_and_launch(s)
     p2 = schedule_and_launch(s)  # computes position 3, the pending token: block 0 fills
+    assert a.num_blocks_in_cache == 0
     s.update(p1, {"a": [T]})
-    assert (a.num_computed_tokens, a.num_known_tokens, a.num_blocks_in_cache) == (4, 4, 0)
+    assert (a.num_computed_tokens, a.num_known_tokens, a.num_blocks_in_cache) == (4, 4, 1) and pool.cached[0]
     p3 = schedule_and_launch(s)  # position 4 opens block 1
     assert a.block_ids == [0, 1]
-    s.update(p2, {"a": [EOS]})
-    assert a.finish_reason == "stop" and a.num_blocks_in_cache == 1 and pool.cached[0]
+    s.update(p2, {"a": [EOS]})  # ends: step 3 computes position 4 for nothing
+    assert a.finish_reason == "stop" and a.num_blocks_in_cache == 1 and not pool.cached[1]
     assert p3.free_when_collected == [0, 1]  # step 3 still computes with both
-    assert (pool.ref_counts[0], pool.ref_counts[1]) == (1, 1)
     s.update(p3, {"a": [T]})
-    assert pool.num_in_use == 0 and pool.num_evictable == 1
+    assert pool.num_in_use == 0 and pool.num_evictable == 1 and list(pool._free)[-1] == 1
     pool.check_integrity()
 
 
@@ -171,3 +171,49 @@ def test_a_block_the_prefix_cache_swaps_out_is_freed_once_the_launched_step_that
         s.abort(r.request_id)
     pool.check_integrity()
     assert pool.num_in_use == 0
+
+
+def drive(async_: bool, arrivals: dict[int, list[Request]], token, budget: int = 64) -> list:
+    """Run a scheduler with a prefix cache to the end, synchronously (schedule, update) or
+    as the async engine does (schedule N+1, launched, update N); `token(req)` is the id
+    sampled for req's next position. Returns each step's plan as (id, tokens, block table)
+    and the prefix-cache hits."""
+    from ember.scheduler.prefix_cache import RadixPrefixCache
+
+    pool = BlockPool(64)
+    s = Scheduler(pool, 4, 8, budget, 64, prefix_cache=RadixPrefixCache(pool, 4))
+    plans, launched, k = [], [], 0
+    while k <= max(arrivals) or s.has_unfinished() or launched:
+        for r in arrivals.get(k, []):
+            s.add_request(r)
+        k += 1
+        out = s.schedule()
+        if not out.is_empty:
+            plans.append([(c.request.request_id, c.num_new_tokens, list(c.request.block_ids)) for c in out.chunks])
+            s.launched(out)
+            launched.append(out)
+        while len(launched) > (1 if async_ else 0) or (launched and out.is_empty):
+            done = launched.pop(0)
+            s.update(done, {c.request.request_id: [token(c.request)] for c in done.chunks if c.samples})
+    pool.check_integrity()
+    return plans, s.prefix_cache_hits
+
+
+def test_each_step_sees_the_blocks_and_cache_of_the_synchronous_schedule():
+    """The same steps with the same block tables as the synchronous scheduler: blocks are
+    cached (and swapped for the cache's copy) in time for the step a synchronous engine
+    would first use them in, though the async one is scheduled before the previous update."""
+    def token(req: Request) -> int:  # the same prompt gives the same tokens: b's blocks duplicate a's
+        return 200 + (sum(req.prompt_token_ids) + req.num_known_tokens) % 50
+
+    def arrivals():
+        same = [100 + i for i in range(6)]
+        return {0: [Request("a", same, SamplingParams(temperature=0, max_tokens=12)),
+                    Request("c", [300 + i for i in range(21)], SamplingParams(temperature=0, max_tokens=5))],
+                2: [Request("b", same, SamplingParams(temperature=0, max_tokens=12))],
+                4: [Request("d", same + [1, 2, 3], SamplingParams(temperature=0, max_tokens=3))]}
+
+    sync_plans, sync_hits = drive(False, arrivals(), token, budget=8)
+    async_plans, async_hits = drive(True, arrivals(), token, budget=8)
+    assert async_plans == sync_plans and async_hits == sync_hits > 0
+    assert any(len(p) > 1 and p[0][2][0] == p[1][2][0] for p in sync_plans[4:])  # swapped blocks were shared
