@@ -38,6 +38,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     structured_outputs_backend: str = "xgrammar"  # xgrammar | guidance
     structured_outputs_jump_forward: bool = True  # append grammar-forced tokens without a forward each
+    # schedule and prepare step N+1 while step N runs on the device (vLLM's flag);
+    # None: on for CUDA, off on the CPU (where torch runs synchronously: nothing to overlap)
+    async_scheduling: bool | None = None
     # filled by resolve()
     model_config: ModelConfig | None = None
 
@@ -53,6 +56,8 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (auto); got {self.async_scheduling!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -91,6 +96,7 @@ class EngineConfig:
                              f">= 8.9: Ada, Hopper); this one is {torch.cuda.get_device_capability()}: "
                              "use kv_cache_dtype='auto'")
         budget = self.max_num_batched_tokens or 2048
+        async_scheduling = self.async_scheduling if self.async_scheduling is not None else device == "cuda"
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
@@ -103,6 +109,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
             attention_backend=backend,
+            async_scheduling=async_scheduling,
             model_config=model_config,
         )
 

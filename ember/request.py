@@ -34,7 +34,12 @@ class Request:
     index: int = 0  # which of the parent's n samples this is
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
+    # async scheduling: tokens that launched steps sample for it and the CPU does not know
+    # yet (placeholders: they count in num_tokens, not in output_token_ids), and how many
+    # launched, not yet collected steps compute for it (its blocks stay while any does)
+    num_pending_tokens: int = 0
+    num_steps_in_flight: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_blocks_in_cache: int = 0  # leading block_ids that the prefix cache holds
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission (vLLM's name)
@@ -53,6 +58,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output, counting the pending tokens (async scheduling)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + output whose ids the CPU has: len(all_token_ids)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

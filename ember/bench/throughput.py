@@ -77,7 +77,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                         help="also run every prompt constrained by a JSON schema, back to back with the free run")
     parser.add_argument("--output-json", default=None, help="write the config, machine and results here")
     parser.add_argument("--profile-steps", action="store_true",
-                        help="time each step's phases (schedule, prepare, forward, sample, update) with device syncs")
+                        help="time each step's phases (schedule, prepare, forward, sample, wait, update): with "
+                             "device syncs, or with async scheduling the CPU's time in each (no syncs)")
 
 
 # a list of records: the array has no upper bound and more items than fit in --output-len,
@@ -181,7 +182,7 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
         "config": {k: v for k, v in vars(ns).items() if k != "func"},
         "engine": {k: getattr(cfg, k) for k in ("model", "load_format", "dtype", "kv_cache_dtype", "device",
                                                  "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
-                                                 "max_num_batched_tokens")},
+                                                 "max_num_batched_tokens", "async_scheduling")},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(cfg.device),
         "results": {"ember": {}},
@@ -201,6 +202,9 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
         steps = times.pop("steps", 0) or 1
         ember["profile_ms_per_step"] = {k: 1e3 * v / (steps if k != "steps" else 1) for k, v in times.items()}
         ember["profile_steps"] = steps
+        ember["profile_note"] = ("async scheduling: CPU time of each phase, no device syncs (forward and sample "
+                                 "are launch times); wait = the CPU waiting for sampled ids"
+                                 if cfg.async_scheduling else "a device sync ends each phase")
     if cfg.device == "cuda":
         from ember.bench.roofline import workload_floor
 
@@ -264,7 +268,7 @@ def format_report(report: dict[str, Any]) -> str:
                 lines.append(f"Roofline: {r['roofline']}")
             if "profile_ms_per_step" in r:
                 lines.append(f"Per step ({r['profile_steps']} steps), ms: " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in r["profile_ms_per_step"].items()))
+                    f"{k} {v:.3f}" for k, v in r["profile_ms_per_step"].items()) + f" ({r['profile_note']})")
             if name == "ember_json":
                 lines.append(f"Output tokens appended by jump-forward:  {r['forced_tokens']}")
     if "ember_over_hf_output_tok_s" in results:

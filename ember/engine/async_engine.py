@@ -263,6 +263,7 @@ class AsyncEngine:
             self._fail_all(EngineStoppedError(f"the engine loop died: {e!r}"))
             return
         self._fail_all(None)  # stopped: end whatever is left
+        self.core.finish_in_flight()  # a launched step's tokens were for those requests
         self._publish_stats()
 
     def _step(self) -> None:

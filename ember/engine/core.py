@@ -1,19 +1,30 @@
-"""EngineCore: the step loop. schedule -> execute -> update."""
+"""EngineCore: the step loop. schedule -> launch -> update.
+
+With async scheduling (vLLM's; on by default for CUDA) one launched step stays in flight
+across calls: step N+1 is scheduled and launched while the device computes step N, and
+N's tokens are applied after that. The tokens are those of the synchronous loop: a
+request whose last token is pending gets it on the device (see ModelRunner._prepare),
+seeded generators draw in the same order, and a request that finishes at N drops the
+token N+1 computed for it. Per step the engine falls back to collecting first (a
+synchronous step) when the next schedule needs the in-flight tokens on the CPU: see
+`_needs_tokens_first`.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from ember.config import EngineConfig
 from ember.loader.tokenizer import Tokenizer
 from ember.request import Request, RequestStatus
-from ember.runner.model_runner import ModelRunner, ModelRunnerOutput, PromptLogprobs
+from ember.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput, PromptLogprobs
 from ember.runner.sampler import TokenLogprobs
 from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import make_prefix_cache
-from ember.scheduler.scheduler import Scheduler
+from ember.scheduler.scheduler import Scheduler, SchedulerOutput
 from ember.structured.manager import StructuredOutputManager
 from ember.structured.registry import make_backend
 
@@ -46,6 +57,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             lambda: make_backend(config.structured_outputs_backend, tokenizer, vocab_size), tokenizer, vocab_size,
             config.max_model_len, config.structured_outputs_jump_forward)
+        self.launched: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
+        self.max_in_flight = 1 if config.async_scheduling else 0  # launched steps left running after step()
 
     def add_request(self, request: Request) -> None:
         """Queue a request; a constrained one waits outside the scheduler until its grammar compiles."""
@@ -88,36 +101,65 @@ class EngineCore:
             "the scheduler still holds requests"
         assert not self.runner.generators, "a seeded request's generator outlived it"
         assert not self.structured.holds(), "the structured-output manager still holds requests"
+        assert not (self.launched or self.scheduler.in_flight), "a launched step was never collected"
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.structured.num_compiling > 0
+        return self.scheduler.has_unfinished() or self.structured.num_compiling > 0 or bool(self.launched)
 
     def step(self) -> list[EngineCoreOutput]:
-        t0 = time.perf_counter()
-        admitted = self._admit_compiled()
-        plan = self.scheduler.schedule()
+        """Schedule and launch a step; hand back the tokens of the steps collected here:
+        this one when synchronous, else the one launched by the call before (the first
+        call hands back none; a call with nothing to launch collects what is in flight)."""
+        outputs = self._admit_compiled()
+        if self.launched and _needs_tokens_first(self.launched[-1].plan):
+            outputs += self._collect()
+        plan = self._timed("schedule", self.scheduler.schedule)
         if plan.is_empty:
-            if not admitted:  # only grammars still compiling: wait for one, not spin
+            if self.launched:
+                return outputs + self._collect()
+            if not outputs:  # only grammars still compiling: wait for one, not spin
                 self.structured.wait(GRAMMAR_WAIT_S)
-            return admitted
-        t1 = time.perf_counter()
-        result = self.runner.execute(plan, lambda: self.structured.bitmasks(plan))
-        t2 = time.perf_counter()
+            return outputs
+        self.launched.append(self.runner.launch(plan, lambda: self.structured.bitmasks(plan)))
+        self.scheduler.launched(plan)  # its tokens count as computed, the sampled ones as pending
+        while len(self.launched) > self.max_in_flight:
+            outputs += self._collect()  # with async scheduling: the previous step, while this one runs
+        return outputs
+
+    def finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Collect the launched steps still in flight (their outputs are returned)."""
+        outputs = []
+        while self.launched:
+            outputs += self._collect()
+        return outputs
+
+    def _collect(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest launched step and apply its tokens."""
+        launched = self.launched.popleft()
+        return self._timed("update", self._apply, launched.plan, self.runner.collect(launched))
+
+    def _apply(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """A step's tokens: append, stop checks, forks, grammars; release what finished.
+        Requests that left while it ran get nothing."""
         stepped, finished = self.scheduler.update(plan, result.sampled)
         new_tokens = {req.request_id: [req.output_token_ids[-1]] for req in stepped}
         for req in stepped:
             if not req.status.is_finished:
                 new_tokens[req.request_id] += self._follow_grammar(req, finished)
-        if self.runner.profile_steps:
-            times = self.runner.step_times
-            times["schedule"] += t1 - t0
-            times["update"] += time.perf_counter() - t2
-            times["steps"] += 1
         for req in finished:
             self._release(req.request_id)
-        return admitted + [self._output(req, result, new_tokens[req.request_id]) for req in stepped] + [
+        return [self._output(req, result, new_tokens[req.request_id]) for req in stepped] + [
             EngineCoreOutput(c.request, [], False, prompt_logprobs=result.prompt_logprobs[c.request.request_id])
-            for c in plan.chunks if c.request.request_id in result.prompt_logprobs and not c.samples]
+            for c in plan.chunks if c.request.request_id in result.prompt_logprobs and not c.samples
+            and not c.request.status.is_finished]
+
+    def _timed(self, phase: str, fn, *args):
+        """fn(*args), its seconds added to the runner's step_times[phase] when profiling."""
+        start = time.perf_counter()
+        result = fn(*args)
+        if self.runner.profile_steps:
+            self.runner.step_times[phase] += time.perf_counter() - start
+        return result
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Hand requests whose grammar is ready to the scheduler (with the tokens their grammar
@@ -160,3 +202,21 @@ class EngineCore:
         return EngineCoreOutput(req, new_tokens, req.status.is_finished,
                                 [logprobs] if logprobs is not None else None,
                                 result.prompt_logprobs.get(req.request_id))
+
+
+def _needs_tokens_first(plan: SchedulerOutput) -> bool:
+    """Whether the next schedule must wait for this launched step's tokens (a synchronous
+    step), decided per step: it ran short of KV blocks (the next schedule may preempt,
+    which never happens while a step is in flight), or it samples for a request whose next
+    step needs this token on the CPU: a grammar advances on it (its mask, forced tokens),
+    penalties and min_tokens read the output so far, and n > 1 forks at the first sample.
+    Stop strings, aborts, logprobs and seeds need no fallback: a request that leaves while
+    a step computes for it just drops that step's token."""
+    return plan.short_of_blocks or any(_needs_last_token(c.request) for c in plan.chunks if c.samples)
+
+
+def _needs_last_token(req: Request) -> bool:
+    p = req.sampling_params
+    return (p.structured_outputs is not None or len(req.output_token_ids) < p.min_tokens
+            or req.num_samples_to_draw > 1 or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0)

@@ -101,6 +101,8 @@ class LLM:
             for request_id in added:
                 self.engine.abort_request(request_id)
                 self.processor.abort(request_id)
+            if not self.processor.groups:  # no other stream is served: a step still in flight was ours
+                self.engine.finish_in_flight()
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:

@@ -1,5 +1,12 @@
 """ModelRunner: owns the model and the paged KV cache; turns a SchedulerOutput into one
-forward pass and the sampled tokens."""
+forward pass and the sampled tokens.
+
+`launch(plan)` queues the step on the device and returns a LaunchedStep without waiting
+for it: the sampled ids stay in a device tensor and travel to pinned host memory behind
+an event. `collect(step)` waits for that event and hands the ids back. Between the two
+the engine may schedule and launch the next step (async scheduling): a request whose last
+token is still pending gets its input id on the device, gathered from the previous
+launched step's sampled ids, never through the CPU."""
 
 from __future__ import annotations
 
@@ -33,6 +40,20 @@ class PromptLogprobs:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)  # n tokens when a request forks
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device, until `collect`."""
+
+    plan: SchedulerOutput
+    owners: list[tuple[Request, int]] = field(default_factory=list)  # (request, sample index) of each sampled row
+    tokens: torch.Tensor | None = None  # [rows] int64 on the device: the sampled ids
+    rows: dict[str, int] = field(default_factory=dict)  # request id -> its (first) row in `tokens`
+    host_tokens: torch.Tensor | None = None  # `tokens` copied to the CPU, complete once `ready` has passed
+    ready: torch.cuda.Event | None = None  # None on the CPU, where torch has finished by the time it returns
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
@@ -74,9 +95,13 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler(config.seed)
+        self.pin = self.device.type == "cuda"  # host tensors bound for the device are pinned: copies don't wait
+        self.last_launched: LaunchedStep | None = None  # where a pending input id is gathered from
         self.generators: dict[str, torch.Generator] = {}
         self.table_rows: dict[str, tuple[list[int], int, np.ndarray]] = {}  # see _table_row
-        # seconds per phase, synchronized, when `profile_steps` is on (ember bench --profile)
+        # seconds per phase when `profile_steps` is on (ember bench --profile-steps): with a
+        # device sync at each phase's end, or, with async scheduling, CPU time only (no sync:
+        # it would undo the overlap) plus `wait`, the time the CPU waited for sampled ids
         self.profile_steps = False
         self.step_times: dict[str, float] = defaultdict(float)
         self.graphs: DecodeGraphs | None = None
@@ -161,12 +186,14 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput,
-                fill_grammar_masks: Callable[[], dict[str, torch.Tensor]] | None = None) -> ModelRunnerOutput:
-        """`fill_grammar_masks()` gives request id -> its allowed-token bits (structured
-        output), applied to its row's logits before sampling; all n samples of a forking
-        request share it. It is called once the forward and the LM head are queued, so on
-        CUDA the CPU fills the masks while the GPU computes."""
+    def launch(self, plan: SchedulerOutput,
+               fill_grammar_masks: Callable[[], dict[str, torch.Tensor]] | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling; read the requests' counters as the plan
+        left them (before `Scheduler.launched`). `fill_grammar_masks()` gives request id ->
+        its allowed-token bits (structured output), applied to its row's logits before
+        sampling; all n samples of a forking request share it. It is called once the forward
+        and the LM head are queued, so on CUDA the CPU fills the masks while the GPU computes.
+        Logprobs and prompt logprobs are read back here (a sync on CUDA)."""
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         clock = self._clock()
@@ -177,41 +204,75 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, meta)
         clock("forward")
-        out = ModelRunnerOutput()
+        step = LaunchedStep(plan)
         if sampled_chunks:
             # a request that forks into n samples draws n tokens from its one row of logits
-            owners = [(c.request, i) for c in sampled_chunks for i in range(c.request.num_samples_to_draw)]
+            owners = step.owners
+            for c in sampled_chunks:
+                step.rows[c.request.request_id] = len(owners)
+                owners += [(c.request, i) for i in range(c.request.num_samples_to_draw)]
             if len(owners) == len(sample_rows) == hidden.shape[0]:  # every row samples once (decode): no gather
                 logits = self.model.compute_logits(hidden)
             else:
-                rows_idx = torch.tensor([r for c, r in zip(sampled_chunks, sample_rows)
-                                         for _ in range(c.request.num_samples_to_draw)], device=self.device)
+                rows_idx = self._to_device([r for c, r in zip(sampled_chunks, sample_rows)
+                                            for _ in range(c.request.num_samples_to_draw)])
                 logits = self.model.compute_logits(hidden[rows_idx])
             grammar_masks = fill_grammar_masks() if fill_grammar_masks is not None else {}
             rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id)) for req, i in owners]
             result = self.sampler(logits, rows)
+            step.tokens = result.tokens
+            if self.pin:
+                step.host_tokens = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
+                step.host_tokens.copy_(step.tokens, non_blocking=True)
+                step.ready = torch.cuda.Event()
+                step.ready.record()
+            else:
+                step.host_tokens = step.tokens
             clock("sample")
-            for (req, i), token, lp in zip(owners, result.token_ids, result.logprobs):
-                out.sampled.setdefault(req.request_id, []).append(token)
+            for (req, i), lp in zip(owners, result.logprobs):
                 if lp is not None:  # keyed by the sample's own request id (a fork's child id)
-                    out.logprobs[req.request_id if i == 0 else req.child_id(i)] = lp
+                    step.logprobs[req.request_id if i == 0 else req.child_id(i)] = lp
         for chunk, rows in self._prompt_logprob_rows(plan):
             req = chunk.request
             targets = torch.tensor(req.prompt_token_ids[rows.start - rows.offset + 1: rows.stop - rows.offset + 1],
                                    device=self.device)
             logits = self.model.compute_logits(hidden[rows.start:rows.stop])
-            out.prompt_logprobs[req.request_id] = PromptLogprobs(
+            step.prompt_logprobs[req.request_id] = PromptLogprobs(
                 first_position=req.num_computed_tokens + 1,
                 tokens=token_logprobs(logits, targets, [req.sampling_params.prompt_logprobs] * len(targets)),
             )
+        self.last_launched = step
+        if self.profile_steps:
+            self.step_times["steps"] += 1
+        return step
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled ids; request id -> its tokens (n when it forks)."""
+        out = ModelRunnerOutput(logprobs=step.logprobs, prompt_logprobs=step.prompt_logprobs)
+        if step.host_tokens is None:
+            return out
+        start = time.perf_counter()
+        if step.ready is not None:
+            step.ready.synchronize()
+        token_ids = step.host_tokens.tolist()
+        if self.profile_steps:
+            self.step_times["wait"] += time.perf_counter() - start
+        for (req, _), token in zip(step.owners, token_ids):
+            out.sampled.setdefault(req.request_id, []).append(token)
         return out
 
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """An int64 tensor on the device, copied without waiting for the device's queue."""
+        return torch.tensor(values, dtype=torch.int64, pin_memory=self.pin).to(self.device, non_blocking=True)
+
     def _clock(self):
-        """clock(phase) adds the seconds since the last call to step_times[phase] (after a
-        device sync) when profiling; a no-op otherwise."""
+        """clock(phase) adds the seconds since the last call to step_times[phase] when
+        profiling (after a device sync, unless async scheduling overlaps the steps); a
+        no-op otherwise."""
         if not self.profile_steps:
             return lambda phase: None
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        synced = self.device.type == "cuda" and not self.config.async_scheduling
+        sync = torch.cuda.synchronize if synced else (lambda: None)
         last = [time.perf_counter()]
 
         def clock(phase: str) -> None:
@@ -271,7 +332,14 @@ class ModelRunner:
 
     def _prepare(self, plan: SchedulerOutput):
         """Flatten the step's chunks into one varlen batch (see layers/attention/base.py).
-        The int64 inputs travel to the device in one copy, the block tables in another."""
+        The int64 inputs travel to the device in one copy, the block tables in another.
+        A pending input id (the request's last token, which the previous launched step
+        samples) is gathered on the device from that step's sampled ids:
+
+            ids        a  b  ?  c  ?       ? = 0 here, then ids[dst] = last.tokens[src]
+            dst              2     4
+            src              last.rows[req of row 2], last.rows[req of row 4]
+        """
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -280,16 +348,24 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled_chunks = []
+        dst: list[int] = []
+        src: list[int] = []
         for chunk in plan.chunks:
             req, start = chunk.request, chunk.request.num_computed_tokens
             end = start + chunk.num_new_tokens
             prompt = req.num_prompt_tokens
             blocks = req.block_ids
             if chunk.num_new_tokens == 1:  # decode: the hot path, no lists copied
-                ids.append(req.output_token_ids[start - prompt] if start >= prompt else req.prompt_token_ids[start])
+                if req.num_pending_tokens:  # then `start` is the pending token's position
+                    dst.append(len(ids))
+                    src.append(self.last_launched.rows[req.request_id])
+                    ids.append(0)
+                else:
+                    ids.append(req.output_token_ids[start - prompt] if start >= prompt else req.prompt_token_ids[start])
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
+                assert not req.num_pending_tokens, "a pending token is its request's only new token"
                 ids += req.all_token_ids[start:end]
                 positions += range(start, end)
                 slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
@@ -302,15 +378,17 @@ class ModelRunner:
         width = max(len(c.request.block_ids) for c in plan.chunks)
         tables = np.stack([self._table_row(c.request)[:width] for c in plan.chunks])
         dev = self.device
-        # one int64 vector: ids [t] | positions [t] | slots [t] | seq_lens [n] | query_start [n + 1]
-        flat = torch.tensor(ids + positions + slots + seq_lens + query_start, dtype=torch.int64)
-        flat = flat.to(dev, non_blocking=True)
-        input_ids, pos, slot_mapping, lens, starts = flat.split([t, t, t, n, n + 1])
+        # one int64 vector: ids [t] | positions [t] | slots [t] | seq_lens [n] | query_start [n + 1] | dst | src
+        flat = self._to_device(ids + positions + slots + seq_lens + query_start + dst + src)
+        input_ids, pos, slot_mapping, lens, starts, dst_idx, src_idx = flat.split([t, t, t, n, n + 1, len(dst), len(src)])
+        if dst:
+            input_ids[dst_idx] = self.last_launched.tokens[src_idx]
+        block_tables = torch.from_numpy(tables)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=starts.to(torch.int32),
             seq_lens=lens.to(torch.int32),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            block_tables=(block_tables.pin_memory() if self.pin else block_tables).to(dev, non_blocking=True),
             query_lens_cpu=[c.num_new_tokens for c in plan.chunks],
             seq_lens_cpu=seq_lens,
         )

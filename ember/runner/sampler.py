@@ -40,8 +40,12 @@ class TokenLogprobs:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    tokens: torch.Tensor  # [rows] int64 on the logits' device; reading it waits for the device
     logprobs: list[TokenLogprobs | None]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens.tolist()
 
 
 def _plain(r: SamplingRow) -> bool:
@@ -61,9 +65,9 @@ class Sampler:
         self.draws = 0  # Gumbel-max steps so far: each step's Philox seed
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [len(rows), vocab] float32."""
+        """logits: [len(rows), vocab] float32. Only logprobs are read back to the CPU here."""
         if (self.race if self.race is not None else logits.is_cuda) and all(_plain(r) for r in rows):
-            return SamplerOutput(self._race(logits, [r.params.temperature for r in rows]).tolist(), [None] * len(rows))
+            return SamplerOutput(self._race(logits, [r.params.temperature for r in rows]), [None] * len(rows))
         raw = logits
         logits = _apply_bias_and_min_tokens(logits, rows)
         logits = _apply_penalties(logits, rows)
@@ -71,16 +75,15 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
+            idx = _to(sampled, logits.device)
             probs = _probs(logits[idx], [rows[i].params for i in sampled])
             tokens[idx] = self._draw(probs, [rows[i].generator for i in sampled])
-        token_list = tokens.tolist()
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if want:
             for i, lp in zip(want, token_logprobs(raw[want], tokens[want], [rows[i].params.logprobs for i in want])):
                 logprobs[i] = lp
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(tokens, logprobs)
 
     def _race(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
         """argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i: one
@@ -97,7 +100,7 @@ class Sampler:
                 return gumbel_argmax(logits, temperatures[0], seed=self.seed * 1_000_003 + self.draws)
             probs = (logits / temperatures[0]).softmax(dim=-1)
             return probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
-        temps = torch.tensor(temperatures, dtype=torch.float32).to(logits.device, non_blocking=True)[:, None]
+        temps = _to(temperatures, logits.device, torch.float32)[:, None]
         probs = (logits / torch.where(temps > 0, temps, 1.0)).softmax(dim=-1)
         drawn = probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
         if any(t == 0 for t in temperatures):
@@ -116,6 +119,13 @@ class Sampler:
         cdf = probs.cumsum(dim=-1)
         # the first token whose cumulative mass passes u: zero-probability tokens never match
         return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _to(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor on `device`, copied from pinned memory so that the CPU does not wait
+    for the device's queue (a plain torch.tensor(..., device="cuda") does)."""
+    pin = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> list[TokenLogprobs]:
@@ -194,9 +204,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
                 counts[i].index_add_(0, torch.tensor(r.output_ids, device=dev), torch.ones(len(r.output_ids), device=dev))
             seen[i, r.prompt_ids + r.output_ids] = True
     counts, seen = counts[:, :vocab], seen[:, :vocab]
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+    rep = _to([r.params.repetition_penalty for r in rows], dev)[:, None]
+    freq = _to([r.params.frequency_penalty for r in rows], dev)[:, None]
+    pres = _to([r.params.presence_penalty for r in rows], dev)[:, None]
     # repetition (HF / CTRL): tokens seen in prompt or output shrink toward "less likely"
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     # frequency and presence (OpenAI): over the generated tokens only
@@ -205,12 +215,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    temperature = _to([p.temperature for p in params], dev)[:, None]
     logits = logits / temperature
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        top_k = _to([p.top_k if p.top_k > 0 else vocab for p in params], dev)
+        top_p = _to([p.top_p for p in params], dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cut = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]
         sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
@@ -221,6 +231,6 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+        min_p = _to([p.min_p for p in params], dev)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs

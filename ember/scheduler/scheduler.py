@@ -16,6 +16,23 @@ goes back to the front of the waiting queue.
 
 A request with n > 1 samples its n first tokens from one prefill, then forks: each
 sample shares the prompt's full blocks and gets a copy of the partial last one.
+
+A step's life: `schedule()` plans it, `launched(plan)` counts its tokens as computed once
+the runner has queued it (each token it samples is a placeholder, `num_pending_tokens`),
+`update(plan, sampled)` puts the sampled ids in their place and applies the stop rules.
+With async scheduling the next `schedule()` runs between the two, while the device
+computes: a request whose last token is pending gets it as its one new token (the runner
+takes its id on the device). Then:
+- a request sure to finish on its pending token (max_tokens, max_model_len) is not
+  scheduled again;
+- a request that leaves (finished or aborted) while a launched step still computes for
+  it gives its blocks back only when the last launched step is updated;
+- no request is preempted while a step is in flight: a step short of blocks schedules
+  the running requests that fit and sets `short_of_blocks`; the engine then collects
+  before the next schedule, which may preempt;
+- blocks enter the prefix cache once their tokens are known, counting what launched
+  steps compute, so each schedule sees the cache (and the cache's copies of duplicate
+  blocks) that the synchronous engine's schedule of the same step sees.
 """
 
 from __future__ import annotations
@@ -37,11 +54,12 @@ LPM_MAX_QUEUE = 128  # a longer queue is taken in arrival order: lpm looks up ev
 class ScheduledChunk:
     request: Request
     num_new_tokens: int
+    # True when this chunk reaches the end of the request's tokens: a token is sampled.
+    # Fixed when the chunk is made: launched() advances the counters it is read from.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens: a token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -49,6 +67,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    short_of_blocks: bool = False  # running requests left out rather than preempt during a step in flight
+    launched: bool = False
+    free_when_collected: list[int] = field(default_factory=list)  # blocks of requests that left meanwhile
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +100,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self._pending_copies: list[tuple[int, int]] = []
+        self.in_flight: deque[SchedulerOutput] = deque()  # launched, not yet updated, oldest first
 
     # -- admission ------------------------------------------------------------------------
 
@@ -122,12 +144,16 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if req.num_pending_tokens and self._ends_on_pending_token(req):
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, n, out):
+                if out.short_of_blocks:
+                    break
                 continue
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and budget > 0 and not (out.preempted or out.short_of_blocks):
             req = self._next_waiting()
             if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
                 break
@@ -189,14 +215,22 @@ class Scheduler:
         self.pool.free(req.block_ids)
         req.block_ids, req.num_blocks_in_cache, req.num_computed_tokens = [], 0, 0
 
-    def _cache_full_blocks(self, req: Request) -> None:
-        """Hand the blocks the last step filled to the prefix cache."""
-        full = req.num_computed_tokens // self.block_size
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Hand the prefix cache the full blocks of the first `num_tokens` tokens (all known)
+        that launched steps compute. (Synchronously that is every computed token. With a step
+        in flight it includes the tokens that step computes: the next schedule then sees the
+        cache, and uses the cache's copies, as the synchronous engine's schedule of that step
+        does. A block's readers are launched after the step that writes it.)"""
+        full = min(req.num_computed_tokens, num_tokens) // self.block_size
         if full > req.num_blocks_in_cache:
+            new = req.block_ids[req.num_blocks_in_cache:full]
+            self.pool.share(new)  # held while the cache may swap in its own copy of some
             blocks = req.block_ids[:full]
             self.prefix_cache.insert(req.all_token_ids[:full * self.block_size], blocks)
             if blocks != req.block_ids[:full]:  # the cache had its own copy of some: use those
                 req.block_ids = blocks + req.block_ids[full:]  # a new list, so no stale view of the old one
+            self.pool.free([b for b in new if b in blocks])
+            self._free_blocks(req, [b for b in new if b not in blocks])  # a launched step may still read them
             req.num_blocks_in_cache = full
 
     def _victim(self, scheduled: set[str]) -> Request:
@@ -206,8 +240,12 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Make room for `n` more tokens of a running request, preempting the newest running
-        requests if needed. False when `req` itself had to be preempted."""
+        requests if needed. False when `req` itself had to be preempted, or when a step is
+        in flight (no preemption then: `short_of_blocks`)."""
         while self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available:
+            if self.in_flight:
+                out.short_of_blocks = True
+                return False
             victim = self._victim({c.request.request_id for c in out.chunks})
             self._preempt(victim)
             out.preempted.append(victim)
@@ -222,6 +260,7 @@ class Scheduler:
             req.block_ids += self.pool.allocate(need)
 
     def _preempt(self, req: Request) -> None:
+        assert not req.num_steps_in_flight, "no preemption while a step computes for the request (see _reserve)"
         self.running.remove(req)
         self._release_blocks(req)
         req.status = RequestStatus.PREEMPTED
@@ -229,27 +268,58 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> tuple[list[Request], list[Request]]:
-        """Advance computed tokens, append sampled tokens, fork n > 1 requests, apply stop
-        rules. Returns (requests that got tokens, incl. new forks; those that finished,
-        their blocks already freed)."""
-        stepped, finished = [], []
+    def launched(self, out: SchedulerOutput) -> None:
+        """The runner has queued this step: its tokens count as computed, each token it
+        samples is pending until `update`."""
         for chunk in out.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_new_tokens
-            self._cache_full_blocks(req)
-            tokens = sampled.get(req.request_id)
+            req.num_pending_tokens += chunk.samples
+            req.num_steps_in_flight += 1
+        out.launched = True
+        self.in_flight.append(out)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> tuple[list[Request], list[Request]]:
+        """Apply a launched step's sampled tokens (launching it first if the caller did not:
+        a synchronous step): append them, fork n > 1 requests, apply stop rules, cache the
+        filled blocks. A request that left while the step ran drops its token. Returns
+        (requests that got tokens, incl. new forks; those that finished, their blocks freed
+        or, if a later launched step still computes for them, freed when it is collected)."""
+        if not out.launched:
+            self.launched(out)
+        assert self.in_flight[0] is out, "steps are updated in launch order"
+        self.in_flight.popleft()
+        stepped, finished = [], []
+        for chunk in out.chunks:
+            req = chunk.request
+            req.num_steps_in_flight -= 1
+            req.num_pending_tokens -= chunk.samples
+            if req.status.is_finished:
+                continue  # finished or aborted while the step ran: its token is dropped
+            tokens = sampled.get(req.request_id) if chunk.samples else None
             if tokens is None:
+                self._cache_full_blocks(req, req.num_known_tokens)
                 continue  # a prefill chunk that does not reach the end of the prompt
             req.append_token(tokens[0])
+            reason = self._stop_reason(req, tokens[0])
+            # a request that ends here caches no KV of its last token (a step in flight may compute it)
+            self._cache_full_blocks(req, req.num_known_tokens - (reason is not None))
             forks = [self._fork(req, i, t) for i, t in enumerate(tokens[1:], start=1)]
             for r in [req, *forks]:
                 stepped.append(r)
-                reason = self._stop_reason(r, r.output_token_ids[-1])
+                if r is not req:
+                    reason = self._stop_reason(r, r.output_token_ids[-1])
                 if reason is not None:
                     self.finish(r, *reason)
                     finished.append(r)
+        self.pool.free(out.free_when_collected)
         return stepped, finished
+
+    def _ends_on_pending_token(self, req: Request) -> bool:
+        """Whether the pending token ends the request by length: no step after it is needed."""
+        max_tokens = req.sampling_params.max_tokens
+        return (max_tokens is not None and len(req.output_token_ids) + req.num_pending_tokens >= max_tokens) \
+            or req.num_tokens >= self.max_model_len
 
     def _fork(self, parent: Request, index: int, token: int) -> Request:
         child = parent.fork(index, token)
@@ -275,7 +345,8 @@ class Scheduler:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or req.num_tokens >= self.max_model_len:
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or \
+                req.num_known_tokens >= self.max_model_len:
             return "length", None
         return None
 
@@ -288,10 +359,19 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.pool.free(req.block_ids)
+        self._free_blocks(req, req.block_ids)
         req.block_ids = []
         req.finish(reason, stop_reason, status)
         del self.requests[req.request_id]
+
+    def _free_blocks(self, req: Request, block_ids: list[int]) -> None:
+        """Drop `req`'s hold on these blocks; while a launched step computes for it, only
+        once the last launched step is collected (no block goes back to the pool while a
+        launched step may still read or write it)."""
+        if req.num_steps_in_flight:
+            self.in_flight[-1].free_when_collected += block_ids
+        else:
+            self.pool.free(block_ids)
 
     def abort(self, request_id: str) -> list[Request]:
         """Abort a request and the samples forked from it; returns those it ended."""

@@ -39,13 +39,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["xgrammar", "guidance"], help="the grammar backend for structured output")
     parser.add_argument("--no-jump-forward", dest="structured_outputs_jump_forward", action="store_false",
                         help="structured output: sample every token, even those the grammar forces")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                        help="schedule and prepare the next step while the device runs this one "
+                             "(default: on for CUDA, off on the CPU)")
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
     names = ["load_format", "dtype", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks",
              "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
-             "structured_outputs_backend", "structured_outputs_jump_forward"]
+             "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling"]
     return {"model": ns.model} | {n: getattr(ns, n) for n in names}
 
 

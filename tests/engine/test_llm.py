@@ -142,15 +142,15 @@ def test_no_prompts_no_outputs(llm):
 def test_an_error_inside_the_loop_leaves_nothing_behind(llm, monkeypatch):
     """A failure mid-generation (here: the second forward pass) aborts the call's requests,
     frees their blocks, and the engine serves the next call."""
-    real_execute, calls = llm.engine.runner.execute, []
+    real_launch, calls = llm.engine.runner.launch, []
 
-    def failing_execute(plan, *args):
+    def failing_launch(plan, *args):
         calls.append(plan)
         if len(calls) == 2:
             raise RuntimeError("boom")
-        return real_execute(plan, *args)
+        return real_launch(plan, *args)
 
-    monkeypatch.setattr(llm.engine.runner, "execute", failing_execute)
+    monkeypatch.setattr(llm.engine.runner, "launch", failing_launch)
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([FRANCE, "Water boils at"], greedy(5))
     llm.check_idle()

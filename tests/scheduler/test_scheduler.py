@@ -2,7 +2,7 @@
 
 Each test drives `schedule()` then `update(out, sampled)` the way EngineCore.step does,
 with a sampled token for exactly the chunks that reach the end of their request's tokens
-(`ScheduledChunk.samples`, read before `update`, which advances num_computed_tokens).
+(`ScheduledChunk.samples`, fixed when the chunk is scheduled).
 Block ids are exact: the pool's free queue is FIFO and a request's blocks are freed
 last-first (see test_block_pool.py).
 
@@ -20,7 +20,7 @@ import pytest
 from ember.request import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler.block_pool import BlockPool
-from ember.scheduler.scheduler import Scheduler, SchedulerOutput
+from ember.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 
 EOS = 2
 TOKEN = 7  # a plain sampled token: not EOS, not a stop id
@@ -174,15 +174,16 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_samples_on_the_last():
     assert_all_free(s)
 
 
-def test_samples_is_read_before_update():
-    """`ScheduledChunk.samples` is derived from the request's live counters: after
-    `update` has advanced num_computed_tokens it no longer describes the step."""
+def test_samples_is_fixed_when_the_chunk_is_scheduled():
+    """`ScheduledChunk.samples` is set from the request's counters when the plan is made:
+    it still describes the step after `launched`/`update` advanced num_computed_tokens
+    (with async scheduling a plan is updated after the next one is scheduled)."""
     s = make_scheduler(max_num_batched_tokens=16)
     s.add_request(make_request("a", 5, max_tokens=3))
     out = s.schedule()
     assert out.chunks[0].samples
     s.update(out, {"a": [TOKEN]})
-    assert not out.chunks[0].samples
+    assert out.chunks[0].samples and not ScheduledChunk(out.chunks[0].request, 5).samples
     run_to_end(s)
 
 

@@ -48,3 +48,15 @@ def test_a_bad_kv_cache_dtype_is_refused_with_the_choices():
     assert done.returncode == 2
     assert "argument --kv-cache-dtype: invalid choice: 'int8'" in done.stderr
     assert all(choice in done.stderr for choice in ("auto", "'fp8'", "fp8_e4m3"))
+
+
+def test_async_scheduling_flag_reaches_the_engine_args():
+    import argparse
+
+    from ember.server.cli import add_engine_args, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args(parser.parse_args([]))["async_scheduling"] is None  # the device decides
+    assert engine_args(parser.parse_args(["--async-scheduling"]))["async_scheduling"] is True
+    assert engine_args(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
