@@ -24,15 +24,16 @@ With async scheduling the next `schedule()` runs between the two, while the devi
 computes: a request whose last token is pending gets it as its one new token (the runner
 takes its id on the device). Then:
 - a request sure to finish on its pending token (max_tokens, max_model_len) is not
-  scheduled again;
+  scheduled again, and its seat goes to a waiting request (its blocks come back at the
+  update);
 - a request that leaves (finished or aborted) while a launched step still computes for
   it gives its blocks back only when the last launched step is updated;
 - no request is preempted while a step is in flight: a step short of blocks schedules
   the running requests that fit and sets `short_of_blocks`; the engine then collects
   before the next schedule, which may preempt;
-- blocks enter the prefix cache once their tokens are known, counting what launched
-  steps compute, so each schedule sees the cache (and the cache's copies of duplicate
-  blocks) that the synchronous engine's schedule of the same step sees.
+- blocks enter the prefix cache when the step that fills them is launched (or their last
+  token becomes known), so each schedule sees the cache (and the cache's copies of
+  duplicate blocks) that the synchronous engine's schedule of the same step sees.
 """
 
 from __future__ import annotations
@@ -174,8 +175,10 @@ class Scheduler:
         return out
 
     def _seats_taken(self) -> int:
-        """Running slots, counting the n a not-yet-forked n > 1 request will take."""
-        return sum(r.num_samples_to_draw for r in self.running)
+        """Running slots, counting the n a not-yet-forked n > 1 request will take; not those
+        of requests that end on their pending token (they leave at the update in flight)."""
+        return sum(r.num_samples_to_draw for r in self.running
+                   if not (r.num_pending_tokens and self._ends_on_pending_token(r)))
 
     def _by_policy(self, requests) -> list[Request]:
         """Who goes first: admission order (fcfs), or priority then arrival."""
@@ -217,10 +220,10 @@ class Scheduler:
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Hand the prefix cache the full blocks of the first `num_tokens` tokens (all known)
-        that launched steps compute. (Synchronously that is every computed token. With a step
-        in flight it includes the tokens that step computes: the next schedule then sees the
-        cache, and uses the cache's copies, as the synchronous engine's schedule of that step
-        does. A block's readers are launched after the step that writes it.)"""
+        that launched steps compute, as soon as the step is launched or the token known: the
+        next schedule then sees the cache (and uses the cache's copies of duplicates) as the
+        synchronous engine's schedule of that step does. A block's readers are launched
+        after the step that writes it."""
         full = min(req.num_computed_tokens, num_tokens) // self.block_size
         if full > req.num_blocks_in_cache:
             new = req.block_ids[req.num_blocks_in_cache:full]
@@ -270,14 +273,15 @@ class Scheduler:
 
     def launched(self, out: SchedulerOutput) -> None:
         """The runner has queued this step: its tokens count as computed, each token it
-        samples is pending until `update`."""
+        samples is pending until `update`, and the blocks it fills enter the prefix cache."""
+        out.launched = True
+        self.in_flight.append(out)
         for chunk in out.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_new_tokens
             req.num_pending_tokens += chunk.samples
             req.num_steps_in_flight += 1
-        out.launched = True
-        self.in_flight.append(out)
+            self._cache_full_blocks(req, req.num_known_tokens)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> tuple[list[Request], list[Request]]:
         """Apply a launched step's sampled tokens (launching it first if the caller did not:
@@ -298,11 +302,10 @@ class Scheduler:
                 continue  # finished or aborted while the step ran: its token is dropped
             tokens = sampled.get(req.request_id) if chunk.samples else None
             if tokens is None:
-                self._cache_full_blocks(req, req.num_known_tokens)
                 continue  # a prefill chunk that does not reach the end of the prompt
             req.append_token(tokens[0])
             reason = self._stop_reason(req, tokens[0])
-            # a request that ends here caches no KV of its last token (a step in flight may compute it)
+            # its block now known, if a step in flight computes it; not for a request that ends here
             self._cache_full_blocks(req, req.num_known_tokens - (reason is not None))
             forks = [self._fork(req, i, t) for i, t in enumerate(tokens[1:], start=1)]
             for r in [req, *forks]:

@@ -8,6 +8,10 @@ is FIFO and a request's blocks are freed last-first (see test_block_pool.py).
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from ember.request import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler.block_pool import BlockPool
@@ -149,7 +153,7 @@ def test_a_block_is_cached_once_its_tokens_are_known_and_a_launched_step_compute
     pool.check_integrity()
 
 
-def test_a_block_the_prefix_cache_swaps_out_is_freed_once_the_launched_step_that_reads_it_is_collected():
+def test_a_block_the_prefix_cache_swaps_out_is_freed_once_the_launched_step_that_writes_it_is_collected():
     from ember.scheduler.prefix_cache import RadixPrefixCache
 
     pool = BlockPool(16)
@@ -157,16 +161,15 @@ def test_a_block_the_prefix_cache_swaps_out_is_freed_once_the_launched_step_that
     a, b = make_request("a", 5, max_tokens=8), make_request("b", 5, max_tokens=8)  # the same prompt
     s.add_request(a)
     s.add_request(b)
-    p1 = schedule_and_launch(s)  # both prefilled in one step: block 0 and block 2 hold the same KV
+    p1 = s.schedule()  # both prefilled in one step: blocks 0 and 2 get the same KV
     assert (a.block_ids, b.block_ids) == ([0, 1], [2, 3])
-    p2 = schedule_and_launch(s)  # reads blocks 0 and 2
+    s.launched(p1)  # block 0 enters the cache; b takes it for its copy, which step 1 still writes
+    assert (a.block_ids, b.block_ids) == ([0, 1], [0, 3])
+    assert pool.ref_counts[0] == 2 and pool.ref_counts[2] == 1 and p1.free_when_collected == [2]
+    p2 = schedule_and_launch(s)
     s.update(p1, {"a": [T], "b": [T]})
-    assert (a.block_ids, b.block_ids) == ([0, 1], [0, 3])  # b now shares the cached copy
-    assert pool.ref_counts[0] == 2 and pool.ref_counts[2] == 1 and p2.free_when_collected == [2]
-    p3 = schedule_and_launch(s)
-    s.update(p2, {"a": [T], "b": [T]})
     assert pool.ref_counts[2] == 0 and list(pool._free)[-1] == 2
-    s.update(p3, {"a": [T], "b": [T]})
+    s.update(p2, {"a": [T], "b": [T]})
     for r in (a, b):
         s.abort(r.request_id)
     pool.check_integrity()
@@ -217,3 +220,28 @@ def test_each_step_sees_the_blocks_and_cache_of_the_synchronous_schedule():
     async_plans, async_hits = drive(True, arrivals(), token, budget=8)
     assert async_plans == sync_plans and async_hits == sync_hits > 0
     assert any(len(p) > 1 and p[0][2][0] == p[1][2][0] for p in sync_plans[4:])  # swapped blocks were shared
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_give_the_synchronous_plans(seed):
+    """Prompts sharing prefixes, chunked prefills, max_tokens from 1, arrivals over time,
+    no EOS and a pool that never runs short: the async plans are the synchronous ones."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(100, 200) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+
+    def token(req: Request) -> int:
+        return 200 + (sum(req.all_token_ids) * 31 + req.num_known_tokens) % 97
+
+    def arrivals():
+        rng2 = random.Random(seed)
+        out: dict[int, list[Request]] = {}
+        for i in range(10):
+            prompt = rng2.choice(stems) + [rng2.randrange(100, 200) for _ in range(rng2.randrange(1, 10))]
+            out.setdefault(rng2.randrange(0, 8), []).append(
+                Request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=rng2.randrange(1, 14))))
+        return out
+
+    budget = [8, 16, 64][seed % 3]
+    sync_plans, sync_hits = drive(False, arrivals(), token, budget)
+    async_plans, async_hits = drive(True, arrivals(), token, budget)
+    assert async_plans == sync_plans and async_hits == sync_hits
