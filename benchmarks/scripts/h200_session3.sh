@@ -24,6 +24,10 @@ if [ "${1:-1}" = 1 ]; then
   echo "== latency llama: sync =="; $B $L $LAT --no-async-scheduling 2>&1 | show
 fi
 if [ "${1:-2}" = 2 ]; then
+  # the first Llama-8B engine of a call has been slow every time (runs 4, 6 and part 1): twice
+  echo "== latency llama: async (first 8B engine of the call) =="; $B $L $LAT 2>&1 | show
+  echo "== latency llama: async, again =="; $B $L $LAT --output-json $J/llama_lat_async2.json 2>&1 | show
+  echo "== latency llama: sync, again =="; $B $L $LAT --no-async-scheduling 2>&1 | show
   echo "== HF static batch 256 x 512/256 (ember async fp8 on the same prompts first) =="
   $B $Q --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --max-num-seqs 256 \
     --max-num-batched-tokens 16384 --kv-cache-dtype fp8 --compare hf --hf-batch-size 256 --output-json $J/hf.json 2>&1 | show
