@@ -34,3 +34,23 @@ def engines_idle(llm, live_engines):
     yield
     for engine in [llm, *live_engines]:
         engine.check_idle()
+
+
+
+@pytest.fixture
+def fail_launch(monkeypatch):
+    """fail_launch(llm, at_call): the runner's `at_call`-th launch from now raises
+    RuntimeError("boom") (a fault mid-generation); the others run for real.
+    `monkeypatch.undo()` restores it."""
+    def arm(llm: LLM, at_call: int) -> None:
+        real_launch, calls = llm.engine.runner.launch, []
+
+        def failing_launch(plan, *args):
+            calls.append(plan)
+            if len(calls) == at_call:
+                raise RuntimeError("boom")
+            return real_launch(plan, *args)
+
+        monkeypatch.setattr(llm.engine.runner, "launch", failing_launch)
+
+    return arm

@@ -311,7 +311,7 @@ def test_features_with_async_scheduling_on_equal_sync(llm, async_llm, monkeypatc
         assert got[0].outputs[0].stop_reason == "answer" and got[0].outputs[0].text == " Paris.\n\nThe "
 
 
-def test_an_error_or_a_stream_closed_early_leaves_nothing_behind(llm, async_llm, monkeypatch):
+def test_an_error_or_a_stream_closed_early_leaves_nothing_behind(llm, async_llm, monkeypatch, fail_launch):
     want = llm.generate(FRANCE, greedy(5))[0].outputs[0].token_ids
     gen = async_llm.stream(FRANCE, greedy(12, ignore_eos=True))
     assert next(gen).outputs[0].token_ids == want[:1]
@@ -319,15 +319,7 @@ def test_an_error_or_a_stream_closed_early_leaves_nothing_behind(llm, async_llm,
     gen.close()
     async_llm.check_idle()
 
-    real_launch, calls = async_llm.engine.runner.launch, []
-
-    def failing_launch(plan, *args):
-        calls.append(plan)
-        if len(calls) == 3:
-            raise RuntimeError("boom")
-        return real_launch(plan, *args)
-
-    monkeypatch.setattr(async_llm.engine.runner, "launch", failing_launch)
+    fail_launch(async_llm, at_call=3)
     with pytest.raises(RuntimeError, match="boom"):
         async_llm.generate([FRANCE, "Water boils at"], greedy(5))
     async_llm.check_idle()

@@ -139,18 +139,10 @@ def test_no_prompts_no_outputs(llm):
     assert llm.generate([], greedy(1)) == []
 
 
-def test_an_error_inside_the_loop_leaves_nothing_behind(llm, monkeypatch):
+def test_an_error_inside_the_loop_leaves_nothing_behind(llm, monkeypatch, fail_launch):
     """A failure mid-generation (here: the second forward pass) aborts the call's requests,
     frees their blocks, and the engine serves the next call."""
-    real_launch, calls = llm.engine.runner.launch, []
-
-    def failing_launch(plan, *args):
-        calls.append(plan)
-        if len(calls) == 2:
-            raise RuntimeError("boom")
-        return real_launch(plan, *args)
-
-    monkeypatch.setattr(llm.engine.runner, "launch", failing_launch)
+    fail_launch(llm, at_call=2)
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([FRANCE, "Water boils at"], greedy(5))
     llm.check_idle()
