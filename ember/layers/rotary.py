@@ -59,6 +59,18 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor) -> tuple[
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, q_norm: nn.Module,
+                    k_norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q/k RMSNorm, then RoPE. On CUDA one Triton kernel does all three in
+    place (the norms must share eps); elsewhere the norms, then `apply_rotary`."""
+    if q.is_cuda and q_norm.eps == k_norm.eps:
+        from ember.kernels.rotary import qk_norm_rope_inplace
+
+        qk_norm_rope_inplace(q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope)
+        return q, k
+    return apply_rotary(q_norm(q), k_norm(k), rope)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

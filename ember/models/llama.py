@@ -16,7 +16,7 @@ from ember.layers.attention import AttentionBackend, AttentionMetadata
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import Linear, MergedLinear
 from ember.layers.norm import RMSNorm
-from ember.layers.rotary import RotaryEmbedding, apply_rotary
+from ember.layers.rotary import RotaryEmbedding, apply_rotary, norm_and_rotate
 from ember.models.config import ModelConfig
 
 
@@ -49,8 +49,9 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
+            q, k = norm_and_rotate(q, k, rope, self.q_norm, self.k_norm)
+        else:
+            q, k = apply_rotary(q, k, rope)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 

@@ -12,7 +12,7 @@ from ember.kernels import cpu as cpu_kernels  # noqa: E402
 
 from ember.kernels.activation import silu_and_mul as fused_silu_and_mul  # noqa: E402
 from ember.kernels.rms_norm import rms_norm  # noqa: E402
-from ember.kernels.rotary import rope_inplace  # noqa: E402
+from ember.kernels.rotary import qk_norm_rope_inplace, rope_inplace  # noqa: E402
 from ember.layers.activation import silu_and_mul  # noqa: E402
 from ember.layers.norm import RMSNorm  # noqa: E402
 from ember.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
@@ -88,3 +88,33 @@ def test_rope_in_place_on_qkv_views(device):
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
     assert torch.equal(got[:, (heads + kv_heads) * dim:].cpu(), qkv[:, (heads + kv_heads) * dim:])  # v untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_norm_and_rope_in_one_kernel_on_qkv_views(device):
+    """Qwen3: per-head RMSNorm of q and k, then RoPE, in place, as the three layer ops do."""
+    g, dtype, tol = _setup(device)
+    heads, kv_heads, dim, tokens = 6, 2, 32, 5
+    rotary = RotaryEmbedding(dim, 64, 10000.0, None)
+    positions = torch.tensor([0, 9, 1, 63, 30])
+    q_norm, k_norm = RMSNorm(dim, 1e-6), RMSNorm(dim, 1e-6)
+    q_norm.weight.data = (1 + 0.3 * torch.randn(dim, generator=g)).to(dtype)
+    k_norm.weight.data = (1 + 0.3 * torch.randn(dim, generator=g)).to(dtype)
+    qkv = (3 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)).to(dtype)
+
+    def views(t):
+        return t[:, :heads * dim].view(tokens, heads, dim), t[:, heads * dim:(heads + kv_heads) * dim].view(
+            tokens, kv_heads, dim)
+
+    q, k = views(qkv)
+    want_q, want_k = apply_rotary(q_norm(q), k_norm(k), rotary.lookup(positions))
+    got = qkv.to(device)
+    qk_norm_rope_inplace(*views(got), q_norm.weight.detach().to(device), k_norm.weight.detach().to(device), 1e-6,
+                         rotary.lookup(positions).to(device))
+    got_q, got_k = views(got.cpu())
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    assert torch.equal(got[:, (heads + kv_heads) * dim:].cpu(), qkv[:, (heads + kv_heads) * dim:])  # v untouched
+    with pytest.raises(ValueError, match="norm weights"):
+        qk_norm_rope_inplace(*views(got), q_norm.weight.detach()[:8].to(device), k_norm.weight.detach().to(device),
+                             1e-6, rotary.lookup(positions).to(device))
