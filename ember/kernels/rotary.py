@@ -17,8 +17,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(x_ptr, t, stride_t, stride_h, cos, sin, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
-            HALF: tl.constexpr):
+def _rotate(x_ptr, w_ptr, t, stride_t, stride_h, cos, sin, eps, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+            HALF: tl.constexpr, NORM: tl.constexpr):
+    """Rotate token t's heads in place; with NORM, RMSNorm each head (weight w_ptr) first."""
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, HALF)
     mask = (h < HEADS)[:, None]
@@ -26,6 +27,12 @@ def _rotate(x_ptr, t, stride_t, stride_h, cos, sin, HEADS: tl.constexpr, BLOCK_H
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:  # rounded to x's dtype as RMSNorm's output is, then rotated
+        inv = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + c).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + c).to(tl.float32)[None, :]
+        a = (w1 * (a * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        b = (w2 * (b * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
     tl.store(p1, (a * cos - b * sin).to(x1.dtype), mask=mask)
     tl.store(p1 + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
 
@@ -38,8 +45,8 @@ def _rope_kernel(q_ptr, k_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_k
     c = tl.arange(0, HALF)
     cos = tl.load(cs_ptr + t * 2 * HALF + c)[None, :]
     sin = tl.load(cs_ptr + t * 2 * HALF + HALF + c)[None, :]
-    _rotate(q_ptr, t, stride_qt, stride_qh, cos, sin, QH, BLOCK_QH, HALF)
-    _rotate(k_ptr, t, stride_kt, stride_kh, cos, sin, KH, BLOCK_KH, HALF)
+    _rotate(q_ptr, q_ptr, t, stride_qt, stride_qh, cos, sin, 0.0, QH, BLOCK_QH, HALF, False)
+    _rotate(k_ptr, k_ptr, t, stride_kt, stride_kh, cos, sin, 0.0, KH, BLOCK_KH, HALF, False)
 
 
 def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
@@ -58,25 +65,6 @@ def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> Non
 
 
 @triton.jit
-def _norm_rotate(x_ptr, w_ptr, t, stride_t, stride_h, cos, sin, eps, HEADS: tl.constexpr,
-                 BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-    h = tl.arange(0, BLOCK_H)
-    c = tl.arange(0, HALF)
-    mask = (h < HEADS)[:, None]
-    p1 = x_ptr + t * stride_t + h[:, None] * stride_h + c[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    inv = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
-    w1 = tl.load(w_ptr + c).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + c).to(tl.float32)[None, :]
-    a = (w1 * (a * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)  # = RMSNorm's output
-    b = (w2 * (b * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-    tl.store(p1, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(p1 + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
-
-
-@triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_kh, eps,
                          QH: tl.constexpr, KH: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
                          HALF: tl.constexpr):
@@ -84,8 +72,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, stride_qt, stride
     c = tl.arange(0, HALF)
     cos = tl.load(cs_ptr + t * 2 * HALF + c)[None, :]
     sin = tl.load(cs_ptr + t * 2 * HALF + HALF + c)[None, :]
-    _norm_rotate(q_ptr, qw_ptr, t, stride_qt, stride_qh, cos, sin, eps, QH, BLOCK_QH, HALF)
-    _norm_rotate(k_ptr, kw_ptr, t, stride_kt, stride_kh, cos, sin, eps, KH, BLOCK_KH, HALF)
+    _rotate(q_ptr, qw_ptr, t, stride_qt, stride_qh, cos, sin, eps, QH, BLOCK_QH, HALF, True)
+    _rotate(k_ptr, kw_ptr, t, stride_kt, stride_kh, cos, sin, eps, KH, BLOCK_KH, HALF, True)
 
 
 def qk_norm_rope_inplace(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
