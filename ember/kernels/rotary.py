@@ -49,8 +49,8 @@ def _rope_kernel(q_ptr, k_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_k
     _rotate(k_ptr, k_ptr, t, stride_kt, stride_kh, cos, sin, 0.0, KH, BLOCK_KH, HALF, False)
 
 
-def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """q [T, H, D], k [T, Hkv, D] (last dim contiguous; may be views of qkv), cos_sin [T, D] float32."""
+def _check_layouts(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[int, int, int]:
+    """(tokens, heads, head_dim) once q, k and cos_sin are laid out as the kernels read them."""
     tokens, heads, dim = q.shape
     if k.shape[0] != tokens or k.shape[2] != dim or q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] with a contiguous last dim")
@@ -58,6 +58,12 @@ def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> Non
         raise ValueError(f"cos_sin must be a contiguous float32 [{tokens}, {dim}]; got {tuple(cos_sin.shape)}")
     if dim & (dim - 1):
         raise ValueError(f"head_dim must be a power of two, got {dim}")
+    return tokens, heads, dim
+
+
+def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """q [T, H, D], k [T, Hkv, D] (last dim contiguous; may be views of qkv), cos_sin [T, D] float32."""
+    tokens, heads, dim = _check_layouts(q, k, cos_sin)
     if tokens:
         _rope_kernel[(tokens,)](q, k, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), QH=heads,
                                 KH=k.shape[1], BLOCK_QH=triton.next_power_of_2(heads),
@@ -79,15 +85,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, stride_qt, stride
 def qk_norm_rope_inplace(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                          eps: float, cos_sin: torch.Tensor) -> None:
     """Per-head RMSNorm (weights [D], one eps) then RoPE, in place; layouts as rope_inplace."""
-    tokens, heads, dim = q.shape
-    if k.shape[0] != tokens or k.shape[2] != dim or q.stride(2) != 1 or k.stride(2) != 1:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] with a contiguous last dim")
-    if cos_sin.shape != (tokens, dim) or not cos_sin.is_contiguous() or cos_sin.dtype != torch.float32:
-        raise ValueError(f"cos_sin must be a contiguous float32 [{tokens}, {dim}]; got {tuple(cos_sin.shape)}")
+    tokens, heads, dim = _check_layouts(q, k, cos_sin)
     if q_weight.shape != (dim,) or k_weight.shape != (dim,) or not (q_weight.is_contiguous() and k_weight.is_contiguous()):
         raise ValueError(f"the norm weights must be contiguous [{dim}]; got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
-    if dim & (dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {dim}")
     if tokens:
         _qk_norm_rope_kernel[(tokens,)](q, k, q_weight, k_weight, cos_sin, q.stride(0), q.stride(1), k.stride(0),
                                         k.stride(1), eps, QH=heads, KH=k.shape[1],
