@@ -9,6 +9,7 @@ or with EMBER_CPU_KERNELS=0, `ops()` is None and the callers use plain torch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -26,18 +27,13 @@ SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "fuse
 HEADER = Path(__file__).with_name("convert.h")
 FLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-w"]
 
-_ops = None
-_tried = False
 _enabled = True
 
 
+@functools.cache
 def ops():
     """`torch.ops.ember_cpu` once built and loaded; None where it can't be (logged once)."""
-    global _ops, _tried
-    if not _tried:
-        _tried = True
-        _ops = _load()
-    return _ops
+    return _load()
 
 
 def for_tensor(x: torch.Tensor):
