@@ -1,12 +1,41 @@
 """Linear layers. A merged layer takes several checkpoint tensors, one per shard, through
 the `weight_loader` its parameters carry; plain ones are copied whole by the loader. On the
-CPU the weights can be prepacked once for oneDNN (`pack_for_cpu`)."""
+CPU the weights can be prepacked once for oneDNN (`pack_for_cpu`). On CUDA, 1 to 4 rows
+(a small decode batch) go through ember's GEMV kernel (kernels/gemv.py), which reads the
+weight faster than cuBLAS there and can take the op before it (layers/fused.py);
+`EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+GEMV_MAX_ROWS = 4  # kernels/gemv.py's MAX_ROWS (that module needs triton)
+_GEMV_ENABLED = os.environ.get("EMBER_SMALL_BATCH_GEMV", "1") != "0"
+_GEMV_ON_CPU = False  # tests run the kernel on CPU tensors through Triton's interpreter
+
+
+@contextlib.contextmanager
+def gemv_on_cpu() -> Iterator[None]:
+    """Take the GEMV path for CPU tensors too (Triton's interpreter): for tests."""
+    global _GEMV_ON_CPU
+    _GEMV_ON_CPU = True
+    try:
+        yield
+    finally:
+        _GEMV_ON_CPU = False
+
+
+def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a linear layer on x runs as ember's GEMV kernel: 1 to 4 rows on CUDA."""
+    return ((x.is_cuda and _GEMV_ENABLED) or _GEMV_ON_CPU) and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS \
+        and x.dtype == weight.dtype and x.stride(1) == 1 and weight.device == x.device
 
 
 def cpu_packing_supported(dtype: torch.dtype) -> bool:
@@ -41,6 +70,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
+        if uses_gemv(x, self.weight):
+            from ember.kernels.gemv import gemv  # triton is imported only on this path
+
+            return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

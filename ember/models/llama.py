@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ember.layers.activation import silu_and_mul
 from ember.layers.attention import AttentionBackend, AttentionMetadata
 from ember.layers.embedding import LMHead, VocabEmbedding
+from ember.layers.fused import norm_linear, silu_linear
 from ember.layers.linear import Linear, MergedLinear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary, norm_and_rotate
@@ -43,8 +43,10 @@ class LlamaAttention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
-    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+    def forward(self, rope: Rope, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv: the output of qkv_proj, which the decoder layer applies (fused with the norm
+        before it where it can)."""
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -62,8 +64,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: the output of gate_up_proj, which the decoder layer applies (fused with
+        the norm before it where it can)."""
+        return silu_linear(self.down_proj, gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -77,14 +81,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the last sublayer's output, residual the stream before it; each norm adds
-        them first (fused on CUDA): stream + attn(norm(stream)), then + mlp(norm(...))."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        them first (fused on CUDA): stream + attn(norm(stream)), then + mlp(norm(...)).
+        The norms go with the projections after them (layers/fused.py)."""
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        h = self.self_attn(rope, qkv, meta)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):

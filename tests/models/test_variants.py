@@ -81,3 +81,28 @@ def test_greedy_matches_hf(variant):
                           max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
         expected = ref[0, len(ids):].tolist()
         assert out.outputs[0].token_ids[:len(expected)] == expected
+
+
+def test_small_batch_gemv_path_matches_hf(variant, forward_logits, monkeypatch):
+    """Where a step has 1 to 4 rows, CUDA runs the linear layers as ember's GEMV kernel with
+    the norms and SiLU fused in (layers/fused.py). Forced onto the CPU (Triton's
+    interpreter; unpacked weights), a 3-token forward and a greedy decode at batch 3 still
+    give HF's answer."""
+    pytest.importorskip("triton")
+    from ember.layers.linear import gemv_on_cpu
+
+    _, _, hf, packed = variant
+    monkeypatch.setattr("ember.runner.model_runner.cpu_packing_supported", lambda dtype: False)
+    llm = LLM(packed.config.model, num_kv_blocks=16, block_size=8, max_model_len=256)
+    assert all(m.packed is None for m in llm.engine.runner.model.modules() if hasattr(m, "packed"))
+    with gemv_on_cpu():
+        ours = forward_logits(llm, [PROMPTS[0][:3]])[0]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[0][:3]])).logits[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+    for ids, out in zip(PROMPTS, outs):
+        expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].token_ids == expected[0, len(ids):].tolist()

@@ -1,0 +1,93 @@
+"""Small-batch linear layers on the GPU: cuBLAS (F.linear) against ember's GEMV kernel
+(kernels/gemv.py) and its fused prologues, at the Qwen3-0.6B and Llama-3.1-8B decode
+shapes, 1 / 2 / 4 rows. Each case is timed inside a CUDA graph of back-to-back calls (as a
+decode graph replays them) that cycle over enough weight copies to defeat the 50 MB L2.
+`python3 benchmarks/scripts/gemv_bench.py [--sweep]`"""
+
+import itertools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from ember.kernels.activation import silu_and_mul
+from ember.kernels.gemv import gemv, gemv_config
+from ember.kernels.rms_norm import rms_norm
+
+SHAPES = {  # name: (N, K) of weight [N, K]
+    "0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),
+    "0.6b lm_head": (151936, 1024),
+    "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
+    "8b lm_head": (128256, 4096),
+}
+
+
+def time_us(fn, copies: int, reps: int = 40) -> float:
+    """Mean µs per call of fn(i) for i cycling over the copies, replayed from a CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(i % copies)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * reps)
+
+
+def main(sweep: bool) -> None:
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    print(f"{'shape':14s} M  {'cuBLAS':>8s} {'gemv':>8s} {'TB/s':>5s}/{'TB/s':>5s}  norm+lin fused / unfused   "
+          f"silu+lin fused / unfused  (us)")
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(1, -(-400_000_000 // nbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5 for _ in range(copies)]
+        nw = torch.ones(k, device="cuda", dtype=dt)
+        for m in (1, 2, 4):
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            res = torch.randn(m, k, device="cuda", dtype=dt)
+            gu = torch.randn(m, 2 * k, device="cuda", dtype=dt)
+            err = (gemv(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
+            assert err < 0.05, f"{name} M={m}: gemv differs from F.linear by {err}"
+            t_blas = time_us(lambda i: F.linear(x, ws[i]), copies)
+            t_gemv = time_us(lambda i: gemv(x, ws[i]), copies)
+            line = (f"{name:14s} {m}  {t_blas:8.1f} {t_gemv:8.1f} {nbytes / t_blas / 1e6:5.2f}/"
+                    f"{nbytes / t_gemv / 1e6:5.2f}")
+            if "lm_head" not in name:
+                t_nf = time_us(lambda i: gemv(x, ws[i], prologue="norm", residual=res, norm_weight=nw), copies)
+                t_nu = time_us(lambda i: F.linear(rms_norm(x, nw, 1e-6, res), ws[i]),
+                               copies)
+                t_sf = time_us(lambda i: gemv(gu, ws[i], prologue="silu"), copies)
+                t_su = time_us(lambda i: F.linear(silu_and_mul(gu), ws[i]), copies)
+                line += f"   {t_nf:8.1f} / {t_nu:8.1f}        {t_sf:8.1f} / {t_su:8.1f}"
+            print(line, flush=True)
+            if sweep and m in (1, 4):
+                rows = []
+                for bn, bk, nwarps in itertools.product((4, 8, 16, 32), (64, 128, 256, 512, 1024), (2, 4, 8)):
+                    if (1 << (m - 1).bit_length()) * bn * bk > 16384 or bk > k:
+                        continue
+                    try:
+                        t = time_us(lambda i: gemv(x, ws[i], config=(bn, bk, nwarps)), copies, reps=20)
+                        rows.append((t, bn, bk, nwarps))
+                    except Exception as e:  # out of registers / shared memory
+                        print(f"    {bn},{bk},{nwarps}: {type(e).__name__}")
+                rows.sort()
+                print(f"    default {gemv_config(m, n, k)}; best: " + ", ".join(
+                    f"{bn},{bk},{w}: {t:.1f}" for t, bn, bk, w in rows[:4]), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main("--sweep" in sys.argv)

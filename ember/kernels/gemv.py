@@ -1,0 +1,124 @@
+"""Linear layers at a decode batch of 1 to 4 rows on CUDA: y = a @ W^T read at memory speed,
+with the small op before the matmul fused in, so a layer launches fewer kernels:
+
+    prologue "none"  a = x
+    prologue "norm"  h = x + residual (rounded to the dtype; no residual: h = x),
+                     a = rms_norm(h) * norm_weight             -> returns y and h
+    prologue "silu"  x = [gate | up]: a = silu(gate) * up
+
+Each prologue rounds as its unfused op does (layers/norm.py, kernels/activation.py), then
+the dot accumulates in float32. Program p owns outputs [p * BLOCK_N, (p + 1) * BLOCK_N) of
+every row: it streams those rows of W once, in [BLOCK_N, BLOCK_K] tiles along K, and
+rebuilds `a` tile by tile (x is a few KB, read from L2). The norm's rms needs the whole of
+h, so every program first sums h's squares (a second short pass over x); program 0 alone
+writes h out.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4  # above this cuBLAS's GEMMs win: the FMAs per weight byte grow with the rows
+PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
+
+
+@triton.jit
+def _residual_sum(x_ptr, res_ptr, stride_x, stride_r, m, k, mask, HAS_RES: tl.constexpr):
+    h = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + m[:, None] * stride_r + k[None, :], mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+    return h
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, stride_x, stride_r, stride_w, stride_y,
+                 stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    m = tl.arange(0, M_PAD)
+    mmask = m < M
+    kk = tl.arange(0, BLOCK_K)
+    if PROLOGUE == 1:
+        sumsq = tl.zeros([M_PAD], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            h = _residual_sum(x_ptr, res_ptr, stride_x, stride_r, m, k, mmask[:, None] & (k < K)[None, :], HAS_RES)
+            hf = h.to(tl.float32)
+            sumsq += tl.sum(hf * hf, 1)
+        inv = tl.rsqrt(sumsq / K + eps)
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        kmask = k < K
+        xmask = mmask[:, None] & kmask[None, :]
+        if PROLOGUE == 0:
+            a = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        elif PROLOGUE == 1:
+            h = _residual_sum(x_ptr, res_ptr, stride_x, stride_r, m, k, xmask, HAS_RES)
+            if HAS_RES:
+                tl.store(h_ptr + m[:, None] * stride_h + k[None, :], h, mask=xmask & (pid == 0))
+            nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            normed = (h.to(tl.float32) * inv[:, None]).to(h.dtype).to(tl.float32)
+            a = (nw[None, :] * normed).to(h.dtype).to(tl.float32)
+        else:
+            gate = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0)
+            up = tl.load(x_ptr + m[:, None] * stride_x + K + k[None, :], mask=xmask, other=0.0)
+            g = gate.to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, 2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def gemv_config(rows: int, n: int, k: int, fill_gpu: bool = True) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): the [rows, BLOCK_N, BLOCK_K] float32 accumulator
+    fits 64 registers a thread, and at least ~2 programs an SM where N allows (not on
+    Triton's interpreter, where fewer programs run faster)."""
+    m_pad = triton.next_power_of_2(rows)
+    block_k = min(512 // m_pad, triton.next_power_of_2(k))
+    block_n = 8192 // (m_pad * block_k)
+    while fill_gpu and block_n > 4 and triton.cdiv(n, block_n) < 264:
+        block_n //= 2
+    return block_n, block_k, 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: str = "none",
+         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+         config: tuple[int, int, int] | None = None):
+    """x [M <= MAX_ROWS, K] ([M, 2K] for "silu"), weight [N, K] with contiguous rows, bias [N].
+    Returns y [M, N]; with prologue "norm" returns (y, h) where h = x + residual (a new
+    tensor; x itself when residual is None)."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
+    rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    width = 2 * k if prologue == "silu" else k
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"x must be [M, {width}] with contiguous rows in weight's dtype {weight.dtype}; got "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}, weight strides {weight.stride()}")
+    if not 0 < rows <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {rows}: use F.linear")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if prologue == "norm" and (norm_weight is None or norm_weight.shape != (k,)):
+        raise ValueError(f"the norm prologue needs norm_weight [{k}]")
+    if residual is not None and (prologue != "norm" or residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual goes with the norm prologue and x's shape {tuple(x.shape)}")
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x) if residual is not None else x
+    block_n, block_k, warps = config or gemv_config(rows, n, k, x.is_cuda)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, y, h, x.stride(0), residual.stride(0) if residual is not None else 0,
+        weight.stride(0), y.stride(0), h.stride(0), n, eps, M=rows, M_PAD=triton.next_power_of_2(rows), K=k,
+        BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=PROLOGUES[prologue], HAS_RES=residual is not None,
+        HAS_BIAS=bias is not None, num_warps=warps)
+    return (y, h) if prologue == "norm" else y

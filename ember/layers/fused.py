@@ -1,0 +1,35 @@
+"""The op before a linear layer fused into it where the layer runs as ember's GEMV kernel
+(1 to 4 rows on CUDA: a small decode step, where a layer's time is mostly kernel launches):
+RMSNorm with the residual add into q|k|v and gate|up, SiLU-and-mul into down. One kernel
+each instead of two (kernels/gemv.py); elsewhere the two ops as they are."""
+
+from __future__ import annotations
+
+import torch
+
+from ember.layers.activation import silu_and_mul
+from ember.layers.linear import Linear, uses_gemv
+from ember.layers.norm import RMSNorm
+
+
+def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(norm(x + residual)), x + residual); residual None (the first layer): x alone.
+    The fused kernel returns the sum as a new tensor, the unfused norm updates `residual`."""
+    if layer.packed is None and uses_gemv(x, layer.weight) and norm.weight.dtype == x.dtype:
+        from ember.kernels.gemv import gemv
+
+        return gemv(x, layer.weight, layer.bias, "norm", residual, norm.weight, norm.eps)
+    if residual is None:
+        return layer(norm(x)), x
+    h, residual = norm(x, residual)
+    return layer(h), residual
+
+
+def silu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
+    """layer(silu(gate) * up) for gate_up = [gate | up]."""
+    if layer.packed is None and uses_gemv(gate_up, layer.weight):
+        from ember.kernels.gemv import gemv
+
+        return gemv(gate_up, layer.weight, layer.bias, "silu")
+    return layer(silu_and_mul(gate_up))
