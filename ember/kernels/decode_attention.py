@@ -28,6 +28,13 @@ kernel's fp8 tile goes through shared memory as the dot's B operand, converted):
   va     V^T as the A operand too: out^T [D, BLOCK_H] += V^T P^T, V loaded as [D, BLOCK_N]
   pages  the block table read once per page of a tile, not once per position
   i32    int32 offsets into the cache (applied only where the cache has < 2^31 elements)
+  vreg   V converted in registers in its load layout (paged.in_registers), then moved to the
+         dot's layout in 16 bits. Offline compiles for sm_90 show why the fp8 cache is slow:
+         the plain kernel reads the fp8 V tile from shared memory straight into the dot's B
+         layout, which pairs positions (strided), one ld.shared.b8 per element (128 per
+         thread per 128-position tile); with vreg it is vector loads + ldmatrix.trans
+         (0 byte loads; +32 KB of shared memory for the fp16 copy)
+  kreg   the same for K (K's plain path already reads 8-byte vectors)
 benchmarks/scripts/decode_variants.py times them on the GPU.
 """
 
@@ -39,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_offsets, kv_scale_arg, load_rows,
+from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, in_registers, kv_offsets, kv_scale_arg, load_rows,
                                  queries_for_dot)
 
 # BLOCK_N, num_warps, num_stages of the split kernel, from benchmarks/scripts/decode_sweep.py on
@@ -49,7 +56,8 @@ DECODE_CONFIG = tuple(int(x) for x in os.environ.get("EMBER_DECODE_CONFIG", "128
 
 # the split kernel's variants (see the module docstring), "+"-joined; "" is the plain one.
 # EMBER_DECODE_VARIANT="ka+va" overrides the default, for sweeps
-VARIANT_FLAGS = {"kt": "K_T", "ka": "K_A", "va": "V_A", "pages": "PAGE_IDS", "i32": "OFF32"}
+VARIANT_FLAGS = {"kt": "K_T", "ka": "K_A", "va": "V_A", "pages": "PAGE_IDS", "i32": "OFF32",
+                 "kreg": "K_REG", "vreg": "V_REG"}
 DECODE_VARIANT = os.environ.get("EMBER_DECODE_VARIANT", "")
 
 
@@ -75,7 +83,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
                          DOT_FP16: tl.constexpr, K_T: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr,
-                         PAGE_IDS: tl.constexpr, OFF32: tl.constexpr):
+                         PAGE_IDS: tl.constexpr, OFF32: tl.constexpr, K_REG: tl.constexpr,
+                         V_REG: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -105,7 +114,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
         pmask = n0 + tl.arange(0, BLOCK_N) < end
         off = kv_offsets(table_row, n0, end, kvh, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PAGE_IDS, OFF32)
         k = load_rows(k_cache_ptr, off, pmask, d, K_T).to(q.dtype)  # [D, BLOCK_N] with K_T, else [BLOCK_N, D]
+        if K_REG:
+            k = in_registers(k, k.shape[0], k.shape[1])
         v = load_rows(v_cache_ptr, off, pmask, d, V_A).to(q.dtype)  # [D, BLOCK_N] with V_A, else [BLOCK_N, D]
+        if V_REG:
+            v = in_registers(v, v.shape[0], v.shape[1])
         # the scores in the log2 domain, and p = exp2(scores - running max): [BLOCK_H, BLOCK_N],
         # or [BLOCK_N, BLOCK_H] with K_A (K the dot's A operand, softmax along axis 0)
         if K_A:

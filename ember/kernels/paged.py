@@ -105,3 +105,14 @@ def load_rows(cache_ptr, off, pmask, d, TRANSPOSED: tl.constexpr):
     if TRANSPOSED:
         return tl.load(cache_ptr + off[None, :] + d[:, None], mask=pmask[None, :], other=0.0)
     return tl.load(cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+
+
+@triton.jit
+def in_registers(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x [ROWS, COLS] unchanged, through a split of adjacent column pairs and a join back: a
+    shape change the compiler does not move a later layout change (to a dot operand's,
+    through shared memory) across, so the conversion that made x stays in x's load layout.
+    For an fp8 V tile: read from shared memory in vectors and converted there, then
+    transposed in 16 bits (ldmatrix.trans) instead of read byte by byte."""
+    a, b = tl.split(tl.reshape(x, [ROWS, COLS // 2, 2]))
+    return tl.reshape(tl.join(a, b), [ROWS, COLS])

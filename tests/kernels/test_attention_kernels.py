@@ -50,7 +50,7 @@ def test_interpreter_is_what_runs_on_the_cpu():
 # the decode split kernel's variants (decode_attention.VARIANT_FLAGS): each way of taking K
 # (as it is, kt, ka) with each of V's (va or not), and the offsets' flags; the interpreter is
 # slow, so there a test runs the non-default ones at one split count (3) only
-DECODE_VARIANTS = ["kt", "ka+pages", "va+i32", "ka+va+pages+i32", "kt+va"]
+DECODE_VARIANTS = ["kt", "ka+pages", "va+i32", "ka+va+pages+i32", "kt+va", "kreg+vreg", "ka+vreg"]
 
 
 def _decode_runs(num_splits: list[int], device: str) -> list[tuple[int, str]]:
