@@ -26,7 +26,8 @@ kernel's fp8 tile goes through shared memory as the dot's B operand, converted):
          may stay in registers (Triton's mixed-precision path upcasts the fp8 tile there);
          the plain kernel's M = BLOCK_H = 16 is an mma.sync
   va     V^T as the A operand too: out^T [D, BLOCK_H] += V^T P^T, V loaded as [D, BLOCK_N]
-  pages  the block table read once per page of a tile, not once per position
+  pages  the block table read once per page of a tile, not once per position (offline
+         compiles show it loses the cp.async pipelining: the reshape of the offsets)
   i32    int32 offsets into the cache (applied only where the cache has < 2^31 elements)
   vreg   V converted in registers in its load layout (paged.in_registers), then moved to the
          dot's layout in 16 bits. Offline compiles for sm_90 show why the fp8 cache is slow:
