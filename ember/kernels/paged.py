@@ -70,3 +70,49 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, pos, pmask, kvh, d, st
     k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
     v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
     return k, v
+
+
+@triton.jit
+def kv_offsets(table_row_ptr, n0, end, kvh, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr,
+               BLOCK_N: tl.constexpr, PAGE_IDS: tl.constexpr, OFF32: tl.constexpr):
+    """Element offsets [BLOCK_N] into a cache of the positions n0 + [0, BLOCK_N) of KV head
+    `kvh` (0 for those >= end). PAGE_IDS: read the block table once per page (n0 and
+    BLOCK_N multiples of PAGE, a power of two) instead of once per position. OFF32: in
+    int32 (the caller knows that every offset fits), else int64."""
+    if PAGE_IDS:
+        page = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
+        block = tl.load(table_row_ptr + page, mask=page * PAGE < end, other=0)
+        slot = tl.arange(0, PAGE)
+        if OFF32:
+            off = block[:, None] * stride_cb + slot[None, :] * stride_cs
+        else:
+            off = block.to(tl.int64)[:, None] * stride_cb + slot[None, :] * stride_cs
+        off = tl.reshape(off, [BLOCK_N])
+    else:
+        pos = n0 + tl.arange(0, BLOCK_N)
+        block = tl.load(table_row_ptr + pos // PAGE, mask=pos < end, other=0)
+        if OFF32:
+            off = block * stride_cb + (pos % PAGE) * stride_cs
+        else:
+            off = block.to(tl.int64) * stride_cb + (pos % PAGE) * stride_cs
+    return off + kvh * stride_ch
+
+
+@triton.jit
+def load_rows(cache_ptr, off, pmask, d, TRANSPOSED: tl.constexpr):
+    """The cache rows at element offsets `off` ([N], masked by `pmask`, 0 there): [N, D], or
+    [D, N] with TRANSPOSED (the same bytes, addressed transposed), in the cache's dtype."""
+    if TRANSPOSED:
+        return tl.load(cache_ptr + off[None, :] + d[:, None], mask=pmask[None, :], other=0.0)
+    return tl.load(cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+
+
+@triton.jit
+def in_registers(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x [ROWS, COLS] unchanged, through a split of adjacent column pairs and a join back: a
+    shape change the compiler does not move a later layout change (to a dot operand's,
+    through shared memory) across, so the conversion that made x stays in x's load layout.
+    For an fp8 V tile: read from shared memory in vectors and converted there, then
+    transposed in 16 bits (ldmatrix.trans) instead of read byte by byte."""
+    a, b = tl.split(tl.reshape(x, [ROWS, COLS // 2, 2]))
+    return tl.reshape(tl.join(a, b), [ROWS, COLS])
