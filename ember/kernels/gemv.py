@@ -1,5 +1,6 @@
-"""Linear layers at a decode batch of 1 to 4 rows on CUDA: y = a @ W^T read at memory speed,
-with the small op before the matmul fused in, so a layer launches fewer kernels:
+"""Linear layers at a decode batch of one row (the kernel takes up to 4) on CUDA:
+y = a @ W^T read at memory speed, with the small op before the matmul fused in, so a layer
+launches fewer kernels:
 
     prologue "none"  a = x
     prologue "norm"  h = x + residual (rounded to the dtype; no residual: h = x),
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # above this cuBLAS's GEMMs win: the FMAs per weight byte grow with the rows
+MAX_ROWS = 4  # the layers send one row only: from 2 rows up cuBLAS's GEMMs won on the H200
 PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
 
 
@@ -80,13 +81,19 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, stride_x, s
 
 
 def gemv_config(rows: int, n: int, k: int, fill_gpu: bool = True) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): the [rows, BLOCK_N, BLOCK_K] float32 accumulator
-    fits 64 registers a thread, and at least ~2 programs an SM where N allows (not on
-    Triton's interpreter, where fewer programs run faster)."""
+    """(BLOCK_N, BLOCK_K, num_warps). One row: the best of a sweep on the H200 at the
+    Qwen3-0.6B / Llama-8B shapes (benchmarks/scripts/gemv_bench.py): 4 rows of W a program,
+    or 8 rows with 8 warps and long tiles when N is small (<= 2048: few programs). More rows:
+    the [rows, BLOCK_N, BLOCK_K] float32 accumulator fits 64 registers a thread. On Triton's
+    interpreter (fill_gpu False) the fewest programs run fastest."""
     m_pad = triton.next_power_of_2(rows)
     block_k = min(512 // m_pad, triton.next_power_of_2(k))
+    if not fill_gpu:
+        return 8192 // (m_pad * block_k), block_k, 4
+    if rows == 1:
+        return (8, min(1024, triton.next_power_of_2(k)), 8) if n <= 2048 else (4, block_k, 4)
     block_n = 8192 // (m_pad * block_k)
-    while fill_gpu and block_n > 4 and triton.cdiv(n, block_n) < 264:
+    while block_n > 4 and triton.cdiv(n, block_n) < 264:
         block_n //= 2
     return block_n, block_k, 4
 

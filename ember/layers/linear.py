@@ -1,9 +1,9 @@
 """Linear layers. A merged layer takes several checkpoint tensors, one per shard, through
 the `weight_loader` its parameters carry; plain ones are copied whole by the loader. On the
-CPU the weights can be prepacked once for oneDNN (`pack_for_cpu`). On CUDA, 1 to 4 rows
-(a small decode batch) go through ember's GEMV kernel (kernels/gemv.py), which reads the
-weight faster than cuBLAS there and can take the op before it (layers/fused.py);
-`EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS."""
+CPU the weights can be prepacked once for oneDNN (`pack_for_cpu`). On CUDA, one row (a
+decode step of one sequence) times a weight of a small model goes through ember's GEMV
+kernel (kernels/gemv.py), which is faster than cuBLAS there and can take the op before it
+(layers/fused.py); `EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-GEMV_MAX_ROWS = 4  # kernels/gemv.py's MAX_ROWS (that module needs triton)
+GEMV_MAX_WEIGHT = 1 << 24  # elements: Llama-8B's o_proj; its q|k|v, gate|up and down go to cuBLAS
 _GEMV_ENABLED = os.environ.get("EMBER_SMALL_BATCH_GEMV", "1") != "0"
 _GEMV_ON_CPU = False  # tests run the kernel on CPU tensors through Triton's interpreter
 
@@ -33,9 +33,12 @@ def gemv_on_cpu() -> Iterator[None]:
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a linear layer on x runs as ember's GEMV kernel: 1 to 4 rows on CUDA."""
-    return ((x.is_cuda and _GEMV_ENABLED) or _GEMV_ON_CPU) and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS \
-        and x.dtype == weight.dtype and x.stride(1) == 1 and weight.device == x.device
+    """Whether a linear layer on x runs as ember's GEMV kernel: one row on CUDA, and a
+    weight of at most 2^24 elements. There the kernel beat cuBLAS on the H200; at 2 to 4
+    rows, and for bigger weights, cuBLAS is faster (benchmarks/BENCHMARKS.md, session 4)."""
+    return ((x.is_cuda and _GEMV_ENABLED) or _GEMV_ON_CPU) and x.dim() == 2 and x.shape[0] == 1 \
+        and weight.numel() <= GEMV_MAX_WEIGHT and x.dtype == weight.dtype and x.stride(1) == 1 \
+        and weight.device == x.device
 
 
 def cpu_packing_supported(dtype: torch.dtype) -> bool:

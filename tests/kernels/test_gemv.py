@@ -102,10 +102,25 @@ def test_config_fits_the_accumulator_and_fills_the_gpu():
         for n, k in [(4096, 1024), (1024, 2048), (6144, 4096), (4096, 14336), (128256, 4096), (576, 1536)]:
             block_n, block_k, warps = gemv_config(rows, n, k)
             m_pad = 1 << (rows - 1).bit_length()
-            assert m_pad * block_n * block_k <= 8192 and block_n >= 4 and warps == 4
-    assert gemv_config(1, 4096, 1024) == (8, 512, 4)  # 512 programs
-    assert gemv_config(1, 1024, 2048) == (4, 512, 4)  # 256 programs of 4 rows
+            assert m_pad * block_n * block_k <= 8192 and block_n >= 4 and warps in (4, 8)
+            interp_n, interp_k, _ = gemv_config(rows, n, k, fill_gpu=False)
+            assert interp_n * m_pad * interp_k == 8192
+    # one row: the H200 sweep's best at the Qwen3-0.6B shapes
+    assert gemv_config(1, 4096, 1024) == (4, 512, 4)  # q|k|v: 1024 programs
+    assert gemv_config(1, 1024, 2048) == (8, 1024, 8)  # o_proj: few rows, long tiles
     assert gemv_config(4, 128256, 4096) == (16, 128, 4)
+
+
+def test_layers_send_one_row_of_a_small_weight():
+    from ember.layers.linear import gemv_on_cpu, uses_gemv
+
+    w, big = torch.zeros(64, 32), torch.zeros(1 << 12, 1 << 12 | 1)
+    assert not uses_gemv(torch.zeros(1, 32), w)  # CPU tensors: only when forced (tests)
+    with gemv_on_cpu():
+        assert uses_gemv(torch.zeros(1, 32), w)
+        assert not uses_gemv(torch.zeros(2, 32), w)  # cuBLAS won from 2 rows up
+        assert not uses_gemv(torch.zeros(1, big.shape[1]), big)  # and for weights > 2^24 elements
+        assert not uses_gemv(torch.zeros(1, 32, dtype=torch.float64), w)
 
 
 def test_bad_input_is_refused():

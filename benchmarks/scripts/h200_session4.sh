@@ -1,0 +1,30 @@
+#!/bin/bash
+# Device runs of session 4 (issue #7), from the repo root; logs and JSON under $OUT.
+#   gemv:  GPU tests of the GEMV kernel and the HF comparison, the GEMV micro-benchmark,
+#          one request at both shapes with the GEMV path on and off, step profiles at batch 1
+#   attn:  the decode-attention variants sweep, the nano-vllm step profile (fp8 KV)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
+Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
+B="python3 -m ember.server.cli bench throughput --load-format dummy --seed 0"
+NANO="--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384"
+LAT="--num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048"
+show() { grep -E "^==|Throughput|Start-up|Roofline|Per step|KV|preempt|ember/hf" | grep -v "^\s*$"; }
+P="python3 benchmarks/scripts/profile_gpu_steps.py"
+case "$1" in
+gemv)
+  python3 -m pytest -m gpu -q -s -x tests/kernels/test_gemv.py tests/models/test_cuda_vs_hf.py 2>&1 | grep -E "agreement|agrees|invariance|passed|failed|Error" | tail -12
+  python3 benchmarks/scripts/gemv_bench.py --sweep 2>&1 | tee $J/gemv_bench.log
+  echo "== latency qwen: first engine of the call (throwaway) =="; $B $Q $LAT 2>&1 | show
+  echo "== latency qwen: gemv =="; $B $Q $LAT --output-json $J/qwen_lat_gemv.json 2>&1 | show
+  echo "== latency qwen: cuBLAS =="; EMBER_SMALL_BATCH_GEMV=0 $B $Q $LAT 2>&1 | show
+  echo "== latency llama: gemv =="; $B $L $LAT --output-json $J/llama_lat_gemv.json 2>&1 | show
+  echo "== latency llama: cuBLAS =="; EMBER_SMALL_BATCH_GEMV=0 $B $L $LAT 2>&1 | show
+  $P $Q --skip 60 --steps 100 2>&1 | grep -A30 "^==" | tee $J/profile_qwen_1.log
+  $P $L --skip 60 --steps 60 2>&1 | grep -A30 "^==" | tee $J/profile_llama_1.log
+  ;;
+attn)
+  python3 benchmarks/scripts/decode_variants.py 2>&1 | grep -v "^\s*$" | tee $J/decode_variants.log
+  $P $Q --num-prompts 256 --input-len 800 --output-len 300 --skip 100 --steps 40 --kv-cache-dtype fp8 2>&1 | grep -A30 "^==" | tee $J/profile_nano_fp8.log
+  ;;
+esac
