@@ -25,6 +25,10 @@ gemv)
   ;;
 attn)
   python3 benchmarks/scripts/decode_variants.py 2>&1 | grep -v "^\s*$" | tee $J/decode_variants.log
+  $P $Q --output-len 400 --skip 60 --steps 100 2>&1 | grep -A30 "^==" | tee $J/profile_qwen_1.log
+  echo "== latency qwen: gemv =="; $B $Q $LAT --output-json $J/qwen_lat_gemv.json 2>&1 | show
+  echo "== latency llama: throwaway =="; $B $L $LAT 2>&1 | show
+  echo "== latency llama: gemv (o_proj only) =="; $B $L $LAT --output-json $J/llama_lat_gemv.json 2>&1 | show
   $P $Q --num-prompts 256 --input-len 800 --output-len 300 --skip 100 --steps 40 --kv-cache-dtype fp8 2>&1 | grep -A30 "^==" | tee $J/profile_nano_fp8.log
   ;;
 esac

@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--top", type=int, default=25)
     ns = ap.parse_args()
+    if ns.skip + 2 + ns.steps >= ns.output_len:
+        ap.error("--skip + 2 + --steps must stay below --output-len (the window must end before the run)")
     longest = ns.input_len + ns.output_len
     llm = LLM(ns.model, load_format="dummy", seed=0, kv_cache_dtype=ns.kv_cache_dtype,
               max_model_len=max(2048, longest), max_num_seqs=max(ns.num_prompts, 1),
@@ -59,7 +61,7 @@ def main() -> None:
     wall = (marks[first + ns.steps - 1] - marks[first - 1]) / ns.steps
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("ProfilerStep"):
             t = getattr(ev, "device_time", None) or ev.cuda_time
             k = per_kernel[ev.name[:90]]
             k[0] += 1

@@ -1,7 +1,11 @@
 """Sampling at one temperature in one pass over the logits (Gumbel-max): token
 argmax_i(logit_i / T + G_i), G_i = -log(-log U_i), U_i ~ U[0, 1) from Philox(seed, row * V + i),
-picks token i with probability softmax(logits / T)_i. Program r walks row r in BLOCK-wide
-slices, keeping the best score and its index."""
+picks token i with probability softmax(logits / T)_i.
+
+Program (r, s) walks slice s of row r in BLOCK-wide tiles, keeping the best score and its
+index. A few rows (one request: 1 x 151936 logits) are cut into slices so that the GPU's
+SMs share the row; a second kernel then picks each row's best slice. Ties go to the
+smallest index either way, so the draw does not depend on the slicing."""
 
 from __future__ import annotations
 
@@ -9,13 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+TARGET_PROGRAMS = 264  # ~2 an SM on an H200
+
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, out_ptr, stride, inv_temp, seed, V: tl.constexpr, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, score_ptr, idx_ptr, stride, inv_temp, seed, V: tl.constexpr,
+                          BLOCK: tl.constexpr, SLICE: tl.constexpr, SLICES: tl.constexpr):
     row = tl.program_id(0)
+    s = tl.program_id(1)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
+    for start in range(s * SLICE, tl.minimum((s + 1) * SLICE, V), BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
@@ -28,18 +36,47 @@ def _gumbel_argmax_kernel(logits_ptr, out_ptr, stride, inv_temp, seed, V: tl.con
     top = tl.max(best, 0)
     # the smallest index among lanes holding the maximum
     winner = tl.min(tl.where(best == top, best_idx, V), 0)
-    tl.store(out_ptr + row, winner.to(tl.int64))
+    if SLICES == 1:
+        tl.store(idx_ptr + row, winner.to(tl.int64))
+    else:
+        tl.store(score_ptr + row * SLICES + s, top)
+        tl.store(idx_ptr + row * SLICES + s, winner.to(tl.int64))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, block: int = 2048) -> torch.Tensor:
-    """logits [rows, V] (last dim contiguous), temperature > 0 -> sampled ids [rows] int64."""
+@triton.jit
+def _best_slice_kernel(score_ptr, idx_ptr, out_ptr, V: tl.constexpr, SLICES: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    mask = s < SLICES
+    score = tl.load(score_ptr + row * SLICES + s, mask=mask, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * SLICES + s, mask=mask, other=V)
+    top = tl.max(score, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(score == top, idx, V), 0))
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, block: int = 2048,
+                  slices: int | None = None) -> torch.Tensor:
+    """logits [rows, V] (last dim contiguous), temperature > 0 -> sampled ids [rows] int64.
+    `slices` per row: by default enough that rows x slices fills the GPU."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [rows, V] with a contiguous last dim; got {tuple(logits.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _gumbel_argmax_kernel[(rows,)](logits, out, logits.stride(0), 1.0 / temperature, seed, V=vocab,
-                                       BLOCK=min(block, triton.next_power_of_2(vocab)))
+    if not rows:
+        return out
+    block = min(block, triton.next_power_of_2(vocab))
+    tiles = triton.cdiv(vocab, block)
+    slices = min(tiles, slices or triton.cdiv(TARGET_PROGRAMS, rows))
+    slice_tiles = triton.cdiv(tiles, slices)
+    slices = triton.cdiv(tiles, slice_tiles)  # none empty
+    common = dict(V=vocab, BLOCK=block, SLICE=slice_tiles * block, SLICES=slices)
+    if slices == 1:
+        _gumbel_argmax_kernel[(rows, 1)](logits, out, out, logits.stride(0), 1.0 / temperature, seed, **common)
+        return out
+    score = torch.empty(rows, slices, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(rows, slices, dtype=torch.int64, device=logits.device)
+    _gumbel_argmax_kernel[(rows, slices)](logits, score, idx, logits.stride(0), 1.0 / temperature, seed, **common)
+    _best_slice_kernel[(rows,)](score, idx, out, V=vocab, SLICES=slices, BLOCK_S=triton.next_power_of_2(slices))
     return out

@@ -28,6 +28,23 @@ def test_gumbel_argmax_follows_the_distribution(device):
     assert not torch.equal(gumbel_argmax(few, 0.7, seed=6, block=8), ids[:16])
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")])
+def test_the_draw_does_not_depend_on_the_slicing(device):
+    """One request's row is cut into slices that SMs share, then the best slice wins: the
+    same token as one program walking the whole row, for any slice count, ties included."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 1000, generator=g)
+    logits[1] = 0.0  # every token ties before the noise
+    logits[2, 700:] = float("-inf")  # whole slices masked out (a grammar's bitmask)
+    logits = logits.to(device)
+    whole = gumbel_argmax(logits, 0.9, seed=11, block=64, slices=1)
+    for slices in (2, 3, 7, 16, 100):
+        assert torch.equal(gumbel_argmax(logits, 0.9, seed=11, block=64, slices=slices), whole), slices
+    assert torch.equal(gumbel_argmax(logits[:1], 0.9, seed=11, block=64), whole[:1])  # default: 16 slices here
+    assert whole[2] < 700
+
+
 @pytest.mark.gpu
 def test_gumbel_argmax_at_a_real_vocabulary():
     if not torch.cuda.is_available():
