@@ -47,19 +47,6 @@ def test_interpreter_is_what_runs_on_the_cpu():
     assert type(_decode_split_kernel).__name__ == "InterpretedFunction"
 
 
-# the decode split kernel's variants (decode_attention.VARIANT_FLAGS): each way of taking K
-# (as it is, kt, ka) with each of V's (va or not), and the offsets' flags; the interpreter is
-# slow, so there a test runs the non-default ones at one split count (3) only
-DECODE_VARIANTS = ["kt", "ka+pages", "va+i32", "ka+va+pages+i32", "kt+va", "kreg+vreg", "ka+vreg"]
-
-
-def _decode_runs(num_splits: list[int], device: str) -> list[tuple[int, str]]:
-    """(splits, variant) pairs: on CUDA all; on the interpreter the default variant at every
-    split count, the others at 3."""
-    if device == "cuda":
-        return [(s, v) for s in num_splits for v in [""] + DECODE_VARIANTS]
-    return [(s, "") for s in num_splits] + [(3, v) for v in DECODE_VARIANTS]
-
 # an fp8 cache's (k_scale, v_scale): vLLM's default 1.0, and calibrated-looking others
 FP8_SCALES = [pytest.param((1.0, 1.0), id="scale1"), pytest.param((0.5, 3.0), id="scaled")]
 
@@ -189,10 +176,10 @@ def test_decode_matches_reference(device, seed):
     kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
     block = 64 if device == "cuda" else 16
     splits = [1, 3, num_decode_splits(len(case.new), case.k_cache.shape[2])]
-    for s, variant in _decode_runs(splits, device):  # one split writes the output directly; several merge
+    for s in splits:  # one split writes the output directly; several merge their partials
         got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
-                               case.scale, num_splits=s, block_n=block, variant=variant)
-        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits {variant!r}: {m}")
+                               case.scale, num_splits=s, block_n=block)
+        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -202,10 +189,9 @@ def test_decode_padding_rows_give_zeros(device):
     kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
     lens = case.meta.seq_lens.clone()
     lens[0] = 0
-    for variant in [""] + DECODE_VARIANTS:
-        got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, lens, case.scale,
-                               num_splits=2, block_n=64 if device == "cuda" else 16, variant=variant)
-        assert torch.all(got[0] == 0) and not got.isnan().any(), variant
+    got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, lens, case.scale,
+                           num_splits=2, block_n=64 if device == "cuda" else 16)
+    assert torch.all(got[0] == 0) and not got.isnan().any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -278,11 +264,10 @@ def test_decode_fp8_matches_reference(device, fp8_scales, seed):
     want = case.reference()
     kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, **case.scales)
     block = 64 if device == "cuda" else 16
-    splits = [1, 3, num_decode_splits(len(case.new), case.k_cache.shape[2])]
-    for s, variant in _decode_runs(splits, device):
+    for s in [1, 3, num_decode_splits(len(case.new), case.k_cache.shape[2])]:
         got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
-                               case.scale, num_splits=s, block_n=block, variant=variant, **case.scales)
-        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits {variant!r}: {m}")
+                               case.scale, num_splits=s, block_n=block, **case.scales)
+        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -318,20 +303,6 @@ def test_fp8_with_bfloat16_queries_on_the_interpreter(seed):
         got = get_attention_backend("triton").forward(case.q, case.k, case.v, case.k_cache, case.v_cache,
                                                       case.meta, case.scale, case.k_scale, case.v_scale)
         torch.testing.assert_close(got.float(), want, **_tol("cuda"))
-        if decode:  # the decode kernel's variants take the float16 dots too
-            for variant in DECODE_VARIANTS:
-                got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
-                                       case.meta.seq_lens, case.scale, num_splits=2, block_n=16, variant=variant,
-                                       **case.scales)
-                torch.testing.assert_close(got.float(), want, **_tol("cuda"), msg=lambda m: f"{variant!r}: {m}")
-
-
-def test_decode_variants_are_checked():
-    q, cache = torch.zeros(2, 4, 16), torch.zeros(4, 4, 2, 16)
-    args = (q, cache, cache, torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 1.0, 1)
-    for bad in ("kv", "ka+kt"):
-        with pytest.raises(ValueError, match="unknown decode variant"):
-            decode_attention(*args, variant=bad)
 
 
 def test_fp8_scales_are_checked():
