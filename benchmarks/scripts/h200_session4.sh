@@ -2,7 +2,10 @@
 # Device runs of session 4 (issue #7), from the repo root; logs and JSON under $OUT.
 #   gemv:  GPU tests of the GEMV kernel and the HF comparison, the GEMV micro-benchmark,
 #          one request at both shapes with the GEMV path on and off, step profiles at batch 1
-#   attn:  the decode-attention variants sweep, the nano-vllm step profile (fp8 KV)
+#   attn:  the decode-attention variants sweep (variants since reverted), the batch-1 and
+#          nano-vllm step profiles, one request at both shapes
+#   probe: GPU tests of the sliced sampling kernel, the KV-layout probe, one request at both
+#          shapes after the sampling fix, the batch-1 step profile
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -30,5 +33,15 @@ attn)
   echo "== latency llama: throwaway =="; $B $L $LAT 2>&1 | show
   echo "== latency llama: gemv (o_proj only) =="; $B $L $LAT --output-json $J/llama_lat_gemv.json 2>&1 | show
   $P $Q --num-prompts 256 --input-len 800 --output-len 300 --skip 100 --steps 40 --kv-cache-dtype fp8 2>&1 | grep -A30 "^==" | tee $J/profile_nano_fp8.log
+  ;;
+probe)
+  python3 -m pytest -m gpu -q -x tests/kernels/test_sampling_kernel.py tests/kernels/test_gemv.py 2>&1 | tail -2
+  python3 benchmarks/scripts/kv_layout_probe.py 2>&1 | tee $J/kv_layout_probe.log
+  echo "== latency qwen: throwaway =="; $B $Q --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
+  echo "== latency qwen, again =="; $B $Q $LAT 2>&1 | show
+  echo "== latency llama: throwaway =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  $P $Q --output-len 400 --skip 60 --steps 100 2>&1 | grep -A30 "^==" | tee $J/profile_qwen_1.log
   ;;
 esac
