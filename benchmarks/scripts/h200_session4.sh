@@ -6,6 +6,8 @@
 #          nano-vllm step profiles, one request at both shapes
 #   probe: GPU tests of the sliced sampling kernel, the KV-layout probe, one request at both
 #          shapes after the sampling fix, the batch-1 step profile
+#   final: GPU tests, the nano-vllm protocol (fp8 KV; 128-token blocks, the new CUDA default,
+#          and 16 for comparison), Llama-8B 512 x 1000/1000 (fp8 KV), HF's static batch
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -43,5 +45,16 @@ probe)
   echo "== latency llama: throwaway =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
   echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
   $P $Q --output-len 400 --skip 60 --steps 100 2>&1 | grep -A30 "^==" | tee $J/profile_qwen_1.log
+  ;;
+final)
+  python3 -m pytest -m gpu -q -s tests/kernels tests/models/test_cuda_vs_hf.py tests/runner 2>&1 | grep -E "agreement|agrees|invariance|graph vs|passed|failed|Error" | tail -12
+  echo "== nano: fp8 KV, block 128 =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_fp8_b128.json 2>&1 | show
+  echo "== nano: fp8 KV, block 128, again =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_fp8_b128_2.json 2>&1 | show
+  echo "== nano: fp8 KV, block 16 =="; $B $Q $NANO --kv-cache-dtype fp8 --block-size 16 --output-json $J/nano_fp8_b16.json 2>&1 | show
+  LL="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
+  echo "== Llama-3.1-8B 512 x 1000/1000: fp8 KV, block 128 =="; $B $L $LL --kv-cache-dtype fp8 --output-json $J/llama_fp8_b128.json 2>&1 | show
+  echo "== HF static batch 256 x 512/256 (ember fp8 on the same prompts first) =="
+  $B $Q --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --max-num-seqs 256 \
+    --max-num-batched-tokens 16384 --kv-cache-dtype fp8 --compare hf --hf-batch-size 256 --output-json $J/hf.json 2>&1 | show
   ;;
 esac

@@ -64,8 +64,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, pos, pmask, kvh, d,
-                            stride_cb, stride_cs, stride_ch, PAGE)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, n0, pmask, kvh, d,
+                            stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
         qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2  # [BLOCK_H, BLOCK_N], log2 domain
         qk = tl.where(pmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))

@@ -54,8 +54,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, pos, pmask, kvh, d,
-                            stride_cb, stride_cs, stride_ch, PAGE)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, n0, pmask, kvh, d,
+                            stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
         qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
         visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))

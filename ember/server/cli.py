@@ -23,7 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "per token, twice the blocks")
     parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--block-size", type=int, default=d.block_size,
+                        help="tokens a KV block (default: 128 on CUDA, 16 on the CPU)")
     parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
     parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)

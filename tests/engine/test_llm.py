@@ -517,6 +517,7 @@ def test_resolve_fills_the_defaults(gguf_path, llm):
     assert (c.model, c.load_format, c.device, c.dtype) == (str(gguf_path), "gguf", "cpu", "float32")
     assert (c.kv_cache_dtype, c.kv_cache_torch_dtype) == ("auto", torch.float32)  # auto: the model dtype
     assert (c.max_model_len, c.max_num_batched_tokens, c.attention_backend) == (CONTEXT, 2048, "torch")
+    assert c.block_size == 16  # 128 on CUDA
     assert c.model_config.vocab_size == VOCAB
 
 

@@ -183,6 +183,28 @@ def test_decode_matches_reference(device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_pages_holding_whole_tiles_match_reference(device):
+    """A page that holds whole tiles (CUDA's 128-token blocks) is read with one block-table
+    read a tile: prefill and decode, one and two tiles a page, shuffled blocks."""
+    page, tiles = (128, [128, 64]) if device == "cuda" else (32, [32, 16])
+    for block_n in tiles:
+        case = Case([0, 45, 70], [33, 20, 3], 4, 2, 16, page, device, seed=block_n)
+        want = case.reference()
+        kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+        got = prefill_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
+                                case.meta.query_start_loc, case.meta.seq_lens, 33, case.scale, block_m=16,
+                                block_n=block_n)
+        torch.testing.assert_close(got.float(), want, **_tol(device))
+        dec = Case([1, 80, 100], [1, 1, 1], 4, 2, 16, page, device, seed=block_n + 1)
+        want = dec.reference()
+        kv_write(dec.k, dec.v, dec.k_cache, dec.v_cache, dec.meta.slot_mapping)
+        for splits in (1, 3):
+            got = decode_attention(dec.q, dec.k_cache, dec.v_cache, dec.meta.block_tables, dec.meta.seq_lens,
+                                   dec.scale, num_splits=splits, block_n=block_n)
+            torch.testing.assert_close(got.float(), want, **_tol(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_decode_padding_rows_give_zeros(device):
     """A CUDA graph's padded rows (seq_len 0) must not produce NaN."""
     case = _random_case(device, 0, decode=True)
