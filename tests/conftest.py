@@ -59,7 +59,7 @@ def _forward_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
         plan = SchedulerOutput([ScheduledChunk(r, r.num_tokens) for r in reqs])
         input_ids, positions, meta, _, _ = core.runner._prepare(plan)
         with torch.inference_mode():
-            logits = core.runner.model.compute_logits(core.runner.model(input_ids, positions, meta))
+            logits = core.runner.model.compute_logits(core.runner.model(input_ids, positions, meta)).float()
     finally:
         for r in reqs:
             core.block_pool.free(r.block_ids)

@@ -8,6 +8,8 @@
 #          shapes after the sampling fix, the batch-1 step profile
 #   final: GPU tests, the nano-vllm protocol (fp8 KV; 128-token blocks, the new CUDA default,
 #          and 16 for comparison), Llama-8B 512 x 1000/1000 (fp8 KV), HF's static batch
+#   again: after bf16 logits into the sampler and more sampling slices: GPU tests of what
+#          changed, a short warm-up engine, then nano x2, one request at both shapes, Llama-8B
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -56,5 +58,16 @@ final)
   echo "== HF static batch 256 x 512/256 (ember fp8 on the same prompts first) =="
   $B $Q --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --max-num-seqs 256 \
     --max-num-batched-tokens 16384 --kv-cache-dtype fp8 --compare hf --hf-batch-size 256 --output-json $J/hf.json 2>&1 | show
+  ;;
+again)
+  python3 -m pytest -m gpu -q -s tests/kernels/test_sampling_kernel.py tests/models/test_cuda_vs_hf.py 2>&1 | grep -E "agreement|agrees|passed|failed|Error" | tail -8
+  echo "== warm-up: nano shape, 32 prompts =="; $B $Q --num-prompts 32 --input-len 300 --output-len 64 --max-model-len 2048 --kv-cache-dtype fp8 2>&1 | show
+  echo "== nano: fp8 KV =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_fp8.json 2>&1 | show
+  echo "== nano: fp8 KV, again =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_fp8_2.json 2>&1 | show
+  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
+  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  LL="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
+  echo "== Llama-3.1-8B 512 x 1000/1000: fp8 KV =="; $B $L $LL --kv-cache-dtype fp8 --output-json $J/llama_fp8.json 2>&1 | show
   ;;
 esac

@@ -3,8 +3,8 @@ argmax_i(logit_i / T + G_i), G_i = -log(-log U_i), U_i ~ U[0, 1) from Philox(see
 picks token i with probability softmax(logits / T)_i.
 
 Program (r, s) walks slice s of row r in BLOCK-wide tiles, keeping the best score and its
-index. A few rows (one request: 1 x 151936 logits) are cut into slices so that the GPU's
-SMs share the row; a second kernel then picks each row's best slice. Ties go to the
+index. Rows are cut into slices so that rows x slices programs fill the GPU (one request:
+75 slices of its 151936 logits); a second kernel then picks each row's best slice. Ties go to the
 smallest index either way, so the draw does not depend on the slicing."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-TARGET_PROGRAMS = 264  # ~2 an SM on an H200
+TARGET_PROGRAMS = 1056  # ~8 an SM on an H200: the Philox draws and logs keep each one busy
 
 
 @triton.jit

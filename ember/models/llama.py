@@ -118,7 +118,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype (the sampler reads them in float32 where it needs to)."""
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]

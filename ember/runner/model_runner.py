@@ -177,7 +177,7 @@ class ModelRunner:
             block_tables=torch.arange(per_seq * len(lens), dtype=torch.int32, device=dev).view(len(lens), per_seq),
             query_lens_cpu=lens, seq_lens_cpu=lens)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=dev), positions, meta)
-        logits = self.model.compute_logits(hidden[: min(tokens, c.max_num_seqs)])
+        logits = self.model.compute_logits(hidden[: min(tokens, c.max_num_seqs)]).float()
         logits.softmax(-1).cumsum(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base

@@ -65,9 +65,12 @@ class Sampler:
         self.draws = 0  # Gumbel-max steps so far: each step's Philox seed
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [len(rows), vocab] float32. Only logprobs are read back to the CPU here."""
+        """logits: [len(rows), vocab] in the model's dtype: the one-pass Gumbel kernel reads
+        them as they are, every other path in float32. Only logprobs are read back to the
+        CPU here."""
         if (self.race if self.race is not None else logits.is_cuda) and all(_plain(r) for r in rows):
             return SamplerOutput(self._race(logits, [r.params.temperature for r in rows]), [None] * len(rows))
+        logits = logits.float()
         raw = logits
         logits = _apply_bias_and_min_tokens(logits, rows)
         logits = _apply_penalties(logits, rows)
@@ -98,8 +101,9 @@ class Sampler:
 
                 self.draws += 1
                 return gumbel_argmax(logits, temperatures[0], seed=self.seed * 1_000_003 + self.draws)
-            probs = (logits / temperatures[0]).softmax(dim=-1)
+            probs = (logits.float() / temperatures[0]).softmax(dim=-1)
             return probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
+        logits = logits.float()
         temps = _to(temperatures, logits.device, torch.float32)[:, None]
         probs = (logits / torch.where(temps > 0, temps, 1.0)).softmax(dim=-1)
         drawn = probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
