@@ -10,6 +10,7 @@
 #          and 16 for comparison), Llama-8B 512 x 1000/1000 (fp8 KV), HF's static batch
 #   again: after bf16 logits into the sampler and more sampling slices: GPU tests of what
 #          changed, a short warm-up engine, then nano x2, one request at both shapes, Llama-8B
+#   blocks: Llama-8B 512 x 1000/1000 fp8 with 128-token blocks, 16-token blocks, 128 again
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -69,5 +70,11 @@ again)
   echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
   LL="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
   echo "== Llama-3.1-8B 512 x 1000/1000: fp8 KV =="; $B $L $LL --kv-cache-dtype fp8 --output-json $J/llama_fp8.json 2>&1 | show
+  ;;
+blocks)
+  LL="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384 --kv-cache-dtype fp8"
+  echo "== Llama-8B fp8, block 128 =="; $B $L $LL --output-json $J/llama_fp8_b128_1.json 2>&1 | show
+  echo "== Llama-8B fp8, block 16 =="; $B $L $LL --block-size 16 --output-json $J/llama_fp8_b16.json 2>&1 | show
+  echo "== Llama-8B fp8, block 128, again =="; $B $L $LL --output-json $J/llama_fp8_b128_2.json 2>&1 | show
   ;;
 esac
