@@ -19,6 +19,15 @@ from ember.kernels.paged import FP8_MAX, is_fp8, kv_scale_arg
 
 
 @triton.jit
+def store_rows(cache_ptr, dst, x, mask, scale_ptr, FP8: tl.constexpr):
+    """Store x at cache offsets dst: as it is, or for an fp8 cache x / scale clamped to
+    +-448, divided as IEEE does (div_rn, as torch's x / scale, so both round alike)."""
+    if FP8:
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -FP8_MAX, FP8_MAX)
+    tl.store(cache_ptr + dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, stride_k, stride_v,
                      ROW: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
@@ -26,14 +35,9 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
     if slot >= 0:
         cols = tl.arange(0, BLOCK)
         mask = cols < ROW
-        k = tl.load(k_ptr + t * stride_k + cols, mask=mask)
-        v = tl.load(v_ptr + t * stride_v + cols, mask=mask)
-        if FP8:  # an IEEE division (div_rn), as torch's x / scale, so both round alike
-            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
-            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
         dst = slot.to(tl.int64) * ROW + cols
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        store_rows(k_cache_ptr, dst, tl.load(k_ptr + t * stride_k + cols, mask=mask), mask, k_scale_ptr, FP8)
+        store_rows(v_cache_ptr, dst, tl.load(v_ptr + t * stride_v + cols, mask=mask), mask, v_scale_ptr, FP8)
 
 
 def _check_rows(x: torch.Tensor, name: str) -> None:
@@ -42,11 +46,9 @@ def _check_rows(x: torch.Tensor, name: str) -> None:
                          f"got shape {tuple(x.shape)}, strides {x.stride()}")
 
 
-def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
-    """k_scale / v_scale: an fp8 cache's scales ([1] float32 on the device; None: 1.0);
-    ignored for other caches."""
+def check_kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """The layouts every kernel that writes the cache takes (see the module docstring)."""
     _check_rows(k, "k")
     _check_rows(v, "v")
     if k.shape != v.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:] \
@@ -57,6 +59,14 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("the K/V caches must be contiguous [num_blocks, block_size, Hkv, D]")
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {tuple(slot_mapping.shape)}")
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """k_scale / v_scale: an fp8 cache's scales ([1] float32 on the device; None: 1.0);
+    ignored for other caches."""
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     fp8 = is_fp8(k_cache)
     k_scale, v_scale = kv_scale_arg(k_scale, k_cache), kv_scale_arg(v_scale, v_cache)
     if k.shape[0] == 0:

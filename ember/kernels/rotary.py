@@ -4,9 +4,11 @@
     x        [T, heads, D]: x[..., :D/2] and x[..., D/2:] are a head's pairs
     out1 = x1 cos - x2 sin,  out2 = x2 cos + x1 sin   (float32, rounded to x's dtype)
 
-`qk_norm_rope_inplace` first applies Qwen3's per-head RMSNorm to each head of q and k, in
-the same program (one kernel where norm + norm + rope took three): the normalized head is
-rounded to x's dtype as layers/norm.py rounds it, then rotated.
+With NORM (`qk_norm_rope_inplace`) Qwen3's per-head RMSNorm goes first, in the same program:
+the normalized head is rounded to x's dtype as layers/norm.py rounds it, then rotated.
+Given the paged cache (`k_cache` ...), the program also stores the rotated k and the v rows
+at the token's slot, as kernels/kv_write.py would (fp8 included): the KV-write kernel is
+then skipped. One kernel where norm + norm + rope + write took four.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.kv_write import check_kv_write, store_rows
+from ember.kernels.paged import is_fp8, kv_scale_arg
+
 
 @triton.jit
 def _rotate(x_ptr, w_ptr, t, stride_t, stride_h, cos, sin, eps, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
             HALF: tl.constexpr, NORM: tl.constexpr):
-    """Rotate token t's heads in place; with NORM, RMSNorm each head (weight w_ptr) first."""
+    """Rotate token t's heads in place; with NORM, RMSNorm each head (weight w_ptr) first.
+    Returns the two rotated halves [BLOCK_H, HALF], in x's dtype."""
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, HALF)
     mask = (h < HEADS)[:, None]
@@ -33,20 +39,35 @@ def _rotate(x_ptr, w_ptr, t, stride_t, stride_h, cos, sin, eps, HEADS: tl.conste
         w2 = tl.load(w_ptr + HALF + c).to(tl.float32)[None, :]
         a = (w1 * (a * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
         b = (w2 * (b * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-    tl.store(p1, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(p1 + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+    out1 = (a * cos - b * sin).to(x1.dtype)
+    out2 = (b * cos + a * sin).to(x1.dtype)
+    tl.store(p1, out1, mask=mask)
+    tl.store(p1 + HALF, out2, mask=mask)
+    return out1, out2
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                 QH: tl.constexpr, KH: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-                 HALF: tl.constexpr):
+def _rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
+                 v_scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, eps, QH: tl.constexpr,
+                 KH: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, HALF: tl.constexpr,
+                 NORM: tl.constexpr, WRITE_KV: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     c = tl.arange(0, HALF)
     cos = tl.load(cs_ptr + t * 2 * HALF + c)[None, :]
     sin = tl.load(cs_ptr + t * 2 * HALF + HALF + c)[None, :]
-    _rotate(q_ptr, q_ptr, t, stride_qt, stride_qh, cos, sin, 0.0, QH, BLOCK_QH, HALF, False)
-    _rotate(k_ptr, k_ptr, t, stride_kt, stride_kh, cos, sin, 0.0, KH, BLOCK_KH, HALF, False)
+    _rotate(q_ptr, qw_ptr, t, stride_qt, stride_qh, cos, sin, eps, QH, BLOCK_QH, HALF, NORM)
+    k1, k2 = _rotate(k_ptr, kw_ptr, t, stride_kt, stride_kh, cos, sin, eps, KH, BLOCK_KH, HALF, NORM)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:  # a CUDA graph's padded row (slot -1) writes nothing
+            h = tl.arange(0, BLOCK_KH)[:, None]
+            mask = h < KH
+            dst = slot.to(tl.int64) * (KH * 2 * HALF) + h * (2 * HALF) + c[None, :]
+            src = v_ptr + t * stride_vt + h * (2 * HALF) + c[None, :]
+            store_rows(k_cache_ptr, dst, k1, mask, k_scale_ptr, FP8)
+            store_rows(k_cache_ptr, dst + HALF, k2, mask, k_scale_ptr, FP8)
+            store_rows(v_cache_ptr, dst, tl.load(src, mask=mask), mask, v_scale_ptr, FP8)
+            store_rows(v_cache_ptr, dst + HALF, tl.load(src + HALF, mask=mask), mask, v_scale_ptr, FP8)
 
 
 def _check_layouts(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[int, int, int]:
@@ -61,35 +82,44 @@ def _check_layouts(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> t
     return tokens, heads, dim
 
 
-def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """q [T, H, D], k [T, Hkv, D] (last dim contiguous; may be views of qkv), cos_sin [T, D] float32."""
+def _launch(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, weights: tuple | None, eps: float,
+            v: torch.Tensor | None, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+            slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
     tokens, heads, dim = _check_layouts(q, k, cos_sin)
-    if tokens:
-        _rope_kernel[(tokens,)](q, k, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), QH=heads,
-                                KH=k.shape[1], BLOCK_QH=triton.next_power_of_2(heads),
-                                BLOCK_KH=triton.next_power_of_2(k.shape[1]), HALF=dim // 2)
+    write = k_cache is not None
+    if write:
+        check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+        k_scale, v_scale = kv_scale_arg(k_scale, k_cache), kv_scale_arg(v_scale, v_cache)
+    if not tokens:
+        return
+    qw, kw = weights if weights is not None else (q, k)
+    _rope_kernel[(tokens,)](q, k, qw, kw, cos_sin, v if write else q, k_cache if write else q,
+                            v_cache if write else q, slot_mapping if write else q, k_scale if write else q,
+                            v_scale if write else q, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                            v.stride(0) if write else 0, eps, QH=heads, KH=k.shape[1],
+                            BLOCK_QH=triton.next_power_of_2(heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+                            HALF=dim // 2, NORM=weights is not None, WRITE_KV=write,
+                            FP8=write and is_fp8(k_cache))
 
 
-@triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_kh, eps,
-                         QH: tl.constexpr, KH: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-                         HALF: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.arange(0, HALF)
-    cos = tl.load(cs_ptr + t * 2 * HALF + c)[None, :]
-    sin = tl.load(cs_ptr + t * 2 * HALF + HALF + c)[None, :]
-    _rotate(q_ptr, qw_ptr, t, stride_qt, stride_qh, cos, sin, eps, QH, BLOCK_QH, HALF, True)
-    _rotate(k_ptr, kw_ptr, t, stride_kt, stride_kh, cos, sin, eps, KH, BLOCK_KH, HALF, True)
+def rope_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, v: torch.Tensor | None = None,
+                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+    """q [T, H, D], k [T, Hkv, D] (last dim contiguous; may be views of qkv), cos_sin [T, D]
+    float32. Given k_cache, also writes the rotated k and v ([T, Hkv, D], heads contiguous)
+    into the caches at slot_mapping, as kernels/kv_write.kv_write takes them."""
+    _launch(q, k, cos_sin, None, 0.0, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def qk_norm_rope_inplace(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                         eps: float, cos_sin: torch.Tensor) -> None:
-    """Per-head RMSNorm (weights [D], one eps) then RoPE, in place; layouts as rope_inplace."""
-    tokens, heads, dim = _check_layouts(q, k, cos_sin)
+                         eps: float, cos_sin: torch.Tensor, v: torch.Tensor | None = None,
+                         k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                         slot_mapping: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> None:
+    """Per-head RMSNorm (weights [D], one eps) then RoPE, in place; layouts and the cache
+    write as rope_inplace."""
+    dim = q.shape[-1]
     if q_weight.shape != (dim,) or k_weight.shape != (dim,) or not (q_weight.is_contiguous() and k_weight.is_contiguous()):
         raise ValueError(f"the norm weights must be contiguous [{dim}]; got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
-    if tokens:
-        _qk_norm_rope_kernel[(tokens,)](q, k, q_weight, k_weight, cos_sin, q.stride(0), q.stride(1), k.stride(0),
-                                        k.stride(1), eps, QH=heads, KH=k.shape[1],
-                                        BLOCK_QH=triton.next_power_of_2(heads),
-                                        BLOCK_KH=triton.next_power_of_2(k.shape[1]), HALF=dim // 2)
+    _launch(q, k, cos_sin, (q_weight, k_weight), eps, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -4,6 +4,7 @@ with its second half. GGUF llama weights are un-permuted by the loader to this l
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -44,31 +45,51 @@ class RotaryEmbedding(nn.Module):
         return self.cos_sin[positions]
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class CacheWrite:
+    """A layer's new V rows and the paged cache that k and v go into (see
+    layers/attention/base.py): on CUDA the RoPE kernel stores them as it rotates k."""
+
+    v: torch.Tensor  # [T, Hkv, D]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def kernel_args(self) -> dict[str, torch.Tensor | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor,
+                 cache: CacheWrite | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; rope from `RotaryEmbedding.lookup`.
-    On CUDA (one Triton kernel) and on the CPU (one C++ loop) q and k are rotated in place."""
+    On CUDA (one Triton kernel) and on the CPU (one C++ loop) q and k are rotated in place.
+    Returns (q, k, whether k and v are in `cache` now: on CUDA the same kernel writes them)."""
     if q.is_cuda:
         from ember.kernels.rotary import rope_inplace
 
-        rope_inplace(q, k, rope)
-        return q, k
+        rope_inplace(q, k, rope, **(cache.kernel_args() if cache is not None else {}))
+        return q, k, cache is not None
     if (ops := cpu_kernels.for_tensor(q)) is not None:
         ops.rotary_inplace(q, k, rope)
-        return q, k
+        return q, k, False
     cos, sin = rope.unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), False
 
 
-def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, q_norm: nn.Module,
-                    k_norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module,
+                    cache: CacheWrite | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Qwen3's per-head q/k RMSNorm, then RoPE. On CUDA one Triton kernel does all three in
-    place (the norms must share eps); elsewhere the norms, then `apply_rotary`."""
+    place (the norms must share eps), and writes the cache as `apply_rotary` does; elsewhere
+    the norms, then `apply_rotary`."""
     if q.is_cuda and q_norm.eps == k_norm.eps:
         from ember.kernels.rotary import qk_norm_rope_inplace
 
-        qk_norm_rope_inplace(q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope)
-        return q, k
-    return apply_rotary(q_norm(q), k_norm(k), rope)
+        qk_norm_rope_inplace(q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope,
+                             **(cache.kernel_args() if cache is not None else {}))
+        return q, k, cache is not None
+    return apply_rotary(q_norm(q), k_norm(k), rope, cache)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

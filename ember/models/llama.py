@@ -16,7 +16,7 @@ from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.fused import norm_linear, silu_linear
 from ember.layers.linear import Linear, MergedLinear
 from ember.layers.norm import RMSNorm
-from ember.layers.rotary import RotaryEmbedding, apply_rotary, norm_and_rotate
+from ember.layers.rotary import CacheWrite, RotaryEmbedding, apply_rotary, norm_and_rotate
 from ember.models.config import ModelConfig
 
 
@@ -50,11 +50,13 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        cache = CacheWrite(v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if self.qk_norm:
-            q, k = norm_and_rotate(q, k, rope, self.q_norm, self.k_norm)
+            q, k, written = norm_and_rotate(q, k, rope, self.q_norm, self.k_norm, cache)
         else:
-            q, k = apply_rotary(q, k, rope)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+            q, k, written = apply_rotary(q, k, rope, cache)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale,
+                                 kv_written=written)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -92,9 +92,9 @@ def test_rope_rotates_qkv_views_in_place(dtype):
             tokens, kv_heads, dim)
 
     with cpu_kernels.disabled():
-        want_q, want_k = apply_rotary(*views(qkv.clone()), rotary.lookup(positions))
+        want_q, want_k, _ = apply_rotary(*views(qkv.clone()), rotary.lookup(positions))
     q, k = views(qkv)
-    got_q, got_k = apply_rotary(q, k, rotary.lookup(positions))
+    got_q, got_k, _ = apply_rotary(q, k, rotary.lookup(positions))
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
     torch.testing.assert_close(got_q, want_q, **tolerance(dtype))
     torch.testing.assert_close(got_k, want_k, **tolerance(dtype))

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
 
 from ember.kernels.activation import silu_and_mul as fused_silu_and_mul  # noqa: E402
+from ember.kernels.kv_write import kv_write  # noqa: E402
 from ember.kernels.rms_norm import rms_norm  # noqa: E402
 from ember.kernels.rotary import qk_norm_rope_inplace, rope_inplace  # noqa: E402
 from ember.layers.activation import silu_and_mul  # noqa: E402
@@ -81,7 +82,7 @@ def test_rope_in_place_on_qkv_views(device):
         return t[:, :heads * dim].view(tokens, heads, dim), t[:, heads * dim:(heads + kv_heads) * dim].view(
             tokens, kv_heads, dim)
 
-    want_q, want_k = apply_rotary(*views(qkv), rotary.lookup(positions))
+    want_q, want_k, _ = apply_rotary(*views(qkv), rotary.lookup(positions))
     got = qkv.to(device)
     rope_inplace(*views(got), rotary.lookup(positions).to(device))
     got_q, got_k = views(got.cpu())
@@ -107,7 +108,7 @@ def test_qk_norm_and_rope_in_one_kernel_on_qkv_views(device):
             tokens, kv_heads, dim)
 
     q, k = views(qkv)
-    want_q, want_k = apply_rotary(q_norm(q), k_norm(k), rotary.lookup(positions))
+    want_q, want_k, _ = apply_rotary(q_norm(q), k_norm(k), rotary.lookup(positions))
     got = qkv.to(device)
     qk_norm_rope_inplace(*views(got), q_norm.weight.detach().to(device), k_norm.weight.detach().to(device), 1e-6,
                          rotary.lookup(positions).to(device))
@@ -118,3 +119,44 @@ def test_qk_norm_and_rope_in_one_kernel_on_qkv_views(device):
     with pytest.raises(ValueError, match="norm weights"):
         qk_norm_rope_inplace(*views(got), q_norm.weight.detach()[:8].to(device), k_norm.weight.detach().to(device),
                              1e-6, rotary.lookup(positions).to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "qk_norm_rope"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache_in_dtype", "fp8_cache"])
+def test_rope_kernel_writes_the_cache_as_kv_write_does(device, norm, fp8):
+    """Given the paged cache, the RoPE kernel also stores the rotated k and v at each
+    token's slot: the same bits as rotating and then running the KV-write kernel, a padded
+    row (slot -1) writing nothing, an fp8 cache quantized with its scales."""
+    g, dtype, _ = _setup(device)
+    heads, kv_heads, dim, tokens, page = 4, 2, 32, 5, 4
+    rotary = RotaryEmbedding(dim, 64, 10000.0, None)
+    cos_sin = rotary.lookup(torch.tensor([0, 7, 3, 40, 12])).to(device)
+    qkv = (2 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)).to(dtype).to(device)
+    weights = [(1 + 0.3 * torch.randn(dim, generator=g)).to(dtype).to(device) for _ in range(2)]
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    junk = torch.randn(2, 4, page, kv_heads, dim, generator=g).to(cache_dtype).to(device)
+    slots = torch.tensor([9, 2, -1, 14, 5], device=device)
+    scales = [torch.tensor([x], device=device) for x in (0.5, 2.0)] if fp8 else [None, None]
+
+    def views(t):
+        q = t[:, :heads * dim].view(tokens, heads, dim)
+        k = t[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+        return q, k, t[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+
+    def rotate(t, **cache):
+        q, k, v = views(t)
+        if norm:
+            qk_norm_rope_inplace(q, k, *weights, 1e-6, cos_sin, **({"v": v} | cache if cache else {}))
+        else:
+            rope_inplace(q, k, cos_sin, **({"v": v} | cache if cache else {}))
+
+    want, want_cache = qkv.clone(), junk.clone()
+    rotate(want)
+    kv_write(*views(want)[1:], *want_cache, slots, *scales)
+    got, got_cache = qkv.clone(), junk.clone()
+    rotate(got, k_cache=got_cache[0], v_cache=got_cache[1], slot_mapping=slots, k_scale=scales[0],
+           v_scale=scales[1])
+    assert torch.equal(got, want)
+    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    assert not torch.equal(got_cache.view(torch.uint8), junk.view(torch.uint8))

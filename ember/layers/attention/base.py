@@ -1,8 +1,9 @@
 """The attention-backend contract.
 
 Every backend does two things per layer and step: write the step's new K/V into the
-paged cache through `slot_mapping`, then attend each new query over its sequence's
-cached context through `block_tables`.
+paged cache through `slot_mapping` (unless the caller has: `kv_written`, on CUDA the RoPE
+kernel stores them), then attend each new query over its sequence's cached context
+through `block_tables`.
 
 The batch is flattened (varlen): the new tokens of all sequences stand one after the
 other. For sequences a, b, c with 3, 1 and 2 new tokens:
@@ -65,5 +66,6 @@ class AttentionBackend(ABC):
         scale: float,
         k_scale: torch.Tensor | None = None,  # [1] float32: an fp8 cache's scales; unused otherwise
         v_scale: torch.Tensor | None = None,
+        kv_written: bool = False,  # k and v are in the cache already (CUDA's RoPE kernel wrote them)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -78,8 +78,10 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                kv_written: bool = False) -> torch.Tensor:
+        if not kv_written:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         groups = meta.plans.get(self.name)
         if groups is None:
             groups = meta.plans[self.name] = _plan(meta, k_cache.shape[1])

@@ -1,7 +1,8 @@
-"""Triton paged attention for CUDA: the KV-write kernel, then flash-decoding when every
-sequence has one new token, else the varlen prefill/extend kernel (which also takes the
-decode rows of a mixed step). Reads only device tensors and the host query lengths, so
-a decode step can be captured in a CUDA graph. An fp8 cache: see kernels/paged.py."""
+"""Triton paged attention for CUDA: the KV-write kernel (unless the RoPE kernel wrote K/V),
+then flash-decoding when every sequence has one new token, else the varlen prefill/extend
+kernel (which also takes the decode rows of a mixed step). Reads only device tensors and
+the host query lengths, so a decode step can be captured in a CUDA graph. An fp8 cache:
+see kernels/paged.py."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ class TritonBackend(AttentionBackend):
         return plan
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                kv_written: bool = False) -> torch.Tensor:
+        if not kv_written:
+            self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         plan = self.plan(meta, k_cache.shape[2])
         if plan.decode:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, plan.num_splits,
