@@ -11,6 +11,8 @@
 #   again: after bf16 logits into the sampler and more sampling slices: GPU tests of what
 #          changed, a short warm-up engine, then nano x2, one request at both shapes, Llama-8B
 #   blocks: Llama-8B 512 x 1000/1000 fp8 with 128-token blocks, 16-token blocks, 128 again
+#   last:  after the KV write moved into the RoPE kernel: GPU tests of what changed, nano x3
+#          (the first as warm-up), one request at both shapes
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -76,5 +78,12 @@ blocks)
   echo "== Llama-8B fp8, block 128 =="; $B $L $LL --output-json $J/llama_fp8_b128_1.json 2>&1 | show
   echo "== Llama-8B fp8, block 16 =="; $B $L $LL --block-size 16 --output-json $J/llama_fp8_b16.json 2>&1 | show
   echo "== Llama-8B fp8, block 128, again =="; $B $L $LL --output-json $J/llama_fp8_b128_2.json 2>&1 | show
+  ;;
+last)
+  python3 -m pytest -m gpu -q -s -x tests/kernels/test_fused_ops.py tests/kernels/test_attention_kernels.py tests/models/test_cuda_vs_hf.py tests/runner 2>&1 | grep -E "agreement|agrees|graph vs|passed|failed|Error" | tail -10
+  for i in 1 2 3; do echo "== nano: fp8 KV, run $i =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_fp8_$i.json 2>&1 | show; done
+  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
+  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
   ;;
 esac
