@@ -34,7 +34,7 @@ gemv)
   $P $L --skip 60 --steps 60 2>&1 | grep -A30 "^==" | tee $J/profile_llama_1.log
   ;;
 attn)
-  python3 benchmarks/scripts/decode_variants.py 2>&1 | grep -v "^\s*$" | tee $J/decode_variants.log
+  # (this call first ran benchmarks/scripts/decode_variants.py, reverted with the variants)
   $P $Q --output-len 400 --skip 60 --steps 100 2>&1 | grep -A30 "^==" | tee $J/profile_qwen_1.log
   echo "== latency qwen: gemv =="; $B $Q $LAT --output-json $J/qwen_lat_gemv.json 2>&1 | show
   echo "== latency llama: throwaway =="; $B $L $LAT 2>&1 | show
