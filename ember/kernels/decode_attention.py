@@ -34,7 +34,9 @@ from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, load_
 DECODE_CONFIG = tuple(int(x) for x in os.environ.get("EMBER_DECODE_CONFIG", "128,4,4").split(","))
 
 
-@triton.jit
+# the block-table width changes from step to step outside CUDA graphs: not specialized
+# on (a width of 1 or a multiple of 16 would each compile another kernel mid-serving)
+@triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr,
                          k_scale_ptr, v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_tb, stride_cb, stride_cs,
                          stride_ch, stride_ob, stride_oh, stride_os,

@@ -22,7 +22,9 @@ from ember.kernels.paged import LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, load_k
 
 
 
-@triton.jit
+# the block-table width changes from step to step outside CUDA graphs: not specialized
+# on (a width of 1 or a multiple of 16 would each compile another kernel mid-serving)
+@triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, k_scale_ptr,
                     v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb,
                     stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
