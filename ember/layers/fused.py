@@ -1,5 +1,6 @@
 """The op before a linear layer fused into it where the layer runs as ember's GEMV kernel
-(1 to 4 rows on CUDA: a small decode step, where a layer's time is mostly kernel launches):
+(one row on CUDA: a decode step of one sequence, where a layer's time is mostly kernel
+launches; see layers/linear.py `uses_gemv`):
 RMSNorm with the residual add into q|k|v and gate|up, SiLU-and-mul into down. One kernel
 each instead of two (kernels/gemv.py); elsewhere the two ops as they are."""
 

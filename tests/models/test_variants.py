@@ -83,7 +83,7 @@ def test_greedy_matches_hf(variant):
         assert out.outputs[0].token_ids[:len(expected)] == expected
 
 
-def test_small_batch_gemv_path_matches_hf(variant, forward_logits, monkeypatch):
+def test_one_row_gemv_path_matches_hf(variant, forward_logits, monkeypatch):
     """A step of one row runs the linear layers on CUDA as ember's GEMV kernel with the
     norms and SiLU fused in (layers/fused.py). Forced onto the CPU (Triton's interpreter;
     unpacked weights), a one-token forward and greedy decoding one sequence at a time still
