@@ -115,7 +115,7 @@ class ServerState:
             return
         self.engine = engine
         logger.info("ready: %s (%d KV blocks of %d tokens, max_model_len %d)", self.config.model_name,
-                    engine.core.block_pool.num_blocks, self.config.engine.block_size, self.config.engine.max_model_len)
+                    engine.core.block_pool.num_blocks, engine.core.config.block_size, engine.core.config.max_model_len)
 
 
 # -- the app ---------------------------------------------------------------------------------
