@@ -25,7 +25,7 @@ from ember.layers.linear import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs
-from ember.runner.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
+from ember.runner.sampler import PendingLogprobs, Sampler, SamplingRow, TokenLogprobs, to_host, token_logprobs
 from ember.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,9 @@ class LaunchedStep:
     rows: dict[str, int] = field(default_factory=dict)  # request id -> its (first) row in `tokens`
     host_tokens: torch.Tensor | None = None  # `tokens` copied to the CPU, complete once `ready` has passed
     ready: torch.cuda.Event | None = None  # None on the CPU, where torch has finished by the time it returns
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # copied to the CPU like host_tokens, unpacked by `collect`: (the rows' request ids, their logprobs)
+    logprobs: tuple[list[str], PendingLogprobs] | None = None
+    prompt_logprobs: dict[str, tuple[int, PendingLogprobs]] = field(default_factory=dict)  # id -> (first position, ...)
 
 
 @dataclass
@@ -193,7 +194,7 @@ class ModelRunner:
         its allowed-token bits (structured output), applied to its row's logits before
         sampling; all n samples of a forking request share it. It is called once the forward
         and the LM head are queued, so on CUDA the CPU fills the masks while the GPU computes.
-        Logprobs and prompt logprobs are read back here (a sync on CUDA)."""
+        Logprobs and prompt logprobs are computed here and read back by `collect`."""
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         clock = self._clock()
@@ -221,44 +222,43 @@ class ModelRunner:
             rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id)) for req, i in owners]
             result = self.sampler(logits, rows)
             step.tokens = result.tokens
-            if self.pin:
-                step.host_tokens = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
-                step.host_tokens.copy_(step.tokens, non_blocking=True)
-                step.ready = torch.cuda.Event()
-                step.ready.record()
-            else:
-                step.host_tokens = step.tokens
+            step.host_tokens = to_host(step.tokens, self.pin)
             clock("sample")
-            for (req, i), lp in zip(owners, result.logprobs):
-                if lp is not None:  # keyed by the sample's own request id (a fork's child id)
-                    step.logprobs[req.request_id if i == 0 else req.child_id(i)] = lp
+            if result.logprobs is not None:  # keyed by the sample's own request id (a fork's child id)
+                keys = [req.request_id if i == 0 else req.child_id(i) for req, i in
+                        (owners[row] for row in result.logprob_rows)]
+                step.logprobs = keys, result.logprobs.to_host(self.pin)
         for chunk, rows in self._prompt_logprob_rows(plan):
             req = chunk.request
-            targets = torch.tensor(req.prompt_token_ids[rows.start - rows.offset + 1: rows.stop - rows.offset + 1],
-                                   device=self.device)
+            targets = self._to_device(req.prompt_token_ids[rows.start - rows.offset + 1: rows.stop - rows.offset + 1])
             logits = self.model.compute_logits(hidden[rows.start:rows.stop])
-            step.prompt_logprobs[req.request_id] = PromptLogprobs(
-                first_position=req.num_computed_tokens + 1,
-                tokens=token_logprobs(logits, targets, [req.sampling_params.prompt_logprobs] * len(targets)),
-            )
+            pending = token_logprobs(logits, targets, [req.sampling_params.prompt_logprobs] * len(targets))
+            step.prompt_logprobs[req.request_id] = req.num_computed_tokens + 1, pending.to_host(self.pin)
+        if self.pin and (step.host_tokens is not None or step.prompt_logprobs):
+            step.ready = torch.cuda.Event()  # the copies above are complete once the device passes it
+            step.ready.record()
         self.last_launched = step
         if self.profile_steps:
             self.step_times["steps"] += 1
         return step
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
-        """Wait for a launched step's sampled ids; request id -> its tokens (n when it forks)."""
-        out = ModelRunnerOutput(logprobs=step.logprobs, prompt_logprobs=step.prompt_logprobs)
-        if step.host_tokens is None:
-            return out
+        """Wait for a launched step's sampled ids (and logprobs); request id -> its tokens
+        (n when it forks)."""
+        out = ModelRunnerOutput()
         start = time.perf_counter()
         if step.ready is not None:
             step.ready.synchronize()
-        token_ids = step.host_tokens.tolist()
         if self.profile_steps:
             self.step_times["wait"] += time.perf_counter() - start
-        for (req, _), token in zip(step.owners, token_ids):
-            out.sampled.setdefault(req.request_id, []).append(token)
+        if step.logprobs is not None:
+            keys, pending = step.logprobs
+            out.logprobs = dict(zip(keys, pending.unpack()))
+        for request_id, (first, pending) in step.prompt_logprobs.items():
+            out.prompt_logprobs[request_id] = PromptLogprobs(first, pending.unpack())
+        if step.host_tokens is not None:
+            for (req, _), token in zip(step.owners, step.host_tokens.tolist()):
+                out.sampled.setdefault(req.request_id, []).append(token)
         return out
 
     def _to_device(self, values: list[int]) -> torch.Tensor:

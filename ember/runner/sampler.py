@@ -9,7 +9,7 @@ edit before it keeps -inf at -inf, the order gives the same tokens.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,14 +38,56 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """t's copy on the CPU. With `pin` (CUDA): into pinned memory, queued behind the device's
+    work without waiting for it; complete once an event recorded after it has passed."""
+    if not pin:
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+@dataclass
+class PendingLogprobs:
+    """Logprobs of some rows as the device computed them; `unpack` reads them. A step
+    copies them with `to_host` and unpacks them when it is collected, so that asking
+    for logprobs does not make the CPU wait for the device at launch."""
+
+    token_ids: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor  # [R] float32
+    ranks: torch.Tensor  # [R] int64
+    top_ids: torch.Tensor  # [R, k] int64, k = max(top_n)
+    top_logprobs: torch.Tensor  # [R, k] float32
+    top_n: list[int]
+
+    def to_host(self, pin: bool) -> PendingLogprobs:
+        return PendingLogprobs(*(to_host(t, pin) for t in (self.token_ids, self.logprobs, self.ranks, self.top_ids,
+                                                           self.top_logprobs)), self.top_n)
+
+    def unpack(self) -> list[TokenLogprobs]:
+        ids, lps, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        top_ids, top_lps = self.top_ids.tolist(), self.top_logprobs.tolist()
+        return [TokenLogprobs(ids[i], lps[i], ranks[i], top_ids[i][:n], top_lps[i][:n])
+                for i, n in enumerate(self.top_n)]
+
+
 @dataclass
 class SamplerOutput:
     tokens: torch.Tensor  # [rows] int64 on the logits' device; reading it waits for the device
-    logprobs: list[TokenLogprobs | None]
+    logprobs: PendingLogprobs | None = None  # of the rows that asked for them ...
+    logprob_rows: list[int] = field(default_factory=list)  # ... which are these
 
     @property
     def token_ids(self) -> list[int]:
         return self.tokens.tolist()
+
+    def unpack_logprobs(self) -> list[TokenLogprobs | None]:
+        """One entry a row (reads the device)."""
+        out: list[TokenLogprobs | None] = [None] * self.tokens.shape[0]
+        if self.logprobs is not None:
+            for row, lp in zip(self.logprob_rows, self.logprobs.unpack()):
+                out[row] = lp
+        return out
 
 
 def _plain(r: SamplingRow) -> bool:
@@ -66,10 +108,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] in the model's dtype: the one-pass Gumbel kernel reads
-        them as they are, every other path in float32. Only logprobs are read back to the
-        CPU here."""
+        them as they are, every other path in float32. Tokens and logprobs stay on the
+        device (SamplerOutput): nothing here waits for it."""
         if (self.race if self.race is not None else logits.is_cuda) and all(_plain(r) for r in rows):
-            return SamplerOutput(self._race(logits, [r.params.temperature for r in rows]), [None] * len(rows))
+            return SamplerOutput(self._race(logits, [r.params.temperature for r in rows]))
         logits = logits.float()
         raw = logits
         logits = _apply_bias_and_min_tokens(logits, rows)
@@ -82,11 +124,11 @@ class Sampler:
             probs = _probs(logits[idx], [rows[i].params for i in sampled])
             tokens[idx] = self._draw(probs, [rows[i].generator for i in sampled])
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        if want:
-            for i, lp in zip(want, token_logprobs(raw[want], tokens[want], [rows[i].params.logprobs for i in want])):
-                logprobs[i] = lp
-        return SamplerOutput(tokens, logprobs)
+        if not want:
+            return SamplerOutput(tokens)
+        idx = _to(want, logits.device)
+        return SamplerOutput(tokens, token_logprobs(raw[idx], tokens[idx], [rows[i].params.logprobs for i in want]),
+                             want)
 
     def _race(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
         """argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i: one
@@ -132,21 +174,14 @@ def _to(values: list, device: torch.device, dtype: torch.dtype | None = None) ->
     return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> list[TokenLogprobs]:
-    """log_softmax of each row; the given token's logprob and rank, and the top-N."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> PendingLogprobs:
+    """log_softmax of each row; the given token's logprob and rank, and the top-N (on the
+    device: see PendingLogprobs)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
     ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
-    k = max(top_n)
-    top = lp.topk(k, dim=-1) if k > 0 else None
-    out = []
-    for i, n in enumerate(top_n):
-        out.append(TokenLogprobs(
-            int(tokens[i]), float(chosen[i]), int(ranks[i]),
-            top.indices[i, :n].tolist() if top is not None else [],
-            top.values[i, :n].tolist() if top is not None else [],
-        ))
-    return out
+    top = lp.topk(max(top_n), dim=-1)
+    return PendingLogprobs(tokens.view(-1), chosen, ranks, top.indices, top.values, list(top_n))
 
 
 def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -139,7 +139,7 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_top_n():
     p = SamplingParams(temperature=0, logprobs=3, presence_penalty=2.0)
     out = Sampler(0)(logits(L), [row(p, output=[3])])
     lp = torch.tensor(L).log_softmax(-1)
-    t = out.logprobs[0]
+    t = out.unpack_logprobs()[0]
     assert t.token_id == out.token_ids[0] == 11  # the penalty moved the choice off 3 ...
     assert math.isclose(t.logprob, float(lp[11]), rel_tol=1e-6)  # ... but logprobs are the raw ones
     assert t.rank == 2
