@@ -109,7 +109,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] in the model's dtype: the one-pass Gumbel kernel reads
         them as they are, every other path in float32. Tokens and logprobs stay on the
-        device (SamplerOutput): nothing here waits for it."""
+        device (SamplerOutput) for the caller to read back when it needs them."""
         if (self.race if self.race is not None else logits.is_cuda) and all(_plain(r) for r in rows):
             return SamplerOutput(self._race(logits, [r.params.temperature for r in rows]))
         logits = logits.float()
