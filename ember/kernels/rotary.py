@@ -93,9 +93,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, weights: tu
     if not tokens:
         return
     qw, kw = weights if weights is not None else (q, k)
-    _rope_kernel[(tokens,)](q, k, qw, kw, cos_sin, v if write else q, k_cache if write else q,
-                            v_cache if write else q, slot_mapping if write else q, k_scale if write else q,
-                            v_scale if write else q, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+    cache = (v, k_cache, v_cache, slot_mapping, k_scale, v_scale) if write else (q,) * 6  # placeholders: unread
+    _rope_kernel[(tokens,)](q, k, qw, kw, cos_sin, *cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                             v.stride(0) if write else 0, eps, QH=heads, KH=k.shape[1],
                             BLOCK_QH=triton.next_power_of_2(heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
                             HALF=dim // 2, NORM=weights is not None, WRITE_KV=write,
