@@ -1,9 +1,10 @@
 """Decode-attention kernel configs on the GPU: achieved KV bandwidth per (BLOCK_N,
-num_warps, num_stages) at the benchmark shapes, with a bfloat16 or an fp8 cache.
-`python3 benchmarks/scripts/decode_sweep.py [fp8]`"""
+num_warps, num_stages, splits) at the benchmark shapes, with a bfloat16 or an fp8 cache.
+`python3 benchmarks/scripts/decode_sweep.py [fp8] [--page 128] [--only qwen3-0.6b bs256] [--splits 1,2]`
+(--splits: the split counts tried besides the engine's own choice)."""
 
+import argparse
 import itertools
-import sys
 
 import torch
 from triton.testing import do_bench
@@ -35,32 +36,43 @@ def case(batch, heads, kv_heads, lo, hi, page=16, dim=128, seed=0, kv_dtype=torc
     return q, kc, vc, tables.cuda(), lens.to(torch.int32).cuda(), nbytes
 
 
-def sweep(kv_dtype: torch.dtype) -> None:
+def sweep(kv_dtype: torch.dtype, page: int, only: str, extra_splits: list[int]) -> None:
     best = None
     for name, (batch, heads, kv_heads, lo, hi) in SHAPES.items():
-        q, kc, vc, tables, lens, nbytes = case(batch, heads, kv_heads, lo, hi, kv_dtype=kv_dtype)
-        splits = num_decode_splits(batch, kv_heads)
-        ref = decode_attention(q, kc, vc, tables, lens, 0.088, splits, block_n=64, num_warps=4,
-                               num_stages=3).float()
+        if only and not name.startswith(only):
+            continue
+        q, kc, vc, tables, lens, nbytes = case(batch, heads, kv_heads, lo, hi, page=page, kv_dtype=kv_dtype)
+        own = num_decode_splits(batch, kv_heads)
+        ref = decode_attention(q, kc, vc, tables, lens, 0.088, own, block_n=64, num_warps=4, num_stages=3).float()
         rows = []
-        for bn, nw, ns in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4)):
+        for bn, nw, ns, sp in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4, 5),
+                                                sorted({own, *extra_splits})):
+            if page % bn and bn % page:
+                continue
             try:
-                out = decode_attention(q, kc, vc, tables, lens, 0.088, splits, block_n=bn, num_warps=nw,
-                                       num_stages=ns)
+                out = decode_attention(q, kc, vc, tables, lens, 0.088, sp, block_n=bn, num_warps=nw, num_stages=ns)
                 assert (out.float() - ref).abs().max() < 2e-2
-                ms = do_bench(lambda: decode_attention(q, kc, vc, tables, lens, 0.088, splits, block_n=bn,
+                ms = do_bench(lambda: decode_attention(q, kc, vc, tables, lens, 0.088, sp, block_n=bn,
                                                        num_warps=nw, num_stages=ns), warmup=5, rep=20)
-                rows.append((ms, bn, nw, ns))
+                rows.append((ms, bn, nw, ns, sp))
             except Exception as e:  # out of shared memory etc.
-                print(f"  {bn},{nw},{ns}: {type(e).__name__}")
+                print(f"  {bn},{nw},{ns},{sp}: {type(e).__name__}")
         rows.sort()
-        if name.startswith("qwen3-0.6b bs256"):
-            best = rows[0][1:]
-        print(f"{name}, {kv_dtype}: splits {splits}, {nbytes / 1e9:.2f} GB of KV")
-        for ms, bn, nw, ns in rows[:5] + [r for r in rows if r[1:] == (64, 4, 3)]:
-            print(f"  BLOCK_N {bn:3d} warps {nw} stages {ns}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s")
-    print("BEST_QWEN=%d,%d,%d" % best)
+        if best is None:
+            best = rows[0][1:4]
+        print(f"{name}, {kv_dtype}, page {page}: engine splits {own}, {nbytes / 1e9:.2f} GB of KV")
+        for ms, bn, nw, ns, sp in rows[:8] + [r for r in rows if r[1:] == (128, 4, 4, own)]:
+            print(f"  BLOCK_N {bn:3d} warps {nw} stages {ns} splits {sp:2d}: {ms * 1e3:8.1f} us  "
+                  f"{nbytes / ms / 1e6:7.0f} GB/s")
+    print("BEST_QWEN=%d,%d,%d" % best)  # the first shape swept (by default Qwen3-0.6B at batch 256)
 
 
 if __name__ == "__main__":
-    sweep(torch.float8_e4m3fn if sys.argv[1:] == ["fp8"] else torch.bfloat16)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dtype", nargs="?", default="bf16", choices=["bf16", "fp8"])
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--splits", default="")
+    ns = ap.parse_args()
+    sweep(torch.float8_e4m3fn if ns.dtype == "fp8" else torch.bfloat16, ns.page, ns.only,
+          [int(x) for x in ns.splits.split(",") if x])

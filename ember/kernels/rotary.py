@@ -53,21 +53,23 @@ def _rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, v_ptr, k_cache_ptr, v_cac
                  NORM: tl.constexpr, WRITE_KV: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     c = tl.arange(0, HALF)
+    if WRITE_KV:  # every load first, none behind another: the kernel is latency-bound
+        slot = tl.load(slot_ptr + t)
+        h = tl.arange(0, BLOCK_KH)[:, None]
+        src = v_ptr + t * stride_vt + h * (2 * HALF) + c[None, :]
+        v1 = tl.load(src, mask=h < KH)
+        v2 = tl.load(src + HALF, mask=h < KH)
     cos = tl.load(cs_ptr + t * 2 * HALF + c)[None, :]
     sin = tl.load(cs_ptr + t * 2 * HALF + HALF + c)[None, :]
     _rotate(q_ptr, qw_ptr, t, stride_qt, stride_qh, cos, sin, eps, QH, BLOCK_QH, HALF, NORM)
     k1, k2 = _rotate(k_ptr, kw_ptr, t, stride_kt, stride_kh, cos, sin, eps, KH, BLOCK_KH, HALF, NORM)
     if WRITE_KV:
-        slot = tl.load(slot_ptr + t)
-        if slot >= 0:  # a CUDA graph's padded row (slot -1) writes nothing
-            h = tl.arange(0, BLOCK_KH)[:, None]
-            mask = h < KH
-            dst = slot.to(tl.int64) * (KH * 2 * HALF) + h * (2 * HALF) + c[None, :]
-            src = v_ptr + t * stride_vt + h * (2 * HALF) + c[None, :]
-            store_rows(k_cache_ptr, dst, k1, mask, k_scale_ptr, FP8)
-            store_rows(k_cache_ptr, dst + HALF, k2, mask, k_scale_ptr, FP8)
-            store_rows(v_cache_ptr, dst, tl.load(src, mask=mask), mask, v_scale_ptr, FP8)
-            store_rows(v_cache_ptr, dst + HALF, tl.load(src + HALF, mask=mask), mask, v_scale_ptr, FP8)
+        mask = (h < KH) & (slot >= 0)  # a CUDA graph's padded row (slot -1) writes nothing
+        dst = tl.maximum(slot, 0).to(tl.int64) * (KH * 2 * HALF) + h * (2 * HALF) + c[None, :]
+        store_rows(k_cache_ptr, dst, k1, mask, k_scale_ptr, FP8)
+        store_rows(k_cache_ptr, dst + HALF, k2, mask, k_scale_ptr, FP8)
+        store_rows(v_cache_ptr, dst, v1, mask, v_scale_ptr, FP8)
+        store_rows(v_cache_ptr, dst + HALF, v2, mask, v_scale_ptr, FP8)
 
 
 def _check_layouts(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[int, int, int]:
