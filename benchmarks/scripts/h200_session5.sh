@@ -3,6 +3,10 @@
 #   first: GPU test of the sampling kernel (four uniforms a Philox call, base-2 logs), nano x3
 #          (the first shows whether a call's first engine is still slow), step profiles at
 #          batch 256 and 32 (the run's tail), the skinny-GEMM probe, one request at both shapes
+#   sweep: GPU tests of what changed (sampling: approximate log2 with a series near 1; RoPE
+#          loads up front), the Gumbel kernel timed with either log2, the fp8 decode-attention
+#          sweep at 128-token pages (nano shape, 1 or 2 splits), nano x2 at the default config
+#          and x2 at the sweep's best
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -22,5 +26,24 @@ first)
   echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
   echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
   $P $L --skip 60 --steps 60 2>&1 | grep -A30 "^==" | tee $J/profile_llama_1.log
+  ;;
+sweep)
+  python3 -m pytest -m gpu -q -x tests/kernels/test_sampling_kernel.py tests/kernels/test_fused_ops.py 2>&1 | tail -2
+  python3 - <<'PY' 2>&1 | tee $J/gumbel_time.log
+import torch
+from triton.testing import do_bench
+from ember.kernels.sampling import gumbel_argmax
+for rows in (256, 32, 1):
+    x = torch.randn(rows, 151936, device="cuda").bfloat16()
+    for fast in (False, True):
+        us = do_bench(lambda: gumbel_argmax(x, 1.0, seed=1, fast_log=fast), warmup=10, rep=50) * 1e3
+        print(f"gumbel rows {rows:3d} fast_log {fast!s:5}: {us:7.1f} us")
+PY
+  python3 benchmarks/scripts/decode_sweep.py fp8 --page 128 --only "qwen3-0.6b bs256" --splits 1,2 2>&1 | grep -v Error | tee $J/sweep_fp8_page128.log
+  BEST=$(grep BEST_QWEN $J/sweep_fp8_page128.log | cut -d= -f2)
+  for i in 1 2; do
+    echo "== nano: fp8 KV, default decode config, run $i =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_default_$i.json 2>&1 | show
+    echo "== nano: fp8 KV, decode config $BEST, run $i =="; EMBER_DECODE_CONFIG=$BEST $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_best_$i.json 2>&1 | show
+  done
   ;;
 esac

@@ -17,26 +17,45 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 TARGET_PROGRAMS = 1056  # ~8 an SM on an H200: the Philox draws and logs keep each one busy
 MAX_SLICES = 128
 LOG2E = 1.4426950408889634
 
 
-# Every argument that changes from step to step (the seed, the slicing, which follows the
-# batch size) is a plain runtime value: a new constexpr or specialization would compile a
-# new kernel in the middle of serving (seconds each; the first engine of a device call ran
-# several times slower from that).
 @triton.jit
-def _keep_best(x, u, cols, scale, best, best_idx, V: tl.constexpr):
-    score = tl.where(cols < V, x * scale - tl.log2(-tl.log2(u)), float("-inf"))
+def _log2(x, FAST: tl.constexpr):
+    if FAST:  # lg2.approx (~2^-22 relative error): CUDA only, not in Triton's interpreter
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
+
+
+@triton.jit
+def _exp2_draw(u, FAST: tl.constexpr):
+    """-log2(u), accurate to a few float32 ulps even where u is near 1 (there the result is
+    tiny, the approximate log2's absolute error is not, and those draws are the large
+    Gumbel values that let unlikely tokens win): a series in w = 1 - u (exact) there."""
+    w = 1.0 - u
+    series = w * (1.4426950408889634 + w * (0.7213475204444817 + w * (0.48089834696298783 + w * 0.36067376022224085)))
+    return tl.where(w < 0.015625, series, -_log2(u, FAST))
+
+
+@triton.jit
+def _keep_best(x, u, cols, scale, best, best_idx, V: tl.constexpr, FAST: tl.constexpr):
+    score = tl.where(cols < V, x * scale - _log2(_exp2_draw(u, FAST), FAST), float("-inf"))
     better = score > best  # per lane, columns come in increasing order: the first maximum wins ties
     return tl.where(better, score, best), tl.where(better, cols, best_idx)
 
 
+# Every argument that changes from step to step (the seed, the slicing, which follows the
+# batch size) is a plain runtime value: a new constexpr or specialization would compile a
+# new kernel in the middle of serving (seconds each; the first engine of a device call ran
+# several times slower from that).
 @triton.jit(do_not_specialize=["seed", "slice_len", "slices"])
 def _gumbel_argmax_kernel(logits_ptr, score_ptr, idx_ptr, stride, scale, seed, slice_len, slices,
-                          V: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr):
+                          V: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr,
+                          FAST: tl.constexpr):
     row = tl.program_id(0)
     s = tl.program_id(1)
     Q: tl.constexpr = BLOCK // 4
@@ -55,10 +74,10 @@ def _gumbel_argmax_kernel(logits_ptr, score_ptr, idx_ptr, stride, scale, seed, s
         x1 = tl.load(base + c1, mask=c1 < V, other=float("-inf")).to(tl.float32)
         x2 = tl.load(base + c2, mask=c2 < V, other=float("-inf")).to(tl.float32)
         x3 = tl.load(base + c3, mask=c3 < V, other=float("-inf")).to(tl.float32)
-        best, best_idx = _keep_best(x0, u0, c0, scale, best, best_idx, V)
-        best, best_idx = _keep_best(x1, u1, c1, scale, best, best_idx, V)
-        best, best_idx = _keep_best(x2, u2, c2, scale, best, best_idx, V)
-        best, best_idx = _keep_best(x3, u3, c3, scale, best, best_idx, V)
+        best, best_idx = _keep_best(x0, u0, c0, scale, best, best_idx, V, FAST)
+        best, best_idx = _keep_best(x1, u1, c1, scale, best, best_idx, V, FAST)
+        best, best_idx = _keep_best(x2, u2, c2, scale, best, best_idx, V, FAST)
+        best, best_idx = _keep_best(x3, u3, c3, scale, best, best_idx, V, FAST)
     top = tl.max(best, 0)
     # the smallest index among lanes holding the maximum
     winner = tl.min(tl.where(best == top, best_idx, V), 0)
@@ -81,9 +100,10 @@ def _best_slice_kernel(score_ptr, idx_ptr, out_ptr, slices, V: tl.constexpr, BLO
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, block: int = 2048,
-                  slices: int | None = None) -> torch.Tensor:
+                  slices: int | None = None, fast_log: bool | None = None) -> torch.Tensor:
     """logits [rows, V] (last dim contiguous), temperature > 0 -> sampled ids [rows] int64.
-    `slices` per row (at most MAX_SLICES): by default enough that rows x slices fills the GPU."""
+    `slices` per row (at most MAX_SLICES): by default enough that rows x slices fills the GPU.
+    `fast_log`: the hardware's approximate log2 (default: on CUDA)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [rows, V] with a contiguous last dim; got {tuple(logits.shape)}")
     if temperature <= 0:
@@ -98,11 +118,12 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: int, block: in
     slice_tiles = triton.cdiv(tiles, slices)
     slices = triton.cdiv(tiles, slice_tiles)  # none empty
     args = (logits.stride(0), LOG2E / temperature, seed, slice_tiles * block, slices)
+    consts = dict(V=vocab, BLOCK=block, FAST=logits.is_cuda if fast_log is None else fast_log)
     if slices == 1:
-        _gumbel_argmax_kernel[(rows, 1)](logits, out, out, *args, V=vocab, BLOCK=block, DIRECT=True)
+        _gumbel_argmax_kernel[(rows, 1)](logits, out, out, *args, DIRECT=True, **consts)
         return out
     score = torch.empty(rows, slices, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, slices, dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(rows, slices)](logits, score, idx, *args, V=vocab, BLOCK=block, DIRECT=False)
+    _gumbel_argmax_kernel[(rows, slices)](logits, score, idx, *args, DIRECT=False, **consts)
     _best_slice_kernel[(rows,)](score, idx, out, slices, V=vocab, BLOCK_S=MAX_SLICES)
     return out

@@ -8,7 +8,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from ember.kernels.sampling import gumbel_argmax  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from ember.kernels.sampling import _exp2_draw, gumbel_argmax  # noqa: E402
 
 L = [0.5, 2.0, -1.0, 3.0, 0.0, 1.5, -2.0, 2.5, 0.1, -0.5, 1.0, 2.9]
 
@@ -53,3 +56,23 @@ def test_gumbel_argmax_at_a_real_vocabulary():
     logits = torch.randn(64, 151936, device="cuda", generator=g)
     logits[:, 12345] += 40.0  # a near-certain token
     assert torch.all(gumbel_argmax(logits, 1.0, seed=1) == 12345)
+
+
+@triton.jit
+def _draw_kernel(u_ptr, out_ptr, N: tl.constexpr, FAST: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _exp2_draw(tl.load(u_ptr + i), FAST))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")])
+def test_exponential_draw_is_accurate_near_one(device):
+    """-log2(u) to float32 precision over all of (0, 1), near 1 included (there the draw is
+    tiny and becomes a large Gumbel value: an approximate log would bias unlikely tokens).
+    On CUDA with the hardware's approximate log2, as the kernel runs there."""
+    near_one = 1.0 - torch.arange(1, 257, dtype=torch.float64) * 2.0 ** -24  # 1 - k ulp(1)/2
+    u = torch.cat([near_one, torch.linspace(1e-6, 0.999, 768, dtype=torch.float64)]).float()
+    out = torch.empty_like(u, device=device)
+    _draw_kernel[(1,)](u.to(device), out, N=1024, FAST=device == "cuda")
+    want = -torch.log2(u.double())
+    assert ((out.cpu().double() - want) / want).abs().max() < 2e-6
