@@ -7,6 +7,8 @@
 #          loads up front), the Gumbel kernel timed with either log2, the fp8 decode-attention
 #          sweep at 128-token pages (nano shape, 1 or 2 splits), nano x2 at the default config
 #          and x2 at the sweep's best
+#   check: (fp8 decode config now 64,2,5) the GPU tests with failures shown, the Gumbel kernel
+#          timed again (one row, either order), the fp8 sweep at the Llama-8B shape
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -45,5 +47,19 @@ PY
     echo "== nano: fp8 KV, default decode config, run $i =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_default_$i.json 2>&1 | show
     echo "== nano: fp8 KV, decode config $BEST, run $i =="; EMBER_DECODE_CONFIG=$BEST $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_best_$i.json 2>&1 | show
   done
+  ;;
+check)
+  python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels tests/models/test_cuda_vs_hf.py tests/runner 2>&1 | grep -E "agreement|agrees|graph vs|passed|failed|Error|^E |FAILED|\.py:[0-9]+" | tail -40
+  python3 - <<'PY' 2>&1 | tee $J/gumbel_time.log
+import torch
+from triton.testing import do_bench
+from ember.kernels.sampling import gumbel_argmax
+for rows in (1, 256, 1):
+    x = torch.randn(rows, 151936, device="cuda").bfloat16()
+    for fast in (True, False, True):
+        us = do_bench(lambda: gumbel_argmax(x, 1.0, seed=1, fast_log=fast), warmup=20, rep=100) * 1e3
+        print(f"gumbel rows {rows:3d} fast_log {fast!s:5}: {us:7.1f} us")
+PY
+  python3 benchmarks/scripts/decode_sweep.py fp8 --page 128 --only "llama-8b" 2>&1 | grep -v Error | tee $J/sweep_fp8_page128_llama.log
   ;;
 esac

@@ -28,10 +28,14 @@ import triton.language as tl
 from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, load_kv_tile,
                                  queries_for_dot)
 
-# BLOCK_N, num_warps, num_stages of the split kernel, from benchmarks/scripts/decode_sweep.py on
-# the H200 (3.99 / 4.37 TB/s of KV at the Qwen3-0.6B / Llama-8B benchmark shapes);
-# EMBER_DECODE_CONFIG="64,4,3" overrides, for sweeps
-DECODE_CONFIG = tuple(int(x) for x in os.environ.get("EMBER_DECODE_CONFIG", "128,4,4").split(","))
+# BLOCK_N, num_warps, num_stages of the split kernel by cache dtype, from
+# benchmarks/scripts/decode_sweep.py on the H200: bfloat16 3.99 / 4.37 TB/s of KV at the
+# Qwen3-0.6B / Llama-8B benchmark shapes; fp8 at 128-token pages 2.69 TB/s against 2.48 for
+# bfloat16's config, and +6 % on the nano-vllm run (two warps and five stages: smaller
+# programs, more of them resident an SM). EMBER_DECODE_CONFIG="64,4,3" overrides both, for sweeps.
+_OVERRIDE = os.environ.get("EMBER_DECODE_CONFIG")
+DECODE_CONFIG = tuple(int(x) for x in (_OVERRIDE or "128,4,4").split(","))
+DECODE_CONFIG_FP8 = tuple(int(x) for x in (_OVERRIDE or "64,2,5").split(","))
 
 
 # the block-table width changes from step to step outside CUDA graphs: not specialized
@@ -149,9 +153,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     block_h = max(16, triton.next_power_of_2(group))
     grid = (batch, kv_heads, num_splits)
-    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_N=block_n or DECODE_CONFIG[0], PAGE=page,
-                  NUM_SPLITS=num_splits, FP8=fp8, DOT_FP16=dot_in_fp16(q, k_cache), num_warps=num_warps or DECODE_CONFIG[1],
-                  num_stages=num_stages or DECODE_CONFIG[2])
+    config = DECODE_CONFIG_FP8 if fp8 else DECODE_CONFIG
+    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_N=block_n or config[0], PAGE=page,
+                  NUM_SPLITS=num_splits, FP8=fp8, DOT_FP16=dot_in_fp16(q, k_cache), num_warps=num_warps or config[1],
+                  num_stages=num_stages or config[2])
     scale_log2 = scale * LOG2E
     if num_splits == 1:
         _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, scale_log2,
