@@ -9,6 +9,9 @@
 #          and x2 at the sweep's best
 #   check: (fp8 decode config now 64,2,5) the GPU tests with failures shown, the Gumbel kernel
 #          timed again (one row, either order), the fp8 sweep at the Llama-8B shape
+#   final: the sampling tests, then every benchmark of #7 in one call: nano-vllm x2, Llama-8B
+#          512 x 1000/1000, HF's static batch against ember on the same prompts, one request at
+#          both shapes; then the bfloat16 decode sweep at 128-token pages for one request
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -61,5 +64,18 @@ for rows in (1, 256, 1):
         print(f"gumbel rows {rows:3d} fast_log {fast!s:5}: {us:7.1f} us")
 PY
   python3 benchmarks/scripts/decode_sweep.py fp8 --page 128 --only "llama-8b" 2>&1 | grep -v Error | tee $J/sweep_fp8_page128_llama.log
+  ;;
+final)
+  python3 -m pytest -m gpu -q tests/kernels/test_sampling_kernel.py 2>&1 | tail -1
+  for i in 1 2; do echo "== nano: fp8 KV, run $i =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_fp8_$i.json 2>&1 | show; done
+  LL="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
+  echo "== Llama-3.1-8B 512 x 1000/1000: fp8 KV =="; $B $L $LL --kv-cache-dtype fp8 --output-json $J/llama_fp8.json 2>&1 | show
+  echo "== HF static batch 256 x 512/256 (ember fp8 on the same prompts first) =="
+  $B $Q --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --max-num-seqs 256 \
+    --max-num-batched-tokens 16384 --kv-cache-dtype fp8 --compare hf --hf-batch-size 256 --output-json $J/hf.json 2>&1 | show
+  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
+  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  python3 benchmarks/scripts/decode_sweep.py --page 128 --only "qwen3-0.6b bs1" --splits 8,16 2>&1 | grep -v Error | tee $J/sweep_bf16_page128_bs1.log
   ;;
 esac

@@ -75,4 +75,6 @@ def test_exponential_draw_is_accurate_near_one(device):
     out = torch.empty_like(u, device=device)
     _draw_kernel[(1,)](u.to(device), out, N=1024, FAST=device == "cuda")
     want = -torch.log2(u.double())
-    assert ((out.cpu().double() - want) / want).abs().max() < 2e-6
+    # the approximate log2 errs by <= 2^-22.6 absolute: <= 7e-6 relative where the series stops
+    # (-log2(1 - 1/64) = 0.0227); without the series it is off by up to 100 % next to 1
+    assert ((out.cpu().double() - want) / want).abs().max() < 1e-5
