@@ -12,6 +12,8 @@
 #   final: the sampling tests, then every benchmark of #7 in one call: nano-vllm x2, Llama-8B
 #          512 x 1000/1000, HF's static batch against ember on the same prompts, one request at
 #          both shapes; then the bfloat16 decode sweep at 128-token pages for one request
+#   watch: why a call's first nano run is sometimes slower: nano x4 under compile_watch.py (the
+#          Triton kernel variants built inside the timed run), the 2nd and 4th with --profile-steps
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -77,5 +79,13 @@ final)
   echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
   echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
   python3 benchmarks/scripts/decode_sweep.py --page 128 --only "qwen3-0.6b bs1" --splits 8,16 2>&1 | grep -v Error | tee $J/sweep_bf16_page128_bs1.log
+  ;;
+watch)
+  W="python3 benchmarks/scripts/compile_watch.py bench throughput --load-format dummy --seed 0"
+  for i in 1 2 3 4; do
+    extra=""; [ $((i % 2)) = 0 ] && extra="--profile-steps"
+    echo "== nano: fp8 KV, run $i $extra =="
+    $W $Q $NANO --kv-cache-dtype fp8 $extra --output-json $J/nano_watch_$i.json 2>&1 | grep -E "^==|Throughput|Start-up|Per step|IN RUN" | head -40
+  done
   ;;
 esac
