@@ -14,6 +14,8 @@
 #          both shapes; then the bfloat16 decode sweep at 128-token pages for one request
 #   watch: why a call's first nano run is sometimes slower: nano x4 under compile_watch.py (the
 #          Triton kernel variants built inside the timed run), the 2nd and 4th with --profile-steps
+#   pdl:   pdl_probe.py (one request at Llama-8B: the matmul chain with and without programmatic
+#          dependent launch)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
 Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
@@ -87,5 +89,8 @@ watch)
     echo "== nano: fp8 KV, run $i $extra =="
     $W $Q $NANO --kv-cache-dtype fp8 $extra --output-json $J/nano_watch_$i.json 2>&1 | grep -E "^==|Throughput|Start-up|Per step|IN RUN" | head -40
   done
+  ;;
+pdl)
+  python3 benchmarks/scripts/pdl_probe.py 2>&1 | tee $J/pdl_probe.log
   ;;
 esac
