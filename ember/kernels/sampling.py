@@ -3,9 +3,11 @@ argmax_i(logit_i / T + G_i), G_i = -log(-log U_i), U_i ~ U[0, 1), picks token i 
 probability softmax(logits / T)_i. The kernel ranks the same scores in base 2,
 logit_i * log2(e) / T - log2(-log2 U_i) (the natural-log score times log2(e), plus a
 constant), and takes four uniforms from each Philox call: a tile of BLOCK columns is four
-quarters, and column q * BLOCK / 4 + j of tile t uses output q of Philox(seed, (row * tiles + t) * BLOCK / 4 + j).
-The draws and logs are the kernel's whole cost (it is compute-bound), so this is ~3x fewer
-instructions than one Philox call and two natural logs a column.
+quarters, and column q * BLOCK / 4 + j of tile t uses output q of
+Philox(seed, (row * tiles + t) * BLOCK / 4 + j). On CUDA the logs are the hardware's
+approximate log2 (see `_exp2_draw` for u near 1). The draws and logs are the kernel's whole
+cost (it is compute-bound): 256 rows of Qwen3's logits took 244 µs on the H200 with a Philox
+call and two natural logs a column, 150 with four uniforms a call, 82 with the fast log2.
 
 Program (r, s) walks slice s of row r in BLOCK-wide tiles, keeping the best score and its
 index. Rows are cut into slices so that rows x slices programs fill the GPU (one request:
