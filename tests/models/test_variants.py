@@ -106,3 +106,40 @@ def test_one_row_gemv_path_matches_hf(variant, forward_logits, monkeypatch):
         expected = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == expected[0, len(ids):].tolist()
+
+
+def test_few_rows_tensor_core_path_matches_the_torch_path(variant, forward_logits, monkeypatch):
+    """Up to 16 rows in bfloat16 run q|k|v, o, gate|up, down (SiLU fused in front: its K is
+    short here) and the LM head through the GEMV kernel's tensor-core path, the norms fused
+    in (layers/linear.py `gemv_path`). Forced onto the CPU (Triton's interpreter), a 7-token
+    forward (7 rows) gives the logits of the plain bfloat16 path, to bfloat16 rounding."""
+    pytest.importorskip("triton")
+    import ember.kernels.gemv as gemv_kernels
+    from ember.layers.linear import gemv_on_cpu
+
+    _, _, hf, packed = variant
+    monkeypatch.setattr("ember.runner.model_runner.cpu_packing_supported", lambda dtype: False)
+    llm = LLM(packed.config.model, dtype="bfloat16", num_kv_blocks=16, block_size=8, max_model_len=256)
+    plain = forward_logits(llm, [PROMPTS[0]])[0]
+    calls = []
+    real = gemv_kernels.gemv
+
+    def counted(x, weight, *args, **kwargs):
+        calls.append((x.shape[0], tuple(weight.shape), args[1] if len(args) > 1 else kwargs.get("prologue", "none"),
+                      kwargs.get("dot")))
+        return real(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "gemv", counted)
+    with gemv_on_cpu():
+        ours = forward_logits(llm, [PROMPTS[0]])[0]
+    cfg = llm.config.model_config
+    layers = cfg.num_layers
+    assert all(rows == 7 and dot for rows, _, _, dot in calls)
+    prologues = [p for _, _, p, _ in calls]
+    assert prologues.count("norm") == 2 * layers and prologues.count("silu") == layers
+    assert len(calls) == 4 * layers + 1  # + o_proj a layer, + the LM head
+    assert (cfg.vocab_size, cfg.hidden_size) in [w for _, w, _, _ in calls]
+    torch.testing.assert_close(ours, plain, atol=0.05, rtol=0.05)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[0]])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=0.1, rtol=0.1)
