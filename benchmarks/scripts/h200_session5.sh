@@ -14,6 +14,9 @@
 #          both shapes; then the bfloat16 decode sweep at 128-token pages for one request
 #   watch: why a call's first nano run is sometimes slower: nano x4 under compile_watch.py (the
 #          Triton kernel variants built inside the timed run), the 2nd and 4th with --profile-steps
+#   dot:   the tensor-core GEMV path for 1-16 rows (norm fused): GPU tests, one request at both
+#          shapes, the 8B step profile, 8 requests at both shapes with the path on and off
+#          (EMBER_SMALL_BATCH_GEMV=0: cuBLAS), nano x2
 #   pdl:   pdl_probe.py (one request at Llama-8B: the matmul chain with and without programmatic
 #          dependent launch)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -92,5 +95,18 @@ watch)
   ;;
 pdl)
   python3 benchmarks/scripts/pdl_probe.py 2>&1 | tee $J/pdl_probe.log
+  ;;
+dot)
+  python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_gemv.py tests/kernels/test_sampling_kernel.py tests/models/test_cuda_vs_hf.py tests/runner 2>&1 | grep -E "agreement|agrees|graph vs|passed|failed|Error|^E |FAILED" | tail -20
+  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
+  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  $P $L --skip 60 --steps 60 2>&1 | grep -A30 "^==" | tee $J/profile_llama_1.log
+  B8="--num-prompts 8 --input-len 128 --output-len 512 --max-model-len 2048"
+  for m in Q L; do
+    echo "== 8 requests $m: dot path =="; $B ${!m} $B8 --output-json $J/b8_${m}_dot.json 2>&1 | show
+    echo "== 8 requests $m: cuBLAS =="; EMBER_SMALL_BATCH_GEMV=0 $B ${!m} $B8 --output-json $J/b8_${m}_cublas.json 2>&1 | show
+  done
+  for i in 1 2; do echo "== nano: fp8 KV, run $i =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_fp8_$i.json 2>&1 | show; done
   ;;
 esac
