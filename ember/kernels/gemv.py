@@ -42,11 +42,9 @@ def _residual_sum(x_ptr, res_ptr, stride_x, stride_r, m, k, mask, HAS_RES: tl.co
     return h
 
 
-# The row count is a runtime value: the DOT path pads every count up to 16 to one compiled
-# kernel (a mixed step of, say, 7 tokens would otherwise compile a new one mid-serving).
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, stride_x, stride_r, stride_w, stride_y,
-                 stride_h, N, eps, M, M_PAD: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                  DOT: tl.constexpr):
     pid = tl.program_id(0)
