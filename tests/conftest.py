@@ -12,7 +12,6 @@ if not torch.cuda.is_available():
     # the Triton kernel tests run on the CPU through the interpreter; it must be chosen
     # before triton is first imported (tests/kernels)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton_interpreter  # noqa: F401  (its fixes to the interpreter)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.layers.linear import linear_small_batch, pack_weight, packed_linear
+from ember.layers.linear import pack_weight, packed_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -34,4 +34,4 @@ class LMHead(nn.Module):
         if self.packed is not None:
             return packed_linear(hidden, self.packed, None)
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        return linear_small_batch(hidden, weight, None)
+        return F.linear(hidden, weight)

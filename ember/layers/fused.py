@@ -1,6 +1,6 @@
 """The op before a linear layer fused into it where the layer runs as ember's GEMV kernel
-(decode steps of a few sequences on CUDA, where a layer's time is mostly its weight read
-and kernel launches; see layers/linear.py `gemv_path`):
+(one row on CUDA: a decode step of one sequence, where a layer's time is mostly kernel
+launches; see layers/linear.py `uses_gemv`):
 RMSNorm with the residual add into q|k|v and gate|up, SiLU-and-mul into down. One kernel
 each instead of two (kernels/gemv.py); elsewhere the two ops as they are."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ember.layers.activation import silu_and_mul
-from ember.layers.linear import Linear, gemv_path
+from ember.layers.linear import Linear, uses_gemv
 from ember.layers.norm import RMSNorm
 
 
@@ -17,11 +17,10 @@ def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(norm(x + residual)), x + residual); residual None (the first layer): x alone.
     The fused kernel returns the sum as a new tensor, the unfused norm updates `residual`."""
-    path = gemv_path(x, layer.weight) if layer.packed is None and norm.weight.dtype == x.dtype else None
-    if path is not None:
+    if layer.packed is None and uses_gemv(x, layer.weight) and norm.weight.dtype == x.dtype:
         from ember.kernels.gemv import gemv
 
-        return gemv(x, layer.weight, layer.bias, "norm", residual, norm.weight, norm.eps, dot=path == "dot")
+        return gemv(x, layer.weight, layer.bias, "norm", residual, norm.weight, norm.eps)
     if residual is None:
         return layer(norm(x)), x
     h, residual = norm(x, residual)
@@ -30,9 +29,8 @@ def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
 
 def silu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
     """layer(silu(gate) * up) for gate_up = [gate | up]."""
-    path = gemv_path(gate_up[:, :layer.weight.shape[1]], layer.weight) if layer.packed is None else None
-    if path is not None:
+    if layer.packed is None and uses_gemv(gate_up, layer.weight):
         from ember.kernels.gemv import gemv
 
-        return gemv(gate_up, layer.weight, layer.bias, "silu", dot=path == "dot")
+        return gemv(gate_up, layer.weight, layer.bias, "silu")
     return layer(silu_and_mul(gate_up))

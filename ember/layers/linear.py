@@ -1,9 +1,9 @@
 """Linear layers. A merged layer takes several checkpoint tensors, one per shard, through
 the `weight_loader` its parameters carry; plain ones are copied whole by the loader. On the
-CPU the weights can be prepacked once for oneDNN (`pack_for_cpu`). On CUDA, decode steps of
-a few sequences go through ember's GEMV kernel (kernels/gemv.py; `gemv_path` says where),
-which is faster than cuBLAS there and can take the op before it (layers/fused.py);
-`EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS."""
+CPU the weights can be prepacked once for oneDNN (`pack_for_cpu`). On CUDA, one row (a
+decode step of one sequence) times a weight of a small model goes through ember's GEMV
+kernel (kernels/gemv.py), which is faster than cuBLAS there and can take the op before it
+(layers/fused.py); `EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-GEMV_MAX_WEIGHT = 1 << 24  # elements, for the FMA kernel: Llama-8B's o_proj
+GEMV_MAX_WEIGHT = 1 << 24  # elements: Llama-8B's o_proj; its q|k|v, gate|up and down go to cuBLAS
 _GEMV_ENABLED = os.environ.get("EMBER_SMALL_BATCH_GEMV", "1") != "0"
 _GEMV_ON_CPU = False  # tests run the kernel on CPU tensors through Triton's interpreter
-MAX_DOT_ROWS = 16  # kernels/gemv.py's tensor-core path (not imported here: triton stays optional)
 
 
 @contextlib.contextmanager
@@ -33,36 +32,13 @@ def gemv_on_cpu() -> Iterator[None]:
         _GEMV_ON_CPU = False
 
 
-def gemv_path(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """How a linear layer on x runs (kernels/gemv.py, timed on the H200 in
-    benchmarks/BENCHMARKS.md, sessions 4 and 5):
-      "fma"  one row times a weight of at most 2^24 elements (every layer of a small model):
-             there the CUDA-core kernel beat cuBLAS and the tensor-core one;
-      "dot"  up to 16 rows of bfloat16 / float16, where the weight has at least half as many
-             outputs as inputs (q|k|v, o, gate|up, the LM head): the tensor-core kernel
-             matched or beat cuBLAS and takes the norm in front for free;
-      None   cuBLAS: bigger batches, and down_proj's long K (its 4096 x 14336 ran 10 % slower
-             than cuBLAS's split-K).
-    Only on CUDA (or on the CPU through Triton's interpreter, for tests: `gemv_on_cpu`)."""
-    if not (((x.is_cuda and _GEMV_ENABLED) or _GEMV_ON_CPU) and x.dim() == 2 and x.dtype == weight.dtype
-            and x.stride(1) == 1 and weight.device == x.device):
-        return None
-    rows, (n, k) = x.shape[0], weight.shape
-    if rows == 1 and weight.numel() <= GEMV_MAX_WEIGHT:
-        return "fma"
-    if rows <= MAX_DOT_ROWS and x.dtype in (torch.bfloat16, torch.float16) and 2 * n >= k:
-        return "dot"
-    return None
-
-
-def linear_small_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, through ember's GEMV kernel where `gemv_path` picks it."""
-    path = gemv_path(x, weight)
-    if path is None:
-        return F.linear(x, weight, bias)
-    from ember.kernels.gemv import gemv  # triton is imported only on this path
-
-    return gemv(x, weight, bias, dot=path == "dot")
+def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a linear layer on x runs as ember's GEMV kernel: one row on CUDA, and a
+    weight of at most 2^24 elements. There the kernel beat cuBLAS on the H200; at 2 to 4
+    rows, and for bigger weights, cuBLAS is faster (benchmarks/BENCHMARKS.md, session 4)."""
+    return ((x.is_cuda and _GEMV_ENABLED) or _GEMV_ON_CPU) and x.dim() == 2 and x.shape[0] == 1 \
+        and weight.numel() <= GEMV_MAX_WEIGHT and x.dtype == weight.dtype and x.stride(1) == 1 \
+        and weight.device == x.device
 
 
 def cpu_packing_supported(dtype: torch.dtype) -> bool:
@@ -97,7 +73,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        return linear_small_batch(x, self.weight, self.bias)
+        if uses_gemv(x, self.weight):
+            from ember.kernels.gemv import gemv  # triton is imported only on this path
+
+            return gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

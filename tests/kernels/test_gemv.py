@@ -11,7 +11,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
-from ember.kernels.gemv import MAX_DOT_ROWS, MAX_ROWS, dot_config, gemv, gemv_config  # noqa: E402
+from ember.kernels.gemv import MAX_ROWS, gemv, gemv_config  # noqa: E402
 from ember.layers.activation import silu_and_mul  # noqa: E402
 from ember.layers.norm import RMSNorm  # noqa: E402
 
@@ -111,83 +111,22 @@ def test_config_fits_the_accumulator_and_fills_the_gpu():
     assert gemv_config(4, 128256, 4096) == (16, 128, 4)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,n,k", [(1, 40, 96), (5, 70, 130), (16, 33, 64)])
-def test_tensor_core_path_matches_linear(device, dtype, rows, n, k):
-    """DOT: rows padded to 16 for tl.dot; partial tiles in N and K; every prologue."""
-    g, x, w, b = _data(rows, n, k, dtype)
-    dev = dict(device=device)
-    for bias in (None, b):
-        got = gemv(x.to(**dev), w.to(**dev), None if bias is None else bias.to(**dev), dot=True)
-        torch.testing.assert_close(got.cpu(), _linear_ref(x, w, bias), **_tol(dtype))
-    norm = RMSNorm(k, 1e-6)
-    norm.weight.data = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
-    res = torch.randn(rows, k, generator=g).to(dtype)
-    want_h, want_res = norm(x, res.clone())
-    y, h = gemv(x.to(**dev), w.to(**dev), prologue="norm", residual=res.to(**dev),
-                norm_weight=norm.weight.detach().to(**dev), eps=1e-6, dot=True)
-    torch.testing.assert_close(h.cpu(), want_res, **_tol(dtype))
-    torch.testing.assert_close(y.cpu(), _linear_ref(want_h, w, None), **_tol(dtype))
-    _, gate_up, _, _ = _data(rows, n, k, dtype, seed=1, width=2 * k)
-    got = gemv(gate_up.to(**dev), w.to(**dev), prologue="silu", dot=True)
-    torch.testing.assert_close(got.cpu(), _linear_ref(silu_and_mul(gate_up), w, None), **_tol(dtype))
-    if rows <= MAX_ROWS:  # the same products as the FMA kernel, summed in another order
-        fma = gemv(x.to(**dev), w.to(**dev), prologue="norm", residual=res.to(**dev),
-                   norm_weight=norm.weight.detach().to(**dev), eps=1e-6)
-        torch.testing.assert_close(y.cpu(), fma[0].cpu(), **_tol(dtype))
-        assert torch.equal(h.cpu(), fma[1].cpu())
+def test_layers_send_one_row_of_a_small_weight():
+    from ember.layers.linear import gemv_on_cpu, uses_gemv
 
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_tensor_core_configs_and_strided_rows(device):
-    _, big, w, _ = _data(3, 50, 96, torch.bfloat16, width=150)
-    x = big[:, 20:116]
-    want = _linear_ref(x, w, None)
-    for config in [(16, 32, 4, 1), (32, 64, 4, 2), (64, 128, 4, 3)]:
-        torch.testing.assert_close(gemv(x.to(device), w.to(device), config=config, dot=True).cpu(), want,
-                                   **_tol(torch.bfloat16))
-
-
-def test_tensor_core_config_follows_the_h200_probe():
-    assert dot_config(6144, 4096) == (64, 128, 4, 4)  # Llama-8B q|k|v
-    assert dot_config(28672, 4096) == (64, 128, 4, 4)  # gate|up
-    assert dot_config(4096, 4096) == (32, 256, 4, 3)  # o_proj: few outputs for the K walked
-    assert dot_config(1024, 2048) == (32, 256, 4, 3)  # Qwen3-0.6B o_proj
-    assert dot_config(151936, 1024) == (64, 128, 4, 4)  # Qwen3-0.6B LM head
-    assert dot_config(40, 96, fill_gpu=False) == (16, 64, 4, 1)
-
-
-def test_layers_choose_the_kernel_by_rows_and_shape():
-    from ember.layers.linear import MAX_DOT_ROWS as LAYERS_MAX_DOT_ROWS
-    from ember.layers.linear import gemv_on_cpu, gemv_path
-
-    assert LAYERS_MAX_DOT_ROWS == MAX_DOT_ROWS
-    bf = dict(dtype=torch.bfloat16)
-    w, big = torch.zeros(64, 32, **bf), torch.zeros(1 << 12, 1 << 12 | 1, **bf)
-    down = torch.zeros(32, 96, **bf)  # few outputs for a long K: cuBLAS's split-K wins
-    assert gemv_path(torch.zeros(1, 32, **bf), w) is None  # CPU tensors: only when forced (tests)
+    w, big = torch.zeros(64, 32), torch.zeros(1 << 12, 1 << 12 | 1)
+    assert not uses_gemv(torch.zeros(1, 32), w)  # CPU tensors: only when forced (tests)
     with gemv_on_cpu():
-        assert gemv_path(torch.zeros(1, 32, **bf), w) == "fma"  # one row, a small weight
-        assert gemv_path(torch.zeros(2, 32, **bf), w) == "dot"  # a few rows
-        assert gemv_path(torch.zeros(16, 32, **bf), w) == "dot"
-        assert gemv_path(torch.zeros(17, 32, **bf), w) is None  # a batch: cuBLAS
-        assert gemv_path(torch.zeros(1, big.shape[1], **bf), big) == "dot"  # weights > 2^24 elements
-        assert gemv_path(torch.zeros(1, 96, **bf), down) == "fma"
-        assert gemv_path(torch.zeros(2, 96, **bf), down) is None
-        assert gemv_path(torch.zeros(1, 32), w.float()) == "fma"  # float32: the FMA kernel only
-        assert gemv_path(torch.zeros(2, 32), w.float()) is None
-        assert gemv_path(torch.zeros(1, 32, dtype=torch.float64), w) is None
+        assert uses_gemv(torch.zeros(1, 32), w)
+        assert not uses_gemv(torch.zeros(2, 32), w)  # cuBLAS won from 2 rows up
+        assert not uses_gemv(torch.zeros(1, big.shape[1]), big)  # and for weights > 2^24 elements
+        assert not uses_gemv(torch.zeros(1, 32, dtype=torch.float64), w)
 
 
 def test_bad_input_is_refused():
     x, w = torch.zeros(2, 8), torch.zeros(4, 8)
     with pytest.raises(ValueError, match="1 to 4 rows"):
         gemv(torch.zeros(5, 8), w)
-    with pytest.raises(ValueError, match="1 to 16 rows with dot"):
-        gemv(torch.zeros(17, 8, dtype=torch.bfloat16), w.bfloat16(), dot=True)
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
-        gemv(x, w, dot=True)
     with pytest.raises(ValueError, match="prologue must be"):
         gemv(x, w, prologue="gelu")
     with pytest.raises(ValueError, match=r"x must be \[M, 16\]"):

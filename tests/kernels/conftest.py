@@ -1,5 +1,4 @@
-"""Fixes to Triton 3.6's interpreter, so the kernels run on the CPU as they do on a GPU
-(imported by tests/conftest.py when the interpreter is on).
+"""Two fixes to Triton 3.6's interpreter, so the kernels run on the CPU as they do on a GPU.
 
 1. It turns a loop bound into an int with `int(array)`, which NumPy >= 2.4 refuses for its
    one-element arrays (every interpreter scalar is one): the kernels' runtime-bounded `for`
@@ -7,14 +6,14 @@
 2. Its float -> float8e4nv conversion drops the carry when rounding up crosses a power of
    two (1.9973 becomes 1.0 instead of 2.0; ~2% of random values are off by a factor 2),
    and reads the e4m3fn NaN code as 480. The GPU converts with cvt.rn.satfinite (round to
-   nearest even), as torch does: convert fp8 through torch instead.
-3. Its tl.dot multiplies bfloat16 operands as the uint16 words it stores them in (results
-   off by ~1e10). The GPU multiplies the values: widen them to float32 first (exact)."""
+   nearest even), as torch does: convert fp8 through torch instead."""
 
-import importlib.util
 import os
 
-if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    triton = pytest.importorskip("triton")
     import numpy as np
     import torch
     import triton.language as tl
@@ -42,16 +41,3 @@ if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("trito
         return out.view(width).numpy().reshape(np.shape(data))
 
     interpreter._convert_float = _convert_float_fp8
-
-    _create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def _bf16_as_float32(t):
-        if t.dtype.scalar != tl.bfloat16:
-            return t
-        bits = (np.ascontiguousarray(t.data).astype(np.uint32) << 16).view(np.float32)
-        return interpreter.TensorHandle(bits, tl.float32)
-
-    def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return _create_dot(self, _bf16_as_float32(a), _bf16_as_float32(b), d, input_precision, max_num_imprecise_acc)
-
-    interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
