@@ -28,18 +28,19 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _log2(x, FAST: tl.constexpr):
-    if FAST:  # lg2.approx (~2^-22 relative error): CUDA only, not in Triton's interpreter
+    if FAST:  # lg2.approx (absolute error ~2^-22): CUDA only, not in Triton's interpreter
         return libdevice.fast_log2f(x)
     return tl.log2(x)
 
 
 @triton.jit
 def _exp2_draw(u, FAST: tl.constexpr):
-    """-log2(u), accurate to a few float32 ulps even where u is near 1 (there the result is
-    tiny, the approximate log2's absolute error is not, and those draws are the large
-    Gumbel values that let unlikely tokens win): a series in w = 1 - u (exact) there."""
+    """-log2(u) to ~1e-5 relative over all of (0, 1). Near u = 1 the result is tiny, the
+    approximate log2's absolute error is not, and those draws are the large Gumbel values
+    that let unlikely tokens win: there (1 - u < 1/64, exact) the series
+    -log2(1 - w) = log2(e) (w + w^2/2 + w^3/3 + w^4/4 + ...) takes over."""
     w = 1.0 - u
-    series = w * (1.4426950408889634 + w * (0.7213475204444817 + w * (0.48089834696298783 + w * 0.36067376022224085)))
+    series = 1.4426950408889634 * w * (1.0 + w * (0.5 + w * (0.3333333333333333 + w * 0.25)))
     return tl.where(w < 0.015625, series, -_log2(u, FAST))
 
 
