@@ -17,6 +17,9 @@
 #   dot:   the tensor-core GEMV path for 1-16 rows (norm fused): GPU tests, one request at both
 #          shapes, the 8B step profile, 8 requests at both shapes with the path on and off
 #          (EMBER_SMALL_BATCH_GEMV=0: cuBLAS), nano x2
+#   last:  GPU tests of the kernels changed this session (sampling, RoPE, attention) at the final
+#          commit; the bfloat16 decode sweep at 128-token pages (nano and Llama shapes), then nano
+#          with a bfloat16 cache at the default config and at the sweep's best
 #   pdl:   pdl_probe.py (one request at Llama-8B: the matmul chain with and without programmatic
 #          dependent launch)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -108,5 +111,13 @@ dot)
     echo "== 8 requests $m: cuBLAS =="; EMBER_SMALL_BATCH_GEMV=0 $B ${!m} $B8 --output-json $J/b8_${m}_cublas.json 2>&1 | show
   done
   for i in 1 2; do echo "== nano: fp8 KV, run $i =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_fp8_$i.json 2>&1 | show; done
+  ;;
+last)
+  python3 -m pytest -m gpu -q -rf --tb=short tests/kernels/test_sampling_kernel.py tests/kernels/test_fused_ops.py tests/kernels/test_attention_kernels.py 2>&1 | grep -E "passed|failed|^E |FAILED" | tail -8
+  python3 benchmarks/scripts/decode_sweep.py --page 128 --only "qwen3-0.6b bs256" 2>&1 | grep -v Error | tee $J/sweep_bf16_page128_qwen.log
+  python3 benchmarks/scripts/decode_sweep.py --page 128 --only "llama-8b" 2>&1 | grep -v Error | tee $J/sweep_bf16_page128_llama.log
+  BEST=$(grep BEST_QWEN $J/sweep_bf16_page128_qwen.log | cut -d= -f2)
+  echo "== nano: bf16 KV, default config =="; $B $Q $NANO --output-json $J/nano_bf16_default.json 2>&1 | show
+  echo "== nano: bf16 KV, config $BEST =="; EMBER_DECODE_CONFIG=$BEST $B $Q $NANO --output-json $J/nano_bf16_best.json 2>&1 | show
   ;;
 esac
