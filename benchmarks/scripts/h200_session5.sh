@@ -20,6 +20,7 @@
 #   last:  GPU tests of the kernels changed this session (sampling, RoPE, attention) at the final
 #          commit; the bfloat16 decode sweep at 128-token pages (nano and Llama shapes), then nano
 #          with a bfloat16 cache at the default config and at the sweep's best
+#   modes: skinny_gemm_probe.py --modes (why the fused tensor-core GEMV lost in the engine)
 #   pdl:   pdl_probe.py (one request at Llama-8B: the matmul chain with and without programmatic
 #          dependent launch)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -119,5 +120,8 @@ last)
   BEST=$(grep BEST_QWEN $J/sweep_bf16_page128_qwen.log | cut -d= -f2)
   echo "== nano: bf16 KV, default config =="; $B $Q $NANO --output-json $J/nano_bf16_default.json 2>&1 | show
   echo "== nano: bf16 KV, config $BEST =="; EMBER_DECODE_CONFIG=$BEST $B $Q $NANO --output-json $J/nano_bf16_best.json 2>&1 | show
+  ;;
+modes)
+  (cd benchmarks/scripts && python3 skinny_gemm_probe.py --modes) 2>&1 | tee $J/skinny_modes.log
   ;;
 esac

@@ -7,9 +7,10 @@ vs 3.1-4.3 TB/s) and from 2 rows up. If this wins, the GEMV path can take Llama-
 
 Times cuBLAS, ember's GEMV (one row) and the probe kernel over a small config grid at the
 Qwen3-0.6B / Llama-8B decode shapes, inside CUDA graphs, as gemv_bench.py does.
-`python3 benchmarks/scripts/skinny_gemm_probe.py` (CUDA); `... --check` compares the kernel
-with F.linear at small shapes (it passed on Triton's interpreter, with the NumPy fix of
-tests/kernels/conftest.py loaded)."""
+`python3 benchmarks/scripts/skinny_gemm_probe.py` (CUDA); `... --modes` times how the dot's B
+operand is built (see `modes`); `... --check` compares the kernel with F.linear at small
+shapes (it passed on Triton's interpreter, with the NumPy fix of tests/kernels/conftest.py
+loaded)."""
 
 import sys
 
@@ -20,8 +21,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, M, N, K, stride_x, stride_w, stride_y, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr = 0):
+    """MODE 0: x^T loaded straight into the dot's B operand. 1: x loaded as [rows, BLOCK_K]
+    and transposed in registers. 2: as 1, with a norm-like prologue (x * 1.1 rounded, times a
+    weight vector, rounded), as ember's fused GEMV builds its activations."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -29,21 +33,55 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, B
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
-        xt = tl.load(x_ptr + m[None, :] * stride_x + k[:, None], mask=(m < M)[None, :] & (k < K)[:, None], other=0.0)
+        if MODE == 0:
+            xt = tl.load(x_ptr + m[None, :] * stride_x + k[:, None], mask=(m < M)[None, :] & (k < K)[:, None],
+                         other=0.0)
+        else:
+            x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
+            if MODE == 2:
+                nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                x = (nw[None, :] * (x.to(tl.float32) * 1.1).to(x.dtype).to(tl.float32)).to(x.dtype)
+            xt = tl.trans(x)
         acc = tl.dot(w, xt, acc)
     tl.store(y_ptr + m[None, :] * stride_y + n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=(m < M)[None, :] & (n < N)[:, None])
 
 
 def skinny(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 128, warps: int = 4,
-           stages: int = 4) -> torch.Tensor:
+           stages: int = 4, mode: int = 0, nw: torch.Tensor | None = None) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _skinny_kernel[(triton.cdiv(n, block_n),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                                BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
-                                                BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    _skinny_kernel[(triton.cdiv(n, block_n),)](x, w, y, x if nw is None else nw, m, n, k, x.stride(0), w.stride(0),
+                                                y.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)),
+                                                BLOCK_N=block_n, BLOCK_K=block_k, MODE=mode, num_warps=warps,
+                                                num_stages=stages)
     return y
+
+
+def modes() -> None:
+    """Why ember's fused tensor-core GEMV ran 2x slower than this kernel in the engine
+    (BENCHMARKS.md, session 5): the three MODEs at the 8B / 0.6B shapes, one and 8 rows."""
+    from gemv_bench import SHAPES, time_us
+
+    torch.manual_seed(0)
+    print("shape          M   cuBLAS   mode0   mode1   mode2   (us; mode 0: x^T from memory, 1: via registers, "
+          "2: via registers with a norm-like prologue)")
+    for name in ("8b qkv", "8b gate_up", "8b o", "0.6b qkv", "0.6b o"):
+        n, k = SHAPES[name]
+        nbytes = n * k * 2
+        copies = max(1, -(-400_000_000 // nbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
+        nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        cfg = (64, 128, 4, 4) if 2 * n >= 3 * k else (32, 256, 4, 3)
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = [time_us(lambda i: F.linear(x, ws[i]), copies)]
+            for mode in (0, 1, 2):
+                row.append(time_us(lambda i: skinny(x, ws[i], *cfg, mode=mode, nw=nw), copies, reps=20))
+            print(f"{name:14s} {m:2d} " + " ".join(f"{t:7.1f}" for t in row), flush=True)
+        del ws
+        torch.cuda.empty_cache()
 
 
 def check() -> None:
@@ -52,9 +90,10 @@ def check() -> None:
     for m, n, k in [(1, 70, 96), (3, 64, 256), (16, 40, 130)]:
         x = torch.randn(m, k, generator=g).to(device)
         w = torch.randn(n, k, generator=g).to(device)
-        got = skinny(x, w, block_n=16, block_k=32, stages=2)
-        torch.testing.assert_close(got, F.linear(x, w), atol=2e-2, rtol=2e-2)
-    print("skinny kernel matches F.linear")
+        for mode in (0, 1, 2):
+            got = skinny(x, w, block_n=16, block_k=32, stages=2, mode=mode, nw=torch.ones(k, device=device))
+            torch.testing.assert_close(got, F.linear(x * (1.1 if mode == 2 else 1.0), w), atol=2e-2, rtol=2e-2)
+    print("skinny kernel matches F.linear in every mode")
 
 
 def main() -> None:
@@ -92,4 +131,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    check() if "--check" in sys.argv else main()
+    check() if "--check" in sys.argv else modes() if "--modes" in sys.argv else main()
