@@ -3,13 +3,7 @@
 # with async scheduling and the KV-cache dtype varied where they matter. JSON under $OUT.
 #   part 1: tests, nano-vllm protocol (4 variants), single-request latency (both shapes)
 #   part 2: HF static batch for the ratio, Llama-3.1-8B shape 512 x 1000/1000 (fp8 and auto KV)
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
-Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
-B="python3 -m ember.server.cli bench throughput --load-format dummy --seed 0"
-NANO="--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384"
-LAT="--num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048"
-show() { grep -E "^==|Throughput|Start-up|Roofline|Per step|KV|preempt|ember/hf" | grep -v "^\s*$"; }
+source benchmarks/scripts/h200_env.sh
 if [ "${1:-1}" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -m pytest -m gpu -q -s tests/kernels tests/models/test_cuda_vs_hf.py tests/runner 2>&1 | grep -E "agreement|agrees|invariance|graph vs|passed|failed|Error" | tail -12

@@ -13,14 +13,7 @@
 #   blocks: Llama-8B 512 x 1000/1000 fp8 with 128-token blocks, 16-token blocks, 128 again
 #   last:  after the KV write moved into the RoPE kernel: GPU tests of what changed, nano x3
 #          (the first as warm-up), one request at both shapes
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
-Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
-B="python3 -m ember.server.cli bench throughput --load-format dummy --seed 0"
-NANO="--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384"
-LAT="--num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048"
-show() { grep -E "^==|Throughput|Start-up|Roofline|Per step|KV|preempt|ember/hf" | grep -v "^\s*$"; }
-P="python3 benchmarks/scripts/profile_gpu_steps.py"
+source benchmarks/scripts/h200_env.sh
 case "$1" in
 gemv)
   python3 -m pytest -m gpu -q -s -x tests/kernels/test_gemv.py tests/models/test_cuda_vs_hf.py 2>&1 | grep -E "agreement|agrees|invariance|passed|failed|Error" | tail -12

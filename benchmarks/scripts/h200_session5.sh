@@ -23,14 +23,7 @@
 #   modes: skinny_gemm_probe.py --modes (why the fused tensor-core GEMV lost in the engine)
 #   pdl:   pdl_probe.py (one request at Llama-8B: the matmul chain with and without programmatic
 #          dependent launch)
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J
-Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
-B="python3 -m ember.server.cli bench throughput --load-format dummy --seed 0"
-NANO="--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384"
-LAT="--num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048"
-show() { grep -E "^==|Throughput|Start-up|Roofline|Per step|KV|preempt|ember/hf" | grep -v "^\s*$"; }
-P="python3 benchmarks/scripts/profile_gpu_steps.py"
+source benchmarks/scripts/h200_env.sh
 case "$1" in
 first)
   python3 -m pytest -m gpu -q -x tests/kernels/test_sampling_kernel.py 2>&1 | tail -2
