@@ -25,7 +25,8 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, M, N, K, stride_x, stride_w, str
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr = 0):
     """MODE 0: x^T loaded straight into the dot's B operand. 1: x loaded as [rows, BLOCK_K]
     and transposed in registers. 2: as 1, with a norm-like prologue (x * 1.1 rounded, times a
-    weight vector, rounded), as ember's fused GEMV builds its activations."""
+    weight vector, rounded), as ember's fused GEMV builds its activations. 3 (one row only):
+    the same prologue on the one real row, then placed in column 0 of the padded operand."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -36,6 +37,11 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, M, N, K, stride_x, stride_w, str
         if MODE == 0:
             xt = tl.load(x_ptr + m[None, :] * stride_x + k[:, None], mask=(m < M)[None, :] & (k < K)[:, None],
                          other=0.0)
+        elif MODE == 3:
+            x1 = tl.load(x_ptr + k, mask=k < K, other=0.0)
+            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            a1 = (nw * (x1.to(tl.float32) * 1.1).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+            xt = tl.where((m == 0)[None, :], a1[:, None], 0.0).to(x1.dtype)
         else:
             x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
             if MODE == 2:
@@ -61,12 +67,14 @@ def skinny(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 1
 
 def modes() -> None:
     """Why ember's fused tensor-core GEMV ran 2x slower than this kernel in the engine
-    (BENCHMARKS.md, session 5): the three MODEs at the 8B / 0.6B shapes, one and 8 rows."""
+    (BENCHMARKS.md, session 5): the MODEs at the 8B / 0.6B shapes, one and 8 rows. Modes 0-2
+    ran on the H200 in session 5 (the prologue's arithmetic on 16 padded rows was the cost);
+    mode 3 was added after, for the next session."""
     from gemv_bench import SHAPES, time_us
 
     torch.manual_seed(0)
-    print("shape          M   cuBLAS   mode0   mode1   mode2   (us; mode 0: x^T from memory, 1: via registers, "
-          "2: via registers with a norm-like prologue)")
+    print("shape          M   cuBLAS   mode0   mode1   mode2   mode3  (us; mode 0: x^T from memory, 1: via "
+          "registers, 2: via registers with a norm-like prologue, 3: the prologue on the one real row)")
     for name in ("8b qkv", "8b gate_up", "8b o", "0.6b qkv", "0.6b o"):
         n, k = SHAPES[name]
         nbytes = n * k * 2
@@ -77,7 +85,7 @@ def modes() -> None:
         for m in (1, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = [time_us(lambda i: F.linear(x, ws[i]), copies)]
-            for mode in (0, 1, 2):
+            for mode in (0, 1, 2, 3) if m == 1 else (0, 1, 2):
                 row.append(time_us(lambda i: skinny(x, ws[i], *cfg, mode=mode, nw=nw), copies, reps=20))
             print(f"{name:14s} {m:2d} " + " ".join(f"{t:7.1f}" for t in row), flush=True)
         del ws
@@ -90,9 +98,9 @@ def check() -> None:
     for m, n, k in [(1, 70, 96), (3, 64, 256), (16, 40, 130)]:
         x = torch.randn(m, k, generator=g).to(device)
         w = torch.randn(n, k, generator=g).to(device)
-        for mode in (0, 1, 2):
+        for mode in (0, 1, 2, 3) if m == 1 else (0, 1, 2):
             got = skinny(x, w, block_n=16, block_k=32, stages=2, mode=mode, nw=torch.ones(k, device=device))
-            torch.testing.assert_close(got, F.linear(x * (1.1 if mode == 2 else 1.0), w), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(got, F.linear(x * (1.1 if mode >= 2 else 1.0), w), atol=2e-2, rtol=2e-2)
     print("skinny kernel matches F.linear in every mode")
 
 
