@@ -59,6 +59,8 @@ def skinny(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, pdl: bool, early: 
 
 
 def main() -> None:
+    from gemv_bench import time_us
+
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     layers = [[torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
@@ -83,22 +85,8 @@ def main() -> None:
     outs = {}
     for kind in ("cublas", "skinny", "skinny+pdl", "skinny+pdl-early"):
         try:
-            for _ in range(2):
-                chain(kind)
-            torch.cuda.synchronize()
             outs[kind] = chain(kind).float().clone()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                chain(kind)
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            us = start.elapsed_time(end) * 1e3 / 20
+            us = time_us(lambda i: chain(kind), copies=1, reps=1)  # one chain a graph, replayed
             print(f"{kind:11s}: {us:8.1f} us a step for {LAYERS} layers ({us / LAYERS:6.1f} a layer), "
                   f"{nbytes / us / 1e6:5.2f} TB/s of weights", flush=True)
         except Exception as e:  # PDL inside a graph may be unsupported
