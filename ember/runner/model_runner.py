@@ -25,7 +25,8 @@ from ember.layers.linear import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs
-from ember.runner.sampler import PendingLogprobs, Sampler, SamplingRow, TokenLogprobs, to_host, token_logprobs
+from ember.runner.sampler import (PendingLogprobs, Sampler, SamplingRow, TokenLogprobs, to_device, to_host,
+                                  token_logprobs)
 from ember.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -215,8 +216,8 @@ class ModelRunner:
             if len(owners) == len(sample_rows) == hidden.shape[0]:  # every row samples once (decode): no gather
                 logits = self.model.compute_logits(hidden)
             else:
-                rows_idx = self._to_device([r for c, r in zip(sampled_chunks, sample_rows)
-                                            for _ in range(c.request.num_samples_to_draw)])
+                rows_idx = to_device([r for c, r in zip(sampled_chunks, sample_rows)
+                                      for _ in range(c.request.num_samples_to_draw)], self.device, torch.int64)
                 logits = self.model.compute_logits(hidden[rows_idx])
             grammar_masks = fill_grammar_masks() if fill_grammar_masks is not None else {}
             rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id)) for req, i in owners]
@@ -230,7 +231,8 @@ class ModelRunner:
                 step.logprobs = keys, result.logprobs.to_host(self.pin)
         for chunk, rows in self._prompt_logprob_rows(plan):
             req = chunk.request
-            targets = self._to_device(req.prompt_token_ids[rows.start - rows.offset + 1: rows.stop - rows.offset + 1])
+            targets = to_device(req.prompt_token_ids[rows.start - rows.offset + 1: rows.stop - rows.offset + 1],
+                                self.device, torch.int64)
             logits = self.model.compute_logits(hidden[rows.start:rows.stop])
             pending = token_logprobs(logits, targets, [req.sampling_params.prompt_logprobs] * len(targets))
             step.prompt_logprobs[req.request_id] = req.num_computed_tokens + 1, pending.to_host(self.pin)
@@ -260,10 +262,6 @@ class ModelRunner:
             for (req, _), token in zip(step.owners, step.host_tokens.tolist()):
                 out.sampled.setdefault(req.request_id, []).append(token)
         return out
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """An int64 tensor on the device, copied without waiting for the device's queue."""
-        return torch.tensor(values, dtype=torch.int64, pin_memory=self.pin).to(self.device, non_blocking=True)
 
     def _clock(self):
         """clock(phase) adds the seconds since the last call to step_times[phase] when
@@ -379,7 +377,7 @@ class ModelRunner:
         tables = np.stack([self._table_row(c.request)[:width] for c in plan.chunks])
         dev = self.device
         # one int64 vector: ids [t] | positions [t] | slots [t] | seq_lens [n] | query_start [n + 1] | dst | src
-        flat = self._to_device(ids + positions + slots + seq_lens + query_start + dst + src)
+        flat = to_device(ids + positions + slots + seq_lens + query_start + dst + src, dev, torch.int64)
         input_ids, pos, slot_mapping, lens, starts, dst_idx, src_idx = flat.split([t, t, t, n, n + 1, len(dst), len(src)])
         if dst:
             input_ids[dst_idx] = self.last_launched.tokens[src_idx]

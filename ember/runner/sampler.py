@@ -120,13 +120,13 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
-            idx = _to(sampled, logits.device)
+            idx = to_device(sampled, logits.device)
             probs = _probs(logits[idx], [rows[i].params for i in sampled])
             tokens[idx] = self._draw(probs, [rows[i].generator for i in sampled])
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
             return SamplerOutput(tokens)
-        idx = _to(want, logits.device)
+        idx = to_device(want, logits.device)
         return SamplerOutput(tokens, token_logprobs(raw[idx], tokens[idx], [rows[i].params.logprobs for i in want]),
                              want)
 
@@ -146,7 +146,7 @@ class Sampler:
             probs = (logits.float() / temperatures[0]).softmax(dim=-1)
             return probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
         logits = logits.float()
-        temps = _to(temperatures, logits.device, torch.float32)[:, None]
+        temps = to_device(temperatures, logits.device, torch.float32)[:, None]
         probs = (logits / torch.where(temps > 0, temps, 1.0)).softmax(dim=-1)
         drawn = probs.div_(torch.empty_like(probs).exponential_(generator=self.generator)).argmax(dim=-1)
         if any(t == 0 for t in temperatures):
@@ -167,7 +167,7 @@ class Sampler:
         return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-def _to(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small tensor on `device`, copied from pinned memory so that the CPU does not wait
     for the device's queue (a plain torch.tensor(..., device="cuda") does)."""
     pin = device.type == "cuda"
@@ -243,9 +243,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
                 counts[i].index_add_(0, torch.tensor(r.output_ids, device=dev), torch.ones(len(r.output_ids), device=dev))
             seen[i, r.prompt_ids + r.output_ids] = True
     counts, seen = counts[:, :vocab], seen[:, :vocab]
-    rep = _to([r.params.repetition_penalty for r in rows], dev)[:, None]
-    freq = _to([r.params.frequency_penalty for r in rows], dev)[:, None]
-    pres = _to([r.params.presence_penalty for r in rows], dev)[:, None]
+    rep = to_device([r.params.repetition_penalty for r in rows], dev)[:, None]
+    freq = to_device([r.params.frequency_penalty for r in rows], dev)[:, None]
+    pres = to_device([r.params.presence_penalty for r in rows], dev)[:, None]
     # repetition (HF / CTRL): tokens seen in prompt or output shrink toward "less likely"
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     # frequency and presence (OpenAI): over the generated tokens only
@@ -254,12 +254,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev = logits.device
-    temperature = _to([p.temperature for p in params], dev)[:, None]
+    temperature = to_device([p.temperature for p in params], dev)[:, None]
     logits = logits / temperature
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         vocab = logits.shape[-1]
-        top_k = _to([p.top_k if p.top_k > 0 else vocab for p in params], dev)
-        top_p = _to([p.top_p for p in params], dev)
+        top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], dev)
+        top_p = to_device([p.top_p for p in params], dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cut = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]
         sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
@@ -270,6 +270,6 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = _to([p.min_p for p in params], dev)[:, None]
+        min_p = to_device([p.min_p for p in params], dev)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
