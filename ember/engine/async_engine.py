@@ -360,10 +360,7 @@ class AsyncEngine:
 
     @staticmethod
     def _send(stream: RequestStream, item) -> None:
-        try:
-            stream._loop.call_soon_threadsafe(stream._put, item)
-        except RuntimeError:  # its event loop is closed: nobody is listening
-            pass
+        AsyncEngine._send_all([(stream, item)])
 
     def _publish_stats(self) -> None:
         sched, pool = self.core.scheduler, self.core.block_pool
