@@ -1,0 +1,93 @@
+"""Probe for one request at Llama-8B (goal 4.0 ms a step, ember 4.6): does warming the next
+weight in L2 while the small kernels run (kernels/prefetch.py) speed up the matmul after them?
+
+A step's shape without its data: 32 layers, each q|k|v (cuBLAS) -> a 9 µs stand-in for
+RoPE + attention -> o (ember's GEMV) -> 2 µs (norm) -> gate|up (cuBLAS) -> 1.6 µs (SiLU) ->
+down (cuBLAS) -> 2 µs (next norm), distinct weights per layer so nothing stays in L2. The
+stand-ins spin on one SM without touching memory, so this is the best case for prefetching;
+the engine's own step (`ember bench` with EMBER_L2_PREFETCH) is the real test.
+`python3 benchmarks/scripts/l2_prefetch_probe.py` (CUDA)."""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ember.kernels.gemv import gemv
+from ember.kernels.prefetch import prefetch_l2
+
+HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 14336, 32
+SITES = ("qkv", "o", "gate_up", "down")
+
+
+@triton.jit
+def _spin_kernel(out_ptr, iters):
+    x = tl.load(out_ptr)
+    for _ in range(iters):
+        x = x * 0.999 + 0.001
+    tl.store(out_ptr, x)
+
+
+def main() -> None:
+    from gemv_bench import time_us
+
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    print(f"L2 {torch.cuda.get_device_properties(0).L2_cache_size / 2**20:.0f} MiB", flush=True)
+    layers = [{"qkv": torch.randn(QKV, HIDDEN, device=dev, dtype=dt) / 64,
+               "o": torch.randn(HIDDEN, HIDDEN, device=dev, dtype=dt) / 64,
+               "gate_up": torch.randn(2 * INTER, HIDDEN, device=dev, dtype=dt) / 64,
+               "down": torch.randn(HIDDEN, INTER, device=dev, dtype=dt) / 120} for _ in range(LAYERS)]
+    nbytes = sum(w.numel() * 2 for ws in layers for w in ws.values())
+    x0 = torch.randn(1, HIDDEN, device=dev, dtype=dt)
+    cell = torch.ones(1, device=dev)
+
+    per_iter = time_us(lambda i: _spin_kernel[(1,)](cell, 20000), copies=1, reps=5) / 20000
+    spin_iters = {us: max(1, round(us / per_iter)) for us in (9.0, 2.0, 1.6)}
+
+    def spin(us: float) -> None:
+        _spin_kernel[(1,)](cell, spin_iters[us])
+
+    def step(plan: dict[str, float], hint: str, spins: bool) -> torch.Tensor:
+        x = x0
+        for i, ws in enumerate(layers):
+            def pre(site: str, w: torch.Tensor) -> None:
+                if plan.get(site):
+                    prefetch_l2(w, plan[site], hint)
+            if spins:
+                spin(2.0)
+            qkv = F.linear(x, ws["qkv"])
+            pre("o", ws["o"])
+            if spins:
+                spin(9.0)
+            h = gemv(qkv[:, :HIDDEN], ws["o"])
+            pre("gate_up", ws["gate_up"])
+            if spins:
+                spin(2.0)
+            gu = F.linear(h, ws["gate_up"])
+            pre("down", ws["down"])
+            if spins:
+                spin(1.6)
+            x = F.linear(gu[:, :INTER], ws["down"])
+            if i + 1 < LAYERS:
+                pre("qkv", layers[i + 1]["qkv"])
+        return x
+
+    base_out = step({}, "normal", True).float()
+    runs = [("no spins, no prefetch", {}, "normal", False), ("no prefetch", {}, "normal", True)]
+    for hint in ("normal", "last"):
+        for plan in ({"o": 1.0}, {"o": 0.5}, {"o": 1.0, "qkv": 0.25}, {"o": 1.0, "qkv": 0.25, "gate_up": 0.05,
+                                                                       "down": 0.1},
+                     {"o": 1.0, "qkv": 0.5, "gate_up": 0.125, "down": 0.25}):
+            runs.append((",".join(f"{k}={v}" for k, v in plan.items()) + f" ({hint})", plan, hint, True))
+    for name, plan, hint, spins in runs:
+        us = time_us(lambda i: step(plan, hint, spins), copies=1, reps=1)
+        same = torch.equal(step(plan, hint, spins).float(), base_out)
+        print(f"{name:55s} {us:8.1f} us a step ({nbytes / us / 1e6:5.2f} TB/s of weights), same output {same}",
+              flush=True)
+    k = prefetch_l2(layers[0]["o"], 1.0)
+    print("prefetch instructions in the PTX:", k.asm["ptx"].count("prefetch.global.L2"))
+
+
+if __name__ == "__main__":
+    main()
