@@ -4,7 +4,8 @@
 #   probe: l2_prefetch_probe.py (the 8B step's matmul chain with stand-ins for the small kernels,
 #          with and without L2 prefetch of the next weight), one request at Llama-8B with each
 #          EMBER_L2_PREFETCH plan, the step profile with one plan, skinny_gemm_probe.py --modes
-#          (mode 3: the prologue on the one real row)
+#          (mode 3: the prologue on the one real row). The EMBER_L2_PREFETCH hooks it ran are
+#          at commit 8e507ec; they lost and were removed after.
 #   chain: pdl_chain_probe.py (every kernel of the 8B matmul chain, stand-ins included, launched
 #          with PDL; matmuls in one wave, their first weight tiles loaded before the wait)
 source benchmarks/scripts/h200_env.sh

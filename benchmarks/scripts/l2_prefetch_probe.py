@@ -1,11 +1,11 @@
 """Probe for one request at Llama-8B (goal 4.0 ms a step, ember 4.6): does warming the next
-weight in L2 while the small kernels run (kernels/prefetch.py) speed up the matmul after them?
+weight in L2 while the small kernels run speed up the matmul after them?
 
 A step's shape without its data: 32 layers, each q|k|v (cuBLAS) -> a 9 µs stand-in for
 RoPE + attention -> o (ember's GEMV) -> 2 µs (norm) -> gate|up (cuBLAS) -> 1.6 µs (SiLU) ->
 down (cuBLAS) -> 2 µs (next norm), distinct weights per layer so nothing stays in L2. The
 stand-ins spin on one SM without touching memory, so this is the best case for prefetching;
-the engine's own step (`ember bench` with EMBER_L2_PREFETCH) is the real test.
+the engine's own step was the real test (EMBER_L2_PREFETCH at 8e507ec: 218 -> 203-214 tok/s).
 `python3 benchmarks/scripts/l2_prefetch_probe.py` (CUDA)."""
 
 import torch
@@ -14,10 +14,58 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv import gemv
-from ember.kernels.prefetch import prefetch_l2
 
 HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 14336, 32
-SITES = ("qkv", "o", "gate_up", "down")
+
+# The prefetch kernel, as the engine carried it for this experiment (commit 8e507ec, removed
+# after it lost): a program per 1024 lines issues prefetch.global.L2 for `fraction` of a
+# weight's 128-byte lines (the first `take` of every `group`) and exits.
+LINE = 128  # bytes
+HINTS = {"normal": 0, "last": 1}  # the lines' eviction priority in L2
+
+
+@triton.jit
+def _prefetch_kernel(w_ptr, n_lines, n_take, GROUP: tl.constexpr, TAKE: tl.constexpr,
+                     LINE_ELEMS: tl.constexpr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr):
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    line = (j // TAKE) * GROUP + j % TAKE
+    mask = (j < n_take) & (line < n_lines)
+    ptrs = w_ptr + tl.where(mask, line, 0).to(tl.int64) * LINE_ELEMS
+    # not pure: the compiler keeps the asm although its (dummy) result goes unused
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+def split_fraction(fraction: float) -> tuple[int, int]:
+    """(group, take): take the first `take` lines of every `group`, closest to `fraction`."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"the prefetched fraction must be in (0, 1], got {fraction}")
+    if fraction >= 1 / 8:
+        return 8, max(1, round(8 * fraction))
+    return round(1 / fraction), 1
+
+
+def prefetch_l2(weight: torch.Tensor, fraction: float, hint: str = "normal", block: int = 1024):
+    """Issue L2 prefetches for `fraction` of a contiguous CUDA tensor's lines; nothing waits
+    for the lines. Returns the launched kernel (its PTX for a test), None off CUDA."""
+    group, take = split_fraction(fraction)
+    if hint not in HINTS:
+        raise ValueError(f"hint must be one of {sorted(HINTS)}, got {hint!r}")
+    if not weight.is_cuda:
+        return None
+    if not weight.is_contiguous():
+        raise ValueError(f"prefetch_l2 needs a contiguous tensor; got strides {weight.stride()}")
+    n_lines = weight.numel() * weight.element_size() // LINE
+    n_take = triton.cdiv(n_lines, group) * take
+    if n_take == 0:
+        return None
+    return _prefetch_kernel[(triton.cdiv(n_take, block),)](
+        weight, n_lines, n_take, GROUP=group, TAKE=take, LINE_ELEMS=LINE // weight.element_size(), BLOCK=block,
+        EVICT_LAST=HINTS[hint], num_warps=4)
 
 
 @triton.jit

@@ -16,7 +16,6 @@ from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.fused import norm_linear, silu_linear
 from ember.layers.linear import Linear, MergedLinear
 from ember.layers.norm import RMSNorm
-from ember.layers.prefetch import prefetch
 from ember.layers.rotary import CacheWrite, RotaryEmbedding, apply_rotary, norm_and_rotate
 from ember.models.config import ModelConfig
 
@@ -47,7 +46,6 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """qkv: the output of qkv_proj, which the decoder layer applies (fused with the norm
         before it where it can)."""
-        prefetch("o", self.o_proj.weight, qkv)
         q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -89,9 +87,7 @@ class LlamaDecoderLayer(nn.Module):
         The norms go with the projections after them (layers/fused.py)."""
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         h = self.self_attn(rope, qkv, meta)
-        prefetch("gate_up", self.mlp.gate_up_proj.weight, h)
         gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
-        prefetch("down", self.mlp.down_proj.weight, gate_up)
         return self.mlp(gate_up), residual
 
 
@@ -108,7 +104,6 @@ class LlamaModel(nn.Module):
         rope = self.rotary.lookup(positions)
         residual = None
         for layer in self.layers:
-            prefetch("qkv", layer.self_attn.qkv_proj.weight, x)
             x, residual = layer(rope, x, residual, meta)
         return self.norm(x, residual)[0]
 
