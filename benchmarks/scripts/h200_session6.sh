@@ -8,6 +8,12 @@
 #          at commit 8e507ec; they lost and were removed after.
 #   chain: pdl_chain_probe.py (every kernel of the 8B matmul chain, stand-ins included, launched
 #          with PDL; matmuls in one wave, their first weight tiles loaded before the wait)
+#   merge: (decode attention merges its splits in the split kernel: no merge kernel) every GPU test
+#          (kernels, runner, HF comparison), one request at both shapes, the 8B and 0.6B step
+#          profiles, 8 requests at both shapes, nano-vllm x2 (fp8 KV)
+#   merge2: (the merging program reads only the splits that hold context) the attention GPU
+#          tests, one request at both shapes, both step profiles
+#   warm:  l2_warm_probe.py (warming the next weight in L2 on a side stream of the graph)
 source benchmarks/scripts/h200_env.sh
 J=/tmp/s6; mkdir -p $J
 pack() { tar czf $OUT/s6.tgz -C $J .; }
@@ -28,6 +34,32 @@ probe)
   ;;
 chain)
   (cd benchmarks/scripts && timeout 400 python3 pdl_chain_probe.py) 2>&1 | tee $J/pdl_chain.log
+  pack
+  ;;
+merge)
+  python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels tests/models/test_cuda_vs_hf.py tests/runner 2>&1 \
+    | grep -E "agreement|agrees|graph vs|passed|failed|Error|^E |FAILED|\.py:[0-9]+" | tail -30 | tee $J/gpu_tests.log
+  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
+  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  $P $L --skip 60 --steps 60 2>&1 | grep -A30 "^==" | tee $J/profile_llama_1.log
+  $P $Q --skip 60 --steps 60 2>&1 | grep -A30 "^==" | tee $J/profile_qwen_1.log
+  B8="--num-prompts 8 --input-len 128 --output-len 512 --max-model-len 2048"
+  for m in Q L; do echo "== 8 requests $m =="; $B ${!m} $B8 --output-json $J/b8_$m.json 2>&1 | show; done
+  for i in 1 2; do echo "== nano: fp8 KV, run $i =="; $B $Q $NANO --kv-cache-dtype fp8 --output-json $J/nano_fp8_$i.json 2>&1 | show; done
+  pack
+  ;;
+merge2)
+  python3 -m pytest -m gpu -q -rf --tb=short tests/kernels/test_attention_kernels.py tests/runner 2>&1 | tail -3 | tee $J/gpu_tests.log
+  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
+  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  $P $L --skip 60 --steps 60 2>&1 | grep -A12 "^==" | tee $J/profile_llama_1.log
+  $P $Q --skip 60 --steps 60 2>&1 | grep -A12 "^==" | tee $J/profile_qwen_1.log
+  pack
+  ;;
+warm)
+  (cd benchmarks/scripts && timeout 300 python3 l2_warm_probe.py) 2>&1 | tee $J/l2_warm.log
   pack
   ;;
 esac
