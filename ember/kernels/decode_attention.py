@@ -8,11 +8,8 @@ Stage 1: program (b, kv_head, s) takes split s of sequence b's context,
 
 and attends the GROUP query heads that share kv_head (GQA, padded to BLOCK_H >= 16 rows
 for tl.dot) over it: a partial output and its log-sum-exp. A split past the context writes
-lse = -inf. With S == 1 the program writes the output itself. With S > 1 the last of the
-S programs of (b, kv_head) to finish merges the S partials of its heads: each program
-bumps a counter of (b, kv_head) once its partial is stored (acq_rel at GPU scope, after a
-CTA barrier), and the one that sees S - 1 merges and resets the counter to 0 for the next
-launch. One launch, no merge kernel: a step of one sequence saves a launch a layer.
+lse = -inf. Stage 2 merges the S partials of each (b, head). With S == 1 stage 1 writes
+the output itself.
 
 The key at context position p is at k_cache[block_tables[b, p // block_size], p % block_size].
 Everything the kernels read is on the GPU (no host lengths), so a CUDA graph replays them.
@@ -44,11 +41,11 @@ DECODE_CONFIG_FP8 = tuple(int(x) for x in (_OVERRIDE or "64,2,5").split(","))
 # the block-table width changes from step to step outside CUDA graphs: not specialized
 # on (a width of 1 or a multiple of 16 would each compile another kernel mid-serving)
 @triton.jit(do_not_specialize=["stride_tb"])
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr,
-                         count_ptr, k_scale_ptr, v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_tb, stride_cb,
-                         stride_cs, stride_ch, stride_ob, stride_oh, stride_os, stride_outt, stride_outh,
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+                         k_scale_ptr, v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_tb, stride_cb, stride_cs,
+                         stride_ch, stride_ob, stride_oh, stride_os,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr,
+                         PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
                          DOT_FP16: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,36 +90,27 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
     else:
         tl.store(o_ptr + o_off + s * stride_os, out, mask=hmask[:, None])
-        lse_row = lse_ptr + (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS
-        tl.store(lse_row + s, tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf")), mask=hmask)
-        tl.debug_barrier()  # every thread's stores come before the counter's release
-        count = count_ptr + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.store(count, 0)
-            _merge_splits(o_ptr + o_off, lse_row, out_ptr + b * stride_outt + heads[:, None] * stride_outh + d[None, :],
-                          hmask, stride_os, tl.cdiv(seq_len, split_len), BLOCK_H, D, NUM_SPLITS, BLOCK_S)
+        lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + s, lse, mask=hmask)
 
 
 @triton.jit
-def _merge_splits(part_ptrs, lse_row, out_ptrs, hmask, stride_os, used, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """out = sum_s part_s 2^(lse_s - top) / sum_s 2^(lse_s - top) for each head row, over the
-    `used` splits that hold context (the rest have lse -inf: weight 0). The partials were
-    written by other programs: loads bypass L1 (.cg), which may hold lines of this buffer
-    from an earlier launch."""
+def _decode_merge_kernel(part_ptr, lse_ptr, o_ptr, stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_row[:, None] + s[None, :], mask=hmask[:, None] & (s < used)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, 1)
+    smask = s < NUM_SPLITS
+    lse = tl.load(lse_ptr + (b * NUM_HEADS + h) * NUM_SPLITS + s, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # an empty sequence (graph padding): output 0
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for i in range(used):
-        w = tl.exp2(tl.load(lse_row + i, mask=hmask, other=float("-inf"), cache_modifier=".cg") - top)
-        total += w
-        acc += w[:, None] * tl.load(part_ptrs + i * stride_os, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-    out = acc / tl.maximum(total, 1e-30)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=hmask[:, None])
+    w = tl.exp2(lse - top)
+    d = tl.arange(0, D)
+    part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                   mask=smask[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, max_splits: int = 32, target_programs: int = 528) -> int:
@@ -170,32 +158,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   NUM_SPLITS=num_splits, FP8=fp8, DOT_FP16=dot_in_fp16(q, k_cache), num_warps=num_warps or config[1],
                   num_stages=num_stages or config[2])
     scale_log2 = scale * LOG2E
-    cache_strides = (block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if num_splits == 1:
-        _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, out, seq_lens, k_scale,
-                                   v_scale, scale_log2, q.stride(0), q.stride(1), *cache_strides, out.stride(0),
-                                   out.stride(1), 0, 0, 0, BLOCK_S=1, **common)
+        _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, scale_log2,
+                                   q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
+                                   k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), 0,
+                                   **common)
         return out
     part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, part, lse, out,
-                               split_counters(batch * kv_heads, q.device), k_scale, v_scale, scale_log2, q.stride(0),
-                               q.stride(1), *cache_strides, part.stride(0), part.stride(1), part.stride(2),
-                               out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(num_splits), **common)
+    _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, part, lse, k_scale, v_scale, scale_log2,
+                               q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
+                               k_cache.stride(1), k_cache.stride(2), part.stride(0), part.stride(1),
+                               part.stride(2), **common)
+    _decode_merge_kernel[(batch, heads)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
+                                         out.stride(0), out.stride(1), NUM_HEADS=heads, D=dim,
+                                         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
     return out
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least n int32 counters on `device`, all 0 between launches (each launch's merging
-    programs reset theirs). Grown outside CUDA graph capture only: the runner runs each
-    graph's batch eagerly first, the largest first."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode attention needs {n} split counters, first asked for inside a graph capture: "
-                               "run the batch size eagerly before capturing it")
-        counters = _counters[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return counters

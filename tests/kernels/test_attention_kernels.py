@@ -15,8 +15,7 @@ triton = pytest.importorskip("triton")
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
 
-from ember.kernels.decode_attention import (_decode_split_kernel, decode_attention, num_decode_splits,  # noqa: E402
-                                           split_counters)
+from ember.kernels.decode_attention import _decode_split_kernel, decode_attention, num_decode_splits  # noqa: E402
 from ember.kernels.kv_write import kv_write  # noqa: E402
 from ember.kernels.prefill_attention import prefill_attention  # noqa: E402
 from ember.layers.attention import AttentionMetadata, get_attention_backend  # noqa: E402
@@ -178,11 +177,9 @@ def test_decode_matches_reference(device, seed):
     block = 64 if device == "cuda" else 16
     splits = [1, 3, num_decode_splits(len(case.new), case.k_cache.shape[2])]
     for s in splits:  # one split writes the output directly; several merge their partials
-        for launch in range(2):  # the second finds the counters the first's merging programs reset
-            got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
-                                   case.scale, num_splits=s, block_n=block)
-            torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits: {m}")
-        assert not split_counters(1, got.device).any()
+        got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
+                               case.scale, num_splits=s, block_n=block)
+        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
