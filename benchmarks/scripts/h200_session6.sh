@@ -8,12 +8,15 @@
 #          at commit 8e507ec; they lost and were removed after.
 #   chain: pdl_chain_probe.py (every kernel of the 8B matmul chain, stand-ins included, launched
 #          with PDL; matmuls in one wave, their first weight tiles loaded before the wait)
+#   merge, merge2: ran the fused merge of commit 051f9d1 (reverted after).
 #   merge: (decode attention merges its splits in the split kernel: no merge kernel) every GPU test
 #          (kernels, runner, HF comparison), one request at both shapes, the 8B and 0.6B step
 #          profiles, 8 requests at both shapes, nano-vllm x2 (fp8 KV)
 #   merge2: (the merging program reads only the splits that hold context) the attention GPU
 #          tests, one request at both shapes, both step profiles
 #   warm:  l2_warm_probe.py (warming the next weight in L2 on a side stream of the graph)
+#   persist: persistent_chain_probe.py (the 8B step's 128 matmuls in one launch, grid barriers
+#          between them, each program loading its next weight tile before it waits)
 source benchmarks/scripts/h200_env.sh
 J=/tmp/s6; mkdir -p $J
 pack() { tar czf $OUT/s6.tgz -C $J .; }
@@ -60,6 +63,10 @@ merge2)
   ;;
 warm)
   (cd benchmarks/scripts && timeout 300 python3 l2_warm_probe.py) 2>&1 | tee $J/l2_warm.log
+  pack
+  ;;
+persist)
+  (cd benchmarks/scripts && timeout 240 python3 persistent_chain_probe.py) 2>&1 | tee $J/persistent_chain.log
   pack
   ;;
 esac
