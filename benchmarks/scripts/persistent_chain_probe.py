@@ -10,7 +10,10 @@ it waits at a barrier, a program loads its first weight tile of the next matmul,
 does not depend on the barrier, so HBM has work while the grid gathers.
 
 Prints the chain's time against cuBLAS's (the same weights, 128 kernels in a CUDA graph)
-and the largest difference of the outputs. No small kernels in between: it bounds what a
+and the largest difference of the outputs. Two persistent kernels: one that gives each
+program whole output tiles (uneven: q|k|v has 96 tiles of 64 rows for 132 SMs), and one
+that splits K so every program streams the same bytes, adding its partial sums into
+float32 outputs by atomics. No small kernels in between: it bounds what a
 megakernel could win on the matmuls alone.
 `python3 benchmarks/scripts/persistent_chain_probe.py` (CUDA); `--check`: one program on
 Triton's interpreter (a grid barrier needs programs that run at once)."""
@@ -104,6 +107,112 @@ def _chain_kernel(x_ptr, qkv_w, o_w, gu_w, down_w, qkv_y, o_y, gu_y, down_y, bar
         src = down_y
 
 
+@triton.jit
+def _x_block(x_ptr, k0, BK: tl.constexpr):
+    """x[k0 : k0 + BK] (float32, written by other programs: read past L1) as column 0 of a
+    [BK, 16] operand."""
+    col = tl.arange(0, 16)
+    return tl.load(x_ptr + k0 + tl.arange(0, BK)[:, None] + col[None, :] * 0, mask=(col == 0)[None, :], other=0.0,
+                   cache_modifier=".cg")
+
+
+@triton.jit
+def _share(N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """This program's blocks [start, end) of the [N / BN, K / BK] grid of W's blocks, row
+    tile by row tile: every program gets the same number, give or take one."""
+    total = tl.cdiv(N, BN) * (K // BK)
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    return pid * total // grid, (pid + 1) * total // grid
+
+
+@triton.jit
+def _first_block(w_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    start, end = _share(N, K, BN, BK)
+    return _load_w(w_ptr, start // (K // BK), (start % (K // BK)) * BK, N, K, BN, BK)
+
+
+@triton.jit
+def _flush(y_ptr, rt, acc, N, BN: tl.constexpr):
+    n = rt * BN + tl.arange(0, BN)
+    tl.atomic_add(y_ptr + n, tl.sum(acc, 1), mask=n < N, sem="relaxed")
+
+
+@triton.jit
+def _split_matvec(x_ptr, w_ptr, y_ptr, w_first, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y (float32, zeroed) += W x over this program's share of W's blocks: split-K, so every
+    program streams the same bytes; a row tile's partial sum goes out by atomic adds."""
+    KB: tl.constexpr = K // BK
+    start, end = _share(N, K, BN, BK)
+    acc = tl.zeros([BN, 16], tl.float32)
+    if start < end:
+        kb = start % KB
+        acc = tl.dot(w_first, _x_block(x_ptr, kb * BK, BK).to(w_first.dtype), acc)
+        if (kb == KB - 1) | (start + 1 == end):
+            _flush(y_ptr, start // KB, acc, N, BN)
+            acc = tl.zeros([BN, 16], tl.float32)
+    for b in range(start + 1, end):
+        rt = b // KB
+        kb = b % KB
+        w = _load_w(w_ptr, rt, kb * BK, N, K, BN, BK)
+        acc = tl.dot(w, _x_block(x_ptr, kb * BK, BK).to(w.dtype), acc)
+        if (kb == KB - 1) | (b + 1 == end):
+            _flush(y_ptr, rt, acc, N, BN)
+            acc = tl.zeros([BN, 16], tl.float32)
+
+
+@triton.jit
+def _balanced_chain_kernel(x_ptr, qkv_w, o_w, gu_w, down_w, qkv_y, o_y, gu_y, down_y, bar_ptr, layers,
+                           H: tl.constexpr, QKV_N: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr):
+    """As _chain_kernel, split-K: outputs are float32 sums in per-layer buffers [layers, N],
+    zeroed before the launch; x is float32 too."""
+    grid = tl.num_programs(0)
+    nbar = 0
+    src = x_ptr
+    w = _first_block(qkv_w, QKV_N, H, BN, BK)
+    one = tl.full([], 1, tl.int64)
+    for layer32 in range(layers):
+        layer = layer32 * one
+        qkv = qkv_y + layer * QKV_N
+        _split_matvec(src, qkv_w + layer * QKV_N * H, qkv, w, QKV_N, H, BN, BK)
+        w = _first_block(o_w + layer * H * H, H, H, BN, BK)
+        nbar += 1
+        _grid_barrier(bar_ptr, nbar * grid)
+        _split_matvec(qkv, o_w + layer * H * H, o_y + layer * H, w, H, H, BN, BK)
+        w = _first_block(gu_w + layer * 2 * I * H, 2 * I, H, BN, BK)
+        nbar += 1
+        _grid_barrier(bar_ptr, nbar * grid)
+        _split_matvec(o_y + layer * H, gu_w + layer * 2 * I * H, gu_y + layer * 2 * I, w, 2 * I, H, BN, BK)
+        w_d = _first_block(down_w + layer * H * I, H, I, BN, BK)
+        nbar += 1
+        _grid_barrier(bar_ptr, nbar * grid)
+        _split_matvec(gu_y + layer * 2 * I, down_w + layer * H * I, down_y + layer * H, w_d, H, I, BN, BK)
+        if layer + 1 < layers:
+            w = _first_block(qkv_w + (layer + 1) * QKV_N * H, QKV_N, H, BN, BK)
+        nbar += 1
+        _grid_barrier(bar_ptr, nbar * grid)
+        src = down_y + layer * H
+
+
+def run_balanced(x32: torch.Tensor, ws: dict[str, torch.Tensor], acc: list[torch.Tensor], bar: torch.Tensor,
+                 programs: int, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
+    """x32 [1, H] float32; acc: float32 [layers, N] for q|k|v, o, gate|up, down. Returns the
+    last layer's down output."""
+    layers, qkv_n, h = ws["qkv"].shape
+    for a in acc:
+        a.zero_()
+    bar.zero_()
+    _balanced_chain_kernel[(programs,)](x32, ws["qkv"], ws["o"], ws["gate_up"], ws["down"], *acc, bar, layers, H=h,
+                                        QKV_N=qkv_n, I=ws["down"].shape[2], BN=bn, BK=bk, num_warps=warps,
+                                        num_stages=stages)
+    return acc[3][-1:]
+
+
+def acc_for(ws: dict[str, torch.Tensor], dev) -> list[torch.Tensor]:
+    return [torch.zeros(ws[k].shape[0], ws[k].shape[1], device=dev) for k in ("qkv", "o", "gate_up", "down")]
+
+
 def make(layers: int, h: int, qkv: int, inter: int, dev: str, dt: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -113,19 +222,39 @@ def make(layers: int, h: int, qkv: int, inter: int, dev: str, dt: torch.dtype) -
     return {"qkv": w(qkv, h), "o": w(h, h), "gate_up": w(2 * inter, h), "down": w(h, inter)}
 
 
-def resident_per_sm(x, ws, bufs, bar, bn, bk, bn_o, bk_o, warps, stages) -> int:
-    """How many programs of this config an SM holds at once (by registers, shared memory,
-    threads): a grid barrier over more programs than fit would never open."""
-    layers, qkv_n, h = ws["qkv"].shape
-    k = _chain_kernel.warmup(x, ws["qkv"], ws["o"], ws["gate_up"], ws["down"], *bufs, bar, layers, H=h, QKV_N=qkv_n,
-                             I=ws["down"].shape[2], BN=bn, BK=bk, BN_O=bn_o, BK_O=bk_o, num_warps=warps,
-                             num_stages=stages, grid=(1,))
+def resident_per_sm(kernel, args: tuple, **meta) -> int:
+    """How many programs of this kernel and config an SM holds at once (by registers, shared
+    memory, threads): a grid barrier over more programs than fit would never open."""
+    k = kernel.warmup(*args, grid=(1,), **meta)
     k._init_handles()
     props = torch.cuda.get_device_properties(0)
-    threads = 32 * warps
+    threads = 32 * meta["num_warps"]
     by_regs = 65536 // max(1, k.n_regs * threads)
     by_smem = (props.shared_memory_per_multiprocessor - 1024) // max(1, k.metadata.shared + 1024)
     return min(by_regs, by_smem, 2048 // threads, 32)
+
+
+def try_config(name: str, per_sm: int, kernel, args: tuple, meta: dict, launch, want: torch.Tensor,
+               nbytes: int) -> None:
+    """Time one persistent config if per_sm programs fit an SM (else the barrier would hang)."""
+    from gemv_bench import time_us
+
+    try:
+        try:
+            fit = resident_per_sm(kernel, args, **meta)
+        except Exception as e:  # the occupancy query failed: only one program an SM is safe
+            print(f"   (occupancy unknown: {type(e).__name__}: {str(e)[:120]})", flush=True)
+            fit = 1
+        if fit < per_sm:
+            print(f"{name}: only {fit} program(s) fit an SM, skipped", flush=True)
+            return
+        got = launch().float()
+        torch.cuda.synchronize()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        us = time_us(lambda i: launch(), copies=1, reps=1)
+        print(f"{name}: {us:8.1f} us a step ({nbytes / us / 1e6:5.2f} TB/s), relative error {err:.2e}", flush=True)
+    except Exception as e:
+        print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 def run_chain(x: torch.Tensor, ws: dict[str, torch.Tensor], bufs: list[torch.Tensor], bar: torch.Tensor,
@@ -149,6 +278,19 @@ def reference(x: torch.Tensor, ws: dict[str, torch.Tensor]) -> torch.Tensor:
     return x
 
 
+def reference_f32(x: torch.Tensor, ws: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The chain with activations rounded to the weights' dtype before each matmul, as the
+    balanced kernel's dot does, and kept in float32 between."""
+    h, inter = ws["o"].shape[1], ws["down"].shape[2]
+    dt = ws["qkv"].dtype
+    for i in range(ws["qkv"].shape[0]):
+        y = x.to(dt).float() @ ws["qkv"][i].float().t()
+        y = y[:, :h].to(dt).float() @ ws["o"][i].float().t()
+        y = y.to(dt).float() @ ws["gate_up"][i].float().t()
+        x = y[:, :inter].to(dt).float() @ ws["down"][i].float().t()
+    return x
+
+
 def bufs_for(ws: dict[str, torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty(1, ws[k].shape[1], device=x.device, dtype=x.dtype) for k in ("qkv", "o", "gate_up", "down")]
 
@@ -161,6 +303,10 @@ def check() -> None:
     got = run_chain(x, ws, bufs_for(ws, x), bar, 1, 32, 32, 16, 32, 4, 1).float()
     want = reference(x.float(), {k: v.float() for k, v in ws.items()})
     print("max diff", (got - want).abs().max().item(), "of", want.abs().max().item(), "barrier", bar.item())
+    got = run_balanced(x.float(), ws, acc_for(ws, "cpu"), bar, 1, 32, 32, 4, 1)
+    # float32 activations here (the engine would round them to its dtype)
+    want = reference_f32(x.float(), {k: v.float() for k, v in ws.items()})
+    print("balanced: max diff", (got - want).abs().max().item(), "of", want.abs().max().item(), "barrier", bar.item())
 
 
 def main() -> None:
@@ -186,28 +332,38 @@ def main() -> None:
 
     us = time_us(cublas, copies=1, reps=1)
     print(f"cuBLAS, 128 kernels: {us:8.1f} us a step ({nbytes / us / 1e6:5.2f} TB/s of weights)", flush=True)
+    separate = [[w[layer].clone() for w in flat] for layer in range(LAYERS)]
+
+    def cublas_separate(i: int) -> None:
+        y = x
+        for layer in range(LAYERS):
+            for j, w in enumerate(separate[layer]):
+                torch.matmul(y[:, :w.shape[1]], w.t(), out=outs[j])
+                y = outs[j]
+
+    us = time_us(cublas_separate, copies=1, reps=1)
+    print(f"cuBLAS, 128 kernels, a tensor each: {us:8.1f} us a step ({nbytes / us / 1e6:5.2f} TB/s)", flush=True)
+    del separate
+    layers = ws["qkv"].shape[0]
+    args = (x, ws["qkv"], ws["o"], ws["gate_up"], ws["down"], *bufs, bar, layers)
     for per_sm, bn, bk, bn_o, bk_o, warps, stages in ((1, 64, 128, 32, 256, 4, 4), (2, 64, 128, 32, 256, 4, 4),
-                                                      (1, 64, 128, 32, 128, 4, 4), (2, 32, 128, 32, 128, 4, 4),
-                                                      (1, 128, 128, 64, 128, 8, 4), (3, 32, 128, 32, 128, 4, 3)):
-        cfg = f"{per_sm}/SM BN {bn} BK {bk}, o/down BN {bn_o} BK {bk_o}, {warps} warps {stages} stages"
-        try:
-            try:
-                fit = resident_per_sm(x, ws, bufs, bar, bn, bk, bn_o, bk_o, warps, stages)
-            except Exception as e:  # the occupancy query failed: only one program an SM is safe
-                print(f"   (occupancy unknown: {type(e).__name__}: {str(e)[:120]})", flush=True)
-                fit = 1
-            if fit < per_sm:
-                print(f"persistent {cfg}: only {fit} program(s) fit an SM, skipped", flush=True)
-                continue
-            got = run_chain(x, ws, bufs, bar, per_sm * sms, bn, bk, bn_o, bk_o, warps, stages).float()
-            torch.cuda.synchronize()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            us = time_us(lambda i: run_chain(x, ws, bufs, bar, per_sm * sms, bn, bk, bn_o, bk_o, warps, stages),
-                         copies=1, reps=1)
-            print(f"persistent {cfg}: {us:8.1f} us a step ({nbytes / us / 1e6:5.2f} TB/s), "
-                  f"relative error {err:.2e}", flush=True)
-        except Exception as e:
-            print(f"persistent {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                                                      (1, 64, 128, 32, 128, 4, 4)):
+        meta = dict(H=HIDDEN, QKV_N=QKV, I=INTER, BN=bn, BK=bk, BN_O=bn_o, BK_O=bk_o, num_warps=warps,
+                    num_stages=stages)
+        try_config(f"persistent {per_sm}/SM BN {bn} BK {bk}, o/down BN {bn_o} BK {bk_o}, {warps} warps {stages} "
+                   f"stages", per_sm, _chain_kernel, args, meta,
+                   lambda: run_chain(x, ws, bufs, bar, per_sm * sms, bn, bk, bn_o, bk_o, warps, stages), want, nbytes)
+    x32 = x.float()
+    acc = acc_for(ws, dev)
+    want32 = reference_f32(x32, ws)
+    args = (x32, ws["qkv"], ws["o"], ws["gate_up"], ws["down"], *acc, bar, layers)
+    for per_sm, bn, bk, warps, stages in ((1, 64, 128, 4, 4), (2, 64, 128, 4, 4), (1, 32, 256, 4, 4),
+                                          (2, 32, 128, 4, 4), (1, 128, 128, 8, 4), (3, 32, 128, 4, 3),
+                                          (4, 32, 128, 4, 3), (1, 64, 256, 8, 3)):
+        meta = dict(H=HIDDEN, QKV_N=QKV, I=INTER, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+        try_config(f"balanced split-K {per_sm}/SM BN {bn} BK {bk}, {warps} warps {stages} stages", per_sm,
+                   _balanced_chain_kernel, args, meta,
+                   lambda: run_balanced(x32, ws, acc, bar, per_sm * sms, bn, bk, warps, stages), want32, nbytes)
 
 
 if __name__ == "__main__":
