@@ -17,6 +17,9 @@
 #   warm:  l2_warm_probe.py (warming the next weight in L2 on a side stream of the graph)
 #   persist: persistent_chain_probe.py (the 8B step's 128 matmuls in one launch, grid barriers
 #          between them, each program loading its next weight tile before it waits)
+#   final: at the final commit (the engine as session 5 left it): every GPU test, one request at
+#          both shapes, the 8B one with --profile-steps (the CPU's share of a step); then the
+#          probes once more, after they moved their shared parts into step_chain.py
 source benchmarks/scripts/h200_env.sh
 J=/tmp/s6; mkdir -p $J
 pack() { tar czf $OUT/s6.tgz -C $J .; }
@@ -67,6 +70,18 @@ warm)
   ;;
 persist)
   (cd benchmarks/scripts && timeout 240 python3 persistent_chain_probe.py) 2>&1 | tee $J/persistent_chain.log
+  pack
+  ;;
+final)
+  python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels tests/models/test_cuda_vs_hf.py tests/runner 2>&1 \
+    | grep -E "agreement|agrees|graph vs|passed|failed|Error|^E |FAILED|\.py:[0-9]+" | tail -30 | tee $J/gpu_tests.log
+  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
+  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  echo "== latency llama, --profile-steps =="; $B $L $LAT --profile-steps 2>&1 | grep -E "^==|Throughput|Per step|schedule|prepare|launch|wait|update" | head -20 | tee $J/llama_lat_steps.log
+  pack
+  (cd benchmarks/scripts && for p in pdl_probe pdl_chain_probe l2_warm_probe persistent_chain_probe; do
+     echo "== $p =="; timeout 150 python3 $p.py; done) 2>&1 | tee $J/probes_again.log
   pack
   ;;
 esac

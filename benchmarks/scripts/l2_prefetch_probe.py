@@ -14,8 +14,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv import gemv
-
-HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 14336, 32
+from step_chain import HIDDEN, INTER, LAYERS, Spinner, layer_weights
 
 # The prefetch kernel, as the engine carried it for this experiment (commit 8e507ec, removed
 # after it lost): a program per 1024 lines issues prefetch.global.L2 for `fraction` of a
@@ -68,33 +67,16 @@ def prefetch_l2(weight: torch.Tensor, fraction: float, hint: str = "normal", blo
         EVICT_LAST=HINTS[hint], num_warps=4)
 
 
-@triton.jit
-def _spin_kernel(out_ptr, iters):
-    x = tl.load(out_ptr)
-    for _ in range(iters):
-        x = x * 0.999 + 0.001
-    tl.store(out_ptr, x)
-
-
 def main() -> None:
     from gemv_bench import time_us
 
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     print(f"L2 {torch.cuda.get_device_properties(0).L2_cache_size / 2**20:.0f} MiB", flush=True)
-    layers = [{"qkv": torch.randn(QKV, HIDDEN, device=dev, dtype=dt) / 64,
-               "o": torch.randn(HIDDEN, HIDDEN, device=dev, dtype=dt) / 64,
-               "gate_up": torch.randn(2 * INTER, HIDDEN, device=dev, dtype=dt) / 64,
-               "down": torch.randn(HIDDEN, INTER, device=dev, dtype=dt) / 120} for _ in range(LAYERS)]
+    layers = layer_weights(dev=dev, dt=dt)
     nbytes = sum(w.numel() * 2 for ws in layers for w in ws.values())
     x0 = torch.randn(1, HIDDEN, device=dev, dtype=dt)
-    cell = torch.ones(1, device=dev)
-
-    per_iter = time_us(lambda i: _spin_kernel[(1,)](cell, 20000), copies=1, reps=5) / 20000
-    spin_iters = {us: max(1, round(us / per_iter)) for us in (9.0, 2.0, 1.6)}
-
-    def spin(us: float) -> None:
-        _spin_kernel[(1,)](cell, spin_iters[us])
+    spin = Spinner()
 
     def step(plan: dict[str, float], hint: str, spins: bool) -> torch.Tensor:
         x = x0

@@ -20,9 +20,8 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv import gemv
-from l2_prefetch_probe import _prefetch_kernel, _spin_kernel, split_fraction
-
-HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 14336, 32
+from l2_prefetch_probe import _prefetch_kernel, split_fraction
+from step_chain import HIDDEN, INTER, QKV, Spinner, layer_weights
 
 
 @triton.jit
@@ -57,11 +56,7 @@ def main() -> None:
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     sink = torch.zeros(1, device=dev)
-    cell = torch.ones(1, device=dev)
-    per_iter = time_us(lambda i: _spin_kernel[(1,)](cell, 20000), copies=1, reps=5) / 20000
-
-    def spin(us: float) -> None:
-        _spin_kernel[(1,)](cell, max(1, round(us / per_iter)))
+    spin = Spinner()
 
     # A: hot vs cold
     x = torch.randn(1, HIDDEN, device=dev, dtype=dt)
@@ -94,10 +89,7 @@ def main() -> None:
     del ws
 
     # C: the chain, warming on a side stream
-    layers = [{"qkv": torch.randn(QKV, HIDDEN, device=dev, dtype=dt) / 64,
-               "o": torch.randn(HIDDEN, HIDDEN, device=dev, dtype=dt) / 64,
-               "gate_up": torch.randn(2 * INTER, HIDDEN, device=dev, dtype=dt) / 64,
-               "down": torch.randn(HIDDEN, INTER, device=dev, dtype=dt) / 120} for _ in range(LAYERS)]
+    layers = layer_weights(dev=dev, dt=dt)
     nbytes = sum(w.numel() * 2 for l in layers for w in l.values())
     side = torch.cuda.Stream()
 

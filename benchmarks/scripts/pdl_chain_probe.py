@@ -16,12 +16,12 @@ distinct weights per layer, replayed from a CUDA graph; outputs are compared wit
 chain without PDL. `python3 benchmarks/scripts/pdl_chain_probe.py` (CUDA, sm90)."""
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 14336, 32
+from step_chain import HIDDEN, INTER, QKV, Spinner, layer_weights
+
 BLOCK = {QKV: (64, 128), HIDDEN: (32, 256), 2 * INTER: (64, 128)}  # (BLOCK_N, BLOCK_K), skinny_gemm_probe's best
 
 
@@ -66,31 +66,17 @@ def _wave_kernel(x_ptr, w_ptr, y_ptr, N, stride_w, K: tl.constexpr, BLOCK_N: tl.
               BLOCK_K)
 
 
-@triton.jit
-def _spin_kernel(cell_ptr, iters, PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    x = tl.load(cell_ptr)
-    for _ in range(iters):
-        x = x * 0.999 + 0.001
-    tl.store(cell_ptr, x)
-
-
 def main() -> None:
     from gemv_bench import time_us
 
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    layers = [[torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
-               for n, k in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))]
-              for _ in range(LAYERS)]
+    layers = [list(ws.values()) for ws in layer_weights(dev=dev, dt=dt)]
     nbytes = sum(w.numel() * 2 for ws in layers for w in ws)
     x0 = torch.randn(1, HIDDEN, device=dev, dtype=dt)
     bufs = [torch.empty(1, n, device=dev, dtype=dt) for n in (QKV, HIDDEN, 2 * INTER, HIDDEN)]
-    cell = torch.ones(1, device=dev)
-    per_iter = time_us(lambda i: _spin_kernel[(1,)](cell, 20000, PDL=False), copies=1, reps=5) / 20000
+    spin = Spinner()
     spins_after = {0: 9.0, 1: 2.0, 2: 1.6, 3: 2.0}  # after q|k|v, o, gate|up, down
 
     def wave(x, w, y, per_sm, pre, pdl):
@@ -111,7 +97,7 @@ def main() -> None:
                     wave(inp, w, y, per_sm, pre, pdl)
                 x = y
                 if spins:
-                    _spin_kernel[(1,)](cell, max(1, round(spins_after[j] / per_iter)), PDL=pdl, launch_pdl=pdl)
+                    spin(spins_after[j], pdl)
         return x
 
     runs = [("cublas, no stand-ins", dict(kind="cublas", spins=False)), ("cublas", dict(kind="cublas"))]

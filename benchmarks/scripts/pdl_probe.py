@@ -15,12 +15,12 @@ and checks that the PDL chain gives the skinny chain's exact output.
 `python3 benchmarks/scripts/pdl_probe.py` (CUDA, sm90)."""
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 14336, 32
+from step_chain import HIDDEN, INTER, LAYERS, QKV, layer_weights
+
 # (BLOCK_N, BLOCK_K, warps, stages) per shape, from skinny_gemm_probe.py on the H200
 CONFIGS = {QKV: (64, 128, 4, 4), HIDDEN: (32, 256, 4, 3), 2 * INTER: (64, 128, 4, 4)}
 
@@ -63,9 +63,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    layers = [[torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
-               for n, k in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))]
-              for _ in range(LAYERS)]
+    layers = [list(ws.values()) for ws in layer_weights(dev=dev, dt=dt)]
     nbytes = sum(w.numel() * 2 for ws in layers for w in ws)
     x0 = torch.randn(1, HIDDEN, device=dev, dtype=dt)
     bufs = [torch.empty(1, n, device=dev, dtype=dt) for n in (QKV, HIDDEN, 2 * INTER, HIDDEN)]

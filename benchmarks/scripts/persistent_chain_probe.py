@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 14336, 32
+from step_chain import HIDDEN, INTER, LAYERS, QKV
 
 
 @triton.jit
@@ -343,7 +343,6 @@ def main() -> None:
 
     us = time_us(cublas_separate, copies=1, reps=1)
     print(f"cuBLAS, 128 kernels, a tensor each: {us:8.1f} us a step ({nbytes / us / 1e6:5.2f} TB/s)", flush=True)
-    del separate
     layers = ws["qkv"].shape[0]
     args = (x, ws["qkv"], ws["o"], ws["gate_up"], ws["down"], *bufs, bar, layers)
     for per_sm, bn, bk, bn_o, bk_o, warps, stages in ((1, 64, 128, 32, 256, 4, 4), (2, 64, 128, 32, 256, 4, 4),
