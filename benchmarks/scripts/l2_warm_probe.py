@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv import gemv
-from l2_prefetch_probe import _prefetch_kernel, split_fraction
+from l2_prefetch_probe import prefetch_l2
 from step_chain import HIDDEN, INTER, QKV, Spinner, layer_weights
 
 
@@ -43,11 +43,7 @@ def warm(w: torch.Tensor, sink: torch.Tensor, how: str, programs: int, fraction:
         chunk = triton.cdiv(triton.cdiv(n, programs), 4096) * 4096
         _warm_kernel[(triton.cdiv(n, chunk),)](w, sink, n, CHUNK=chunk, BLOCK=4096, num_warps=8)
     else:
-        group, take = split_fraction(fraction)
-        n_lines = w.numel() * 2 // 128
-        n_take = triton.cdiv(n_lines, group) * take
-        _prefetch_kernel[(triton.cdiv(n_take, 1024),)](w, n_lines, n_take, GROUP=group, TAKE=take, LINE_ELEMS=64,
-                                                       BLOCK=1024, EVICT_LAST=False, num_warps=4)
+        prefetch_l2(w, fraction)
 
 
 def main() -> None:
