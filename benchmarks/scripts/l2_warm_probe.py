@@ -116,7 +116,8 @@ def main() -> None:
             gu = F.linear(o, l["gate_up"])
             spin(1.6)  # SiLU
             h = F.linear(gu[:, :INTER], l["down"])
-        main.wait_stream(side)
+        if how != "none":  # join only a side stream that this capture forked
+            main.wait_stream(side)
         return h
 
     print("C. the 8B chain with stand-ins; o's weight (and a part of gate|up's) warmed on a side stream")
