@@ -23,6 +23,15 @@
 source benchmarks/scripts/h200_env.sh
 J=/tmp/s6; mkdir -p $J
 pack() { tar czf $OUT/s6.tgz -C $J .; }
+all_gpu_tests() {
+  python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels tests/models/test_cuda_vs_hf.py tests/runner 2>&1 \
+    | grep -E "agreement|agrees|graph vs|passed|failed|Error|^E |FAILED|\.py:[0-9]+" | tail -30 | tee $J/gpu_tests.log
+}
+one_request_both() {  # one request 128/512 at both shapes (the 8B after a short warm-up run)
+  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
+  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
+  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+}
 case "$1" in
 probe)
   (cd benchmarks/scripts && timeout 120 python3 l2_prefetch_probe.py) 2>&1 | tee $J/l2_probe.log
@@ -43,11 +52,8 @@ chain)
   pack
   ;;
 merge)
-  python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels tests/models/test_cuda_vs_hf.py tests/runner 2>&1 \
-    | grep -E "agreement|agrees|graph vs|passed|failed|Error|^E |FAILED|\.py:[0-9]+" | tail -30 | tee $J/gpu_tests.log
-  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
-  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
-  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  all_gpu_tests
+  one_request_both
   $P $L --skip 60 --steps 60 2>&1 | grep -A30 "^==" | tee $J/profile_llama_1.log
   $P $Q --skip 60 --steps 60 2>&1 | grep -A30 "^==" | tee $J/profile_qwen_1.log
   B8="--num-prompts 8 --input-len 128 --output-len 512 --max-model-len 2048"
@@ -57,9 +63,7 @@ merge)
   ;;
 merge2)
   python3 -m pytest -m gpu -q -rf --tb=short tests/kernels/test_attention_kernels.py tests/runner 2>&1 | tail -3 | tee $J/gpu_tests.log
-  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
-  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
-  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  one_request_both
   $P $L --skip 60 --steps 60 2>&1 | grep -A12 "^==" | tee $J/profile_llama_1.log
   $P $Q --skip 60 --steps 60 2>&1 | grep -A12 "^==" | tee $J/profile_qwen_1.log
   pack
@@ -73,11 +77,8 @@ persist)
   pack
   ;;
 final)
-  python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels tests/models/test_cuda_vs_hf.py tests/runner 2>&1 \
-    | grep -E "agreement|agrees|graph vs|passed|failed|Error|^E |FAILED|\.py:[0-9]+" | tail -30 | tee $J/gpu_tests.log
-  echo "== latency qwen =="; $B $Q $LAT --output-json $J/qwen_lat.json 2>&1 | show
-  echo "== latency llama: warm-up =="; $B $L --num-prompts 1 --input-len 128 --output-len 64 2>&1 | show
-  echo "== latency llama =="; $B $L $LAT --output-json $J/llama_lat.json 2>&1 | show
+  all_gpu_tests
+  one_request_both
   echo "== latency llama, --profile-steps =="; $B $L $LAT --profile-steps 2>&1 | grep -E "^==|Throughput|Per step|schedule|prepare|launch|wait|update" | head -20 | tee $J/llama_lat_steps.log
   pack
   (cd benchmarks/scripts && for p in pdl_probe pdl_chain_probe l2_warm_probe persistent_chain_probe; do
