@@ -1,9 +1,9 @@
 """Probe for one request at Llama-8B: is a persistent kernel (a "megakernel") the way past
 the per-kernel cost of the step's matmuls?
 
-Measured so far (BENCHMARKS.md, session 6): the 32 layers' matmuls cost 4.0 ms a step as
-128 kernels (4.0 TB/s); each kernel pays a ramp and a tail (q|k|v 3.1 TB/s, o 2.8), and
-neither PDL nor warming L2 won that back. Here ONE launch runs the whole chain: programs
+Measured so far (BENCHMARKS.md, session 6): the 32 layers' matmuls cost 3.75 ms a step as
+128 cuBLAS kernels (3.72 TB/s); each kernel pays a ramp and a tail (q|k|v 3.1 TB/s, o 2.8),
+and neither PDL nor warming L2 won that back. Here ONE launch runs the whole chain: programs
 = SMs x PER_SM, each owning a slice of every matmul's output rows; between two matmuls a
 grid barrier (a counter in global memory: arrive with a release, spin, acquire). Before
 it waits at a barrier, a program loads its first weight tile of the next matmul, which
