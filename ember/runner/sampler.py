@@ -221,7 +221,7 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     forbidden = unpack_bitmask(bitmask, logits.shape[1], invert=True).to(logits.device)
     if len(masked) == len(rows):
         return torch.where(forbidden, float("-inf"), logits)
-    idx = torch.tensor(masked, device=logits.device)
+    idx = to_device(masked, logits.device)
     logits = logits.clone()
     logits[idx] = torch.where(forbidden, float("-inf"), logits[idx])
     return logits
@@ -240,8 +240,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     for i, r in enumerate(rows):
         if used(r.params):
             if r.output_ids:
-                counts[i].index_add_(0, torch.tensor(r.output_ids, device=dev), torch.ones(len(r.output_ids), device=dev))
-            seen[i, r.prompt_ids + r.output_ids] = True
+                counts[i].index_add_(0, to_device(r.output_ids, dev), torch.ones(len(r.output_ids), device=dev))
+            seen[i, to_device(r.prompt_ids + r.output_ids, dev, torch.int64)] = True
     counts, seen = counts[:, :vocab], seen[:, :vocab]
     rep = to_device([r.params.repetition_penalty for r in rows], dev)[:, None]
     freq = to_device([r.params.frequency_penalty for r in rows], dev)[:, None]
