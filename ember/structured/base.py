@@ -39,7 +39,8 @@ class GrammarMatcher(ABC):
 
     @abstractmethod
     def jump_forward(self) -> str:
-        """The text the grammar forces next, whatever the model would say ("" if none)."""
+        """The text the grammar forces next, whatever the model would say ("" if none, or
+        where the backend cannot compute it safely). May be long: the manager cuts it."""
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
@@ -51,6 +52,11 @@ class CompiledGrammar(ABC):
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""
 
+    @property
+    @abstractmethod
+    def memory_size_bytes(self) -> int:
+        """About how much memory it holds (the manager's cache is bounded by the sum)."""
+
 
 class GrammarBackend(ABC):
     """Compiles StructuredOutputsParams for one tokenizer / vocabulary."""
@@ -59,12 +65,14 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def validate(self, params: StructuredOutputsParams) -> None:
-        """Raise ValueError with the compiler's message if `params` cannot compile. Cheap
-        (no tokenizer work) and thread-safe: the boundary calls it on any thread."""
+        """Raise ValueError with the compiler's message if `params` cannot compile, or if its
+        grammar has a rule that can never end (productivity.py). Cheap (no tokenizer work)
+        and thread-safe: the boundary calls it on any thread."""
 
     @abstractmethod
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """Compile for this vocabulary; may be slow (the engine runs it on a worker thread)."""
+        """Compile for this vocabulary; may be slow (the engine runs it on a worker thread).
+        Raises ValueError as validate() does (the offline path may not have called it)."""
 
 
 class UnavailableBackend(GrammarBackend):

@@ -1,9 +1,14 @@
 """The xgrammar backend (the default): JSON schema, regex, choice and EBNF grammars
-compiled to a token-level automaton with a precomputed mask cache."""
+compiled to a token-level automaton with a precomputed mask cache.
+
+Every grammar goes through the productivity check (productivity.py) before it is served:
+one with a rule that can never end is refused (xgrammar's jump-forward would run forever
+on it), one the check cannot read is served with jump-forward off."""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import torch
@@ -12,6 +17,13 @@ import xgrammar as xgr
 from ember.loader.tokenizer import Tokenizer
 from ember.sampling_params import StructuredOutputsParams
 from ember.structured.base import CompiledGrammar, GrammarBackend, GrammarMatcher
+from ember.structured.productivity import Productivity, check_productivity, never_ends_message
+
+logger = logging.getLogger(__name__)
+
+# xgrammar's own cache of compiled grammars (and per-rule masks) sits under the manager's
+# byte-bounded cache and mostly holds the same grammars: bounded so it cannot grow forever
+COMPILER_CACHE_BYTES = 64 << 20
 
 
 def _choice_ebnf(choices: tuple[str, ...]) -> str:
@@ -33,6 +45,25 @@ def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(params.grammar)
 
 
+def _checked_grammar(params: StructuredOutputsParams) -> tuple[xgr.Grammar, Productivity]:
+    """The grammar and whether it can always end; ValueError (the boundary's message) for a
+    schema / regex / EBNF that does not parse or has a rule that can never end."""
+    try:
+        grammar = _grammar(params)
+    except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError
+        raise ValueError(f"invalid {params.kind.replace('_', ' ')} for structured output: "
+                         f"{_compiler_message(e)}") from None
+    verdict = check_productivity(str(grammar), read_regex=read_regex)
+    if verdict.status == "never_ends":
+        raise ValueError(never_ends_message(params.kind, verdict))
+    return grammar, verdict
+
+
+def read_regex(pattern: str) -> str:
+    """xgrammar's normalized EBNF of a regex: how productivity.py reads `Regex("...")`."""
+    return str(xgr.Grammar.from_regex(pattern))
+
+
 def _compiler_message(e: Exception) -> str:
     # "[00:44:10] /project/cpp/regex_converter.cc:94: Regex parsing error ..." -> the message
     text = str(e).strip()
@@ -41,8 +72,9 @@ def _compiler_message(e: Exception) -> str:
 
 
 class _Matcher(GrammarMatcher):
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, jump_forward: bool) -> None:
         self._m = matcher
+        self._jump_forward = jump_forward  # False: the grammar may not end (find_jump_forward_string could hang)
 
     def accept_token(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
@@ -60,18 +92,23 @@ class _Matcher(GrammarMatcher):
         return self._m.is_terminated()
 
     def jump_forward(self) -> str:
-        return self._m.find_jump_forward_string()
+        return self._m.find_jump_forward_string() if self._jump_forward else ""
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
 
 class _Compiled(CompiledGrammar):
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, jump_forward: bool) -> None:
         self._compiled = compiled
+        self.jump_forward = jump_forward
 
     def matcher(self) -> GrammarMatcher:
-        return _Matcher(xgr.GrammarMatcher(self._compiled))
+        return _Matcher(xgr.GrammarMatcher(self._compiled), self.jump_forward)
+
+    @property
+    def memory_size_bytes(self) -> int:
+        return self._compiled.memory_size_bytes
 
 
 class XGrammarBackend(GrammarBackend):
@@ -84,19 +121,26 @@ class XGrammarBackend(GrammarBackend):
         self._lock = threading.Lock()
 
     def validate(self, params: StructuredOutputsParams) -> None:
-        try:
-            _grammar(params)
-        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError
-            raise ValueError(f"invalid {params.kind.replace('_', ' ')} for structured output: "
-                             f"{_compiler_message(e)}") from None
+        _checked_grammar(params)
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        return _Compiled(self.compiler().compile_grammar(_grammar(params)))
+        """Checked again here: the offline LLM path may reach it without validate()."""
+        grammar, verdict = _checked_grammar(params)
+        if verdict.status == "unknown":
+            logger.warning("the grammar of a %s constraint could not be checked for rules that never end "
+                           "(%s): served with jump-forward off", params.kind.replace("_", " "), verdict.reason)
+        try:
+            compiled = self.compiler().compile_grammar(grammar)
+        except RuntimeError as e:
+            raise ValueError(f"invalid {params.kind.replace('_', ' ')} for structured output: "
+                             f"{_compiler_message(e)}") from None
+        return _Compiled(compiled, jump_forward=verdict.status == "ends")
 
     def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:  # built once, on first use (~30 ms)
             if self._compiler is None:
-                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size), max_threads=2)
+                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size), max_threads=2,
+                                                     cache_limit_bytes=COMPILER_CACHE_BYTES)
             return self._compiler
 
 

@@ -7,25 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.loader.tokenizer import load_tokenizer
 from ember.runner.sampler import SamplingRow, apply_grammar_masks, unpack_bitmask
 from ember.sampling_params import SamplingParams, StructuredOutputsParams as S
 from ember.structured.base import UnavailableBackend, bitmask_words
 from ember.structured.registry import make_backend
 
-VOCAB = 49152  # SmolLM2's logits width
+VOCAB = 49152  # SmolLM2's logits width (the `tok` and `backend` fixtures: conftest.py)
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
-
-
-@pytest.fixture(scope="module")
-def tok(gguf_path):
-    return load_tokenizer(gguf_path)
-
-
-@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
-def backend(request, tok):
-    return make_backend(request.param, tok, VOCAB)
 
 
 def allowed(matcher) -> set[int]:
