@@ -23,7 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
 
     @property
@@ -40,3 +40,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first token
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    error: str | None = None  # the request failed in the engine (a sample's finish_reason is "error"): why

@@ -16,10 +16,11 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"  # finish_reason "error": something in the engine failed for this request alone
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": what its client is told
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

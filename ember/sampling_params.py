@@ -3,8 +3,25 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+
+MAX_SCHEMA_DEPTH = 64  # nested lists / objects in a JSON schema: its compile time grows with the depth
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and dicts nest in `value` (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((x, depth + 1) for x in item)
+    return deepest
 
 
 @dataclass(frozen=True)
@@ -31,10 +48,15 @@ class StructuredOutputsParams:
                     schema = json.loads(self.json)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+                except RecursionError:
+                    raise ValueError(f"StructuredOutputsParams.json nests more than {MAX_SCHEMA_DEPTH} levels") \
+                        from None
             else:
                 schema = self.json
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"StructuredOutputsParams.json must be a JSON schema object; got {schema!r:.80}")
+            if _depth(schema) > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"StructuredOutputsParams.json nests more than {MAX_SCHEMA_DEPTH} levels")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
@@ -70,10 +92,14 @@ class StructuredOutputsParams:
         return kind, getattr(self, kind)
 
 
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (as vLLM): 1 / 1e-40 overflows float32 logits
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit generator takes; the generator gets seed mod 2**64
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below SAMPLING_EPS) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -94,28 +120,47 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        """Every field's type and range: a value that passes can become a tensor or an
+        integer anywhere in the engine without overflow, NaN or a type error."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+               "stop", self.stop, "a string or a list of non-empty strings")
         self.stop = list(self.stop)
+        _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0
+                                                                      for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
         self.stop_token_ids = list(self.stop_token_ids)
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k, ">= 0, or -1 to turn it off")
         if self.top_k == -1:
             self.top_k = 0
-        _check(self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(self.top_k >= 0, "top_k", self.top_k, ">= 0, or -1 to turn it off")
-        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+               ">= 0 (0 means greedy)")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -2 <= value <= 2, name, value, "in [-2, 2]")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               self.repetition_penalty, "> 0")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+               "seed", self.seed, "an integer in [-2**63, 2**64 - 1] (a 64-bit seed)")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               self.max_tokens, "an integer >= 1")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        _check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, ">= 0")
-        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-               self.prompt_logprobs, ">= 0")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 0), name, value, "None or an integer >= 0")
+        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_real(b) for t, b in self.logit_bias.items())), "logit_bias",
+            self.logit_bias, "a dict of token id (integer >= 0) -> finite bias")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
 
@@ -124,6 +169,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """An int or a finite float (not a bool, NaN or infinity)."""
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {allowed}; got {value!r}")
+        raise ValueError(f"SamplingParams.{name} must be {allowed}; got {value!r:.200}")

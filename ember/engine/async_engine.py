@@ -2,7 +2,9 @@
 
     event loop thread                          engine thread
     ─────────────────                          ─────────────
-    add_request(): validate, tokenize  ──┐
+    await prepare(fn): tokenize, template,
+      validate, on the input pool (threads)
+    submit(req) / add_request()        ──┐
       (InputProcessor; errors raise here)│ _new, _aborts (lock + condition)
     abort(request_id)                  ──┤
                                          └──>  take adds and aborts
@@ -10,6 +12,16 @@
                                                OutputProcessor: text, stop strings
     RequestStream (deque + Event) <── call_soon_threadsafe(put) ── one output per request
                                                                    that changed
+
+The event loop never runs per-request work that grows with the input: `prepare` runs it
+on a small thread pool (INPUT_THREADS), so a 1 MB prompt or a deep JSON schema does not
+stall other clients or /health.
+
+Isolation: adding, aborting and processing one request on the engine thread fails that
+request alone (its stream raises RequestFailedError, or ValueError for input the core
+refused); EngineCore does the same for a request's own work inside a step. Anything else
+that raises kills the loop: every stream fails with EngineDeadError, new requests are
+refused, and `on_dead` tells the owner (the server exits non-zero so a supervisor restarts it).
 
 The engine thread owns EngineCore and OutputProcessor: nothing else touches them. It
 sleeps on a condition while it has nothing to do. After every pass it publishes an
@@ -25,12 +37,16 @@ request: its KV blocks are freed on the engine thread's next pass.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore, EngineCoreOutput
@@ -50,6 +66,19 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down or its loop died: it takes no new request."""
+
+
+class EngineDeadError(EngineStoppedError):
+    """The engine loop died: every request in flight fails, and no new one is taken."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (finish_reason "error"); the others go on. The
+    message is safe to show its client: the traceback is in the log."""
+
+
+INPUT_THREADS = 2  # threads that tokenize, render templates and check grammars for the event loop
+T = TypeVar("T")
 
 
 def _put_all(batch: list) -> None:  # runs on the event loop
@@ -101,6 +130,8 @@ class RequestStream:
             raise item
         if item.finished:
             self._done = True
+            if item.error is not None:
+                raise RequestFailedError(item.error)
         return item
 
     def abort(self) -> None:
@@ -131,7 +162,9 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
-                 stat_loggers: list[StatLogger] | None = None) -> None:
+                 stat_loggers: list[StatLogger] | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """`on_dead(error)` is called on the engine thread if the loop dies."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 (or None: no limit); got {max_waiting_requests}")
         self.config = config if config.model_config is not None else config.resolve()
@@ -153,7 +186,11 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._accepting = True
         self._stop = False
+        self._stop_error: BaseException | None = None  # what streams left at stop() get
         self.error: BaseException | None = None  # what killed the engine loop, if anything
+        self.on_dead = on_dead
+        self._input_pool = cf.ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="ember-input")
+        self._ended: list[FinishedRequestStats] = []  # aborted or refused on the engine thread, for the stats
         self.stats = EngineStats(num_kv_blocks=self.core.block_pool.num_blocks)
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
         self._thread.start()
@@ -164,18 +201,29 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop
 
+    async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the input pool: input work that grows with the request
+        (tokenizing, chat templates, grammar checks) stays off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._input_pool,
+                                                                functools.partial(fn, *args, **kwargs))
+
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """Validate and queue one request; iterate the returned stream for its outputs.
-        Raises ValueError for bad input, EngineOverloadedError when too many wait, and
-        EngineStoppedError once shutting down. Call it from the event loop's thread."""
-        loop = asyncio.get_running_loop()
+        """Validate and queue one request (on this thread: `prepare` + `submit` keeps the
+        event loop free); iterate the returned stream for its outputs. Raises ValueError for
+        bad input, EngineOverloadedError when too many wait, and EngineStoppedError once
+        shutting down. Call it from the event loop's thread."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = self.inputs.make_request(request_id, prompt, params or SamplingParams(), priority)
+        return self.submit(self.inputs.make_request(request_id, prompt, params or SamplingParams(), priority))
+
+    def submit(self, req: Request) -> RequestStream:
+        """Queue a request made by `self.inputs.make_request`; call it from the event loop's thread."""
+        loop = asyncio.get_running_loop()
+        request_id = req.request_id
         with self._lock:
             if not self._accepting or self.error is not None:
-                raise EngineStoppedError("the engine is shutting down" if self.error is None
-                                         else f"the engine loop died: {self.error!r}")
+                raise (EngineStoppedError("the engine is shutting down") if self.error is None
+                       else EngineDeadError(f"the engine loop died: {self.error!r}"))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             waiting = self.stats.num_waiting + len(self._new)
@@ -209,22 +257,28 @@ class AsyncEngine:
             self._wakeup.notify()
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop accepting; let in-flight requests finish for up to `timeout` s, then abort
-        what is left and stop the engine thread."""
+        """Stop accepting; let in-flight requests finish for up to `timeout` s, then fail
+        what is left (EngineStoppedError: its client is told the server is shutting down)
+        and stop the engine thread."""
         with self._lock:
             self._accepting = False
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self._in_flight() and self._thread.is_alive():
             await asyncio.sleep(0.05)
-        await asyncio.to_thread(self.stop)
+        left = EngineStoppedError(f"the server is shutting down: the request did not finish within "
+                                  f"the shutdown timeout ({timeout:g} s)")
+        await asyncio.to_thread(self.stop, left)
 
-    def stop(self) -> None:
-        """Abort everything and join the engine thread (blocking)."""
+    def stop(self, error: BaseException | None = None) -> None:
+        """Abort everything and join the engine thread (blocking). Streams still open end
+        (or, given `error`, raise it)."""
         with self._lock:
             self._accepting = False
             self._stop = True
+            self._stop_error = error
             self._wakeup.notify()
         self._thread.join()
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
 
     def _in_flight(self) -> int:
         with self._lock:
@@ -244,13 +298,12 @@ class AsyncEngine:
                     if new:  # they still wait, until the step's stats say otherwise
                         self.stats = dataclasses.replace(self.stats, num_waiting=self.stats.num_waiting + len(new))
                 for req in new:
-                    self.core.add_request(req)
-                    self._processor.add_request(req)
-                    self._requests[req.request_id] = req
-                    logger.debug("added %s (%d prompt tokens)", req.request_id, req.num_prompt_tokens)
+                    self._add(req)
                 for request_id in aborts:
                     self._abort(request_id)
-                    logger.debug("aborted %s", request_id)
+                if self._ended:
+                    self._record(IterationStats(finished=self._ended))
+                    self._ended = []
                 if stop:
                     break
                 if self.core.has_unfinished_requests():
@@ -260,29 +313,47 @@ class AsyncEngine:
         except BaseException as e:  # the loop died: fail every stream, refuse new requests
             logger.exception("the engine loop died")
             self.error = e
-            self._fail_all(EngineStoppedError(f"the engine loop died: {e!r}"))
+            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
+            if self.on_dead is not None:
+                self.on_dead(e)
             return
-        self._fail_all(None)  # stopped: end whatever is left
+        self._fail_all(self._stop_error)  # stopped: end (or fail) whatever is left
         self.core.finish_in_flight()  # a launched step's tokens were for those requests
         self._publish_stats()
+
+    def _add(self, req: Request) -> None:
+        """Hand one request to the core; if the core refuses it, its stream alone fails."""
+        try:
+            self.core.add_request(req)
+            self._processor.add_request(req)
+        except Exception as e:
+            if not isinstance(e, ValueError):
+                logger.exception("request %s could not be added", req.request_id)
+                e = RequestFailedError(f"the request could not be added to the engine ({type(e).__name__})")
+            self.core.abort_request(req.request_id)
+            self._processor.abort(req.request_id)
+            self._ended.append(_ended_stats(req, "error"))
+            self._end_stream(req.request_id, e)
+            return
+        self._requests[req.request_id] = req
+        logger.debug("added %s (%d prompt tokens)", req.request_id, req.num_prompt_tokens)
 
     def _step(self) -> None:
         before = self.stats
         core_outputs = self.core.step()
         now = time.monotonic()
-        outputs, stopped = self._processor.process(core_outputs)
-        for request_id, stop in stopped:
+        done = self._processor.process(core_outputs)
+        for request_id, stop in done.stopped:
             self.core.finish_request(request_id, stop)
+        for request_id, message in done.failed:
+            self.core.fail_request(request_id, message)
+        outputs = done.outputs
         self._publish_stats()  # before the outputs: a client that hears back sees fresh numbers
         iteration = self._iteration_stats(core_outputs, outputs, now)
         iteration.num_preemptions = self.stats.num_preemptions - before.num_preemptions
         iteration.prefix_cache_queries = self.stats.prefix_cache_queries - before.prefix_cache_queries
         iteration.prefix_cache_hits = self.stats.prefix_cache_hits - before.prefix_cache_hits
-        for stat_logger in self.stat_loggers:
-            try:
-                stat_logger.record(self.stats, iteration)
-            except Exception:
-                logger.exception("stat logger %r failed", stat_logger)
+        self._record(iteration)
         deliveries = []
         with self._lock:
             for out in outputs:
@@ -291,6 +362,13 @@ class AsyncEngine:
                 if stream is not None:
                     deliveries.append((stream, out))
         self._send_all(deliveries)
+
+    def _record(self, iteration: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(self.stats, iteration)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
 
     def _iteration_stats(self, core_outputs: list[EngineCoreOutput], outputs: list[RequestOutput],
                          now: float) -> IterationStats:
@@ -318,7 +396,7 @@ class AsyncEngine:
             scheduled = req.first_scheduled_time or now
             first_token = req.first_token_time or now
             it.finished.append(FinishedRequestStats(
-                finish_reason=out.outputs[0].finish_reason or "abort",
+                finish_reason="error" if out.error is not None else out.outputs[0].finish_reason or "abort",
                 num_prompt_tokens=len(out.prompt_token_ids),
                 num_generation_tokens=sum(len(c.token_ids) for c in out.outputs),
                 e2e_latency=now - req.arrival_time, queue_time=scheduled - req.arrival_time,
@@ -326,14 +404,23 @@ class AsyncEngine:
         return it
 
     def _abort(self, request_id: str) -> None:
-        self.core.abort_request(request_id)
-        self._processor.abort(request_id)
-        self._requests.pop(request_id, None)
+        try:
+            self.core.abort_request(request_id)
+            self._processor.abort(request_id)
+        except Exception:  # the request is gone from the streams below either way
+            logger.exception("request %s: aborting it failed", request_id)
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._ended.append(_ended_stats(req, "abort"))
         self._token_times.pop(request_id, None)
+        self._end_stream(request_id, _END)
+        logger.debug("aborted %s", request_id)
+
+    def _end_stream(self, request_id: str, item) -> None:
         with self._lock:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
-            self._send(stream, _END)
+            self._send(stream, item)
 
     def _fail_all(self, error: BaseException | None) -> None:
         with self._lock:
@@ -373,3 +460,14 @@ class AsyncEngine:
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
         )
+
+
+def _ended_stats(req: Request, reason: str) -> FinishedRequestStats:
+    """A request that left without a final output (aborted, or refused on the engine thread)."""
+    now = time.monotonic()
+    scheduled = req.first_scheduled_time or now
+    first_token = req.first_token_time or now
+    return FinishedRequestStats(finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
+                                num_generation_tokens=len(req.output_token_ids), e2e_latency=now - req.arrival_time,
+                                queue_time=scheduled - req.arrival_time, prefill_time=first_token - scheduled,
+                                decode_time=now - first_token)

@@ -8,6 +8,12 @@ seeded generators draw in the same order, and a request that finishes at N drops
 token N+1 computed for it. Per step the engine falls back to collecting first (a
 synchronous step) when the next schedule needs the in-flight tokens on the CPU: see
 `_needs_tokens_first`.
+
+A failure in one request's own work (its sampling row, its grammar's mask or advance,
+its text in the output processor) fails that request alone: `fail_request` ends it (and
+its forked samples) with finish_reason "error" and a message for its client, and the next
+`step()` hands back its final output. Anything else that raises out of `step()` is the
+engine's own failure.
 """
 
 from __future__ import annotations
@@ -52,12 +58,13 @@ class EngineCore:
         self.prefix_cache = make_prefix_cache(config.enable_prefix_caching, self.block_pool, config.block_size)
         self.scheduler = Scheduler(self.block_pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy,
-                                   self.prefix_cache)
+                                   self.prefix_cache, config.attention_parity_len)
         vocab_size = config.model_config.vocab_size  # the logits' width: what the bitmask covers
         self.structured = StructuredOutputManager(
             lambda: make_backend(config.structured_outputs_backend, tokenizer, vocab_size), tokenizer, vocab_size,
             config.max_model_len, config.structured_outputs_jump_forward)
         self.launched: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
+        self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back
         self.max_in_flight = 1 if config.async_scheduling else 0  # launched steps left running after step()
 
     def add_request(self, request: Request) -> None:
@@ -78,6 +85,23 @@ class EngineCore:
             return
         for req in self.scheduler.abort(request_id):
             self._release(req.request_id)
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End a request and its samples with finish_reason "error" (`message` is what its
+        client is told); the next step() returns their final outputs."""
+        req = self.scheduler.requests.get(request_id)
+        root = req.parent.request_id if req is not None and req.parent is not None else request_id
+        ended = []
+        compiling = self.structured.abort(root)
+        if compiling is not None:
+            compiling.finish("error", status=RequestStatus.FAILED)
+            ended.append(compiling)
+        ended += self.scheduler.abort(root, "error", RequestStatus.FAILED)
+        for r in ended:
+            logger.error("request %s failed: %s", r.request_id, message)
+            r.error = message
+            self._release(r.request_id)
+            self._failed.append(EngineCoreOutput(r, [], True))
 
     def finish_request(self, request_id: str, stop_reason: str) -> None:
         """End a request that its stop string ended (found on the text, outside the core)."""
@@ -100,16 +124,25 @@ class EngineCore:
         assert not (self.scheduler.waiting or self.scheduler.running or self.scheduler.requests), \
             "the scheduler still holds requests"
         assert not self.runner.generators, "a seeded request's generator outlived it"
+        assert not self.runner.biases, "a request's logit_bias tensors outlived it"
+        assert not self._failed, "a failed request's output was never handed back"
         assert not self.structured.holds(), "the structured-output manager still holds requests"
         assert not (self.launched or self.scheduler.in_flight), "a launched step was never collected"
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.structured.num_compiling > 0 or bool(self.launched)
+        return (self.scheduler.has_unfinished() or self.structured.num_compiling > 0 or bool(self.launched)
+                or bool(self._failed))
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch a step; hand back the tokens of the steps collected here:
         this one when synchronous, else the one launched by the call before (the first
-        call hands back none; a call with nothing to launch collects what is in flight)."""
+        call hands back none; a call with nothing to launch collects what is in flight),
+        and the final outputs of requests that failed meanwhile."""
+        outputs = self._step()
+        failed, self._failed = self._failed, []
+        return outputs + failed
+
+    def _step(self) -> list[EngineCoreOutput]:
         outputs = self._admit_compiled()
         if self.launched and _needs_tokens_first(self.launched[-1].plan):
             outputs += self._collect()
@@ -122,6 +155,8 @@ class EngineCore:
             return outputs
         self.launched.append(self.runner.launch(plan, lambda: self.structured.bitmasks(plan)))
         self.scheduler.launched(plan)  # its tokens count as computed, the sampled ones as pending
+        for request_id, message in self.structured.take_failures().items():  # a mask that failed
+            self.fail_request(request_id, message)
         while len(self.launched) > self.max_in_flight:
             outputs += self._collect()  # with async scheduling: the previous step, while this one runs
         return outputs
@@ -140,7 +175,9 @@ class EngineCore:
 
     def _apply(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """A step's tokens: append, stop checks, forks, grammars; release what finished.
-        Requests that left while it ran get nothing."""
+        Requests that left while it ran get nothing, nor do those whose row failed (they fail)."""
+        for request_id in result.failed:
+            result.sampled.pop(request_id, None)
         stepped, finished = self.scheduler.update(plan, result.sampled)
         new_tokens = {req.request_id: [req.output_token_ids[-1]] for req in stepped}
         for req in stepped:
@@ -148,6 +185,8 @@ class EngineCore:
                 new_tokens[req.request_id] += self._follow_grammar(req, finished)
         for req in finished:
             self._release(req.request_id)
+        for request_id, message in result.failed.items():
+            self.fail_request(request_id, message)
         return [self._output(req, result, new_tokens[req.request_id]) for req in stepped] + [
             EngineCoreOutput(c.request, [], False, prompt_logprobs=result.prompt_logprobs[c.request.request_id])
             for c in plan.chunks if c.request.request_id in result.prompt_logprobs and not c.samples
@@ -174,27 +213,30 @@ class EngineCore:
             self.scheduler.add_request(req)
             if forced:
                 outputs.append(EngineCoreOutput(req, forced, False))
-        for req in failed:
-            req.finish("abort", status=RequestStatus.ABORTED)
+        for req, message in failed:
+            logger.error("request %s failed: %s", req.request_id, message)
+            req.finish("error", status=RequestStatus.FAILED)
+            req.error = message
             outputs.append(EngineCoreOutput(req, [], True))
         return outputs
 
     def _follow_grammar(self, req: Request, finished: list[Request]) -> list[int]:
         """Feed a constrained request's new token to its grammar: finish it when the grammar
-        is complete, else append what the grammar forces next (returned)."""
+        is complete, fail it when the grammar refuses the token, else append what the grammar
+        forces next (returned)."""
         advance = self.structured.advance(req)
         if advance is None:
             return []
         if not advance.accepted:
-            logger.error("request %s: the grammar refused sampled token %d", req.request_id, req.output_token_ids[-1])
-            self.scheduler.finish(req, "abort", status=RequestStatus.ABORTED)
+            self.fail_request(req.request_id, advance.error or
+                              f"the output constraint refused sampled token {req.output_token_ids[-1]}")
         elif advance.terminated:
             self.scheduler.finish(req, "stop")
+            finished.append(req)
         else:
             for token in advance.forced:
                 req.append_token(token)
             return advance.forced
-        finished.append(req)
         return []
 
     def _output(self, req: Request, result: ModelRunnerOutput, new_tokens: list[int]) -> EngineCoreOutput:

@@ -3,7 +3,9 @@
 Both fronts use it, the offline `LLM` and the server's `AsyncEngine`: a prompt (text,
 token ids, or chat messages) becomes a `Request` with its token ids, EOS ids and
 SamplingParams, or a ValueError whose message says what to change. Nothing here touches
-the engine's running state, so the async front calls it on the event loop's thread.
+the engine's running state, so any thread may call it (the server runs it on a small pool
+off the event loop). Work is bounded by the prompt's length: text that cannot fit in
+max_model_len tokens is refused by its length before it is tokenized.
 """
 
 from __future__ import annotations
@@ -62,12 +64,24 @@ class InputProcessor:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.require_tokenizer().encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.require_tokenizer().encode(prompt["prompt"])
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError(f"prompt_token_ids must be a list of token ids; got {type(ids).__name__}")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.encode(prompt["prompt"])
         raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids; ValueError, before tokenizing, for text too long to fit in
+        max_model_len tokens even at this vocabulary's longest token."""
+        tok = self.require_tokenizer()
+        if len(text) > self.config.max_model_len * tok.max_chars_per_token:
+            raise ValueError(f"the prompt has {len(text)} characters, more than {self.config.max_model_len} tokens "
+                             f"(max_model_len) of at most {tok.max_chars_per_token} characters can hold: shorten it")
+        return tok.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> dict[str, Any]:
@@ -77,7 +91,7 @@ class InputProcessor:
         tok = self.require_tokenizer()
         text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         # the template already wrote any BOS: add no special tokens on top
-        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -88,7 +102,12 @@ class InputProcessor:
         check_prompt_length(len(ids), self.config.max_model_len)
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        """What SamplingParams cannot check alone: token ids and logprob counts against this
+        model's vocabulary."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"{name}={value} is more than the vocabulary ({self.vocab_size} tokens)")
         if params.logit_bias and any(not 0 <= int(t) < self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size})")
         if any(not 0 <= int(t) < self.vocab_size for t in params.stop_token_ids):

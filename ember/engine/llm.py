@@ -93,10 +93,12 @@ class LLM:
                 self.processor.add_request(req)
                 added.append(req.request_id)
             while self.engine.has_unfinished_requests():
-                outputs, stopped = self.processor.process(self.engine.step(), finished_only)
-                for request_id, stop in stopped:
+                done = self.processor.process(self.engine.step(), finished_only)
+                for request_id, stop in done.stopped:
                     self.engine.finish_request(request_id, stop)
-                yield from outputs
+                for request_id, message in done.failed:
+                    self.engine.fail_request(request_id, message)
+                yield from done.outputs
         finally:  # an error or Ctrl-C leaves nothing behind in the engine
             for request_id in added:
                 self.engine.abort_request(request_id)

@@ -1,8 +1,13 @@
 """Turns the core's new tokens into RequestOutputs: incremental text, stop strings,
-logprobs, and the n samples of a request gathered into one output."""
+logprobs, and the n samples of a request gathered into one output.
+
+Each request's work here runs on its own: if its text or logprobs raise, that request
+ends with finish_reason "error" (listed in `ProcessedOutputs.failed` for the engine to
+end it in the core too), and the others go on."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from ember.engine.core import EngineCoreOutput
@@ -11,6 +16,8 @@ from ember.loader.tokenizer import Tokenizer
 from ember.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.request import Request
 from ember.runner.sampler import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,11 +38,21 @@ class _Group:
     request: Request  # the request as added (sample 0)
     samples: dict[int, _Sample] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # a sample failed: the request ends with this message
 
     @property
     def finished(self) -> bool:
+        if self.error is not None:
+            return True
         n = self.request.sampling_params.n
         return len(self.samples) == n and all(s.finish_reason is not None for s in self.samples.values())
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput]  # of the requests that changed (or finished, with `finished_only`)
+    stopped: list[tuple[str, str]]  # (request id, stop string): the engine must finish these
+    failed: list[tuple[str, str]]  # (request id, message): their text failed here; the engine must fail them
 
 
 class OutputProcessor:
@@ -49,35 +66,50 @@ class OutputProcessor:
             group.prompt_logprobs = [None]  # the first prompt token has no context
         self.groups[request.request_id] = group
 
-    def process(self, outputs: list[EngineCoreOutput],
-                finished_only: bool = False) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Returns the changed requests' outputs (with `finished_only`, those that finished:
-        an offline batch skips copying every request's tokens every step) and the
-        (request id, stop string) pairs the engine must now finish."""
+    def process(self, outputs: list[EngineCoreOutput], finished_only: bool = False) -> ProcessedOutputs:
+        """The changed requests' outputs (with `finished_only`, those that finished: an
+        offline batch skips copying every request's tokens every step), and the requests
+        that a stop string ended or whose processing failed here."""
         touched: dict[str, _Group] = {}
-        stopped = []
+        result = ProcessedOutputs([], [], [])
         for out in outputs:
             req = out.request
-            group = self.groups[req.parent.request_id if req.parent is not None else req.request_id]
+            group = self.groups.get(req.parent.request_id if req.parent is not None else req.request_id)
+            if group is None:
+                continue  # its request ended already (a failed sample ended the group)
             touched[group.request.request_id] = group
-            if out.prompt_logprobs is not None:
-                self._add_prompt_logprobs(group, out.prompt_logprobs.first_position, out.prompt_logprobs.tokens)
-            if not out.new_token_ids and not out.finished:
-                continue
-            sample = group.samples.get(req.index) or self._new_sample(group, req)
-            if sample.finish_reason is not None:
-                continue
-            if out.logprobs is not None:
-                self._add_logprobs(sample, out.logprobs)
-            if self._add_text(sample, out):
-                stopped.append((req.request_id, sample.stop_reason))
-            elif out.finished and sample.finish_reason is None:
-                sample.finish_reason, sample.stop_reason = req.finish_reason, req.stop_reason
-        results = [self._make_output(g) for g in touched.values() if g.finished or not finished_only]
+            try:
+                self._process_one(group, out, result)
+            except Exception as e:
+                logger.exception("request %s: its output could not be processed", req.request_id)
+                group.error = f"its output could not be processed ({type(e).__name__})"
+                sample = group.samples.get(req.index)
+                if sample is not None:
+                    sample.finish_reason = "error"
+                result.failed.append((req.request_id, group.error))
+        result.outputs = [self._make_output(g) for g in touched.values() if g.finished or not finished_only]
         for g in touched.values():
             if g.finished:
                 del self.groups[g.request.request_id]
-        return results, stopped
+        return result
+
+    def _process_one(self, group: _Group, out: EngineCoreOutput, result: ProcessedOutputs) -> None:
+        req = out.request
+        if out.prompt_logprobs is not None:
+            self._add_prompt_logprobs(group, out.prompt_logprobs.first_position, out.prompt_logprobs.tokens)
+        if not out.new_token_ids and not out.finished:
+            return
+        sample = group.samples.get(req.index) or self._new_sample(group, req)
+        if sample.finish_reason is not None:
+            return
+        if out.logprobs is not None:
+            self._add_logprobs(sample, out.logprobs)
+        if self._add_text(sample, out):
+            result.stopped.append((req.request_id, sample.stop_reason))
+        elif out.finished and sample.finish_reason is None:
+            sample.finish_reason, sample.stop_reason = req.finish_reason, req.stop_reason
+            if req.error is not None:
+                group.error = req.error
 
     def abort(self, request_id: str) -> None:
         self.groups.pop(request_id, None)
@@ -147,4 +179,4 @@ class OutputProcessor:
         ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, group.finished,
                              prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None,
-                             num_cached_tokens=req.num_cached_tokens or 0)
+                             num_cached_tokens=req.num_cached_tokens or 0, error=group.error)

@@ -38,7 +38,7 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class FinishedRequestStats:
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort" (aborted: its client left) | "error" (failed)
     num_prompt_tokens: int
     num_generation_tokens: int  # all n samples
     e2e_latency: float

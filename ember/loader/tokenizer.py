@@ -47,6 +47,15 @@ class Tokenizer:
         self._chat_template = chat_template
         self._vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
 
+    @cached_property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of text one token covers: its vocabulary entry's
+        length (byte-level and SentencePiece entries are at least as long as their text),
+        doubled when a normalizer may shrink the text first. A text longer than n times this
+        has more than n tokens, without tokenizing it."""
+        longest = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return max(1, longest) * (2 if self.backend.normalizer is not None else 1)
+
     # -- text <-> ids -------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

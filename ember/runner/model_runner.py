@@ -25,8 +25,9 @@ from ember.layers.linear import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs
-from ember.runner.sampler import (PendingLogprobs, Sampler, SamplingRow, TokenLogprobs, to_device, to_host,
-                                  token_logprobs)
+from ember.runner.sampler import (LogitBias, PendingLogprobs, Sampler, SamplingRow, TokenLogprobs, to_device,
+                                  to_host, token_logprobs)
+from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)  # n tokens when a request forks
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its token is void (see launch)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class LaunchedStep:
     # copied to the CPU like host_tokens, unpacked by `collect`: (the rows' request ids, their logprobs)
     logprobs: tuple[list[str], PendingLogprobs] | None = None
     prompt_logprobs: dict[str, tuple[int, PendingLogprobs]] = field(default_factory=dict)  # id -> (first position, ...)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why: its sampling row could not be built
+    host_invalid: torch.Tensor | None = None  # SamplerOutput.invalid copied to the CPU like host_tokens
 
 
 @dataclass
@@ -71,6 +75,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_GREEDY = SamplingParams(temperature=0)  # the stand-in row of a request whose own row failed
 GRAPH_POOL_RESERVE = 512 << 20  # kept out of the KV pool for the decode graphs' memory (logged as measured)
 
 
@@ -100,6 +105,7 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"  # host tensors bound for the device are pinned: copies don't wait
         self.last_launched: LaunchedStep | None = None  # where a pending input id is gathered from
         self.generators: dict[str, torch.Generator] = {}
+        self.biases: dict[str, LogitBias] = {}  # a request's logit_bias as tensors, built once
         self.table_rows: dict[str, tuple[list[int], int, np.ndarray]] = {}  # see _table_row
         # seconds per phase when `profile_steps` is on (ember bench --profile-steps): with a
         # device sync at each phase's end, or, with async scheduling, CPU time only (no sync:
@@ -220,10 +226,12 @@ class ModelRunner:
                                       for _ in range(c.request.num_samples_to_draw)], self.device, torch.int64)
                 logits = self.model.compute_logits(hidden[rows_idx])
             grammar_masks = fill_grammar_masks() if fill_grammar_masks is not None else {}
-            rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id)) for req, i in owners]
+            rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id), step.failed) for req, i in owners]
             result = self.sampler(logits, rows)
             step.tokens = result.tokens
             step.host_tokens = to_host(step.tokens, self.pin)
+            if result.invalid is not None:
+                step.host_invalid = to_host(result.invalid, self.pin)
             clock("sample")
             if result.logprobs is not None:  # keyed by the sample's own request id (a fork's child id)
                 keys = [req.request_id if i == 0 else req.child_id(i) for req, i in
@@ -261,6 +269,12 @@ class ModelRunner:
         if step.host_tokens is not None:
             for (req, _), token in zip(step.owners, step.host_tokens.tolist()):
                 out.sampled.setdefault(req.request_id, []).append(token)
+        out.failed = dict(step.failed)
+        if step.host_invalid is not None:
+            for (req, _), invalid in zip(step.owners, step.host_invalid.tolist()):
+                if invalid:
+                    out.failed.setdefault(req.request_id, "the model's scores left no token that the output "
+                                                          "constraint allows (NaN, or every allowed token masked)")
         return out
 
     def _clock(self):
@@ -281,22 +295,41 @@ class ModelRunner:
 
         return clock
 
-    def _sampling_row(self, req: Request, sample_index: int, allowed: torch.Tensor | None) -> SamplingRow:
-        return SamplingRow(req.sampling_params, self._generator(req, sample_index), req.prompt_token_ids,
-                           req.output_token_ids, req.eos_token_ids, allowed)
+    def _sampling_row(self, req: Request, sample_index: int, allowed: torch.Tensor | None,
+                      failed: dict[str, str]) -> SamplingRow:
+        """Turn one request's parameters into its row (its generator, its logit_bias
+        tensors). If that fails, the request alone fails (`failed`): it gets a greedy
+        stand-in row, and its token is dropped when the step is collected."""
+        try:
+            return SamplingRow(req.sampling_params, self._generator(req, sample_index), req.prompt_token_ids,
+                               req.output_token_ids, req.eos_token_ids, allowed, self._bias(req))
+        except Exception as e:
+            logger.exception("request %s: its sampling parameters could not be applied", req.request_id)
+            failed[req.request_id] = f"its sampling parameters could not be applied ({type(e).__name__})"
+            return SamplingRow(_GREEDY, None, [], [], frozenset())
 
     def _generator(self, req: Request, sample_index: int) -> torch.Generator | None:
-        """A seeded request's own generator; sample i of a forking request is seeded seed + i."""
+        """A seeded request's own generator; sample i of a forking request is seeded seed + i
+        (mod 2**64: any seed SamplingParams takes is a valid generator seed)."""
         seed = req.sampling_params.seed
         if seed is None:
             return None
         key = req.request_id if sample_index == 0 else req.child_id(sample_index)
         if key not in self.generators:
-            self.generators[key] = torch.Generator(device=self.device).manual_seed(seed + sample_index)
+            self.generators[key] = torch.Generator(device=self.device).manual_seed((seed + sample_index) % (1 << 64))
         return self.generators[key]
+
+    def _bias(self, req: Request) -> LogitBias | None:
+        bias = req.sampling_params.logit_bias
+        if not bias:
+            return None
+        if req.request_id not in self.biases:
+            self.biases[req.request_id] = LogitBias.of(bias, self.device)
+        return self.biases[req.request_id]
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.biases.pop(request_id, None)
         self.table_rows.pop(request_id, None)
 
     def _table_row(self, req: Request) -> np.ndarray:

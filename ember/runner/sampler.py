@@ -5,6 +5,11 @@ frequency and presence over the output), then the grammar's mask (structured out
 forbidden tokens get -inf), then greedy argmax or temperature, top-k, top-p, min-p and a
 draw. Logprobs are those of the raw logits. (vLLM masks before the penalties; as every
 edit before it keeps -inf at -inf, the order gives the same tokens.)
+
+Rows come checked: SamplingParams validated every value's type and range, and the runner
+builds each row (its generator, its logit_bias tensors) in a per-request step whose
+failure fails that request alone. A constrained row whose masked logits hold a NaN or
+allow nothing is flagged in `SamplerOutput.invalid`: its token must never be emitted.
 """
 
 from __future__ import annotations
@@ -25,6 +30,20 @@ class SamplingRow:
     output_ids: list[int]
     eos_ids: frozenset[int]
     allowed: torch.Tensor | None = None  # structured output: int32 bits of the tokens allowed next
+    bias: LogitBias | None = None  # params.logit_bias as tensors (the runner builds it once a request)
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """A request's logit_bias as two tensors on the logits' device: token ids and their biases."""
+
+    token_ids: torch.Tensor  # [k] int64
+    values: torch.Tensor  # [k] float32
+
+    @staticmethod
+    def of(bias: dict[int, float], device: torch.device) -> LogitBias:
+        return LogitBias(to_device(list(bias), device, torch.int64), to_device(list(bias.values()), device,
+                                                                               torch.float32))
 
 
 @dataclass
@@ -76,6 +95,9 @@ class SamplerOutput:
     tokens: torch.Tensor  # [rows] int64 on the logits' device; reading it waits for the device
     logprobs: PendingLogprobs | None = None  # of the rows that asked for them ...
     logprob_rows: list[int] = field(default_factory=list)  # ... which are these
+    # grammar rows whose masked logits had a NaN or no allowed token: their token is
+    # meaningless and must fail the request ([rows] bool on the logits' device), or None
+    invalid: torch.Tensor | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -117,6 +139,7 @@ class Sampler:
         logits = _apply_bias_and_min_tokens(logits, rows)
         logits = _apply_penalties(logits, rows)
         logits = apply_grammar_masks(logits, rows)
+        invalid = _invalid_grammar_rows(logits, rows)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
@@ -125,10 +148,10 @@ class Sampler:
             tokens[idx] = self._draw(probs, [rows[i].generator for i in sampled])
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
-            return SamplerOutput(tokens)
+            return SamplerOutput(tokens, invalid=invalid)
         idx = to_device(want, logits.device)
         return SamplerOutput(tokens, token_logprobs(raw[idx], tokens[idx], [rows[i].params.logprobs for i in want]),
-                             want)
+                             want, invalid)
 
     def _race(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
         """argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i: one
@@ -185,19 +208,35 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int])
 
 
 def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    edits = [(i, r) for i, r in enumerate(rows)
-             if r.params.logit_bias or len(r.output_ids) < r.params.min_tokens]
-    if not edits:
+    biased = [(i, r.bias or LogitBias.of(r.params.logit_bias, logits.device))
+              for i, r in enumerate(rows) if r.params.logit_bias]
+    banned = [(i, r) for i, r in enumerate(rows) if len(r.output_ids) < r.params.min_tokens]
+    if not (biased or banned):
         return logits
     logits = logits.clone()
-    for i, r in edits:
-        for token, bias in (r.params.logit_bias or {}).items():
-            logits[i, int(token)] += bias
-        if len(r.output_ids) < r.params.min_tokens:  # nothing may end the request yet
-            banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_ids))
-            if banned:
-                logits[i, list(banned)] = float("-inf")
+    if biased:  # every row's biases in one scatter-add
+        ids = torch.cat([b.token_ids for _, b in biased])
+        values = torch.cat([b.values for _, b in biased])
+        dev = logits.device
+        at = torch.repeat_interleave(to_device([i for i, _ in biased], dev, torch.int64),
+                                     to_device([b.token_ids.shape[0] for _, b in biased], dev, torch.int64),
+                                     output_size=ids.shape[0])
+        logits.index_put_((at, ids), values, accumulate=True)
+    for i, r in banned:  # nothing may end the request yet
+        stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_ids))
+        if stops:
+            logits[i, list(stops)] = float("-inf")
     return logits
+
+
+def _invalid_grammar_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+    """[rows] bool: a constrained row with a NaN or no token left after its mask (None if
+    no row is constrained). Sampling it would emit a token the grammar forbids."""
+    if all(r.allowed is None for r in rows):
+        return None
+    constrained = to_device([r.allowed is not None for r in rows], logits.device, torch.bool)
+    bad = logits.isnan().any(dim=-1) | ~(logits > float("-inf")).any(dim=-1)
+    return bad & constrained
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, invert: bool = False) -> torch.Tensor:
@@ -258,7 +297,7 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     logits = logits / temperature
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         vocab = logits.shape[-1]
-        top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], dev)
+        top_k = to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], dev)
         top_p = to_device([p.top_p for p in params], dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cut = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]

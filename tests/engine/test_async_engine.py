@@ -115,15 +115,18 @@ def test_a_stream_given_up_early_frees_its_request(engine, how):
 def test_bad_input_is_refused_before_the_engine_thread(engine):
     async def run():
         for prompt, params, words in [
-            ("", greedy(4), "empty"),
-            ({"prompt_token_ids": [1, 10**7]}, greedy(4), "[0, 49152)"),
-            ({"prompt_token_ids": [1] * 9000}, greedy(4), "max_model_len"),
-            (FRANCE, greedy(4, logit_bias={10**7: 1.0}), "logit_bias"),
-            (FRANCE, greedy(4, stop_token_ids=[-1]), "stop_token_ids"),
-            (FRANCE, SamplingParams(n=1000), "max_num_seqs"),
+            ("", lambda: greedy(4), "empty"),
+            ({"prompt_token_ids": [1, 10**7]}, lambda: greedy(4), "[0, 49152)"),
+            ({"prompt_token_ids": [1] * 9000}, lambda: greedy(4), "max_model_len"),
+            ("x" * (8192 * 81 + 1), lambda: greedy(4), "characters, more than 8192 tokens"),
+            (FRANCE, lambda: greedy(4, logit_bias={10**7: 1.0}), "logit_bias"),
+            (FRANCE, lambda: greedy(4, stop_token_ids=[-1]), "stop_token_ids"),
+            (FRANCE, lambda: greedy(4, seed=2**64), "seed"),
+            (FRANCE, lambda: greedy(4, logprobs=10**6), "logprobs"),
+            (FRANCE, lambda: SamplingParams(n=1000), "max_num_seqs"),
         ]:
             with pytest.raises(ValueError, match=words.replace("[", r"\[").replace(")", r"\)")):
-                engine.add_request(prompt, params)
+                engine.add_request(prompt, params())
         assert not engine._new and not engine._streams
         assert (await last(engine.add_request(FRANCE, greedy(2)))).outputs[0].text == " Paris."
 

@@ -460,12 +460,33 @@ def test_min_tokens_above_max_tokens():
 
 
 def test_empty_stop_string():
-    with pytest.raises(ValueError, match=r"SamplingParams\.stop must be non-empty strings"):
+    with pytest.raises(ValueError, match=r"SamplingParams\.stop must be a string or a list of non-empty strings"):
         SamplingParams(stop=[""])
 
 
 def test_top_k_minus_one_means_off():
     assert SamplingParams(top_k=-1).top_k == 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", True), ("n", 1.0), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "1"),
+    ("top_p", float("nan")), ("top_k", True), ("top_k", 2.0), ("min_p", None), ("presence_penalty", float("inf")),
+    ("repetition_penalty", float("nan")), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5), ("seed", True),
+    ("max_tokens", 2.0), ("min_tokens", True), ("stop", [1]), ("stop", "x\n".split("\n")),
+    ("stop_token_ids", [True]), ("stop_token_ids", "1"), ("ignore_eos", 1), ("skip_special_tokens", "yes"),
+    ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", True), ("logit_bias", {1: float("nan")}),
+    ("logit_bias", {"1": 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", [1]),
+])
+def test_sampling_params_refuse_a_value_of_the_wrong_type_or_range(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_take_the_edges_of_every_range():
+    p = SamplingParams(seed=2**64 - 1, top_k=2**63 - 1, temperature=1e6, top_p=1, min_p=1, presence_penalty=-2,
+                       frequency_penalty=2, logit_bias={0: -1e9}, max_tokens=2**63 - 1)
+    assert (p.seed, p.top_k, p.temperature) == (2**64 - 1, 2**63 - 1, 1e6)
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
 
 
 def test_n_greedy_samples_are_the_greedy_output(llm):
@@ -516,8 +537,8 @@ def test_resolve_fills_the_defaults(gguf_path, llm):
     c = llm.config
     assert (c.model, c.load_format, c.device, c.dtype) == (str(gguf_path), "gguf", "cpu", "float32")
     assert (c.kv_cache_dtype, c.kv_cache_torch_dtype) == ("auto", torch.float32)  # auto: the model dtype
-    assert (c.max_model_len, c.max_num_batched_tokens, c.attention_backend) == (CONTEXT, 2048, "torch")
-    assert c.block_size == 16  # 128 on CUDA
+    assert (c.max_model_len, c.max_num_batched_tokens, c.attention_backend) == (CONTEXT, 512, "torch")
+    assert c.block_size == 16 and c.attention_parity_len == 3072  # 128 and None on CUDA
     assert c.model_config.vocab_size == VOCAB
 
 

@@ -145,3 +145,43 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_top_n():
     assert t.rank == 2
     assert t.top_ids == [3, 11, 7]
     assert t.top_logprobs == pytest.approx(lp[[3, 11, 7]].tolist(), rel=1e-6)
+
+
+def test_logit_bias_of_several_rows_is_one_scatter_add_per_row_position():
+    rows = [row(SamplingParams(temperature=0, logit_bias={6: 10.0, 2: 0.5})), row(SamplingParams(temperature=0)),
+            row(SamplingParams(temperature=0, logit_bias={9: 4.0, 6: -1.0}))]
+    from ember.runner import sampler as s
+
+    got = s._apply_bias_and_min_tokens(logits(L, L, L), rows)
+    want = torch.tensor([L, L, L])
+    want[0, 6] += 10.0
+    want[0, 2] += 0.5
+    want[2, 9] += 4.0
+    want[2, 6] -= 1.0
+    torch.testing.assert_close(got, want)
+    assert Sampler(0)(logits(L, L, L), rows).token_ids == [6, 3, 9]  # 8.0 > 3.0; 3.5 > 3.0
+
+
+def test_a_huge_top_k_is_no_filter():
+    p = SamplingParams(temperature=1.0, top_k=2**63 - 1, seed=1)
+    q = SamplingParams(temperature=1.0, seed=1)
+    gens = [torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)]
+    assert Sampler(0)(logits(L), [row(p, generator=gens[0])]).token_ids == \
+        Sampler(0)(logits(L), [row(q, generator=gens[1])]).token_ids
+
+
+def test_a_temperature_below_1e_5_is_greedy():
+    assert SamplingParams(temperature=1e-40).temperature == 0.0
+    assert Sampler(0)(logits(L), [row(SamplingParams(temperature=1e-40))]).token_ids == [3]
+
+
+def test_constrained_rows_with_nan_or_nothing_allowed_are_flagged_invalid():
+    only_2 = torch.tensor([1 << 2], dtype=torch.int32)
+    none = torch.tensor([0], dtype=torch.int32)
+    nan = [float("nan")] * VOCAB
+    rows = [SamplingRow(SamplingParams(temperature=0), None, [1], [], frozenset(), allowed)
+            for allowed in (only_2, none, only_2, None)]
+    out = Sampler(0)(logits(L, L, nan, nan), rows)
+    assert out.invalid.tolist() == [False, True, True, False]  # a free NaN row is not the grammar's business
+    assert out.token_ids[0] == 2
+    assert Sampler(0)(logits(L), [row(SamplingParams(temperature=0))]).invalid is None  # no grammar: no check
