@@ -84,7 +84,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, attention_parity_len: int | None = None) -> None:
+        """`attention_parity_len` (the CPU's): shrink prefill chunks deep in a long context,
+        see `_chunk`."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         self.policy = policy
@@ -94,6 +96,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.attention_parity_len = attention_parity_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -147,7 +150,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.num_pending_tokens and self._ends_on_pending_token(req):
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if not self._reserve(req, n, out):
                 if out.short_of_blocks:
                     break
@@ -159,7 +162,7 @@ class Scheduler:
             if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
                 break
             self._match_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available:
                 self._release_blocks(req)
                 break
@@ -173,6 +176,16 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
         return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens the request gets this step: all it lacks, within the budget; with
+        `attention_parity_len` L, a chunk starting at context c at most budget * L / (L + c),
+        as each of its tokens costs (1 + c / L) times one at context 0."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.attention_parity_len is not None and n > 1:
+            parity = self.attention_parity_len
+            n = min(n, max(1, self.max_num_batched_tokens * parity // (parity + req.num_computed_tokens)))
+        return n
 
     def _seats_taken(self) -> int:
         """Running slots, counting the n a not-yet-forked n > 1 request will take; not those
@@ -376,12 +389,13 @@ class Scheduler:
         else:
             self.pool.free(block_ids)
 
-    def abort(self, request_id: str) -> list[Request]:
-        """Abort a request and the samples forked from it; returns those it ended."""
+    def abort(self, request_id: str, reason: str = "abort",
+              status: RequestStatus = RequestStatus.ABORTED) -> list[Request]:
+        """Abort (or fail) a request and the samples forked from it; returns those it ended."""
         ended = [r for r in self.requests.values() if r.request_id == request_id
                  or (r.parent is not None and r.parent.request_id == request_id)]
         for req in ended:
-            self.finish(req, "abort", status=RequestStatus.ABORTED)
+            self.finish(req, reason, status=status)
         return ended
 
 

@@ -70,6 +70,12 @@ def chunked_llm(extra_llm):
 
 
 @pytest.fixture(scope="module")
+def one_step_llm(extra_llm):
+    """A 2048-token step budget: a 1000-token prompt is prefilled in one step."""
+    return extra_llm(max_num_batched_tokens=2048, num_kv_blocks=80, block_size=16)
+
+
+@pytest.fixture(scope="module")
 def tiny_llm(extra_llm):
     """12 blocks of 16 tokens: six 40+40-token requests (5 blocks each at the end) must preempt."""
     return extra_llm(num_kv_blocks=12, block_size=16)
@@ -131,13 +137,14 @@ def long_prompt(llm):
     return ids
 
 
-def test_chunked_prefill_equals_one_step_prefill(llm, chunked_llm, alone, long_prompt, forward_logits,
-                                                monkeypatch):
-    """The long prompt in 128-token chunks, sharing every step with the decodes of two short
-    requests, gives the same tokens as its prefill in one step (budget 2048) with nothing else."""
-    assert llm.config.max_num_batched_tokens == 2048 > len(long_prompt)
+def test_chunked_prefill_equals_one_step_prefill(llm, chunked_llm, one_step_llm, alone, long_prompt,
+                                                forward_logits, monkeypatch):
+    """The long prompt in chunks of at most 128 tokens, sharing every step with the decodes of
+    two short requests, gives the same tokens as its prefill in one step (budget 2048) with
+    nothing else."""
+    assert one_step_llm.config.max_num_batched_tokens == 2048 > len(long_prompt)
     assert chunked_llm.config.max_num_batched_tokens == 128
-    one_step = llm.generate({"prompt_token_ids": long_prompt}, greedy())[0].outputs[0].token_ids
+    one_step = one_step_llm.generate({"prompt_token_ids": long_prompt}, greedy())[0].outputs[0].token_ids
 
     ids, want = alone
     engine = chunked_llm.engine
@@ -161,10 +168,15 @@ def test_chunked_prefill_equals_one_step_prefill(llm, chunked_llm, alone, long_p
     prefill = long_chunks[: 1 + [samples for _, samples in long_chunks].index(True)]
     chunks = [n for n, _ in prefill]
     assert sum(chunks) == len(long_prompt)
-    first = 128 - len(ids[1]) - len(ids[3])  # step 1: both short prompts, then the long one
-    rest = len(long_prompt) - first  # then 126 a step next to 2 decodes
-    assert chunks == [first] + [126] * (rest // 126) + ([rest % 126] if rest % 126 else [])
-    assert len(chunks) >= 8
+    # step 1: both short prompts, then the long one; then 126 a step next to 2 decodes, each
+    # chunk at most 128 * L / (L + c) at context c (the CPU's attention_parity_len L)
+    parity, want_chunks, done = chunked_llm.config.attention_parity_len, [], 0
+    while done < len(long_prompt):
+        room = 128 - len(ids[1]) - len(ids[3]) if not done else 126
+        want_chunks.append(min(len(long_prompt) - done, room, 128 * parity // (parity + done)))
+        done += want_chunks[-1]
+    assert chunks == want_chunks
+    assert len(chunks) >= 8 and min(chunks[:-1]) < 126  # the cap shrank the late chunks
     assert all(r.finish_reason == "length" for r in [*short, long])
     assert long.output_token_ids == one_step, explain(llm, long_prompt, long.output_token_ids, one_step,
                                                       forward_logits)

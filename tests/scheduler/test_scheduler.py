@@ -174,6 +174,26 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_samples_on_the_last():
     assert_all_free(s)
 
 
+def test_with_an_attention_parity_len_chunks_shrink_as_the_context_grows():
+    """CPU: a chunk starting at context c gets at most budget * L / (L + c) tokens (L = 16
+    here), so each step costs about as much as the first; decodes are never cut."""
+    s = Scheduler(BlockPool(64), 4, 8, max_num_batched_tokens=16, max_model_len=256, attention_parity_len=16)
+    a, b = make_request("a", 60, max_tokens=2), make_request("b", 3, max_tokens=3)
+    s.add_request(a)
+    chunks = []
+    while a.num_computed_tokens < a.num_prompt_tokens:
+        plan, _, _ = step(s)
+        chunks += [n for rid, n, _ in plan if rid == "a"]
+    assert chunks == [16, 8, 6, 5, 5, 4, 4, 4, 3, 3, 2]  # 16 * 16 // (16 + c), the last what is left
+    assert sum(chunks) == 60
+    s.add_request(b)
+    plan, _, _ = step(s)
+    assert plan == [("a", 1, True), ("b", 3, True)]  # b's prompt at context 0 is whole
+    while s.has_unfinished():
+        step(s)
+    assert_all_free(s)
+
+
 def test_samples_is_fixed_when_the_chunk_is_scheduled():
     """`ScheduledChunk.samples` is set from the request's counters when the plan is made:
     it still describes the step after `launched`/`update` advanced num_computed_tokens
