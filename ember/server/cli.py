@@ -122,10 +122,16 @@ def cmd_chat(ns: argparse.Namespace) -> None:
 def cmd_serve(ns: argparse.Namespace) -> None:
     from ember.server.openai_api import run_server
 
+    from ember.server.limits import RequestLimits
+
     logging.getLogger("ember").setLevel(logging.INFO)
+    limits = RequestLimits(max_n=ns.max_n, max_prompts=ns.max_prompts_per_request, max_logit_bias=ns.max_logit_bias,
+                           max_stop=ns.max_stop_strings, max_choices=ns.max_choices,
+                           max_body_bytes=ns.max_request_body_bytes)
     code = run_server(EngineConfig(**engine_args(ns)), host=ns.host, port=ns.port, api_key=ns.api_key,
-                      served_model_names=[ns.served_model_name] if ns.served_model_name else None, max_waiting_requests=ns.max_waiting_requests,
-                      shutdown_timeout=ns.shutdown_timeout, log_level=ns.uvicorn_log_level)
+                      served_model_names=[ns.served_model_name] if ns.served_model_name else None,
+                      max_waiting_requests=ns.max_waiting_requests, shutdown_timeout=ns.shutdown_timeout,
+                      log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public)
     sys.exit(code)
 
 
@@ -162,13 +168,28 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health, /version and the "
+                            "OpenAPI docs (and /metrics with --metrics-public)")
+    serve.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients pass (default: the MODEL argument as given)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="answer 503 + Retry-After while this many requests wait (default: no limit)")
+                       help="at most this many requests wait: one more gets 503 + Retry-After (default: no limit)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish after SIGTERM")
+                       help="seconds in-flight requests get to finish after SIGTERM; then they get an error")
+    from ember.server.limits import RequestLimits
+
+    caps = RequestLimits()
+    serve.add_argument("--max-n", type=int, default=caps.max_n, help="the largest n (samples a prompt)")
+    serve.add_argument("--max-prompts-per-request", type=int, default=caps.max_prompts,
+                       help="prompts one completions request may carry")
+    serve.add_argument("--max-logit-bias", type=int, default=caps.max_logit_bias, help="logit_bias entries")
+    serve.add_argument("--max-stop-strings", type=int, default=caps.max_stop, help="stop strings a request")
+    serve.add_argument("--max-choices", type=int, default=caps.max_choices,
+                       help="options of a guided_choice / structured_outputs.choice")
+    serve.add_argument("--max-request-body-bytes", type=int, default=caps.max_body_bytes,
+                       help="larger request bodies get 413")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)

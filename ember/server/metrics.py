@@ -2,8 +2,9 @@
 
 Gauges (read from `AsyncEngine.current_stats()` at scrape time):
     num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction, 1 = full)
-Counters: prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason},
-    num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total (in tokens)
+Counters: prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
+    (stop, length, abort: the client left or the server stopped it, error: it failed in the
+    engine), num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total (in tokens)
 Histograms (seconds): time_to_first_token, inter_token_latency, e2e_request_latency,
     request_queue_time, request_prefill_time, request_decode_time
 
@@ -75,7 +76,7 @@ class PrometheusStatLogger:
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.",
                                  _REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to finish.", _REQUEST_BUCKETS)
-        for reason in ("stop", "length"):  # present from the start, at 0
+        for reason in ("stop", "length", "abort", "error"):  # present from the start, at 0
             self.success.labels(model_name, reason)
 
     def record(self, stats: EngineStats, it: IterationStats) -> None:

@@ -4,20 +4,30 @@
     GET  /v1/models             GET  /health (503 until the model is loaded)
     POST /tokenize              POST /detokenize         GET /version   GET /metrics
 
-Every request is validated here (pydantic shapes, SamplingParams, chat template,
-tokenize, prompt length): bad input is refused with 400 before it reaches the engine
-thread. Errors take OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+Every request is validated here (strict pydantic shapes and ranges, RequestLimits,
+SamplingParams, chat template, tokenize, prompt length): bad input is refused with 400
+before it reaches the engine thread. Work that grows with the input (templates,
+tokenizing, grammar checks) runs on the engine's input pool, never on the event loop, and
+bodies over `max_body_bytes` are refused with 413 before they are parsed, so /health
+answers at once whatever one client sends. Errors take OpenAI's shape:
+{"error": {"message", "type", "param", "code"}}; a 500 never carries internal text.
 
-The model loads on a background thread after the server starts listening, so /health
-can say 503 while it loads. `run_server()` is what `ember serve` calls.
+`--api-key` guards every route but /health, /version, the OpenAPI docs and (with
+`--metrics-public`) /metrics. The model loads on a background thread after the server
+starts listening, so /health can say 503 while it loads. `run_server()` is what `ember
+serve` calls; see it for shutdown (drain, then fail what is left with an error) and
+exit codes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import secrets
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -29,16 +39,19 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ember
 from ember.config import EngineConfig
-from ember.engine.async_engine import AsyncEngine, EngineOverloadedError, EngineStoppedError, RequestStream
+from ember.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineStoppedError,
+                                       RequestFailedError, RequestStream)
 from ember.engine.stats import LoggingStatLogger
 from ember.outputs import CompletionOutput, Logprob, RequestOutput
+from ember.request import Request as EngineRequest
 from ember.sampling_params import SamplingParams
 from ember.server import protocol as p
 from ember.server.metrics import ServerMetrics
@@ -55,6 +68,8 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_requests: int | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    limits: p.RequestLimits = p.RequestLimits()
+    metrics_public: bool = False  # /metrics without the API key
 
     @property
     def model_name(self) -> str:
@@ -71,11 +86,36 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         body = p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param,
                                                  code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+        return _ErrorJSON(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+class _ErrorJSON(JSONResponse):
+    """ASCII JSON: an error message may quote input that is not valid UTF-8 text."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True).encode()
 
 
 def bad_request(e: Exception) -> APIError:
     return APIError(400, str(e), param=getattr(e, "param", None))
+
+
+def input_error(e: Exception) -> APIError:
+    """What a client is told when its input raised while being prepared: 400 for anything
+    its input can cause, 500 with a generic message (logged) otherwise."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (ValueError, jinja2.TemplateError)) and not isinstance(e, UnicodeError):
+        return bad_request(e)
+    if isinstance(e, UnicodeError):
+        return APIError(400, "invalid request: text must be valid Unicode")
+    if isinstance(e, RecursionError):
+        return APIError(400, "invalid request: the input nests too deeply")
+    if isinstance(e, (TypeError, KeyError, IndexError, AttributeError)):
+        logger.warning("a request's input raised %s: %s", type(e).__name__, e)
+        return APIError(400, f"invalid request: the input could not be processed ({type(e).__name__})")
+    logger.error("preparing a request failed", exc_info=e)
+    return APIError(500, "internal error while preparing the request (see the server log)", "server_error")
 
 
 @dataclass
@@ -84,8 +124,24 @@ class ServerState:
     engine: AsyncEngine | None = None
     load_error: BaseException | None = None
     stat_loggers: list = field(default_factory=list)  # handed to the engine it loads
-    on_fatal: Callable[[], None] | None = None  # the engine could not load: stop the server
+    on_fatal: Callable[[], None] | None = None  # the engine could not load or died: stop the server
     started: float = field(default_factory=time.time)
+    stopping: bool = False
+
+    async def drain(self) -> None:
+        """Stop taking requests; let those in flight finish within the shutdown timeout, then
+        fail the rest (idempotent)."""
+        self.stopping = True
+        if self.engine is not None:
+            await self.engine.shutdown(self.config.shutdown_timeout)
+
+    def engine_died(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread, when its loop dies: stop the server (it exits non-zero)."""
+        if self.on_fatal is not None:
+            try:
+                loop.call_soon_threadsafe(self.on_fatal)
+            except RuntimeError:  # the event loop is closed already
+                pass
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -93,8 +149,10 @@ class ServerState:
                 raise APIError(503, f"the model failed to load: {self.load_error}", "server_error")
             raise APIError(503, "the model is still loading: retry shortly", "server_error",
                            code="loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self.engine.error is not None:
+            raise APIError(503, "the engine loop died: the server is going down (see its log)", "server_error")
         if not self.engine.is_running:
-            raise APIError(503, "the engine is not running (shutting down, or its loop died)", "server_error")
+            raise APIError(503, "the server is shutting down", "server_error")
         return self.engine
 
     def check_model(self, model: str | None) -> str:
@@ -106,7 +164,8 @@ class ServerState:
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Build the engine (runs on its own thread)."""
         try:
-            engine = AsyncEngine(self.config.engine, self.config.max_waiting_requests, self.stat_loggers)
+            engine = AsyncEngine(self.config.engine, self.config.max_waiting_requests, self.stat_loggers,
+                                 on_dead=lambda e: self.engine_died(loop))
         except BaseException as e:
             logger.exception("the model failed to load")
             self.load_error = e
@@ -114,6 +173,9 @@ class ServerState:
                 loop.call_soon_threadsafe(self.on_fatal)
             return
         self.engine = engine
+        if self.stopping:  # SIGTERM came while it loaded
+            engine.stop()
+            return
         logger.info("ready: %s (%d KV blocks of %d tokens, max_model_len %d)", self.config.model_name,
                     engine.core.block_pool.num_blocks, engine.core.config.block_size, engine.core.config.max_model_len)
 
@@ -127,25 +189,29 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     state = ServerState(config, engine)
     metrics = ServerMetrics(config.model_name, lambda: state.engine.current_stats() if state.engine else None)
     state.stat_loggers = [LoggingStatLogger(), metrics.stat_logger]
+    limits = config.limits
     if engine is not None:
         engine.stat_loggers.extend(state.stat_loggers)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
         if state.engine is None:
-            loop = asyncio.get_running_loop()
             threading.Thread(target=state.load, args=(loop,), name="ember-load", daemon=True).start()
+        else:
+            state.engine.on_dead = lambda e: state.engine_died(loop)
         yield
-        if state.engine is not None:
-            await state.engine.shutdown(config.shutdown_timeout)
+        await state.drain()
 
     app = FastAPI(title="ember", version=ember.__version__, lifespan=lifespan)
     app.state.ember = state
     if config.api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key,
+                           open_paths=_OPEN_PATHS | ({"/metrics"} if config.metrics_public else set()))
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     _add_error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "Ready (an empty body)"}, **_ERRORS})
     async def health() -> Response:
         state.ready_engine()
         return Response(status_code=200)
@@ -154,34 +220,33 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     async def version() -> dict[str, str]:
         return {"version": ember.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS)
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=p.ModelList, responses=_ERRORS)
     async def models() -> dict[str, Any]:
-        cards = [p.ModelCard(id=name, root=config.engine.model, max_model_len=config.engine.max_model_len,
+        cards = [p.ModelCard(id=name, root=name, max_model_len=config.engine.max_model_len,
                              created=int(state.started)) for name in config.served_model_names]
         return p.ModelList(data=cards).model_dump()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: p.TokenizeRequest) -> dict[str, Any]:
         engine = state.ready_engine()
         state.check_model(body.model)
-        try:
+
+        def ids() -> list[int]:
             if (body.prompt is None) == (body.messages is None):
                 raise p.InvalidRequest("give exactly one of prompt and messages", "prompt")
-            tok = engine.inputs.require_tokenizer()
             if body.messages is not None:
                 conv = p.ChatCompletionRequest(messages=body.messages).conversation()
-                ids = engine.inputs.chat_prompt(conv, body.add_generation_prompt)["prompt_token_ids"]
-            else:
-                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        except (ValueError, jinja2.TemplateError) as e:
-            raise bad_request(e) from None
-        return {"count": len(ids), "max_model_len": config.engine.max_model_len, "tokens": ids}
+                return engine.inputs.chat_prompt(conv, body.add_generation_prompt)["prompt_token_ids"]
+            return engine.inputs.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
-    @app.post("/detokenize")
+        tokens = await _prepare(engine, ids)
+        return {"count": len(tokens), "max_model_len": config.engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: p.DetokenizeRequest) -> dict[str, Any]:
         engine = state.ready_engine()
         state.check_model(body.model)
@@ -189,23 +254,22 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
-        try:
-            return {"prompt": engine.inputs.require_tokenizer().decode(body.tokens)}
-        except ValueError as e:
-            raise bad_request(e) from None
+        return {"prompt": await _prepare(engine, engine.inputs.require_tokenizer().decode, body.tokens)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_STREAMED_ERRORS)
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request) -> Response:
         engine = state.ready_engine()
         model = state.check_model(body.model)
-        try:
-            params = body.to_sampling_params()
-            prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt,
-                                               **(body.chat_template_kwargs or {}))
-        except (ValueError, jinja2.TemplateError) as e:
-            raise bad_request(e) from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = [_add_request(engine, prompt, params, request_id, body.priority)]
+
+        def make() -> tuple[SamplingParams, list[EngineRequest]]:
+            params = body.to_sampling_params(limits)
+            prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt,
+                                               **body.template_kwargs())
+            return params, [engine.inputs.make_request(request_id, prompt, params, body.priority)]
+
+        params, requests = await _prepare(engine, make)
+        streams = _submit(engine, requests)
         if body.stream:
             return _sse(_chat_chunks(streams[0], request_id, model, params, body.include_usage), streams)
         final = (await _until_disconnected(raw, _final_outputs(streams), streams))[0]
@@ -217,24 +281,19 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         response = p.ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage([final]))
         return JSONResponse(response.model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_STREAMED_ERRORS)
     async def completions(body: p.CompletionRequest, raw: Request) -> Response:
         engine = state.ready_engine()
         model = state.check_model(body.model)
-        try:
-            params = body.to_sampling_params()
-            prompts = body.prompts()
-        except ValueError as e:
-            raise bad_request(e) from None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams: list[RequestStream] = []
-        try:  # every prompt passes, or none is queued
-            for i, prompt in enumerate(prompts):
-                streams.append(_add_request(engine, prompt, params, f"{request_id}-{i}", body.priority))
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
+
+        def make() -> tuple[SamplingParams, list[EngineRequest]]:
+            params = body.to_sampling_params(limits)
+            return params, [engine.inputs.make_request(f"{request_id}-{i}", prompt, params, body.priority)
+                            for i, prompt in enumerate(body.prompts(limits))]
+
+        params, requests = await _prepare(engine, make)
+        streams = _submit(engine, requests)
         if body.stream:
             return _sse(_completion_chunks(streams, request_id, model, params, body.include_usage), streams)
         finals = await _until_disconnected(raw, _final_outputs(streams), streams)
@@ -246,34 +305,55 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         response = p.CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
         return JSONResponse(response.model_dump())
 
+    _document_errors(app)
     return app
 
 
-def _add_request(engine: AsyncEngine, prompt, params: SamplingParams, request_id: str,
-                 priority: int) -> RequestStream:
+async def _prepare(engine: AsyncEngine, fn, *args):
+    """fn(*args) on the engine's input pool; what the input makes it raise becomes its status."""
     try:
-        return engine.add_request(prompt, params, request_id, priority)
-    except EngineOverloadedError as e:
-        raise APIError(503, str(e), "server_error", code="overloaded",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    except EngineStoppedError as e:
-        raise APIError(503, str(e), "server_error") from None
-    except ValueError as e:
-        raise bad_request(e) from None
+        return await engine.prepare(fn, *args)
+    except Exception as e:
+        raise input_error(e) from None
 
 
-# -- errors ----------------------------------------------------------------------------------
+def _submit(engine: AsyncEngine, requests: list[EngineRequest]) -> list[RequestStream]:
+    """Queue every request of one HTTP request, or none."""
+    streams: list[RequestStream] = []
+    try:
+        for req in requests:
+            streams.append(engine.submit(req))
+    except BaseException as e:
+        for stream in streams:
+            stream.abort()
+        if isinstance(e, EngineOverloadedError):
+            raise APIError(503, str(e), "server_error", code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        if isinstance(e, EngineStoppedError):
+            raise APIError(503, str(e), "server_error") from None
+        if isinstance(e, ValueError):
+            raise bad_request(e) from None
+        raise
+    return streams
+
+
+# -- middleware and errors -------------------------------------------------------------------
+
+# open without the API key: liveness, the version, and the API's own description
+_OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 class _APIKeyMiddleware:
-    """401 for any /v1 request without `Authorization: Bearer <key>` (as vLLM: only /v1)."""
+    """401 without `Authorization: Bearer <key>` on every route but `open_paths` (llama-server's
+    rule: anything that takes input or tells about the served model needs the key)."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, open_paths: frozenset[str] | set[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -281,6 +361,44 @@ class _APIKeyMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, before anything parses it: the body is read
+    here (by Content-Length or as it streams in) and handed on whole."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(413, f"the request body is larger than {self.max_bytes} bytes "
+                                  "(ember serve --max-request-body-bytes)", code="request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await too_large.response()(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await too_large.response()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return whole.pop() if whole else await receive()
+
+        await self.app(scope, replay, send)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -296,10 +414,13 @@ def _add_error_handlers(app: FastAPI) -> None:
             return APIError(400, f"malformed JSON in the request body: {ctx.get('error', 'cannot parse it')}",
                             code="invalid_json").response()
         parts, param = [], None
-        for err in errors:
+        for err in errors[:8]:
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
             param = param or (loc[0] if loc else None)
-            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+            message = str(err.get("msg")).removeprefix("Value error, ")
+            if err.get("type") == "extra_forbidden":
+                message = "unknown field: ember does not support it"
+            parts.append(f"{'.'.join(loc)[:200] or 'body'}: {message}")
         return APIError(400, "invalid request: " + "; ".join(parts), param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -310,12 +431,46 @@ def _add_error_handlers(app: FastAPI) -> None:
         except ValueError:
             phrase = "error"
         message = e.detail if isinstance(e.detail, str) else phrase
-        return APIError(e.status_code, f"{message}: {request.method} {request.url.path}", kind).response()
+        return APIError(e.status_code, f"{message}: {request.method} {request.url.path[:200]}", kind).response()
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        if isinstance(e, (RecursionError, UnicodeError)):  # from one request's input
+            return input_error(e).response()
         logger.exception("internal error on %s", request.url.path)
-        return APIError(500, f"internal server error: {type(e).__name__}: {e}", "server_error").response()
+        return APIError(500, "internal server error (see the server log)", "server_error").response()
+
+
+_ERROR_RESPONSE = {"model": p.ErrorResponse}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "Invalid request", **_ERROR_RESPONSE},
+    401: {"description": "Invalid or missing API key (with --api-key)", **_ERROR_RESPONSE},
+    404: {"description": "Unknown model or route", **_ERROR_RESPONSE},
+    413: {"description": "Request body too large", **_ERROR_RESPONSE},
+    500: {"description": "Internal error", **_ERROR_RESPONSE},
+    503: {"description": "Loading, overloaded or shutting down", **_ERROR_RESPONSE},
+}
+_STREAMED_ERRORS = {**_ERRORS, 200: {"description": "The response, or with stream=true server-sent events of "
+                                                    "chunks", "content": {"text/event-stream": {}}}}
+
+
+def _document_errors(app: FastAPI) -> None:
+    """The OpenAPI schema says what the server does: 400 for invalid input (FastAPI would
+    document its own 422, which this server never sends)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+            schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 # -- collecting outputs ----------------------------------------------------------------------
@@ -357,13 +512,20 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             s.abort()
 
 
+def _engine_error(e: Exception) -> APIError:
+    """The error a request's client gets when the engine ends it without a result."""
+    if isinstance(e, RequestFailedError):
+        return APIError(500, f"the request failed while generating: {e}", "server_error")
+    return APIError(503, str(e), "server_error")
+
+
 async def _final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
         async for i, out in _merge(streams):
             finals[i] = out
-    except EngineStoppedError as e:
-        raise APIError(503, str(e), "server_error") from None
+    except (EngineStoppedError, RequestFailedError) as e:
+        raise _engine_error(e) from None
     missing = [s.request_id for s, f in zip(streams, finals) if f is None]
     if missing:  # aborted before its first token (shutdown)
         raise APIError(503, "the request was aborted: the server is shutting down", "server_error")
@@ -457,9 +619,14 @@ def _sse(chunks: AsyncIterator[str], streams: list[RequestStream]) -> StreamingR
         try:
             async for chunk in chunks:
                 yield chunk
-        except EngineStoppedError as e:
-            error = p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error"))
-            yield f"data: {error.model_dump_json()}\n\n"
+        except Exception as e:  # the stream ends with an error event, then [DONE], as vLLM's do
+            if isinstance(e, (EngineStoppedError, RequestFailedError)):
+                error = _engine_error(e)
+            else:
+                logger.exception("a stream failed")
+                error = APIError(500, "internal server error (see the server log)", "server_error")
+            info = p.ErrorInfo(message=error.message, type=error.type, code=error.status)
+            yield f"data: {p.ErrorResponse(error=info).model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # the client went away (cancelled) or we are done: nothing stays in the engine
             for s in streams:
@@ -578,19 +745,38 @@ def default_model_name(model: str | None) -> str:
     return model
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's Server with ember's shutdown: on SIGTERM / SIGINT it stops listening, gives
+    the requests in flight `shutdown_timeout` s to finish, fails the rest with an error
+    (their clients get an OpenAI-shaped 503, streams an error event and [DONE]), and only
+    then lets uvicorn close the connections."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.ember_state = state
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:  # no new connection from here on
+            server.close()
+        await self.ember_state.drain()
+        await super().shutdown(sockets)
+
+
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = None,
-               shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
-    """Serve until SIGTERM / SIGINT; returns the exit code (0 after a graceful stop)."""
-    import uvicorn
-
+               shutdown_timeout: float = 30.0, log_level: str = "info", limits: p.RequestLimits | None = None,
+               metrics_public: bool = False) -> int:
+    """Serve until SIGTERM / SIGINT; returns the exit code: 0 after a graceful stop, 1 if
+    the model failed to load or the engine loop died (a supervisor should restart it)."""
     names = tuple(served_model_names or [default_model_name(engine_config.model)])
     resolved = engine_config.resolve()  # a bad model path or flag fails here, before listening
-    config = ServerConfig(resolved, names, api_key, max_waiting_requests, shutdown_timeout)
+    config = ServerConfig(resolved, names, api_key, max_waiting_requests, shutdown_timeout,
+                          limits or p.RequestLimits(), metrics_public)
     app = build_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=shutdown_timeout))
     state: ServerState = app.state.ember
+    # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=5), state)
 
     def fatal() -> None:
         server.should_exit = True
@@ -603,4 +789,14 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
         signal.signal(sig, lambda signum, frame: terminated.append(signum))
     logger.info("serving %s (%s) on http://%s:%d", names[0], Path(resolved.model).name, host, port)
     server.run()
-    return 1 if state.load_error is not None else 0
+    failed = state.load_error is not None or (state.engine is not None and state.engine.error is not None)
+    code = 1 if failed else 0
+    if state.engine is None and state.load_error is None:
+        # stopped while the model loads: the loading thread may be deep in native code, where
+        # the interpreter's exit would abort the process; leave at once instead
+        logger.info("stopped while the model was loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

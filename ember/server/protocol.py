@@ -1,18 +1,29 @@
 """The OpenAI API's request and response shapes (pydantic), and how a request becomes
 SamplingParams. Field names and defaults are OpenAI's; ember's extras (top_k, min_p,
-repetition_penalty, ignore_eos, ...) are vLLM's. Unknown fields are ignored, as vLLM does.
+repetition_penalty, ignore_eos, ...) are vLLM's.
+
+Requests are strict: numbers must be numbers (no `"temperature": true` or `"1"`), every
+number is range-checked here (64-bit integers, finite floats), text must be valid Unicode,
+and an unknown field is refused with 400, never silently ignored. Caps that bound the
+work one request can make (n, prompts, logit_bias entries, stop strings, choices) come
+from the server's `RequestLimits`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ember.sampling_params import SamplingParams, StructuredOutputsParams
+from ember.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
+from ember.server.limits import MAX_STOP_CHARS, RequestLimits
 
 MAX_LOGPROBS = 20  # top alternatives one token may ask for (OpenAI's top_logprobs limit)
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+Int64 = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
+Count = Annotated[int, Field(ge=1, le=INT64[1])]
 
 
 class InvalidRequest(ValueError):
@@ -23,15 +34,48 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+def check_text(value: Any) -> None:
+    """Refuse strings that are not valid Unicode text (a lone UTF-16 surrogate, which JSON's
+    "\\ud800" escape can carry): they cannot be tokenized or echoed back. Walks nested
+    lists and dicts without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("text must be valid Unicode: found a lone surrogate (\\ud800-\\udfff)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+class _Strict(BaseModel):
+    """Strict types, finite numbers, no unknown field."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class _Request(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        check_text(data)
+        return data
+
+
 # -- requests --------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str | None = None
     description: str | None = None
@@ -39,38 +83,36 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
     """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Request):
     """What chat and completions requests share."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None  # OpenAI's default: 1
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    n: Count = 1
+    temperature: float | None = Field(default=None, ge=0)  # OpenAI's default: 1
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64[1])
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64[1])]] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    logit_bias: dict[str, float] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64[1])] = 0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: Int64 = 0
     user: str | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs, and the older guided_*
     response_format: ResponseFormat | None = None
@@ -84,28 +126,34 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         limits: RequestLimits) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+        if self.n > limits.max_n:
+            raise InvalidRequest(f"n must be at most {limits.max_n}; got {self.n}", "n")
         bias = None
         if self.logit_bias:
+            if len(self.logit_bias) > limits.max_logit_bias:
+                raise InvalidRequest(f"logit_bias may have at most {limits.max_logit_bias} entries; got "
+                                     f"{len(self.logit_bias)}", "logit_bias")
             bias = {}
             for key, value in self.logit_bias.items():
-                try:
-                    token = int(key)
-                except ValueError:
-                    raise InvalidRequest(f"logit_bias keys are token ids; got {key!r}", "logit_bias") from None
-                if not -100 <= value <= 100:
-                    raise InvalidRequest(f"logit_bias values must be in [-100, 100]; got {value}", "logit_bias")
-                bias[token] = value
+                if not (key.isascii() and key.isdigit()):
+                    raise InvalidRequest(f"logit_bias keys are token ids; got {key!r:.40}", "logit_bias")
+                bias[int(key)] = value
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]; got {logprobs}", "logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > limits.max_stop:
+            raise InvalidRequest(f"stop may have at most {limits.max_stop} strings; got {len(stop)}", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise InvalidRequest(f"a stop string may be at most {MAX_STOP_CHARS} characters long", "stop")
 
         def given(value, default):
             return default if value is None else value
 
-        structured = self._structured_outputs()
+        structured = self._structured_outputs(limits)
 
         try:
             return SamplingParams(
@@ -135,8 +183,7 @@ class _SamplingRequest(BaseModel):
                 "SamplingParams.") else None
             raise InvalidRequest(message, param) from None
 
-
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
+    def _structured_outputs(self, limits: RequestLimits) -> StructuredOutputsParams | None:
         """The one output constraint the request gives, from whichever field gives it."""
         given: list[tuple[str, dict[str, Any]]] = []
         fmt = self.response_format
@@ -158,15 +205,16 @@ class _SamplingRequest(BaseModel):
         if len(given) > 1:
             raise InvalidRequest(f"give one output constraint; got {', '.join(n for n, _ in given)}", given[1][0])
         name, fields = given[0]
+        choice = fields.get("choice")
+        if isinstance(choice, list) and len(choice) > limits.max_choices:
+            raise InvalidRequest(f"{name}: at most {limits.max_choices} choices; got {len(choice)}", name)
         try:
             return StructuredOutputsParams(**fields)
         except (TypeError, ValueError) as e:
             raise InvalidRequest(f"{name}: {e}", name) from None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Strict):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
@@ -178,7 +226,7 @@ class ChatMessage(BaseModel):
             texts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"only text content parts are supported; got type {part.get('type')!r}",
+                    raise InvalidRequest(f"only text content parts are supported; got type {part.get('type')!r:.40}",
                                          "messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
@@ -188,45 +236,54 @@ class ChatMessage(BaseModel):
         return message
 
 
+# chat_template_kwargs may not set what the server itself passes to the template
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, limits: RequestLimits = RequestLimits()) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}]; got {self.top_logprobs}",
-                                 "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, limits)
 
     def conversation(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise InvalidRequest("messages is empty: give at least one {'role', 'content'} message", "messages")
         return [m.as_template_dict() for m in self.messages]
 
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = self.chat_template_kwargs or {}
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: give them as request "
+                                 "fields", "chat_template_kwargs")
+        return kwargs
+
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    prompt: Union[str, list[str], list[Int64], list[list[Int64]]]
+    max_tokens: Count | None = 16  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, limits: RequestLimits = RequestLimits()) -> SamplingParams:
         if self.echo:
             raise InvalidRequest("echo is not supported", "echo")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", "suffix")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, limits)
 
-    def prompts(self) -> list[str | dict[str, Any]]:
+    def prompts(self, limits: RequestLimits = RequestLimits()) -> list[str | dict[str, Any]]:
         """One engine prompt per prompt given: text, or {"prompt_token_ids": [...]}."""
         p = self.prompt
         if isinstance(p, str):
@@ -237,10 +294,12 @@ class CompletionRequest(_SamplingRequest):
             prompts = [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
         if not prompts:
             raise InvalidRequest("prompt is empty: give a string, a list of strings, or token ids", "prompt")
+        if len(prompts) > limits.max_prompts:
+            raise InvalidRequest(f"at most {limits.max_prompts} prompts in one request; got {len(prompts)}", "prompt")
         return prompts
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -248,9 +307,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -347,6 +406,16 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -94,7 +94,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """{'name' or 'name{other="labels"}': value} of every ember: sample (model_name left out)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", timeout=10, headers={"Authorization": f"Bearer {KEY}"}).text
         samples = {}
         for m in re.finditer(r"^ember:(\w+)\{([^}]*)\} (\S+)$", text, re.MULTILINE):
             labels = [x for x in m.group(2).split(",") if x and not x.startswith("model_name=")]
@@ -179,11 +179,18 @@ def test_health_is_503_until_the_model_is_loaded_then_200(server):
     assert 503 in server.health_seen, "the server should answer /health while the model loads"
 
 
-def test_models_version_and_metrics_need_no_key(server, client):
+def test_every_route_that_takes_input_needs_the_key_but_health_and_version(server, client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [(m.id, m.root) for m in models.data] == [(MODEL, MODEL)]  # the served name, never a path
     assert httpx.get(f"{server.url}/version").json()["version"]
-    assert "ember:kv_cache_usage_perc" in httpx.get(f"{server.url}/metrics").text
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/openapi.json").status_code == 200
+    for method, path in [("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
+                         ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/nowhere")]:
+        r = httpx.request(method, f"{server.url}{path}", json={"prompt": "hi"})
+        assert_openai_error(r, 401, "API key")
+    keyed = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert "ember:kv_cache_usage_perc" in keyed.text
 
 
 def test_tokenize_and_detokenize(server, llm):
@@ -404,6 +411,19 @@ def test_bad_input_gets_its_status_in_openai_shape(server, path, body, status, w
     if param is not None:
         assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+def test_the_openapi_schema_documents_the_statuses_the_server_sends(server):
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses
+        assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
+        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    request = schema["components"]["schemas"]["CompletionRequest"]
+    assert request["additionalProperties"] is False  # an unknown field is refused
+    seed = request["properties"]["seed"]["anyOf"][0]
+    assert (seed["type"], seed["minimum"], float(seed["maximum"])) == ("integer", -(2**63), float(2**64 - 1))
 
 
 def test_the_official_client_raises_its_own_error_types(client):

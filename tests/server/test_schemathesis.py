@@ -1,0 +1,62 @@
+"""Property-based requests from the server's own OpenAPI schema (schemathesis): for every
+route, generated bodies that follow the schema and bodies that break it. No response may be
+a server error, every status and body must be one the schema documents, and a body that
+breaks the schema must be refused. Seeded (derandomized) and bounded: about a minute.
+
+The server is small on purpose (max_model_len 64, n and prompts at most 2): a schema-valid
+request may ask for max_tokens in the billions, and it must finish.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import (content_type_conformance, negative_data_rejection,  # noqa: E402
+                                 not_a_server_error, response_schema_conformance, status_code_conformance)
+
+from test_openai_server import KEY, Server  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = 40  # a route and a mode: with the server's start, about a minute in all
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          negative_data_rejection]
+
+
+@pytest.fixture(scope="module")
+def small_server(gguf_path, tmp_path_factory):
+    s = Server(gguf_path, tmp_path_factory.mktemp("schemathesis") / "server.log", "--api-key", KEY,
+               "--max-model-len", "64", "--max-n", "2", "--max-prompts-per-request", "2", "--max-stop-strings", "4",
+               "--max-choices", "8", "--max-logit-bias", "8")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        code = s.stop()
+    assert code == 0, s.log_tail()
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
+def test_generated_requests_get_documented_answers_and_never_a_server_error(small_server, mode):
+    api = schemathesis.openapi.from_url(f"{small_server.url}/openapi.json")
+    failures = []
+    for result in api.get_all_operations():
+        operation = result.ok()
+        if mode is GenerationMode.NEGATIVE and operation.method.upper() == "GET":
+            continue  # the GET routes take no input: there is nothing to break
+
+        @given(case=operation.as_strategy(mode))
+        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+        def check(case):
+            case.call_and_validate(base_url=small_server.url, headers={"Authorization": f"Bearer {KEY}"},
+                                   checks=CHECKS, timeout=60)
+
+        try:
+            check()
+        except Exception as e:  # noqa: BLE001 - every operation is tried, then all failures reported
+            failures.append(f"{operation.label}: {e}")
+    assert not failures, "\n\n".join(failures)
