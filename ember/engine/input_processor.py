@@ -96,10 +96,11 @@ class InputProcessor:
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
         check_prompt_length(len(ids), self.config.max_model_len)
+        if set(map(type, ids)) <= {int} and 0 <= min(ids) and max(ids) < self.vocab_size:
+            return
+        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)]
+        raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids and logprob counts against this

@@ -22,6 +22,7 @@ exit codes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -166,6 +167,7 @@ class ServerState:
         try:
             engine = AsyncEngine(self.config.engine, self.config.max_waiting_requests, self.stat_loggers,
                                  on_dead=lambda e: self.engine_died(loop))
+            engine.core.structured.warm_up()
         except BaseException as e:
             logger.exception("the model failed to load")
             self.load_error = e
@@ -176,6 +178,9 @@ class ServerState:
         if self.stopping:  # SIGTERM came while it loaded
             engine.stop()
             return
+        # what is alive now (the model, torch, the app) lives as long as the server: out of the
+        # garbage collector's sight, a full collection while a request parses takes ms, not 100
+        gc.freeze()
         logger.info("ready: %s (%d KV blocks of %d tokens, max_model_len %d)", self.config.model_name,
                     engine.core.block_pool.num_blocks, engine.core.config.block_size, engine.core.config.max_model_len)
 
@@ -208,7 +213,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     if config.api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key,
                            open_paths=_OPEN_PATHS | ({"/metrics"} if config.metrics_public else set()))
-    app.add_middleware(_BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    app.add_middleware(_BodyMiddleware, max_bytes=limits.max_body_bytes)
     _add_error_handlers(app)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "Ready (an empty body)"}, **_ERRORS})
@@ -239,8 +244,8 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
             if (body.prompt is None) == (body.messages is None):
                 raise p.InvalidRequest("give exactly one of prompt and messages", "prompt")
             if body.messages is not None:
-                conv = p.ChatCompletionRequest(messages=body.messages).conversation()
-                return engine.inputs.chat_prompt(conv, body.add_generation_prompt)["prompt_token_ids"]
+                return engine.inputs.chat_prompt(p.conversation(body.messages),
+                                                 body.add_generation_prompt)["prompt_token_ids"]
             return engine.inputs.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
         tokens = await _prepare(engine, ids)
@@ -250,11 +255,18 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     async def detokenize(body: p.DetokenizeRequest) -> dict[str, Any]:
         engine = state.ready_engine()
         state.check_model(body.model)
-        vocab = engine.inputs.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
-        return {"prompt": await _prepare(engine, engine.inputs.require_tokenizer().decode, body.tokens)}
+
+        def text() -> str:
+            tokens = p.token_ids(body.tokens, "tokens")
+            if len(tokens) > config.engine.max_model_len:  # one decode call holds the interpreter lock
+                raise p.InvalidRequest(f"at most max_model_len ({config.engine.max_model_len}) tokens; got "
+                                       f"{len(tokens)}", "tokens")
+            vocab = engine.inputs.vocab_size
+            if tokens and max(tokens) >= vocab:
+                raise p.InvalidRequest(f"token ids must be in [0, {vocab}); got {max(tokens)}", "tokens")
+            return engine.inputs.require_tokenizer().decode(tokens)
+
+        return {"prompt": await _prepare(engine, text)}
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_STREAMED_ERRORS)
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request) -> Response:
@@ -363,9 +375,10 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class _BodyLimitMiddleware:
-    """413 for a request body over `max_bytes`, before anything parses it: the body is read
-    here (by Content-Length or as it streams in) and handed on whole."""
+class _BodyMiddleware:
+    """413 for a request body over `max_bytes`, before anything parses it (the body is read
+    here, by Content-Length or as it streams in, and handed on whole); 400 for a body whose
+    text is not valid Unicode."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app = app
@@ -393,7 +406,12 @@ class _BodyLimitMiddleware:
                 return
             if not message.get("more_body", False):
                 break
-        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        body = b"".join(chunks)
+        if p.has_lone_surrogate(body):
+            await APIError(400, "invalid request: text must be valid Unicode: found a lone surrogate "
+                                "(\\ud800-\\udfff)").response()(scope, receive, send)
+            return
+        whole = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay():
             return whole.pop() if whole else await receive()

@@ -3,18 +3,26 @@ SamplingParams. Field names and defaults are OpenAI's; ember's extras (top_k, mi
 repetition_penalty, ignore_eos, ...) are vLLM's.
 
 Requests are strict: numbers must be numbers (no `"temperature": true` or `"1"`), every
-number is range-checked here (64-bit integers, finite floats), text must be valid Unicode,
-and an unknown field is refused with 400, never silently ignored. Caps that bound the
-work one request can make (n, prompts, logit_bias entries, stop strings, choices) come
-from the server's `RequestLimits`.
+number is range-checked here (64-bit integers, finite floats), and an unknown field is
+refused with 400, never silently ignored. (Text must be valid Unicode: the server checks
+the raw body, see `has_lone_surrogate`.) Caps that bound the work one request can make
+(n, prompts, logit_bias entries, stop strings, choices) come from `RequestLimits`.
+
+Fields that can hold many elements (prompts, token ids, messages, logit_bias, stop strings,
+choices) are typed `Bulk`: pydantic, which runs on the event loop and holds the GIL for
+the whole body, only documents them; `to_sampling_params()`, `prompts()` and
+`conversation()`, which the server runs on its input pool, check them element by element,
+after the caps. So a large body costs the event loop one JSON parse and no more.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema
 
 from ember.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
 from ember.server.limits import MAX_STOP_CHARS, RequestLimits
@@ -34,23 +42,34 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
-def check_text(value: Any) -> None:
-    """Refuse strings that are not valid Unicode text (a lone UTF-16 surrogate, which JSON's
-    "\\ud800" escape can carry): they cannot be tokenized or echoed back. Walks nested
-    lists and dicts without recursion."""
-    stack = [value]
+# "\\ud800".."\\udfff" escapes: the only way a JSON body can carry a lone surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def has_lone_surrogate(body: bytes) -> bool:
+    """Whether a JSON body holds a string that is not valid Unicode text (a lone UTF-16
+    surrogate, which a "\\ud800" escape can carry): it could not be tokenized or echoed
+    back. A scan of the raw bytes rules most bodies out at once; otherwise the body is
+    parsed and walked, without recursion (a body that does not parse is left to the app)."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return False
+    try:
+        stack = [json.loads(body)]
+    except (ValueError, RecursionError):
+        return False
     while stack:
         item = stack.pop()
         if isinstance(item, str):
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError("text must be valid Unicode: found a lone surrogate (\\ud800-\\udfff)") from None
+                return True
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
+    return False
 
 
 class _Strict(BaseModel):
@@ -59,12 +78,43 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
-class _Request(_Strict):
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        check_text(data)
-        return data
+def Bulk(documented: Any) -> Any:  # noqa: N802 - a type, as used in annotations
+    """A field that may hold many elements: the schema documents it as `documented`, and
+    the code checks it on the input pool (see the module docstring)."""
+    schema = TypeAdapter(documented).json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:  # the field's own $defs (a message's shape) written in place
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            return inline(defs[ref.rsplit("/", 1)[-1]]) if ref.startswith("#/$defs/") else \
+                {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return Annotated[Any, WithJsonSchema(inline(schema))]
+
+
+_SLICE = 1 << 16  # elements checked per C-level pass: each pass holds the interpreter lock ~1 ms
+
+
+def token_ids(value: Any, name: str) -> list[int]:
+    """A list of token ids (integers in [0, 2**63)), checked in C-speed passes over slices."""
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name} must be a list of token ids (integers)", name)
+    for i in range(0, len(value), _SLICE):
+        part = value[i:i + _SLICE]
+        if not set(map(type, part)) <= {int}:
+            raise InvalidRequest(f"{name} must be a list of token ids (integers)", name)
+        if min(part) < 0 or max(part) > INT64[1]:
+            raise InvalidRequest(f"{name} must be token ids in [0, 2**63)", name)
+    return value
+
+
+def strings(value: Any, name: str) -> list[str]:
+    if not isinstance(value, list) or not all(set(map(type, value[i:i + _SLICE])) <= {str}
+                                              for i in range(0, len(value), _SLICE)):
+        raise InvalidRequest(f"{name} must be a list of strings", name)
+    return value
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -90,7 +140,7 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(_Strict):
     """What chat and completions requests share."""
 
     model: str | None = None
@@ -103,11 +153,12 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64[1])]] | None = None
+    stop: Bulk(Union[str, list[str], None]) = None
+    stop_token_ids: Bulk(list[Annotated[int, Field(ge=0, le=INT64[1])]] | None) = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT64[1])] = 0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: Bulk(dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]]
+                     | None) = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -119,7 +170,7 @@ class _SamplingRequest(_Request):
     structured_outputs: dict[str, Any] | None = None
     guided_json: Union[dict[str, Any], str, None] = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Bulk(list[str] | None) = None
     guided_grammar: str | None = None
 
     @property
@@ -132,23 +183,16 @@ class _SamplingRequest(_Request):
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
         if self.n > limits.max_n:
             raise InvalidRequest(f"n must be at most {limits.max_n}; got {self.n}", "n")
-        bias = None
-        if self.logit_bias:
-            if len(self.logit_bias) > limits.max_logit_bias:
-                raise InvalidRequest(f"logit_bias may have at most {limits.max_logit_bias} entries; got "
-                                     f"{len(self.logit_bias)}", "logit_bias")
-            bias = {}
-            for key, value in self.logit_bias.items():
-                if not (key.isascii() and key.isdigit()):
-                    raise InvalidRequest(f"logit_bias keys are token ids; got {key!r:.40}", "logit_bias")
-                bias[int(key)] = value
+        bias = self._logit_bias(limits)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]; got {logprobs}", "logprobs")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = [self.stop] if isinstance(self.stop, str) else strings(self.stop, "stop") if self.stop is not None \
+            else []
         if len(stop) > limits.max_stop:
             raise InvalidRequest(f"stop may have at most {limits.max_stop} strings; got {len(stop)}", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in stop):
             raise InvalidRequest(f"a stop string may be at most {MAX_STOP_CHARS} characters long", "stop")
+        stop_token_ids = token_ids(self.stop_token_ids, "stop_token_ids") if self.stop_token_ids is not None else []
 
         def given(value, default):
             return default if value is None else value
@@ -169,7 +213,7 @@ class _SamplingRequest(_Request):
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 stop=stop,
-                stop_token_ids=list(self.stop_token_ids or []),
+                stop_token_ids=stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
@@ -182,6 +226,24 @@ class _SamplingRequest(_Request):
             param = message.split(" ", 1)[0].removeprefix("SamplingParams.") if message.startswith(
                 "SamplingParams.") else None
             raise InvalidRequest(message, param) from None
+
+    def _logit_bias(self, limits: RequestLimits) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequest("logit_bias must be an object of token id -> bias", "logit_bias")
+        if len(self.logit_bias) > limits.max_logit_bias:
+            raise InvalidRequest(f"logit_bias may have at most {limits.max_logit_bias} entries; got "
+                                 f"{len(self.logit_bias)}", "logit_bias")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequest(f"logit_bias keys are token ids; got {key!r:.40}", "logit_bias")
+            if type(value) not in (int, float) or not -100 <= value <= 100:
+                raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100]; got {value!r:.40}",
+                                     "logit_bias")
+            bias[int(key)] = float(value)
+        return bias
 
     def _structured_outputs(self, limits: RequestLimits) -> StructuredOutputsParams | None:
         """The one output constraint the request gives, from whichever field gives it."""
@@ -196,6 +258,8 @@ class _SamplingRequest(_Request):
             given.append(("response_format", {"json": fmt.json_schema.json_schema}))
         if self.structured_outputs:
             given.append(("structured_outputs", {k: v for k, v in self.structured_outputs.items() if v is not None}))
+        if self.guided_choice is not None:
+            strings(self.guided_choice, "guided_choice")
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
             if value is not None:
@@ -236,12 +300,25 @@ class ChatMessage(_Strict):
         return message
 
 
+def conversation(messages: Any) -> list[dict[str, Any]]:
+    """The template's messages from a request's `messages` (checked one message at a time)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {'role', 'content'} messages", "messages")
+    try:
+        return [(m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m)).as_template_dict()
+                for m in messages]
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(x) for x in error.get("loc", ()))
+        raise InvalidRequest(f"messages: {where + ': ' if where else ''}{error.get('msg')}", "messages") from None
+
+
 # chat_template_kwargs may not set what the server itself passes to the template
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools"})
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Bulk(list[ChatMessage])
     max_tokens: Count | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Count | None = None
     logprobs: bool = False
@@ -256,9 +333,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, limits)
 
     def conversation(self) -> list[dict[str, Any]]:
-        if not self.messages:
-            raise InvalidRequest("messages is empty: give at least one {'role', 'content'} message", "messages")
-        return [m.as_template_dict() for m in self.messages]
+        return conversation(self.messages)
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = self.chat_template_kwargs or {}
@@ -270,7 +345,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[Int64], list[list[Int64]]]
+    prompt: Bulk(Union[str, list[str], list[Int64], list[list[Int64]]])
     max_tokens: Count | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -288,28 +363,31 @@ class CompletionRequest(_SamplingRequest):
         p = self.prompt
         if isinstance(p, str):
             prompts: list = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [{"prompt_token_ids": list(p)}]
+        elif not isinstance(p, list) or not p:
+            raise InvalidRequest("prompt must be a non-empty string, list of strings, token ids, or list of "
+                                 "lists of token ids", "prompt")
+        elif type(p[0]) is int:
+            prompts = [{"prompt_token_ids": token_ids(p, "prompt")}]
+        elif type(p[0]) is list:
+            prompts = [{"prompt_token_ids": token_ids(ids, "prompt")} for ids in p]
         else:
-            prompts = [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
-        if not prompts:
-            raise InvalidRequest("prompt is empty: give a string, a list of strings, or token ids", "prompt")
+            prompts = strings(p, "prompt")
         if len(prompts) > limits.max_prompts:
             raise InvalidRequest(f"at most {limits.max_prompts} prompts in one request; got {len(prompts)}", "prompt")
         return prompts
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Bulk(list[ChatMessage] | None) = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[Int64]
+    tokens: Bulk(list[Int64])
 
 
 # -- responses -------------------------------------------------------------------------------

@@ -74,6 +74,9 @@ class GrammarBackend(ABC):
         """Compile for this vocabulary; may be slow (the engine runs it on a worker thread).
         Raises ValueError as validate() does (the offline path may not have called it)."""
 
+    def warm_up(self) -> None:
+        """Build now what the first compile would (imports, the vocabulary's tables)."""
+
 
 class UnavailableBackend(GrammarBackend):
     """The null backend: the engine runs, but refuses constrained requests at the boundary."""

@@ -132,6 +132,9 @@ class GuidanceBackend(GrammarBackend):
             raise ValueError(never_ends)
         return _Compiled(self.ll_tokenizer(), _grammar(params))
 
+    def warm_up(self) -> None:
+        self.ll_tokenizer()
+
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:  # built once, on first use (~0.3 s)
             if self._ll_tokenizer is None:

@@ -183,6 +183,16 @@ class StructuredOutputManager:
                 self._backend = self._make_backend()
             return self._backend
 
+    def warm_up(self) -> None:
+        """Import the grammar package and build its vocabulary tables now (a server does
+        this at start: the first constrained request would otherwise pay a second or two of
+        imports, holding the interpreter lock that the event loop needs). A failure here is
+        only logged: constrained requests then get the error themselves."""
+        try:
+            self.backend.warm_up()
+        except Exception:
+            logger.warning("the grammar backend could not be prepared: structured output may fail", exc_info=True)
+
     # -- the boundary ---------------------------------------------------------------------
 
     def validate(self, params: SamplingParams) -> None:

@@ -136,6 +136,9 @@ class XGrammarBackend(GrammarBackend):
                              f"{_compiler_message(e)}") from None
         return _Compiled(compiled, jump_forward=verdict.status == "ends")
 
+    def warm_up(self) -> None:
+        self.compiler()
+
     def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:  # built once, on first use (~30 ms)
             if self._compiler is None:
