@@ -21,7 +21,7 @@ from test_openai_server import KEY, Server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = 40  # a route and a mode: with the server's start, about a minute in all
+EXAMPLES = 30  # a route and a mode: with the server's start, under a minute in all
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
 
