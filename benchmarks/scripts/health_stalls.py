@@ -14,17 +14,8 @@ import time
 import httpx
 
 sys.path.insert(0, "tests/server")
-from test_fault_injection import HOSTILE, MODEL  # noqa: E402
+from test_fault_injection import _POLLER as POLL, HOSTILE, MODEL  # noqa: E402
 
-POLL = """
-import sys, time, httpx
-with httpx.Client(timeout=30) as client:
-    while True:
-        start = time.perf_counter()
-        code = client.get(sys.argv[1] + "/health").status_code
-        print(code, time.perf_counter() - start, flush=True)
-        time.sleep(0.02)
-"""
 
 url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8011"
 for name, (path, body), _, _ in HOSTILE:

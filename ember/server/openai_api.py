@@ -210,10 +210,10 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
 
     app = FastAPI(title="ember", version=ember.__version__, lifespan=lifespan)
     app.state.ember = state
-    if config.api_key:
+    app.add_middleware(_BodyMiddleware, max_bytes=limits.max_body_bytes)
+    if config.api_key:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key,
                            open_paths=_OPEN_PATHS | ({"/metrics"} if config.metrics_public else set()))
-    app.add_middleware(_BodyMiddleware, max_bytes=limits.max_body_bytes)
     _add_error_handlers(app)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "Ready (an empty body)"}, **_ERRORS})
@@ -342,7 +342,7 @@ def _submit(engine: AsyncEngine, requests: list[EngineRequest]) -> list[RequestS
             raise APIError(503, str(e), "server_error", code="overloaded",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         if isinstance(e, EngineStoppedError):
-            raise APIError(503, str(e), "server_error") from None
+            raise _engine_error(e) from None
         if isinstance(e, ValueError):
             raise bad_request(e) from None
         raise
@@ -534,6 +534,8 @@ def _engine_error(e: Exception) -> APIError:
     """The error a request's client gets when the engine ends it without a result."""
     if isinstance(e, RequestFailedError):
         return APIError(500, f"the request failed while generating: {e}", "server_error")
+    if isinstance(e, EngineDeadError):  # its text names the exception: that stays in the log
+        return APIError(503, "the engine loop died: the server is going down (see its log)", "server_error")
     return APIError(503, str(e), "server_error")
 
 

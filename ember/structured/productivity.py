@@ -346,33 +346,25 @@ def _regex_verdict(pattern: str, read_regex: Callable[[str], str]) -> Productivi
 # -- the analysis ------------------------------------------------------------------------
 
 
+def _leaves(expr: _Expr) -> Iterator[_Terminal | _Ref]:
+    """The terminals and rule references in an expression (not inside lookaheads)."""
+    if isinstance(expr, (_Terminal, _Ref)):
+        yield expr
+    elif isinstance(expr, (_Seq, _Choice)):
+        for part in expr.items if isinstance(expr, _Seq) else expr.options:
+            yield from _leaves(part)
+    elif isinstance(expr, _Repeat):
+        yield from _leaves(expr.body)
+
+
 def _refs(expr: _Expr) -> Iterator[str]:
     """The rules an expression refers to (not inside lookaheads)."""
-    if isinstance(expr, _Ref):
-        yield expr.name
-    elif isinstance(expr, _Seq):
-        for item in expr.items:
-            yield from _refs(item)
-    elif isinstance(expr, _Choice):
-        for option in expr.options:
-            yield from _refs(option)
-    elif isinstance(expr, _Repeat):
-        yield from _refs(expr.body)
+    return (leaf.name for leaf in _leaves(expr) if isinstance(leaf, _Ref))
 
 
 def _dead_terminals(expr: _Expr) -> Iterator[_Terminal]:
     """The terminals in an expression that nothing matches (not inside lookaheads)."""
-    if isinstance(expr, _Terminal):
-        if not expr.ends:
-            yield expr
-    elif isinstance(expr, _Seq):
-        for item in expr.items:
-            yield from _dead_terminals(item)
-    elif isinstance(expr, _Choice):
-        for option in expr.options:
-            yield from _dead_terminals(option)
-    elif isinstance(expr, _Repeat):
-        yield from _dead_terminals(expr.body)
+    return (leaf for leaf in _leaves(expr) if isinstance(leaf, _Terminal) and not leaf.ends)
 
 
 def _ends(expr: _Expr, productive: set[str]) -> bool:
