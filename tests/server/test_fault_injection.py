@@ -121,7 +121,9 @@ class _Health:
     def stop(self) -> None:
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=30)
-        self.samples = [(int(code), float(t)) for code, t in (line.split() for line in out.splitlines())]
+        lines = out.splitlines()
+        # the last line may be cut short by terminate(): only the lines before it count
+        self.samples = [(int(code), float(t)) for code, t in (line.split() for line in lines[:-1])]
 
 
 @contextmanager
