@@ -10,7 +10,7 @@ import torch
 
 from ember.kernels import cpu as cpu_kernels
 from ember.layers.activation import silu_and_mul
-from ember.layers.attention.torch_ref import _decode_attention, context_blocks
+from ember.layers.attention.torch_ref import _matmul_attention, context_blocks
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -105,8 +105,8 @@ def plain_decode(q, k_cache, v_cache, tables, lens, scale):
     block_size = k_cache.shape[1]
     length = -(-int(lens.max()) // block_size) * block_size
     mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
-    return _decode_attention(q.float(), context_blocks(k_cache, tables, length).float(),
-                             context_blocks(v_cache, tables, length).float(), mask, scale)
+    return _matmul_attention(q.float()[:, None], context_blocks(k_cache, tables, length).float(),
+                             context_blocks(v_cache, tables, length).float(), mask, scale, None)[:, 0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])

@@ -22,18 +22,24 @@ def kernels(request):
             yield
 
 
-def dense_attention(q, k, v, scale):
-    """q: [n, H, D] for the last n positions of a context k/v: [L, Hkv, D]; causal."""
+def dense_attention(q, k, v, scale, window=None, softcap=None):
+    """q: [n, H, D] for the last n positions of a context k/v: [L, Hkv, D]; causal, and with
+    `window` each query sees its last `window` positions only; `softcap` c: c * tanh(s / c)."""
     n, L, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(L - n, L)[:, None]
-    scores = scores.masked_fill(torch.arange(L)[None, :] > q_pos, float("-inf"))
+    hidden = torch.arange(L)[None, :] > q_pos
+    if window is not None:
+        hidden |= torch.arange(L)[None, :] <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
 def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16, block_size=4, seed=0,
-             dtype=torch.float32, fp8_scales=None):
+             dtype=torch.float32, fp8_scales=None, window=None, softcap=None):
     """Sequences with `cached[i]` tokens already in the cache and `new[i]` new ones; with
     fp8_scales (k, v) the cache is float8_e4m3fn."""
     g = torch.Generator().manual_seed(seed)
@@ -69,13 +75,14 @@ def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16
         seq_lens_cpu=[c + n for c, n in zip(cached, new)],
     )
     scale = 1 / math.sqrt(head_dim)
-    out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale,
+                                                 sliding_window=window, logit_softcap=softcap)
     start = 0
     for i, (c, n) in enumerate(zip(cached, new)):
         # what the cache holds, read back: the K/V themselves, or their fp8 round trip
         kk, vv = (dequantize_kv(quantize_kv(x, cache_dtype, s), s).float()
                   for x, s in ((full_k[i], k_scale), (full_v[i], v_scale)))
-        expected = dense_attention(q[start:start + n].float(), kk, vv, scale)
+        expected = dense_attention(q[start:start + n].float(), kk, vv, scale, window, softcap)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16 output: 8 bits of mantissa
         torch.testing.assert_close(out[start:start + n].float(), expected, rtol=tol, atol=tol)
         start += n
@@ -125,11 +132,27 @@ def test_short_chunks_share_one_padded_batch_and_long_ones_run_alone():
     # jump-forward's appended tokens (2..16 new tokens over a cached prefix) next to decodes
     # and a prompt longer than SHORT_CHUNK
     meta = run_case(cached=[9, 4, 0, 17, 3, 30], new=[6, 1, 3, 2, 1, 20], seed=7)
-    decode, short, long = meta.plans["torch"]
+    decode, short, long = meta.plans[("torch", None)]
     assert decode.tables.shape[0] == 2 and long.tables.shape[0] == 1 and long.mask.shape[2] == 20
     assert short.mask.shape[:3] == (3, 1, 6)  # three sequences, padded to the widest (6)
     # rows: seq 0's 6 new tokens, seq 2's 3 (its last repeated), seq 3's 2 (its last repeated)
     assert short.tokens.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9, 9, 9, 9, 10, 11, 11, 11, 11, 11]
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_sliding_window_in_decode_short_chunks_and_prefill(window):
+    # contexts longer and shorter than the window, in each kind of group
+    run_case(cached=[9, 4, 0, 17, 3, 30, 0], new=[6, 1, 3, 2, 1, 20, 1], seed=11, window=window)
+
+
+def test_sliding_window_and_softcap_in_bfloat16_and_fp8():
+    run_case(cached=[9, 4, 0, 30], new=[6, 1, 20, 1], seed=12, window=5, softcap=2.0, dtype=torch.bfloat16)
+    run_case(cached=[9, 4, 0, 30], new=[6, 1, 20, 1], seed=12, window=5, fp8_scales=(0.5, 2.0))
+
+
+def test_logit_softcap():
+    # scores big enough for the cap to bite: scale 1 instead of 1/sqrt(D) would be the same test
+    run_case(cached=[9, 4, 0, 17], new=[6, 1, 20, 1], seed=13, softcap=0.5)
 
 
 def test_mha_without_gqa():

@@ -21,6 +21,12 @@ The cache is in the model dtype, or fp8 (float8_e4m3fn, --kv-cache-dtype fp8): t
 holds K / k_scale and V / v_scale, clamped to +-448 and rounded to nearest even, and
 attention reads them back times the scale. The scales are per layer and per tensor, [1]
 float32 on the device (1.0 unless a checkpoint brings calibrated ones; None means 1.0).
+
+Two per-layer options change what a query sees (Mistral, Phi-3, Gemma):
+- `sliding_window` W: a query at position p attends only to keys at positions
+  p - W < k <= p (W keys, itself included; HF's convention). None: the whole context.
+- `logit_softcap` c: each score s = scale * q.k becomes c * tanh(s / c) before the
+  softmax (Gemma 2). None: scores as they are.
 """
 
 from __future__ import annotations
@@ -67,5 +73,7 @@ class AttentionBackend(ABC):
         k_scale: torch.Tensor | None = None,  # [1] float32: an fp8 cache's scales; unused otherwise
         v_scale: torch.Tensor | None = None,
         kv_written: bool = False,  # k and v are in the cache already (CUDA's RoPE kernel wrote them)
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -79,32 +79,38 @@ class TorchReferenceBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                kv_written: bool = False) -> torch.Tensor:
+                kv_written: bool = False, sliding_window: int | None = None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        groups = meta.plans.get(self.name)
+        key = (self.name, sliding_window)  # layers with another window see other keys: their own plan
+        groups = meta.plans.get(key)
         if groups is None:
-            groups = meta.plans[self.name] = _plan(meta, k_cache.shape[1])
+            groups = meta.plans[key] = _plan(meta, k_cache.shape[1], sliding_window)
         scales = (k_scale, v_scale)
         if len(groups) == 1 and isinstance(groups[0].tokens, slice) and groups[0].tokens == slice(None):
-            return self._attend(q, k_cache, v_cache, groups[0], scale, scales)  # one group covers all rows
+            return self._attend(q, k_cache, v_cache, groups[0], scale, scales, sliding_window, logit_softcap)
         out = torch.empty_like(q)
         for g in groups:
-            out[g.tokens] = self._attend(q[g.tokens], k_cache, v_cache, g, scale, scales)
+            out[g.tokens] = self._attend(q[g.tokens], k_cache, v_cache, g, scale, scales, sliding_window,
+                                         logit_softcap)
         return out
 
     @staticmethod
-    def _attend(q, k_cache, v_cache, g: _Group, scale: float, kv_scales) -> torch.Tensor:
+    def _attend(q, k_cache, v_cache, g: _Group, scale: float, kv_scales, sliding_window: int | None,
+                logit_softcap: float | None) -> torch.Tensor:
         """q rows of B sequences: [B * n, H, D] -> [B * n, H, D]."""
         batch, n, length = g.tables.shape[0], g.mask.shape[2], g.mask.shape[3]
-        if g.lens is not None and _in_place_decode_ok(q, k_cache):  # not an fp8 cache: its dtype differs
+        if g.lens is not None and _in_place_decode_ok(q, k_cache, sliding_window, logit_softcap):
             return cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, g.tables, g.lens, scale)
         keys = dequantize_kv(context_blocks(k_cache, g.tables, length), kv_scales[0])  # [B, L, Hkv, D]
         values = dequantize_kv(context_blocks(v_cache, g.tables, length), kv_scales[1])
-        if n == 1 and q.dtype != torch.float32:
+        if logit_softcap is not None or (n == 1 and q.dtype != torch.float32):
             # measured at batch 16: for a bfloat16 cache two small float32 matmuls beat
-            # upcasting everything for SDPA; in float32, SDPA's kernel is the faster one
-            return _decode_attention(q, keys, values, g.mask, scale)
+            # upcasting everything for SDPA; in float32, SDPA's kernel is the faster one.
+            # SDPA has no soft-capping: capped scores take the matmuls too.
+            return _matmul_attention(q.view(batch, n, *q.shape[1:]), keys, values, g.mask, scale,
+                                     logit_softcap).reshape(q.shape)
         # in float32: torch's CPU attention is much slower in bfloat16, and these are small
         o = F.scaled_dot_product_attention(
             q.view(batch, n, *q.shape[1:]).transpose(1, 2).float(), keys.transpose(1, 2).float(),
@@ -113,24 +119,37 @@ class TorchReferenceBackend(AttentionBackend):
         return o.transpose(1, 2).reshape(q.shape).to(q.dtype)
 
 
-def _in_place_decode_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return k_cache.dtype == q.dtype and cpu_kernels.for_tensor(q) is not None
+def _in_place_decode_ok(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
+                        logit_softcap: float | None) -> bool:
+    """The C++ decode kernel reads the whole context with plain scores, in the model dtype
+    (not an fp8 cache: its dtype differs)."""
+    return sliding_window is None and logit_softcap is None and k_cache.dtype == q.dtype \
+        and cpu_kernels.for_tensor(q) is not None
 
 
-def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """One query per sequence, computed in float32: q [B, H, D], keys/values [B, L, Hkv, D],
-    mask [B, 1, 1, L]."""
-    batch, heads, dim = q.shape
+def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float, logit_softcap: float | None) -> torch.Tensor:
+    """Attention in float32 with two matmuls: q [B, n, H, D], keys/values [B, L, Hkv, D],
+    mask [B, 1, n, L] -> [B, n, H, D]."""
+    batch, n, heads, dim = q.shape
     kv_heads = keys.shape[2]
-    qg = q.view(batch, kv_heads, heads // kv_heads, dim).float()  # a KV head's query group
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, keys.float()) * scale
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
-    return out.reshape(batch, heads, dim).to(q.dtype)
+    qg = q.reshape(batch, n, kv_heads, heads // kv_heads, dim).float()  # a KV head's query group
+    scores = torch.einsum("bnkgd,blkd->bkgnl", qg, keys.float()) * scale
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    probs = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
+    out = torch.einsum("bkgnl,blkd->bnkgd", probs, values.float())
+    return out.reshape(batch, n, heads, dim).to(q.dtype)
 
 
-def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
+def _visible(keys: torch.Tensor, q_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """keys [..., L] and query positions [..., 1] -> True where the query may see the key:
+    causal, and inside the window when there is one (base.py)."""
+    mask = keys <= q_pos
+    return mask if sliding_window is None else mask & (keys > q_pos - sliding_window)
+
+
+def _plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> list[_Group]:
     device = meta.block_tables.device
     groups = []
     decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
@@ -141,23 +160,24 @@ def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
         else:
             idx = torch.tensor(decode, device=device)
             rows, tables, lens = meta.query_start_loc[idx].long(), meta.block_tables[idx], meta.seq_lens[idx]
-        valid = torch.arange(longest, device=device)[None, :] < lens[:, None]  # [B, L]
+        valid = _visible(torch.arange(longest, device=device)[None, :], lens[:, None] - 1, sliding_window)  # [B, L]
         groups.append(_Group(rows, tables.contiguous(), valid[:, None, None, :], lens.contiguous()))
     starts = meta.query_start_loc.tolist()
     short = [i for i, n in enumerate(meta.query_lens_cpu) if 1 < n <= SHORT_CHUNK]
     if short:
-        groups.append(_short_chunks(meta, short, starts, block_size))
+        groups.append(_short_chunks(meta, short, starts, block_size, sliding_window))
     for i, n in enumerate(meta.query_lens_cpu):
         if n > SHORT_CHUNK:  # causal among the n new tokens, full over the cached prefix before them
             length = meta.seq_lens_cpu[i]
             padded = -(-length // block_size) * block_size
             q_pos = torch.arange(length - n, length, device=device)
-            mask = torch.arange(padded, device=device)[None, :] <= q_pos[:, None]  # [n, L]
+            mask = _visible(torch.arange(padded, device=device)[None, :], q_pos[:, None], sliding_window)  # [n, L]
             groups.append(_Group(slice(starts[i], starts[i] + n), meta.block_tables[i:i + 1], mask[None, None]))
     return groups
 
 
-def _short_chunks(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int) -> _Group:
+def _short_chunks(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int,
+                  sliding_window: int | None) -> _Group:
     """Sequences with a few new tokens each, padded to the widest: a sequence with n < width
     new tokens repeats its last query in the padding, which writes the same output row
     again with the same value.
@@ -173,6 +193,6 @@ def _short_chunks(meta: AttentionMetadata, seqs: list[int], starts: list[int], b
         positions += [length - n + min(j, n - 1) for j in range(width)]
     longest = -(-max(meta.seq_lens_cpu[i] for i in seqs) // block_size) * block_size
     q_pos = torch.tensor(positions, device=device).view(len(seqs), width)
-    mask = torch.arange(longest, device=device)[None, None, :] <= q_pos[:, :, None]  # [B, width, L]
+    mask = _visible(torch.arange(longest, device=device)[None, None, :], q_pos[:, :, None], sliding_window)
     tables = meta.block_tables[torch.tensor(seqs, device=device)]
     return _Group(torch.tensor(rows, device=device), tables, mask[:, None])
