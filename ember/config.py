@@ -95,10 +95,10 @@ class EngineConfig:
             raise ValueError("device='cuda' but torch sees no CUDA device: use device='cpu'")
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         max_model_len = self.max_model_len or model_config.max_position_embeddings
-        if max_model_len > model_config.max_position_embeddings:
+        if max_model_len > model_config.max_context:
             raise ValueError(
                 f"max_model_len={max_model_len} is longer than the model's context "
-                f"({model_config.max_position_embeddings}): lower max_model_len"
+                f"({model_config.max_context}): lower max_model_len"
             )
         if device == "cuda" and _KV_CACHE_DTYPES[self.kv_cache_dtype] is not None \
                 and torch.cuda.get_device_capability() < (8, 9):

@@ -15,3 +15,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu_tanh(gate) * up, where gate_up = [gate | up] along the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -9,12 +9,18 @@ class RMSNorm(nn.Module):
 
     With `residual`, the residual add before the norm is fused in: returns
     (norm(x + residual), x + residual). On CUDA one Triton kernel does both, on the CPU
-    one C++ kernel (ember/kernels/cpu); both update `residual` in place."""
+    one C++ kernel (ember/kernels/cpu); both update `residual` in place.
 
-    def __init__(self, size: int, eps: float) -> None:
+    `unit_offset` (Gemma): the checkpoint holds w and the norm scales by (1 + w); the 1 is
+    added once, as the weight loads, so every kernel runs the plain norm."""
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
+        if unit_offset:
+            self.weight.weight_loader = _load_plus_one
+
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda:
@@ -36,3 +42,9 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def _load_plus_one(param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded.float() + 1.0)  # in float32, as Gemma's norm adds it

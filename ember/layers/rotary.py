@@ -13,31 +13,89 @@ from ember.kernels import cpu as cpu_kernels
 from ember.models.config import RopeScaling
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None,
+                  max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim / 2], the factor cos and sin are multiplied by) of a
+    RoPE scaled as `scaling.kind` says (models/config.py). The two that depend on the context
+    length (dynamic, longrope) are fixed by the served one, `max_positions`, as llama.cpp fixes
+    them by its context: within the trained context they are the unscaled (dynamic) or
+    short-factor (longrope) RoPE that transformers uses there."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     inv_freq = 1.0 / theta**exponents
     if scaling is None:
-        return inv_freq
-    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        return inv_freq, 1.0
+    original = scaling.original_max_position_embeddings
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if scaling.kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32), 1.0
+    if scaling.kind == "dynamic":
+        if max_positions <= original:
+            return inv_freq, 1.0
+        base = theta * (scaling.factor * max_positions / original - (scaling.factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        return 1.0 / base**exponents, 1.0
+    if scaling.kind == "longrope":
+        factors = scaling.long_factor if max_positions > original else scaling.short_factor
+        attention = scaling.attention_factor
+        if attention is None:
+            attention = 1.0 if scaling.factor <= 1 else math.sqrt(1 + math.log(scaling.factor) / math.log(original))
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents), float(attention)
+    if scaling.kind == "yarn":
+        return _yarn(rotary_dim, theta, scaling, exponents)
+    return _llama3(inv_freq, scaling), 1.0
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Long wavelengths are slowed by `factor`, short ones kept, the band between blended."""
+    original = scaling.original_max_position_embeddings
+    low_wavelen = original / scaling.low_freq_factor
+    high_wavelen = original / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
     out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
     is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     return torch.where(is_medium, blended, out)
 
 
+def _yarn(rotary_dim: int, theta: float, scaling: RopeScaling, exponents: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn fewer than beta_slow times over the trained context are
+    interpolated (/ factor), more than beta_fast times kept, a linear ramp between."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return rotary_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+            / (2 * math.log(theta))
+
+    attention = scaling.attention_factor
+    if attention is None:
+        attention = mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim) \
+            if scaling.mscale and scaling.mscale_all_dim else mscale(scaling.factor)
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    pos_freqs = theta**exponents
+    inv_freq = (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        # [max_positions, head_dim]: cos | sin halves, looked up by position each step
-        self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False)
+        # [max_positions, head_dim]: cos | sin halves, looked up by position each step; YaRN and
+        # LongRoPE scale both (and so every attention score) by attention_factor squared
+        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        if attention_factor != 1.0:
+            cos_sin = cos_sin * attention_factor
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> torch.Tensor:
         """[T, head_dim] float32, cos | sin of these positions: once per forward, shared by

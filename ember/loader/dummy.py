@@ -18,10 +18,11 @@ def iter_dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = tor
     other numbers than the CPU's for the same seed."""
     gen = torch.Generator(device=device).manual_seed(seed)
     draw_dtype = torch.float32 if device == "cpu" else dtype
+    norm_center = 0.0 if cfg.norm_unit_offset else 1.0  # a Gemma norm scales by 1 + w
     for name, shape in hf_weight_shapes(cfg).items():
         t = torch.randn(shape, generator=gen, device=device, dtype=draw_dtype)
         if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * t
+            t = norm_center + 0.1 * t
         else:
             t = 0.02 * t
         yield name, t.to(dtype)

@@ -29,19 +29,27 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    fused = cfg.architecture == "phi3"  # Phi-3 checkpoints store q|k|v and gate|up merged
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
+        if fused:
+            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)}
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+            }
+        if cfg.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         if cfg.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
@@ -67,9 +75,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     expected: set[tuple[str, int | None]] = set()
-    for pname, param in params.items():
-        module = model.get_submodule(pname.rsplit(".", 1)[0])
-        shards = getattr(module, "num_shards", None)
+    for pname in params:
+        shards = _num_shards(model, pname)
         expected |= {(pname, s) for s in range(shards)} if shards else {(pname, None)}
     done: set[tuple[str, int | None]] = set()
     unknown: list[str] = []
@@ -84,9 +91,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             raise ValueError(f"{source}: tensor {name!r} appears twice")
         param = params[pname]
         loader = getattr(param, "weight_loader", None)
+        shards = _num_shards(model, pname)
         try:
             with torch.no_grad():
-                if shard is None:
+                if shard is None and (shards or loader is None):
+                    # a plain parameter, or a merged one stored merged (Phi-3's qkv_proj, gate_up_proj)
                     if param.shape != tensor.shape:
                         raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
                     param.data.copy_(tensor)
@@ -94,6 +103,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
                     loader(param, tensor, shard)
         except ValueError as e:
             raise ValueError(f"{source}: tensor {name!r} does not fit {pname}: {e}") from None
+        if shard is None and shards:
+            if any((pname, s) in done for s in range(shards)):
+                raise ValueError(f"{source}: tensor {name!r} overlaps its parts stored separately")
+            done |= {(pname, s) for s in range(shards)}
+            continue
         done.add((pname, shard))
     missing = sorted(expected - done, key=str)
     if unknown or missing:
@@ -103,6 +117,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if missing:
             msg.append(f"{len(missing)} missing: {', '.join(_show(m) for m in missing[:8])}")
         raise ValueError(" ".join(msg))
+
+
+def _num_shards(model: nn.Module, pname: str) -> int | None:
+    """How many checkpoint tensors fill this merged parameter; None for a plain one."""
+    return getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "num_shards", None)
 
 
 def _show(item: tuple[str, int | None]) -> str:

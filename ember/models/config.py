@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 # HF `architectures[0]` -> ember's family name
 _HF_ARCHITECTURES = {
@@ -18,17 +19,47 @@ _HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
+# HF `model_type` -> family, for a config.json without `architectures`
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                   "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+_GEMMA = ("gemma2", "gemma3")
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling (rope_type "llama3")."""
+    """How a RoPE's frequencies are stretched beyond the trained context, by `kind`:
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    linear    every frequency / factor
+    dynamic   NTK: a larger base, chosen for the served context length (none within the trained one)
+    yarn      interpolation blended into extrapolation between beta_slow and beta_fast rotations,
+              cos/sin times attention_factor
+    longrope  per-frequency factors: short ones within the trained context, long beyond it;
+              cos/sin times attention_factor
+    llama3    long wavelengths / factor, short ones kept, the band between blended
+    freq_factors  every frequency / its own factor (llama.cpp's rope_freqs tensor: Llama 3's
+              scaling, precomputed)
+    """
+
+    kind: str
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0
+    attention_factor: float | None = None  # yarn, longrope; None: derived from factor
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()  # longrope
+    long_factor: tuple[float, ...] = ()
+    freq_factors: tuple[float, ...] = ()  # freq_factors
 
 
 @dataclass(frozen=True)
@@ -46,10 +77,23 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on each head of q and k
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    hidden_act: str = "silu"  # silu | gelu_tanh: the MLP's act(gate) * up
+    # Gemma: a checkpoint's norm weight w is applied as (1 + w) (the loader folds the 1 in)
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False  # Gemma 2/3: a norm on each sublayer's output too
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power, not head_dim's
+    attn_logit_softcap: float | None = None  # Gemma 2: scores c * tanh(s / c)
+    final_logit_softcap: float | None = None  # Gemma 2: logits likewise
+    # the sliding window of each layer (None: attends the whole context); None: no layer has one
+    layer_windows: tuple[int | None, ...] | None = None
+    # Gemma 3: the sliding layers' own RoPE (base, scaling); None: every layer shares one
+    local_rope_theta: float | None = None
+    local_rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -61,37 +105,91 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {self.hidden_act!r}; ember runs silu and gelu_tanh")
+        if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    def layer_window(self, layer: int) -> int | None:
+        return None if self.layer_windows is None else self.layer_windows[layer]
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the model serves: its own, or for YaRN and dynamic NTK the
+        trained one stretched by the factor (asked for with max_model_len; the default stays
+        max_position_embeddings)."""
+        s = self.rope_scaling
+        if s is not None and s.kind in ("yarn", "dynamic"):
+            return max(self.max_position_embeddings, int(s.original_max_position_embeddings * s.factor))
+        return self.max_position_embeddings
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @staticmethod
     def from_hf_config(config: dict[str, Any]) -> ModelConfig:
         archs = config.get("architectures") or []
-        family = _HF_ARCHITECTURES.get(archs[0] if archs else "", config.get("model_type"))
-        if family not in SUPPORTED_ARCHITECTURES:
+        if archs:
+            family = _HF_ARCHITECTURES.get(archs[0])
+            if family is None:
+                raise ValueError(
+                    f"unsupported architecture {archs[0]!r} (model_type {config.get('model_type')!r}); ember runs "
+                    f"{', '.join(_HF_ARCHITECTURES)}. A model is run only under an architecture ember knows: "
+                    "running it as another could give wrong tokens"
+                )
+        else:
+            family = _HF_MODEL_TYPES.get(config.get("model_type", ""))
+            if family is None:
+                raise ValueError(
+                    f"unsupported model_type {config.get('model_type')!r} and no `architectures` in config.json; "
+                    f"ember runs {', '.join(_HF_ARCHITECTURES)}"
+                )
+        if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
             raise ValueError(
-                f"unsupported architecture {archs or config.get('model_type')!r}; ember runs "
-                f"{', '.join(_HF_ARCHITECTURES)}"
+                f"partial_rotary_factor={config['partial_rotary_factor']} (RoPE on part of each head) is not "
+                "supported yet; ember rotates whole heads"
             )
+        gemma = family in _GEMMA
         heads = config["num_attention_heads"]
-        rope = config.get("rope_scaling") or config.get("rope_parameters")
-        rope_theta = config.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        global_rope, local_rope = _rope_parameters(config)
+        rope_theta = float(config.get("rope_theta") or global_rope.get("rope_theta") or 10000.0)
+        act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+        if gemma and config.get("use_bidirectional_attention"):
+            raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not a causal LM")
+        num_layers = config["num_hidden_layers"]
+        local_theta = None
+        if family == "gemma3":
+            local_theta = float(config.get("rope_local_base_freq") or (local_rope or {}).get("rope_theta") or 10000.0)
         return ModelConfig(
             architecture=family,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
-            rope_scaling=_rope_scaling(rope),
+            qk_norm=family in ("qwen3", "gemma3"),
+            rope_scaling=_rope_scaling(global_rope, config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=_first(config.get("eos_token_id")),
+            hidden_act=_ACTIVATIONS.get(act, act),
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            embed_scale=config["hidden_size"] ** 0.5 if gemma else None,
+            query_pre_attn_scalar=config.get("query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcap=config.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcap=config.get("final_logit_softcapping") if gemma else None,
+            layer_windows=_layer_windows(config, family, num_layers),
+            local_rope_theta=local_theta,
+            local_rope_scaling=_rope_scaling(local_rope, config) if local_rope else None,
         )
 
     @staticmethod
@@ -105,7 +203,10 @@ class ModelConfig:
             raise ValueError(f"{file} lacks the required key {e.args[0]!r}: the model's config is incomplete") from None
 
     @staticmethod
-    def from_gguf_metadata(md: dict[str, Any], tensor_names: list[str]) -> ModelConfig:
+    def from_gguf_metadata(md: dict[str, Any], tensor_names: list[str],
+                           read_vector: Callable[[str], list[float]] | None = None) -> ModelConfig:
+        """From llama.cpp's metadata keys. `read_vector` reads a small tensor of the file: the
+        RoPE factors llama.cpp stores as tensors (rope_freqs, rope_factors_long/short)."""
         arch = md.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -118,34 +219,49 @@ class ModelConfig:
                 raise ValueError(f"GGUF metadata lacks {arch}.{key}: the file is incomplete")
             return value
 
+        def vector(name: str) -> tuple[float, ...]:
+            if read_vector is None:
+                raise ValueError(f"reading this GGUF's config needs its tensor {name}")
+            return tuple(float(x) for x in read_vector(name))
+
         hidden = get("embedding_length")
         heads = get("attention.head_count")
+        head_dim = md.get(f"{arch}.attention.key_length") or hidden // heads
+        layers = get("block_count")
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
-        rope_type = md.get(f"{arch}.rope.scaling.type")
-        if "rope_freqs.weight" in tensor_names:
-            # llama.cpp bakes Llama 3.1's frequency scaling into a rope_freqs tensor.
-            raise ValueError(
-                "this GGUF carries rope_freqs (Llama 3.1 RoPE scaling), which ember does not "
-                "read yet: load the model from its HF directory instead"
-            )
+        context = get("context_length")
+        gemma = arch in _GEMMA
+        window = md.get(f"{arch}.attention.sliding_window")
+        query_scalar = None
+        if gemma:  # llama.cpp's rule: the 27B models scale by hidden / heads, the others by head_dim
+            query_scalar = hidden // heads if layers in (46, 62) else head_dim
         return ModelConfig(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
-            num_layers=get("block_count"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=get("attention.head_count_kv", heads),
-            head_dim=md.get(f"{arch}.attention.key_length") or hidden // heads,
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            max_position_embeddings=get("context_length"),
+            rope_theta=float(get("rope.freq_base", 1e6 if arch == "gemma3" else 10000.0)),
+            max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-            rope_scaling=None if rope_type in (None, "none") else _unsupported_gguf_rope(rope_type),
+            rope_scaling=_gguf_rope_scaling(md, arch, tensor_names, vector),
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+            hidden_act="gelu_tanh" if gemma else "silu",
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            embed_scale=hidden ** 0.5 if gemma else None,
+            query_pre_attn_scalar=query_scalar,
+            attn_logit_softcap=md.get(f"{arch}.attn_logit_softcapping") if arch == "gemma2" else None,
+            final_logit_softcap=md.get(f"{arch}.final_logit_softcapping") if gemma else None,
+            layer_windows=_layer_windows({"sliding_window": window}, arch, layers) if window else None,
+            local_rope_theta=10000.0 if arch == "gemma3" else None,  # llama.cpp's fixed local base
         )
 
 
@@ -153,22 +269,111 @@ def _first(value: Any) -> Any:
     return value[0] if isinstance(value, list) else value
 
 
-def _rope_scaling(rope: dict[str, Any] | None) -> RopeScaling | None:
-    if not rope:
-        return None
-    kind = rope.get("rope_type") or rope.get("type")
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; ember supports 'llama3'")
-    return RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-    )
+# HF activation names -> ember's
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
-def _unsupported_gguf_rope(kind: str) -> RopeScaling:
-    # llama.cpp bakes llama3 scaling into a rope_freqs tensor; linear/yarn need their own code.
-    raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+def _rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the global RoPE's parameters, the sliding layers' own or None), from either spelling:
+    `rope_scaling` + `rope_theta` (+ Gemma 3's `rope_local_base_freq`), or transformers 5's
+    `rope_parameters`, nested by layer type where the types differ."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if "full_attention" in rope or "sliding_attention" in rope:
+        return rope.get("full_attention") or {}, rope.get("sliding_attention")
+    return rope, None
+
+
+def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "su":  # Phi-3's first name for longrope
+        kind = "longrope"
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; ember supports {', '.join(ROPE_TYPES)}"
+        )
+    if kind == "default":
+        return None
+    try:
+        original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+        if kind == "longrope":
+            # Phi-3 keeps the trained length beside the RoPE parameters, and it wins (as in transformers)
+            original = config.get("original_max_position_embeddings") or original
+        factor = rope.get("factor")
+        if factor is None and kind in ("yarn", "longrope") and original:
+            factor = config["max_position_embeddings"] / original
+        return RopeScaling(
+            kind=kind,
+            factor=float(factor if factor is not None else 1.0),
+            original_max_position_embeddings=int(original or config.get("max_position_embeddings", 4096)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            attention_factor=rope.get("attention_factor"),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            mscale=rope.get("mscale"),
+            mscale_all_dim=rope.get("mscale_all_dim"),
+            truncate=bool(rope.get("truncate", True)),
+            short_factor=tuple(float(x) for x in rope.get("short_factor") or ()),
+            long_factor=tuple(float(x) for x in rope.get("long_factor") or ()),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"rope_scaling {rope!r} is incomplete or malformed for type {kind!r} ({e})") from None
+
+
+def _layer_windows(config: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window: from `layer_types` where config.json lists them, else
+    each family's rule (Gemma 2: every other layer, from the first; Gemma 3: all but every
+    sixth; Qwen2/3 with use_sliding_window: layers from max_window_layers on; Mistral, Phi-3:
+    every layer)."""
+    window = config.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return None
+    types = config.get("layer_types")
+    if types is not None:
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown or len(types) != num_layers:
+            raise ValueError(
+                f"layer_types must list 'sliding_attention' or 'full_attention' for each of the {num_layers} "
+                f"layers; got {types!r}"
+            )
+        sliding = [t == "sliding_attention" for t in types]
+    elif family == "gemma2":
+        sliding = [i % 2 == 0 for i in range(num_layers)]
+    elif family == "gemma3":
+        pattern = config.get("sliding_window_pattern", 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif family in ("qwen2", "qwen3"):
+        first = config.get("max_window_layers", num_layers)
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    windows = tuple(int(window) if s else None for s in sliding)
+    return windows if any(w is not None for w in windows) else None
+
+
+def _gguf_rope_scaling(md: dict[str, Any], arch: str, tensor_names: list[str],
+                       vector: Callable[[str], tuple[float, ...]]) -> RopeScaling | None:
+    """llama.cpp's RoPE scaling: keys for linear and YaRN; tensors for Llama 3 (rope_freqs:
+    each frequency's divisor) and LongRoPE (rope_factors_short / _long)."""
+    if "rope_freqs.weight" in tensor_names:
+        return RopeScaling("freq_factors", freq_factors=vector("rope_freqs.weight"))
+    original = md.get(f"{arch}.rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in tensor_names:
+        return RopeScaling("longrope", factor=md[f"{arch}.context_length"] / original,
+                           original_max_position_embeddings=original,
+                           attention_factor=md.get(f"{arch}.rope.scaling.attn_factor"),
+                           short_factor=vector("rope_factors_short.weight"), long_factor=vector("rope_factors_long.weight"))
+    kind = md.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor)
+    if kind == "yarn":
+        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=int(original),
+                           beta_fast=float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                           beta_slow=float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)))
+    raise ValueError(f"unsupported GGUF rope scaling type {kind!r}; ember reads none, linear, yarn, "
+                     "and the llama3 / longrope factors stored as tensors")

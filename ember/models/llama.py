@@ -1,4 +1,8 @@
-"""The Llama family in one file: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""The decoder-only transformer in one file: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
+(q/k norm), Phi-3 (its checkpoints merge q|k|v and gate|up; the loader takes them whole),
+Gemma 2 and 3. The families differ only in options that ModelConfig names (norm kind,
+activation, sandwich norms, embedding scale, soft-capping, a sliding window per layer, a
+second RoPE for the sliding layers); each block reads them, so no block is copied.
 
 Math only: the loader maps checkpoint names onto these parameters, and the attention
 backend owns the paged KV cache. The forward takes a flattened batch (see
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.layers.activation import gelu_tanh_and_mul
 from ember.layers.attention import AttentionBackend, AttentionMetadata
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.fused import norm_linear, silu_linear
@@ -23,19 +28,25 @@ from ember.models.config import ModelConfig
 Rope = torch.Tensor  # [T, head_dim]: cos | sin of this step's positions
 
 
+def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
+    return RMSNorm(size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = _norm(cfg, cfg.head_dim)
+            self.k_norm = _norm(cfg, cfg.head_dim)
         self.qk_norm = cfg.qk_norm
         self.backend = backend
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
+        self.sliding_window = cfg.layer_window(layer)
+        self.logit_softcap = cfg.attn_logit_softcap
         self.k_cache: torch.Tensor | None = None  # bound by the runner once the pool exists
         self.v_cache: torch.Tensor | None = None
         # an fp8 KV cache's per-tensor scales (read only then): 1.0, vLLM's default for a
@@ -56,7 +67,8 @@ class LlamaAttention(nn.Module):
         else:
             q, k, written = apply_rotary(q, k, rope, cache)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale,
-                                 kv_written=written)
+                                 kv_written=written, sliding_window=self.sliding_window,
+                                 logit_softcap=self.logit_softcap)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -65,28 +77,40 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: the output of gate_up_proj, which the decoder layer applies (fused with
         the norm before it where it can)."""
+        if self.gelu:
+            return self.down_proj(gelu_tanh_and_mul(gate_up))
         return silu_linear(self.down_proj, gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.self_attn = LlamaAttention(cfg, backend, layer)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         self.mlp = LlamaMLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:  # Gemma: post_attention_layernorm normalizes the attention's output
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the last sublayer's output, residual the stream before it; each norm adds
         them first (fused on CUDA): stream + attn(norm(stream)), then + mlp(norm(...)).
-        The norms go with the projections after them (layers/fused.py)."""
+        The norms go with the projections after them (layers/fused.py). With sandwich norms
+        each sublayer's output is normalized too before it joins the stream."""
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         h = self.self_attn(rope, qkv, meta)
+        if self.sandwich:
+            h = self.post_attention_layernorm(h)
+            gate_up, residual = norm_linear(self.pre_feedforward_layernorm, self.mlp.gate_up_proj, h, residual)
+            return self.post_feedforward_layernorm(self.mlp(gate_up)), residual
         gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
         return self.mlp(gate_up), residual
 
@@ -95,16 +119,25 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3's sliding layers turn by their own RoPE
+        self.local_rotary = None if cfg.local_rope_theta is None else \
+            RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
+        self.uses_local_rope = [self.local_rotary is not None and cfg.layer_window(i) is not None
+                                for i in range(cfg.num_layers)]
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_scale = cfg.embed_scale
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
+        self.norm = _norm(cfg, cfg.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma: the scale rounded to the model dtype first, as HF does
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = self.rotary.lookup(positions)
+        local_rope = None if self.local_rotary is None else self.local_rotary.lookup(positions)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
+        for layer, local in zip(self.layers, self.uses_local_rope):
+            x, residual = layer(local_rope if local else rope, x, residual, meta)
         return self.norm(x, residual)[0]
 
 
@@ -115,13 +148,18 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, max_positions, backend)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
+        self.final_logit_softcap = cfg.final_logit_softcap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype (the sampler reads them in float32 where it needs to)."""
-        return self.lm_head(hidden)
+        """Logits in the model's dtype (the sampler reads them in float32 where it needs to);
+        Gemma 2 caps them: c * tanh(logits / c)."""
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]

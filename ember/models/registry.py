@@ -9,6 +9,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "gemma2": LlamaForCausalLM,
+    "gemma3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
 }
 
 

@@ -119,8 +119,9 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
     msg = load_error(tmp_path)
-    assert "unsupported architecture ['GPT2LMHeadModel']" in msg
-    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    assert "unsupported architecture 'GPT2LMHeadModel' (model_type 'gpt2')" in msg
+    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
         assert supported in msg
 
 
