@@ -1,6 +1,6 @@
 """The Triton attention kernels against the plain-torch reference backend, at random
 shapes and shuffled block tables, with caches in the compute dtype and in fp8 (with unit
-and non-unit scales). Each case runs twice: on the CPU through Triton's interpreter (small
+and non-unit scales), and with the layer options (sliding window, logit soft cap). Each case runs twice: on the CPU through Triton's interpreter (small
 shapes, every run) and on CUDA (`-m gpu`, larger shapes)."""
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ def _windowed_case(device: str, decode: bool, page: int, seed: int, fp8_scales=N
         if not decode:
             cached[0] = 0
         return Case(cached, new, 32, 8, 128, page, device, seed, fp8_scales, dtype)
-    if decode:  # contexts 1, W - 1 .. W + 1 for W = 7, 8 (one tile), 30, 63
+    if decode:  # contexts 1, 7 and 8 (W and W + 1 for W = 7; 8 is one tile), 30, 63
         return Case([0, 6, 7, 29, 62], [1] * 5, 4, 1, 16, page, device, seed, fp8_scales, dtype)
     # a prompt of 20 (query blocks of 16 and 4), an extend of 9 over 37 cached, 3 over 5, a decode row at 16
     return Case([0, 37, 5, 15], [20, 9, 3, 1], 4, 2, 16, page, device, seed, fp8_scales, dtype)
