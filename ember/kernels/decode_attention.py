@@ -11,6 +11,17 @@ for tl.dot) over it: a partial output and its log-sum-exp. A split past the cont
 lse = -inf. Stage 2 merges the S partials of each (b, head). With S == 1 stage 1 writes
 the output itself.
 
+With a sliding window W the query (at position seq_len - 1) sees keys seq_len - W ..
+seq_len - 1, and the splits cover only those, from the tile that holds the first; the tiles
+before it are never read (that is what makes a window fast):
+
+    context  [0 ......... lo .. f ........................................ seq_len)
+    splits                [lo, lo + L) [lo + L, lo + 2L) ... [lo + (S-1)L, seq_len)
+    f = max(0, seq_len - W),  lo = f rounded down to BLOCK_N,
+    L = cdiv(seq_len - lo, S) rounded up to BLOCK_N; keys in [lo, f) are masked on load
+
+A soft cap (Gemma 2) bends each score before the softmax (paged.soft_cap).
+
 The key at context position p is at k_cache[block_tables[b, p // block_size], p % block_size].
 Everything the kernels read is on the GPU (no host lengths), so a CUDA graph replays them.
 An fp8 cache is read as kernels/paged.py says: k_scale folds into the softmax scale, v_scale
@@ -25,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, load_kv_tile,
-                                 queries_for_dot)
+from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, layer_options, load_kv_tile,
+                                 queries_for_dot, soft_cap)
 
 # BLOCK_N, num_warps, num_stages of the split kernel by cache dtype, from
 # benchmarks/scripts/decode_sweep.py on the H200: bfloat16 3.99 / 4.37 TB/s of KV at the
@@ -39,20 +50,27 @@ DECODE_CONFIG_FP8 = tuple(int(x) for x in (_OVERRIDE or "64,2,5").split(","))
 
 
 # the block-table width changes from step to step outside CUDA graphs: not specialized
-# on (a width of 1 or a multiple of 16 would each compile another kernel mid-serving)
-@triton.jit(do_not_specialize=["stride_tb"])
+# on (a width of 1 or a multiple of 16 would each compile another kernel mid-serving);
+# nor the window (paged.layer_options)
+@triton.jit(do_not_specialize=["stride_tb", "window"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-                         k_scale_ptr, v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_tb, stride_cb, stride_cs,
-                         stride_ch, stride_ob, stride_oh, stride_os,
+                         k_scale_ptr, v_scale_ptr, scale_log2, window, softcap, stride_qt, stride_qh, stride_tb,
+                         stride_cb, stride_cs, stride_ch, stride_ob, stride_oh, stride_os,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
-                         DOT_FP16: tl.constexpr):
+                         DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * split_len
+    if SLIDING:  # the splits cover [lo, seq_len) only (see the top)
+        first = tl.maximum(seq_len - window, 0)
+        lo = first // BLOCK_N * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + s * split_len
+    else:
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
@@ -70,9 +88,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
+        if SLIDING:  # keys in [lo, first) are not read; every walked tile holds a visible key
+            pmask = pmask & (pos >= first)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, n0, pmask, kvh, d,
                             stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
         qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2  # [BLOCK_H, BLOCK_N], log2 domain
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap)
         qk = tl.where(pmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -124,11 +146,13 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_splits: int = 32, targe
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
     """q [B, H, D] (one token per sequence), caches [num_blocks, block_size, Hkv, D] in q's
     dtype or fp8 (then k_scale / v_scale: [1] float32, None: 1.0), block_tables
     [B, >= cdiv(max seq_len, block_size)] int32, seq_lens [B] int32 (0: no context,
-    output 0). Returns [B, H, D]."""
+    output 0); sliding_window / logit_softcap as in layers/attention/base.py.
+    Returns [B, H, D]."""
     batch, heads, dim = q.shape
     num_blocks, page, kv_heads, cdim = k_cache.shape
     fp8 = is_fp8(k_cache)
@@ -139,6 +163,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q's last dim and the caches must be contiguous")
     k_scale, v_scale = kv_scale_arg(k_scale, k_cache), kv_scale_arg(v_scale, v_cache)
+    options = layer_options(sliding_window, logit_softcap)
+    window, softcap = options.pop("window"), options.pop("softcap")
     if block_tables.shape[0] != batch or seq_lens.shape != (batch,) or block_tables.dtype != torch.int32 \
             or seq_lens.dtype != torch.int32:
         raise ValueError(f"block_tables must be [{batch}, W] int32 and seq_lens [{batch}] int32; got "
@@ -156,18 +182,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     config = DECODE_CONFIG_FP8 if fp8 else DECODE_CONFIG
     common = dict(GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_N=block_n or config[0], PAGE=page,
                   NUM_SPLITS=num_splits, FP8=fp8, DOT_FP16=dot_in_fp16(q, k_cache), num_warps=num_warps or config[1],
-                  num_stages=num_stages or config[2])
+                  num_stages=num_stages or config[2], **options)
     scale_log2 = scale * LOG2E
     if num_splits == 1:
         _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, scale_log2,
-                                   q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
+                                   window, softcap, q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
                                    k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), 0,
                                    **common)
         return out
     part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, part, lse, k_scale, v_scale, scale_log2,
-                               q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
+                               window, softcap, q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
                                k_cache.stride(1), k_cache.stride(2), part.stride(0), part.stride(1),
                                part.stride(2), **common)
     _decode_merge_kernel[(batch, heads)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),

@@ -1,5 +1,5 @@
-"""What the attention kernels share: reading a tile of K and V out of the paged cache, and
-the fp8 cache's scales.
+"""What the attention kernels share: reading a tile of K and V out of the paged cache, the
+fp8 cache's scales, and the per-layer options (sliding window, logit soft-capping).
 
 Context position p of a sequence is at cache[table_row[p // PAGE], p % PAGE, kv_head].
 
@@ -16,6 +16,8 @@ still not memory-bound: the tiles go through registers for the conversion)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
 FP16_MAX = tl.constexpr(65504.0)
+TWO_LOG2E = tl.constexpr(2 * LOG2E)
 
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
@@ -78,3 +81,38 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, n0, pmask, kvh, d, str
     k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
     v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
     return k, v
+
+
+def layer_options(sliding_window: int | None, logit_softcap: float | None) -> dict:
+    """A layer's options (base.py) as the attention kernels take them: constexpr flags, so
+    that a layer without them compiles to the very code it had before they existed, and
+    their values as runtime arguments (one compiled kernel whatever the window):
+
+        SLIDING, window     W: a query at p sees keys p - W < k <= p   (off: 0)
+        SOFTCAP, softcap    the cap c times log2(e), in the kernels' log2 domain  (off: 0.0)
+
+    Each kernel lists `window` in do_not_specialize: Triton would otherwise compile one
+    variant for W divisible by 16 and one for W == 1."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
+                                      or not 0 < logit_softcap < math.inf):
+        raise ValueError(f"logit_softcap must be a positive finite number or None, got {logit_softcap!r}")
+    return dict(window=sliding_window or 0, softcap=float(logit_softcap or 0.0) * LOG2E,
+                SLIDING=sliding_window is not None, SOFTCAP=logit_softcap is not None)
+
+
+@triton.jit
+def soft_cap(qk, cap):
+    """cap * tanh(qk / cap), in float32. The kernels hold scores in the log2 domain,
+    qk = log2(e) * s with s = scale * q.k the natural score; capping there with the cap
+    times log2(e) is the natural cap converted after: log2(e) * c * tanh(s / c) =
+    (log2(e) * c) * tanh((log2(e) * s) / (log2(e) * c)). An fp8 cache's k_scale is inside
+    qk already. tanh through exp2 (the interpreter has no libdevice): for u = |x|,
+    tanh(u) = (1 - e^-2u) / (1 + e^-2u), with e^-2u in (0, 1] so nothing overflows; the
+    absolute error is a few float32 ulps of 1."""
+    x = qk * (TWO_LOG2E / cap)  # 2 * log2(e) * s / c
+    t = tl.exp2(-tl.abs(x))  # e^(-2 |s / c|)
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y) * cap

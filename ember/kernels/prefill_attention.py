@@ -10,6 +10,17 @@ Sequence b, with n = q_len new tokens and P = seq_len - n cached ones:
 
 Program (m, h, b) takes query rows [m * BLOCK_M, (m + 1) * BLOCK_M) of sequence b for head
 h and walks keys up to its last row's position; rows past n load nothing and store nothing.
+
+With a sliding window W (paged.layer_options) the row at position p sees keys
+p - W < k <= p, so a program's walk starts at the tile holding its first row's first
+visible key; the tiles before it are never read (that is what makes a window fast):
+
+    keys      0 ....... lo ... f ........................ last row's position
+              skipped   |      walked, masked per row: p - W < k <= p
+    f = max(0, first row's position - W + 1),  lo = f rounded down to BLOCK_N; keys in
+    [lo, f) are masked on load, so a key no query of the program sees is never read
+
+A soft cap (Gemma 2) bends each score before the mask and the softmax (paged.soft_cap).
 """
 
 from __future__ import annotations
@@ -18,17 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, load_kv_tile, queries_for_dot
+from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, layer_options, load_kv_tile,
+                                 queries_for_dot, soft_cap)
 
 
 
 # the block-table width changes from step to step outside CUDA graphs: not specialized
-# on (a width of 1 or a multiple of 16 would each compile another kernel mid-serving)
-@triton.jit(do_not_specialize=["stride_tb"])
+# on (a width of 1 or a multiple of 16 would each compile another kernel mid-serving);
+# nor the window (paged.layer_options)
+@triton.jit(do_not_specialize=["stride_tb", "window"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, k_scale_ptr,
-                    v_scale_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb, stride_cb,
-                    stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, DOT_FP16: tl.constexpr):
+                    v_scale_ptr, scale_log2, window, softcap, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
+                    stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, DOT_FP16: tl.constexpr,
+                    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     mb = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -53,13 +67,24 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(0, end, BLOCK_N):
+    if SLIDING:  # from the tile holding the block's first row's first visible key f (see the top)
+        first = tl.maximum(prefix + mb * BLOCK_M - window + 1, 0)
+        lo = first // BLOCK_N * BLOCK_N
+    else:
+        lo = 0
+    for n0 in range(lo, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
+        if SLIDING:  # no row sees a key before f: not read at all
+            pmask = pmask & (pos >= first)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, n0, pmask, kvh, d,
                             stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
         qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap)
         visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:  # a row may see nothing in a tile before its own first key: m_safe covers it
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded row that sees nothing yet
@@ -79,11 +104,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                       out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
-                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                      sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
     """q [T, H, D] flattened new tokens, caches [num_blocks, block_size, Hkv, D] holding
     every sequence's context (new tokens included) in q's dtype or fp8 (then k_scale /
     v_scale: [1] float32, None: 1.0), block_tables [B, W] int32, query_start_loc [B + 1]
-    int32, seq_lens [B] int32. Returns [T, H, D]."""
+    int32, seq_lens [B] int32; sliding_window / logit_softcap as in layers/attention/base.py.
+    Returns [T, H, D]."""
     tokens, heads, dim = q.shape
     num_blocks, page, kv_heads, cdim = k_cache.shape
     batch = seq_lens.shape[0]
@@ -95,6 +122,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q's last dim and the caches must be contiguous")
     k_scale, v_scale = kv_scale_arg(k_scale, k_cache), kv_scale_arg(v_scale, v_cache)
+    options = layer_options(sliding_window, logit_softcap)
+    window, softcap = options.pop("window"), options.pop("softcap")
     if query_start_loc.shape != (batch + 1,) or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
         raise ValueError(f"query_start_loc must be [{batch + 1}] and block_tables [{batch}, W] with contiguous rows; "
                          f"got {tuple(query_start_loc.shape)}, {tuple(block_tables.shape)}")
@@ -107,8 +136,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     grid = (triton.cdiv(max_query_len, block_m), heads, batch)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
-                          scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                          scale * LOG2E, window, softcap, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                          block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                           GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
-                          DOT_FP16=dot_in_fp16(q, k_cache))
+                          DOT_FP16=dot_in_fp16(q, k_cache), **options)
     return out

@@ -1,6 +1,6 @@
 """The Triton attention kernels against the plain-torch reference backend, at random
 shapes and shuffled block tables, with caches in the compute dtype and in fp8 (with unit
-and non-unit scales). Each case runs twice: on the CPU through Triton's interpreter (small
+and non-unit scales), and with the layer options (sliding window, logit soft cap). Each case runs twice: on the CPU through Triton's interpreter (small
 shapes, every run) and on CUDA (`-m gpu`, larger shapes)."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Case:
     def scales(self) -> dict:
         return dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
         """The torch backend in float32 on copies of the caches (it writes K/V into them);
         an fp8 cache stays fp8, quantized and read back by the reference's own rules."""
         kc, vc = ((c.clone() if c.dtype == FP8 else c.float().clone()) for c in (self.k_cache, self.v_cache))
@@ -115,7 +115,27 @@ class Case:
                                     ("slot_mapping", "query_start_loc", "seq_lens", "block_tables",
                                      "query_lens_cpu", "seq_lens_cpu")})
         return get_attention_backend("torch").forward(self.q.float(), self.k.float(), self.v.float(), kc, vc,
-                                                      meta, self.scale, **self.scales)
+                                                      meta, self.scale, **self.scales, sliding_window=sliding_window,
+                                                      logit_softcap=logit_softcap)
+
+    def poison_unseen(self, window: int) -> int:
+        """NaN into the cached K and V of every position that no new query of its sequence
+        may see (before the first new token's window): a kernel that reads one gets NaN out
+        (0 * NaN in P @ V), so this checks that the tiles before a window are skipped, not
+        only masked. Returns how many positions it poisoned."""
+        block_size, kv_heads, dim = self.k_cache.shape[1:]
+        tables = self.meta.block_tables.tolist()
+        slots = [tables[i][p // block_size] * block_size + p % block_size
+                 for i, c in enumerate(self.cached)
+                 for p in range(max(0, c - window + 1))]  # the first new query (position c) sees keys > c - W
+        if slots:
+            index = torch.tensor(slots, device=self.k_cache.device)
+            for cache in (self.k_cache, self.v_cache):
+                if cache.dtype == FP8:
+                    cache.view(torch.uint8).view(-1, kv_heads, dim)[index] = 0x7F  # e4m3fn's NaN
+                else:
+                    cache.view(-1, kv_heads, dim)[index] = float("nan")
+        return len(slots)
 
 
 def _random_case(device: str, seed: int, decode: bool, fp8_scales=None, dtype=None) -> Case:
@@ -340,3 +360,152 @@ def test_fp8_scales_are_checked():
     with pytest.raises(ValueError, match="does not fit"):  # a cache neither in q's dtype nor fp8
         decode_attention(torch.zeros(2, 4, 16), *[torch.zeros(4, 4, 2, 16, dtype=torch.float16)] * 2,
                          torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 1.0, 1)
+
+
+# ---- sliding window and logit soft-capping --------------------------------------------------
+#
+# On the interpreter each launch is a hand-picked batch that puts many positions against the
+# window at once: contexts shorter than, equal to and longer than W, a cached prefix longer
+# than W, query blocks that start inside it and past it, windows inside one tile and across
+# tiles, pages smaller than a tile (a table read per position) and holding whole tiles (one
+# read a tile). Each windowed case first poisons what no query may see (Case.poison_unseen).
+
+
+def _windowed_case(device: str, decode: bool, page: int, seed: int, fp8_scales=None, dtype=None) -> Case:
+    if device == "cuda":  # Mistral/Gemma-like heads, contexts past the windows below
+        rng = random.Random(seed)
+        batch = 12
+        cached = [rng.randint(0, 3000) for _ in range(batch)]
+        new = [1] * batch if decode else [rng.randint(1, 700) for _ in range(batch)]
+        if not decode:
+            cached[0] = 0
+        return Case(cached, new, 32, 8, 128, page, device, seed, fp8_scales, dtype)
+    if decode:  # contexts 1, 7 and 8 (W and W + 1 for W = 7; 8 is one tile), 30, 63
+        return Case([0, 6, 7, 29, 62], [1] * 5, 4, 1, 16, page, device, seed, fp8_scales, dtype)
+    # a prompt of 20 (query blocks of 16 and 4), an extend of 9 over 37 cached, 3 over 5, a decode row at 16
+    return Case([0, 37, 5, 15], [20, 9, 3, 1], 4, 2, 16, page, device, seed, fp8_scales, dtype)
+
+
+def _gpu(*values, id):
+    return pytest.param("cuda", *values, marks=pytest.mark.gpu, id=f"cuda-{id}")
+
+
+def _cpu(*values, id):
+    return pytest.param("cpu", *values, id=f"interpreter-{id}")
+
+
+# device, window, softcap, page, tile
+PREFILL_WINDOWS = [
+    _cpu(5, None, 4, 8, id="w5-page4"),  # inside a tile, unaligned; a table read per position
+    _cpu(16, 3.0, 8, 8, id="w16-cap3-page8"),  # two whole tiles, = one context, > two; one table read a tile
+    _cpu(None, 2.0, 8, 8, id="cap2"),
+    _gpu(1, None, 16, 64, id="w1"), _gpu(256, None, 16, 64, id="w256"), _gpu(1000, 50.0, 128, 64, id="w1000-cap50"),
+    _gpu(4096, None, 128, 64, id="w4096"), _gpu(None, 50.0, 16, 64, id="cap50"),
+    _gpu(64, 30.0, 128, 64, id="w64-cap30"),
+]
+
+
+def _caches(device: str) -> list:
+    """The fp8 scales to run a windowed case with: the compute dtype's cache on the
+    interpreter (its fp8 case is the backend test below, to keep CI short), and on CUDA a
+    scaled fp8 cache too."""
+    return [None, (0.5, 3.0)] if device == "cuda" else [None]
+
+
+@pytest.mark.parametrize("device,window,softcap,page,tile", PREFILL_WINDOWS)
+def test_prefill_window_and_softcap_match_reference(device, window, softcap, page, tile):
+    for fp8_scales in _caches(device):
+        case = _windowed_case(device, decode=False, page=page, seed=21, fp8_scales=fp8_scales)
+        want = case.reference(window, softcap)
+        if window is not None:
+            assert case.poison_unseen(window) > 0 or window > max(case.cached)
+        kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, **case.scales)
+        got = prefill_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
+                                case.meta.query_start_loc, case.meta.seq_lens, max(case.new), case.scale,
+                                block_m=64 if device == "cuda" else 16, block_n=tile, **case.scales,
+                                sliding_window=window, logit_softcap=softcap)
+        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"fp8 {fp8_scales}: {m}")
+
+
+# device, window, softcap, page, tile, splits
+DECODE_WINDOWS = [
+    _cpu(1, None, 4, 8, (2,), id="w1"),  # the query sees itself: its own value row
+    _cpu(7, None, 4, 8, (1, 3), id="w7-page4"),  # inside a tile; later splits empty
+    _cpu(16, 3.0, 8, 8, (1, 4), id="w16-cap3-page8"),  # two tiles, split in tiles; the last split empty
+    _cpu(1000, None, 8, 8, (3,), id="w1000"),
+    _cpu(None, 2.0, 4, 8, (3,), id="cap2"),
+    _gpu(1, None, 16, 64, (1, 8), id="w1"), _gpu(256, None, 16, 128, (1, 3, 32), id="w256"),
+    _gpu(1000, 50.0, 128, 64, (1, 5, 32), id="w1000-cap50"), _gpu(4096, None, 128, 128, (1, 16), id="w4096"),
+    _gpu(None, 50.0, 16, 128, (1, 32), id="cap50"), _gpu(100, 30.0, 128, 64, (1, 4, 32), id="w100-cap30"),
+]
+
+
+@pytest.mark.parametrize("device,window,softcap,page,tile,splits", DECODE_WINDOWS)
+def test_decode_window_and_softcap_match_reference(device, window, softcap, page, tile, splits):
+    """The splits cover only the window (the tiles before it are poisoned), however many."""
+    for fp8_scales in _caches(device):
+        case = _windowed_case(device, decode=True, page=page, seed=22, fp8_scales=fp8_scales)
+        want = case.reference(window, softcap)
+        if window is not None:
+            assert case.poison_unseen(window) > 0 or window > max(case.cached)
+        kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, **case.scales)
+        for s in splits:
+            got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
+                                   case.scale, num_splits=s, block_n=tile, **case.scales, sliding_window=window,
+                                   logit_softcap=softcap)
+            torch.testing.assert_close(got.float(), want, **_tol(device),
+                                       msg=lambda m: f"{s} splits, fp8 {fp8_scales}: {m}")
+        if window == 1 and fp8_scales is None:  # each head: its KV head's new value row, exactly
+            heads, kv_heads = case.q.shape[1], case.k_cache.shape[2]
+            torch.testing.assert_close(got, case.v.repeat_interleave(heads // kv_heads, 1), rtol=0, atol=0)
+
+
+# the window a Gemma-like model gives its local layers, and the soft cap (Gemma 2's is 50; a
+# small one bends these unit-variance scores harder)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [None, pytest.param(torch.bfloat16, id="bfloat16-queries")])
+def test_triton_backend_window_and_softcap_over_scaled_fp8(device, dtype):
+    """Through the backend over an fp8 cache with scales (k_scale folds into the score, before
+    the cap): a mixed step (the prefill kernel) with a global layer and a windowed one in the
+    same step, as Gemma alternates them, then a decode step. bfloat16 queries take the float16
+    dots (DOT_FP16), on the interpreter too."""
+    if dtype is not None and device == "cuda":
+        pytest.skip("bfloat16 is CUDA's default dtype: the other case")
+    tol = _tol("cuda") if dtype == torch.bfloat16 else _tol(device)
+    window, cap = 11, 5.0
+    backend = get_attention_backend("triton")
+    case = Case([0, 37, 5, 60], [20, 9, 1, 1], 4, 2, 16, 8, device, seed=23, fp8_scales=(0.5, 3.0), dtype=dtype)
+    want_global, want = case.reference(), case.reference(window, cap)
+    if dtype is None:  # a global layer first: it reads the whole context
+        got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale,
+                              case.k_scale, case.v_scale)
+        torch.testing.assert_close(got.float(), want_global, **tol)
+    assert case.poison_unseen(window) > 0
+    got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, case.k_scale,
+                          case.v_scale, sliding_window=window, logit_softcap=cap)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+    dec = Case([3, 30, 47], [1, 1, 1], 4, 2, 16, 8, device, seed=24, fp8_scales=(0.5, 3.0), dtype=dtype)
+    want = dec.reference(window, cap)
+    assert dec.poison_unseen(window) > 0
+    kv_write(dec.k, dec.v, dec.k_cache, dec.v_cache, dec.meta.slot_mapping, **dec.scales)
+    got = decode_attention(dec.q, dec.k_cache, dec.v_cache, dec.meta.block_tables, dec.meta.seq_lens, dec.scale,
+                           num_splits=3, block_n=64 if device == "cuda" else 8, **dec.scales, sliding_window=window,
+                           logit_softcap=cap)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_window_and_softcap_are_checked():
+    q, cache = torch.zeros(2, 4, 16), torch.zeros(4, 4, 2, 16)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="sliding_window"):
+            decode_attention(q, cache, cache, tables, lens, 1.0, 1, sliding_window=bad)
+        with pytest.raises(ValueError, match="sliding_window"):
+            prefill_attention(q, cache, cache, tables, starts, lens, 1, 1.0, sliding_window=bad)
+    for bad in (0.0, -1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="logit_softcap"):
+            decode_attention(q, cache, cache, tables, lens, 1.0, 1, logit_softcap=bad)
+        with pytest.raises(ValueError, match="logit_softcap"):
+            prefill_attention(q, cache, cache, tables, starts, lens, 1, 1.0, logit_softcap=bad)

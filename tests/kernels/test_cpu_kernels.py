@@ -101,12 +101,29 @@ def test_rope_rotates_qkv_views_in_place(dtype):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
 
 
-def plain_decode(q, k_cache, v_cache, tables, lens, scale):
+def plain_decode(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None):
     block_size = k_cache.shape[1]
     length = -(-int(lens.max()) // block_size) * block_size
-    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    keys = torch.arange(length)[None, :]
+    mask = keys < lens[:, None]
+    if window is not None:  # the query at lens - 1 sees keys lens - W .. lens - 1
+        mask &= keys >= lens[:, None] - window
     return _matmul_attention(q.float()[:, None], context_blocks(k_cache, tables, length).float(),
-                             context_blocks(v_cache, tables, length).float(), mask, scale, None)[:, 0]
+                             context_blocks(v_cache, tables, length).float(), mask[:, None, None, :], scale,
+                             softcap)[:, 0]
+
+
+def decode_case(dtype, heads, kv_heads, dim, seed, lens):
+    """Shuffled block tables (16-token blocks), q a strided view of a fused qkv row."""
+    g = torch.Generator().manual_seed(seed)
+    block_size, num_blocks = 16, 64
+    lens = torch.tensor(lens, dtype=torch.int32)
+    batch, width = len(lens), -(-int(lens.max()) // block_size)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: batch * width].view(batch, width).to(torch.int32)
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    return qkv[:, : heads * dim].view(batch, heads, dim), k_cache, v_cache, tables, lens
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
@@ -115,15 +132,9 @@ def plain_decode(q, k_cache, v_cache, tables, lens, scale):
 def test_paged_decode_attention_matches_plain_torch(dtype, heads, kv_heads, dim, seed):
     """Shuffled block tables, lengths on and off block boundaries (1, 16, 17, ...), q a
     strided view of a fused qkv row, padded table columns pointing at garbage blocks."""
-    g = torch.Generator().manual_seed(seed)
-    block_size, num_blocks = 16, 64
-    lens = torch.tensor([1, 16, 17, 100, 47, 160][: 4 + seed * 2], dtype=torch.int32)
-    batch, width = len(lens), -(-int(lens.max()) // block_size)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    tables = torch.randperm(num_blocks, generator=g)[: batch * width].view(batch, width).to(torch.int32)
-    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
-    q = qkv[:, : heads * dim].view(batch, heads, dim)
+    q, k_cache, v_cache, tables, lens = decode_case(dtype, heads, kv_heads, dim, seed,
+                                                    [1, 16, 17, 100, 47, 160][: 4 + seed * 2])
+    batch = len(lens)
     scale = 1 / math.sqrt(dim)
     got = cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     want = plain_decode(q, k_cache, v_cache, tables, lens, scale)
@@ -133,6 +144,36 @@ def test_paged_decode_attention_matches_plain_torch(dtype, heads, kv_heads, dim,
     # one token of context: the output is that token's value row, whatever the query
     first = v_cache[tables[0, 0], 0].float().repeat_interleave(heads // kv_heads, 0)
     torch.testing.assert_close(got[0].float(), first, **tol)
+
+
+# (window, softcap): a window of one key (the query's own), one block, one block and a key,
+# inside a block, past every context; caps that bend these scores hard and gently
+WINDOW_SOFTCAP = [(1, None), (16, None), (17, 30.0), (5, None), (1000, 5.0), (None, 2.0), (40, 50.0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (6, 1, 40)])
+@pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)
+def test_paged_decode_attention_with_window_and_softcap(dtype, heads, kv_heads, dim, window, softcap):
+    """Against the plain-torch matmuls with the window's mask and the cap. The keys before a
+    window are NaN in the cache: the kernel must not read them (reading only the window is
+    what makes it fast)."""
+    q, k_cache, v_cache, tables, lens = decode_case(dtype, heads, kv_heads, dim, 7, [1, 16, 17, 100, 47, 160])
+    scale = 1 / math.sqrt(dim)
+    want = plain_decode(q, k_cache, v_cache, tables, lens, scale, window, softcap)
+    if window is not None:
+        block_size = k_cache.shape[1]
+        for b, n in enumerate(lens.tolist()):
+            for t in range(max(0, n - window)):
+                k_cache[tables[b, t // block_size], t % block_size] = float("nan")
+                v_cache[tables[b, t // block_size], t % block_size] = float("nan")
+    got = cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window or 0,
+                                                   softcap or 0.0)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+    if window == 1:  # the query sees its own key only: its value row, whatever the scores
+        last = torch.stack([v_cache[tables[b, (n - 1) // 16], (n - 1) % 16] for b, n in enumerate(lens.tolist())])
+        assert torch.equal(got, last.repeat_interleave(heads // kv_heads, 1))
 
 
 def test_paged_decode_attention_refuses_bad_layouts():
@@ -148,3 +189,7 @@ def test_paged_decode_attention_refuses_bad_layouts():
         ops.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.paged_decode_attention(q, cache.transpose(1, 2), cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="window"):
+        ops.paged_decode_attention(q, cache, cache, tables, lens, 1.0, -1)
+    with pytest.raises(RuntimeError, match="softcap"):
+        ops.paged_decode_attention(q, cache, cache, tables, lens, 1.0, 0, -2.0)

@@ -5,6 +5,10 @@
 // each cached K and V row once. Rows of the cache:
 //     slot(t) = block_tables[b, t / block_size] * block_size + t % block_size
 //     k_cache[slot(t) / block_size][slot(t) % block_size][kv_head][:]
+//
+// A layer's options (ember/layers/attention/base.py): with a sliding window W > 0 the query
+// (position len - 1) sees only the keys t in [max(0, len - W), len), and only those are
+// read; with a soft cap c > 0 each score s becomes c * tanh(s / c) before the softmax.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -12,7 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
 #include "convert.h"
@@ -30,7 +33,8 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 // at 64); 0: read from q
 template <typename T, int64_t kDim>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+            double softcap, at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = kDim > 0 ? kDim : q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
@@ -43,21 +47,27 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap), inv_cap = softcap > 0 ? static_cast<float>(1.0 / softcap) : 0.f;
+  // the first key a query sees:  keys  0 ... first ... len - 1   (first = 0 without a window)
+  auto first_key = [window](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0}; };
 
   // threads pay only past ~2k context rows in all (batch 1 at a short context runs on one)
-  const int64_t rows = std::accumulate(lens, lens + batch, int64_t{0}) * kv_heads;
+  int64_t rows = 0;
+  for (int64_t b = 0; b < batch; ++b) rows += (lens[b] - first_key(lens[b])) * kv_heads;
   const int64_t grain = std::max<int64_t>(1, kThreadRows * batch * kv_heads / std::max<int64_t>(1, rows));
   at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), row(dim), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, kv_head = item % kv_heads, len = lens[b];
+      const int64_t b = item / kv_heads, kv_head = item % kv_heads, first = first_key(lens[b]);
+      const int64_t len = lens[b] - first;  // keys first .. lens[b] - 1; scores[g * len + i] is key first + i
       const int32_t* table = tables + b * max_blocks;
       for (int64_t g = 0; g < group; ++g) {
         const T* src = qp + b * q_seq_stride + (kv_head * group + g) * q_head_stride;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ember_cpu::load(src[d]) * fscale;
       }
       scores.resize(group * len);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = first + i;
         const T* k = kp + table[t / block_size] * block_stride + (t % block_size) * slot_stride + kv_head * dim;
         to_float(k, row.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
@@ -65,23 +75,27 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
-          scores[g * len + t] = s;
+          scores[g * len + i] = s;
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
+        if (cap > 0) {
+          for (int64_t i = 0; i < len; ++i) s[i] = cap * std::tanh(s[i] * inv_cap);
+        }
         const float top = *std::max_element(s, s + len);
         float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - top));
+        for (int64_t i = 0; i < len; ++i) total += (s[i] = std::exp(s[i] - top));
         const float inv = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+        for (int64_t i = 0; i < len; ++i) s[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = first + i;
         const T* v = vp + table[t / block_size] * block_stride + (t % block_size) * slot_stride + kv_head * dim;
         to_float(v, row.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
+          const float p = scores[g * len + i];
           float* a = acc.data() + g * dim;
           for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
         }
@@ -95,7 +109,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);  // (-ffast-math: no NaN checks)
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [num_seqs, heads, head_dim] with unit last stride");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "caches must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
@@ -109,11 +126,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     if (q.size(2) == 64) {
-      attend<scalar_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+      attend<scalar_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
     } else if (q.size(2) == 128) {
-      attend<scalar_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+      attend<scalar_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
     } else {
-      attend<scalar_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+      attend<scalar_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
     }
   });
   return out;
@@ -122,8 +139,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
+  // window 0: the whole context; softcap 0: plain scores
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {

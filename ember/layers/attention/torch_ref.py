@@ -101,8 +101,9 @@ class TorchReferenceBackend(AttentionBackend):
                 logit_softcap: float | None) -> torch.Tensor:
         """q rows of B sequences: [B * n, H, D] -> [B * n, H, D]."""
         batch, n, length = g.tables.shape[0], g.mask.shape[2], g.mask.shape[3]
-        if g.lens is not None and _in_place_decode_ok(q, k_cache, sliding_window, logit_softcap):
-            return cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, g.tables, g.lens, scale)
+        if g.lens is not None and _in_place_decode_ok(q, k_cache):
+            return cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, g.tables, g.lens, scale,
+                                                            sliding_window or 0, logit_softcap or 0.0)
         keys = dequantize_kv(context_blocks(k_cache, g.tables, length), kv_scales[0])  # [B, L, Hkv, D]
         values = dequantize_kv(context_blocks(v_cache, g.tables, length), kv_scales[1])
         if logit_softcap is not None or (n == 1 and q.dtype != torch.float32):
@@ -119,12 +120,10 @@ class TorchReferenceBackend(AttentionBackend):
         return o.transpose(1, 2).reshape(q.shape).to(q.dtype)
 
 
-def _in_place_decode_ok(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
-                        logit_softcap: float | None) -> bool:
-    """The C++ decode kernel reads the whole context with plain scores, in the model dtype
-    (not an fp8 cache: its dtype differs)."""
-    return sliding_window is None and logit_softcap is None and k_cache.dtype == q.dtype \
-        and cpu_kernels.for_tensor(q) is not None
+def _in_place_decode_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The C++ decode kernel reads a cache in the model dtype (not an fp8 cache: its dtype
+    differs), with or without a sliding window and a soft cap (0 there: none)."""
+    return k_cache.dtype == q.dtype and cpu_kernels.for_tensor(q) is not None
 
 
 def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

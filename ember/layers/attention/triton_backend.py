@@ -2,7 +2,8 @@
 then flash-decoding when every sequence has one new token, else the varlen prefill/extend
 kernel (which also takes the decode rows of a mixed step). Reads only device tensors and
 the host query lengths, so a decode step can be captured in a CUDA graph. An fp8 cache:
-see kernels/paged.py."""
+see kernels/paged.py. A layer's sliding window and soft cap go to the kernels as
+arguments (constant per layer, so a graph captures them with the layer's launch)."""
 
 from __future__ import annotations
 
@@ -41,12 +42,14 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                kv_written: bool = False) -> torch.Tensor:
+                kv_written: bool = False, sliding_window: int | None = None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         if not kv_written:
             self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        plan = self.plan(meta, k_cache.shape[2])
+        plan = self.plan(meta, k_cache.shape[2])  # one plan for all layers, windowed or not
+        options = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
         if plan.decode:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, plan.num_splits,
-                                k_scale=k_scale, v_scale=v_scale)
+                                **options)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                             plan.max_query_len, scale, k_scale=k_scale, v_scale=v_scale)
+                             plan.max_query_len, scale, **options)
