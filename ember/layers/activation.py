@@ -18,6 +18,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU (Gemma): gelu_tanh(gate) * up, where gate_up = [gate | up] along the last dim."""
+    """GeGLU (Gemma): gelu_tanh(gate) * up, where gate_up = [gate | up] along the last dim
+    (one Triton kernel on CUDA)."""
+    if gate_up.is_cuda:
+        from ember.kernels.activation import gelu_tanh_and_mul as fused
+
+        return fused(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up

@@ -10,11 +10,12 @@ pytest.importorskip("triton")
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
 
+from ember.kernels.activation import gelu_tanh_and_mul as fused_gelu_tanh_and_mul  # noqa: E402
 from ember.kernels.activation import silu_and_mul as fused_silu_and_mul  # noqa: E402
 from ember.kernels.kv_write import kv_write  # noqa: E402
 from ember.kernels.rms_norm import rms_norm  # noqa: E402
 from ember.kernels.rotary import qk_norm_rope_inplace, rope_inplace  # noqa: E402
-from ember.layers.activation import silu_and_mul  # noqa: E402
+from ember.layers.activation import gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from ember.layers.norm import RMSNorm  # noqa: E402
 from ember.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
@@ -68,6 +69,13 @@ def test_silu_and_mul(device):
     g, dtype, tol = _setup(device)
     x = torch.randn(6, 2 * 80, generator=g).to(dtype)
     torch.testing.assert_close(fused_silu_and_mul(x.to(device), block=32).cpu(), silu_and_mul(x), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gelu_tanh_and_mul(device):
+    g, dtype, tol = _setup(device)
+    x = 3 * torch.randn(6, 2 * 80, generator=g).to(dtype)  # into gelu's curved range and its tails
+    torch.testing.assert_close(fused_gelu_tanh_and_mul(x.to(device), block=32).cpu(), gelu_tanh_and_mul(x), **tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
