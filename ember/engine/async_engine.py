@@ -332,7 +332,7 @@ class AsyncEngine:
                 e = RequestFailedError(f"the request could not be added to the engine ({type(e).__name__})")
             self.core.abort_request(req.request_id)
             self._processor.abort(req.request_id)
-            self._ended.append(_ended_stats(req, "error"))
+            self._ended.append(_finished_stats(req, "error"))
             self._end_stream(req.request_id, e)
             return
         self._requests[req.request_id] = req
@@ -393,14 +393,8 @@ class AsyncEngine:
             req = self._requests.pop(out.request_id, None)
             if req is None:
                 continue
-            scheduled = req.first_scheduled_time or now
-            first_token = req.first_token_time or now
-            it.finished.append(FinishedRequestStats(
-                finish_reason="error" if out.error is not None else out.outputs[0].finish_reason or "abort",
-                num_prompt_tokens=len(out.prompt_token_ids),
-                num_generation_tokens=sum(len(c.token_ids) for c in out.outputs),
-                e2e_latency=now - req.arrival_time, queue_time=scheduled - req.arrival_time,
-                prefill_time=first_token - scheduled, decode_time=now - first_token))
+            reason = "error" if out.error is not None else out.outputs[0].finish_reason or "abort"
+            it.finished.append(_finished_stats(req, reason, sum(len(c.token_ids) for c in out.outputs), now))
         return it
 
     def _abort(self, request_id: str) -> None:
@@ -411,7 +405,7 @@ class AsyncEngine:
             logger.exception("request %s: aborting it failed", request_id)
         req = self._requests.pop(request_id, None)
         if req is not None:
-            self._ended.append(_ended_stats(req, "abort"))
+            self._ended.append(_finished_stats(req, "abort"))
         self._token_times.pop(request_id, None)
         self._end_stream(request_id, _END)
         logger.debug("aborted %s", request_id)
@@ -462,12 +456,15 @@ class AsyncEngine:
         )
 
 
-def _ended_stats(req: Request, reason: str) -> FinishedRequestStats:
-    """A request that left without a final output (aborted, or refused on the engine thread)."""
-    now = time.monotonic()
+def _finished_stats(req: Request, reason: str, num_generation_tokens: int | None = None,
+                    now: float | None = None) -> FinishedRequestStats:
+    """A request's numbers at its end; without a final output (aborted, or refused on the
+    engine thread) its generation tokens are those of its first sample."""
+    now = time.monotonic() if now is None else now
     scheduled = req.first_scheduled_time or now
     first_token = req.first_token_time or now
-    return FinishedRequestStats(finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
-                                num_generation_tokens=len(req.output_token_ids), e2e_latency=now - req.arrival_time,
-                                queue_time=scheduled - req.arrival_time, prefill_time=first_token - scheduled,
-                                decode_time=now - first_token)
+    return FinishedRequestStats(
+        finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
+        num_generation_tokens=len(req.output_token_ids) if num_generation_tokens is None else num_generation_tokens,
+        e2e_latency=now - req.arrival_time, queue_time=scheduled - req.arrival_time,
+        prefill_time=first_token - scheduled, decode_time=now - first_token)

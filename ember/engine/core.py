@@ -91,17 +91,21 @@ class EngineCore:
         client is told); the next step() returns their final outputs."""
         req = self.scheduler.requests.get(request_id)
         root = req.parent.request_id if req is not None and req.parent is not None else request_id
-        ended = []
         compiling = self.structured.abort(root)
         if compiling is not None:
-            compiling.finish("error", status=RequestStatus.FAILED)
-            ended.append(compiling)
-        ended += self.scheduler.abort(root, "error", RequestStatus.FAILED)
-        for r in ended:
-            logger.error("request %s failed: %s", r.request_id, message)
-            r.error = message
+            self._failed.append(self._failed_output(compiling, message))
+        for r in self.scheduler.abort(root, "error", RequestStatus.FAILED):
             self._release(r.request_id)
-            self._failed.append(EngineCoreOutput(r, [], True))
+            self._failed.append(self._failed_output(r, message))
+
+    @staticmethod
+    def _failed_output(req: Request, message: str) -> EngineCoreOutput:
+        """The final output of a request that failed (out of the scheduler already)."""
+        logger.error("request %s failed: %s", req.request_id, message)
+        if not req.status.is_finished:
+            req.finish("error", status=RequestStatus.FAILED)
+        req.error = message
+        return EngineCoreOutput(req, [], True)
 
     def finish_request(self, request_id: str, stop_reason: str) -> None:
         """End a request that its stop string ended (found on the text, outside the core)."""
@@ -213,11 +217,7 @@ class EngineCore:
             self.scheduler.add_request(req)
             if forced:
                 outputs.append(EngineCoreOutput(req, forced, False))
-        for req, message in failed:
-            logger.error("request %s failed: %s", req.request_id, message)
-            req.finish("error", status=RequestStatus.FAILED)
-            req.error = message
-            outputs.append(EngineCoreOutput(req, [], True))
+        outputs += [self._failed_output(req, message) for req, message in failed]
         return outputs
 
     def _follow_grammar(self, req: Request, finished: list[Request]) -> list[int]:

@@ -192,7 +192,6 @@ class _SamplingRequest(_Strict):
             raise InvalidRequest(f"stop may have at most {limits.max_stop} strings; got {len(stop)}", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in stop):
             raise InvalidRequest(f"a stop string may be at most {MAX_STOP_CHARS} characters long", "stop")
-        stop_token_ids = token_ids(self.stop_token_ids, "stop_token_ids") if self.stop_token_ids is not None else []
 
         def given(value, default):
             return default if value is None else value
@@ -213,7 +212,7 @@ class _SamplingRequest(_Strict):
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 stop=stop,
-                stop_token_ids=stop_token_ids,
+                stop_token_ids=[] if self.stop_token_ids is None else self.stop_token_ids,  # SamplingParams checks each
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
@@ -366,10 +365,10 @@ class CompletionRequest(_SamplingRequest):
         elif not isinstance(p, list) or not p:
             raise InvalidRequest("prompt must be a non-empty string, list of strings, token ids, or list of "
                                  "lists of token ids", "prompt")
-        elif type(p[0]) is int:
-            prompts = [{"prompt_token_ids": token_ids(p, "prompt")}]
+        elif type(p[0]) is int:  # the ids themselves are checked with the prompt (InputProcessor.check_prompt)
+            prompts = [{"prompt_token_ids": p}]
         elif type(p[0]) is list:
-            prompts = [{"prompt_token_ids": token_ids(ids, "prompt")} for ids in p]
+            prompts = [{"prompt_token_ids": ids} for ids in p]
         else:
             prompts = strings(p, "prompt")
         if len(prompts) > limits.max_prompts:
