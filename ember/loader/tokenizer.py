@@ -411,7 +411,7 @@ def _importable(module: str) -> bool:
 
     try:
         return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package (google) is missing
+    except (ImportError, ValueError):  # a parent package (google) is missing, or the module is blocked
         return False
 
 
