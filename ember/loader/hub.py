@@ -61,7 +61,7 @@ def resolve_hub_model(model: str, revision: str | None = None, download_dir: str
     with _hub_errors(model, revision, download_dir):
         repo = _Repo.open(hub.repo_id, revision, download_dir)
         if hub.tag is not None:
-            return repo.fetch([pick_gguf(repo.files, hub.tag, hub.repo_id)])[0]
+            return repo.fetch([repo.pick_gguf(hub.tag)])[0]
         if "config.json" not in repo.files and _gguf_files(repo.files):
             return repo.fetch([_only_gguf(repo.files, hub.repo_id)])[0]
         if "config.json" not in repo.files:
@@ -81,7 +81,7 @@ def resolve_hub_tokenizer(tokenizer: str, download_dir: str | None = None) -> Pa
     with _hub_errors(tokenizer, None, download_dir):
         repo = _Repo.open(hub.repo_id, None, download_dir)
         if hub.tag is not None:
-            return repo.fetch([pick_gguf(repo.files, hub.tag, hub.repo_id)])[0]
+            return repo.fetch([repo.pick_gguf(hub.tag)])[0]
         if "tokenizer.json" not in repo.files and "tokenizer.model" not in repo.files:
             if _gguf_files(repo.files):
                 return repo.fetch([_only_gguf(repo.files, hub.repo_id)])[0]
@@ -174,10 +174,11 @@ class _Repo:
     when offline; `fetch` brings files into the cache (online) or checks they are there."""
 
     def __init__(self, repo_id: str, revision: str | None, cache_dir: str | None, files: list[str],
-                 cached: Path | None) -> None:
+                 cached: Path | None, files_cached_only: bool = False) -> None:
         self.repo_id, self.revision, self.cache_dir = repo_id, revision, cache_dir
         self.files = files
         self.offline = cached is not None  # taken from the cache, as it is
+        self.files_cached_only = files_cached_only  # the list is the cached folder's, not the repo's
         self._folder = cached
 
     @property
@@ -197,9 +198,21 @@ class _Repo:
             except Exception as e:  # the hub cannot be reached: what the cache holds may do
                 logger.warning("the Hugging Face Hub cannot be reached (%s: %s): looking for %s in the local cache",
                                type(e).__name__, e, repo_id)
+        # no pattern: huggingface_hub checks no file; ember checks those it picks, in fetch()
         folder = Path(cls._snapshot(repo_id, revision, cache_dir, local_files_only=True, allow_patterns=[]))
+        files = _cached_file_list(repo_id, revision, cache_dir)
+        if files is not None:
+            return cls(repo_id, revision, cache_dir, files, folder)
         files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-        return cls(repo_id, revision, cache_dir, files, folder)
+        return cls(repo_id, revision, cache_dir, files, folder, files_cached_only=True)
+
+    def pick_gguf(self, tag: str) -> str:
+        try:
+            return pick_gguf(self.files, tag, self.repo_id)
+        except ValueError as e:
+            if not self.files_cached_only:
+                raise
+            raise ValueError(f"{e} (offline: the files listed are those in the local cache)") from None
 
     @property
     def folder(self) -> Path:
@@ -237,6 +250,20 @@ class _Repo:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, **kwargs)
+
+
+def _cached_file_list(repo_id: str, revision: str | None, cache_dir: str | None) -> list[str] | None:
+    """The repo's files at this revision as listed when it was last fetched online (the tree
+    listing huggingface_hub caches), so that offline the same files are picked as online;
+    None where there is no such listing (older huggingface_hub, or files placed by hand)."""
+    try:
+        from huggingface_hub import get_cached_repo_tree
+    except ImportError:
+        return None
+    try:
+        return sorted(f.path for f in get_cached_repo_tree(repo_id, revision=revision, cache_dir=cache_dir))
+    except Exception:  # CachedRepoTreeNotFoundError, or a listing it cannot read
+        return None
 
 
 def _literal(name: str) -> str:

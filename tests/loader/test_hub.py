@@ -7,6 +7,7 @@ once, at import) and through HF_HUB_CACHE / HF_HOME in subprocesses."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -14,11 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ember import LLM, EngineConfig, SamplingParams
-from ember.loader.hub import parse_hub_id, pick_gguf, resolve_hub_tokenizer
+from ember.loader.hub import choose_weight_files, parse_hub_id, pick_gguf, resolve_hub_tokenizer
 from ember.loader.model_files import locate_model
 from ember.loader.dummy import iter_dummy_weights
+from hub_server import COMMIT, HubStandIn
+from test_checkpoint_files import sharded_dir
 from test_model_files import TINY_ARGS, tiny_cfg, write_hf_dir
 
 COMMIT_A = "a" * 40
@@ -148,7 +152,8 @@ def test_gguf_bad_tag_lists_the_files(cache, offline):
         locate_model("org/smol-GGUF:Q5_K_M", "auto", None, str(cache))
     assert str(info.value) == (
         "no .gguf file in org/smol-GGUF matches the tag 'Q5_K_M'; its .gguf files: smollm2-135m-instruct-Q4_1.gguf, "
-        "smollm2-135m-instruct-Q8_0.gguf: pass one of their quant tags (as in org/smol-GGUF:Q4_K_M)")
+        "smollm2-135m-instruct-Q8_0.gguf: pass one of their quant tags (as in org/smol-GGUF:Q4_K_M) (offline: the "
+        "files listed are those in the local cache)")
 
 
 def test_gguf_repo_without_a_tag_needs_one_when_it_has_several(cache, offline):
@@ -168,6 +173,23 @@ def test_tokenizer_from_the_hub(cache, models, offline, tmp_path):
     with pytest.raises(ValueError, match=r"^org/bare has no tokenizer.json or tokenizer.model \(in the local cache; "
                                          r"offline\): pass a repo, directory or .gguf file that holds the tokenizer$"):
         resolve_hub_tokenizer("org/bare", str(tmp_path))
+
+
+def test_which_weight_files_are_fetched():
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    mistral = ["config.json", "consolidated.safetensors", "model-00001-of-00002.safetensors",
+               "model-00002-of-00002.safetensors", "model.safetensors.index.json", "original/x.safetensors"]
+    assert choose_weight_files(mistral, {"model.safetensors.index.json": index}.__getitem__) == \
+        ["model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert choose_weight_files(["model.safetensors", "pytorch_model.bin", "sub/y.safetensors"], None) == \
+        ["model.safetensors"]
+    pt_index = {"weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}}
+    bins = ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json",
+            "training_args.bin"]
+    assert choose_weight_files(bins, {"pytorch_model.bin.index.json": pt_index}.__getitem__) == \
+        ["pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]
+    assert choose_weight_files(["pytorch_model.bin", "training_args.bin"], None) == ["pytorch_model.bin"]
+    assert choose_weight_files(["config.json", "model.gguf", "README.md"], None) == []
 
 
 # ---- refusals ---------------------------------------------------------------------------
@@ -250,3 +272,88 @@ def test_hf_home_places_the_cache(models, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"{tmp_path / 'home' / 'hub' / 'models--org--tiny' / 'snapshots' / COMMIT_A}\n"
 
+
+
+# ---- online, against a stand-in for the hub's HTTP API ------------------------------------
+
+ONLINE = """
+import json, os, sys
+from ember import LLM, SamplingParams
+from ember.loader.model_files import locate_model
+
+cache, out = sys.argv[1], {}
+def listing(path):
+    return sorted(p.name for p in path.iterdir()) if path.is_dir() else [path.name]
+def resolve(model, revision=None):
+    try:
+        path = locate_model(model, "auto", revision, cache).path
+        return {"path": str(path), "files": listing(path)}
+    except ValueError as e:
+        return {"error": str(e)}
+for model in ("org/tiny", "org/bin", "org/quant-GGUF:Q4_1"):
+    out[model] = resolve(model)
+out["nope"], out["v9"] = resolve("org/nope"), resolve("org/tiny", "v9")
+llm = LLM("org/tiny", download_dir=cache, num_kv_blocks=8, block_size=16)
+out["ids"] = llm.generate({"prompt_token_ids": [5, 17, 99]}, SamplingParams(temperature=0, max_tokens=4))[0] \
+    .outputs[0].token_ids
+print("ONLINE-DONE", flush=True)
+sys.stdin.readline()
+os.environ["HF_HUB_OFFLINE"] = "1"  # set after import: ember reads it when it resolves a model
+for model in ("org/tiny", "org/quant-GGUF:Q4_1", "org/quant-GGUF:Q8_0", "org/quant-GGUF"):
+    out["offline " + model] = resolve(model)
+print(json.dumps(out))
+"""
+
+
+def test_online_fetches_only_what_ember_reads_then_works_offline(tmp_path, models):
+    repos = tmp_path / "repos"
+    (repos / "org").mkdir(parents=True)
+    tiny = sharded_dir(repos / "org" / "tiny")  # + a decoy consolidated.safetensors
+    (tiny / "generation_config.json").write_text('{"temperature": 0.5}')
+    (tiny / "README.md").write_text("a model card")
+    (tiny / "original").mkdir()
+    (tiny / "original" / "consolidated.00.pth").write_bytes(b"not fetched")
+    (repos / "org" / "bin").mkdir()
+    shutil.copyfile(models["a"] / "config.json", repos / "org" / "bin" / "config.json")
+    torch.save(dict(iter_dummy_weights(tiny_cfg(), seed=0)), repos / "org" / "bin" / "pytorch_model.bin")
+    (repos / "org" / "bin" / "training_args.bin").write_bytes(b"not fetched")
+    (repos / "org" / "quant-GGUF").mkdir()
+    for name in ("m-Q4_1.gguf", "m-Q8_0.gguf", "README.md"):
+        (repos / "org" / "quant-GGUF" / name).write_bytes(b"GGUF " + name.encode())
+
+    cache = tmp_path / "cache"
+    snapshot = lambda repo: cache / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT  # noqa: E731
+    with HubStandIn(repos) as hub:
+        proc = subprocess.Popen([sys.executable, "-c", ONLINE, str(cache)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+                                | {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
+        first = proc.stdout.readline()
+        assert first == "ONLINE-DONE\n", proc.stderr.read()
+        online_requests = len(hub.requests)
+        stdout, stderr = proc.communicate("go\n", timeout=120)
+        assert proc.returncode == 0, stderr
+        assert len(hub.requests) == online_requests  # HF_HUB_OFFLINE=1: the hub, still up, is not asked
+    out = json.loads(stdout)
+
+    assert out["org/tiny"] == {"path": str(snapshot("org/tiny")), "files": [
+        "config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors", "model.safetensors.index.json"]}
+    assert out["org/bin"] == {"path": str(snapshot("org/bin")), "files": ["config.json", "pytorch_model.bin"]}
+    assert out["org/quant-GGUF:Q4_1"] == {"path": str(snapshot("org/quant-GGUF") / "m-Q4_1.gguf"),
+                                          "files": ["m-Q4_1.gguf"]}
+    assert out["nope"] == {"error": "'org/nope' is neither a local path nor a model repo on the Hugging Face Hub "
+                                    "(or it is private: log in with `hf auth login` or set HF_TOKEN): check the name"}
+    assert out["v9"] == {"error": "'org/tiny' has no revision 'v9' on the Hugging Face Hub: pass a branch, tag or "
+                                  "commit hash that exists"}
+    assert out["ids"] == LLM(str(tiny), **TINY_ARGS).generate(
+        {"prompt_token_ids": [5, 17, 99]}, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+
+    assert out["offline org/tiny"] == out["org/tiny"]
+    assert out["offline org/quant-GGUF:Q4_1"] == out["org/quant-GGUF:Q4_1"]
+    # the repo's listing, cached by huggingface_hub, is what offline picks from: the same as online
+    assert out["offline org/quant-GGUF:Q8_0"] == {"error": "org/quant-GGUF is in the local cache without m-Q8_0.gguf: "
+                                                           "unset HF_HUB_OFFLINE and connect to the Hugging Face Hub "
+                                                           "once to fetch them"}
+    assert out["offline org/quant-GGUF"] == {"error": "org/quant-GGUF holds 2 .gguf files (m-Q4_1.gguf, m-Q8_0.gguf): "
+                                                      "pick one by its quant tag, as in org/quant-GGUF:Q4_K_M"}
