@@ -4,12 +4,17 @@ flags + model + hardware become the numbers every part uses. Frozen; never mutat
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
 from ember.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --kv-cache-dtype: auto stores K/V in the model dtype; fp8 (= fp8_e4m3) in float8_e4m3fn
@@ -24,8 +29,17 @@ CPU_MAX_NUM_BATCHED_TOKENS = 512
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # .gguf file or HF directory; None: the default SmolLM2 GGUF
-    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    # a .gguf file, an HF directory, or a Hugging Face Hub id (org/name, org/name-GGUF:Q4_K_M);
+    # None: the default SmolLM2 GGUF. resolve() makes it a local path.
+    model: str | None = None
+    revision: str | None = None  # hub ids: a branch, tag or commit hash (default: main)
+    download_dir: str | None = None  # hub ids: the cache folder (default: huggingface_hub's, HF_HUB_CACHE)
+    tokenizer: str | None = None  # a directory, .gguf or hub id; None: the model's own
+    chat_template: str | None = None  # a file or the Jinja text itself; None: the tokenizer's. resolve(): the text
+    # auto: sampling fields that generation_config.json sets are the defaults of requests that
+    # leave them unset (vLLM's default); vllm: ember's own defaults (SamplingParams)
+    generation_config: str = "auto"
+    load_format: str = "auto"  # auto | gguf | safetensors | pt (pytorch_model*.bin) | dummy
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
     device: str = "auto"  # auto | cpu | cuda
@@ -50,13 +64,20 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # filled by resolve()
     model_config: ModelConfig | None = None
+    # the request defaults taken from generation_config.json (generation_config="auto")
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=lambda: MappingProxyType({}))
     # CPU: the context length at which a prefill token's attention costs as much as its
     # matmuls; a prefill chunk that starts at context c gets at most budget * L / (L + c)
     # tokens, so a long prompt's late chunks take no longer than its first. None: no cap (CUDA)
     attention_parity_len: int | None = None
 
     def __post_init__(self) -> None:
-        _choice("load_format", self.load_format, ("auto", "gguf", "safetensors", "dummy"))
+        _choice("load_format", self.load_format, ("auto", "gguf", "safetensors", "pt", "dummy"))
+        _choice("generation_config", self.generation_config, ("auto", "vllm"))
+        for name in ("model", "revision", "download_dir", "tokenizer", "chat_template"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"{name} must be a non-empty string or None; got {value!r:.80}")
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
         _choice("kv_cache_dtype", self.kv_cache_dtype, tuple(_KV_CACHE_DTYPES))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
@@ -86,10 +107,13 @@ class EngineConfig:
 
     def resolve(self) -> EngineConfig:
         """Fill every 'auto' and None from the model and the machine."""
-        from ember.loader.model_files import locate_model
+        from ember.loader.model_files import locate_model, locate_tokenizer
+        from ember.loader.tokenizer import load_chat_template
 
-        files = locate_model(self.model, self.load_format)
+        files = locate_model(self.model, self.load_format, self.revision, self.download_dir)
         model_config = files.model_config()
+        tokenizer = str(locate_tokenizer(self.tokenizer, self.download_dir)) if self.tokenizer else None
+        chat_template = load_chat_template(self.chat_template) if self.chat_template else None
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device: use device='cpu'")
@@ -114,6 +138,9 @@ class EngineConfig:
         return dataclasses.replace(
             self,
             model=str(files.path),
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            sampling_defaults=_sampling_defaults(files, self.generation_config),
             load_format=files.load_format,
             device=device,
             dtype=dtype,
@@ -125,6 +152,25 @@ class EngineConfig:
             model_config=model_config,
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
+
+
+def _sampling_defaults(files, generation_config: str) -> Mapping[str, float | int]:
+    """generation_config.json's sampling fields, checked once here (a bad value would fail
+    every request that leaves it unset), and logged."""
+    from ember.sampling_params import SamplingParams
+
+    if generation_config == "vllm":
+        return MappingProxyType({})
+    defaults = files.sampling_defaults()
+    if defaults:
+        try:
+            SamplingParams(**defaults)
+        except ValueError as e:
+            raise ValueError(f"{files.path / 'generation_config.json'}: {e}: fix the file, or pass "
+                             "generation_config='vllm' (--generation-config vllm) to ignore it") from None
+        logger.info("default sampling params from generation_config.json: %s (--generation-config vllm "
+                    "turns them off)", defaults)
+    return MappingProxyType(defaults)
 
 
 def _attention_parity_len(mc: ModelConfig) -> int:

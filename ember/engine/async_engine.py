@@ -214,7 +214,8 @@ class AsyncEngine:
         bad input, EngineOverloadedError when too many wait, and EngineStoppedError once
         shutting down. Call it from the event loop's thread."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return self.submit(self.inputs.make_request(request_id, prompt, params or SamplingParams(), priority))
+        params = params or SamplingParams(**self.config.sampling_defaults)  # the model's defaults, as LLM's
+        return self.submit(self.inputs.make_request(request_id, prompt, params, priority))
 
     def submit(self, req: Request) -> RequestStream:
         """Queue a request made by `self.inputs.make_request`; call it from the event loop's thread."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from ember.config import EngineConfig
-from ember.loader.tokenizer import Tokenizer, load_tokenizer
+from ember.loader.tokenizer import Tokenizer, has_hf_tokenizer, load_tokenizer
 from ember.request import Request
 from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import check_prompt_length
@@ -28,12 +28,15 @@ logger = logging.getLogger(__name__)
 
 
 def load_engine_tokenizer(config: EngineConfig) -> Tokenizer | None:
-    """The resolved model's tokenizer; None for an HF directory without tokenizer.json."""
+    """The resolved config's tokenizer (its `tokenizer` override, else the model's) with its
+    `chat_template` override; None for a model directory without a tokenizer."""
+    if config.tokenizer is not None:
+        return load_tokenizer(config.tokenizer, config.chat_template)
     path = Path(config.model)
-    if path.is_dir() and not (path / "tokenizer.json").is_file():
+    if path.is_dir() and not has_hf_tokenizer(path):
         logger.warning("%s has no tokenizer.json: ember takes {'prompt_token_ids': [...]} prompts only", path)
         return None
-    return load_tokenizer(path)
+    return load_tokenizer(path, config.chat_template)
 
 
 class InputProcessor:

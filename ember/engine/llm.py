@@ -25,6 +25,9 @@ __all__ = ["LLM", "PromptType", "Conversation"]
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", load_format: str = "auto",
                  **engine_args: Any) -> None:
+        """`model`: a .gguf file, an HF directory or a Hugging Face Hub id; `engine_args`:
+        the other EngineConfig fields (revision, download_dir, tokenizer, chat_template,
+        generation_config, max_model_len, ...)."""
         self.config = EngineConfig(model=model, dtype=dtype, load_format=load_format, **engine_args).resolve()
         self.tokenizer: Tokenizer | None = load_engine_tokenizer(self.config)
         self.engine = EngineCore(self.config, self.tokenizer)
@@ -59,7 +62,12 @@ class LLM:
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """One prompt's output after every step that changed it, the last one finished."""
-        yield from self._drive([self._make_request(prompt, sampling_params or SamplingParams())])
+        yield from self._drive([self._make_request(prompt, sampling_params or self.get_default_sampling_params())])
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without SamplingParams gets: SamplingParams' defaults, with the
+        sampling fields the model's generation_config.json sets (unless generation_config='vllm')."""
+        return SamplingParams(**self.config.sampling_defaults)
 
     def check_idle(self) -> None:
         """Assert that no request left anything behind (tests call it between requests)."""
@@ -108,7 +116,7 @@ class LLM:
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         sampling_params = list(sampling_params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,11 +12,15 @@ from torch import nn
 
 from ember.models.config import ModelConfig
 
+# what generation_config.json may set for requests that leave it unset (as vLLM's
+# --generation-config auto; do_sample is not read there either)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 
 @dataclass(frozen=True)
 class ModelFiles:
     path: Path  # a .gguf file or an HF directory
-    load_format: str  # gguf | safetensors | dummy
+    load_format: str  # gguf | safetensors | pt | dummy
 
     @property
     def is_gguf(self) -> bool:
@@ -39,9 +44,24 @@ class ModelFiles:
             from ember.loader.gguf import iter_hf_weights
 
             return iter_hf_weights(self._gguf(), cfg.num_heads, cfg.num_kv_heads)
-        from ember.loader.safetensors import iter_safetensors
+        from ember.loader.safetensors import iter_pt, iter_safetensors
 
-        return iter_safetensors(self.path)
+        return iter_pt(self.path) if self.load_format == "pt" else iter_safetensors(self.path)
+
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The sampling fields generation_config.json sets (those vLLM reads); {} for a GGUF
+        file or a directory without one."""
+        file = self.path / "generation_config.json"
+        if self.is_gguf or not file.is_file():
+            return {}
+        try:
+            config = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{file} is not valid JSON ({e}): fix or remove the file, or pass "
+                             "generation_config='vllm' (--generation-config vllm) to ignore it") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{file} is not a JSON object: fix or remove it, or pass generation_config='vllm'")
+        return {k: config[k] for k in SAMPLING_FIELDS if config.get(k) is not None}
 
     def _gguf(self):
         from ember.loader.gguf import open_gguf
@@ -49,18 +69,25 @@ class ModelFiles:
         return open_gguf(self.path)
 
 
-def locate_model(model: str | None, load_format: str) -> ModelFiles:
-    """Check that `model` names something ember can load; None means the default model."""
+def locate_model(model: str | None, load_format: str, revision: str | None = None,
+                 download_dir: str | None = None) -> ModelFiles:
+    """Check that `model` names something ember can load: a .gguf file, an HF directory, or a
+    Hugging Face Hub id (fetched into the HF cache, or `download_dir`, at `revision`); None
+    means the default model."""
+    from ember.loader.hub import parse_hub_id, resolve_hub_model
+
     if model is None:
         from ember.loader.default_model import fetch_default_model
 
         path = fetch_default_model()
     else:
         path = Path(model).expanduser()
+        if not path.exists() and parse_hub_id(model) is not None:
+            path = resolve_hub_model(model, revision, download_dir)
     if not path.exists():
         raise ValueError(
-            f"model {model!r} not found: pass a .gguf file or an HF model directory "
-            "(config.json + *.safetensors); ember cannot download from a model hub"
+            f"model {model!r} not found: pass a .gguf file, an HF model directory (config.json + *.safetensors), "
+            "or a Hugging Face Hub id (org/name, or org/name-GGUF:Q4_K_M for one quant of a GGUF repo)"
         )
     if path.is_file():
         if path.suffix != ".gguf":
@@ -69,12 +96,29 @@ def locate_model(model: str | None, load_format: str) -> ModelFiles:
         if fmt not in ("gguf", "dummy"):
             raise ValueError(f"load_format={load_format!r} does not fit a .gguf file: use 'auto' or 'gguf'")
     else:
+        from ember.loader.safetensors import checkpoint_format
+
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} has no config.json: an HF model directory needs config.json and *.safetensors")
-        fmt = "safetensors" if load_format == "auto" else load_format
-        if fmt not in ("safetensors", "dummy"):
-            raise ValueError(f"load_format={load_format!r} does not fit an HF directory: use 'auto' or 'safetensors'")
+        fmt = checkpoint_format(path) if load_format == "auto" else load_format
+        if fmt not in ("safetensors", "pt", "dummy"):
+            raise ValueError(f"load_format={load_format!r} does not fit an HF directory: use 'auto', "
+                             "'safetensors' or 'pt'")
     return ModelFiles(path, fmt)
+
+
+def locate_tokenizer(tokenizer: str, download_dir: str | None = None) -> Path:
+    """A tokenizer override: a directory, a .gguf file, or a Hugging Face Hub id (its
+    tokenizer files alone are fetched)."""
+    from ember.loader.hub import parse_hub_id, resolve_hub_tokenizer
+
+    path = Path(tokenizer).expanduser()
+    if path.exists():
+        return path
+    if parse_hub_id(tokenizer) is not None:
+        return resolve_hub_tokenizer(tokenizer, download_dir)
+    raise ValueError(f"tokenizer {tokenizer!r} not found: pass a directory with tokenizer.json (or "
+                     "tokenizer.model), a .gguf file, or a Hugging Face Hub id")
 
 
 def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,

@@ -1,20 +1,95 @@
-"""HF checkpoints: one or several (sharded) .safetensors files in a directory."""
+"""HF checkpoints in a directory: .safetensors files (one, or the shards that
+model.safetensors.index.json names), or failing that pytorch_model*.bin files."""
 
 from __future__ import annotations
 
+import json
+import logging
+import pickle
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PT_INDEX = "pytorch_model.bin.index.json"
+PT_PATTERN = "pytorch_model*.bin"
+
+
+def checkpoint_format(model_dir: str | Path) -> str:
+    """'pt' for a directory whose weights are pytorch_model*.bin alone, else 'safetensors'."""
+    d = Path(model_dir)
+    has_safetensors = (d / SAFETENSORS_INDEX).is_file() or any(d.glob("*.safetensors"))
+    has_pt = (d / PT_INDEX).is_file() or any(d.glob(PT_PATTERN))
+    return "pt" if has_pt and not has_safetensors else "safetensors"
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The shards the index names where there is one (so a consolidated.safetensors beside
+    them is not read twice), else every .safetensors file."""
+    d = Path(model_dir)
+    files = _indexed_files(d / SAFETENSORS_INDEX) if (d / SAFETENSORS_INDEX).is_file() else \
+        sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no .safetensors file: ember loads HF checkpoints in safetensors format "
+                         "(or pytorch_model*.bin)")
+    return files
+
+
+def pt_files(model_dir: str | Path) -> list[Path]:
+    d = Path(model_dir)
+    files = _indexed_files(d / PT_INDEX) if (d / PT_INDEX).is_file() else sorted(d.glob(PT_PATTERN))
+    if not files:
+        raise ValueError(f"{model_dir} holds no pytorch_model*.bin file: pass an HF checkpoint directory")
+    return files
+
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir} holds no .safetensors file: ember loads HF checkpoints in safetensors format")
-    for file in files:
+    for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def iter_pt(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """pytorch_model*.bin files, memory-mapped; tensors only (weights_only: no pickled code runs)."""
+    files = pt_files(model_dir)
+    logger.warning("%s: loading pytorch_model*.bin files; safetensors is preferred (faster to load, "
+                   "and no pickle)", model_dir)
+    for file in files:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            raise ValueError(f"{file} holds more than tensors{f' ({found[1]})' if found else ''}, and ember loads "
+                             ".bin files with weights_only=True (no pickled object is made): convert the checkpoint "
+                             "to safetensors") from None
+        except Exception as e:  # torch raises several types for a bad or legacy-format file
+            raise ValueError(f"{file} cannot be loaded as a PyTorch checkpoint of tensors ({type(e).__name__}: "
+                             f"{str(e)[:300]}): convert the checkpoint to safetensors") from None
+        if not isinstance(state, dict):
+            raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict of tensors")
+        for name, tensor in state.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{file}: {name!r} is a {type(tensor).__name__}, not a tensor")
+            yield name, tensor
+
+
+def _indexed_files(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{index} is not a readable index ({e}): download it again") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map: download it again")
+    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"{index} names {', '.join(missing)}, missing from {index.parent}: download the "
+                         "missing shard(s) again")
+    return files

@@ -138,6 +138,27 @@ class Tokenizer:
         return _jinja_env().from_string(self._chat_template)
 
 
+def _generation_tag() -> type:
+    import jinja2.ext
+    from jinja2 import nodes
+
+    class GenerationTag(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's part of a
+        template with it (to build masks for training); rendering a prompt, it is its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return GenerationTag
+
+
 def _jinja_env() -> Any:
     """A sandboxed Jinja environment with the conventions HF chat templates are written for."""
     import jinja2.ext
@@ -153,7 +174,7 @@ def _jinja_env() -> Any:
                           separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _generation_tag()]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -164,8 +185,9 @@ def _jinja_env() -> Any:
 # -- loading ------------------------------------------------------------------------------
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of a `.gguf` file or of an HF model directory (tokenizer.json)."""
+def load_tokenizer(path: str | Path, chat_template: str | None = None) -> Tokenizer:
+    """The tokenizer of a `.gguf` file or of an HF model directory (tokenizer.json, or a
+    SentencePiece tokenizer.model); `chat_template` (the template text) replaces the model's."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ValueError(
@@ -173,13 +195,39 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             "directory that holds tokenizer.json"
         )
     if path.is_dir():
-        return _from_hf_dir(path)
-    if path.suffix == ".gguf":
-        return _from_gguf(path)
-    raise ValueError(
-        f"cannot load a tokenizer from {str(path)!r}: pass a .gguf file or an HF model directory "
-        "that holds tokenizer.json"
-    )
+        tok = _from_hf_dir(path)
+    elif path.suffix == ".gguf":
+        tok = _from_gguf(path)
+    else:
+        raise ValueError(
+            f"cannot load a tokenizer from {str(path)!r}: pass a .gguf file or an HF model directory "
+            "that holds tokenizer.json"
+        )
+    if chat_template is not None:
+        tok._chat_template = chat_template
+    return tok
+
+
+def has_hf_tokenizer(path: Path) -> bool:
+    """Whether an HF directory holds a tokenizer ember can load."""
+    return (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
+
+
+_JINJA_MARKS = ("{{", "{%", "{#")
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file's path, or as the Jinja text itself."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:  # a template's text can be too long a name for the file system
+        pass
+    if any(mark in value for mark in _JINJA_MARKS):
+        return value
+    raise ValueError(f"chat template {value!r:.200} is neither a file nor a Jinja template: pass the path of an "
+                     "existing file, or the template's text")
 
 
 # The text splitting before BPE, by `tokenizer.ggml.pre`, as llama.cpp does it.
@@ -293,12 +341,15 @@ def _bos_eos_processor(
 
 def _from_hf_dir(path: Path) -> Tokenizer:
     tokenizer_json = path / "tokenizer.json"
-    if not tokenizer_json.is_file():
+    if tokenizer_json.is_file():
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    elif (path / "tokenizer.model").is_file():
+        backend = _convert_sentencepiece(path)
+    else:
         raise ValueError(
-            f"{str(path)!r} has no tokenizer.json: ember reads HF fast tokenizers only "
-            "(tokenizer.json + tokenizer_config.json), or pass a .gguf file"
+            f"{str(path)!r} has no tokenizer.json: ember reads HF fast tokenizers "
+            "(tokenizer.json + tokenizer_config.json) or a SentencePiece tokenizer.model, or pass a .gguf file"
         )
-    backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
     config = _read_json(path / "tokenizer_config.json")
 
     def token_id(key: str) -> int | None:
@@ -332,11 +383,45 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     )
 
 
+def _convert_sentencepiece(path: Path) -> tokenizers.Tokenizer:
+    """A fast tokenizer from a SentencePiece tokenizer.model, converted by transformers (its
+    convert_slow_tokenizer machinery, with the converter the tokenizer class calls for), so
+    it gives the ids transformers' own tokenizer gives."""
+    missing = [pip for module, pip in (("transformers", "transformers"), ("sentencepiece", "sentencepiece"),
+                                       ("google.protobuf", "protobuf")) if not _importable(module)]
+    if missing:
+        raise ValueError(f"{str(path)!r} has a SentencePiece tokenizer.model and no tokenizer.json; converting it "
+                         f"needs {', '.join(missing)}: pip install {' '.join(missing)} (or add a tokenizer.json)")
+    from transformers import AutoTokenizer
+
+    try:
+        converted = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a file it cannot convert
+        raise ValueError(f"transformers could not convert {path / 'tokenizer.model'} ({type(e).__name__}: "
+                         f"{str(e)[:300]}): add a tokenizer.json to {str(path)!r}") from None
+    backend = getattr(converted, "backend_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        raise ValueError(f"transformers gave no fast tokenizer for {path / 'tokenizer.model'}: add a "
+                         f"tokenizer.json to {str(path)!r}")
+    return backend
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package (google) is missing, or the module is blocked
+        return False
+
+
 def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """The template transformers would take: chat_template.jinja, else chat_template.json,
+    else tokenizer_config.json's (the "default" one of a named list)."""
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
+    template = _read_json(path / "chat_template.json").get("chat_template") or config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default")

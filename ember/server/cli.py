@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from ember.config import EngineConfig
@@ -15,8 +16,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags under vLLM's names; defaults come from EngineConfig."""
     d = EngineConfig()
     parser.add_argument("model", nargs="?", default=None,
-                        help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--load-format", default=d.load_format, choices=["auto", "gguf", "safetensors", "dummy"])
+                        help="a .gguf file, an HF model directory, or a Hugging Face Hub id: org/name, or "
+                             "org/name-GGUF:Q4_K_M for one quant of a GGUF repo (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--revision", default=d.revision,
+                        help="hub ids: the branch, tag or commit hash to fetch (default: main)")
+    parser.add_argument("--download-dir", default=d.download_dir,
+                        help="hub ids: the cache folder to fetch into (default: huggingface_hub's, HF_HUB_CACHE)")
+    parser.add_argument("--tokenizer", default=d.tokenizer,
+                        help="the tokenizer: a directory, a .gguf file or a hub id (default: the model's)")
+    parser.add_argument("--chat-template", default=d.chat_template,
+                        help="the chat template: a file, or the Jinja text itself (default: the tokenizer's)")
+    parser.add_argument("--generation-config", default=d.generation_config, choices=["auto", "vllm"],
+                        help="auto: the sampling defaults in the model's generation_config.json apply to requests "
+                             "that leave them unset; vllm: ignore them")
+    parser.add_argument("--load-format", default=d.load_format, choices=["auto", "gguf", "safetensors", "pt", "dummy"],
+                        help="pt: pytorch_model*.bin files (auto takes them where a directory has no safetensors)")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3"],
                         help="KV cache storage: auto (the model dtype) or fp8 (e4m3, scale 1.0): half the bytes "
@@ -46,25 +60,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
-    names = ["load_format", "dtype", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks",
+    names = ["revision", "download_dir", "tokenizer", "chat_template", "generation_config", "load_format", "dtype", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks",
              "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
              "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling"]
     return {"model": ns.model} | {n: getattr(ns, n) for n in names}
 
 
+_SAMPLING_FLAGS = ("temperature", "top_p", "top_k")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Unset sampling flags take the model's generation_config.json defaults, else greedy."""
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=None, help="default: the model's, else 0 (greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
+    parser.add_argument("--top-k", type=int, default=None, help="default: the model's, else 0 (off)")
 
 
-def sampling_params(ns: argparse.Namespace):
+def sampling_params(ns: argparse.Namespace, defaults: Mapping[str, float | int]):
+    """The flags given, else `defaults` (the model's), else greedy decoding."""
     from ember.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                          seed=ns.seed if ns.temperature > 0 else None)
+    given = {name: getattr(ns, name) for name in _SAMPLING_FLAGS if getattr(ns, name) is not None}
+    fields = {"temperature": 0.0} | dict(defaults) | given
+    return SamplingParams(max_tokens=ns.max_tokens, seed=ns.seed if fields["temperature"] > 0 else None, **fields)
 
 
 def _stream(llm, prompt, params) -> tuple[str, int, float]:
@@ -85,7 +105,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     from ember import LLM
 
     llm = LLM(**engine_args(ns))
-    _, n, rate = _stream(llm, ns.prompt, sampling_params(ns))
+    _, n, rate = _stream(llm, ns.prompt, sampling_params(ns, llm.config.sampling_defaults))
     print(f"[{n} tokens, {rate:.1f} tok/s]", file=sys.stderr)
 
 
@@ -94,7 +114,7 @@ def cmd_chat(ns: argparse.Namespace) -> None:
 
     llm = LLM(**engine_args(ns))
     tok = llm.get_tokenizer()
-    params = sampling_params(ns)
+    params = sampling_params(ns, llm.config.sampling_defaults)
     messages: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
 
     def answer(user: str) -> None:

@@ -275,7 +275,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def make() -> tuple[SamplingParams, list[EngineRequest]]:
-            params = body.to_sampling_params(limits)
+            params = body.to_sampling_params(limits, engine.config.sampling_defaults)
             prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt,
                                                **body.template_kwargs())
             return params, [engine.inputs.make_request(request_id, prompt, params, body.priority)]
@@ -300,7 +300,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         request_id = f"cmpl-{uuid.uuid4().hex}"
 
         def make() -> tuple[SamplingParams, list[EngineRequest]]:
-            params = body.to_sampling_params(limits)
+            params = body.to_sampling_params(limits, engine.config.sampling_defaults)
             return params, [engine.inputs.make_request(f"{request_id}-{i}", prompt, params, body.priority)
                             for i, prompt in enumerate(body.prompts(limits))]
 

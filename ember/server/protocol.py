@@ -2,6 +2,10 @@
 SamplingParams. Field names and defaults are OpenAI's; ember's extras (top_k, min_p,
 repetition_penalty, ignore_eos, ...) are vLLM's.
 
+A sampling field the request leaves unset (temperature, top_p, top_k, min_p,
+repetition_penalty) takes the model's default from its generation_config.json where it
+sets one (vLLM's --generation-config auto), else OpenAI's.
+
 Requests are strict: numbers must be numbers (no `"temperature": true` or `"1"`), every
 number is range-checked here (64-bit integers, finite floats), and an unknown field is
 refused with 400, never silently ignored. (Text must be valid Unicode: the server checks
@@ -20,6 +24,8 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema
@@ -29,6 +35,8 @@ from ember.server.limits import MAX_STOP_CHARS, RequestLimits
 
 MAX_LOGPROBS = 20  # top alternatives one token may ask for (OpenAI's top_logprobs limit)
 INT64 = (-(1 << 63), (1 << 63) - 1)
+
+NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})
 
 Int64 = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
 Count = Annotated[int, Field(ge=1, le=INT64[1])]
@@ -177,8 +185,8 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         limits: RequestLimits) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
+                         defaults: Mapping[str, float | int]) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
         if self.n > limits.max_n:
@@ -193,21 +201,24 @@ class _SamplingRequest(_Strict):
         if any(len(s) > MAX_STOP_CHARS for s in stop):
             raise InvalidRequest(f"a stop string may be at most {MAX_STOP_CHARS} characters long", "stop")
 
-        def given(value, default):
-            return default if value is None else value
+        def given(name: str, default: float | int) -> float | int:
+            """The request's value; where it leaves it unset, the model's default (from its
+            generation_config.json), else OpenAI's."""
+            value = getattr(self, name)
+            return defaults.get(name, default) if value is None else value
 
         structured = self._structured_outputs(limits)
 
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=given(self.temperature, 1.0),
-                top_p=given(self.top_p, 1.0),
-                top_k=given(self.top_k, 0),
-                min_p=given(self.min_p, 0.0),
-                presence_penalty=given(self.presence_penalty, 0.0),
-                frequency_penalty=given(self.frequency_penalty, 0.0),
-                repetition_penalty=given(self.repetition_penalty, 1.0),
+                temperature=given("temperature", 1.0),
+                top_p=given("top_p", 1.0),
+                top_k=given("top_k", 0),
+                min_p=given("min_p", 0.0),
+                presence_penalty=given("presence_penalty", 0.0),
+                frequency_penalty=given("frequency_penalty", 0.0),
+                repetition_penalty=given("repetition_penalty", 1.0),
                 seed=self.seed,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -325,11 +336,14 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, limits: RequestLimits = RequestLimits()) -> SamplingParams:
+    def to_sampling_params(self, limits: RequestLimits = RequestLimits(),
+                           defaults: Mapping[str, float | int] = NO_DEFAULTS) -> SamplingParams:
+        """`defaults`: the model's sampling defaults (EngineConfig.sampling_defaults)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, limits)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, limits,
+                                     defaults)
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
@@ -350,12 +364,14 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
 
-    def to_sampling_params(self, limits: RequestLimits = RequestLimits()) -> SamplingParams:
+    def to_sampling_params(self, limits: RequestLimits = RequestLimits(),
+                           defaults: Mapping[str, float | int] = NO_DEFAULTS) -> SamplingParams:
+        """`defaults`: the model's sampling defaults (EngineConfig.sampling_defaults)."""
         if self.echo:
             raise InvalidRequest("echo is not supported", "echo")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", "suffix")
-        return self._sampling_params(self.max_tokens, self.logprobs, limits)
+        return self._sampling_params(self.max_tokens, self.logprobs, limits, defaults)
 
     def prompts(self, limits: RequestLimits = RequestLimits()) -> list[str | dict[str, Any]]:
         """One engine prompt per prompt given: text, or {"prompt_token_ids": [...]}."""

@@ -68,7 +68,7 @@ def load_error(path: Path | str, **kwargs) -> str:
 def test_missing_path():
     msg = load_error("/nonexistent/model.gguf")
     assert "model '/nonexistent/model.gguf' not found" in msg
-    assert "pass a .gguf file or an HF model directory" in msg
+    assert "pass a .gguf file, an HF model directory (config.json + *.safetensors), or a Hugging Face Hub id" in msg
 
 
 def test_directory_without_config_json(tmp_path):
@@ -104,7 +104,7 @@ def test_load_format_that_does_not_fit(tiny_dir, gguf_path):
     assert load_error(gguf_path, load_format="safetensors") == (
         "load_format='safetensors' does not fit a .gguf file: use 'auto' or 'gguf'")
     assert load_error(tiny_dir, load_format="gguf") == (
-        "load_format='gguf' does not fit an HF directory: use 'auto' or 'safetensors'")
+        "load_format='gguf' does not fit an HF directory: use 'auto', 'safetensors' or 'pt'")
 
 
 def test_locate_model_picks_the_format(tiny_dir, gguf_path):
@@ -147,7 +147,8 @@ def test_config_json_that_is_not_json(tmp_path):
 def test_directory_without_safetensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     assert load_error(tmp_path) == (
-        f"{tmp_path} holds no .safetensors file: ember loads HF checkpoints in safetensors format")
+        f"{tmp_path} holds no .safetensors file: ember loads HF checkpoints in safetensors format "
+        "(or pytorch_model*.bin)")
 
 
 # ---- the checkpoint's tensors -------------------------------------------------------------

@@ -201,6 +201,73 @@ def test_missing_chat_template(tok: Tokenizer, tmp_path: Path) -> None:
         loaded.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+# -- chat template sources and overrides ---------------------------------------------------
+
+
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A:{{ m.content }};{% endgeneration %}"
+    "{% else %}{{ m.role[0] | upper }}:{{ m.content }};{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def test_generation_tag_renders_its_body_as_transformers_does(tok: Tokenizer, hf) -> None:
+    ours = Tokenizer(tok.backend, bos_token_id=1, eos_token_id=2, chat_template=GENERATION_TEMPLATE)
+    got = ours.apply_chat_template(CONVERSATION)
+    assert got == "S:You are terse.;U:Name a colour.;A:Blue.;U:Another, with an émoji 🎨?;A:"
+    assert got == hf.apply_chat_template(CONVERSATION, chat_template=GENERATION_TEMPLATE, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def test_template_file_precedence(tok: Tokenizer, tmp_path: Path) -> None:
+    """As transformers: chat_template.jinja, then chat_template.json, then tokenizer_config.json."""
+    root = _write_hf_dir(tok, tmp_path / "hf", {"chat_template": "config"})
+    assert load_tokenizer(root).chat_template == "config"
+    (root / "chat_template.json").write_text(json.dumps({"chat_template": "json {{ messages | length }}"}))
+    assert load_tokenizer(root).chat_template == "json {{ messages | length }}"
+    (root / "chat_template.jinja").write_text("jinja")
+    assert load_tokenizer(root).chat_template == "jinja"
+    assert load_tokenizer(root, chat_template="given").chat_template == "given"
+
+
+def test_chat_template_override_from_a_file_or_text(tok: Tokenizer, tmp_path: Path) -> None:
+    from ember import EngineConfig
+    from ember.engine.input_processor import load_engine_tokenizer
+    from test_model_files import write_hf_dir
+
+    model = write_hf_dir(tmp_path / "model")
+    tok.backend.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "the model's"}))
+    file = tmp_path / "template.jinja"
+    file.write_text("F{{ messages[0].content }}")
+    for given, expected in [(None, "the model's"), (str(file), "F{{ messages[0].content }}"),
+                            ("T{{ messages[0].content }}", "T{{ messages[0].content }}")]:
+        config = EngineConfig(model=str(model), chat_template=given).resolve()
+        assert config.chat_template == (None if given is None else expected)
+        assert load_engine_tokenizer(config).chat_template == expected
+    with pytest.raises(ValueError) as info:
+        EngineConfig(model=str(model), chat_template=str(tmp_path / "missing.jinja")).resolve()
+    assert str(info.value) == (f"chat template {str(tmp_path / 'missing.jinja')!r} is neither a file nor a Jinja "
+                               "template: pass the path of an existing file, or the template's text")
+
+
+def test_tokenizer_override(tok: Tokenizer, tmp_path: Path) -> None:
+    """A model without a tokenizer takes one from a directory given as its tokenizer."""
+    from ember import EngineConfig
+    from ember.engine.input_processor import load_engine_tokenizer
+    from test_model_files import write_hf_dir
+
+    model = write_hf_dir(tmp_path / "model")
+    other = _write_hf_dir(tok, tmp_path / "tok", {"chat_template": "other"})
+    assert load_engine_tokenizer(EngineConfig(model=str(model)).resolve()) is None
+    config = EngineConfig(model=str(model), tokenizer=str(other), chat_template="{{ 'over' }}").resolve()
+    loaded = load_engine_tokenizer(config)
+    assert loaded.encode("Hello world") == tok.encode("Hello world")
+    assert loaded.chat_template == "{{ 'over' }}"
+    with pytest.raises(ValueError, match=r"^tokenizer '/no/such/tok' not found: pass a directory with tokenizer.json"):
+        EngineConfig(model=str(model), tokenizer="/no/such/tok").resolve()
+
+
 # -- small hand-written GGUF files -------------------------------------------------------------
 
 

@@ -60,3 +60,37 @@ def test_async_scheduling_flag_reaches_the_engine_args():
     assert engine_args(parser.parse_args([]))["async_scheduling"] is None  # the device decides
     assert engine_args(parser.parse_args(["--async-scheduling"]))["async_scheduling"] is True
     assert engine_args(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
+
+
+def test_model_source_flags_reach_the_engine_args():
+    import argparse
+
+    from ember.server.cli import add_engine_args, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    defaults = engine_args(parser.parse_args(["org/name"]))
+    assert {k: defaults[k] for k in ("model", "revision", "download_dir", "tokenizer", "chat_template",
+                                     "generation_config")} == \
+        {"model": "org/name", "revision": None, "download_dir": None, "tokenizer": None, "chat_template": None,
+         "generation_config": "auto"}
+    given = engine_args(parser.parse_args(["org/name-GGUF:Q4_K_M", "--revision", "v1", "--download-dir", "/d",
+                                           "--tokenizer", "org/tok", "--chat-template", "t.jinja",
+                                           "--generation-config", "vllm", "--load-format", "pt"]))
+    assert {k: given[k] for k in ("model", "revision", "download_dir", "tokenizer", "chat_template",
+                                  "generation_config", "load_format")} == \
+        {"model": "org/name-GGUF:Q4_K_M", "revision": "v1", "download_dir": "/d", "tokenizer": "org/tok",
+         "chat_template": "t.jinja", "generation_config": "vllm", "load_format": "pt"}
+
+
+def test_a_hub_id_offline_and_not_cached_is_a_clear_error(tmp_path):
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "ember.server.cli", "generate", "hi", "org/absent",
+                           "--download-dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2
+    assert done.stderr.endswith(
+        f"ember: error: 'org/absent' is not in the Hugging Face cache ({tmp_path}) and HF_HUB_OFFLINE is set: connect "
+        "once (unset HF_HUB_OFFLINE) to download it, point HF_HUB_CACHE or download_dir at a cache that holds it, or "
+        "pass a local path\n")
