@@ -2,7 +2,7 @@
 
     f = GGUFFile(path)                  # checks the file; reads header and tensor table only
     f.metadata["llama.block_count"]     # plain Python values
-    for name, w in iter_hf_weights(f, num_heads, num_kv_heads):   # one tensor at a time
+    for name, w in iter_hf_weights(f, cfg):   # one tensor at a time
         ...                             # name is HF's ("model.layers.0.self_attn.q_proj.weight")
 
 Tensors come out as float32 in PyTorch's shape order. GGUF lists a tensor's dims fastest
@@ -17,16 +17,17 @@ The `gguf` package is imported lazily so that `import ember` needs torch alone.
 from __future__ import annotations
 
 import functools
-
 import math
-import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from ember.loader.weights import hf_weight_shapes
+from ember.models.config import ModelConfig
 
 if TYPE_CHECKING:
     import gguf
@@ -321,40 +322,49 @@ def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType | int, shape: t
 
 
 # ---------------------------------------------------------------------------------------
-# GGUF -> HF names for the llama family (llama, mistral, qwen2, qwen3, smollm, ...).
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# GGUF -> HF tensor names, from gguf-py's TensorNameMap (the table llama.cpp's converter
+# writes names with), asked for each HF name ember expects and inverted.
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF's name for a GGUF tensor name, or None if the llama family has no such tensor."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    return None
+def gguf_to_hf_names(arch: str, hf_names: Iterable[str], num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> HF name, for each of `hf_names` that gguf-py maps for `arch`.
+
+    arch: the file's `general.architecture` ("llama", "qwen2", "gemma2", ...).
+    An HF name gguf-py does not map for this architecture is left out (the loader's
+    completeness check then names it as missing).
+
+    The map renames only: a GGUF tensor holds the same numbers as the HF one, except where
+    the converter changed them, which is the caller's business. Two such changes: the
+    rows of Q and K of architecture "llama" (see `unpermute_rows`), and Gemma's RMSNorm
+    weights, stored as 1 + w (HF's Gemma norm multiplies by 1 + w; the converter adds the 1).
+    """
+    import gguf
+
+    by_name = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
+    if arch not in by_name:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is unknown to gguf-py {_gguf_version()}, so its tensor "
+            "names cannot be mapped: upgrade the gguf package, or load the model's HF directory"
+        )
+    table = gguf.get_tensor_name_map(by_name[arch], num_layers)
+    out: dict[str, str] = {}
+    for hf in hf_names:
+        name = table.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            continue
+        if name in out:
+            raise ValueError(f"HF tensors {out[name]!r} and {hf!r} both map to GGUF {name!r} for {arch!r}")
+        out[name] = hf
+    return out
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "(version unknown)"
 
 
 # llama.cpp's convert_hf_to_gguf.py reorders the rows of each head of Q and K (for
@@ -373,25 +383,32 @@ def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_hf_weights(f: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of `f` as (HF name, float32 tensor), one at a time, in file order.
 
-    A tensor the map does not know is yielded under its GGUF name, so the model loader's
-    completeness check names it. Nothing is skipped: rope_freqs.weight (Llama 3.1's RoPE
-    scaling, baked into a tensor) carries real information, and ModelConfig refuses it.
-    A tied model has no output.weight, so no lm_head.weight comes out.
+    cfg: the model's config; its HF tensor names (`hf_weight_shapes`) are the names asked for.
+    consumed: GGUF tensor names the caller reads itself (e.g. "rope_freqs.weight" where the
+    config takes RoPE scaling from it); they are not yielded.
+
+    A tensor with no HF counterpart is yielded under its GGUF name, so the model loader's
+    completeness check names it rather than it being dropped: rope_freqs.weight (Llama 3.1's
+    RoPE scaling, baked into a tensor) carries real information. A tied model has no
+    output.weight, so no lm_head.weight comes out.
     """
+    names = gguf_to_hf_names(f.architecture, hf_weight_shapes(cfg), cfg.num_layers)
     unpermute = f.architecture == "llama"
     for gguf_name in f.tensor_names:
+        if gguf_name in consumed:
+            continue
         w = f.tensor(gguf_name)
-        name = hf_name(gguf_name)
+        name = names.get(gguf_name)
         if name is None:
             yield gguf_name, w
             continue
         if unpermute and ".self_attn.q_proj." in name:
-            w = unpermute_rows(w, num_heads)
+            w = unpermute_rows(w, cfg.num_heads)
         elif unpermute and ".self_attn.k_proj." in name:
-            w = unpermute_rows(w, num_kv_heads)
+            w = unpermute_rows(w, cfg.num_kv_heads)
         yield name, w
 
 

@@ -38,7 +38,7 @@ class ModelFiles:
         if self.is_gguf:
             from ember.loader.gguf import iter_hf_weights
 
-            return iter_hf_weights(self._gguf(), cfg.num_heads, cfg.num_kv_heads)
+            return iter_hf_weights(self._gguf(), cfg)
         from ember.loader.safetensors import iter_safetensors
 
         return iter_safetensors(self.path)
