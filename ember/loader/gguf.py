@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -200,7 +202,10 @@ def _f16(cols: torch.Tensor) -> torch.Tensor:
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """(n, 16) uint8 -> (n, 32) uint8: value j is qs[j] & 0xF, value 16+j is qs[j] >> 4."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+    out = torch.empty(qs.shape[0], 32, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=out[:, :16])
+    torch.bitwise_right_shift(qs, 4, out=out[:, 16:])
+    return out
 
 
 def _high_bits(qh: torch.Tensor) -> torch.Tensor:
@@ -214,8 +219,7 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
 #   0       2                            18  value 16+j = d * ((qs[j] >> 4)  - 8)
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 0:2])
-    q = _nibbles(b[:, 2:18]).to(torch.int8) - 8
-    return d * q.float()
+    return _nibbles(b[:, 2:18]).float().sub_(8).mul_(d)  # q - 8 is exact in float32
 
 
 # Q4_1, 32 values in 20 bytes:
@@ -232,8 +236,7 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
 #   0       2        6                   22  value j = d * (q_j - 16)
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 0:2])
-    q = (_nibbles(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4)).to(torch.int8) - 16
-    return d * q.float()
+    return (_nibbles(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4)).float().sub_(16).mul_(d)
 
 
 # Q5_1, 32 values in 24 bytes:
@@ -250,12 +253,12 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 #   0       2                            34
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 0:2])
-    return b[:, 2:34].contiguous().view(torch.int8).float().mul_(d)
+    return b[:, 2:34].view(torch.int8).float().mul_(d)
 
 
-# BF16: 2 bytes a value, the top half of a float32:  value = bits << 16 (exact)
+# BF16: 2 bytes a value, the top half of a float32:  value = bits << 16 (exact, NaNs too)
 def _bf16(b: torch.Tensor) -> torch.Tensor:
-    return (b.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+    return b.view(torch.bfloat16).float()
 
 
 # F16: 2 bytes a value, IEEE half (exact in float32).
@@ -265,7 +268,7 @@ def _f16_values(b: torch.Tensor) -> torch.Tensor:
 
 # F32: 4 bytes a value.
 def _f32(b: torch.Tensor) -> torch.Tensor:
-    return b.view(torch.float32)
+    return b.view(torch.float32).clone()
 
 
 # qtype value -> (block_size, type_size, decoder). Values from ggml.h, which fixes them.
@@ -279,6 +282,23 @@ _DECODERS = {
     8: (32, 34, _q8_0),  # Q8_0
     30: (1, 2, _bf16),  # BF16
 }
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread for the decoders: a few passes over memory each. On the shared
+    2-core machine a second thread made them up to 1.8x faster while it was quiet, and small
+    tensors up to 40x slower (the whole default model 4-6x) while other work held the cores
+    (benchmarks/BENCHMARKS.md, 2026-12-01). A load should not depend on the neighbours."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType | int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -302,13 +322,15 @@ def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType | int, shape: t
     data = np.asarray(raw)
     if data.nbytes != want:
         raise ValueError(f"{qt.name} tensor of shape {shape} needs {want} bytes, got {data.nbytes}")
-    # A private copy of the bytes: the memory map is read-only and callers own the result.
-    data = np.array(np.ascontiguousarray(data).view(np.uint8).reshape(-1), copy=True)
+    data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
 
     if int(qt) in _DECODERS:
         _, _, decode = _DECODERS[int(qt)]
-        blocks = torch.from_numpy(data).view(-1, type_size)
-        return decode(blocks).reshape(shape)
+        with warnings.catch_warnings():  # the memory map is read-only; the decoders only read it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            blocks = torch.from_numpy(data).view(-1, type_size)
+        with _one_thread():
+            return decode(blocks).reshape(shape)  # a new tensor: callers own the result
 
     try:  # K-quants, IQ types, ...: gguf-py's numpy decoders
         values = gguf.quants.dequantize(data.reshape(-1, row // block_size * type_size), qt)

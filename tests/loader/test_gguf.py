@@ -3,6 +3,7 @@ Q/K un-permutation (checked against HF transformers' own GGUF loading) and bad f
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import gguf
@@ -155,6 +156,18 @@ def test_dequantize_refuses_what_it_cannot_decode() -> None:
         dequantize(np.zeros(39, np.uint8), Q.Q4_1, (64,))
     with pytest.raises(ValueError, match="whole blocks of 32"):
         dequantize(np.zeros(20, np.uint8), Q.Q4_1, (2, 16))
+
+
+@pytest.mark.parametrize("qtype", EMBER_TYPES, ids=lambda q: q.name)
+def test_dequantize_reads_read_only_bytes_into_a_new_tensor(qtype: Q) -> None:
+    raw = gguf.quants.quantize(_random_values(np.random.default_rng(3)), qtype)
+    raw.flags.writeable = False  # as the memory map of a file
+    before = raw.copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = dequantize(raw, qtype, (8, 256))
+    out.fill_(7.0)
+    assert np.array_equal(raw.view(np.uint8), before.view(np.uint8))
 
 
 def test_dequantize_returns_a_private_tensor(model: GGUFFile) -> None:
