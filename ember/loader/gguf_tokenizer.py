@@ -71,14 +71,25 @@ _DEEPSEEK3_WORDS = (
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_CJK_KANA = "[一-龥\u3040-ゟ゠-ヿ]+"
-_CJK_HANGUL = "[一-龥\u0800-一가-\ud7ff]+"
+# Non-ASCII characters are written as escapes: an editor's Unicode normalization would
+# silently change some of them (U+1F7D becomes U+03CE, turning a range around).
+_CJK_KANA = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 _LATIN_LIKE_LETTERS = (  # DeepSeek LLM's letter class, from its tokenizer.json
-    "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗ"
-    "ὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇ"
-    "Ꞌ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃"
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1"
+    "\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd"
+    "\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d"
+    "\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4"
+    "\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec"
+    "\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128"
+    "\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b"
+    "\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787"
+    "\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a"
+    "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943"
 )
-_NOT_PUNCT_WORDS = r" ?[^(\s|.,!?…。，、।۔،)]+"  # Bloom, Poro, GPT3-Finnish, Viking
+_NOT_PUNCT_WORDS = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"  # Bloom, Poro, GPT3-Finnish, Viking
 _KIMI_K2 = (  # llama.cpp's custom C++ for Kimi-K2, from the comment above it
     r"[\p{Han}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
@@ -113,7 +124,8 @@ BPE_PRE_TOKENIZERS: dict[str, BpeSplit] = {
         r"|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)"
         r"|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}",))),
     **_names("deepseek-llm", BpeSplit((
-        r"[\r\n]", r"\s?[" + _LATIN_LIKE_LETTERS + "]+", "\\s?[!-/:-~！-／：-～‘-‟\u3000-。]+", r"\s+$",
+        r"[\r\n]", r"\s?[" + _LATIN_LIKE_LETTERS + "]+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$",
         _CJK_HANGUL, r"\p{N}+"))),
     **_names("deepseek-coder", BpeSplit((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}"))),
     **_names("deepseek-v3 hunyuan-dense joyai-llm hy_v4", _DEEPSEEK3),
@@ -123,7 +135,8 @@ BPE_PRE_TOKENIZERS: dict[str, BpeSplit] = {
         r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+",
         r"\p{N}"))),
     **_names("youtu", BpeSplit((
-        r"[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|" + _CJK_KANA,
+        "[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
+        "\ufe30-\ufe4f]+|[\u3105-\u312f]+|" + _CJK_KANA,
         _CASED_WORDS.replace("{c}", _CONTRACTIONS + "?")
         + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"), ignore_merges=True)),
     **_names("falcon", BpeSplit((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"))),
@@ -163,7 +176,11 @@ BPE_PRE_TOKENIZERS: dict[str, BpeSplit] = {
         r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",))),
     **_names("afmoe", BpeSplit((
         _DIGIT_TRIPLES,
-        "[一-鿿㐀-䶿豈-\ufaff\u3040-ゟ゠-ヿ･-ﾟ⼀-\u2fdfเ-\u0e7f\u0e80-\u0effក-\u17ffက-႟ꩠ-ꩿꧠ-\ua9ff가-\ud7afᄀ-ᇿ]+",
+        # CJK, kana, Thai, Lao, Khmer, Myanmar, Hangul. "\u8c48-" as in llama.cpp's source (most
+        # likely U+F900 turned into U+8C48 by Unicode normalization: a wider range)
+        "[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f\u2f00-\u2fdf"
+        "\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af"
+        "\u1100-\u11ff]+",
         _DEEPSEEK3_WORDS))),
     **_names("laguna", BpeSplit((r"[^\n]+|[\n]+", _QWEN2))),
     **_names("exaone-moe", BpeSplit((
