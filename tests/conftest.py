@@ -94,3 +94,29 @@ def gguf_convert(tmp_path_factory):
         return made[key]
 
     return convert_cached
+
+
+@pytest.fixture(scope="session")
+def llama_tokenize(tmp_path_factory):
+    """tokenize(gguf_path, text, add_special=True) -> token ids from llama.cpp's own tokenizer
+    (its llama-tokenize tool, llama-cpp-python 0.3.36's llama.cpp). Skips the test unless the
+    tool has been built: EMBER_LLAMA_TOKENIZE names it, else the peers' build folder
+    (`cmake --build $EMBER_PEERS/llama.cpp-0.3.36/build --target llama-tokenize`)."""
+    import json
+    import subprocess
+
+    peers = Path(os.environ.get("EMBER_PEERS") or Path.home() / ".cache" / "ember-peers")
+    tool = Path(os.environ.get("EMBER_LLAMA_TOKENIZE") or peers / "llama.cpp-0.3.36" / "build" / "bin" / "llama-tokenize")
+    if not tool.is_file():
+        pytest.skip(f"llama.cpp's llama-tokenize is not built ({tool})")
+    prompt = tmp_path_factory.mktemp("llama-tokenize") / "prompt.txt"
+
+    def tokenize(gguf_path: Path, text: str, add_special: bool = True) -> list[int]:
+        prompt.write_text(text, encoding="utf-8")  # -f reads the bytes as they are
+        cmd = [str(tool), "-m", str(gguf_path), "-f", str(prompt), "--ids", "--log-disable", "--no-escape"]
+        done = subprocess.run(cmd + ([] if add_special else ["--no-bos"]), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-tokenize failed on {gguf_path}: {done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return tokenize

@@ -189,6 +189,17 @@ def test_sentencepiece_vocabulary_matches_sentencepiece(converted: Converted, sp
     assert pieces(converted.hf_tokenizer.encode("a</s> a", add_special_tokens=False)) == ["▁a", "</s>", "▁a"]
 
 
+def test_tokenizer_matches_llama_cpp(converted: Converted, llama_tokenize) -> None:
+    """llama.cpp's own tokenizer on the same file: leading spaces and text after special
+    tokens included, where transformers differs."""
+    specials = SPM_SPECIAL_TEXTS + ["a</s> a", "text </s> more <unk> text"] if converted.name.endswith("_spm") \
+        else BPE_SPECIAL_TEXTS
+    for text in TEXTS + specials:
+        assert converted.tokenizer.encode(text) == llama_tokenize(converted.gguf, text), text
+        assert converted.tokenizer.encode(text, add_special_tokens=False) == llama_tokenize(
+            converted.gguf, text, add_special=False), text
+
+
 @pytest.fixture(scope="module")
 def engines(converted: Converted):
     kw = dict(num_kv_blocks=16, block_size=8, max_model_len=256)

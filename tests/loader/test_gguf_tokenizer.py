@@ -226,3 +226,62 @@ def test_other_vocabulary_kinds_are_refused() -> None:
         tokenizer_from_metadata(bpe_metadata("qwen2") | {"tokenizer.ggml.merges": ["ĠĠ"]})
     with pytest.raises(ValueError, match="tokenizer.ggml.tokens is missing"):
         tokenizer_from_metadata({"tokenizer.ggml.model": "llama"})
+
+
+# -- against llama.cpp's own tokenizer ----------------------------------------------------------
+
+CROSS_TEXTS = [
+    "Hello world", "The quick brown fox jumps over the lazy dog.", "  two leading spaces", "trailing spaces   ",
+    "multiple   spaces\tand\ttabs", "line one\nline two\n\n\nafter blank lines\r\n", "In 2024, 1,000,000 people paid $9.99.",
+    "def square(x: int) -> int:\n    return x ** 2  # comment\n", "I'm sure you'll see they've done it, I'M SURE",
+    "emoji 👋🏽 and family 👨‍👩‍👧‍👦", "你好，世界！日本語のテキスト 한국어", "e\u0301 n\u0303 (combining marks) and Å",
+    "HelloWorld camelCase ÉcoleNormale élan", TEXT, "<sentinel:7> IMGIMGABZ 1234567", "Ὗ ΐ café naïve", " ", "\n",
+    "a\u00a0b\u2009c",
+]
+
+
+@pytest.fixture(scope="module")
+def small_real_bpe() -> dict[str, Any]:
+    """A byte-level BPE vocabulary that shows how text was split: SmolLM2's first 3,000 merges,
+    plus merges across the places the regexes differ on (digit runs, "'m", "?!", blank lines,
+    runs of spaces, CJK)."""
+    from ember.loader.default_model import fetch_default_model
+    from ember.loader.gguf import open_gguf
+
+    merges = open_gguf(fetch_default_model()).metadata["tokenizer.ggml.merges"][:3000]
+    merges += ["1 2", "12 3", "4 5", "' m", "? !", "Ċ Ċ", "ĠĠ Ġ", "ä½ ł", "å¥ ½", "Ġ 1"]
+    tokens = dict.fromkeys(BYTE_ALPHABET)  # an ordered set
+    for m in merges:
+        left, right = m.split(" ")
+        tokens |= dict.fromkeys([left, right, left + right])
+    return {"tokens": list(tokens), "merges": merges}
+
+
+def _write_vocab_only_gguf(path: Path, pre: str, tokens: list[str], merges: list[str]) -> Path:
+    """A GGUF llama.cpp loads for its vocabulary alone (the hyperparameters it reads first)."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [(w.add_context_length, 64), (w.add_embedding_length, 64), (w.add_block_count, 1),
+                       (w.add_feed_forward_length, 64), (w.add_head_count, 4), (w.add_head_count_kv, 4),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_dimension_count, 16)]:
+        add(value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list([*tokens, "<|begin|>", "<|end|>"])
+    w.add_token_types([NORMAL] * len(tokens) + [CONTROL, CONTROL])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens))
+    w.add_eos_token_id(len(tokens) + 1)
+    w.add_add_bos_token(False)
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        write()
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pre", sorted(BPE_PRE_TOKENIZERS))
+def test_pre_tokenizer_matches_llama_cpp(pre: str, llama_tokenize, small_real_bpe: dict[str, Any],
+                                         tmp_path: Path) -> None:
+    path = _write_vocab_only_gguf(tmp_path / f"{pre}.gguf", pre, small_real_bpe["tokens"], small_real_bpe["merges"])
+    tok = load_tokenizer(path)
+    joined = "<|end|>".join(CROSS_TEXTS)  # a control token: each text is tokenized on its own
+    assert tok.encode(joined) == llama_tokenize(path, joined)
