@@ -3,11 +3,12 @@
 `tokenizer.ggml.model` names the vocabulary kind:
 
 - "llama": SentencePiece (Llama 2, Mistral, Gemma, Phi-3). Tokens, scores and token types;
-  built as HF's fast Llama tokenizer does it: BPE whose merges are ranked by the score of
-  the merged piece, byte fallback to the `<0xNN>` tokens, spaces written as "▁" and one
-  "▁" put in front of every stretch of text between special tokens where
-  `tokenizer.ggml.add_space_prefix` says so (llama.cpp's rule, which is also
-  SentencePiece's on plain text).
+  built with transformers' recipe for Llama's fast tokenizer (the legacy one): BPE whose
+  merges are ranked by the score of the merged piece, byte fallback to the `<0xNN>`
+  tokens, spaces written as "▁", and one "▁" put in front of every stretch of text between
+  special tokens where `tokenizer.ggml.add_space_prefix` says so. That is llama.cpp's rule,
+  and SentencePiece's on plain text; transformers 5's LlamaTokenizer differs where a
+  stretch starts with a space (it adds no "▁" there).
 - "gpt2": byte-level BPE (Llama 3, Qwen, SmolLM, DeepSeek, ...). Tokens and merges; the
   text is first cut into pieces by the regexes llama.cpp applies for the file's
   `tokenizer.ggml.pre` (each regex in turn, on every piece the one before left), then
@@ -53,8 +54,9 @@ class BpeSplit:
 # The regexes are llama.cpp's (src/llama-vocab.cpp). Where llama.cpp rewrote a model's
 # tokenizer.json regex for its own regex engine and says so, the original is used, since
 # that is the split the model was trained with: Tekken and GPT-4o (llama.cpp approximates
-# "upper/lower case letter" with "letter that is not a-z / A-Z"), Kimi-K2 and AFMoE (custom
-# C++ in llama.cpp; AFMoE's digit rule written here as a regex).
+# "upper/lower case letter" with "letter that is not a-z / A-Z"), Kimi-K2, AFMoE and
+# Tiny Aya's digit groups (custom C++ in llama.cpp; AFMoE's rule written here as a regex).
+# tests/loader/test_gguf_tokenizer.py checks every name against llama.cpp's own tokenizer.
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
