@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.loader.default_model import fetch_default_model
 from ember.loader.dummy import iter_dummy_weights
 from ember.loader.gguf import open_gguf
 from ember.loader.tokenizer import Tokenizer, load_tokenizer
@@ -30,38 +29,24 @@ from safetensors.torch import save_file  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SPM_VOCAB = 512
 BASE = {
     "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "bos_token_id": 1,
     "eos_token_id": 2,
 }
 VARIANTS = {
-    "llama_spm": BASE | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": SPM_VOCAB,
+    "llama_spm": BASE | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
                          "rope_theta": 10000.0, "tie_word_embeddings": False},
-    "mistral_spm": BASE | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": SPM_VOCAB,
+    "mistral_spm": BASE | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 512,
                            "rope_theta": 1e6, "tie_word_embeddings": False, "sliding_window": None},
     "llama_bpe": BASE | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
                          "rope_theta": 100000.0, "tie_word_embeddings": True},
     # SentencePiece, not SmolLM2's BPE: transformers 5 reads any model_type "qwen2" tokenizer as
     # Qwen2Tokenizer, which re-splits SmolLM2's vocabulary with Qwen's regex, and the converter
     # then cannot recognise it (it identifies BPE pre-tokenizers by hashing a tokenization).
-    "qwen2_spm": BASE | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": SPM_VOCAB,
+    "qwen2_spm": BASE | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 512,
                          "rope_theta": 1e6, "tie_word_embeddings": True, "use_sliding_window": False},
 }
-
-# Text the SentencePiece model is trained on: English prose and code, a few accents. Other
-# scripts, emoji and most symbols are not in it, so they come out as <0xNN> byte tokens.
-CORPUS = """\
-The quick brown fox jumps over the lazy dog. A tiny model reads its weights from a file,
-then answers one token at a time. Every request has a prompt and a budget of new tokens;
-the scheduler gives each request a share of the step, and the cache keeps what was computed.
-def load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
-Numbers like 12, 345 and 6789 appear in text; so do dates (2026-12-01) and prices ($9.99).
-Café, naïve, résumé: accents are letters too. Spaces   and tabs\tmatter in code.
-"""
 
 TEXTS = [
     "Hello world",
@@ -86,37 +71,6 @@ BPE_SPECIAL_TEXTS = ["<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assi
 PROMPTS = ["The quick brown fox", "def load(path):\n", "Numbers like 12 and 345"]
 
 
-@pytest.fixture(scope="session")
-def spm_tokenizer_dir(tmp_path_factory) -> Path:
-    """A SentencePiece BPE model trained here (byte fallback, no normalization, split digits:
-    Llama 2's settings), with a legacy HF LlamaTokenizer saved next to it."""
-    root = tmp_path_factory.mktemp("spm")
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS.splitlines()), model_prefix=str(root / "tokenizer"), vocab_size=SPM_VOCAB,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0, split_digits=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
-    )
-    # legacy=True: a "▁" in front of the text after each special token, as llama.cpp and
-    # SentencePiece do (transformers' default, False, puts none there)
-    config = json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-                         "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False, "legacy": True})
-    (root / "tokenizer_config.json").write_text(config)
-    transformers.AutoTokenizer.from_pretrained(str(root)).save_pretrained(str(root))  # tokenizer.json
-    (root / "tokenizer_config.json").write_text(config)  # saving drops legacy and add_bos_token
-    return root
-
-
-@pytest.fixture(scope="session")
-def bpe_tokenizer_dir(tmp_path_factory) -> Path:
-    """SmolLM2's tokenizer as HF files, built by transformers from the default GGUF."""
-    gguf_path = fetch_default_model()
-    root = tmp_path_factory.mktemp("bpe")
-    hf = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    hf.save_pretrained(str(root))
-    return root
-
-
 @dataclass
 class Converted:
     name: str
@@ -129,7 +83,7 @@ class Converted:
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def converted(request, tmp_path_factory, gguf_convert, spm_tokenizer_dir, bpe_tokenizer_dir) -> Converted:
     name = request.param
-    config = VARIANTS[name]
+    config = VARIANTS[name]  # vocab_size: the tokenizer's (spm_tokenizer_dir trains 512 pieces)
     root = tmp_path_factory.mktemp(name)
     (root / "config.json").write_text(json.dumps(config))
     cfg = ModelConfig.from_hf_config(config)
