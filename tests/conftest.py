@@ -1,8 +1,11 @@
-"""Shared fixtures: the default model, ember on it, and HF transformers on the same GGUF."""
+"""Shared fixtures: the default model, ember on it, and HF transformers on the same GGUF;
+llama.cpp's own converter and tokenizer, and tokenizer files for tiny models to convert."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,104 @@ def _forward_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
 @pytest.fixture(scope="session")
 def forward_logits():
     return _forward_logits
+
+
+@pytest.fixture(scope="session")
+def gguf_convert(tmp_path_factory):
+    """convert(hf_dir, outtype="f32", vocab_only=False) -> Path of the GGUF file that
+    llama.cpp's convert_hf_to_gguf.py writes for the HF directory, made once a session for
+    each (directory, outtype, vocab_only). Skips the test where the converter cannot be
+    fetched (tests/gguf_convert.py)."""
+    from gguf_convert import ConverterUnavailable, convert, converter_dir
+
+    try:
+        converter_dir()
+    except ConverterUnavailable as e:
+        pytest.skip(f"llama.cpp's converter is not available: {e}")
+    out = tmp_path_factory.mktemp("gguf-converted")
+    made: dict[tuple[Path, str, bool], Path] = {}
+
+    def convert_cached(hf_dir: Path, outtype: str = "f32", vocab_only: bool = False) -> Path:
+        key = (Path(hf_dir).resolve(), outtype, vocab_only)
+        if key not in made:
+            name = f"{len(made)}-{Path(hf_dir).name}-{outtype}{'-vocab' if vocab_only else ''}.gguf"
+            made[key] = convert(key[0], out / name, outtype, vocab_only)
+        return made[key]
+
+    return convert_cached
+
+
+@pytest.fixture(scope="session")
+def llama_tokenize(tmp_path_factory):
+    """tokenize(gguf_path, text, add_special=True) -> token ids from llama.cpp's own tokenizer
+    (its llama-tokenize tool, llama-cpp-python 0.3.36's llama.cpp). Skips the test unless the
+    tool has been built: EMBER_LLAMA_TOKENIZE names it, else the peers' build folder
+    (`cmake --build $EMBER_PEERS/llama.cpp-0.3.36/build --target llama-tokenize`)."""
+    peers = Path(os.environ.get("EMBER_PEERS") or Path.home() / ".cache" / "ember-peers")
+    tool = Path(os.environ.get("EMBER_LLAMA_TOKENIZE") or peers / "llama.cpp-0.3.36" / "build" / "bin" / "llama-tokenize")
+    if not tool.is_file():
+        pytest.skip(f"llama.cpp's llama-tokenize is not built ({tool})")
+    prompt = tmp_path_factory.mktemp("llama-tokenize") / "prompt.txt"
+
+    def tokenize(gguf_path: Path, text: str, add_special: bool = True) -> list[int]:
+        prompt.write_text(text, encoding="utf-8")  # -f reads the bytes as they are
+        cmd = [str(tool), "-m", str(gguf_path), "-f", str(prompt), "--ids", "--log-disable", "--no-escape"]
+        done = subprocess.run(cmd + ([] if add_special else ["--no-bos"]), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-tokenize failed on {gguf_path}: {done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return tokenize
+
+
+# Text the SentencePiece model is trained on: English prose and code, a few accents. Other
+# scripts, emoji and most symbols are not in it, so they come out as <0xNN> byte tokens.
+_SPM_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A tiny model reads its weights from a file,
+then answers one token at a time. Every request has a prompt and a budget of new tokens;
+the scheduler gives each request a share of the step, and the cache keeps what was computed.
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+Numbers like 12, 345 and 6789 appear in text; so do dates (2026-12-01) and prices ($9.99).
+Café, naïve, résumé: accents are letters too. Spaces   and tabs\tmatter in code.
+"""
+
+
+@pytest.fixture(scope="session")
+def spm_tokenizer_dir(tmp_path_factory) -> Path:
+    """tokenizer.model: a SentencePiece BPE model of 512 pieces trained on _SPM_CORPUS (byte
+    fallback, no normalization, split digits: Llama 2's settings), with tokenizer.json and
+    tokenizer_config.json of a legacy HF LlamaTokenizer next to it. Copy the files into a
+    tiny HF model's directory for llama.cpp's converter (gguf_convert)."""
+    spm = pytest.importorskip("sentencepiece")
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("spm")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_SPM_CORPUS.splitlines()), model_prefix=str(root / "tokenizer"), vocab_size=512,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
+    )
+    # legacy=True: a "▁" in front of the text after each special token, as llama.cpp and
+    # SentencePiece do (transformers' default, False, puts none there)
+    config = json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+                         "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False, "legacy": True})
+    (root / "tokenizer_config.json").write_text(config)
+    transformers.AutoTokenizer.from_pretrained(str(root)).save_pretrained(str(root))  # tokenizer.json
+    (root / "tokenizer_config.json").write_text(config)  # saving drops legacy and add_bos_token
+    return root
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer as HF files, built by transformers from the default GGUF (one
+    llama.cpp's converter recognises: its pre-tokenizer comes out as "smollm")."""
+    from ember.loader.default_model import fetch_default_model
+
+    transformers = pytest.importorskip("transformers")
+    gguf_path = fetch_default_model()
+    root = tmp_path_factory.mktemp("bpe")
+    hf = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    hf.save_pretrained(str(root))
+    return root

@@ -2,7 +2,7 @@
 
     f = GGUFFile(path)                  # checks the file; reads header and tensor table only
     f.metadata["llama.block_count"]     # plain Python values
-    for name, w in iter_hf_weights(f, num_heads, num_kv_heads):   # one tensor at a time
+    for name, w in iter_hf_weights(f, cfg):   # one tensor at a time
         ...                             # name is HF's ("model.layers.0.self_attn.q_proj.weight")
 
 Tensors come out as float32 in PyTorch's shape order. GGUF lists a tensor's dims fastest
@@ -17,16 +17,19 @@ The `gguf` package is imported lazily so that `import ember` needs torch alone.
 from __future__ import annotations
 
 import functools
-
 import math
-import re
-from collections.abc import Iterator
+import warnings
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from ember.loader.weights import hf_weight_shapes
+from ember.models.config import ModelConfig
 
 if TYPE_CHECKING:
     import gguf
@@ -199,7 +202,10 @@ def _f16(cols: torch.Tensor) -> torch.Tensor:
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """(n, 16) uint8 -> (n, 32) uint8: value j is qs[j] & 0xF, value 16+j is qs[j] >> 4."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+    out = torch.empty(qs.shape[0], 32, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=out[:, :16])
+    torch.bitwise_right_shift(qs, 4, out=out[:, 16:])
+    return out
 
 
 def _high_bits(qh: torch.Tensor) -> torch.Tensor:
@@ -213,8 +219,7 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
 #   0       2                            18  value 16+j = d * ((qs[j] >> 4)  - 8)
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 0:2])
-    q = _nibbles(b[:, 2:18]).to(torch.int8) - 8
-    return d * q.float()
+    return _nibbles(b[:, 2:18]).float().sub_(8).mul_(d)  # q - 8 is exact in float32
 
 
 # Q4_1, 32 values in 20 bytes:
@@ -231,8 +236,7 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
 #   0       2        6                   22  value j = d * (q_j - 16)
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 0:2])
-    q = (_nibbles(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4)).to(torch.int8) - 16
-    return d * q.float()
+    return (_nibbles(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4)).float().sub_(16).mul_(d)
 
 
 # Q5_1, 32 values in 24 bytes:
@@ -249,12 +253,12 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 #   0       2                            34
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 0:2])
-    return b[:, 2:34].contiguous().view(torch.int8).float().mul_(d)
+    return b[:, 2:34].view(torch.int8).float().mul_(d)
 
 
-# BF16: 2 bytes a value, the top half of a float32:  value = bits << 16 (exact)
+# BF16: 2 bytes a value, the top half of a float32:  value = bits << 16 (exact, NaNs too)
 def _bf16(b: torch.Tensor) -> torch.Tensor:
-    return (b.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+    return b.view(torch.bfloat16).float()
 
 
 # F16: 2 bytes a value, IEEE half (exact in float32).
@@ -264,7 +268,7 @@ def _f16_values(b: torch.Tensor) -> torch.Tensor:
 
 # F32: 4 bytes a value.
 def _f32(b: torch.Tensor) -> torch.Tensor:
-    return b.view(torch.float32)
+    return b.view(torch.float32).clone()
 
 
 # qtype value -> (block_size, type_size, decoder). Values from ggml.h, which fixes them.
@@ -278,6 +282,23 @@ _DECODERS = {
     8: (32, 34, _q8_0),  # Q8_0
     30: (1, 2, _bf16),  # BF16
 }
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread for the decoders: a few passes over memory each. On the shared
+    2-core machine a second thread made them up to 1.8x faster while it was quiet, and small
+    tensors up to 40x slower (the whole default model 4-6x) while other work held the cores
+    (benchmarks/BENCHMARKS.md, 2026-12-01). A load should not depend on the neighbours."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType | int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -301,13 +322,15 @@ def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType | int, shape: t
     data = np.asarray(raw)
     if data.nbytes != want:
         raise ValueError(f"{qt.name} tensor of shape {shape} needs {want} bytes, got {data.nbytes}")
-    # A private copy of the bytes: the memory map is read-only and callers own the result.
-    data = np.array(np.ascontiguousarray(data).view(np.uint8).reshape(-1), copy=True)
+    data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
 
     if int(qt) in _DECODERS:
         _, _, decode = _DECODERS[int(qt)]
-        blocks = torch.from_numpy(data).view(-1, type_size)
-        return decode(blocks).reshape(shape)
+        with warnings.catch_warnings():  # the memory map is read-only; the decoders only read it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            blocks = torch.from_numpy(data).view(-1, type_size)
+        with _one_thread():
+            return decode(blocks).reshape(shape)  # a new tensor: callers own the result
 
     try:  # K-quants, IQ types, ...: gguf-py's numpy decoders
         values = gguf.quants.dequantize(data.reshape(-1, row // block_size * type_size), qt)
@@ -321,40 +344,49 @@ def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType | int, shape: t
 
 
 # ---------------------------------------------------------------------------------------
-# GGUF -> HF names for the llama family (llama, mistral, qwen2, qwen3, smollm, ...).
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# GGUF -> HF tensor names, from gguf-py's TensorNameMap (the table llama.cpp's converter
+# writes names with), asked for each HF name ember expects and inverted.
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF's name for a GGUF tensor name, or None if the llama family has no such tensor."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    return None
+def gguf_to_hf_names(arch: str, hf_names: Iterable[str], num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> HF name, for each of `hf_names` that gguf-py maps for `arch`.
+
+    arch: the file's `general.architecture` ("llama", "qwen2", "gemma2", ...).
+    An HF name gguf-py does not map for this architecture is left out (the loader's
+    completeness check then names it as missing).
+
+    The map renames only: a GGUF tensor holds the same numbers as the HF one, except where
+    the converter changed them, which is the caller's business. Two such changes: the
+    rows of Q and K of architecture "llama" (see `unpermute_rows`), and Gemma's RMSNorm
+    weights, stored as 1 + w (HF's Gemma norm multiplies by 1 + w; the converter adds the 1).
+    """
+    import gguf
+
+    by_name = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
+    if arch not in by_name:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is unknown to gguf-py {_gguf_version()}, so its tensor "
+            "names cannot be mapped: upgrade the gguf package, or load the model's HF directory"
+        )
+    table = gguf.get_tensor_name_map(by_name[arch], num_layers)
+    out: dict[str, str] = {}
+    for hf in hf_names:
+        name = table.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            continue
+        if name in out:
+            raise ValueError(f"HF tensors {out[name]!r} and {hf!r} both map to GGUF {name!r} for {arch!r}")
+        out[name] = hf
+    return out
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "(version unknown)"
 
 
 # llama.cpp's convert_hf_to_gguf.py reorders the rows of each head of Q and K (for
@@ -373,25 +405,32 @@ def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_hf_weights(f: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of `f` as (HF name, float32 tensor), one at a time, in file order.
 
-    A tensor the map does not know is yielded under its GGUF name, so the model loader's
-    completeness check names it. Nothing is skipped: rope_freqs.weight (Llama 3.1's RoPE
-    scaling, baked into a tensor) carries real information, and ModelConfig refuses it.
-    A tied model has no output.weight, so no lm_head.weight comes out.
+    cfg: the model's config; its HF tensor names (`hf_weight_shapes`) are the names asked for.
+    consumed: GGUF tensor names the caller reads itself (e.g. "rope_freqs.weight" where the
+    config takes RoPE scaling from it); they are not yielded.
+
+    A tensor with no HF counterpart is yielded under its GGUF name, so the model loader's
+    completeness check names it rather than it being dropped: rope_freqs.weight (Llama 3.1's
+    RoPE scaling, baked into a tensor) carries real information. A tied model has no
+    output.weight, so no lm_head.weight comes out.
     """
+    names = gguf_to_hf_names(f.architecture, hf_weight_shapes(cfg), cfg.num_layers)
     unpermute = f.architecture == "llama"
     for gguf_name in f.tensor_names:
+        if gguf_name in consumed:
+            continue
         w = f.tensor(gguf_name)
-        name = hf_name(gguf_name)
+        name = names.get(gguf_name)
         if name is None:
             yield gguf_name, w
             continue
         if unpermute and ".self_attn.q_proj." in name:
-            w = unpermute_rows(w, num_heads)
+            w = unpermute_rows(w, cfg.num_heads)
         elif unpermute and ".self_attn.k_proj." in name:
-            w = unpermute_rows(w, num_kv_heads)
+            w = unpermute_rows(w, cfg.num_kv_heads)
         yield name, w
 
 

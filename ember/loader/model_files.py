@@ -17,6 +17,10 @@ from ember.models.config import ModelConfig
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+# GGUF tensors that ModelConfig reads (RoPE factors), not weights of the model
+GGUF_CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
+
+
 @dataclass(frozen=True)
 class ModelFiles:
     path: Path  # a .gguf file or an HF directory
@@ -29,7 +33,7 @@ class ModelFiles:
     def model_config(self) -> ModelConfig:
         if self.is_gguf:
             f = self._gguf()
-            return ModelConfig.from_gguf_metadata(f.metadata, f.tensor_names)
+            return ModelConfig.from_gguf_metadata(f.metadata, f.tensor_names, lambda n: f.tensor(n).tolist())
         return ModelConfig.from_hf_dir(self.path)
 
     def weights(self, cfg: ModelConfig, seed: int, device: str = "cpu",
@@ -43,7 +47,7 @@ class ModelFiles:
         if self.is_gguf:
             from ember.loader.gguf import iter_hf_weights
 
-            return iter_hf_weights(self._gguf(), cfg.num_heads, cfg.num_kv_heads)
+            return iter_hf_weights(self._gguf(), cfg, GGUF_CONFIG_TENSORS)
         from ember.loader.safetensors import iter_pt, iter_safetensors
 
         return iter_pt(self.path) if self.load_format == "pt" else iter_safetensors(self.path)

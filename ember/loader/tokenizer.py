@@ -1,7 +1,8 @@
 """The tokenizer: text <-> token ids, and chat messages -> prompt text.
 
 One `Tokenizer` class wraps a `tokenizers.Tokenizer`, built either from a GGUF file's
-metadata (llama.cpp's key names) or from an HF model directory (tokenizer.json).
+metadata (llama.cpp's key names; gguf_tokenizer.py) or from an HF model directory
+(tokenizer.json).
 
     tok = load_tokenizer("model.gguf")
     ids = tok.encode("Hello world")
@@ -11,7 +12,6 @@ metadata (llama.cpp's key names) or from an HF model directory (tokenizer.json).
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
@@ -19,9 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
-
-logger = logging.getLogger(__name__)
+from tokenizers import processors
 
 
 class Tokenizer:
@@ -197,7 +195,9 @@ def load_tokenizer(path: str | Path, chat_template: str | None = None) -> Tokeni
     if path.is_dir():
         tok = _from_hf_dir(path)
     elif path.suffix == ".gguf":
-        tok = _from_gguf(path)
+        from ember.loader.gguf_tokenizer import tokenizer_from_gguf
+
+        tok = tokenizer_from_gguf(path)
     else:
         raise ValueError(
             f"cannot load a tokenizer from {str(path)!r}: pass a .gguf file or an HF model directory "
@@ -228,102 +228,6 @@ def load_chat_template(value: str) -> str:
         return value
     raise ValueError(f"chat template {value!r:.200} is neither a file nor a Jinja template: pass the path of an "
                      "existing file, or the template's text")
-
-
-# The text splitting before BPE, by `tokenizer.ggml.pre`, as llama.cpp does it.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLIT_REGEX = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
-# Starcoder-style vocabularies: every digit on its own, then the GPT-2 split.
-_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "codeshell", "command-r"}
-_GPT2_LIKE = {"default", "gpt2", "gpt-2"}
-# llama.cpp looks a whole Llama-3 word up in the vocabulary before applying merges.
-_IGNORE_MERGES = {"llama-bpe", "llama3"}
-
-
-def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre in _SPLIT_REGEX:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_REGEX[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    if pre not in _GPT2_LIKE:
-        logger.warning("unknown tokenizer.ggml.pre %r: splitting text with the GPT-2 regex", pre)
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _gguf_metadata(path: Path) -> dict[str, Any]:
-    """The `tokenizer.*` keys of a GGUF file, as Python values."""
-    from ember.loader.gguf import open_gguf
-
-    return {k: v for k, v in open_gguf(path).metadata.items() if k.startswith("tokenizer.")}
-
-
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-
-
-def _from_gguf(path: Path) -> Tokenizer:
-    meta = _gguf_metadata(path)
-    kind = meta.get("tokenizer.ggml.model")
-    if kind == "llama":
-        raise ValueError(
-            f"{path.name}: SentencePiece GGUF tokenizers (tokenizer.ggml.model = 'llama') are not "
-            "supported yet; supported: 'gpt2' (byte-level BPE). Use the model's HF directory instead."
-        )
-    if kind != "gpt2":
-        raise ValueError(
-            f"{path.name}: tokenizer.ggml.model = {kind!r} is not supported; supported: 'gpt2' "
-            "(byte-level BPE)"
-        )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    model = tokenizers.models.BPE(
-        vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=pre in _IGNORE_MERGES
-    )
-    backend = tokenizers.Tokenizer(model)
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-    backend.decoder = decoders.ByteLevel()
-
-    # Control and user-defined tokens are matched whole in the text, never split by BPE;
-    # only control ones are special (dropped by skip_special_tokens).
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
-    )
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
-    )
-
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-    if add_bos or add_eos:
-        backend.post_processor = _bos_eos_processor(
-            (tokens[bos], bos) if add_bos else None, (tokens[eos], eos) if add_eos else None
-        )
-    end_of_turn = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
-    return Tokenizer(
-        backend,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        extra_eos_token_ids=end_of_turn,
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        chat_template=meta.get("tokenizer.chat_template"),
-        vocab_size=len(tokens),
-    )
 
 
 def _bos_eos_processor(

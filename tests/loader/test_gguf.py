@@ -3,6 +3,7 @@ Q/K un-permutation (checked against HF transformers' own GGUF loading) and bad f
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import gguf
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from ember.loader.default_model import fetch_default_model
-from ember.loader.gguf import GGUFFile, dequantize, hf_name, iter_hf_weights, unpermute_rows
+from ember.loader.gguf import GGUFFile, dequantize, gguf_to_hf_names, iter_hf_weights, unpermute_rows
+from ember.loader.weights import hf_weight_shapes
+from ember.models.config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS = 30, 9, 3
@@ -41,8 +44,13 @@ def hf_state(model_path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def ember_state(model: GGUFFile) -> dict[str, torch.Tensor]:
-    return dict(iter_hf_weights(model, NUM_HEADS, NUM_KV_HEADS))
+def config(model: GGUFFile) -> ModelConfig:
+    return ModelConfig.from_gguf_metadata(model.metadata, model.tensor_names)
+
+
+@pytest.fixture(scope="module")
+def ember_state(model: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
+    return dict(iter_hf_weights(model, config))
 
 
 def assert_bit_exact(ours: torch.Tensor, ref: np.ndarray | torch.Tensor) -> None:
@@ -150,6 +158,18 @@ def test_dequantize_refuses_what_it_cannot_decode() -> None:
         dequantize(np.zeros(20, np.uint8), Q.Q4_1, (2, 16))
 
 
+@pytest.mark.parametrize("qtype", EMBER_TYPES, ids=lambda q: q.name)
+def test_dequantize_reads_read_only_bytes_into_a_new_tensor(qtype: Q) -> None:
+    raw = gguf.quants.quantize(_random_values(np.random.default_rng(3)), qtype)
+    raw.flags.writeable = False  # as the memory map of a file
+    before = raw.copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = dequantize(raw, qtype, (8, 256))
+    out.fill_(7.0)
+    assert np.array_equal(raw.view(np.uint8), before.view(np.uint8))
+
+
 def test_dequantize_returns_a_private_tensor(model: GGUFFile) -> None:
     t = model.tensor("output_norm.weight")
     t.zero_()  # would crash or corrupt the file if it were the read-only memory map
@@ -198,8 +218,10 @@ def expected_hf_names(num_layers: int) -> set[str]:
     return names
 
 
-def test_every_tensor_maps_to_the_hf_llama_names(model: GGUFFile, ember_state: dict[str, torch.Tensor]) -> None:
-    assert all(hf_name(n) is not None for n in model.tensor_names)
+def test_every_tensor_maps_to_the_hf_llama_names(model: GGUFFile, config: ModelConfig,
+                                                 ember_state: dict[str, torch.Tensor]) -> None:
+    names = gguf_to_hf_names("llama", hf_weight_shapes(config), NUM_LAYERS)
+    assert sorted(names) == sorted(model.tensor_names)
     assert len(ember_state) == len(model.tensor_names)  # no two GGUF names map to one HF name
     assert set(ember_state) == expected_hf_names(NUM_LAYERS)
     assert ember_state["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
@@ -207,13 +229,30 @@ def test_every_tensor_maps_to_the_hf_llama_names(model: GGUFFile, ember_state: d
     assert all(t.dtype == torch.float32 for t in ember_state.values())
 
 
-def test_hf_name_examples() -> None:
-    assert hf_name("output.weight") == "lm_head.weight"
-    assert hf_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
-    assert hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
-    assert hf_name("blk.3.ffn_gate.weight") == "model.layers.3.mlp.gate_proj.weight"
-    assert hf_name("rope_freqs.weight") is None
-    assert hf_name("blk.0.ffn_gate_exps.weight") is None
+def test_name_map_examples() -> None:
+    hf = ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight", "model.layers.12.self_attn.q_proj.bias",
+          "model.layers.3.self_attn.k_norm.weight", "model.layers.3.mlp.gate_proj.weight",
+          "model.layers.3.post_attention_layernorm.weight"]
+    assert gguf_to_hf_names("qwen3", hf, 16) == {
+        "output.weight": "lm_head.weight",
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "blk.12.attn_q.bias": "model.layers.12.self_attn.q_proj.bias",
+        "blk.3.attn_k_norm.weight": "model.layers.3.self_attn.k_norm.weight",
+        "blk.3.ffn_gate.weight": "model.layers.3.mlp.gate_proj.weight",
+        "blk.3.ffn_norm.weight": "model.layers.3.post_attention_layernorm.weight",
+    }
+    # llama has no q/k norm in llama.cpp's tensor list: left out, so the loader reports it missing
+    assert "blk.3.attn_k_norm.weight" not in gguf_to_hf_names("llama", hf, 16)
+    # gemma2's four norms a layer (names from gguf-py, the same table the converter used)
+    gemma2 = [f"model.layers.0.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm",
+                                                     "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+    assert gguf_to_hf_names("gemma2", gemma2, 1) == {
+        "blk.0.attn_norm.weight": gemma2[0], "blk.0.post_attention_norm.weight": gemma2[1],
+        "blk.0.ffn_norm.weight": gemma2[2], "blk.0.post_ffw_norm.weight": gemma2[3],
+    }
+    with pytest.raises(ValueError, match="architecture 'nope' is unknown to gguf-py .*upgrade"):
+        gguf_to_hf_names("nope", hf, 16)
 
 
 # ---- un-permutation ----------------------------------------------------------------------
@@ -267,7 +306,10 @@ def test_only_llama_is_unpermuted_and_unknown_names_pass_through(tmp_path: Path,
     path = tmp_path / f"{arch}.gguf"
     _write_gguf(path, arch, {"blk.0.attn_q.weight": q, "blk.0.attn_q.bias": qb, "blk.0.attn_k.weight": k,
                              "blk.0.attn_v.weight": v, "rope_freqs.weight": freqs})
-    out = dict(iter_hf_weights(GGUFFile(path), num_heads=2, num_kv_heads=1))
+    cfg = ModelConfig(architecture=arch, vocab_size=8, hidden_size=6, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+                      tie_word_embeddings=True, attention_bias=True)
+    out = dict(iter_hf_weights(GGUFFile(path), cfg))
     assert set(out) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
                         "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
                         "rope_freqs.weight"}
@@ -281,6 +323,8 @@ def test_only_llama_is_unpermuted_and_unknown_names_pass_through(tmp_path: Path,
         assert torch.equal(out["model.layers.0.self_attn.k_proj.weight"], t(k))
     assert torch.equal(out["model.layers.0.self_attn.v_proj.weight"], t(v))
     assert torch.equal(out["rope_freqs.weight"], t(freqs))
+    # a tensor the caller reads itself (the config, for rope_freqs) is not yielded
+    assert set(dict(iter_hf_weights(GGUFFile(path), cfg, consumed={"rope_freqs.weight"}))) == set(out) - {"rope_freqs.weight"}
 
 
 @pytest.mark.slow

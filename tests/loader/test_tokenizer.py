@@ -271,12 +271,12 @@ def test_tokenizer_override(tok: Tokenizer, tmp_path: Path) -> None:
 # -- small hand-written GGUF files -------------------------------------------------------------
 
 
-def _write_gguf(path: Path, model: str, add_bos: bool = True) -> Path:
+def _write_gguf(path: Path, model: str, add_bos: bool = True, pre: str = "default") -> Path:
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model(model)
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(["<s>", "</s>", "<eot>", "<think>", "a", "b", "ab", "Ġ", "Ġab"])
     w.add_token_types([3, 3, 3, 4, 1, 1, 1, 1, 1])
     w.add_token_merges(["a b", "Ġ ab"])
@@ -304,8 +304,13 @@ def test_tiny_gguf_bos_and_added_tokens(tmp_path: Path) -> None:
     assert no_bos.encode("ab") == [6]
 
 
-@pytest.mark.parametrize("model, message", [("llama", "SentencePiece.*not supported yet"),
-                                            ("bert", "'bert' is not supported; supported: 'gpt2'")])
-def test_unsupported_gguf_tokenizer(tmp_path: Path, model: str, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        load_tokenizer(_write_gguf(tmp_path / f"{model}.gguf", model))
+def test_unsupported_gguf_tokenizer(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'bert' is not supported; supported: 'llama' .* and 'gpt2'"):
+        load_tokenizer(_write_gguf(tmp_path / "bert.gguf", "bert"))
+
+
+def test_unknown_bpe_pre_tokenizer(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"pre = 'my-new-model' is not a pre-tokenizer llama.cpp knows.*Convert the model again"):
+        load_tokenizer(_write_gguf(tmp_path / "new.gguf", "gpt2", pre="my-new-model"))
+    with pytest.raises(ValueError, match=r"pre = 'roberta-bpe' is an embedding model's vocabulary.*HF directory"):
+        load_tokenizer(_write_gguf(tmp_path / "roberta.gguf", "gpt2", pre="roberta-bpe"))

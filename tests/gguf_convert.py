@@ -1,0 +1,83 @@
+"""llama.cpp's own HF -> GGUF converter, for tests: GGUF files made the way llama.cpp users
+make them, from tiny random HF models.
+
+The converter (convert_hf_to_gguf.py, its conversion/ package and its own gguf-py) comes
+from the llama-cpp-python source package on PyPI, fetched once into the cache folder:
+
+    path = convert(hf_dir, tmp / "model.gguf", outtype="f32")   # or "f16", "q8_0"
+
+The tests use it through the `gguf_convert` fixture (tests/conftest.py), which caches each
+converted file for the session and skips the test where the converter cannot be fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from ember.loader.default_model import cache_dir
+
+VERSION = "0.3.36"
+SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+_ROOT = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+class ConverterUnavailable(RuntimeError):
+    """The converter could not be fetched (no package index, or an unexpected file)."""
+
+
+def converter_dir() -> Path:
+    """The folder holding convert_hf_to_gguf.py, conversion/ and gguf-py/, fetched the first time."""
+    target = cache_dir() / f"llama.cpp-{VERSION}"
+    if (target / "convert_hf_to_gguf.py").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", "-q", f"llama-cpp-python=={VERSION}", "-d", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        sdist = Path(tmp) / SDIST
+        if done.returncode != 0 or not sdist.is_file():
+            errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
+            raise ConverterUnavailable(
+                f"`pip download --no-binary :all: llama-cpp-python=={VERSION}` failed "
+                f"({errors[-1] if errors else 'it gave no source package'}); put convert_hf_to_gguf.py, "
+                f"conversion/ and gguf-py/ from llama.cpp into {target} to run these tests offline"
+            )
+        digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+        if digest != SDIST_SHA256:
+            raise ConverterUnavailable(f"{SDIST} has sha256 {digest}, expected {SDIST_SHA256}; not using it")
+        unpacked = Path(tmp) / "llama.cpp"
+        with tarfile.open(sdist) as tar:
+            members = []
+            for m in tar.getmembers():
+                rel = m.name.removeprefix(_ROOT)
+                if rel != m.name and rel.startswith(_WANTED):
+                    m.name = rel
+                    members.append(m)
+            tar.extractall(unpacked, members=members, filter="data")
+        unpacked.replace(target)  # atomic: a killed fetch never leaves half a converter
+    return target
+
+
+def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", vocab_only: bool = False) -> Path:
+    """Run llama.cpp's convert_hf_to_gguf.py on `hf_dir` (config.json, safetensors, tokenizer
+    files); return `outfile`. vocab_only: write the tokenizer and metadata, no tensors."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")
+    script = converter_dir() / "convert_hf_to_gguf.py"
+    cmd = [sys.executable, str(script), str(hf_dir), "--outfile", str(outfile), "--outtype", outtype]
+    if vocab_only:
+        cmd.append("--vocab-only")
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not outfile.is_file():
+        tail = "\n".join((done.stderr or done.stdout).splitlines()[-15:])
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} (exit {done.returncode}):\n{tail}")
+    return outfile
