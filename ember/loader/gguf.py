@@ -431,6 +431,8 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
             w = unpermute_rows(w, cfg.num_heads)
         elif unpermute and ".self_attn.k_proj." in name:
             w = unpermute_rows(w, cfg.num_kv_heads)
+        elif cfg.norm_unit_offset and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's norms as 1 + w; HF's w (exact: Sterbenz)
         yield name, w
 
 
