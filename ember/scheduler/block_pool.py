@@ -10,10 +10,11 @@ Every block is in exactly one of three states:
 
 so `num_free + num_in_use + num_evictable == num_blocks` always.
 
-One more id, `null_block` (== num_blocks), is outside the pool: the runner's KV cache has
-that extra block, all zeros and never written, and a block-table entry points at it where
-no block is held (a block no sliding window reaches any more, a hole in the prefix cache).
-Attention masks those positions, so reading zeros there is harmless.
+One more id, `null_block` (== num_blocks), is outside the pool: a block-table entry points
+at it where no block is held (a block no sliding window reaches any more, a hole in the
+prefix cache). Only a model whose every layer has a window makes such entries, and then the
+runner's KV cache has that extra block, all zeros and never written; attention masks those
+positions, so reading zeros there is harmless.
 """
 
 from __future__ import annotations
