@@ -93,8 +93,8 @@ def check_blocks(llm: LLM) -> None:
 
 def run(llm: LLM, tag: str) -> tuple[list[list[int]], list[int], list[int], int]:
     """Generate for PROMPTS step by step, checking the blocks after each step. Returns the
-    tokens, the prefix-cache hits, the most blocks each request held and the most the
-    pool had in use."""
+    tokens, the prefix-cache hits, and the most blocks each request held and the pool had
+    in use after a step."""
     core = llm.engine
     reqs = [Request(f"{tag}{i}", p, PARAMS) for i, p in enumerate(PROMPTS)]
     for r in reqs:
