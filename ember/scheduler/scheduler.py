@@ -243,7 +243,8 @@ class Scheduler:
         usable = self.window.usable_hit(hit, self.null_block)
         unseen = self.window.first_needed(usable * self.block_size)  # before the next query's window
         for cut in (usable, unseen):  # the request holds whole nodes: blocks unseen .. usable - 1
-            self.prefix_cache.split(tokens, cut)
+            if 0 < cut < len(hit):  # (match cut the path after the hit's last block)
+                self.prefix_cache.split(tokens, cut)
         self.pool.share(hit[unseen:usable])
         req.block_ids = [self.null_block] * unseen + hit[unseen:usable]
         req.num_released_blocks = unseen
