@@ -43,6 +43,9 @@ class Request:
     num_steps_in_flight: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_blocks_in_cache: int = 0  # leading block_ids that the prefix cache holds
+    # leading block_ids the request gave back, as no query of it can see them again (sliding
+    # window): they point at the null block; it holds block_ids[num_released_blocks:]
+    num_released_blocks: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission (vLLM's name)
     times_passed_over: int = 0  # later arrivals admitted first (bounds the lpm policy)
     status: RequestStatus = RequestStatus.WAITING

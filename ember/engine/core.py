@@ -31,6 +31,7 @@ from ember.runner.sampler import TokenLogprobs
 from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler, SchedulerOutput
+from ember.scheduler.sliding_window import shared_window
 from ember.structured.manager import StructuredOutputManager
 from ember.structured.registry import make_backend
 
@@ -58,7 +59,8 @@ class EngineCore:
         self.prefix_cache = make_prefix_cache(config.enable_prefix_caching, self.block_pool, config.block_size)
         self.scheduler = Scheduler(self.block_pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy,
-                                   self.prefix_cache, config.attention_parity_len)
+                                   self.prefix_cache, config.attention_parity_len,
+                                   shared_window(config.model_config.layer_windows))
         vocab_size = config.model_config.vocab_size  # the logits' width: what the bitmask covers
         self.structured = StructuredOutputManager(
             lambda: make_backend(config.structured_outputs_backend, tokenizer, vocab_size), tokenizer, vocab_size,

@@ -29,6 +29,7 @@ from ember.runner.sampler import (LogitBias, PendingLogprobs, Sampler, SamplingR
                                   to_host, token_logprobs)
 from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import SchedulerOutput
+from ember.scheduler.sliding_window import shared_window
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,13 @@ class ModelRunner:
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0
+        # when every layer has a window, the scheduler gives back blocks no window reaches and
+        # their table entries point at one block past the pool (BlockPool.null_block)
+        self.num_null_blocks = 0 if shared_window(mc.layer_windows) is None else 1
         self.num_blocks = self._num_kv_blocks()
-        shape = (2, mc.num_layers, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-        # zeroed: padded block-table entries are read (then masked), never NaN
+        shape = (2, mc.num_layers, self.num_blocks + self.num_null_blocks, config.block_size, mc.num_kv_heads,
+                 mc.head_dim)
+        # zeroed: padded block-table entries and the null block are read (then masked), never NaN
         self.kv_cache = torch.zeros(shape, dtype=config.kv_cache_torch_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -149,9 +154,9 @@ class ModelRunner:
                          - self.graph_reserve)
         else:
             memory = CPU_KV_CACHE_MEMORY
-        # never more than every sequence slot at full length could use
+        # never more than every sequence slot at full length could use; the memory holds the null block too
         most = c.max_num_seqs * c.max_blocks_per_seq
-        blocks = min(memory // self.kv_bytes_per_block(), most)
+        blocks = min(memory // self.kv_bytes_per_block() - self.num_null_blocks, most)
         if blocks <= 0:
             raise ValueError(f"no memory left for the KV cache ({memory} bytes): raise kv_cache_memory "
                              "or gpu_memory_utilization")
@@ -335,7 +340,7 @@ class ModelRunner:
     def _table_row(self, req: Request) -> np.ndarray:
         """The request's block-table row, [max_blocks_per_seq] int32 zero-padded, kept across
         steps: a request's block list only grows in place (only new entries are copied);
-        a new list object (preemption, fork) rebuilds the row."""
+        a new list object (preemption, fork, blocks a sliding window gave back) rebuilds the row."""
         blocks = req.block_ids
         entry = self.table_rows.get(req.request_id)
         if entry is None or entry[0] is not blocks or entry[1] > len(blocks):

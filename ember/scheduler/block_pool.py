@@ -9,6 +9,12 @@ Every block is in exactly one of three states:
                cache gives it back (evicts it) when the free queue runs short
 
 so `num_free + num_in_use + num_evictable == num_blocks` always.
+
+One more id, `null_block` (== num_blocks), is outside the pool: a block-table entry points
+at it where no block is held (a block no sliding window reaches any more, a hole in the
+prefix cache). Only a model whose every layer has a window makes such entries, and then the
+runner's KV cache has that extra block, all zeros and never written; attention masks those
+positions, so reading zeros there is harmless.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ class BlockPool:
         self.num_evictable = 0
         self.evictor: Evictor | None = None  # the prefix cache, when one holds blocks
         self._free: deque[int] = deque(range(num_blocks))  # allocate from the left, free to the right
+
+    @property
+    def null_block(self) -> int:
+        return self.num_blocks
 
     @property
     def num_free(self) -> int:

@@ -9,14 +9,22 @@ their first block. Example, block_size 2, after "a b c d e f" and "a b c d x y":
                                        └─ [x y] (9)
 
 Rules that keep the accounting exact (`BlockPool`: free + in use + evictable == total):
-- A request's blocks that the tree holds are always whole nodes along one path from the
-  root: matching or inserting into the middle of a node splits it first.
-- So every block of a node has the same ref count, and a node's count is at least its
-  children's: a node with ref count 0 has only such descendants, and evicting leaves
-  first (least recently used first, tail blocks of a leaf first) can reach every
-  evictable block.
+- A request's blocks that the tree holds are whole nodes along one path from the root:
+  matching or inserting into the middle of a node splits it first, and so does the
+  scheduler (`split`) where a sliding window lets a request give back the head of its
+  path (sliding_window.py). So every block of a node has the same ref count.
+- Eviction takes, least recently used first, an idle node (blocks cached, ref count 0)
+  with no idle node below it: a leaf goes (its tail blocks first); an interior node, whose
+  blocks a window released while requests below still hold theirs, gives its blocks back
+  and stays as a hole (its tokens, every block id `pool.null_block`), so the path to the
+  blocks below stays; a hole with nothing below it goes too. Every evictable block is
+  reached this way. Without windows no hole ever forms: ref counts only grow towards the
+  root, so the nodes below an idle node are idle too and leaves go first.
+- `match` returns holes as null blocks: a windowed request takes a hit as far as its
+  window's blocks are all there (`FullContextBlocks.usable_hit`).
 - A request that computed a block the tree already holds (two requests with one prefix in
-  flight at once) swaps its copy for the tree's block, which holds the same KV.
+  flight at once) swaps its copy for the tree's block, which holds the same KV; one that
+  computed a block where the tree has a hole fills the hole.
 """
 
 from __future__ import annotations
@@ -58,6 +66,10 @@ class PrefixCache(ABC):
     @abstractmethod
     def evict(self, num_blocks: int) -> None:
         """Free at least `num_blocks` evictable blocks, least recently used leaves first."""
+
+    def split(self, token_ids: Sequence[int], num_blocks: int) -> None:
+        """Cut the cached path of `token_ids` after its first `num_blocks` blocks: a request
+        lets go of the blocks before that point and keeps those after (sliding window)."""
 
     def check_integrity(self) -> None:
         """Assert the tree's invariants (tests)."""
@@ -129,48 +141,99 @@ class RadixPrefixCache(PrefixCache):
 
     # -- changes --------------------------------------------------------------------------
 
+    def split(self, token_ids: Sequence[int], num_blocks: int) -> None:
+        for child, n in self._walk(token_ids, num_blocks):
+            if n < len(child.block_ids):
+                self._split(child, n)
+
     def insert(self, token_ids: Sequence[int], block_ids: list[int]) -> None:
-        bs = self.block_size
+        """Leading null entries of `block_ids` are blocks the caller gave back (its window
+        passed them): the tree keeps what it holds there, or a hole for their tokens."""
+        bs, null = self.block_size, self.pool.null_block
         assert len(token_ids) == len(block_ids) * bs
+        own = next((j for j, b in enumerate(block_ids) if b != null), len(block_ids))  # the caller's from here
+        if own == len(block_ids):
+            return
         node, i = self.root, 0
         for child, n in self._walk(token_ids, len(block_ids)):
             if n < len(child.block_ids):
                 child = self._split(child, n)
-            for j, cached in enumerate(child.block_ids):
-                if block_ids[i + j] != cached:  # computed twice: keep the tree's copy
-                    self.pool.share([cached])
-                    self.pool.free([block_ids[i + j]])
-                    block_ids[i + j] = cached
-            self._touch(child)
+            if i < own < i + n:  # the caller holds only this node's tail: cut there
+                self._split(child, own - i)  # `child` is now the lower part
+                i, n = own, i + n - own
+            if i >= own:
+                self._adopt(child, block_ids, i)
+                self._touch(child)
             node, i = child, i + n
+        if i < own:  # the tree gave back the blocks the caller gave back, and their path: a hole keeps it
+            node = self._add(node, token_ids[i * bs:own * bs], [null] * (own - i))
+            i = own
         if i < len(block_ids):
-            leaf = RadixNode(tuple(token_ids[i * bs:]), block_ids[i:], parent=node)
-            node.children[leaf.token_ids[:bs]] = leaf
+            leaf = self._add(node, token_ids[i * bs:], block_ids[i:])
             for b in leaf.block_ids:
                 self.pool.mark_cached(b)
             self._touch(leaf)
 
+    def _adopt(self, node: RadixNode, block_ids: list[int], i: int) -> None:
+        """The caller computed `node`'s blocks as block_ids[i:]: a hole takes the caller's;
+        where the tree holds its own copy, the caller's is freed and replaced in place."""
+        if node.block_ids[0] == self.pool.null_block:
+            node.block_ids = block_ids[i:i + len(node.block_ids)]
+            for b in node.block_ids:
+                self.pool.mark_cached(b)
+            return
+        for j, cached in enumerate(node.block_ids):
+            if block_ids[i + j] != cached:  # computed twice: keep the tree's copy
+                self.pool.share([cached])
+                self.pool.free([block_ids[i + j]])
+                block_ids[i + j] = cached
+
+    def _add(self, parent: RadixNode, token_ids: Sequence[int], block_ids: list[int]) -> RadixNode:
+        node = RadixNode(tuple(token_ids), block_ids, parent=parent)
+        parent.children[node.token_ids[:self.block_size]] = node
+        return node
+
     def evict(self, num_blocks: int) -> None:
-        # finding the leaves walks the whole tree: once the pool is full of cached blocks
+        # finding the candidates walks the whole tree: once the pool is full of cached blocks
         # every allocation evicts, so free a batch at a time to walk it less often
         num_blocks = min(max(num_blocks, self.pool.num_blocks // EVICT_BATCH_DIVISOR), self.pool.num_evictable)
-        ref = self.pool.ref_counts
-        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and ref[n.block_ids[-1]] == 0]
-        heapq.heapify(leaves)
+        idle_below: dict[RadixNode, int] = {}  # idle nodes under each node
+        candidates = []
+        for node in reversed(self._nodes()):  # children before their parents
+            idle_below[node] = sum(idle_below[c] + self._idle(c) for c in node.children.values())
+            if self._idle(node) and not idle_below[node]:
+                candidates.append((node.last_access, id(node), node))
+        heapq.heapify(candidates)
         while num_blocks > 0:
-            _, _, leaf = heapq.heappop(leaves)  # an IndexError here means the pool's count is wrong
-            k = min(num_blocks, len(leaf.block_ids))
-            for b in reversed(leaf.block_ids[-k:]):
+            _, _, node = heapq.heappop(candidates)  # an IndexError here means the pool's count is wrong
+            k = len(node.block_ids) if node.children else min(num_blocks, len(node.block_ids))
+            for b in reversed(node.block_ids[-k:]):
                 self.pool.uncache(b)
             num_blocks -= k
-            if k < len(leaf.block_ids):
-                del leaf.block_ids[-k:]
-                leaf.token_ids = leaf.token_ids[:len(leaf.block_ids) * self.block_size]
+            if k < len(node.block_ids):
+                del node.block_ids[-k:]
+                node.token_ids = node.token_ids[:len(node.block_ids) * self.block_size]
                 break
-            parent = leaf.parent
-            del parent.children[leaf.token_ids[:self.block_size]]
-            if parent is not self.root and not parent.children and ref[parent.block_ids[-1]] == 0:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+            parent = node.parent
+            if node.children:
+                node.block_ids = [self.pool.null_block] * k
+            else:
+                del parent.children[node.token_ids[:self.block_size]]
+                while parent is not self.root and not parent.children and not self._live(parent):
+                    del parent.parent.children[parent.token_ids[:self.block_size]]  # a hole with nothing below
+                    parent = parent.parent
+            while parent is not self.root:
+                idle_below[parent] -= 1
+                if self._idle(parent) and not idle_below[parent]:
+                    heapq.heappush(candidates, (parent.last_access, id(parent), parent))
+                parent = parent.parent
+
+    def _live(self, node: RadixNode) -> bool:
+        return node.block_ids[0] != self.pool.null_block
+
+    def _idle(self, node: RadixNode) -> bool:
+        """Holds cached blocks nobody uses: evictable."""
+        return self._live(node) and self.pool.ref_counts[node.block_ids[0]] == 0
 
     def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
         """Cut `node` after its first `num_blocks` blocks; return the new upper part. The
@@ -199,7 +262,7 @@ class RadixPrefixCache(PrefixCache):
 
     @property
     def num_cached_blocks(self) -> int:
-        return sum(len(n.block_ids) for n in self._nodes())
+        return sum(len(n.block_ids) for n in self._nodes() if self._live(n))
 
     def check_integrity(self) -> None:
         bs, ref = self.block_size, self.pool.ref_counts
@@ -207,10 +270,12 @@ class RadixPrefixCache(PrefixCache):
         for node in self._nodes():
             assert node.block_ids and len(node.token_ids) == len(node.block_ids) * bs, "a node holds partial blocks"
             assert node.parent.children[node.token_ids[:bs]] is node, "a node is not under its key"
+            if not self._live(node):
+                assert set(node.block_ids) == {self.pool.null_block}, f"a hole holds blocks {node.block_ids}"
+                assert node.children, "a hole with nothing below it"
+                continue
             counts = {ref[b] for b in node.block_ids}
             assert len(counts) == 1, f"blocks {node.block_ids} of one node have ref counts {counts}"
-            if node.parent is not self.root:
-                assert ref[node.parent.block_ids[-1]] >= ref[node.block_ids[0]], "a node is used more than its parent"
             for b in node.block_ids:
                 assert self.pool.cached[b] and b not in seen, f"block {b} is cached twice or not marked"
                 seen.add(b)

@@ -34,6 +34,22 @@ takes its id on the device). Then:
 - blocks enter the prefix cache when the step that fills them is launched (or their last
   token becomes known), so each schedule sees the cache (and the cache's copies of
   duplicate blocks) that the synchronous engine's schedule of the same step sees.
+
+With a sliding window on every layer (`sliding_window`, the largest of them; see
+sliding_window.py) a request gives back the blocks no query of it can see again; its
+block table keeps their places, pointing at the pool's null block. Such a block goes:
+- when the step whose queries come after it is updated: a step still in flight starts
+  where the updated one ended, so it never sees the block (with async scheduling blocks
+  go back one step later than in the synchronous loop, never earlier);
+- only once the prefix cache has it: a cached block becomes evictable, not lost, and a
+  request that hits the prefix later takes the hit as far as its window's blocks are all
+  still there (the blocks before that window it does not take at all);
+- so a request's need for new blocks counts its table's entries, held or given back, and
+  a long request runs in about its window's blocks: a chunk is cut so that its blocks,
+  from the first one its queries see, fit the whole pool, and `check_request` asks only
+  for the most blocks a request holds at once.
+With a global layer among the windowed ones, `FullContextBlocks` (the null object) keeps
+every block and none of this changes anything.
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ from dataclasses import dataclass, field
 from ember.request import Request, RequestStatus
 from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import NullPrefixCache, PrefixCache
+from ember.scheduler.sliding_window import make_window_blocks
 
 POLICIES = ("fcfs", "priority", "lpm")
 LPM_MAX_PASSED_OVER = 32
@@ -58,9 +75,11 @@ class ScheduledChunk:
     # True when this chunk reaches the end of the request's tokens: a token is sampled.
     # Fixed when the chunk is made: launched() advances the counters it is read from.
     samples: bool = field(init=False)
+    start: int = field(init=False)  # the position of its first token
 
     def __post_init__(self) -> None:
-        self.samples = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        self.start = self.request.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -84,15 +103,19 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
-                 prefix_cache: PrefixCache | None = None, attention_parity_len: int | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, attention_parity_len: int | None = None,
+                 sliding_window: int | None = None) -> None:
         """`attention_parity_len` (the CPU's): shrink prefill chunks deep in a long context,
-        see `_chunk`."""
+        see `_chunk`. `sliding_window`: the largest window when every layer has one
+        (`sliding_window.shared_window`), else None."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         self.policy = policy
         self.pool = block_pool
         self.prefix_cache = prefix_cache or NullPrefixCache()
         self.block_size = block_size
+        self.window = make_window_blocks(block_size, sliding_window)
+        self.null_block = block_pool.null_block
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -124,10 +147,11 @@ class Scheduler:
         check_prompt_length(req.num_prompt_tokens, self.max_model_len)
         # the last sampled token never gets KV, so the longest sequence holds one less
         longest = min(req.num_prompt_tokens + (req.max_tokens or self.max_model_len), self.max_model_len) - 1
-        if self.blocks_for(longest) > self.pool.num_blocks:
+        need = self.window.most_held(longest)
+        if need > self.pool.num_blocks:
             raise ValueError(
                 f"request {req.request_id!r} may grow to {longest + 1} tokens, whose KV needs "
-                f"{self.blocks_for(longest)} blocks, but the whole pool has {self.pool.num_blocks}: "
+                f"{need} blocks, but the whole pool has {self.pool.num_blocks}: "
                 "lower max_tokens or give the KV cache more memory (num_kv_blocks / kv_cache_memory)"
             )
 
@@ -180,8 +204,11 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens the request gets this step: all it lacks, within the budget; with
         `attention_parity_len` L, a chunk starting at context c at most budget * L / (L + c),
-        as each of its tokens costs (1 + c / L) times one at context 0."""
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        as each of its tokens costs (1 + c / L) times one at context 0. Cut so that its
+        blocks, from the first one its queries see, fit the whole pool (only a sliding
+        window's request can need more: `check_request` keeps others within the pool)."""
+        c = req.num_computed_tokens
+        n = min(req.num_tokens - c, budget, (self.window.first_needed(c) + self.pool.num_blocks) * self.block_size - c)
         if self.attention_parity_len is not None and n > 1:
             parity = self.attention_parity_len
             n = min(n, max(1, self.max_num_batched_tokens * parity // (parity + req.num_computed_tokens)))
@@ -211,11 +238,18 @@ class Scheduler:
         to compute (its logits give the next token); prompt logprobs need every position."""
         if req.sampling_params.prompt_logprobs is not None:
             return
-        hit = self.prefix_cache.match(req.all_token_ids, (req.num_tokens - 1) // self.block_size)
-        self.pool.share(hit.block_ids)
-        req.block_ids = list(hit.block_ids)
-        req.num_blocks_in_cache = len(hit.block_ids)
-        req.num_computed_tokens = hit.num_tokens
+        tokens = req.all_token_ids
+        hit = self.prefix_cache.match(tokens, (req.num_tokens - 1) // self.block_size).block_ids
+        usable = self.window.usable_hit(hit, self.null_block)
+        unseen = self.window.first_needed(usable * self.block_size)  # before the next query's window
+        for cut in (usable, unseen):  # the request holds whole nodes: blocks unseen .. usable - 1
+            if 0 < cut < len(hit):  # (match cut the path after the hit's last block)
+                self.prefix_cache.split(tokens, cut)
+        self.pool.share(hit[unseen:usable])
+        req.block_ids = [self.null_block] * unseen + hit[unseen:usable]
+        req.num_released_blocks = unseen
+        req.num_blocks_in_cache = usable
+        req.num_computed_tokens = usable * self.block_size
 
     def _admitted(self, req: Request) -> None:
         self.prefix_cache_queries += req.num_tokens
@@ -228,8 +262,19 @@ class Scheduler:
                     other.times_passed_over += 1
 
     def _release_blocks(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
-        req.block_ids, req.num_blocks_in_cache, req.num_computed_tokens = [], 0, 0
+        self.pool.free(req.block_ids[req.num_released_blocks:])
+        req.block_ids, req.num_blocks_in_cache, req.num_computed_tokens, req.num_released_blocks = [], 0, 0, 0
+
+    def _release_unseen(self, req: Request, position: int) -> None:
+        """Give back the blocks no query at `position` or later can see (sliding window),
+        once the prefix cache has them."""
+        upto = min(self.window.first_needed(position), req.num_blocks_in_cache)
+        if upto > req.num_released_blocks:
+            self.prefix_cache.split(req.all_token_ids, upto)
+            self.pool.free(req.block_ids[req.num_released_blocks:upto])
+            # a new list: the runner rebuilds its table row from a new list (see _table_row)
+            req.block_ids = [self.null_block] * upto + req.block_ids[upto:]
+            req.num_released_blocks = upto
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Hand the prefix cache the full blocks of the first `num_tokens` tokens (all known)
@@ -313,6 +358,8 @@ class Scheduler:
             req.num_pending_tokens -= chunk.samples
             if req.status.is_finished:
                 continue  # finished or aborted while the step ran: its token is dropped
+            # steps still in flight or to come query from this chunk's end on
+            self._release_unseen(req, chunk.start + chunk.num_new_tokens)
             tokens = sampled.get(req.request_id) if chunk.samples else None
             if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
@@ -346,7 +393,8 @@ class Scheduler:
             self.waiting.appendleft(child)
             return child
         child.block_ids = parent.block_ids[:full]
-        self.pool.share(child.block_ids)
+        child.num_released_blocks = parent.num_released_blocks
+        self.pool.share(child.block_ids[child.num_released_blocks:])
         if partial:
             child.block_ids = child.block_ids + self.pool.allocate(1)
             self._pending_copies.append((parent.block_ids[full], child.block_ids[-1]))
@@ -375,8 +423,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._free_blocks(req, req.block_ids)
-        req.block_ids = []
+        self._free_blocks(req, req.block_ids[req.num_released_blocks:])
+        req.block_ids, req.num_released_blocks = [], 0
         req.finish(reason, stop_reason, status)
         del self.requests[req.request_id]
 

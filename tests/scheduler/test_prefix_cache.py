@@ -179,6 +179,76 @@ def test_make_prefix_cache_off_is_the_null_object():
     assert pool.num_free == 4 and pool.num_evictable == 0
 
 
+# ---- holes: a sliding window let a request give back the head of its path ----------------------
+
+def test_a_window_cuts_the_path_where_a_request_lets_go_and_an_idle_head_becomes_a_hole():
+    pool, cache = cache_with(num_blocks=6)
+    null = pool.null_block
+    tokens = [1, 2, 3, 4, 5, 6]
+    blocks = pool.allocate(3)  # [0, 1, 2]
+    cache.insert(tokens, blocks)
+    cache.split(tokens, 2)  # the request's window passed blocks 0 and 1: it keeps only 2
+    pool.free(blocks[:2])
+    assert tree(cache) == [([1, 2, 3, 4], [0, 1], [([5, 6], [2], [])])]
+    assert (pool.num_free, pool.num_in_use, pool.num_evictable) == (3, 1, 2)
+    check(pool, cache)
+
+    assert pool.allocate(4) == [3, 4, 5, 1]  # 3 free, then the idle head, given back whole (0 goes last)
+    assert tree(cache) == [([1, 2, 3, 4], [null, null], [([5, 6], [2], [])])]
+    assert cache.match(tokens, max_blocks=3).block_ids == [null, null, 2]
+    assert cache.num_cached_blocks == 1 and (pool.num_free, pool.num_evictable) == (1, 0)
+    check(pool, cache)
+
+    pool.free([2])  # the request leaves: its block is idle, then evicted with the hole above it
+    assert pool.allocate(2) == [0, 2]
+    assert tree(cache) == []
+    check(pool, cache)
+
+
+def test_insert_fills_a_hole_and_keeps_one_where_the_tree_lost_the_path():
+    pool, cache = cache_with(num_blocks=8)
+    null = pool.null_block
+    tokens = [1, 2, 3, 4, 5, 6]
+    blocks = pool.allocate(3)  # [0, 1, 2]
+    cache.insert(tokens, blocks)
+    cache.split(tokens, 2)
+    pool.free(blocks[:2])
+    cache.evict(2)
+    assert tree(cache) == [([1, 2, 3, 4], [null, null], [([5, 6], [2], [])])]
+
+    again = pool.allocate(2)  # another request computes the head again: it fills the hole
+    cache.insert(tokens[:4], again)
+    assert again == [3, 4] and tree(cache) == [([1, 2, 3, 4], [3, 4], [([5, 6], [2], [])])]
+    check(pool, cache)
+
+    pool.free(again)
+    pool.free([2])
+    pool.allocate(8)  # everything is evicted: the tree is empty
+    pool.free([0, 1, 2, 3, 4, 5, 6, 7])
+    assert tree(cache) == []
+    # a request that gave back its first two blocks caches its third: the tree lost their
+    # path, a hole stands in for it
+    mine = pool.allocate(1)  # [7]: the free queue got 7 .. 0 back, last-first
+    cache.insert(tokens, [null, null] + mine)
+    assert tree(cache) == [([1, 2, 3, 4], [null, null], [([5, 6], [7], [])])]
+    check(pool, cache)
+
+
+def test_a_request_holding_a_nodes_tail_swaps_only_that_part_for_the_trees_copy():
+    pool, cache = cache_with(num_blocks=8)
+    null = pool.null_block
+    tokens = [1, 2, 3, 4, 5, 6]
+    done = pool.allocate(3)  # [0, 1, 2]: a finished request's blocks, idle in the tree
+    cache.insert(tokens, done)
+    pool.free(done)
+    mine = [null] + pool.allocate(2)  # [null, 3, 4]: computed 3 4 | 5 6 again, gave back the head
+    cache.insert(tokens, mine)
+    assert mine == [null, 1, 2], "the caller now holds the tree's copies"
+    assert tree(cache) == [([1, 2], [0], [([3, 4, 5, 6], [1, 2], [])])]
+    assert pool.ref_counts[:5] == [0, 1, 1, 0, 0] and list(pool._free)[-2:] == [3, 4]
+    check(pool, cache)
+
+
 # ---- inside the scheduler -------------------------------------------------------------------
 
 def make(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
