@@ -40,7 +40,14 @@ class EngineConfig:
     # leave them unset (vLLM's default); vllm: ember's own defaults (SamplingParams)
     generation_config: str = "auto"
     load_format: str = "auto"  # auto | gguf | safetensors | pt (pytorch_model*.bin) | dummy
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    # auto: bfloat16 on CUDA; on the CPU float32 for GGUF blocks (the kernels take float32
+    # activations, as llama.cpp's do), else bfloat16 where the CPU computes it natively
+    # (AVX512_BF16, AMX) and float32 elsewhere | float32 | bfloat16 | float16
+    dtype: str = "auto"
+    # auto: weights as the checkpoint holds them, where a kernel multiplies them (GGUF blocks
+    # on the CPU), else dequantized to dtype | none: every weight dequantized to dtype.
+    # resolve() names what runs: gguf | none
+    quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # default: the model's context length
@@ -79,6 +86,7 @@ class EngineConfig:
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"{name} must be a non-empty string or None; got {value!r:.80}")
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
+        _choice("quantization", self.quantization, ("auto", "none", "gguf"))
         _choice("kv_cache_dtype", self.kv_cache_dtype, tuple(_KV_CACHE_DTYPES))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "lpm"))
@@ -117,7 +125,11 @@ class EngineConfig:
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device: use device='cpu'")
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        quantization = _quantization(self.quantization, files, device)
+        dtype = self.dtype if self.dtype != "auto" else _auto_dtype(device, quantization)
+        if device == "cpu" and dtype == "bfloat16" and not cpu_computes_bfloat16():
+            logger.warning("dtype=bfloat16 on a CPU without native bfloat16 (AVX512_BF16 or AMX): every op "
+                           "converts to and from float32, so this runs slower than dtype=float32")
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_context:
             raise ValueError(
@@ -144,6 +156,7 @@ class EngineConfig:
             load_format=files.load_format,
             device=device,
             dtype=dtype,
+            quantization=quantization,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
             block_size=self.block_size or (128 if device == "cuda" else 16),
@@ -152,6 +165,46 @@ class EngineConfig:
             model_config=model_config,
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
+
+
+def cpu_computes_bfloat16() -> bool:
+    """The CPU has bfloat16 arithmetic (AVX512_BF16 or AMX), by the flags Linux lists."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _auto_dtype(device: str, quantization: str) -> str:
+    if device == "cuda":
+        return "bfloat16"
+    if quantization == "gguf":
+        return "float32"
+    return "bfloat16" if cpu_computes_bfloat16() else "float32"
+
+
+def _quantization(asked: str, files, device: str) -> str:
+    """What multiplies the weights: gguf (blocks kept, CPU kernels) or none (dequantized)."""
+    if asked == "none" or not files.is_gguf or files.load_format == "dummy":
+        if asked == "gguf":
+            raise ValueError("quantization='gguf' needs a .gguf model file")
+        return "none"
+    if device != "cpu":
+        if asked == "gguf":
+            raise ValueError("quantization='gguf' runs on the CPU only: use device='cpu', or quantization='auto' "
+                             "to dequantize the file for the GPU")
+        return "none"
+    from ember.kernels import cpu
+
+    if cpu.ops() is None:
+        if asked == "gguf":
+            raise ValueError("quantization='gguf' needs ember's CPU kernels, which did not build (see the warning "
+                             "above): install a C++ compiler, or use quantization='none'")
+        logger.warning("the CPU kernels did not build: the GGUF weights are dequantized to the run dtype")
+        return "none"
+    return "gguf"
 
 
 def _sampling_defaults(files, generation_config: str) -> Mapping[str, float | int]:

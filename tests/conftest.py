@@ -24,11 +24,16 @@ def gguf_path() -> Path:
     return fetch_default_model()
 
 
+# the default model dequantized, in float32: HF transformers' numbers on any CPU (the
+# default, GGUF blocks with int8 activations, follows llama.cpp instead: tests/models/test_quantized_vs_llama_cpp.py)
+EXACT = {"quantization": "none", "dtype": "float32"}
+
+
 @pytest.fixture(scope="session")
 def llm(gguf_path):
     from ember import LLM
 
-    return LLM(str(gguf_path))
+    return LLM(str(gguf_path), **EXACT)
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,34 @@
+"""The token embedding and the LM head. A GGUF embedding stays in its blocks (rows are
+dequantized as they are looked up), and a head tied to it multiplies those blocks."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.layers.linear import pack_weight, packed_linear
+from ember.layers.quant import WeightFormat
+from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks
+from ember.layers.quant.unquantized import OneDNNPacked
+
+
+def _to_meta(weight: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
 
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.blocks: GGUFBlocks | None = None
+
+    def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
+        if tensor.shape != tuple(self.weight.shape):
+            raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
+        self.blocks = GGUFBlocks(tensor)
+        self.weight = _to_meta(self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return self.blocks.rows(input_ids, self.weight.dtype)
         return F.embedding(input_ids, self.weight)
 
 
@@ -22,16 +40,26 @@ class LMHead(nn.Module):
         self.tied_to = tied_to
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-        self.packed: torch.Tensor | None = None
+        self.format: WeightFormat | None = None
+
+    def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
+        if tensor.shape != tuple(self.weight.shape):
+            raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
+        self.format = GGUFBlocks(tensor)
+        self.weight = _to_meta(self.weight)
 
     def pack_for_cpu(self) -> None:
         """A packed copy for the matmul (a tied embedding still needs its rows for lookups)."""
-        self.packed = pack_weight(self.tied_to.weight if self.tied_to is not None else self.weight)
+        if self.format is not None or (self.tied_to is not None and self.tied_to.blocks is not None):
+            return
+        self.format = OneDNNPacked(self.tied_to.weight if self.tied_to is not None else self.weight)
         if self.tied_to is None:
-            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+            self.weight = _to_meta(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(hidden, self.packed, None)
+        if self.format is not None:
+            return self.format.apply(hidden)
+        if self.tied_to is not None and self.tied_to.blocks is not None:
+            return self.tied_to.blocks.apply(hidden)
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         return F.linear(hidden, weight)

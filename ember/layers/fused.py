@@ -17,7 +17,7 @@ def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(norm(x + residual)), x + residual); residual None (the first layer): x alone.
     The fused kernel returns the sum as a new tensor, the unfused norm updates `residual`."""
-    if layer.packed is None and uses_gemv(x, layer.weight) and norm.weight.dtype == x.dtype:
+    if layer.format is None and uses_gemv(x, layer.weight) and norm.weight.dtype == x.dtype:
         from ember.kernels.gemv import gemv
 
         return gemv(x, layer.weight, layer.bias, "norm", residual, norm.weight, norm.eps)
@@ -29,7 +29,7 @@ def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
 
 def silu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
     """layer(silu(gate) * up) for gate_up = [gate | up]."""
-    if layer.packed is None and uses_gemv(gate_up, layer.weight):
+    if layer.format is None and uses_gemv(gate_up, layer.weight):
         from ember.kernels.gemv import gemv
 
         return gemv(gate_up, layer.weight, layer.bias, "silu")

@@ -1,6 +1,8 @@
 """Linear layers. A merged layer takes several checkpoint tensors, one per shard, through
-the `weight_loader` its parameters carry; plain ones are copied whole by the loader. On the
-CPU the weights can be prepacked once for oneDNN (`pack_for_cpu`). On CUDA, one row (a
+the `weight_loader` its parameters carry; plain ones are copied whole by the loader. A layer
+multiplies its `weight` parameter unless it has a weight format (layers/quant/): GGUF blocks
+the loader handed it (`load_blocks`, then `finish_loading`), or on the CPU the dense weight
+prepacked once for oneDNN (`pack_for_cpu`). On CUDA, one row (a
 decode step of one sequence) times a weight of a small model goes through ember's GEMV
 kernel (kernels/gemv.py), which is faster than cuBLAS there and can take the op before it
 (layers/fused.py); `EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS."""
@@ -14,6 +16,11 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ember.layers.quant import WeightFormat
+from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks, stack_rows
+from ember.layers.quant.split import Dense, Split
+from ember.layers.quant.unquantized import OneDNNPacked
 
 
 GEMV_MAX_WEIGHT = 1 << 24  # elements: Llama-8B's o_proj; its q|k|v, gate|up and down go to cuBLAS
@@ -41,38 +48,48 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.device == x.device
 
 
-def cpu_packing_supported(dtype: torch.dtype) -> bool:
-    """oneDNN can prepack weights for this dtype on this CPU."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight reordered once into oneDNN's blocked layout: CPU matmuls then skip the
-    per-call reorder (1.5x in bfloat16, 2x in float32 at batch 16: benchmarks/BENCHMARKS.md)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None
+        self.format: WeightFormat | None = None
+        self._blocks: dict[int | None, BlockTensor] = {}  # shard (None: whole) -> GGUF blocks, until loaded
 
-    def pack_for_cpu(self) -> None:
-        """Keep only the packed weight; the parameter keeps its shape on the meta device."""
-        self.packed = pack_weight(self.weight)
+    def set_format(self, fmt: WeightFormat) -> None:
+        """The format holds the weight from now on; the parameter keeps its shape and dtype on
+        the meta device."""
+        self.format = fmt
         self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
+    def pack_for_cpu(self) -> None:
+        if self.format is None:
+            self.set_format(OneDNNPacked(self.weight))
+
+    def load_blocks(self, tensor: BlockTensor, shard: int | None) -> None:
+        """A GGUF weight kept in its blocks: the whole weight (shard None) or one shard's rows."""
+        rows = self.weight.shape[0] if shard is None else self.out_sizes[shard]
+        if tensor.shape != (rows, self.weight.shape[1]):
+            raise ValueError(f"parameter rows {(rows, self.weight.shape[1])}, checkpoint {tensor.shape}")
+        self._blocks[shard] = tensor
+
+    def finish_loading(self) -> None:
+        """Once every checkpoint tensor is in: GGUF blocks become the layer's format, one
+        GGUFBlocks where the shards share a type, else a Split beside the dense shards."""
+        blocks, self._blocks = self._blocks, {}
+        if not blocks:
+            return
+        if None in blocks:
+            return self.set_format(GGUFBlocks(blocks[None]))
+        parts = [blocks.get(i) for i in range(len(self.out_sizes))]
+        if None not in parts and len({p.qtype for p in parts}) == 1:
+            return self.set_format(GGUFBlocks(stack_rows(parts)))
+        dense = self.weight.data.split(self.out_sizes)
+        self.set_format(Split([GGUFBlocks(p) if p is not None else Dense(d.clone()) for p, d in zip(parts, dense)]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
+        if self.format is not None:
+            return self.format.apply(x, self.bias)
         if uses_gemv(x, self.weight):
             from ember.kernels.gemv import gemv  # triton is imported only on this path
 

@@ -17,6 +17,7 @@ The `gguf` package is imported lazily so that `import ember` needs torch alone.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 from collections.abc import Collection, Iterable, Iterator
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ember.layers.quant.gguf_blocks import KERNEL_TYPES, BlockTensor
 from ember.loader.weights import hf_weight_shapes
 from ember.models.config import ModelConfig
 
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     import gguf
 
 GGUF_MAGIC = b"GGUF"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -405,12 +409,16 @@ def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (),
+                    keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
     """Every tensor of `f` as (HF name, float32 tensor), one at a time, in file order.
 
     cfg: the model's config; its HF tensor names (`hf_weight_shapes`) are the names asked for.
     consumed: GGUF tensor names the caller reads itself (e.g. "rope_freqs.weight" where the
     config takes RoPE scaling from it); they are not yielded.
+    keep_quantized: 2-D weights of a type the CPU kernels multiply come out as BlockTensor,
+    their bytes as stored (rows reordered where the converter reordered them); other
+    quantized types are dequantized, named in one warning.
 
     A tensor with no HF counterpart is yielded under its GGUF name, so the model loader's
     completeness check names it rather than it being dropped: rope_freqs.weight (Llama 3.1's
@@ -419,21 +427,41 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     """
     names = gguf_to_hf_names(f.architecture, hf_weight_shapes(cfg), cfg.num_layers)
     unpermute = f.architecture == "llama"
+    no_kernel: dict[str, list[str]] = {}
     for gguf_name in f.tensor_names:
         if gguf_name in consumed:
             continue
-        w = f.tensor(gguf_name)
+        info = f.tensor_info(gguf_name)
+        blocks = keep_quantized and len(info.shape) == 2 and info.qtype in KERNEL_TYPES
+        if keep_quantized and len(info.shape) == 2 and not blocks and info.qtype not in _DENSE_TYPES:
+            no_kernel.setdefault(info.qtype_name, []).append(gguf_name)
+        w = _block_tensor(f, info) if blocks else f.tensor(gguf_name)
         name = names.get(gguf_name)
         if name is None:
             yield gguf_name, w
             continue
+        rows = w.data if blocks else w
         if unpermute and ".self_attn.q_proj." in name:
-            w = unpermute_rows(w, cfg.num_heads)
+            rows = unpermute_rows(rows, cfg.num_heads)
         elif unpermute and ".self_attn.k_proj." in name:
-            w = unpermute_rows(w, cfg.num_kv_heads)
+            rows = unpermute_rows(rows, cfg.num_kv_heads)
         elif cfg.norm_unit_offset and name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp stores Gemma's norms as 1 + w; HF's w (exact: Sterbenz)
-        yield name, w
+            rows = rows - 1.0  # llama.cpp stores Gemma's norms as 1 + w; HF's w (exact: Sterbenz)
+        yield name, BlockTensor(info.qtype, info.shape, rows.contiguous()) if blocks else rows
+    if no_kernel:
+        listed = "; ".join(f"{t}: {', '.join(n[:4])}{' ...' if len(n) > 4 else ''} ({len(n)})"
+                           for t, n in no_kernel.items())
+        logger.warning("%s: no CPU kernel multiplies these types yet, so these tensors were dequantized to the "
+                       "run dtype: %s", f.path.name, listed)
+
+
+_DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: plain weights, not quantized
+
+
+def _block_tensor(f: GGUFFile, info: TensorInfo) -> BlockTensor:
+    """The tensor's bytes, copied out of the memory map, as rows of blocks."""
+    data = torch.from_numpy(np.array(f.raw(info.name), dtype=np.uint8, copy=True).reshape(info.shape[0], -1))
+    return BlockTensor(info.qtype, info.shape, data)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.models.config import ModelConfig
 
 # what generation_config.json may set for requests that leave it unset (as vLLM's
@@ -36,8 +37,9 @@ class ModelFiles:
             return ModelConfig.from_gguf_metadata(f.metadata, f.tensor_names, lambda n: f.tensor(n).tolist())
         return ModelConfig.from_hf_dir(self.path)
 
-    def weights(self, cfg: ModelConfig, seed: int, device: str = "cpu",
-                dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, cfg: ModelConfig, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                quantization: str = "none") -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+        """HF-named tensors; with quantization 'gguf', a GGUF's block-quantized weights as BlockTensor."""
         if self.load_format == "dummy":
             from ember.loader.dummy import iter_dummy_weights
 
@@ -47,10 +49,22 @@ class ModelFiles:
         if self.is_gguf:
             from ember.loader.gguf import iter_hf_weights
 
-            return iter_hf_weights(self._gguf(), cfg, GGUF_CONFIG_TENSORS)
+            return iter_hf_weights(self._gguf(), cfg, GGUF_CONFIG_TENSORS, keep_quantized=quantization == "gguf")
         from ember.loader.safetensors import iter_pt, iter_safetensors
 
         return iter_pt(self.path) if self.load_format == "pt" else iter_safetensors(self.path)
+
+    def tensor_bytes(self) -> int:
+        """Bytes of the checkpoint's tensors as stored (0 for dummy weights)."""
+        if self.load_format == "dummy":
+            return 0
+        if self.is_gguf:
+            f = self._gguf()
+            return sum(f.tensor_info(n).nbytes for n in f.tensor_names)
+        from ember.loader.safetensors import pt_files, safetensors_files
+
+        files = pt_files(self.path) if self.load_format == "pt" else safetensors_files(self.path)
+        return sum(p.stat().st_size for p in files)
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The sampling fields generation_config.json sets (those vLLM reads); {} for a GGUF
@@ -126,7 +140,7 @@ def locate_tokenizer(tokenizer: str, download_dir: str | None = None) -> Path:
 
 
 def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
-               device: str, attention_backend: str, seed: int = 0) -> nn.Module:
+               device: str, attention_backend: str, seed: int = 0, quantization: str = "none") -> nn.Module:
     from ember.layers.attention import get_attention_backend
     from ember.loader.weights import load_weights
     from ember.models.registry import get_model_class
@@ -139,5 +153,5 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
             model = model_class(cfg, max_positions, get_attention_backend(attention_backend))
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, files.weights(cfg, seed, device, dtype), source=str(files.path))
+    load_weights(model, files.weights(cfg, seed, device, dtype, quantization), source=str(files.path))
     return model.eval()

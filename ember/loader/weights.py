@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.models.config import ModelConfig
 
 # checkpoint projection -> (merged ember module, shard index)
@@ -68,8 +69,10 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockTensor]], source: str) -> None:
     """Copy every checkpoint tensor into its parameter; each parameter (shard) exactly once.
+    A BlockTensor (GGUF blocks kept quantized) goes to the layer owning the parameter, which
+    takes it as its weight format once all are in (`finish_loading`).
 
     Raises ValueError naming unknown, duplicated and missing tensors."""
     params = dict(model.named_parameters())
@@ -94,7 +97,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         shards = _num_shards(model, pname)
         try:
             with torch.no_grad():
-                if shard is None and (shards or loader is None):
+                if isinstance(tensor, BlockTensor):
+                    model.get_submodule(pname.rsplit(".", 1)[0]).load_blocks(tensor, shard)
+                elif shard is None and (shards or loader is None):
                     # a plain parameter, or a merged one stored merged (Phi-3's qkv_proj, gate_up_proj)
                     if param.shape != tensor.shape:
                         raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
@@ -117,6 +122,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if missing:
             msg.append(f"{len(missing)} missing: {', '.join(_show(m) for m in missing[:8])}")
         raise ValueError(" ".join(msg))
+    for module in model.modules():
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
 
 
 def _num_shards(model: nn.Module, pname: str) -> int | None:

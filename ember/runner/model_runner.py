@@ -21,7 +21,8 @@ import torch
 
 from ember.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from ember.layers.attention import AttentionMetadata
-from ember.layers.linear import cpu_packing_supported
+from ember.layers.quant import model_weight_bytes
+from ember.layers.quant.unquantized import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs
@@ -87,8 +88,9 @@ class ModelRunner:
         mc = config.model_config
         files = locate_model(config.model, config.load_format)
         self.model = load_model(files, mc, config.max_model_len, config.torch_dtype, config.device,
-                                config.attention_backend, config.seed)
-        self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
+                                config.attention_backend, config.seed, config.quantization)
+        self.weight_bytes = model_weight_bytes(self.model)
+        self.file_tensor_bytes = files.tensor_bytes()
         if self.device.type == "cpu" and cpu_packing_supported(config.torch_dtype):
             for module in self.model.modules():
                 if hasattr(module, "pack_for_cpu"):
@@ -131,8 +133,11 @@ class ModelRunner:
                         self.graph_reserve / 2**30, self.kv_cache.nbytes / 2**30, _dtype_name(self.kv_cache.dtype),
                         self.num_blocks, config.block_size, self.num_blocks * config.block_size, free / 2**30)
         else:
-            logger.info("memory: weights %.1f MiB, KV cache %.1f MiB (%s) = %d blocks of %d tokens (%d tokens)",
-                        self.weight_bytes / 2**20, self.kv_cache.nbytes / 2**20, _dtype_name(self.kv_cache.dtype),
+            logger.info("memory: weights %.1f MiB (%s; %.2fx the file's %.1f MiB of tensors), KV cache %.1f MiB "
+                        "(%s) = %d blocks of %d tokens (%d tokens)", self.weight_bytes / 2**20,
+                        "GGUF blocks" if config.quantization == "gguf" else _dtype_name(config.torch_dtype),
+                        self.weight_bytes / max(1, self.file_tensor_bytes), self.file_tensor_bytes / 2**20,
+                        self.kv_cache.nbytes / 2**20, _dtype_name(self.kv_cache.dtype),
                         self.num_blocks, config.block_size, self.num_blocks * config.block_size)
 
     def kv_bytes_per_block(self) -> int:

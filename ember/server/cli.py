@@ -31,7 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "that leave them unset; vllm: ignore them")
     parser.add_argument("--load-format", default=d.load_format, choices=["auto", "gguf", "safetensors", "pt", "dummy"],
                         help="pt: pytorch_model*.bin files (auto takes them where a directory has no safetensors)")
-    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: bfloat16 on CUDA; on the CPU float32 for GGUF blocks, else bfloat16 where the "
+                             "CPU computes it natively (AVX512_BF16, AMX), float32 elsewhere")
+    parser.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "gguf"],
+                        help="auto: a GGUF file's quantized weights stay in their blocks on the CPU (int8 kernels, "
+                             "as llama.cpp); none: dequantize every weight to --dtype")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3"],
                         help="KV cache storage: auto (the model dtype) or fp8 (e4m3, scale 1.0): half the bytes "
                              "per token, twice the blocks")
@@ -60,7 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
-    names = ["revision", "download_dir", "tokenizer", "chat_template", "generation_config", "load_format", "dtype", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks",
+    names = ["revision", "download_dir", "tokenizer", "chat_template", "generation_config", "load_format", "dtype", "quantization", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks",
              "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
              "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling"]

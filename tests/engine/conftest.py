@@ -13,11 +13,12 @@ def live_engines() -> list:
 
 @pytest.fixture(scope="module")
 def extra_llm(gguf_path, live_engines):
-    """Build an LLM on the default model with other engine args, for this module only."""
+    """Build an LLM on the default model with other engine args (dequantized float32, as the
+    session `llm`, unless they say otherwise), for this module only."""
     made: list[LLM] = []
 
     def make(**engine_args) -> LLM:
-        llm = LLM(str(gguf_path), **engine_args)
+        llm = LLM(str(gguf_path), **({"quantization": "none", "dtype": "float32"} | engine_args))
         made.append(llm)
         live_engines.append(llm)
         return llm

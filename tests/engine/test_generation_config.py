@@ -30,7 +30,7 @@ TINY = {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
     "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
 }
-TINY_ARGS = {"num_kv_blocks": 16, "block_size": 16}
+TINY_ARGS = {"num_kv_blocks": 16, "block_size": 16, "dtype": "float32"}
 GENERATION = {"do_sample": False, "max_new_tokens": 5, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
               "min_p": 0.05, "repetition_penalty": 1.1, "bos_token_id": 1, "eos_token_id": 2}
 DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}

@@ -156,7 +156,7 @@ def test_tokenizer_matches_llama_cpp(converted: Converted, llama_tokenize) -> No
 
 @pytest.fixture(scope="module")
 def engines(converted: Converted):
-    kw = dict(num_kv_blocks=16, block_size=8, max_model_len=256)
+    kw = dict(num_kv_blocks=16, block_size=8, max_model_len=256, dtype="float32")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(converted.hf_dir), dtype=torch.float32).eval()
     return LLM(str(converted.gguf), **kw), LLM(str(converted.hf_dir), **kw), hf_model
 

@@ -25,7 +25,7 @@ TINY = {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
     "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
 }
-TINY_ARGS = {"num_kv_blocks": 8, "block_size": 16}  # a small KV pool: no need for the 1 GiB default
+TINY_ARGS = {"num_kv_blocks": 8, "block_size": 16, "dtype": "float32"}  # a small KV pool: no need for the 1 GiB default
 
 
 def tiny_cfg() -> ModelConfig:

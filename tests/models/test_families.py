@@ -87,7 +87,7 @@ def build(name: str, config: dict, tmp_path_factory, max_model_len: int = 256):
     path = tmp_path_factory.mktemp(name)
     cfg = save_tiny_model(config, path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return cfg, hf, LLM(str(path), num_kv_blocks=128, block_size=8, max_model_len=max_model_len)
+    return cfg, hf, LLM(str(path), num_kv_blocks=128, block_size=8, max_model_len=max_model_len, dtype="float32")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -147,7 +147,8 @@ def test_chunked_prefill_and_prefix_hit_match_hf(family):
     """Prompts cut into 5-token chunks, then the same prompts again over their cached
     prefix: the window must see the same keys either way."""
     name, _, _, llm, expected = family
-    chunked = LLM(llm.config.model, num_kv_blocks=128, block_size=8, max_num_batched_tokens=5, max_model_len=256)
+    chunked = LLM(llm.config.model, num_kv_blocks=128, block_size=8, max_num_batched_tokens=5, max_model_len=256,
+                  dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     cached = []
     for attempt in range(2):

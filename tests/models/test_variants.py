@@ -43,7 +43,7 @@ def variant(request, tmp_path_factory):
     cfg = ModelConfig.from_hf_config(config)
     save_file({n: t.contiguous() for n, t in iter_dummy_weights(cfg, seed=7)}, str(path / "model.safetensors"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    llm = LLM(str(path), num_kv_blocks=16, block_size=8, max_model_len=256)
+    llm = LLM(str(path), num_kv_blocks=16, block_size=8, max_model_len=256, dtype="float32")
     return request.param, cfg, hf, llm
 
 
@@ -93,8 +93,8 @@ def test_one_row_gemv_path_matches_hf(variant, forward_logits, monkeypatch):
 
     _, _, hf, packed = variant
     monkeypatch.setattr("ember.runner.model_runner.cpu_packing_supported", lambda dtype: False)
-    llm = LLM(packed.config.model, num_kv_blocks=16, block_size=8, max_model_len=256)
-    assert all(m.packed is None for m in llm.engine.runner.model.modules() if hasattr(m, "packed"))
+    llm = LLM(packed.config.model, num_kv_blocks=16, block_size=8, max_model_len=256, dtype="float32")
+    assert all(m.format is None for m in llm.engine.runner.model.modules() if hasattr(m, "format"))
     with gemv_on_cpu():
         ours = forward_logits(llm, [PROMPTS[1]])[0]
         outs = [llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]

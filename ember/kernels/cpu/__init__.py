@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import subprocess
 import tempfile
 import time
@@ -23,9 +24,25 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "fused.cpp")]
-HEADER = Path(__file__).with_name("convert.h")
-FLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-w"]
+_HERE = Path(__file__).parent
+HEADERS = [_HERE / "convert.h", _HERE / "quant.h"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-w"]
+# the quantized kernels keep IEEE arithmetic (their activation rounding must be the tests'
+# torch reference's, bit for bit); their SIMD rows build once per instruction set, and
+# quant_gemm.cpp picks one by what the CPU has when it runs
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _objects() -> list[tuple[Path, str, list[str]]]:
+    """(source, object name, flags beyond FLAGS) for each object the library links."""
+    objects = [(_HERE / "paged_decode.cpp", "paged_decode", ["-ffast-math"]),
+               (_HERE / "fused.cpp", "fused", ["-ffast-math"]),
+               (_HERE / "quant_gemm.cpp", "quant_gemm", ["-DEMBER_QUANT_X86"] if _X86 else [])]
+    if _X86:
+        objects += [(_HERE / "quant_simd.cpp", "quant_avx2", ["-march=x86-64-v3"]),
+                    (_HERE / "quant_simd.cpp", "quant_avx512",
+                     ["-march=x86-64-v4", "-mavx512vnni", "-DEMBER_QUANT_AVX512"])]
+    return objects
 
 _enabled = True
 
@@ -75,8 +92,9 @@ def _build() -> Path:
 
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     key = hashlib.sha256()
-    for part in [p.read_bytes() for p in SOURCES + [HEADER]] + [torch.__version__.encode(), " ".join(FLAGS + [abi]).encode(),
-                                                     _cpu_flags().encode()]:
+    objects = _objects()
+    for part in [p.read_bytes() for p in sorted({src for src, _, _ in objects}) + HEADERS] + [
+            torch.__version__.encode(), repr([FLAGS, abi, objects]).encode(), _cpu_flags().encode()]:
         key.update(part)
     folder = cache_dir() / "cpu_kernels"
     lib = folder / f"ember_cpu_{key.hexdigest()[:16]}.so"
@@ -86,11 +104,12 @@ def _build() -> Path:
     compiler = os.environ.get("CXX", "c++")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then renamed: safe for parallel builds
-        objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+        outputs = [Path(tmp) / f"{name}.o" for _, name, _ in objects]
         includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-        compiles = [subprocess.Popen([compiler, *FLAGS, abi, *includes, "-c", str(src), "-o", str(obj)],
-                                     stderr=subprocess.PIPE, text=True) for src, obj in zip(SOURCES, objects)]
-        link = [compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(Path(tmp) / lib.name),
+        compiles = [subprocess.Popen([compiler, *FLAGS, *extra, abi, *includes, "-c", str(src), "-o", str(obj)],
+                                     stderr=subprocess.PIPE, text=True)
+                    for (src, _, extra), obj in zip(objects, outputs)]
+        link = [compiler, "-shared", "-fopenmp", *map(str, outputs), "-o", str(Path(tmp) / lib.name),
                 *[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", "-ltorch"]
         for compile_ in compiles:  # the sources compile in parallel
             _, errors = compile_.communicate()

@@ -1,0 +1,245 @@
+// Linear layers on GGUF block-quantized weights, kept in the file's own block layout
+// (quant.h says the arithmetic): activations are quantized to int8 per block of 32
+// (`quantize_rows`), then `quant_matmul` takes the integer dot products block by block.
+// One path for decode rows and prefill alike: the output rows are split between threads in
+// runs of kRunRows weight rows, and each weight row meets the activation rows a few at a time
+// while its bytes are in L1. The SIMD rows (quant_simd.cpp) are chosen at run time by
+// what the CPU has; `quant_isa` forces one (tests) and says which runs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <tuple>
+
+#include "convert.h"
+#include "quant.h"
+
+namespace ember_quant {
+
+// ---- the plain rows: any CPU, and the reference the SIMD rows are tested against
+namespace {
+
+// sub-block j of a weight row as integers: w_i = a * scale_i * (q_i - offset) + b
+struct SubBlock {
+  int q[kBlock];
+  int scale[2] = {1, 1};  // per 16 values (Q6_K); 1 elsewhere
+  int offset = 0;
+  float a = 0.f, b = 0.f;
+};
+
+void decode(const uint8_t* row, int qtype, int64_t j, SubBlock& sb) {
+  switch (qtype) {
+    case kQ4_0: case kQ4_1: {
+      const uint8_t* r = row + j * (qtype == kQ4_0 ? 18 : 20);
+      const uint8_t* qs = r + (qtype == kQ4_0 ? 2 : 4);
+      for (int i = 0; i < 16; ++i) sb.q[i] = qs[i] & 0xF, sb.q[i + 16] = qs[i] >> 4;
+      sb.a = fp16_to_fp32(r);
+      if (qtype == kQ4_0) sb.offset = 8; else sb.b = fp16_to_fp32(r + 2);
+      return;
+    }
+    case kQ5_0: case kQ5_1: {
+      const bool one = qtype == kQ5_1;
+      const uint8_t* r = row + j * (one ? 24 : 22);
+      uint32_t qh;
+      std::memcpy(&qh, r + (one ? 4 : 2), 4);
+      const uint8_t* qs = r + (one ? 8 : 6);
+      for (int i = 0; i < 16; ++i) {
+        sb.q[i] = (qs[i] & 0xF) | (((qh >> i) & 1) << 4);
+        sb.q[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+      }
+      sb.a = fp16_to_fp32(r);
+      if (one) sb.b = fp16_to_fp32(r + 2); else sb.offset = 16;
+      return;
+    }
+    case kQ8_0: {
+      const uint8_t* r = row + j * 34;
+      for (int i = 0; i < 32; ++i) sb.q[i] = static_cast<int8_t>(r[2 + i]);
+      sb.a = fp16_to_fp32(r);
+      return;
+    }
+    case kQ4_K: case kQ5_K: {
+      const bool five = qtype == kQ5_K;
+      const uint8_t* r = row + (j / 8) * (five ? 176 : 144);
+      const int sub = static_cast<int>(j % 8), c = sub / 2;
+      const uint8_t* qs = r + (five ? 48 : 16) + 32 * c;
+      for (int l = 0; l < 32; ++l) {
+        int v = sub % 2 ? qs[l] >> 4 : qs[l] & 0xF;
+        if (five) v |= ((r[16 + l] >> sub) & 1) << 4;
+        sb.q[l] = v;
+      }
+      int sc, mn;
+      k_scale_min(r + 4, sub, sc, mn);
+      sb.a = fp16_to_fp32(r) * sc;
+      sb.b = -fp16_to_fp32(r + 2) * mn;
+      return;
+    }
+    case kQ6_K: {
+      const uint8_t* r = row + (j / 8) * 210;
+      const int sub = static_cast<int>(j % 8), h = sub / 4, i = sub % 4;
+      const uint8_t* ql = r + 64 * h + (i % 2 ? 32 : 0);
+      const uint8_t* qh = r + 128 + 32 * h;
+      for (int l = 0; l < 32; ++l)
+        sb.q[l] = (i < 2 ? ql[l] & 0xF : ql[l] >> 4) | (((qh[l] >> (2 * i)) & 3) << 4);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(r + 192) + 8 * h + 2 * i;
+      sb.scale[0] = scales[0], sb.scale[1] = scales[1];
+      sb.offset = 32;
+      sb.a = fp16_to_fp32(r + 208);
+      return;
+    }
+    default: return;
+  }
+}
+
+}  // namespace
+
+void rows_scalar(const Job& job) {
+  const int64_t nb = job.k / kBlock;
+  SubBlock sb;
+  for (int64_t n = job.n0; n < job.n1; ++n) {
+    const uint8_t* row = job.w + n * job.row_bytes;
+    for (int64_t m = 0; m < job.m; ++m) {
+      const int8_t* xq = job.xq + m * job.k;
+      float acc = 0.f;
+      for (int64_t j = 0; j < nb; ++j) {
+        decode(row, job.qtype, j, sb);
+        int isum = 0;
+        for (int i = 0; i < kBlock; ++i) isum += sb.scale[i / 16] * (sb.q[i] - sb.offset) * xq[kBlock * j + i];
+        acc += sb.a * job.xd[m * nb + j] * static_cast<float>(isum) + sb.b * job.xs[m * nb + j];
+      }
+      job.out[m * job.ldo + n] = acc;
+    }
+  }
+}
+
+namespace {
+
+// ---- which rows run
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+bool cpu_has(Isa isa) {
+#if defined(EMBER_QUANT_X86)
+  __builtin_cpu_init();
+  if (isa == Isa::kAvx2)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == Isa::kAvx512)
+    return cpu_has(Isa::kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+  return isa == Isa::kScalar;
+}
+
+Isa best() { return cpu_has(Isa::kAvx512) ? Isa::kAvx512 : cpu_has(Isa::kAvx2) ? Isa::kAvx2 : Isa::kScalar; }
+
+Isa g_isa = best();
+
+const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512_vnni" : isa == Isa::kAvx2 ? "avx2" : "scalar"; }
+
+void run_rows(const Job& job) {
+#if defined(EMBER_QUANT_X86)
+  if (g_isa == Isa::kAvx512) return avx512::rows(job);
+  if (g_isa == Isa::kAvx2) return avx2::rows(job);
+#endif
+  rows_scalar(job);
+}
+
+// "" reads the choice; "best", "avx512_vnni", "avx2" or "scalar" sets it (an instruction
+// set the CPU lacks is an error). Returns the choice in force.
+std::string quant_isa(const std::string& want) {
+  if (!want.empty()) {
+    Isa isa = want == "best" ? best() : want == "avx512_vnni" ? Isa::kAvx512 : want == "avx2" ? Isa::kAvx2
+            : want == "scalar" ? Isa::kScalar : static_cast<Isa>(-1);
+    TORCH_CHECK(isa == Isa::kScalar || isa == Isa::kAvx2 || isa == Isa::kAvx512,
+                "unknown instruction set '", want, "': use best, avx512_vnni, avx2 or scalar");
+    TORCH_CHECK(cpu_has(isa), "this CPU cannot run the ", isa_name(isa), " kernels");
+    g_isa = isa;
+  }
+  return isa_name(g_isa);
+}
+
+// ---- activations: [M, K] float -> int8 per block of 32, scale d, and s = d * sum(q)
+template <typename T>
+void quantize_block(const T* x, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(ember_cpu::load(x[i])));
+  const float scale = amax / 127.f;
+  const float inv = scale != 0.f ? 1.f / scale : 0.f;
+  int sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const int v = static_cast<int>(std::nearbyint(ember_cpu::load(x[i]) * inv));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = scale;
+  *s = scale * static_cast<float>(sum);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, k] with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "k (", k, ") must be a multiple of ", kBlock);
+  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
+  auto d = at::empty({m, k / kBlock}, x.options().dtype(at::kFloat));
+  auto s = at::empty({m, k / kBlock}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* dp = d.data_ptr<float>();
+    float* sp = s.data_ptr<float>();
+    const int64_t nb = k / kBlock, stride = x.stride(0);
+    at::parallel_for(0, m * nb, std::max<int64_t>(1, 4096 / kBlock), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t row = i / nb, b = i % nb;
+        quantize_block(xp + row * stride + b * kBlock, qp + row * k + b * kBlock, dp + i, sp + i);
+      }
+    });
+  });
+  return {q, d, s};
+}
+
+// weight rows a thread takes at a time: a decode row's work per run stays above the
+// fork-join's cost, and the runs split evenly between two threads
+constexpr int64_t kRunRows = 16;
+
+// y[M, N] = dequant(w) @ dequant(xq)^T (+ bias), in `dtype`
+at::Tensor quant_matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& w,
+                        int64_t qtype, int64_t n, const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  const int per = block_values(static_cast<int>(qtype));
+  TORCH_CHECK(per > 0, "no kernel for GGML type ", qtype);
+  TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.scalar_type() == at::kChar, "xq must be contiguous int8 [m, k]");
+  const int64_t m = xq.size(0), k = xq.size(1);
+  TORCH_CHECK(k % per == 0, "k (", k, ") must be a multiple of the type's block (", per, ")");
+  TORCH_CHECK(xd.is_contiguous() && xs.is_contiguous() && xd.numel() == m * k / kBlock && xs.numel() == xd.numel(),
+              "xd and xs must be contiguous [m, k / 32]");
+  const int64_t row_bytes = k / per * block_bytes(static_cast<int>(qtype));
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == n * row_bytes,
+              "w must be contiguous uint8 holding ", n, " rows of ", row_bytes, " bytes");
+  auto out = at::empty({m, n}, xq.options().dtype(at::kFloat));
+  Job job{w.data_ptr<uint8_t>(), row_bytes, static_cast<int>(qtype), k, xq.data_ptr<int8_t>(),
+          xd.data_ptr<float>(), xs.data_ptr<float>(), m, out.data_ptr<float>(), n, 0, 0};
+  const int64_t runs = (n + kRunRows - 1) / kRunRows;
+  at::parallel_for(0, runs, 1, [&](int64_t begin, int64_t end) {
+    Job part = job;
+    part.n0 = begin * kRunRows;
+    part.n1 = std::min(n, end * kRunRows);
+    run_rows(part);
+  });
+  if (bias.has_value()) out.add_(*bias);
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+}  // namespace
+}  // namespace ember_quant
+
+TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_matmul(Tensor xq, Tensor xd, Tensor xs, Tensor w, int qtype, int n, Tensor? bias, ScalarType dtype) -> Tensor");
+  m.def("quant_isa(str want) -> str", &ember_quant::quant_isa);
+}
+
+TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
+  m.impl("quantize_rows", &ember_quant::quantize_rows);
+  m.impl("quant_matmul", &ember_quant::quant_matmul);
+}

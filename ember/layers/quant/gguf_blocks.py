@@ -1,0 +1,91 @@
+"""GGUF's block-quantized weights, kept as the file stores them and multiplied by the CPU
+kernels (kernels/cpu/quant_gemm.cpp): the activations are quantized to int8 per block of 32
+on the fly and the dot products are integer, block by block, as llama.cpp's CPU path does.
+
+    BlockTensor   one weight's rows of blocks as read from the file (what the loader yields)
+    GGUFBlocks    the format a layer holds: apply(x), and rows(ids) for an embedding table
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember.layers.quant import WeightFormat
+
+# ggml type id -> (name, values per block, bytes per block): the types the kernels multiply
+KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+}
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """A 2-D weight in one of KERNEL_TYPES: each of `shape[0]` rows is shape[1] values in
+    blocks, `data` is uint8 [rows, row bytes]. Rows can be reordered or stacked as bytes."""
+
+    qtype: int
+    shape: tuple[int, int]
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        name, values, nbytes = KERNEL_TYPES[self.qtype]
+        rows, cols = self.shape
+        if cols % values or tuple(self.data.shape) != (rows, cols // values * nbytes) or self.data.dtype != torch.uint8:
+            raise ValueError(f"{name} rows of {cols} values need uint8 [{rows}, {cols // values * nbytes}], "
+                             f"got {self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def type_name(self) -> str:
+        return KERNEL_TYPES[self.qtype][0]
+
+    def dequantize(self) -> torch.Tensor:
+        from ember.loader.gguf import dequantize
+
+        return dequantize(self.data.numpy(), self.qtype, self.shape)
+
+
+def stack_rows(parts: list[BlockTensor]) -> BlockTensor:
+    """The parts' rows one after another (q|k|v, gate|up); all of one type and width."""
+    if len({(p.qtype, p.shape[1]) for p in parts}) != 1:
+        raise ValueError("only rows of one type and width stack")
+    return BlockTensor(parts[0].qtype, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                       torch.cat([p.data for p in parts]))
+
+
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int8 values, scales, scale * sum, per block of 32
+
+
+class GGUFBlocks(WeightFormat):
+    def __init__(self, tensor: BlockTensor) -> None:
+        from ember.kernels.cpu import ops
+
+        self.ops = ops()
+        if self.ops is None:
+            raise ValueError("GGUF blocks need ember's CPU kernels, which did not build: load the model "
+                             "dequantized (quantization='none')")
+        self.tensor = tensor
+        self.out_features, self.in_features = tensor.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.data.nbytes
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        rows = x.reshape(-1, self.in_features)
+        return self.ops.quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
+
+    def apply_quantized(self, q: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return self.ops.quant_matmul(*q, self.tensor.data, self.tensor.qtype, self.out_features, bias, dtype)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.apply_quantized(self.quantize(x), bias, x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` dequantized (an embedding lookup)."""
+        flat = ids.reshape(-1)
+        picked = BlockTensor(self.tensor.qtype, (flat.numel(), self.in_features), self.tensor.data[flat])
+        return picked.dequantize().to(dtype).view(*ids.shape, self.in_features)

@@ -1,0 +1,186 @@
+"""The GGUF block kernels (kernels/cpu/quant_gemm.cpp, quant_simd.cpp) against plain torch:
+gguf-py dequantizes the weight, the activations are the kernel's own int8 ones (checked bit
+for bit against a torch version first), and the float64 matmul of the two is the answer.
+Every instruction set this CPU runs is tested, the plain rows always, at ragged shapes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize  # noqa: E402
+
+from ember.kernels import cpu as cpu_kernels  # noqa: E402
+from ember.layers.linear import Linear, MergedLinear  # noqa: E402
+from ember.layers.quant.gguf_blocks import KERNEL_TYPES, BlockTensor, GGUFBlocks  # noqa: E402
+from ember.layers.quant.split import Dense, Split  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+TYPES = [T(q) for q in KERNEL_TYPES]
+SHAPES = [(1, 37, 512), (3, 16, 256), (4, 64, 768), (5, 33, 512), (17, 48, 256)]  # (m, n, k)
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def available_isas() -> list[str]:
+    flags = _cpu_flags()
+    isas = ["scalar"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        isas.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+            isas.append("avx512_vnni")
+    return isas
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_kernels.ops()
+    assert ops is not None, "CI's machine has a compiler: the kernels must build"
+    yield ops
+    ops.quant_isa("best")
+
+
+@pytest.fixture(params=available_isas())
+def isa(request, ops):
+    ops.quant_isa(request.param)
+    yield request.param
+    ops.quant_isa("best")
+
+
+def random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
+    """n rows of k values: random bytes, with the scales set to finite float16 values."""
+    rng = np.random.default_rng(seed)
+    values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
+
+    def f16(lo: float, hi: float) -> np.ndarray:
+        return rng.uniform(lo, hi, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+
+    if qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K):  # d and a minimum (K: dmin)
+        raw[..., 0:2], raw[..., 2:4] = f16(-0.1, 0.1), f16(-0.1, 0.1)
+    elif qtype == T.Q6_K:
+        raw[..., 208:210] = f16(-0.01, 0.01)
+    else:
+        raw[..., 0:2] = f16(-0.1, 0.1)
+    return raw.reshape(n, -1)
+
+
+def torch_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quant.h's rule: d = max|x| / 127, q = round_half_even(x * (1 / d)), s = d * sum(q)."""
+    b = x.float().view(x.shape[0], -1, 32)
+    d = b.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(b * inv.unsqueeze(-1))
+    return q.to(torch.int8).view(x.shape), d, d * q.sum(-1)
+
+
+def reference(raw: np.ndarray, qtype: T, xq, xd) -> torch.Tensor:
+    n = raw.shape[0]
+    w = torch.from_numpy(dequantize(raw, qtype).astype(np.float64)).reshape(n, -1)
+    x = (xq.double().view(xq.shape[0], -1, 32) * xd.double().unsqueeze(-1)).view(xq.shape)
+    return x @ w.T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_quantize_as_the_torch_rule(ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 256, generator=g) * 3).to(dtype)
+    x[2, :32] = 0  # a block of zeros: d = 0, q = 0
+    x[3, 32:64] = torch.arange(32) - 15.5  # halves: ties round to even
+    q, d, s = ops.quantize_rows(x)
+    want = torch_quantize_rows(x)
+    assert torch.equal(q, want[0]) and torch.equal(d, want[1]) and torch.equal(s, want[2])
+    assert torch.equal(q[2, :32], torch.zeros(32, dtype=torch.int8)) and d[2, 0] == 0
+    assert q.abs().max() == 127
+    # a strided view (q|k|v's q part) reads the same
+    wide = torch.cat([x, x], dim=1)
+    assert torch.equal(ops.quantize_rows(wide[:, :256])[0], q)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_matmul_equals_dequantize_then_matmul(ops, isa, qtype, m, n, k):
+    if k % gguf.GGML_QUANT_SIZES[qtype][0]:
+        pytest.skip("a row holds whole blocks")
+    raw = random_blocks(qtype, n, k, seed=m * 1000 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    xq, xd, xs = ops.quantize_rows(x)
+    got = ops.quant_matmul(xq, xd, xs, torch.from_numpy(raw), int(qtype), n, None, torch.float32)
+    want = reference(raw, qtype, xq, xd)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    # float rounding only: each output is a sum of k products of numbers exact in float32
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err < 1e-5, (isa, err)
+
+
+def test_the_dispatch_picks_the_best_this_cpu_has(ops):
+    best = available_isas()[-1]
+    assert ops.quant_isa("best") == best
+    assert ops.quant_isa("") == best
+    if best != "avx512_vnni":
+        with pytest.raises(RuntimeError, match="cannot run the avx512_vnni kernels"):
+            ops.quant_isa("avx512_vnni")
+    with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'"):
+        ops.quant_isa("sse9")
+    assert ops.quant_isa("") == best
+
+
+def test_bias_and_output_dtype(ops):
+    raw = random_blocks(T.Q4_0, 40, 64, seed=3)
+    x = torch.randn(2, 64)
+    q = ops.quantize_rows(x)
+    bias = torch.randn(40)
+    plain = ops.quant_matmul(*q, torch.from_numpy(raw), int(T.Q4_0), 40, None, torch.float32)
+    assert torch.equal(ops.quant_matmul(*q, torch.from_numpy(raw), int(T.Q4_0), 40, bias, torch.float32), plain + bias)
+    assert torch.equal(ops.quant_matmul(*q, torch.from_numpy(raw), int(T.Q4_0), 40, None, torch.bfloat16),
+                       plain.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="w must be contiguous uint8 holding 41 rows of 36 bytes"):
+        ops.quant_matmul(*q, torch.from_numpy(raw), int(T.Q4_0), 41, None, torch.float32)
+    with pytest.raises(RuntimeError, match="no kernel for GGML type 10"):
+        ops.quant_matmul(*q, torch.from_numpy(raw), 10, 40, None, torch.float32)
+
+
+def _blocks(qtype: T, rows: int, k: int, seed: int) -> BlockTensor:
+    return BlockTensor(int(qtype), (rows, k), torch.from_numpy(random_blocks(qtype, rows, k, seed)))
+
+
+def test_merged_layer_stacks_shards_of_one_type_and_splits_mixed_ones():
+    """q|k|v from a Q4_K_M file: one kernel call where the shards share a type; a Split (one
+    activation quantization, a call a part) where v is Q6_K, or a dense F16 shard."""
+    k = 256
+    x = torch.randn(3, k)
+    shards = [_blocks(T.Q4_K, 64, k, 1), _blocks(T.Q4_K, 32, k, 2), _blocks(T.Q6_K, 32, k, 3)]
+    dense_v = torch.randn(32, k)
+    want = torch.cat([x @ s.dequantize().T for s in shards], dim=1)
+    for v, want_v in [(shards[2], None), (None, dense_v)]:
+        layer = MergedLinear(k, [64, 32, 32])
+        for i, s in enumerate(shards[:2]):
+            layer.load_blocks(s, i)
+        if v is not None:
+            layer.load_blocks(v, 2)
+        else:
+            with torch.no_grad():
+                layer.weight[96:].copy_(dense_v)
+        layer.finish_loading()
+        assert isinstance(layer.format, Split) and layer.weight.device.type == "meta"
+        kinds = [type(p) for p in layer.format.parts]
+        assert kinds == [GGUFBlocks, GGUFBlocks, GGUFBlocks if v is not None else Dense]
+        got = layer(x)
+        expect = want if want_v is None else torch.cat([want[:, :96], x @ dense_v.T], dim=1)
+        assert (got - expect).abs().max() / expect.abs().max() < 0.02  # int8 activations
+    same = MergedLinear(k, [64, 32])
+    same.load_blocks(shards[0], 0)
+    same.load_blocks(shards[1], 1)
+    same.finish_loading()
+    assert isinstance(same.format, GGUFBlocks) and same.format.tensor.shape == (96, k)
+    assert torch.equal(same.format.tensor.data, torch.cat([shards[0].data, shards[1].data]))
+    plain = Linear(k, 64)
+    with pytest.raises(ValueError, match=r"parameter rows \(64, 256\), checkpoint \(32, 256\)"):
+        plain.load_blocks(shards[1], None)
