@@ -1,16 +1,19 @@
 """The op before a linear layer fused into it where the layer runs as ember's GEMV kernel
 (one row on CUDA: a decode step of one sequence, where a layer's time is mostly kernel
-launches; see layers/linear.py `uses_gemv`):
-RMSNorm with the residual add into q|k|v and gate|up, SiLU-and-mul into down. One kernel
-each instead of two (kernels/gemv.py); elsewhere the two ops as they are."""
+launches; see layers/linear.py `uses_gemv`) or on GGUF blocks on the CPU (whose kernel
+quantizes its input anyway, and where a step's time is mostly calls):
+RMSNorm with the residual add into q|k|v and gate|up, the gated activation into down. One
+kernel each instead of two (kernels/gemv.py, kernels/cpu/quant_gemm.cpp); elsewhere the two
+ops as they are."""
 
 from __future__ import annotations
 
 import torch
 
-from ember.layers.activation import silu_and_mul
+from ember.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from ember.layers.linear import Linear, uses_gemv
 from ember.layers.norm import RMSNorm
+from ember.layers.quant.gguf_blocks import GGUFBlocks
 
 
 def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
@@ -21,6 +24,10 @@ def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
         from ember.kernels.gemv import gemv
 
         return gemv(x, layer.weight, layer.bias, "norm", residual, norm.weight, norm.eps)
+    if isinstance(layer.format, GGUFBlocks) and norm.weight.dtype == x.dtype:
+        if residual is None:
+            return layer.format.apply(x, layer.bias, "norm", norm.weight, norm.eps), x
+        return layer.format.apply(x, layer.bias, "norm", norm.weight, norm.eps, residual), residual
     if residual is None:
         return layer(norm(x)), x
     h, residual = norm(x, residual)
@@ -33,4 +40,13 @@ def silu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
         from ember.kernels.gemv import gemv
 
         return gemv(gate_up, layer.weight, layer.bias, "silu")
+    if isinstance(layer.format, GGUFBlocks):
+        return layer.format.apply(gate_up, layer.bias, "silu")
     return layer(silu_and_mul(gate_up))
+
+
+def gelu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
+    """layer(gelu_tanh(gate) * up) for gate_up = [gate | up] (Gemma)."""
+    if isinstance(layer.format, GGUFBlocks):
+        return layer.format.apply(gate_up, layer.bias, "gelu_tanh")
+    return layer(gelu_tanh_and_mul(gate_up))

@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ember.layers.activation import gelu_tanh_and_mul
 from ember.layers.attention import AttentionBackend, AttentionMetadata
 from ember.layers.embedding import LMHead, VocabEmbedding
-from ember.layers.fused import norm_linear, silu_linear
+from ember.layers.fused import gelu_linear, norm_linear, silu_linear
 from ember.layers.linear import Linear, MergedLinear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import CacheWrite, RotaryEmbedding, apply_rotary, norm_and_rotate
@@ -83,7 +82,7 @@ class LlamaMLP(nn.Module):
         """gate_up: the output of gate_up_proj, which the decoder layer applies (fused with
         the norm before it where it can)."""
         if self.gelu:
-            return self.down_proj(gelu_tanh_and_mul(gate_up))
+            return gelu_linear(self.down_proj, gate_up)
         return silu_linear(self.down_proj, gate_up)
 
 

@@ -184,3 +184,53 @@ def test_merged_layer_stacks_shards_of_one_type_and_splits_mixed_ones():
     plain = Linear(k, 64)
     with pytest.raises(ValueError, match=r"parameter rows \(64, 256\), checkpoint \(32, 256\)"):
         plain.load_blocks(shards[1], None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prologue", ["norm", "norm+residual", "silu", "gelu_tanh"])
+def test_fused_prologue_equals_the_plain_op_then_the_matmul(ops, dtype, prologue):
+    """quant_linear runs the op before the layer (layers/fused.py) on each row as it
+    quantizes it: the same as that op in torch, then quantize_rows and quant_matmul."""
+    from ember.layers.activation import gelu_tanh_and_mul, silu_and_mul
+    from ember.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    k, n = 256, 40
+    raw = torch.from_numpy(random_blocks(T.Q4_1, n, k, seed=9))
+    gated = prologue in ("silu", "gelu_tanh")
+    x = torch.randn(3, 2 * k if gated else k, generator=g).to(dtype)
+    norm = RMSNorm(k, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, generator=g) + 0.5)
+    residual = torch.randn(3, k, generator=g).to(dtype) if prologue == "norm+residual" else None
+    with cpu_kernels.disabled():
+        if prologue == "silu":
+            h = silu_and_mul(x)
+        elif prologue == "gelu_tanh":
+            h = gelu_tanh_and_mul(x)
+        elif residual is None:
+            h = norm(x)
+        else:
+            h, want_residual = norm(x, residual.clone())
+    want = ops.quant_matmul(*ops.quantize_rows(h), raw, int(T.Q4_1), n, None, dtype)
+    kind = prologue.split("+")[0]
+    got_residual = None if residual is None else residual.clone()
+    got = ops.quant_linear(x, raw, int(T.Q4_1), n, None, kind, norm.weight if kind == "norm" else None, 1e-5,
+                           got_residual)
+    assert got.dtype == dtype
+    if residual is not None:
+        assert torch.equal(got_residual, want_residual)  # one rounded add, as the plain norm
+    # the prologue's values differ from torch's by float rounding at most, which can move an
+    # activation to the next int8 step: a small fraction of one step's worth
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+    assert err < (2e-3 if dtype == torch.float32 else 2e-2), err
+
+
+def test_fused_prologue_refuses_what_it_cannot_take(ops):
+    raw = torch.from_numpy(random_blocks(T.Q4_0, 8, 64, seed=1))
+    with pytest.raises(RuntimeError, match="unknown prologue 'relu'"):
+        ops.quant_linear(torch.randn(1, 64), raw, int(T.Q4_0), 8, None, "relu", None, 0.0, None)
+    with pytest.raises(RuntimeError, match="the norm takes a contiguous weight"):
+        ops.quant_linear(torch.randn(1, 64), raw, int(T.Q4_0), 8, None, "norm", torch.ones(32), 1e-5, None)
+    with pytest.raises(RuntimeError, match="a gated activation takes"):
+        ops.quant_linear(torch.randn(1, 127), raw, int(T.Q4_0), 8, None, "silu", None, 0.0, None)

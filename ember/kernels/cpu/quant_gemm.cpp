@@ -13,6 +13,7 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "convert.h"
 #include "quant.h"
@@ -160,15 +161,14 @@ std::string quant_isa(const std::string& want) {
 }
 
 // ---- activations: [M, K] float -> int8 per block of 32, scale d, and s = d * sum(q)
-template <typename T>
-void quantize_block(const T* x, int8_t* q, float* d, float* s) {
+void quantize_block(const float* x, int8_t* q, float* d, float* s) {
   float amax = 0.f;
-  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(ember_cpu::load(x[i])));
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = amax / 127.f;
   const float inv = scale != 0.f ? 1.f / scale : 0.f;
   int sum = 0;
   for (int i = 0; i < kBlock; ++i) {
-    const int v = static_cast<int>(std::nearbyint(ember_cpu::load(x[i]) * inv));
+    const int v = static_cast<int>(std::nearbyint(x[i] * inv));
     q[i] = static_cast<int8_t>(v);
     sum += v;
   }
@@ -176,27 +176,107 @@ void quantize_block(const T* x, int8_t* q, float* d, float* s) {
   *s = scale * static_cast<float>(sum);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+// What runs on a row before it is quantized (the op the layer before would run, fused in):
+// the values each produces are the plain ops' own (layers/norm.py, layers/activation.py),
+// rounded to the model dtype T where those round.
+enum class Prologue { kNone, kNorm, kSilu, kGeluTanh };
+
+Prologue prologue_of(const std::string& name) {
+  if (name == "none") return Prologue::kNone;
+  if (name == "norm") return Prologue::kNorm;
+  if (name == "silu") return Prologue::kSilu;
+  if (name == "gelu_tanh") return Prologue::kGeluTanh;
+  TORCH_CHECK(false, "unknown prologue '", name, "': use none, norm, silu or gelu_tanh");
+}
+
+template <typename T>
+inline float rounded(float v) { return ember_cpu::round_to<T>(v); }
+
+// row -> k float values in out; src is the row as the layer receives it
+template <typename T>
+void prologue_row(Prologue kind, const T* src, int64_t k, const T* norm_weight, float eps, T* residual, float* out) {
+  using ember_cpu::load;
+  using ember_cpu::store;
+  switch (kind) {
+    case Prologue::kNone:
+      for (int64_t i = 0; i < k; ++i) out[i] = load(src[i]);
+      return;
+    case Prologue::kNorm: {  // y = w * T(r / rms(r)), r = T(x + residual) (residual <- r) or x
+      for (int64_t i = 0; i < k; ++i) out[i] = load(src[i]);
+      if (residual != nullptr) {
+        for (int64_t i = 0; i < k; ++i) {
+          residual[i] = store<T>(out[i] + load(residual[i]));
+          out[i] = load(residual[i]);
+        }
+      }
+      float squares = 0.f;
+      for (int64_t i = 0; i < k; ++i) squares += out[i] * out[i];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(k) + eps);
+      for (int64_t i = 0; i < k; ++i) out[i] = rounded<T>(load(norm_weight[i]) * rounded<T>(out[i] * inv));
+      return;
+    }
+    case Prologue::kSilu:  // src = [gate | up] of 2k values: T(T(silu(gate)) * up)
+      for (int64_t i = 0; i < k; ++i) {
+        const float g = load(src[i]);
+        out[i] = rounded<T>(rounded<T>(g / (1.f + std::exp(-g))) * load(src[k + i]));
+      }
+      return;
+    case Prologue::kGeluTanh:  // T(T(gelu_tanh(gate)) * up)
+      for (int64_t i = 0; i < k; ++i) {
+        const float g = load(src[i]);
+        const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        out[i] = rounded<T>(rounded<T>(0.5f * g * (1.f + std::tanh(inner))) * load(src[k + i]));
+      }
+      return;
+  }
+}
+
+struct Quantized {
+  at::Tensor q, d, s;
+};
+
+// x [M, K] (the prologue's input: [M, 2K] for the activations) -> its quantized rows
+Quantized quantize(const at::Tensor& x, Prologue kind, const std::optional<at::Tensor>& norm_weight, double eps,
+                   const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, k] with contiguous rows");
-  const int64_t m = x.size(0), k = x.size(1);
+  const bool gated = kind == Prologue::kSilu || kind == Prologue::kGeluTanh;
+  const int64_t m = x.size(0), k = gated ? x.size(1) / 2 : x.size(1);
+  TORCH_CHECK(!gated || x.size(1) % 2 == 0, "a gated activation takes [rows, 2 * k]");
   TORCH_CHECK(k % kBlock == 0, "k (", k, ") must be a multiple of ", kBlock);
-  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
-  auto d = at::empty({m, k / kBlock}, x.options().dtype(at::kFloat));
-  auto s = at::empty({m, k / kBlock}, x.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
+  if (kind == Prologue::kNorm) {
+    TORCH_CHECK(norm_weight.has_value() && norm_weight->dim() == 1 && norm_weight->size(0) == k &&
+                norm_weight->is_contiguous() && norm_weight->scalar_type() == x.scalar_type(),
+                "the norm takes a contiguous weight [k] of x's dtype");
+    if (residual.has_value())
+      TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                  residual->scalar_type() == x.scalar_type(), "residual must be a contiguous tensor like x");
+  }
+  Quantized out{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, k / kBlock}, x.options().dtype(at::kFloat)),
+                at::empty({m, k / kBlock}, x.options().dtype(at::kFloat))};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* dp = d.data_ptr<float>();
-    float* sp = s.data_ptr<float>();
+    const scalar_t* wp = kind == Prologue::kNorm ? norm_weight->data_ptr<scalar_t>() : nullptr;
+    scalar_t* rp = kind == Prologue::kNorm && residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
+    int8_t* qp = out.q.data_ptr<int8_t>();
+    float* dp = out.d.data_ptr<float>();
+    float* sp = out.s.data_ptr<float>();
     const int64_t nb = k / kBlock, stride = x.stride(0);
-    at::parallel_for(0, m * nb, std::max<int64_t>(1, 4096 / kBlock), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t row = i / nb, b = i % nb;
-        quantize_block(xp + row * stride + b * kBlock, qp + row * k + b * kBlock, dp + i, sp + i);
+    at::parallel_for(0, m, std::max<int64_t>(1, 8192 / k), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(k);
+      for (int64_t r = begin; r < end; ++r) {
+        prologue_row<scalar_t>(kind, xp + r * stride, k, wp, static_cast<float>(eps), rp ? rp + r * k : nullptr,
+                               row.data());
+        for (int64_t b = 0; b < nb; ++b)
+          quantize_block(row.data() + b * kBlock, qp + r * k + b * kBlock, dp + r * nb + b, sp + r * nb + b);
       }
     });
   });
-  return {q, d, s};
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  Quantized q = quantize(x, Prologue::kNone, std::nullopt, 0.0, std::nullopt);
+  return {q.q, q.d, q.s};
 }
 
 // weight rows a thread takes at a time: a decode row's work per run stays above the
@@ -230,16 +310,29 @@ at::Tensor quant_matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Te
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
+// y = quant_matmul(quantize(prologue(x))): one call a layer. prologue "norm" also adds x into
+// `residual` in place first, where given (the decoder's residual stream)
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n,
+                        const std::optional<at::Tensor>& bias, const std::string& prologue,
+                        const std::optional<at::Tensor>& norm_weight, double eps,
+                        const std::optional<at::Tensor>& residual) {
+  Quantized q = quantize(x, prologue_of(prologue), norm_weight, eps, residual);
+  return quant_matmul(q.q, q.d, q.s, w, qtype, n, bias, x.scalar_type());
+}
+
 }  // namespace
 }  // namespace ember_quant
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("quant_matmul(Tensor xq, Tensor xd, Tensor xs, Tensor w, int qtype, int n, Tensor? bias, ScalarType dtype) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor w, int qtype, int n, Tensor? bias, str prologue, Tensor? norm_weight, "
+        "float eps, Tensor(a!)? residual) -> Tensor");
   m.def("quant_isa(str want) -> str", &ember_quant::quant_isa);
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("quantize_rows", &ember_quant::quantize_rows);
   m.impl("quant_matmul", &ember_quant::quant_matmul);
+  m.impl("quant_linear", &ember_quant::quant_linear);
 }

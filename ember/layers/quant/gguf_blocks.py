@@ -80,8 +80,15 @@ class GGUFBlocks(WeightFormat):
     def apply_quantized(self, q: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         return self.ops.quant_matmul(*q, self.tensor.data, self.tensor.qtype, self.out_features, bias, dtype)
 
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.apply_quantized(self.quantize(x), bias, x.dtype)
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None, prologue: str = "none",
+              norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer on x, or with a prologue fused in (one kernel call): on prologue(x), where
+        "norm" is RMSNorm(x + residual) with `norm_weight` (residual updated in place, as
+        layers/norm.py does), "silu" / "gelu_tanh" the gated activation of x = [gate | up]."""
+        rows = x.reshape(-1, x.shape[-1])
+        y = self.ops.quant_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), self.tensor.data,
+                                  self.tensor.qtype, self.out_features, bias, prologue, norm_weight, eps, residual)
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
