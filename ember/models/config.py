@@ -94,8 +94,23 @@ class ModelConfig:
     # Gemma 3: the sliding layers' own RoPE (base, scaling); None: every layer shares one
     local_rope_theta: float | None = None
     local_rope_scaling: RopeScaling | None = None
+    # RoPE turns each head's first rotary_dim dims (HF's rotate-half pairs within them), the
+    # rest pass through (Phi-4-mini: 96 of 128); None: the whole head
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
+        for scaling in (self.rope_scaling, self.local_rope_scaling):
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(scaling, name, ())
+                if factors and len(factors) != self.rotary_dim // 2:
+                    raise ValueError(
+                        f"LongRoPE's {name} has {len(factors)} entries; a RoPE over {self.rotary_dim} dims of each "
+                        f"head needs {self.rotary_dim // 2} (one per frequency): the config's rope_scaling does not "
+                        "fit its head_dim / partial_rotary_factor")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; ember runs "
@@ -145,16 +160,13 @@ class ModelConfig:
                     f"unsupported model_type {config.get('model_type')!r} and no `architectures` in config.json; "
                     f"ember runs {', '.join(_HF_ARCHITECTURES)}"
                 )
-        if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise ValueError(
-                f"partial_rotary_factor={config['partial_rotary_factor']} (RoPE on part of each head) is not "
-                "supported yet; ember rotates whole heads"
-            )
         gemma = family in _GEMMA
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         global_rope, local_rope = _rope_parameters(config)
         rope_theta = float(config.get("rope_theta") or global_rope.get("rope_theta") or 10000.0)
+        # transformers 5 keeps the factor among the RoPE parameters, earlier ones beside them
+        rotary_factor = float(config.get("partial_rotary_factor") or global_rope.get("partial_rotary_factor") or 1.0)
         act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
         if gemma and config.get("use_bidirectional_attention"):
             raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not a causal LM")
@@ -190,6 +202,7 @@ class ModelConfig:
             layer_windows=_layer_windows(config, family, num_layers),
             local_rope_theta=local_theta,
             local_rope_scaling=_rope_scaling(local_rope, config) if local_rope else None,
+            rotary_dim=int(head_dim * rotary_factor),
         )
 
     @staticmethod
@@ -232,6 +245,12 @@ class ModelConfig:
         context = get("context_length")
         gemma = arch in _GEMMA
         window = md.get(f"{arch}.attention.sliding_window")
+        rotary_dim = md.get(f"{arch}.rope.dimension_count") or head_dim
+        if arch == "llama" and rotary_dim != head_dim:
+            # llama.cpp's converter permutes whole heads for its adjacent-pair RoPE; the loader
+            # undoes that for whole-head RoPE only
+            raise ValueError(f"a llama GGUF with RoPE on {rotary_dim} of each head's {head_dim} dims "
+                             "(rope.dimension_count) is not supported: convert the HF checkpoint instead")
         query_scalar = None
         if gemma:  # llama.cpp's rule: the 27B models scale by hidden / heads, the others by head_dim
             query_scalar = hidden // heads if layers in (46, 62) else head_dim
@@ -262,6 +281,7 @@ class ModelConfig:
             final_logit_softcap=md.get(f"{arch}.final_logit_softcapping") if gemma else None,
             layer_windows=_layer_windows({"sliding_window": window}, arch, layers) if window else None,
             local_rope_theta=10000.0 if arch == "gemma3" else None,  # llama.cpp's fixed local base
+            rotary_dim=rotary_dim,
         )
 
 

@@ -1,7 +1,7 @@
 """The families beyond Llama, and every RoPE scaling, on tiny random models saved by HF
 transformers: ember's logits and greedy tokens equal transformers' (float32). Sliding
 windows are shorter than the prompts, and are also run through chunked prefill and a
-prefix-cache hit."""
+prefix-cache hit. Partial RoPE (Phi-4-mini's) too."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ BASE = {
 LLAMA = BASE | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 10000.0,
                 "tie_word_embeddings": False}
 WINDOW = 7  # shorter than most prompts below, and not a multiple of the block size (8)
+PHI3 = BASE | {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "rope_theta": 10000.0,
+               "max_position_embeddings": 1024, "original_max_position_embeddings": 256, "tie_word_embeddings": False}
 FAMILIES = {
     "gemma2": BASE | {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 32,
                       "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
@@ -39,11 +41,13 @@ FAMILIES = {
                       "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                              "rope_theta": 1000000.0},
                                           "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-    "phi3": BASE | {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "rope_theta": 10000.0,
-                    "max_position_embeddings": 1024, "original_max_position_embeddings": 256,
-                    "sliding_window": 2 * WINDOW, "tie_word_embeddings": False,
+    "phi3": PHI3 | {"sliding_window": 2 * WINDOW,
                     "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                      "long_factor": [2.0 + 0.5 * i for i in range(8)]}},
+    # Phi-4-mini: RoPE on 3/4 of each head (12 of 16 dims), LongRoPE factors for those 12
+    "phi3_partial": PHI3 | {"partial_rotary_factor": 0.75,
+                            "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(6)],
+                                             "long_factor": [2.0 + 0.7 * i for i in range(6)]}},
     "mistral_window": BASE | {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
                               "rope_theta": 10000.0, "sliding_window": WINDOW, "tie_word_embeddings": False},
     "qwen2_window": BASE | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 10000.0,
@@ -60,6 +64,9 @@ ROPES = {
     "rope_yarn_mscale": LLAMA | {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.707,
                                                   "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2,
                                                   "original_max_position_embeddings": 64}},
+    # partial RoPE without scaling, the factor where transformers 5 writes it: among the RoPE parameters
+    "rope_partial": PHI3 | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.5}},
 }
 PROMPTS = [
     [5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3],
@@ -122,7 +129,7 @@ def test_rope_scaling_logits_match_hf(name, tmp_path_factory, forward_logits):
     assert_logits_match(llm, hf, PROMPTS, forward_logits)
 
 
-@pytest.mark.parametrize("name,length", [("phi3", 300), ("rope_dynamic", 600)])
+@pytest.mark.parametrize("name,length", [("phi3", 300), ("phi3_partial", 300), ("rope_dynamic", 600)])
 def test_context_dependent_rope_beyond_the_trained_context(name, length, tmp_path_factory, forward_logits):
     """LongRoPE's long factors and dynamic NTK's larger base hold for a served context past
     the trained one; transformers picks them by the sequence's length, so a prompt of the
@@ -171,6 +178,9 @@ def test_config_reads_the_options():
     phi = ModelConfig.from_hf_config(FAMILIES["phi3"])
     assert (phi.rope_scaling.kind, phi.rope_scaling.factor, phi.rope_scaling.original_max_position_embeddings) == \
         ("longrope", 4.0, 256)
+    assert (phi.head_dim, phi.rotary_dim) == (16, 16)
+    assert ModelConfig.from_hf_config(FAMILIES["phi3_partial"]).rotary_dim == 12
+    assert ModelConfig.from_hf_config(ROPES["rope_partial"]).rotary_dim == 8
     assert ModelConfig.from_hf_config(FAMILIES["qwen2_window"]).layer_windows == (None, None, 7, 7)
     assert ModelConfig.from_hf_config(FAMILIES["mistral_window"]).layer_windows == (7,) * 4
     off = FAMILIES["qwen2_window"] | {"use_sliding_window": False}
@@ -181,7 +191,9 @@ def test_config_reads_the_options():
     (LLAMA | {"architectures": ["FooForCausalLM"]}, "unsupported architecture 'FooForCausalLM'"),
     (LLAMA | {"rope_scaling": {"rope_type": "fancy", "factor": 2.0}},
      "unsupported rope_scaling type 'fancy'; ember supports default, linear, dynamic, yarn, longrope, llama3"),
-    (LLAMA | {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    (FAMILIES["phi3"] | {"partial_rotary_factor": 0.75},
+     "LongRoPE's short_factor has 8 entries; a RoPE over 12 dims of each head needs 6"),
+    (LLAMA | {"partial_rotary_factor": 0.2}, "rotary_dim 3 must be even and within head_dim 16"),
     (FAMILIES["gemma2"] | {"layer_types": ["sliding_attention", "chunked_attention"] * 2},
      "layer_types must list"),
 ])
