@@ -250,7 +250,8 @@ class ModelConfig:
             # llama.cpp's converter permutes whole heads for its adjacent-pair RoPE; the loader
             # undoes that for whole-head RoPE only
             raise ValueError(f"a llama GGUF with RoPE on {rotary_dim} of each head's {head_dim} dims "
-                             "(rope.dimension_count) is not supported: convert the HF checkpoint instead")
+                             "(rope.dimension_count) is not supported: serve the model's HF checkpoint "
+                             "directory instead")
         query_scalar = None
         if gemma:  # llama.cpp's rule: the 27B models scale by hidden / heads, the others by head_dim
             query_scalar = hidden // heads if layers in (46, 62) else head_dim

@@ -1,17 +1,19 @@
 """The families beyond Llama, and every RoPE scaling, on tiny random models saved by HF
 transformers: ember's logits and greedy tokens equal transformers' (float32). Sliding
 windows are shorter than the prompts, and are also run through chunked prefill and a
-prefix-cache hit. Partial RoPE (Phi-4-mini's) too."""
+prefix-cache hit. Partial RoPE (Phi-4-mini's), from HF files and from llama.cpp's GGUF."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from ember import LLM, SamplingParams
 from ember.loader.dummy import iter_dummy_weights
+from ember.loader.model_files import ModelFiles
 from ember.loader.weights import hf_weight_shapes
 from ember.models.config import ModelConfig
 
@@ -200,3 +202,21 @@ def test_config_reads_the_options():
 def test_refusals_say_what_is_wrong(config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig.from_hf_config(config)
+
+
+def test_partial_rope_from_a_llama_cpp_gguf_matches_hf(tmp_path_factory, gguf_convert, spm_tokenizer_dir,
+                                                       forward_logits):
+    """llama.cpp's converter writes Phi-4-mini's partial RoPE as phi3.rope.dimension_count and
+    the LongRoPE factors (rotary_dim / 2 each) as tensors: ember's model from the GGUF file
+    gives transformers' logits."""
+    path = tmp_path_factory.mktemp("phi3_partial_gguf")
+    save_tiny_model(FAMILIES["phi3_partial"] | {"vocab_size": 512}, path)  # the SentencePiece tokenizer's
+    for f in spm_tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    gguf = gguf_convert(path, "f32")
+    cfg = ModelFiles(gguf, "gguf").model_config()
+    assert (cfg.architecture, cfg.head_dim, cfg.rotary_dim) == ("phi3", 16, 12)
+    stored = torch.tensor(FAMILIES["phi3_partial"]["rope_scaling"]["short_factor"]).tolist()  # float32 in the file
+    assert (cfg.rope_scaling.kind, list(cfg.rope_scaling.short_factor)) == ("longrope", stored)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert_logits_match(LLM(str(gguf), num_kv_blocks=64, block_size=8, max_model_len=256), hf, PROMPTS, forward_logits)
