@@ -1,5 +1,12 @@
 """Rotary position embedding, rotate-half (NeoX / HF) layout: a head's first half pairs
-with its second half. GGUF llama weights are un-permuted by the loader to this layout."""
+with its second half. GGUF llama weights are un-permuted by the loader to this layout.
+
+Partial RoPE (Phi-4-mini: rotary_dim 96 of head_dim 128) turns only the first rotary_dim
+dims of each head, pairing dim i with i + rotary_dim / 2 among them; the rest pass through:
+
+    head   [ x1: rotary_dim/2 | x2: rotary_dim/2 | pass: head_dim - rotary_dim ]
+    rope   [ cos: rotary_dim/2 | sin: rotary_dim/2 ]    (its width says the rotary_dim)
+"""
 
 from __future__ import annotations
 
@@ -86,11 +93,11 @@ def _yarn(rotary_dim: int, theta: float, scaling: RopeScaling, exponents: torch.
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
-        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
+        inv_freq, attention_factor = rope_inv_freq(rotary_dim, theta, scaling, max_positions)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        # [max_positions, head_dim]: cos | sin halves, looked up by position each step; YaRN and
+        # [max_positions, rotary_dim]: cos | sin halves, looked up by position each step; YaRN and
         # LongRoPE scale both (and so every attention score) by attention_factor squared
         cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
         if attention_factor != 1.0:
@@ -98,7 +105,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        """[T, head_dim] float32, cos | sin of these positions: once per forward, shared by
+        """[T, rotary_dim] float32, cos | sin of these positions: once per forward, shared by
         every layer."""
         return self.cos_sin[positions]
 
@@ -121,7 +128,8 @@ class CacheWrite:
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor,
                  cache: CacheWrite | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; rope from `RotaryEmbedding.lookup`.
+    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; rope from `RotaryEmbedding.lookup`
+    ([T, rotary_dim]: a narrower one turns the first rotary_dim dims of each head alone).
     On CUDA (one Triton kernel) and on the CPU (one C++ loop) q and k are rotated in place.
     Returns (q, k, whether k and v are in `cache` now: on CUDA the same kernel writes them)."""
     if q.is_cuda:
@@ -151,5 +159,6 @@ def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor, q_norm
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+    return torch.cat([(x1 * cos - x2 * sin).to(x.dtype), (x2 * cos + x1 * sin).to(x.dtype), x[..., 2 * half:]], dim=-1)

@@ -51,8 +51,10 @@ class ModelFiles:
 
             return iter_hf_weights(self._gguf(), cfg, GGUF_CONFIG_TENSORS, keep_quantized=quantization == "gguf")
         from ember.loader.safetensors import iter_pt, iter_safetensors
+        from ember.loader.weights import checkpoint_names
 
-        return iter_pt(self.path) if self.load_format == "pt" else iter_safetensors(self.path)
+        read = iter_pt if self.load_format == "pt" else iter_safetensors
+        return read(self.path, checkpoint_names(cfg))
 
     def tensor_bytes(self) -> int:
         """Bytes of the checkpoint's tensors as stored (0 for dummy weights)."""

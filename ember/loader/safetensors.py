@@ -7,7 +7,7 @@ import json
 import logging
 import pickle
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -47,17 +47,26 @@ def pt_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+# a checkpoint tensor's name -> the name it is loaded under, or None: not read (loader/weights.py)
+Rename = Callable[[str], str | None]
+
+
+def iter_safetensors(model_dir: str | Path, rename: Rename | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, or with `rename` those it keeps, under their new names:
+    a tensor it drops is never read from the file (only the header names it)."""
     from safetensors import safe_open
 
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                target = name if rename is None else rename(name)
+                if target is not None:
+                    yield target, f.get_tensor(name)
 
 
-def iter_pt(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """pytorch_model*.bin files, memory-mapped; tensors only (weights_only: no pickled code runs)."""
+def iter_pt(model_dir: str | Path, rename: Rename | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """pytorch_model*.bin files, memory-mapped; tensors only (weights_only: no pickled code runs).
+    `rename` as for iter_safetensors: a dropped tensor's pages are not touched."""
     files = pt_files(model_dir)
     logger.warning("%s: loading pytorch_model*.bin files; safetensors is preferred (faster to load, "
                    "and no pickle)", model_dir)
@@ -77,7 +86,9 @@ def iter_pt(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in state.items():
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{file}: {name!r} is a {type(tensor).__name__}, not a tensor")
-            yield name, tensor
+            target = name if rename is None else rename(name)
+            if target is not None:
+                yield target, tensor
 
 
 def _indexed_files(index: Path) -> list[Path]:

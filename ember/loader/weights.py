@@ -6,7 +6,7 @@ how those names land on ember's merged parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -57,6 +57,31 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
     return shapes
+
+
+# a vision-language checkpoint's language model under either of transformers' spellings
+# (Google's Gemma 3 files, and what transformers 5 writes: language_model.model.*; its module
+# names since 4.52, in checkpoints saved so: model.language_model.*), and the parts of it
+# ember does not load (text prompts only)
+_LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                            "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def checkpoint_names(cfg: ModelConfig) -> Callable[[str], str | None] | None:
+    """For a checkpoint of this config whose tensor names are not a causal LM's: a map from
+    its names to the causal LM's (None for a tensor not to read at all); None where the names
+    are the causal LM's already."""
+    return _language_model_name if cfg.multimodal else None
+
+
+def _language_model_name(name: str) -> str | None:
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, ours in _LANGUAGE_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name  # not the language model's: load_weights names it as unknown
 
 
 def _target(name: str) -> tuple[str, int | None]:

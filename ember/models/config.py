@@ -22,11 +22,30 @@ _HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # served as text: its language model alone
 }
 # HF `model_type` -> family, for a config.json without `architectures`
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                   "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+                   "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3"}
+# vision-language checkpoints (by `architectures`, or `model_type`): the language model's
+# config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
+_VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+_VISION_LANGUAGE_MODEL_TYPES = ("gemma3",)
 _GEMMA = ("gemma2", "gemma3")
+# What transformers' Gemma3TextConfig fills where a config.json is silent (as transformers
+# 5.24 has them): Google's Gemma 3 4B/12B/27B text_configs state little more than their
+# sizes. The RoPE bases: _DEFAULT_THETA, and from_hf_config's local one.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
+    "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+}
+# the sizes no default stands in for (Gemma3TextConfig's are Gemma 2 2B's, no Gemma 3's)
+_TEXT_CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers")
+# the RoPE base where a config names none: the global one (the sliding layers' is 10000 in both)
+_DEFAULT_THETA = {"gemma3": 1_000_000.0}
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -94,8 +113,26 @@ class ModelConfig:
     # Gemma 3: the sliding layers' own RoPE (base, scaling); None: every layer shares one
     local_rope_theta: float | None = None
     local_rope_scaling: RopeScaling | None = None
+    # RoPE turns each head's first rotary_dim dims (HF's rotate-half pairs within them), the
+    # rest pass through (Phi-4-mini: 96 of 128); None: the whole head
+    rotary_dim: int | None = None
+    # a vision-language checkpoint (Gemma3ForConditionalGeneration): ember serves its language
+    # model on text prompts; the loader skips the vision tower and projector tensors
+    multimodal: bool = False
 
     def __post_init__(self) -> None:
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
+        for scaling in (self.rope_scaling, self.local_rope_scaling):
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(scaling, name, ())
+                if factors and len(factors) != self.rotary_dim // 2:
+                    raise ValueError(
+                        f"LongRoPE's {name} has {len(factors)} entries; a RoPE over {self.rotary_dim} dims of each "
+                        f"head needs {self.rotary_dim // 2} (one per frequency): the config's rope_scaling does not "
+                        "fit its head_dim / partial_rotary_factor")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; ember runs "
@@ -129,32 +166,19 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_config(config: dict[str, Any]) -> ModelConfig:
-        archs = config.get("architectures") or []
-        if archs:
-            family = _HF_ARCHITECTURES.get(archs[0])
-            if family is None:
-                raise ValueError(
-                    f"unsupported architecture {archs[0]!r} (model_type {config.get('model_type')!r}); ember runs "
-                    f"{', '.join(_HF_ARCHITECTURES)}. A model is run only under an architecture ember knows: "
-                    "running it as another could give wrong tokens"
-                )
-        else:
-            family = _HF_MODEL_TYPES.get(config.get("model_type", ""))
-            if family is None:
-                raise ValueError(
-                    f"unsupported model_type {config.get('model_type')!r} and no `architectures` in config.json; "
-                    f"ember runs {', '.join(_HF_ARCHITECTURES)}"
-                )
-        if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise ValueError(
-                f"partial_rotary_factor={config['partial_rotary_factor']} (RoPE on part of each head) is not "
-                "supported yet; ember rotates whole heads"
-            )
+        family, multimodal = _family(config)
+        if multimodal:
+            config = _language_model_config(config)
+        if family == "gemma3":
+            config = _GEMMA3_TEXT_DEFAULTS | config
         gemma = family in _GEMMA
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         global_rope, local_rope = _rope_parameters(config)
-        rope_theta = float(config.get("rope_theta") or global_rope.get("rope_theta") or 10000.0)
+        rope_theta = float(config.get("rope_theta") or global_rope.get("rope_theta")
+                           or _DEFAULT_THETA.get(family, 10000.0))
+        # transformers 5 keeps the factor among the RoPE parameters, earlier ones beside them
+        rotary_factor = float(config.get("partial_rotary_factor") or global_rope.get("partial_rotary_factor") or 1.0)
         act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
         if gemma and config.get("use_bidirectional_attention"):
             raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not a causal LM")
@@ -190,6 +214,8 @@ class ModelConfig:
             layer_windows=_layer_windows(config, family, num_layers),
             local_rope_theta=local_theta,
             local_rope_scaling=_rope_scaling(local_rope, config) if local_rope else None,
+            rotary_dim=int(head_dim * rotary_factor),
+            multimodal=multimodal,
         )
 
     @staticmethod
@@ -232,6 +258,13 @@ class ModelConfig:
         context = get("context_length")
         gemma = arch in _GEMMA
         window = md.get(f"{arch}.attention.sliding_window")
+        rotary_dim = md.get(f"{arch}.rope.dimension_count") or head_dim
+        if arch == "llama" and rotary_dim != head_dim:
+            # llama.cpp's converter permutes whole heads for its adjacent-pair RoPE; the loader
+            # undoes that for whole-head RoPE only
+            raise ValueError(f"a llama GGUF with RoPE on {rotary_dim} of each head's {head_dim} dims "
+                             "(rope.dimension_count) is not supported: serve the model's HF checkpoint "
+                             "directory instead")
         query_scalar = None
         if gemma:  # llama.cpp's rule: the 27B models scale by hidden / heads, the others by head_dim
             query_scalar = hidden // heads if layers in (46, 62) else head_dim
@@ -262,11 +295,57 @@ class ModelConfig:
             final_logit_softcap=md.get(f"{arch}.final_logit_softcapping") if gemma else None,
             layer_windows=_layer_windows({"sliding_window": window}, arch, layers) if window else None,
             local_rope_theta=10000.0 if arch == "gemma3" else None,  # llama.cpp's fixed local base
+            rotary_dim=rotary_dim,
         )
 
 
 def _first(value: Any) -> Any:
     return value[0] if isinstance(value, list) else value
+
+
+def _family(config: dict[str, Any]) -> tuple[str, bool]:
+    """(ember's family, whether the checkpoint is a vision-language one) of a config.json,
+    by its `architectures`, or failing that its `model_type`."""
+    archs = config.get("architectures") or []
+    if archs:
+        family = _HF_ARCHITECTURES.get(archs[0])
+        if family is None:
+            raise ValueError(
+                f"unsupported architecture {archs[0]!r} (model_type {config.get('model_type')!r}); ember runs "
+                f"{', '.join(_HF_ARCHITECTURES)}. A model is run only under an architecture ember knows: "
+                "running it as another could give wrong tokens"
+            )
+        return family, archs[0] in _VISION_LANGUAGE_ARCHITECTURES
+    model_type = config.get("model_type", "")
+    family = _HF_MODEL_TYPES.get(model_type)
+    if family is None:
+        raise ValueError(
+            f"unsupported model_type {config.get('model_type')!r} and no `architectures` in config.json; "
+            f"ember runs {', '.join(_HF_ARCHITECTURES)}"
+        )
+    return family, model_type in _VISION_LANGUAGE_MODEL_TYPES
+
+
+# what a vision-language config.json may carry beside its text_config, for the language model
+_OUTER_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+
+
+def _language_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's language model, as a text model's config.json would be:
+    its `text_config`, with the token ids and embedding tying the outer config states where
+    the text_config does not (Gemma 3 keeps eos_token_id outside)."""
+    arch = (config.get("architectures") or [config.get("model_type")])[0]
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"a {arch} config.json needs a `text_config` (the language model's config, which ember "
+                         "serves): the file is incomplete; take config.json from the original checkpoint again")
+    missing = [key for key in _TEXT_CONFIG_REQUIRED if key not in text]
+    if missing:
+        raise ValueError(f"the text_config of this {arch} config.json lacks {', '.join(missing)}: no default stands "
+                         "in for the language model's sizes; take config.json from the original checkpoint again, "
+                         "or add them to its text_config")
+    outer = {key: config[key] for key in _OUTER_KEYS if config.get(key) is not None}
+    return outer | {key: value for key, value in text.items() if value is not None or key not in outer}
 
 
 # HF activation names -> ember's

@@ -24,7 +24,7 @@ from ember.layers.rotary import CacheWrite, RotaryEmbedding, apply_rotary, norm_
 from ember.models.config import ModelConfig
 
 
-Rope = torch.Tensor  # [T, head_dim]: cos | sin of this step's positions
+Rope = torch.Tensor  # [T, rotary_dim]: cos | sin of this step's positions
 
 
 def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
@@ -117,10 +117,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3's sliding layers turn by their own RoPE
         self.local_rotary = None if cfg.local_rope_theta is None else \
-            RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
+            RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
         self.uses_local_rope = [self.local_rotary is not None and cfg.layer_window(i) is not None
                                 for i in range(cfg.num_layers)]
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)

@@ -79,10 +79,12 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_rotates_qkv_views_in_place(dtype):
+@pytest.mark.parametrize("rotary_dim", [64, 48], ids=["whole_head", "partial"])
+def test_rope_rotates_qkv_views_in_place(dtype, rotary_dim):
+    """Partial RoPE (48 of 64 dims, as Phi-4-mini's 3/4) leaves the last 16 dims of each head."""
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, tokens = 9, 3, 64, 11
-    rotary = RotaryEmbedding(dim, 4096, 10000.0, None)
+    rotary = RotaryEmbedding(rotary_dim, 4096, 10000.0, None)
     positions = torch.randint(0, 4096, (tokens,), generator=g)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     v_before = qkv[:, (heads + kv_heads) * dim:].clone()
@@ -99,6 +101,8 @@ def test_rope_rotates_qkv_views_in_place(dtype):
     torch.testing.assert_close(got_q, want_q, **tolerance(dtype))
     torch.testing.assert_close(got_k, want_k, **tolerance(dtype))
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
+    assert torch.equal(got_q[..., rotary_dim:], want_q[..., rotary_dim:])  # the passed dims, bit for bit
+    assert torch.equal(got_k[..., rotary_dim:], want_k[..., rotary_dim:])
 
 
 def plain_decode(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None):

@@ -229,6 +229,16 @@ def test_every_tensor_maps_to_the_hf_llama_names(model: GGUFFile, config: ModelC
     assert all(t.dtype == torch.float32 for t in ember_state.values())
 
 
+def test_rope_dimension_count_is_the_rotary_dim(model: GGUFFile, config: ModelConfig) -> None:
+    """llama.cpp writes {arch}.rope.dimension_count: the whole head here (SmolLM2). For a
+    llama GGUF a partial one is refused, since the loader's un-permutation turns whole heads
+    back into HF's layout (Phi-3's partial RoPE from GGUF: tests/models/test_families.py)."""
+    assert model.metadata["llama.rope.dimension_count"] == config.rotary_dim == config.head_dim == 64
+    partial = model.metadata | {"llama.rope.dimension_count": 48}
+    with pytest.raises(ValueError, match=r"a llama GGUF with RoPE on 48 of each head's 64 dims"):
+        ModelConfig.from_gguf_metadata(partial, model.tensor_names)
+
+
 def test_name_map_examples() -> None:
     hf = ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight", "model.layers.12.self_attn.q_proj.bias",
           "model.layers.3.self_attn.k_norm.weight", "model.layers.3.mlp.gate_proj.weight",

@@ -107,15 +107,16 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// rotate the first `rotary` dims of each row (pairs i, i + rotary / 2), the rest left as they are
 template <typename T>
-void rotate_rows(const at::Tensor& x, const float* cos_sin, int64_t dim) {
+void rotate_rows(const at::Tensor& x, const float* cos_sin, int64_t rotary) {
   const Rows rows(x);
-  const int64_t half = dim / 2;
+  const int64_t half = rotary / 2;
   T* xp = x.data_ptr<T>();
-  at::parallel_for(0, rows.count, grain(dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows.count, grain(rotary), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = xp + rows.offset(r);
-      const float* cos = cos_sin + (r / rows.per_token) * dim;
+      const float* cos = cos_sin + (r / rows.per_token) * rotary;
       const float* sin = cos + half;
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
@@ -128,15 +129,17 @@ void rotate_rows(const at::Tensor& x, const float* cos_sin, int64_t dim) {
 }
 
 // rotate-half RoPE of q [tokens, heads, dim] and k [tokens, kv_heads, dim] in place (they may
-// be views of the fused qkv output); cos_sin [tokens, dim] float32 = cos | sin
+// be views of the fused qkv output); cos_sin [tokens, rotary] float32 = cos | sin, rotary <= dim:
+// the first `rotary` dims of each head turn (partial RoPE where rotary < dim), the rest pass
 void rotary_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(-1) == 1 && k.stride(-1) == 1 && q.size(0) == k.size(0) &&
               q.size(2) == k.size(2) && q.scalar_type() == k.scalar_type(), "q and k must be [tokens, heads, dim] alike");
   TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.scalar_type() == at::kFloat &&
-              cos_sin.size(0) == q.size(0) && cos_sin.size(1) == q.size(2), "cos_sin must be a contiguous float32 [tokens, dim]");
+              cos_sin.size(0) == q.size(0) && cos_sin.size(1) <= q.size(2) && cos_sin.size(1) % 2 == 0,
+              "cos_sin must be a contiguous float32 [tokens, rotary], rotary even and at most dim");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_inplace", [&] {
-    rotate_rows<scalar_t>(q, cos_sin.data_ptr<float>(), q.size(2));
-    rotate_rows<scalar_t>(k, cos_sin.data_ptr<float>(), k.size(2));
+    rotate_rows<scalar_t>(q, cos_sin.data_ptr<float>(), cos_sin.size(1));
+    rotate_rows<scalar_t>(k, cos_sin.data_ptr<float>(), cos_sin.size(1));
   });
 }
 
