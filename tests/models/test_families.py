@@ -398,7 +398,7 @@ def test_gemma3_vl_configs_of_google_sizes_read_as_transformers_reads_them(size)
 def gemma3_vl_llm(request, gemma3_vl):
     saved, renamed = gemma3_vl[:2]
     path = saved if request.param == "as_saved" else renamed
-    return path, LLM(str(path), num_kv_blocks=128, block_size=8, max_model_len=256)
+    return path, LLM(str(path), num_kv_blocks=128, block_size=8, max_model_len=256, dtype="float32")
 
 
 def test_gemma3_vl_logits_and_greedy_match_hf(gemma3_vl, gemma3_vl_llm, forward_logits):
