@@ -21,7 +21,8 @@ from ember.layers.quant.split import Dense, Split  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 TYPES = [T(q) for q in KERNEL_TYPES]
-SHAPES = [(1, 37, 512), (3, 16, 256), (4, 64, 768), (5, 33, 512), (17, 48, 256)]  # (m, n, k)
+# (m, n, k): ragged in every dimension; k = 96 and 160 are an odd number of 32-blocks
+SHAPES = [(1, 37, 512), (3, 16, 256), (4, 64, 768), (5, 33, 512), (17, 48, 256), (2, 19, 96), (6, 5, 160)]
 
 
 def _cpu_flags() -> set[str]:
@@ -84,7 +85,7 @@ def torch_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 def reference(raw: np.ndarray, qtype: T, xq, xd) -> torch.Tensor:
     n = raw.shape[0]
     w = torch.from_numpy(dequantize(raw, qtype).astype(np.float64)).reshape(n, -1)
-    x = (xq.double().view(xq.shape[0], -1, 32) * xd.double().unsqueeze(-1)).view(xq.shape)
+    x = (xq.double().view(xq.shape[0], -1, 32) * xd[..., :1].double()).view(xq.shape)
     return x @ w.T
 
 
@@ -94,7 +95,10 @@ def test_activations_quantize_as_the_torch_rule(ops, dtype):
     x = (torch.randn(7, 256, generator=g) * 3).to(dtype)
     x[2, :32] = 0  # a block of zeros: d = 0, q = 0
     x[3, 32:64] = torch.arange(32) - 15.5  # halves: ties round to even
-    q, d, s = ops.quantize_rows(x)
+    q, d8, s8 = ops.quantize_rows(x)
+    assert d8.shape == s8.shape == (7, 8, 8)  # vectors of 8 a block, for the SIMD rows: d 8 times, s once
+    assert torch.equal(d8, d8[..., :1].expand(-1, -1, 8)) and not s8[..., 1:].any()
+    d, s = d8[..., 0], s8[..., 0]
     want = torch_quantize_rows(x)
     assert torch.equal(q, want[0]) and torch.equal(d, want[1]) and torch.equal(s, want[2])
     assert torch.equal(q[2, :32], torch.zeros(32, dtype=torch.int8)) and d[2, 0] == 0

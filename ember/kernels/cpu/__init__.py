@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-HEADERS = [_HERE / "convert.h", _HERE / "quant.h"]
+HEADERS = [_HERE / "convert.h", _HERE / "quant.h", _HERE / "pool.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-w"]
 # the quantized kernels keep IEEE arithmetic (their activation rounding must be the tests'
 # torch reference's, bit for bit); their SIMD rows build once per instruction set, and

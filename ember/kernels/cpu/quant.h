@@ -2,7 +2,9 @@
 // op (quant_gemm.cpp) and its SIMD builds (quant_simd.cpp, compiled once per instruction set).
 //
 // Activations are quantized per block of 32 values, as llama.cpp's q8 path does:
-//   d = max|x| / 127,  q = round_half_even(x / d) (x * (1 / d), exactly that way), s = d * sum(q).
+//   d = max|x| / 127,  q = round_half_even(x / d) (x * (1 / d), exactly that way), s = d * sum(q);
+// d is stored 8 times, s once and then 7 zeros, so that the SIMD rows load them as vectors
+// (8 float lanes, summed at the end: d scales every lane, s counts once).
 // A weight block of 32 values is  w = a * q_w + b  (a, b per block; q_w unsigned), so
 //   dot(w, x) ~= a * d * sum(q_w * q) + b * s,
 // with the integer sum exact. Q8_0 is signed (b = 0); Q6_K has a scale per 16 values.
@@ -50,8 +52,8 @@ struct Job {
   int qtype;
   int64_t k;            // values per row (a multiple of the type's block)
   const int8_t* xq;     // [M, k]
-  const float* xd;      // [M, k / 32]
-  const float* xs;      // [M, k / 32]
+  const float* xd;      // [M, k / 32, 8]: each block's d, 8 times (a 256-bit vector)
+  const float* xs;      // [M, k / 32, 8]: each block's s, then 7 zeros
   int64_t m;
   float* out;
   int64_t ldo;

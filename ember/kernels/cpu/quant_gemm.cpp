@@ -2,8 +2,8 @@
 // (quant.h says the arithmetic): activations are quantized to int8 per block of 32
 // (`quantize_rows`), then `quant_matmul` takes the integer dot products block by block.
 // One path for decode rows and prefill alike: the output rows are split between threads in
-// runs of kRunRows weight rows, and each weight row meets the activation rows a few at a time
-// while its bytes are in L1. The SIMD rows (quant_simd.cpp) are chosen at run time by
+// runs of kRunRows weight rows (taken from a shared counter: pool.h), and each weight row
+// meets the activation rows a few at a time while its bytes are in L1. The SIMD rows (quant_simd.cpp) are chosen at run time by
 // what the CPU has; `quant_isa` forces one (tests) and says which runs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "pool.h"
 #include "quant.h"
 
 namespace ember_quant {
@@ -108,7 +109,7 @@ void rows_scalar(const Job& job) {
         decode(row, job.qtype, j, sb);
         int isum = 0;
         for (int i = 0; i < kBlock; ++i) isum += sb.scale[i / 16] * (sb.q[i] - sb.offset) * xq[kBlock * j + i];
-        acc += sb.a * job.xd[m * nb + j] * static_cast<float>(isum) + sb.b * job.xs[m * nb + j];
+        acc += sb.a * job.xd[(m * nb + j) * 8] * static_cast<float>(isum) + sb.b * job.xs[(m * nb + j) * 8];
       }
       job.out[m * job.ldo + n] = acc;
     }
@@ -161,7 +162,7 @@ std::string quant_isa(const std::string& want) {
 }
 
 // ---- activations: [M, K] float -> int8 per block of 32, scale d, and s = d * sum(q)
-void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+void quantize_block(const float* x, int8_t* q, float* d8, float* s8) {
   float amax = 0.f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = amax / 127.f;
@@ -172,8 +173,7 @@ void quantize_block(const float* x, int8_t* q, float* d, float* s) {
     q[i] = static_cast<int8_t>(v);
     sum += v;
   }
-  *d = scale;
-  *s = scale * static_cast<float>(sum);
+  for (int i = 0; i < 8; ++i) d8[i] = scale, s8[i] = i == 0 ? scale * static_cast<float>(sum) : 0.f;
 }
 
 // What runs on a row before it is quantized (the op the layer before would run, fused in):
@@ -251,8 +251,9 @@ Quantized quantize(const at::Tensor& x, Prologue kind, const std::optional<at::T
       TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
                   residual->scalar_type() == x.scalar_type(), "residual must be a contiguous tensor like x");
   }
-  Quantized out{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, k / kBlock}, x.options().dtype(at::kFloat)),
-                at::empty({m, k / kBlock}, x.options().dtype(at::kFloat))};
+  Quantized out{at::empty({m, k}, x.options().dtype(at::kChar)),
+                at::empty({m, k / kBlock, 8}, x.options().dtype(at::kFloat)),
+                at::empty({m, k / kBlock, 8}, x.options().dtype(at::kFloat))};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = kind == Prologue::kNorm ? norm_weight->data_ptr<scalar_t>() : nullptr;
@@ -261,13 +262,14 @@ Quantized quantize(const at::Tensor& x, Prologue kind, const std::optional<at::T
     float* dp = out.d.data_ptr<float>();
     float* sp = out.s.data_ptr<float>();
     const int64_t nb = k / kBlock, stride = x.stride(0);
-    at::parallel_for(0, m, std::max<int64_t>(1, 8192 / k), [&](int64_t begin, int64_t end) {
+    const int64_t per_item = std::max<int64_t>(1, 8192 / k);  // rows an item: one row is ~1 us
+    ember_cpu::Pool::get().run((m + per_item - 1) / per_item, [&](int64_t item) {
       std::vector<float> row(k);
-      for (int64_t r = begin; r < end; ++r) {
+      for (int64_t r = item * per_item; r < std::min(m, (item + 1) * per_item); ++r) {
         prologue_row<scalar_t>(kind, xp + r * stride, k, wp, static_cast<float>(eps), rp ? rp + r * k : nullptr,
                                row.data());
         for (int64_t b = 0; b < nb; ++b)
-          quantize_block(row.data() + b * kBlock, qp + r * k + b * kBlock, dp + r * nb + b, sp + r * nb + b);
+          quantize_block(row.data() + b * kBlock, qp + r * k + b * kBlock, dp + (r * nb + b) * 8, sp + (r * nb + b) * 8);
       }
     });
   });
@@ -291,19 +293,18 @@ at::Tensor quant_matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Te
   TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.scalar_type() == at::kChar, "xq must be contiguous int8 [m, k]");
   const int64_t m = xq.size(0), k = xq.size(1);
   TORCH_CHECK(k % per == 0, "k (", k, ") must be a multiple of the type's block (", per, ")");
-  TORCH_CHECK(xd.is_contiguous() && xs.is_contiguous() && xd.numel() == m * k / kBlock && xs.numel() == xd.numel(),
-              "xd and xs must be contiguous [m, k / 32]");
+  TORCH_CHECK(xd.is_contiguous() && xs.is_contiguous() && xd.numel() == m * k / kBlock * 8 && xs.numel() == xd.numel(),
+              "xd and xs must be contiguous [m, k / 32, 8]");
   const int64_t row_bytes = k / per * block_bytes(static_cast<int>(qtype));
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == n * row_bytes,
               "w must be contiguous uint8 holding ", n, " rows of ", row_bytes, " bytes");
   auto out = at::empty({m, n}, xq.options().dtype(at::kFloat));
   Job job{w.data_ptr<uint8_t>(), row_bytes, static_cast<int>(qtype), k, xq.data_ptr<int8_t>(),
           xd.data_ptr<float>(), xs.data_ptr<float>(), m, out.data_ptr<float>(), n, 0, 0};
-  const int64_t runs = (n + kRunRows - 1) / kRunRows;
-  at::parallel_for(0, runs, 1, [&](int64_t begin, int64_t end) {
+  ember_cpu::Pool::get().run((n + kRunRows - 1) / kRunRows, [&](int64_t run) {
     Job part = job;
-    part.n0 = begin * kRunRows;
-    part.n1 = std::min(n, end * kRunRows);
+    part.n0 = run * kRunRows;
+    part.n1 = std::min(n, (run + 1) * kRunRows);
     run_rows(part);
   });
   if (bias.has_value()) out.add_(*bias);

@@ -69,57 +69,147 @@ inline __m256i fifth_bits(const uint8_t* p) {
 
 inline __m256i shift_right16(__m256i v, int count) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(count)); }
 
-// up to kTile activation rows against one weight row
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// up to kTile activation rows against one weight row. AVX2 takes a sub-block at a time;
+// AVX-512 holds the first of two adjacent sub-blocks back and takes them as a pair in 512-bit
+// registers (a row has an even number of sub-blocks but for rows of 32 * odd values; the last
+// held one then goes alone, in store()). The activation scales come 8 copies a block (quant.h),
+// so a block's (or a pair's) scale vector is one load.
 template <int T>
 struct Tile {
   const int8_t* xq[T];
   const float* xd[T];
   const float* xs[T];
-  __m256 acc[T];
-  float offsets[T];
+#if defined(EMBER_QUANT_AVX512)
+  __m512 acc[T], off[T];
+  bool held = false;
+  int64_t hj = 0;
+  __m256i hq, hs;  // the held sub-block's values (and Q6_K's scales)
+  float ha = 0.f, hb = 0.f;
+#else
+  __m256 acc[T], off[T];
+#endif
 
   Tile(const Job& job, int64_t m0) {
     const int64_t nb = job.k / kBlock;
     for (int t = 0; t < T; ++t) {
       xq[t] = job.xq + (m0 + t) * job.k;
-      xd[t] = job.xd + (m0 + t) * nb;
-      xs[t] = job.xs + (m0 + t) * nb;
-      acc[t] = _mm256_setzero_ps();
-      offsets[t] = 0.f;
+      xd[t] = job.xd + (m0 + t) * nb * 8;
+      xs[t] = job.xs + (m0 + t) * nb * 8;
+#if defined(EMBER_QUANT_AVX512)
+      acc[t] = off[t] = _mm512_setzero_ps();
+#else
+      acc[t] = off[t] = _mm256_setzero_ps();
+#endif
     }
   }
 
+  // one sub-block at 256 bits: acc += a * d * int_dot(q, x) (+ b * s), p computed by `dot`
+  template <typename Dot>
+  inline void single(int64_t j, float a, float b, bool offset, Dot dot) {
+    const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+    for (int t = 0; t < T; ++t) {
+      const __m256 p = _mm256_cvtepi32_ps(dot(load32(xq[t] + kBlock * j)));
+      const __m256 scale = _mm256_mul_ps(va, _mm256_loadu_ps(xd[t] + 8 * j));
+#if defined(EMBER_QUANT_AVX512)
+      acc[t] = _mm512_add_ps(acc[t], _mm512_zextps256_ps512(_mm256_mul_ps(p, scale)));
+      if (offset) off[t] = _mm512_add_ps(off[t], _mm512_zextps256_ps512(_mm256_mul_ps(vb, _mm256_loadu_ps(xs[t] + 8 * j))));
+#else
+      acc[t] = _mm256_fmadd_ps(p, scale, acc[t]);
+      if (offset) off[t] = _mm256_fmadd_ps(vb, _mm256_loadu_ps(xs[t] + 8 * j), off[t]);
+#endif
+    }
+  }
+
+#if defined(EMBER_QUANT_AVX512)
+  static inline __m512i pair(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+  static inline __m512 pair(float lo, float hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(lo)), _mm256_set1_ps(hi), 1);
+  }
+
+  // the held sub-block hj and hj + 1 at 512 bits
+  template <typename Dot>
+  inline void both(float a, float b, bool offset, Dot dot) {
+    const __m512 va = pair(ha, a), vb = pair(hb, b);
+    for (int t = 0; t < T; ++t) {
+      const __m512 p = _mm512_cvtepi32_ps(dot(_mm512_loadu_si512(xq[t] + kBlock * hj)));
+      acc[t] = _mm512_fmadd_ps(p, _mm512_mul_ps(va, _mm512_loadu_ps(xd[t] + 8 * hj)), acc[t]);
+      if (offset) off[t] = _mm512_fmadd_ps(vb, _mm512_loadu_ps(xs[t] + 8 * hj), off[t]);
+    }
+    held = false;
+  }
+
+  inline bool hold(int64_t j, __m256i q, __m256i s, float a, float b) {
+    if (held) return false;
+    held = true, hj = j, hq = q, hs = s, ha = a, hb = b;
+    return true;
+  }
+#endif
+
   // sub-block j holds a * q + b, q unsigned
   inline void add(int64_t j, __m256i q, float a, float b) {
-    for (int t = 0; t < T; ++t) {
-      const __m256i p = dot_u8s8(q, load32(xq[t] + kBlock * j));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * xd[t][j]), acc[t]);
-      offsets[t] += b * xs[t][j];
-    }
+#if defined(EMBER_QUANT_AVX512)
+    if (hold(j, q, q, a, b)) return;
+    const __m512i both_q = pair(hq, q);
+    both(a, b, true, [&](__m512i x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), both_q, x); });
+#else
+    single(j, a, b, true, [&](__m256i x) { return dot_u8s8(q, x); });
+#endif
   }
 
   // sub-block j holds a * w, w signed (Q8_0): |w| times x carrying w's sign
   inline void add_signed(int64_t j, __m256i w, float a) {
+#if defined(EMBER_QUANT_AVX512)
+    if (hold(j, w, w, a, 0.f)) return;
+    const __m512i both_w = pair(hq, w), u = _mm512_abs_epi8(both_w);
+    const __mmask64 negative = _mm512_movepi8_mask(both_w);
+    both(a, 0.f, false, [&](__m512i x) {
+      return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x));
+    });
+#else
     const __m256i u = _mm256_sign_epi8(w, w);
-    for (int t = 0; t < T; ++t) {
-      const __m256i p = dot_u8s8(u, _mm256_sign_epi8(load32(xq[t] + kBlock * j), w));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a * xd[t][j]), acc[t]);
-    }
+    single(j, a, 0.f, false, [&](__m256i x) { return dot_u8s8(u, _mm256_sign_epi8(x, w)); });
+#endif
   }
 
   // sub-block j holds a * s_i * (q - 32), s_i an int8 scale per 16 values in int16 lanes (Q6_K)
   inline void add_scaled(int64_t j, __m256i q, __m256i scales, float a) {
+#if defined(EMBER_QUANT_AVX512)
+    if (hold(j, q, scales, a, 0.f)) return;
+    const __m512i both_q = pair(hq, q), both_s = pair(hs, scales), c32 = _mm512_set1_epi8(32);
+    both(a, 0.f, false, [&](__m512i x) {
+      return _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(both_q, x), _mm512_maddubs_epi16(c32, x)), both_s);
+    });
+#else
     const __m256i c32 = _mm256_set1_epi8(32);
-    for (int t = 0; t < T; ++t) {
-      const __m256i x = load32(xq[t] + kBlock * j);
-      const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(c32, x));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scales)), _mm256_set1_ps(a * xd[t][j]),
-                               acc[t]);
-    }
+    single(j, a, 0.f, false, [&](__m256i x) {
+      return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(c32, x)), scales);
+    });
+#endif
   }
 
-  inline void store(float* out, int64_t ldo) const {
-    for (int t = 0; t < T; ++t) out[t * ldo] = hsum(acc[t]) + offsets[t];
+  // the last held sub-block, if any, then out[t * ldo] for each row
+  template <int kKind>
+  inline void finish(float* out, int64_t ldo) {
+#if defined(EMBER_QUANT_AVX512)
+    if (held) {  // an odd count of sub-blocks: the last alone
+      held = false;
+      const __m256i q = hq, s = hs;
+      if (kKind == 0) {
+        single(hj, ha, hb, true, [&](__m256i x) { return dot_u8s8(q, x); });
+      } else if (kKind == 1) {
+        const __m256i u = _mm256_sign_epi8(q, q);
+        single(hj, ha, 0.f, false, [&](__m256i x) { return dot_u8s8(u, _mm256_sign_epi8(x, q)); });
+      } else {
+        const __m256i c32 = _mm256_set1_epi8(32);
+        single(hj, ha, 0.f, false, [&](__m256i x) {
+          return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(c32, x)), s);
+        });
+      }
+    }
+#endif
+    for (int t = 0; t < T; ++t) out[t * ldo] = hsum(acc[t]) + hsum(off[t]);
   }
 };
 
@@ -217,18 +307,18 @@ void row(const Job& job, int64_t n, int64_t m0) {
   Tile<T> tile(job, m0);
   const uint8_t* r = job.w + n * job.row_bytes;
   const int64_t nb = job.k / kBlock;
+  float* out = job.out + m0 * job.ldo + n;
   switch (job.qtype) {
-    case kQ4_0: row_q4_0(r, nb, tile); break;
-    case kQ4_1: row_q4_1(r, nb, tile); break;
-    case kQ5_0: row_q5_0(r, nb, tile); break;
-    case kQ5_1: row_q5_1(r, nb, tile); break;
-    case kQ8_0: row_q8_0(r, nb, tile); break;
-    case kQ4_K: row_k<T, false>(r, nb, tile); break;
-    case kQ5_K: row_k<T, true>(r, nb, tile); break;
-    case kQ6_K: row_q6_k(r, nb, tile); break;
+    case kQ4_0: row_q4_0(r, nb, tile); return tile.template finish<0>(out, job.ldo);
+    case kQ4_1: row_q4_1(r, nb, tile); return tile.template finish<0>(out, job.ldo);
+    case kQ5_0: row_q5_0(r, nb, tile); return tile.template finish<0>(out, job.ldo);
+    case kQ5_1: row_q5_1(r, nb, tile); return tile.template finish<0>(out, job.ldo);
+    case kQ8_0: row_q8_0(r, nb, tile); return tile.template finish<1>(out, job.ldo);
+    case kQ4_K: row_k<T, false>(r, nb, tile); return tile.template finish<0>(out, job.ldo);
+    case kQ5_K: row_k<T, true>(r, nb, tile); return tile.template finish<0>(out, job.ldo);
+    case kQ6_K: row_q6_k(r, nb, tile); return tile.template finish<2>(out, job.ldo);
     default: return;
   }
-  tile.store(job.out + m0 * job.ldo + n, job.ldo);
 }
 
 }  // namespace
