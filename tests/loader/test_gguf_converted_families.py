@@ -33,9 +33,9 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from ember.layers.rotary import rope_inv_freq
 from ember.loader.dummy import iter_dummy_weights
 from ember.loader.gguf import open_gguf
-from ember.layers.rotary import rope_inv_freq
 from ember.loader.tokenizer import Tokenizer, load_tokenizer
 from ember.models.config import ModelConfig
 
@@ -254,8 +254,8 @@ def test_logits_match_transformers(converted: Converted, engines, greedy, forwar
 def test_greedy_matches_llama_cpp(converted: Converted, greedy, llama_greedy) -> None:
     """llama.cpp's own greedy tokens on the same file, from the same prompt ids, and the same
     end-of-generation ids. llama.cpp stops at one of those (and includes it) or after
-    MAX_TOKENS; ember's tokens above went on past them (ignore_eos: llama.cpp's would bias
-    them away instead), so they are cut after the first."""
+    MAX_TOKENS; ember's greedy tokens (the fixture's) went on past them (ignore_eos:
+    llama.cpp's would bias them away instead), so they are cut after the first."""
     theirs = llama_greedy(converted.gguf, [prompt for prompt, _ in greedy], MAX_TOKENS, ctx=ENGINE["max_model_len"])
     eog = converted.tokenizer.eos_token_ids
     assert theirs.end_of_generation == eog
@@ -277,7 +277,8 @@ def test_generation_ends_at_the_end_of_turn_token(converted: Converted, engines)
     params = SamplingParams(temperature=0, max_tokens=8, logit_bias={end: 100.0})
     if v.chat_template:
         out = from_gguf.chat([{"role": "user", "content": "Hello world"}], params)[0]
-        assert out.prompt_token_ids[-4:] == tok.encode("<start_of_turn>model\n", add_special_tokens=False)
+        turn = tok.encode("<start_of_turn>model\n", add_special_tokens=False)
+        assert out.prompt_token_ids[-len(turn):] == turn
     else:
         out = from_gguf.generate(PROMPTS[:1], params)[0]
     assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == ([end], "stop")
