@@ -266,6 +266,33 @@ def test_greedy_matches_llama_cpp(converted: Converted, greedy, llama_greedy) ->
     assert ours == theirs.tokens
 
 
+def test_longrope_long_factors_match_llama_cpp(converted: Converted, engines, greedy, llama_greedy,
+                                               forward_logits) -> None:
+    """Served past Phi-3's trained context (256), ember and llama.cpp both turn by the long
+    factors (each picks them by the context it serves). The tiny model's logits lie close
+    together, so there a greedy path may part from llama.cpp's at a near tie: only where
+    ember's best two logits are within 1e-4 (float32 rounding, summed in another order,
+    decides), and llama.cpp's pick is ember's runner-up; up to there the tokens are equal."""
+    if converted.name != "phi3":
+        pytest.skip("Phi-3's LongRoPE")
+    llm = LLM(str(converted.gguf), **(ENGINE | {"num_kv_blocks": 64, "max_model_len": 512}))
+    prompts = [prompt for prompt, _ in greedy]
+    ours = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
+    theirs = llama_greedy(converted.gguf, prompts, MAX_TOKENS, ctx=512).tokens
+    for prompt, a, b in zip(prompts, ours, theirs):
+        part = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if part is None:
+            assert a == b
+            continue
+        best = torch.topk(forward_logits(llm, [prompt + a[:part]])[0][-1], 2)
+        assert best.indices.tolist() == [a[part], b[part]] and best.values[0] - best.values[1] < 1e-4, (part, best)
+    # the long factors are in use: the same tokens get other logits than within 256
+    sequences = [prompt + tokens for prompt, tokens in greedy]
+    long, short = forward_logits(llm, sequences), forward_logits(engines[0], sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(long, short)) > 1e-3
+
+
 def test_generation_ends_at_the_end_of_turn_token(converted: Converted, engines) -> None:
     """The end-of-turn token ends generation though the file's EOS is another token; pushed
     up by a logit bias, it is the first token sampled, and the last."""
