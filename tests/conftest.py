@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -104,16 +107,22 @@ def gguf_convert(tmp_path_factory):
     return convert_cached
 
 
+def _llama_cpp_tool(name: str, env: str) -> Path:
+    """A tool of llama.cpp (llama-cpp-python 0.3.36's): the path `env` names, else the peers'
+    build folder (`cmake --build $EMBER_PEERS/llama.cpp-0.3.36/build --target NAME`). Skips
+    the test where it is not built."""
+    peers = Path(os.environ.get("EMBER_PEERS") or Path.home() / ".cache" / "ember-peers")
+    tool = Path(os.environ.get(env) or peers / "llama.cpp-0.3.36" / "build" / "bin" / name)
+    if not tool.is_file():
+        pytest.skip(f"llama.cpp's {name} is not built ({tool})")
+    return tool
+
+
 @pytest.fixture(scope="session")
 def llama_tokenize(tmp_path_factory):
     """tokenize(gguf_path, text, add_special=True) -> token ids from llama.cpp's own tokenizer
-    (its llama-tokenize tool, llama-cpp-python 0.3.36's llama.cpp). Skips the test unless the
-    tool has been built: EMBER_LLAMA_TOKENIZE names it, else the peers' build folder
-    (`cmake --build $EMBER_PEERS/llama.cpp-0.3.36/build --target llama-tokenize`)."""
-    peers = Path(os.environ.get("EMBER_PEERS") or Path.home() / ".cache" / "ember-peers")
-    tool = Path(os.environ.get("EMBER_LLAMA_TOKENIZE") or peers / "llama.cpp-0.3.36" / "build" / "bin" / "llama-tokenize")
-    if not tool.is_file():
-        pytest.skip(f"llama.cpp's llama-tokenize is not built ({tool})")
+    (its llama-tokenize tool; EMBER_LLAMA_TOKENIZE names it, else the peers' build)."""
+    tool = _llama_cpp_tool("llama-tokenize", "EMBER_LLAMA_TOKENIZE")
     prompt = tmp_path_factory.mktemp("llama-tokenize") / "prompt.txt"
 
     def tokenize(gguf_path: Path, text: str, add_special: bool = True) -> list[int]:
@@ -125,6 +134,77 @@ def llama_tokenize(tmp_path_factory):
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     return tokenize
+
+
+@dataclass(frozen=True)
+class LlamaCppGreedy:
+    tokens: list[list[int]]  # each prompt's
+    end_of_generation: frozenset[int]  # as llama.cpp's log lists them
+
+
+@pytest.fixture(scope="session")
+def llama_greedy(tmp_path_factory):
+    """greedy(gguf_path, prompts, max_tokens, ctx) -> LlamaCppGreedy: each prompt's greedy
+    tokens from llama.cpp itself, and the ids it ends generation at. Its llama-server
+    (EMBER_LLAMA_SERVER names it, else the peers' build) runs on the file on 127.0.0.1 with a
+    context of `ctx` tokens, one slot, one thread and no prompt cache. Prompts are token ids
+    (the server adds no BOS to them); a completion stops at one of the end-of-generation
+    tokens, which it includes, or after max_tokens."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    tool = _llama_cpp_tool("llama-server", "EMBER_LLAMA_SERVER")
+    logs = tmp_path_factory.mktemp("llama-server")
+
+    def post(url: str, body: dict) -> dict:
+        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"llama-server answered {e.code} to {body}: {e.read()[:1000]!r}") from None
+
+    def greedy(gguf_path: Path, prompts: list[list[int]], max_tokens: int, ctx: int) -> LlamaCppGreedy:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = logs / f"{Path(gguf_path).stem}-{port}.log"
+        # one thread: with two, a request took seconds where the shared 2-core machine was busy
+        # (they wait on each other at every step); -lv 4 logs the end-of-generation tokens
+        cmd = [str(tool), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port), "-t", "1",
+               "-c", str(ctx), "-np", "1", "--cache-ram", "0", "--no-webui", "--no-warmup", "-lv", "4"]
+        with open(log, "wb") as out:
+            server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"llama-server did not come up on {gguf_path}:\n{log.read_text()[-3000:]}")
+                try:
+                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except (urllib.error.URLError, ConnectionError):  # not listening yet, or 503 while loading
+                    pass
+                time.sleep(0.1)
+            body = {"n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                    "return_tokens": True}
+            tokens = [post(base + "/completion", body | {"prompt": ids})["tokens"] for ids in prompts]
+            eog = re.findall(r"print_info: EOG token += (\d+) '", log.read_text(errors="replace"))
+            if not eog:
+                raise RuntimeError(f"llama-server's log ({log}) lists no 'EOG token': has its format changed?")
+            return LlamaCppGreedy(tokens, frozenset(int(i) for i in eog))
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+    return greedy
 
 
 # Text the SentencePiece model is trained on: English prose and code, a few accents. Other

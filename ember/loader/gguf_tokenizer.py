@@ -279,28 +279,75 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "GGUF") -> To
 
     bos = meta.get("tokenizer.ggml.bos_token_id", bos_default) if has_bos else None
     eos = meta.get("tokenizer.ggml.eos_token_id", eos_default)
-    for key, token_id in (("bos", bos), ("eos", eos)):
-        if token_id is not None and not 0 <= token_id < len(tokens):
-            raise ValueError(
-                f"{source}: tokenizer.ggml.{key}_token_id = {token_id} is outside the vocabulary "
-                f"({len(tokens)} tokens); the file is corrupt, convert it again"
-            )
+    _check_ids({"tokenizer.ggml.bos_token_id": bos, "tokenizer.ggml.eos_token_id": eos}, len(tokens), source)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
         backend.post_processor = _bos_eos_processor(
             (tokens[bos], bos) if add_bos else None, (tokens[eos], eos) if add_eos else None
         )
-    end_of_turn = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
     return Tokenizer(
         backend,
         bos_token_id=bos,
         eos_token_id=eos,
-        extra_eos_token_ids=end_of_turn,
+        extra_eos_token_ids=end_of_generation_ids(meta, tokens, eos, source),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         chat_template=meta.get("tokenizer.chat_template"),
         vocab_size=len(tokens),
     )
+
+
+# The tokens llama.cpp ends generation at wherever a vocabulary holds them (src/llama-vocab.cpp,
+# special_eog_ids), known by their text: the end-of-turn and end-of-text markers of the chat
+# formats it knows. Non-ASCII characters as escapes (DeepSeek's fullwidth bars and "▁").
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+})
+# FIM tokens llama.cpp ends generation at too: the key's token, or where the file lacks the key
+# the token with one of these texts (llama.cpp takes one of them where a vocabulary has several;
+# ember takes each)
+_FIM_EOG = {
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}
+_EOT_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def end_of_generation_ids(meta: Mapping[str, Any], tokens: list[str], eos: int | None,
+                          source: str = "GGUF") -> frozenset[int]:
+    """Every id llama.cpp ends generation at for this vocabulary: EOS; the end-of-turn and
+    end-of-message ids of `tokenizer.ggml.eot_token_id` / `eom_token_id`; the FIM pad, repo
+    and file-separator tokens; and each token whose text is one of _EOG_TEXTS (Gemma's
+    <end_of_turn>, Phi-3's <|end|>, Llama 3's <|eot_id|>, ChatML's <|im_end|>, ...), though
+    the file's EOS is another one."""
+    keyed = {k: meta[k] for k in (*_EOT_KEYS, *_FIM_EOG) if k in meta}
+    _check_ids(keyed, len(tokens), source)
+    by_text = set(_EOG_TEXTS)
+    for key, texts in _FIM_EOG.items():
+        if key not in meta:
+            by_text.update(texts)
+    ids = {i for i, t in enumerate(tokens) if t in by_text} | set(keyed.values()) | ({eos} - {None})
+    text = {i: tokens[i] for i in ids}.get
+    present = {text(i) for i in ids}
+    # llama.cpp's exceptions: gpt-oss and Solar Open end a message with <|end|> but continue
+    # the turn; Gemma 4 and PLaMo have a <|tool_response>/<|plamo:eos|> and a normal </s>
+    if "<|end|>" in present and ({"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present):
+        ids = {i for i in ids if text(i) != "<|end|>"}
+    if "</s>" in present and present & {"<|tool_response>", "<|plamo:eos|>"}:
+        ids = {i for i in ids if text(i) != "</s>"}
+    return frozenset(ids)
+
+
+def _check_ids(ids: Mapping[str, int | None], vocab_size: int, source: str) -> None:
+    for key, token_id in ids.items():
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"{source}: {key} = {token_id} is outside the vocabulary ({vocab_size} tokens); the file is "
+                "corrupt, convert it again"
+            )
 
 
 def _missing_pre(source: str) -> str:

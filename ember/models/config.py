@@ -257,7 +257,6 @@ class ModelConfig:
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
         context = get("context_length")
         gemma = arch in _GEMMA
-        window = md.get(f"{arch}.attention.sliding_window")
         rotary_dim = md.get(f"{arch}.rope.dimension_count") or head_dim
         if arch == "llama" and rotary_dim != head_dim:
             # llama.cpp's converter permutes whole heads for its adjacent-pair RoPE; the loader
@@ -266,8 +265,17 @@ class ModelConfig:
                              "(rope.dimension_count) is not supported: serve the model's HF checkpoint "
                              "directory instead")
         query_scalar = None
-        if gemma:  # llama.cpp's rule: the 27B models scale by hidden / heads, the others by head_dim
-            query_scalar = hidden // heads if layers in (46, 62) else head_dim
+        if gemma:  # llama.cpp's rule: the 27B models (by layer count) scale by hidden / heads, others by head_dim
+            query_scalar = hidden // heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim
+        rope_scaling = _gguf_rope_scaling(md, arch, tensor_names, vector)
+        # the sliding layers' own RoPE base, as llama.cpp reads it: Gemma 3's defaults to 10000,
+        # Gemma 2's to the global one (and keeps the global scaling)
+        local_theta = md.get(f"{arch}.rope.freq_base_swa") if gemma else None
+        if arch == "gemma3" and local_theta is None:
+            local_theta = 10000.0
+        # soft-caps: Gemma 2's default to llama.cpp's 50 and 30 where the keys lack; Gemma 3 caps
+        # only where a key says so (0: none)
+        final_cap = md.get(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None) if gemma else None
         return ModelConfig(
             architecture=arch,
             vocab_size=vocab,
@@ -283,7 +291,7 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-            rope_scaling=_gguf_rope_scaling(md, arch, tensor_names, vector),
+            rope_scaling=rope_scaling,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
             hidden_act="gelu_tanh" if gemma else "silu",
@@ -291,10 +299,11 @@ class ModelConfig:
             sandwich_norms=gemma,
             embed_scale=hidden ** 0.5 if gemma else None,
             query_pre_attn_scalar=query_scalar,
-            attn_logit_softcap=md.get(f"{arch}.attn_logit_softcapping") if arch == "gemma2" else None,
-            final_logit_softcap=md.get(f"{arch}.final_logit_softcapping") if gemma else None,
-            layer_windows=_layer_windows({"sliding_window": window}, arch, layers) if window else None,
-            local_rope_theta=10000.0 if arch == "gemma3" else None,  # llama.cpp's fixed local base
+            attn_logit_softcap=md.get(f"{arch}.attn_logit_softcapping", 50.0) if arch == "gemma2" else None,
+            final_logit_softcap=final_cap or None,
+            layer_windows=_gguf_layer_windows(md, arch, layers),
+            local_rope_theta=None if local_theta is None else float(local_theta),
+            local_rope_scaling=rope_scaling if arch == "gemma2" and local_theta is not None else None,
             rotary_dim=rotary_dim,
         )
 
@@ -432,6 +441,29 @@ def _layer_windows(config: dict[str, Any], family: str, num_layers: int) -> tupl
     return windows if any(w is not None for w in windows) else None
 
 
+def _gguf_layer_windows(md: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window, as llama.cpp reads a GGUF: `attention.sliding_window`
+    (Gemma 2's 4096 where the key lacks), and for Gemma which layers slide:
+    `attention.sliding_window_pattern`, one flag per layer or n (each n-th layer global; 2
+    for Gemma 2 and 6 for Gemma 3 where the key lacks; 0: every layer slides)."""
+    window = md.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+    if not window:
+        return None
+    if arch not in _GEMMA:
+        return _layer_windows({"sliding_window": window}, arch, num_layers)
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = md.get(key, 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"GGUF metadata {key} has {len(pattern)} flags for {num_layers} layers: the file is "
+                             "corrupt, convert it again")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+    windows = tuple(int(window) if s else None for s in sliding)
+    return windows if any(w is not None for w in windows) else None
+
+
 def _gguf_rope_scaling(md: dict[str, Any], arch: str, tensor_names: list[str],
                        vector: Callable[[str], tuple[float, ...]]) -> RopeScaling | None:
     """llama.cpp's RoPE scaling: keys for linear and YaRN; tensors for Llama 3 (rope_freqs:
@@ -440,6 +472,9 @@ def _gguf_rope_scaling(md: dict[str, Any], arch: str, tensor_names: list[str],
         return RopeScaling("freq_factors", freq_factors=vector("rope_freqs.weight"))
     original = md.get(f"{arch}.rope.scaling.original_context_length")
     if "rope_factors_long.weight" in tensor_names:
+        if not original:
+            raise ValueError(f"a GGUF with LongRoPE factors needs {arch}.rope.scaling.original_context_length (the "
+                             "trained context, where the long factors begin); this file lacks it: convert it again")
         return RopeScaling("longrope", factor=md[f"{arch}.context_length"] / original,
                            original_max_position_embeddings=original,
                            attention_factor=md.get(f"{arch}.rope.scaling.attn_factor"),

@@ -348,6 +348,79 @@ def test_matches_transformers_gguf_loading(ember_state: dict[str, torch.Tensor],
     assert mismatched == []
 
 
+# ---- config from metadata: the keys llama.cpp reads for the newer families ------------------
+
+
+def _metadata(arch: str, layers: int = 7, **keys) -> dict:
+    """The keys every GGUF of `arch` has (as llama.cpp's converter writes them), then `keys`
+    (dots written as __): heads of 16, hidden 64."""
+    md = {"general.architecture": arch, f"{arch}.embedding_length": 64, f"{arch}.attention.head_count": 4,
+          f"{arch}.attention.head_count_kv": 2, f"{arch}.attention.key_length": 16, f"{arch}.block_count": layers,
+          f"{arch}.context_length": 512, f"{arch}.feed_forward_length": 96,
+          f"{arch}.attention.layer_norm_rms_epsilon": 1e-6}
+    return md | {f"{arch}.{k.replace('__', '.')}": v for k, v in keys.items()}
+
+
+def _config(md: dict, tensors: tuple[str, ...] = ()) -> ModelConfig:
+    return ModelConfig.from_gguf_metadata(md, ["token_embd.weight", *tensors], lambda name: [1.0] * 8)
+
+
+def test_gemma3_local_rope_and_sliding_pattern_from_metadata() -> None:
+    g3 = _config(_metadata("gemma3", attention__sliding_window=8, rope__freq_base=1e6, rope__freq_base_swa=20000.0,
+                           rope__scaling__type="linear", rope__scaling__factor=8.0))
+    assert g3.layer_windows == (8, 8, 8, 8, 8, None, 8)  # llama.cpp's default pattern: each 6th layer global
+    assert (g3.rope_theta, g3.rope_scaling.kind, g3.local_rope_theta, g3.local_rope_scaling) == \
+        (1e6, "linear", 20000.0, None)  # the scaling is the global layers' alone
+    assert (g3.attention_scale, g3.final_logit_softcap, g3.attn_logit_softcap) == (16 ** -0.5, None, None)
+    every_third = _config(_metadata("gemma3", attention__sliding_window=8, attention__sliding_window_pattern=3))
+    assert (every_third.layer_windows, every_third.local_rope_theta) == ((8, 8, None, 8, 8, None, 8), 10000.0)
+    flags = [True, False, False, True, True, True, False]
+    listed = _config(_metadata("gemma3", attention__sliding_window=8, attention__sliding_window_pattern=flags))
+    assert listed.layer_windows == (8, None, None, 8, 8, 8, None)
+    assert _config(_metadata("gemma3", attention__sliding_window=8, attention__sliding_window_pattern=0)) \
+        .layer_windows == (8,) * 7
+    assert _config(_metadata("gemma3")).layer_windows is None  # no window key: every layer global
+    assert _config(_metadata("gemma3", attention__sliding_window=0)).layer_windows is None
+    with pytest.raises(ValueError, match=r"gemma3.attention.sliding_window_pattern has 2 flags for 7 layers"):
+        _config(_metadata("gemma3", attention__sliding_window=8, attention__sliding_window_pattern=[True, False]))
+
+
+def test_gemma2_defaults_are_llama_cpps() -> None:
+    """Where a Gemma 2 file lacks the keys: window 4096 on every other layer, soft-caps 50
+    and 30, and the local layers turn as the global ones."""
+    g2 = _config(_metadata("gemma2", layers=4, rope__freq_base=10000.0))
+    assert (g2.layer_windows, g2.attn_logit_softcap, g2.final_logit_softcap) == ((4096, None, 4096, None), 50.0, 30.0)
+    assert (g2.local_rope_theta, g2.local_rope_scaling) == (None, None)
+    local = _config(_metadata("gemma2", layers=4, rope__freq_base_swa=5000.0, rope__scaling__type="linear",
+                              rope__scaling__factor=2.0, attn_logit_softcapping=5.0, final_logit_softcapping=3.0))
+    assert (local.local_rope_theta, local.local_rope_scaling) == (5000.0, local.rope_scaling)
+    assert local.rope_scaling.factor == 2.0 and (local.attn_logit_softcap, local.final_logit_softcap) == (5.0, 3.0)
+
+
+def test_gemma_27b_attention_scale_by_layer_count() -> None:
+    """llama.cpp tells the 27B models by their layers (Gemma 2: 46, Gemma 3: 62) and scales
+    their queries by (hidden / heads) ** -0.5; the others by head_dim ** -0.5."""
+    wide = {"gemma2.attention.key_length": 32}
+    assert _config(_metadata("gemma2", layers=46) | wide).query_pre_attn_scalar == 16
+    assert _config(_metadata("gemma2", layers=62) | wide).query_pre_attn_scalar == 32
+    wide = {"gemma3.attention.key_length": 32}
+    assert _config(_metadata("gemma3", layers=62) | wide).query_pre_attn_scalar == 16
+    assert _config(_metadata("gemma3", layers=46) | wide).query_pre_attn_scalar == 32
+
+
+def test_partial_rope_from_gguf() -> None:
+    assert _config(_metadata("phi3", rope__dimension_count=12)).rotary_dim == 12
+
+
+@pytest.mark.parametrize("md,tensors,message", [
+    (_metadata("phi3"), ("rope_factors_long.weight", "rope_factors_short.weight"),
+     "a GGUF with LongRoPE factors needs phi3.rope.scaling.original_context_length"),
+])
+def test_gguf_config_refusals_say_what_is_wrong(md: dict, tensors: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _config(md, tensors)
+
+
 # ---- bad files ---------------------------------------------------------------------------
 
 

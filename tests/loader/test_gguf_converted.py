@@ -1,6 +1,6 @@
 """Tiny random HF models converted to GGUF by llama.cpp's own convert_hf_to_gguf.py (f32),
-then loaded by ember from the GGUF file: the same tokens as from the HF directory, and as
-HF transformers.
+then loaded by ember from the GGUF file: the same tokens as from the HF directory, as HF
+transformers, and as llama.cpp itself where its llama-server is built.
 
 Four models: Llama with a SentencePiece tokenizer.model (trained here), Llama with
 SmolLM2's byte-level BPE tokenizer, Mistral and Qwen2 (q/k/v bias, tied embeddings), both
@@ -173,3 +173,14 @@ def test_greedy_matches_hf_dir_and_transformers(converted: Converted, engines) -
         ref = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert a.outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
+def test_greedy_matches_llama_cpp(converted: Converted, engines, llama_greedy) -> None:
+    """llama.cpp's own greedy tokens on the same file, from the same prompt ids; both stop at
+    one of the same end-of-generation tokens (included) or after 32 tokens. (llama.cpp's
+    ignore_eos would bias those tokens away, not only go on past them.)"""
+    from_gguf = engines[0]
+    ours = from_gguf.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))
+    theirs = llama_greedy(converted.gguf, [list(o.prompt_token_ids) for o in ours], 32, ctx=256)
+    assert theirs.end_of_generation == converted.tokenizer.eos_token_ids
+    assert [list(o.outputs[0].token_ids) for o in ours] == theirs.tokens

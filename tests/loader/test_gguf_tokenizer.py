@@ -79,6 +79,64 @@ def test_sentencepiece_keys() -> None:
         tokenizer_from_metadata(spm_metadata(eos_token_id=99))
 
 
+# -- end of generation: llama.cpp's special_eog_ids ------------------------------------------
+
+
+def chat_metadata(added: list[str], **keys: Any) -> dict[str, Any]:
+    """SPM_VOCAB with a chat format's control tokens after it (ids 14, 15, ...)."""
+    md = spm_metadata(**keys)
+    for key, values in (("tokens", added), ("scores", [0.0] * len(added)), ("token_type", [CONTROL] * len(added))):
+        md[f"tokenizer.ggml.{key}"] = md[f"tokenizer.ggml.{key}"] + values
+    return md
+
+
+@pytest.mark.parametrize("added, keys, ids", [
+    # Gemma: <eos> the EOS, a turn ends with <end_of_turn>; </s> (2) is one of llama.cpp's texts too
+    (["<eos>", "<start_of_turn>", "<end_of_turn>"], {"eos_token_id": 14}, {2, 14, 16}),
+    # Phi-3: <|endoftext|> the EOS, <|end|> ends a turn
+    (["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>"], {"eos_token_id": 14}, {2, 14, 16}),
+    # Llama 3: <|end_of_text|> the EOS (a base model's), <|eot_id|> and <|eom_id|>
+    (["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>"], {"eos_token_id": 15}, {2, 15, 16, 17}),
+    # ChatML (Qwen): <|im_end|>, and the FIM pad, repo and file-separator tokens
+    (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>",
+      "<|file_sep|>"], {"eos_token_id": 14}, {2, 14, 16, 18, 19, 20}),
+    # a token the file names by key ends generation, whatever its text; a FIM key replaces
+    # the search by text for its kind
+    (["<turn>", "<done>", "<|fim_pad|>", "<my_pad>"], {"eos_token_id": 2, "eot_token_id": 15, "fim_pad_token_id": 17},
+     {2, 15, 17}),
+    # gpt-oss: <|end|> ends a message, not the turn, where <|return|> and <|call|> are there
+    (["<|return|>", "<|call|>", "<|end|>", "<|endoftext|>"], {"eos_token_id": 14}, {2, 14, 15, 17}),
+    # Gemma 4: </s> is a normal token beside <|tool_response>
+    (["<eos>", "<|tool_response>", "<turn|>"], {"eos_token_id": 14}, {14, 15, 16}),
+])
+def test_end_of_generation_ids_are_llama_cpps(added: list[str], keys: dict[str, int], ids: set[int]) -> None:
+    tok = tokenizer_from_metadata(chat_metadata(added, **keys))
+    assert tok.eos_token_ids == frozenset(ids)
+    assert tok.eos_token_id == keys["eos_token_id"]
+
+
+def test_end_of_generation_keys_from_a_file(tmp_path: Path) -> None:
+    """The keys as gguf-py writes them into a vocabulary-only file."""
+    w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    md = chat_metadata(["<a>", "<b>", "<c>"])
+    w.add_tokenizer_model("llama")
+    w.add_token_list(md["tokenizer.ggml.tokens"])
+    w.add_token_scores(md["tokenizer.ggml.scores"])
+    w.add_token_types(md["tokenizer.ggml.token_type"])
+    w.add_eos_token_id(2)
+    w.add_eot_token_id(14)
+    w.add_eom_token_id(15)
+    w.add_uint32("tokenizer.ggml.fim_sep_token_id", 16)
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        write()
+    assert load_tokenizer(tmp_path / "vocab.gguf").eos_token_ids == frozenset({2, 14, 15, 16})
+
+
+def test_end_of_generation_key_outside_the_vocabulary() -> None:
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.eot_token_id = 40 is outside the vocabulary \(15 tokens\)"):
+        tokenizer_from_metadata(chat_metadata(["<|eot_id|>"], eot_token_id=40))
+
+
 def test_sentencepiece_from_a_file(tmp_path: Path) -> None:
     w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
     pieces, scores, types = zip(*SPM_VOCAB)

@@ -95,7 +95,9 @@ def test_special_tokens(tok: Tokenizer) -> None:
     assert tok.bos_token_id == 1
     assert tok.eos_token_id == 2
     assert tok.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
-    assert tok.eos_token_ids == frozenset({2})
+    # llama.cpp's end-of-generation tokens: <|im_end|> (EOS), <|endoftext|> and <reponame> (which
+    # llama.cpp takes for a FIM repository-name token)
+    assert tok.eos_token_ids == frozenset({0, 2, 4})
     assert tok.pad_token_id == 2
     assert tok.all_special_ids == list(range(17))  # the 17 CONTROL tokens
     assert tok.encode("hi")[0] != tok.bos_token_id  # SmolLM2 says add_bos_token = False
