@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -108,14 +105,13 @@ def gguf_convert(tmp_path_factory):
 
 
 def _llama_cpp_tool(name: str, env: str) -> Path:
-    """A tool of llama.cpp (llama-cpp-python 0.3.36's): the path `env` names, else the peers'
-    build folder (`cmake --build $EMBER_PEERS/llama.cpp-0.3.36/build --target NAME`). Skips
-    the test where it is not built."""
-    peers = Path(os.environ.get("EMBER_PEERS") or Path.home() / ".cache" / "ember-peers")
-    tool = Path(os.environ.get(env) or peers / "llama.cpp-0.3.36" / "build" / "bin" / name)
-    if not tool.is_file():
-        pytest.skip(f"llama.cpp's {name} is not built ({tool})")
-    return tool
+    """A tool of llama.cpp (tests/llama_cpp_tools.py); skips the test where it is not built."""
+    from llama_cpp_tools import tool
+
+    path = tool(name, env)
+    if not path.is_file():
+        pytest.skip(f"llama.cpp's {name} is not built ({path})")
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -136,73 +132,18 @@ def llama_tokenize(tmp_path_factory):
     return tokenize
 
 
-@dataclass(frozen=True)
-class LlamaCppGreedy:
-    tokens: list[list[int]]  # each prompt's
-    end_of_generation: frozenset[int]  # as llama.cpp's log lists them
-
-
 @pytest.fixture(scope="session")
 def llama_greedy(tmp_path_factory):
-    """greedy(gguf_path, prompts, max_tokens, ctx) -> LlamaCppGreedy: each prompt's greedy
-    tokens from llama.cpp itself, and the ids it ends generation at. Its llama-server
-    (EMBER_LLAMA_SERVER names it, else the peers' build) runs on the file on 127.0.0.1 with a
-    context of `ctx` tokens, one slot, one thread and no prompt cache. Prompts are token ids
-    (the server adds no BOS to them); a completion stops at one of the end-of-generation
-    tokens, which it includes, or after max_tokens."""
-    import socket
-    import urllib.error
-    import urllib.request
+    """greedy(gguf_path, prompts, max_tokens, ctx, ignore_eos=False) -> LlamaCppGreedy: llama.cpp's
+    own greedy tokens and end-of-generation ids (tests/llama_cpp_tools.py `greedy`), from its
+    llama-server (EMBER_LLAMA_SERVER names it, else the peers' build)."""
+    from llama_cpp_tools import greedy as llama_cpp_greedy
 
-    tool = _llama_cpp_tool("llama-server", "EMBER_LLAMA_SERVER")
+    server = _llama_cpp_tool("llama-server", "EMBER_LLAMA_SERVER")
     logs = tmp_path_factory.mktemp("llama-server")
 
-    def post(url: str, body: dict) -> dict:
-        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"llama-server answered {e.code} to {body}: {e.read()[:1000]!r}") from None
-
-    def greedy(gguf_path: Path, prompts: list[list[int]], max_tokens: int, ctx: int) -> LlamaCppGreedy:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        log = logs / f"{Path(gguf_path).stem}-{port}.log"
-        # one thread: with two, a request took seconds where the shared 2-core machine was busy
-        # (they wait on each other at every step); -lv 4 logs the end-of-generation tokens
-        cmd = [str(tool), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port), "-t", "1",
-               "-c", str(ctx), "-np", "1", "--cache-ram", "0", "--no-webui", "--no-warmup", "-lv", "4"]
-        with open(log, "wb") as out:
-            server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server did not come up on {gguf_path}:\n{log.read_text()[-3000:]}")
-                try:
-                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, ConnectionError):  # not listening yet, or 503 while loading
-                    pass
-                time.sleep(0.1)
-            body = {"n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                    "return_tokens": True}
-            tokens = [post(base + "/completion", body | {"prompt": ids})["tokens"] for ids in prompts]
-            eog = re.findall(r"print_info: EOG token += (\d+) '", log.read_text(errors="replace"))
-            if not eog:
-                raise RuntimeError(f"llama-server's log ({log}) lists no 'EOG token': has its format changed?")
-            return LlamaCppGreedy(tokens, frozenset(int(i) for i in eog))
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+    def greedy(gguf_path: Path, prompts: list[list[int]], max_tokens: int, ctx: int, ignore_eos: bool = False):
+        return llama_cpp_greedy(server, gguf_path, prompts, max_tokens, ctx, logs, ignore_eos)
 
     return greedy
 

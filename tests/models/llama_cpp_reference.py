@@ -5,20 +5,21 @@ CI checks it without a llama.cpp build. Run it where the peer is built:
 
     python tests/models/llama_cpp_reference.py [--quantize Q4_K_M Q6_K ...]
 
-It starts llama.cpp's llama-server (../shared/peers/llama-cpp build; one slot, one thread,
-no prompt cache) on each file, sends the prompts as token ids and records the tokens."""
+It runs llama.cpp's llama-server on each file (tests/llama_cpp_tools.py), sends the prompts as
+token ids and records the tokens (with llama.cpp's ignore_eos: 64 each)."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import os
-import socket
 import subprocess
-import time
-import urllib.request
+import sys
+import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from llama_cpp_tools import greedy, tool  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -34,7 +35,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = 64
 DATA = Path(__file__).with_name("data") / "llama_cpp_greedy.json"
-PEERS = Path(os.environ.get("EMBER_PEERS") or Path.home() / ".cache" / "ember-peers") / "llama.cpp-0.3.36" / "build" / "bin"
 
 
 def sha256(path: Path) -> str:
@@ -49,38 +49,10 @@ def quantized_file(source: Path, qtype: str, folder: Path) -> Path:
     """llama.cpp's llama-quantize of the default Q4_1 file (allowed to requantize) to qtype."""
     out = folder / f"{source.stem.rsplit('.', 1)[0]}.{qtype}.gguf"
     if not out.exists():
-        subprocess.run([str(PEERS / "llama-quantize"), "--allow-requantize", str(source), str(out), qtype, "2"],
+        subprocess.run([str(tool("llama-quantize", "EMBER_LLAMA_QUANTIZE")), "--allow-requantize", str(source), str(out),
+                        qtype, "2"],
                        check=True, capture_output=True)
     return out
-
-
-def greedy(gguf: Path, prompts: list[list[int]]) -> list[list[int]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([str(PEERS / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port",
-                               str(port), "-t", "1", "-c", "1024", "-np", "1", "--cache-ram", "0", "--no-webui"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5):
-                    break
-            except OSError:
-                time.sleep(0.1)
-        out = []
-        for ids in prompts:
-            body = {"prompt": ids, "n_predict": MAX_TOKENS, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                    "return_tokens": True, "ignore_eos": True}
-            req = urllib.request.Request(base + "/completion", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as r:
-                out.append(json.loads(r.read())["tokens"])
-        return out
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def main() -> None:
@@ -95,9 +67,12 @@ def main() -> None:
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     files = {"Q4_1": source} | {q: quantized_file(source, q, cache_dir() / "models") for q in args.quantize}
     record = {"prompts": PROMPTS, "prompt_token_ids": prompts, "max_tokens": MAX_TOKENS, "files": {}}
-    for name, path in files.items():
-        record["files"][name] = {"file": path.name, "sha256": sha256(path), "tokens": greedy(path, prompts)}
-        print(name, path, "done")
+    server = tool("llama-server", "EMBER_LLAMA_SERVER")
+    with tempfile.TemporaryDirectory() as logs:
+        for name, path in files.items():
+            tokens = greedy(server, path, prompts, MAX_TOKENS, 1024, Path(logs), ignore_eos=True).tokens
+            record["files"][name] = {"file": path.name, "sha256": sha256(path), "tokens": tokens}
+            print(name, path, "done")
     DATA.write_text(json.dumps(record, indent=1) + "\n")
 
 
