@@ -73,19 +73,21 @@ def random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def torch_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quant.h's rule: d = max|x| / 127, q = round_half_even(x * (1 / d)), s = d * sum(q)."""
+def torch_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quant.h's rule: d = max|x| / 127, q = round_half_even(x * (1 / d)), s = d * sum(q),
+    h = d * the sums of q over each half."""
     b = x.float().view(x.shape[0], -1, 32)
     d = b.abs().amax(-1) / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(b * inv.unsqueeze(-1))
-    return q.to(torch.int8).view(x.shape), d, d * q.sum(-1)
+    halves = q.view(*q.shape[:-1], 2, 16).sum(-1)
+    return q.to(torch.int8).view(x.shape), d, d * q.sum(-1), d.unsqueeze(-1) * halves
 
 
 def reference(raw: np.ndarray, qtype: T, xq, xd) -> torch.Tensor:
     n = raw.shape[0]
     w = torch.from_numpy(dequantize(raw, qtype).astype(np.float64)).reshape(n, -1)
-    x = (xq.double().view(xq.shape[0], -1, 32) * xd[..., :1].double()).view(xq.shape)
+    x = (xq.double().view(xq.shape[0], -1, 32) * xd.double().unsqueeze(-1)).view(xq.shape)
     return x @ w.T
 
 
@@ -95,12 +97,10 @@ def test_activations_quantize_as_the_torch_rule(ops, dtype):
     x = (torch.randn(7, 256, generator=g) * 3).to(dtype)
     x[2, :32] = 0  # a block of zeros: d = 0, q = 0
     x[3, 32:64] = torch.arange(32) - 15.5  # halves: ties round to even
-    q, d8, s8 = ops.quantize_rows(x)
-    assert d8.shape == s8.shape == (7, 8, 8)  # vectors of 8 a block, for the SIMD rows: d 8 times, s once
-    assert torch.equal(d8, d8[..., :1].expand(-1, -1, 8)) and not s8[..., 1:].any()
-    d, s = d8[..., 0], s8[..., 0]
+    q, d, s, h = ops.quantize_rows(x)
     want = torch_quantize_rows(x)
     assert torch.equal(q, want[0]) and torch.equal(d, want[1]) and torch.equal(s, want[2])
+    assert torch.equal(h, want[3])  # per 16 values (Q6_K's scales)
     assert torch.equal(q[2, :32], torch.zeros(32, dtype=torch.int8)) and d[2, 0] == 0
     assert q.abs().max() == 127
     # a strided view (q|k|v's q part) reads the same
@@ -115,8 +115,9 @@ def test_matmul_equals_dequantize_then_matmul(ops, isa, qtype, m, n, k):
         pytest.skip("a row holds whole blocks")
     raw = random_blocks(qtype, n, k, seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
-    xq, xd, xs = ops.quantize_rows(x)
-    got = ops.quant_matmul(xq, xd, xs, torch.from_numpy(raw), int(qtype), n, None, torch.float32)
+    q = ops.quantize_rows(x)
+    xq, xd = q[0], q[1]
+    got = ops.quant_matmul(*q, ops.quant_repack(torch.from_numpy(raw), int(qtype)), int(qtype), n, None, torch.float32)
     want = reference(raw, qtype, xq, xd)
     assert got.shape == (m, n) and got.dtype == torch.float32
     # float rounding only: each output is a sum of k products of numbers exact in float32
@@ -137,18 +138,31 @@ def test_the_dispatch_picks_the_best_this_cpu_has(ops):
 
 
 def test_bias_and_output_dtype(ops):
-    raw = random_blocks(T.Q4_0, 40, 64, seed=3)
+    tiles = ops.quant_repack(torch.from_numpy(random_blocks(T.Q4_0, 40, 64, seed=3)), int(T.Q4_0))
+    assert tiles.numel() == 3 * 2 * (32 + 256)  # 40 rows: 3 tiles of 16, 2 sub-blocks each
     x = torch.randn(2, 64)
     q = ops.quantize_rows(x)
     bias = torch.randn(40)
-    plain = ops.quant_matmul(*q, torch.from_numpy(raw), int(T.Q4_0), 40, None, torch.float32)
-    assert torch.equal(ops.quant_matmul(*q, torch.from_numpy(raw), int(T.Q4_0), 40, bias, torch.float32), plain + bias)
-    assert torch.equal(ops.quant_matmul(*q, torch.from_numpy(raw), int(T.Q4_0), 40, None, torch.bfloat16),
-                       plain.to(torch.bfloat16))
-    with pytest.raises(RuntimeError, match="w must be contiguous uint8 holding 41 rows of 36 bytes"):
-        ops.quant_matmul(*q, torch.from_numpy(raw), int(T.Q4_0), 41, None, torch.float32)
+    plain = ops.quant_matmul(*q, tiles, int(T.Q4_0), 40, None, torch.float32)
+    assert torch.equal(ops.quant_matmul(*q, tiles, int(T.Q4_0), 40, bias, torch.float32), plain + bias)
+    assert torch.equal(ops.quant_matmul(*q, tiles, int(T.Q4_0), 40, None, torch.bfloat16), plain.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="w must be the repacked tiles of 49 rows of 64 values"):
+        ops.quant_matmul(*q, tiles, int(T.Q4_0), 49, None, torch.float32)
     with pytest.raises(RuntimeError, match="no kernel for GGML type 10"):
-        ops.quant_matmul(*q, torch.from_numpy(raw), 10, 40, None, torch.float32)
+        ops.quant_matmul(*q, tiles, 10, 40, None, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_come_back_as_the_file_s_values(ops, qtype):
+    """An embedding lookup on the tiles gives gguf-py's dequantized rows, bit for bit."""
+    k = 512
+    raw = random_blocks(qtype, 37, k, seed=4)
+    tiles = ops.quant_repack(torch.from_numpy(raw), int(qtype))
+    want = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).reshape(37, k)
+    ids = torch.tensor([0, 36, 17, 15, 16, 17])
+    assert torch.equal(ops.quant_rows(tiles, int(qtype), 37, k, ids), want[ids])
+    with pytest.raises(RuntimeError, match=r"row id 37 is not in \[0, 37\)"):
+        ops.quant_rows(tiles, int(qtype), 37, k, torch.tensor([37]))
 
 
 def _blocks(qtype: T, rows: int, k: int, seed: int) -> BlockTensor:
@@ -183,8 +197,9 @@ def test_merged_layer_stacks_shards_of_one_type_and_splits_mixed_ones():
     same.load_blocks(shards[0], 0)
     same.load_blocks(shards[1], 1)
     same.finish_loading()
-    assert isinstance(same.format, GGUFBlocks) and same.format.tensor.shape == (96, k)
-    assert torch.equal(same.format.tensor.data, torch.cat([shards[0].data, shards[1].data]))
+    assert isinstance(same.format, GGUFBlocks) and (same.format.out_features, same.format.in_features) == (96, k)
+    stacked = cpu_kernels.ops().quant_repack(torch.cat([shards[0].data, shards[1].data]), int(T.Q4_K))
+    assert torch.equal(same.format.packed, stacked)
     plain = Linear(k, 64)
     with pytest.raises(ValueError, match=r"parameter rows \(64, 256\), checkpoint \(32, 256\)"):
         plain.load_blocks(shards[1], None)
@@ -216,10 +231,11 @@ def test_fused_prologue_equals_the_plain_op_then_the_matmul(ops, dtype, prologue
             h = norm(x)
         else:
             h, want_residual = norm(x, residual.clone())
-    want = ops.quant_matmul(*ops.quantize_rows(h), raw, int(T.Q4_1), n, None, dtype)
+    tiles = ops.quant_repack(raw, int(T.Q4_1))
+    want = ops.quant_matmul(*ops.quantize_rows(h), tiles, int(T.Q4_1), n, None, dtype)
     kind = prologue.split("+")[0]
     got_residual = None if residual is None else residual.clone()
-    got = ops.quant_linear(x, raw, int(T.Q4_1), n, None, kind, norm.weight if kind == "norm" else None, 1e-5,
+    got = ops.quant_linear(x, tiles, int(T.Q4_1), n, None, kind, norm.weight if kind == "norm" else None, 1e-5,
                            got_residual)
     assert got.dtype == dtype
     if residual is not None:
@@ -231,7 +247,7 @@ def test_fused_prologue_equals_the_plain_op_then_the_matmul(ops, dtype, prologue
 
 
 def test_fused_prologue_refuses_what_it_cannot_take(ops):
-    raw = torch.from_numpy(random_blocks(T.Q4_0, 8, 64, seed=1))
+    raw = ops.quant_repack(torch.from_numpy(random_blocks(T.Q4_0, 8, 64, seed=1)), int(T.Q4_0))
     with pytest.raises(RuntimeError, match="unknown prologue 'relu'"):
         ops.quant_linear(torch.randn(1, 64), raw, int(T.Q4_0), 8, None, "relu", None, 0.0, None)
     with pytest.raises(RuntimeError, match="the norm takes a contiguous weight"):

@@ -94,8 +94,8 @@ def test_every_linear_layer_runs_on_gguf_blocks(quantized, gguf_path):
     model = quantized.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(layers) == 30 * 4
-    assert all(isinstance(m.format, GGUFBlocks) and m.format.tensor.type_name == "Q4_1" for m in layers)
-    assert model.model.embed_tokens.blocks.tensor.type_name == "Q8_0"  # tied: the head multiplies it too
+    assert all(isinstance(m.format, GGUFBlocks) and m.format.type_name == "Q4_1" for m in layers)
+    assert model.model.embed_tokens.blocks.type_name == "Q8_0"  # tied: the head multiplies it too
     runner = quantized.engine.runner
     # resident weights: the file's bytes (q|k|v and gate|up stacked), norms in float32
     assert runner.weight_bytes <= 1.15 * runner.file_tensor_bytes

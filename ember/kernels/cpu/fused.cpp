@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "convert.h"
+#include "pool.h"
 
 namespace {
 
@@ -45,7 +46,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, T*
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows.count, grain(n), [&](int64_t begin, int64_t end) {
+  ember_cpu::parallel_for(0, rows.count, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = xp + rows.offset(r);
       T* dst = op + r * n;
@@ -81,7 +82,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
 
 template <typename T>
 void silu_and_mul_rows(const T* src, T* dst, int64_t tokens, int64_t inter) {
-  at::parallel_for(0, tokens, grain(2 * inter), [&](int64_t begin, int64_t end) {
+  ember_cpu::parallel_for(0, tokens, grain(2 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = src + t * 2 * inter;
       const T* up = gate + inter;
@@ -113,7 +114,7 @@ void rotate_rows(const at::Tensor& x, const float* cos_sin, int64_t rotary) {
   const Rows rows(x);
   const int64_t half = rotary / 2;
   T* xp = x.data_ptr<T>();
-  at::parallel_for(0, rows.count, grain(rotary), [&](int64_t begin, int64_t end) {
+  ember_cpu::parallel_for(0, rows.count, grain(rotary), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = xp + rows.offset(r);
       const float* cos = cos_sin + (r / rows.per_token) * rotary;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "pool.h"
 
 namespace {
 
@@ -55,7 +56,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   int64_t rows = 0;
   for (int64_t b = 0; b < batch; ++b) rows += (lens[b] - first_key(lens[b])) * kv_heads;
   const int64_t grain = std::max<int64_t>(1, kThreadRows * batch * kv_heads / std::max<int64_t>(1, rows));
-  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+  ember_cpu::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), row(dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, kv_head = item % kv_heads, first = first_key(lens[b]);

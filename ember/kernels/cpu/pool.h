@@ -109,7 +109,7 @@ class Pool {
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicroseconds);
       uint64_t gen = counter_.load(std::memory_order_acquire) >> 32;
       while (gen == last && !stop_.load(std::memory_order_relaxed)) {
-        for (int i = 0; i < 64 && gen == last; ++i) {
+        for (int i = 0; i < 256 && gen == last; ++i) {  // a pause is ~25 ns on Zen: look after each
           EMBER_PAUSE();
           gen = counter_.load(std::memory_order_acquire) >> 32;
         }
@@ -130,8 +130,9 @@ class Pool {
 
   static constexpr int kSpinMicroseconds = 2000;
 
-  std::atomic<uint64_t> counter_{0};
-  std::atomic<int64_t> done_{0};
+  alignas(64) std::atomic<uint64_t> counter_{0};  // each on its own cache line
+  alignas(64) std::atomic<int64_t> done_{0};
+  alignas(64)
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
   // the job: written by the caller before it moves the counter to the job's generation
@@ -144,5 +145,22 @@ class Pool {
   std::mutex mutex_;
   std::condition_variable wake_;
 };
+
+// at::parallel_for's contract on the pool: f(b, e) over chunks of [begin, end) of at least
+// `grain` items, inline where one chunk covers it. Every kernel of ember's CPU library uses
+// this, so that one set of threads serves them all (OpenMP's and the pool's spinning side by
+// side on 2 cores slowed both).
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t chunks = std::min<int64_t>((n + grain - 1) / std::max<int64_t>(grain, 1), 4 * at::get_num_threads());
+  if (chunks <= 1 || at::get_num_threads() <= 1) {
+    f(begin, end);
+    return;
+  }
+  const int64_t size = (n + chunks - 1) / chunks;
+  Pool::get().run((n + size - 1) / size, [&](int64_t c) { f(begin + c * size, std::min(end, begin + (c + 1) * size)); });
+}
 
 }  // namespace ember_cpu

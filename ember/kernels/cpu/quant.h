@@ -1,13 +1,36 @@
-// GGUF block-quantized weights times int8-quantized activations: the types shared by the
-// op (quant_gemm.cpp) and its SIMD builds (quant_simd.cpp, compiled once per instruction set).
+// GGUF block-quantized weights times int8-quantized activations: the layout and types shared
+// by the op (quant_gemm.cpp), the repacking and plain rows (quant_repack.cpp) and the SIMD
+// rows (quant_simd.cpp, compiled once per instruction set).
 //
 // Activations are quantized per block of 32 values, as llama.cpp's q8 path does:
-//   d = max|x| / 127,  q = round_half_even(x / d) (x * (1 / d), exactly that way), s = d * sum(q);
-// d is stored 8 times, s once and then 7 zeros, so that the SIMD rows load them as vectors
-// (8 float lanes, summed at the end: d scales every lane, s counts once).
-// A weight block of 32 values is  w = a * q_w + b  (a, b per block; q_w unsigned), so
-//   dot(w, x) ~= a * d * sum(q_w * q) + b * s,
-// with the integer sum exact. Q8_0 is signed (b = 0); Q6_K has a scale per 16 values.
+//   d = max|x| / 127,  q = round_half_even(x * (1 / d)),  s = d * sum(q)  (h: the same per 16)
+//
+// Weights are repacked at load, 16 rows at a time ("a tile"), so that a 512-bit register holds
+// 4 consecutive values of each of the 16 rows and one int8 dot-product instruction (vpdpbusd)
+// adds 4 products into each row's own lane: a tile's 16 outputs build up side by side and come
+// out as one vector, with no sum across lanes. The values keep their width (4, 5, 6 or 8 bits)
+// and the scales their type, so the repacked bytes are the file's, reordered (and the last
+// tile padded to 16 rows with zeros):
+//
+//   a sub-block: 32 values of a row (j: which, along k); its 8 groups of 4 values (g)
+//   qs   256 B  4 chunks of 64 B; chunk c, byte 4r + i: low nibble = q[r][4c + i] (group c),
+//               high nibble = q[r][4(c + 4) + i] (group c + 4)        (the low 4 bits of q)
+//   hi    64 B  (5-bit types) group g's 8 bytes: a 64-bit mask, bit 4r + i = bit 4 of q[r][4g + i]
+//   hi2  128 B  (Q6_K) 2 chunks of 64 B; chunk h, byte 4r + i, bits 2k, 2k + 1 = bits 4-5 of
+//               q[r][4(4h + k) + i]
+//   q8   512 B  (Q8_0) group g's 64 B: byte 4r + i = q[r][4g + i], signed
+//
+// and per tile, in k order (f16: IEEE half as the file stores it; [16]: one per row):
+//   Q4_0  per sub-block:   d f16[16] | qs                    w = d * (q - 8)
+//   Q4_1  per sub-block:   d f16[16] | m f16[16] | qs        w = d * q + m
+//   Q5_0  per sub-block:   d f16[16] | qs | hi               w = d * (q - 16)
+//   Q5_1  per sub-block:   d f16[16] | m f16[16] | qs | hi   w = d * q + m
+//   Q8_0  per sub-block:   d f16[16] | q8                    w = d * q
+//   Q4_K  per super-block of 8 sub-blocks: d f16[16] | dmin f16[16] | scale u8[8][16] |
+//                          min u8[8][16] | 8 x qs            w = d * scale_j * q - dmin * min_j
+//   Q5_K  as Q4_K, then 8 x hi
+//   Q6_K  per super-block: d f16[16] | scale i8[16][16] (per 16 values) | 8 x qs | 8 x hi2
+//                          w = d * scale * (q - 32)
 #pragma once
 
 #include <cstdint>
@@ -20,10 +43,14 @@ enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
 };
 
-constexpr int kBlock = 32;  // activation block; every weight type's sub-blocks are 32 values
+constexpr int kBlock = 32;  // values a sub-block (and an activation block)
+constexpr int kRows = 16;   // rows a tile
+constexpr int kQs = 256, kHi = 64, kHi2 = 128, kQ8 = 512;
 
-// values per block and bytes per block of each type; 0 for a type with no kernel
-inline int block_values(int qtype) {
+constexpr bool is_k_quant(int qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
+
+// values per block and bytes per block of each type as GGUF stores a row; 0: no kernel
+constexpr int block_values(int qtype) {
   switch (qtype) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: return 32;
     case kQ4_K: case kQ5_K: case kQ6_K: return 256;
@@ -31,7 +58,7 @@ inline int block_values(int qtype) {
   }
 }
 
-inline int block_bytes(int qtype) {
+constexpr int block_bytes(int qtype) {
   switch (qtype) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
@@ -45,19 +72,38 @@ inline int block_bytes(int qtype) {
   }
 }
 
-// one job: out[m * ldo + n] = dot(weight row n, activation row m) for n in [n0, n1), m in [0, m)
+// bytes of one tile's block (a sub-block, or a K-quant's super-block) in the repacked layout
+constexpr int64_t packed_block_bytes(int qtype) {
+  switch (qtype) {
+    case kQ4_0: return 32 + kQs;
+    case kQ4_1: return 64 + kQs;
+    case kQ5_0: return 32 + kQs + kHi;
+    case kQ5_1: return 64 + kQs + kHi;
+    case kQ8_0: return 32 + kQ8;
+    case kQ4_K: return 64 + 256 + 8 * kQs;
+    case kQ5_K: return 64 + 256 + 8 * (kQs + kHi);
+    case kQ6_K: return 32 + 256 + 8 * (kQs + kHi2);
+    default: return 0;
+  }
+}
+
+constexpr int64_t packed_tile_bytes(int qtype, int64_t k) { return k / block_values(qtype) * packed_block_bytes(qtype); }
+
+// one job: out[m * ldo + n] = dot(weight row n, activation row m), for the rows of tiles
+// [t0, t1) and every activation row
 struct Job {
-  const uint8_t* w;     // [N, row_bytes]
-  int64_t row_bytes;
+  const uint8_t* w;     // repacked, packed_tile_bytes a tile
   int qtype;
-  int64_t k;            // values per row (a multiple of the type's block)
+  int64_t k;            // values a row
+  int64_t n;            // rows (the last tile may be partly padding)
   const int8_t* xq;     // [M, k]
-  const float* xd;      // [M, k / 32, 8]: each block's d, 8 times (a 256-bit vector)
-  const float* xs;      // [M, k / 32, 8]: each block's s, then 7 zeros
+  const float* xd;      // [M, k / 32]
+  const float* xs;      // [M, k / 32]
+  const float* xh;      // [M, k / 32, 2]: s of each half (Q6_K's scales are per 16 values)
   int64_t m;
   float* out;
   int64_t ldo;
-  int64_t n0, n1;
+  int64_t t0, t1;
 };
 
 inline float fp16_to_fp32(const uint8_t* p) {
@@ -92,12 +138,14 @@ inline void k_scale_min(const uint8_t* q, int j, int& scale, int& min) {
   }
 }
 
-void rows_scalar(const Job& job);
+void tiles_scalar(const Job& job);
+void repack(const uint8_t* src, int qtype, int64_t n, int64_t k, uint8_t* dst);
+void dequantize_rows(const uint8_t* w, int qtype, int64_t k, const int64_t* ids, int64_t count, float* out);
 namespace avx2 {
-void rows(const Job& job);
+void tiles(const Job& job);
 }
 namespace avx512 {
-void rows(const Job& job);
+void tiles(const Job& job);
 }
 
 }  // namespace ember_quant

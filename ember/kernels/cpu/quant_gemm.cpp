@@ -1,9 +1,9 @@
-// Linear layers on GGUF block-quantized weights, kept in the file's own block layout
-// (quant.h says the arithmetic): activations are quantized to int8 per block of 32
-// (`quantize_rows`), then `quant_matmul` takes the integer dot products block by block.
-// One path for decode rows and prefill alike: the output rows are split between threads in
-// runs of kRunRows weight rows (taken from a shared counter: pool.h), and each weight row
-// meets the activation rows a few at a time while its bytes are in L1. The SIMD rows (quant_simd.cpp) are chosen at run time by
+// Linear layers on GGUF block-quantized weights (quant.h says the layout and the arithmetic):
+// the file's rows are repacked once into tiles of 16 (`quant_repack`), activations are
+// quantized to int8 per block of 32 (`quantize_rows`, or fused with the op before the layer:
+// `quant_linear`), then `quant_matmul` takes the integer dot products. One path for decode
+// rows and prefill alike: the tiles go to the threads one at a time (from a shared counter:
+// pool.h), and each tile meets the activation rows a few at a time while its bytes are in L1. The SIMD rows (quant_simd.cpp) are chosen at run time by
 // what the CPU has; `quant_isa` forces one (tests) and says which runs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,101 +20,6 @@
 #include "quant.h"
 
 namespace ember_quant {
-
-// ---- the plain rows: any CPU, and the reference the SIMD rows are tested against
-namespace {
-
-// sub-block j of a weight row as integers: w_i = a * scale_i * (q_i - offset) + b
-struct SubBlock {
-  int q[kBlock];
-  int scale[2] = {1, 1};  // per 16 values (Q6_K); 1 elsewhere
-  int offset = 0;
-  float a = 0.f, b = 0.f;
-};
-
-void decode(const uint8_t* row, int qtype, int64_t j, SubBlock& sb) {
-  switch (qtype) {
-    case kQ4_0: case kQ4_1: {
-      const uint8_t* r = row + j * (qtype == kQ4_0 ? 18 : 20);
-      const uint8_t* qs = r + (qtype == kQ4_0 ? 2 : 4);
-      for (int i = 0; i < 16; ++i) sb.q[i] = qs[i] & 0xF, sb.q[i + 16] = qs[i] >> 4;
-      sb.a = fp16_to_fp32(r);
-      if (qtype == kQ4_0) sb.offset = 8; else sb.b = fp16_to_fp32(r + 2);
-      return;
-    }
-    case kQ5_0: case kQ5_1: {
-      const bool one = qtype == kQ5_1;
-      const uint8_t* r = row + j * (one ? 24 : 22);
-      uint32_t qh;
-      std::memcpy(&qh, r + (one ? 4 : 2), 4);
-      const uint8_t* qs = r + (one ? 8 : 6);
-      for (int i = 0; i < 16; ++i) {
-        sb.q[i] = (qs[i] & 0xF) | (((qh >> i) & 1) << 4);
-        sb.q[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
-      }
-      sb.a = fp16_to_fp32(r);
-      if (one) sb.b = fp16_to_fp32(r + 2); else sb.offset = 16;
-      return;
-    }
-    case kQ8_0: {
-      const uint8_t* r = row + j * 34;
-      for (int i = 0; i < 32; ++i) sb.q[i] = static_cast<int8_t>(r[2 + i]);
-      sb.a = fp16_to_fp32(r);
-      return;
-    }
-    case kQ4_K: case kQ5_K: {
-      const bool five = qtype == kQ5_K;
-      const uint8_t* r = row + (j / 8) * (five ? 176 : 144);
-      const int sub = static_cast<int>(j % 8), c = sub / 2;
-      const uint8_t* qs = r + (five ? 48 : 16) + 32 * c;
-      for (int l = 0; l < 32; ++l) {
-        int v = sub % 2 ? qs[l] >> 4 : qs[l] & 0xF;
-        if (five) v |= ((r[16 + l] >> sub) & 1) << 4;
-        sb.q[l] = v;
-      }
-      int sc, mn;
-      k_scale_min(r + 4, sub, sc, mn);
-      sb.a = fp16_to_fp32(r) * sc;
-      sb.b = -fp16_to_fp32(r + 2) * mn;
-      return;
-    }
-    case kQ6_K: {
-      const uint8_t* r = row + (j / 8) * 210;
-      const int sub = static_cast<int>(j % 8), h = sub / 4, i = sub % 4;
-      const uint8_t* ql = r + 64 * h + (i % 2 ? 32 : 0);
-      const uint8_t* qh = r + 128 + 32 * h;
-      for (int l = 0; l < 32; ++l)
-        sb.q[l] = (i < 2 ? ql[l] & 0xF : ql[l] >> 4) | (((qh[l] >> (2 * i)) & 3) << 4);
-      const int8_t* scales = reinterpret_cast<const int8_t*>(r + 192) + 8 * h + 2 * i;
-      sb.scale[0] = scales[0], sb.scale[1] = scales[1];
-      sb.offset = 32;
-      sb.a = fp16_to_fp32(r + 208);
-      return;
-    }
-    default: return;
-  }
-}
-
-}  // namespace
-
-void rows_scalar(const Job& job) {
-  const int64_t nb = job.k / kBlock;
-  SubBlock sb;
-  for (int64_t n = job.n0; n < job.n1; ++n) {
-    const uint8_t* row = job.w + n * job.row_bytes;
-    for (int64_t m = 0; m < job.m; ++m) {
-      const int8_t* xq = job.xq + m * job.k;
-      float acc = 0.f;
-      for (int64_t j = 0; j < nb; ++j) {
-        decode(row, job.qtype, j, sb);
-        int isum = 0;
-        for (int i = 0; i < kBlock; ++i) isum += sb.scale[i / 16] * (sb.q[i] - sb.offset) * xq[kBlock * j + i];
-        acc += sb.a * job.xd[(m * nb + j) * 8] * static_cast<float>(isum) + sb.b * job.xs[(m * nb + j) * 8];
-      }
-      job.out[m * job.ldo + n] = acc;
-    }
-  }
-}
 
 namespace {
 
@@ -139,12 +44,12 @@ Isa g_isa = best();
 
 const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512_vnni" : isa == Isa::kAvx2 ? "avx2" : "scalar"; }
 
-void run_rows(const Job& job) {
+void run_tiles(const Job& job) {
 #if defined(EMBER_QUANT_X86)
-  if (g_isa == Isa::kAvx512) return avx512::rows(job);
-  if (g_isa == Isa::kAvx2) return avx2::rows(job);
+  if (g_isa == Isa::kAvx512) return avx512::tiles(job);
+  if (g_isa == Isa::kAvx2) return avx2::tiles(job);
 #endif
-  rows_scalar(job);
+  tiles_scalar(job);
 }
 
 // "" reads the choice; "best", "avx512_vnni", "avx2" or "scalar" sets it (an instruction
@@ -162,18 +67,21 @@ std::string quant_isa(const std::string& want) {
 }
 
 // ---- activations: [M, K] float -> int8 per block of 32, scale d, and s = d * sum(q)
-void quantize_block(const float* x, int8_t* q, float* d8, float* s8) {
+void quantize_block(const float* x, int8_t* q, float* d, float* s, float* h) {
   float amax = 0.f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = amax / 127.f;
   const float inv = scale != 0.f ? 1.f / scale : 0.f;
-  int sum = 0;
+  int sums[2] = {0, 0};
   for (int i = 0; i < kBlock; ++i) {
     const int v = static_cast<int>(std::nearbyint(x[i] * inv));
     q[i] = static_cast<int8_t>(v);
-    sum += v;
+    sums[i / 16] += v;
   }
-  for (int i = 0; i < 8; ++i) d8[i] = scale, s8[i] = i == 0 ? scale * static_cast<float>(sum) : 0.f;
+  *d = scale;
+  *s = scale * static_cast<float>(sums[0] + sums[1]);
+  h[0] = scale * static_cast<float>(sums[0]);
+  h[1] = scale * static_cast<float>(sums[1]);
 }
 
 // What runs on a row before it is quantized (the op the layer before would run, fused in):
@@ -232,7 +140,7 @@ void prologue_row(Prologue kind, const T* src, int64_t k, const T* norm_weight, 
 }
 
 struct Quantized {
-  at::Tensor q, d, s;
+  at::Tensor q, d, s, h;
 };
 
 // x [M, K] (the prologue's input: [M, 2K] for the activations) -> its quantized rows
@@ -251,9 +159,9 @@ Quantized quantize(const at::Tensor& x, Prologue kind, const std::optional<at::T
       TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
                   residual->scalar_type() == x.scalar_type(), "residual must be a contiguous tensor like x");
   }
-  Quantized out{at::empty({m, k}, x.options().dtype(at::kChar)),
-                at::empty({m, k / kBlock, 8}, x.options().dtype(at::kFloat)),
-                at::empty({m, k / kBlock, 8}, x.options().dtype(at::kFloat))};
+  const auto f32 = x.options().dtype(at::kFloat);
+  Quantized out{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, k / kBlock}, f32),
+                at::empty({m, k / kBlock}, f32), at::empty({m, k / kBlock, 2}, f32)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = kind == Prologue::kNorm ? norm_weight->data_ptr<scalar_t>() : nullptr;
@@ -261,6 +169,7 @@ Quantized quantize(const at::Tensor& x, Prologue kind, const std::optional<at::T
     int8_t* qp = out.q.data_ptr<int8_t>();
     float* dp = out.d.data_ptr<float>();
     float* sp = out.s.data_ptr<float>();
+    float* hp = out.h.data_ptr<float>();
     const int64_t nb = k / kBlock, stride = x.stride(0);
     const int64_t per_item = std::max<int64_t>(1, 8192 / k);  // rows an item: one row is ~1 us
     ember_cpu::Pool::get().run((m + per_item - 1) / per_item, [&](int64_t item) {
@@ -269,46 +178,74 @@ Quantized quantize(const at::Tensor& x, Prologue kind, const std::optional<at::T
         prologue_row<scalar_t>(kind, xp + r * stride, k, wp, static_cast<float>(eps), rp ? rp + r * k : nullptr,
                                row.data());
         for (int64_t b = 0; b < nb; ++b)
-          quantize_block(row.data() + b * kBlock, qp + r * k + b * kBlock, dp + (r * nb + b) * 8, sp + (r * nb + b) * 8);
+          quantize_block(row.data() + b * kBlock, qp + r * k + b * kBlock, dp + r * nb + b, sp + r * nb + b,
+                         hp + (r * nb + b) * 2);
       }
     });
   });
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   Quantized q = quantize(x, Prologue::kNone, std::nullopt, 0.0, std::nullopt);
-  return {q.q, q.d, q.s};
+  return {q.q, q.d, q.s, q.h};
 }
 
-// weight rows a thread takes at a time: a decode row's work per run stays above the
-// fork-join's cost, and the runs split evenly between two threads
-constexpr int64_t kRunRows = 16;
-
-// y[M, N] = dequant(w) @ dequant(xq)^T (+ bias), in `dtype`
-at::Tensor quant_matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& w,
-                        int64_t qtype, int64_t n, const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
-  const int per = block_values(static_cast<int>(qtype));
-  TORCH_CHECK(per > 0, "no kernel for GGML type ", qtype);
+// y[M, N] = dequant(w) @ dequant(xq)^T (+ bias), in `dtype`; w: tiles (quant_repack)
+at::Tensor quant_matmul(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& xh,
+                        const at::Tensor& w, int64_t qtype, int64_t n, const std::optional<at::Tensor>& bias,
+                        at::ScalarType dtype) {
+  const int q = static_cast<int>(qtype);
+  TORCH_CHECK(block_values(q) > 0, "no kernel for GGML type ", qtype);
   TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.scalar_type() == at::kChar, "xq must be contiguous int8 [m, k]");
-  const int64_t m = xq.size(0), k = xq.size(1);
-  TORCH_CHECK(k % per == 0, "k (", k, ") must be a multiple of the type's block (", per, ")");
-  TORCH_CHECK(xd.is_contiguous() && xs.is_contiguous() && xd.numel() == m * k / kBlock * 8 && xs.numel() == xd.numel(),
-              "xd and xs must be contiguous [m, k / 32, 8]");
-  const int64_t row_bytes = k / per * block_bytes(static_cast<int>(qtype));
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == n * row_bytes,
-              "w must be contiguous uint8 holding ", n, " rows of ", row_bytes, " bytes");
+  const int64_t m = xq.size(0), k = xq.size(1), nb = k / kBlock;
+  TORCH_CHECK(k % block_values(q) == 0, "k (", k, ") must be a multiple of the type's block (", block_values(q), ")");
+  TORCH_CHECK(xd.is_contiguous() && xs.is_contiguous() && xh.is_contiguous() && xd.numel() == m * nb &&
+              xs.numel() == m * nb && xh.numel() == 2 * m * nb, "xd, xs must be contiguous [m, k / 32], xh [m, k / 32, 2]");
+  const int64_t tiles = (n + kRows - 1) / kRows;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == tiles * packed_tile_bytes(q, k),
+              "w must be the repacked tiles of ", n, " rows of ", k, " values (", tiles * packed_tile_bytes(q, k),
+              " bytes; quant_repack makes them)");
   auto out = at::empty({m, n}, xq.options().dtype(at::kFloat));
-  Job job{w.data_ptr<uint8_t>(), row_bytes, static_cast<int>(qtype), k, xq.data_ptr<int8_t>(),
-          xd.data_ptr<float>(), xs.data_ptr<float>(), m, out.data_ptr<float>(), n, 0, 0};
-  ember_cpu::Pool::get().run((n + kRunRows - 1) / kRunRows, [&](int64_t run) {
+  Job job{w.data_ptr<uint8_t>(), q, k, n, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(),
+          xh.data_ptr<float>(), m, out.data_ptr<float>(), n, 0, 0};
+  // a few items a thread: enough for a late or slow thread to leave its share to the others,
+  // few enough that taking them (an atomic each, the counter's line moving between cores) is cheap
+  const int64_t per_item = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
+  ember_cpu::Pool::get().run((tiles + per_item - 1) / per_item, [&](int64_t item) {
     Job part = job;
-    part.n0 = run * kRunRows;
-    part.n1 = std::min(n, (run + 1) * kRunRows);
-    run_rows(part);
+    part.t0 = item * per_item;
+    part.t1 = std::min(tiles, (item + 1) * per_item);
+    run_tiles(part);
   });
   if (bias.has_value()) out.add_(*bias);
   return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+// GGUF rows [n, row bytes] -> the tiles the matmul takes (quant.h)
+at::Tensor quant_repack(const at::Tensor& w, int64_t qtype) {
+  const int q = static_cast<int>(qtype);
+  TORCH_CHECK(block_values(q) > 0, "no kernel for GGML type ", qtype);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % block_bytes(q) == 0,
+              "w must be contiguous uint8 [rows, whole blocks of the type]");
+  const int64_t n = w.size(0), k = w.size(1) / block_bytes(q) * block_values(q);
+  auto out = at::empty({(n + kRows - 1) / kRows * packed_tile_bytes(q, k)}, w.options());
+  repack(w.data_ptr<uint8_t>(), q, n, k, out.data_ptr<uint8_t>());
+  return out;
+}
+
+// rows `ids` of repacked tiles, dequantized to float32 (an embedding lookup)
+at::Tensor quant_rows(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, const at::Tensor& ids) {
+  const int q = static_cast<int>(qtype);
+  TORCH_CHECK(block_values(q) > 0 && k % block_values(q) == 0, "k must hold whole blocks of GGML type ", qtype);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() &&
+              w.numel() == (n + kRows - 1) / kRows * packed_tile_bytes(q, k), "w must be the repacked tiles");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids must be a contiguous int64 vector");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "row id ", ip[i], " is not in [0, ", n, ")");
+  auto out = at::empty({ids.numel(), k}, w.options().dtype(at::kFloat));
+  dequantize_rows(w.data_ptr<uint8_t>(), q, k, ip, ids.numel(), out.data_ptr<float>());
+  return out;
 }
 
 // y = quant_matmul(quantize(prologue(x))): one call a layer. prologue "norm" also adds x into
@@ -318,15 +255,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                         const std::optional<at::Tensor>& norm_weight, double eps,
                         const std::optional<at::Tensor>& residual) {
   Quantized q = quantize(x, prologue_of(prologue), norm_weight, eps, residual);
-  return quant_matmul(q.q, q.d, q.s, w, qtype, n, bias, x.scalar_type());
+  return quant_matmul(q.q, q.d, q.s, q.h, w, qtype, n, bias, x.scalar_type());
 }
 
 }  // namespace
 }  // namespace ember_quant
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
-  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
-  m.def("quant_matmul(Tensor xq, Tensor xd, Tensor xs, Tensor w, int qtype, int n, Tensor? bias, ScalarType dtype) -> Tensor");
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("quant_matmul(Tensor xq, Tensor xd, Tensor xs, Tensor xh, Tensor w, int qtype, int n, Tensor? bias, "
+        "ScalarType dtype) -> Tensor");
+  m.def("quant_repack(Tensor w, int qtype) -> Tensor");
+  m.def("quant_rows(Tensor w, int qtype, int n, int k, Tensor ids) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor w, int qtype, int n, Tensor? bias, str prologue, Tensor? norm_weight, "
         "float eps, Tensor(a!)? residual) -> Tensor");
   m.def("quant_isa(str want) -> str", &ember_quant::quant_isa);
@@ -336,4 +276,6 @@ TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("quantize_rows", &ember_quant::quantize_rows);
   m.impl("quant_matmul", &ember_quant::quant_matmul);
   m.impl("quant_linear", &ember_quant::quant_linear);
+  m.impl("quant_repack", &ember_quant::quant_repack);
+  m.impl("quant_rows", &ember_quant::quant_rows);
 }

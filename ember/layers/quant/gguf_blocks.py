@@ -3,7 +3,8 @@ kernels (kernels/cpu/quant_gemm.cpp): the activations are quantized to int8 per 
 on the fly and the dot products are integer, block by block, as llama.cpp's CPU path does.
 
     BlockTensor   one weight's rows of blocks as read from the file (what the loader yields)
-    GGUFBlocks    the format a layer holds: apply(x), and rows(ids) for an embedding table
+    GGUFBlocks    the format a layer holds, the rows repacked for the kernels: apply(x), and
+                  rows(ids) for an embedding table
 """
 
 from __future__ import annotations
@@ -55,10 +56,14 @@ def stack_rows(parts: list[BlockTensor]) -> BlockTensor:
                        torch.cat([p.data for p in parts]))
 
 
-Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int8 values, scales, scale * sum, per block of 32
+# int8 values, scales d, d * sum per block of 32, and per 16 (kernels/cpu/quant.h)
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class GGUFBlocks(WeightFormat):
+    """A weight's rows repacked at load into the kernels' tiles of 16 rows (the file's bytes
+    reordered: kernels/cpu/quant.h draws the layout); the file's order is not kept."""
+
     def __init__(self, tensor: BlockTensor) -> None:
         from ember.kernels.cpu import ops
 
@@ -66,19 +71,21 @@ class GGUFBlocks(WeightFormat):
         if self.ops is None:
             raise ValueError("GGUF blocks need ember's CPU kernels, which did not build: load the model "
                              "dequantized (quantization='none')")
-        self.tensor = tensor
+        self.qtype = tensor.qtype
+        self.type_name = tensor.type_name
         self.out_features, self.in_features = tensor.shape
+        self.packed = self.ops.quant_repack(tensor.data, tensor.qtype)
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.data.nbytes
+        return self.packed.nbytes
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         rows = x.reshape(-1, self.in_features)
         return self.ops.quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
 
     def apply_quantized(self, q: Quantized, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        return self.ops.quant_matmul(*q, self.tensor.data, self.tensor.qtype, self.out_features, bias, dtype)
+        return self.ops.quant_matmul(*q, self.packed, self.qtype, self.out_features, bias, dtype)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None, prologue: str = "none",
               norm_weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -87,12 +94,12 @@ class GGUFBlocks(WeightFormat):
         "norm" is RMSNorm(x + residual) with `norm_weight` (residual updated in place, as
         layers/norm.py does), "silu" / "gelu_tanh" the gated activation of x = [gate | up]."""
         rows = x.reshape(-1, x.shape[-1])
-        y = self.ops.quant_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), self.tensor.data,
-                                  self.tensor.qtype, self.out_features, bias, prologue, norm_weight, eps, residual)
+        y = self.ops.quant_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), self.packed, self.qtype,
+                                  self.out_features, bias, prologue, norm_weight, eps, residual)
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `ids` dequantized (an embedding lookup)."""
-        flat = ids.reshape(-1)
-        picked = BlockTensor(self.tensor.qtype, (flat.numel(), self.in_features), self.tensor.data[flat])
-        return picked.dequantize().to(dtype).view(*ids.shape, self.in_features)
+        """Rows `ids` dequantized (an embedding lookup): the file's float32 values, exactly."""
+        flat = ids.reshape(-1).to(torch.int64)
+        values = self.ops.quant_rows(self.packed, self.qtype, self.out_features, self.in_features, flat)
+        return values.to(dtype).view(*ids.shape, self.in_features)
