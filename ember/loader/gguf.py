@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ember.layers.quant.gguf_blocks import KERNEL_TYPES, BlockTensor
+from ember.loader.gguf_reader import CorruptGGUF, read_gguf
 from ember.loader.weights import hf_weight_shapes
 from ember.models.config import ModelConfig
 
@@ -68,54 +69,34 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         _check_magic(self.path)
-        import gguf
-
         try:
-            reader = gguf.GGUFReader(self.path)
-        except Exception as e:  # the reader fails in many ways on bad bytes
-            raise ValueError(
-                f"{self.path} is not a readable GGUF file: it looks truncated or corrupt "
-                f"({type(e).__name__}: {e}). Download or convert it again."
-            ) from e
-        if reader.byte_order != "I":
-            raise ValueError(
-                f"{self.path} was written for the other byte order (big-endian); ember reads "
-                "little-endian GGUF files only. Convert the model again on a little-endian machine."
-            )
-        self._reader = reader
-
-        self.metadata: dict[str, Any] = {}
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):  # version and counts from the header, not key/values
-                continue
-            self.metadata[key] = _field_value(self.path, key, field)
+            raw = read_gguf(self.path)
+        except CorruptGGUF as e:
+            raise ValueError(f"{self.path} is not a readable GGUF file: it looks truncated or corrupt ({e}). "
+                             "Download or convert it again.") from None
+        except ValueError as e:  # big-endian, or a string that is not UTF-8
+            raise ValueError(f"{self.path}: {e}") from None
+        self._buffer = raw.buffer
+        self.metadata: dict[str, Any] = raw.metadata
         self.architecture: str = str(self.metadata.get("general.architecture", ""))
         if not self.architecture:
             raise ValueError(
                 f"{self.path} has no general.architecture in its metadata; it is not a model "
                 "file ember can load (was it written by a GGUF converter?)"
             )
-
-        size = self.path.stat().st_size
-        self._tensors: dict[str, Any] = {}  # name -> gguf ReaderTensor
+        size = len(raw.buffer)
         self._infos: dict[str, TensorInfo] = {}
-        for t in reader.tensors:
-            info = TensorInfo(
-                name=t.name,
-                qtype=int(t.tensor_type),
-                shape=tuple(int(n) for n in reversed(t.shape.tolist())),
-                offset=int(t.data_offset),
-                nbytes=int(t.n_bytes),
-            )
-            if info.offset < reader.data_offset or info.offset + info.nbytes > size:
+        for t in raw.tensors:
+            info = TensorInfo(name=t.name, qtype=t.qtype, shape=tuple(reversed(t.ne)), offset=t.offset,
+                              nbytes=_tensor_bytes(t.qtype, t.ne))
+            if info.offset + info.nbytes > size:
                 raise ValueError(
                     f"{self.path} is truncated or corrupt: tensor {t.name!r} needs bytes "
                     f"[{info.offset}, {info.offset + info.nbytes}) but the file has {size} bytes. "
                     "Download or convert it again."
                 )
-            self._tensors[t.name] = t
             self._infos[t.name] = info
-        self.tensor_names: list[str] = list(self._tensors)
+        self.tensor_names: list[str] = list(self._infos)
 
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensor_names)} tensors)"
@@ -124,13 +105,14 @@ class GGUFFile:
         return self._infos[self._check_name(name)]
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as stored (a read-only view on the memory map)."""
-        return self._tensors[self._check_name(name)].data
+        """The tensor's bytes as stored (a read-only uint8 view on the memory map)."""
+        info = self.tensor_info(name)
+        return np.frombuffer(self._buffer, np.uint8, info.nbytes, info.offset)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, shape in PyTorch order."""
         info = self.tensor_info(name)
-        return dequantize(self._tensors[name].data, info.qtype, info.shape)
+        return dequantize(self.raw(name), info.qtype, info.shape)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor in file order, dequantized one at a time."""
@@ -138,7 +120,7 @@ class GGUFFile:
             yield name, self.tensor(name)
 
     def _check_name(self, name: str) -> str:
-        if name not in self._tensors:
+        if name not in self._infos:
             raise KeyError(
                 f"{self.path.name} has no tensor {name!r} ({len(self.tensor_names)} tensors, "
                 f"e.g. {', '.join(self.tensor_names[:3])})"
@@ -163,31 +145,23 @@ def _check_magic(path: Path) -> None:
         )
 
 
-def _field_value(path: Path, key: str, field: Any) -> Any:
-    """A GGUFReader field as plain Python: str, int, float, bool or a list of those.
+# (values a block, bytes a block) of the common types, so that opening a file needs no gguf-py;
+# other types are looked up there
+_TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+               10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
-    Array elements are separate `parts`; `field.data` indexes the ones holding values.
-    An array of arrays comes out flattened (gguf-py's reader flattens it already).
-    """
-    import gguf
 
-    string = gguf.GGUFValueType.STRING
+def _tensor_bytes(qtype: int, ne: tuple[int, ...]) -> int:
+    if qtype in _TYPE_SIZES:
+        values, nbytes = _TYPE_SIZES[qtype]
+    else:
+        import gguf
 
-    def decode(raw: np.ndarray) -> str:
         try:
-            return raw.tobytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: metadata {key!r} holds a string that is not UTF-8 ({e})") from e
-
-    if not field.types:
-        return None
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
-        if field.types[-1] == string:
-            return [decode(field.parts[i]) for i in field.data]
-        return [field.parts[i].item() for i in field.data] if len(field.types) > 1 else []
-    if field.types[0] == string:
-        return decode(field.parts[-1])
-    return field.parts[-1].item()
+            values, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        except ValueError:
+            raise ValueError(f"unknown GGML tensor type {qtype}; is the file from a newer llama.cpp?") from None
+    return math.prod(ne) // values * nbytes
 
 
 # ---------------------------------------------------------------------------------------

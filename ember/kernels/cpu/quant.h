@@ -139,7 +139,7 @@ inline void k_scale_min(const uint8_t* q, int j, int& scale, int& min) {
 }
 
 void tiles_scalar(const Job& job);
-void repack(const uint8_t* src, int qtype, int64_t n, int64_t k, uint8_t* dst);
+void repack_tiles(const uint8_t* src, int qtype, int64_t n, int64_t k, uint8_t* dst, int64_t t0, int64_t t1);
 void dequantize_rows(const uint8_t* w, int qtype, int64_t k, const int64_t* ids, int64_t count, float* out);
 namespace avx2 {
 void tiles(const Job& job);

@@ -229,8 +229,11 @@ at::Tensor quant_repack(const at::Tensor& w, int64_t qtype) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % block_bytes(q) == 0,
               "w must be contiguous uint8 [rows, whole blocks of the type]");
   const int64_t n = w.size(0), k = w.size(1) / block_bytes(q) * block_values(q);
-  auto out = at::empty({(n + kRows - 1) / kRows * packed_tile_bytes(q, k)}, w.options());
-  repack(w.data_ptr<uint8_t>(), q, n, k, out.data_ptr<uint8_t>());
+  const int64_t tiles = (n + kRows - 1) / kRows;
+  auto out = at::empty({tiles * packed_tile_bytes(q, k)}, w.options());
+  ember_cpu::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    repack_tiles(w.data_ptr<uint8_t>(), q, n, k, out.data_ptr<uint8_t>(), t0, t1);
+  });
   return out;
 }
 

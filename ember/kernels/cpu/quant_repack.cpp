@@ -23,9 +23,9 @@ uint16_t half_bits(const uint8_t* p) {
   return h;
 }
 
-NativeRow decode_native(const uint8_t* row, int qtype, int64_t k) {
-  NativeRow out;
+void decode_native(const uint8_t* row, int qtype, int64_t k, NativeRow& out) {
   out.q.resize(k);
+  out.d.clear(), out.m.clear(), out.sc.clear(), out.mn.clear();
   const int64_t nb = k / block_values(qtype);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* r = row + b * block_bytes(qtype);
@@ -86,7 +86,6 @@ NativeRow decode_native(const uint8_t* row, int qtype, int64_t k) {
       default: break;
     }
   }
-  return out;
 }
 
 int header_bytes(int qtype) {
@@ -155,14 +154,15 @@ struct Packed {
 
 }  // namespace
 
-// native rows [n, row bytes] -> tiles; rows past n are zeros
-void repack(const uint8_t* src, int qtype, int64_t n, int64_t k, uint8_t* dst) {
-  const int64_t tiles = (n + kRows - 1) / kRows, nb = k / kBlock, row_bytes = k / block_values(qtype) * block_bytes(qtype);
-  std::memset(dst, 0, tiles * packed_tile_bytes(qtype, k));
-  for (int64_t t = 0; t < tiles; ++t) {
+// native rows [n, row bytes] -> tiles [t0, t1); rows past n are zeros
+void repack_tiles(const uint8_t* src, int qtype, int64_t n, int64_t k, uint8_t* dst, int64_t t0, int64_t t1) {
+  const int64_t nb = k / kBlock, row_bytes = k / block_values(qtype) * block_bytes(qtype);
+  std::memset(dst + t0 * packed_tile_bytes(qtype, k), 0, (t1 - t0) * packed_tile_bytes(qtype, k));
+  NativeRow row;
+  for (int64_t t = t0; t < t1; ++t) {
     Packed p(dst, qtype, k, t);
     for (int r = 0; r < kRows && t * kRows + r < n; ++r) {
-      const NativeRow row = decode_native(src + (t * kRows + r) * row_bytes, qtype, k);
+      decode_native(src + (t * kRows + r) * row_bytes, qtype, k, row);
       for (int64_t j = 0; j < nb; ++j) {
         const int* q = row.q.data() + j * kBlock;
         if (qtype == kQ8_0) {
