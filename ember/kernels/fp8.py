@@ -70,8 +70,8 @@ def quantize_groups(x: torch.Tensor, group: int | None, amax_floor: float) -> tu
 
 
 @triton.jit
-def _fp8_matmul_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_q, stride_qs, stride_w,
-                       stride_ws, stride_y, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _fp8_matmul_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, stride_q, stride_qs, stride_w,
+                       stride_ws, stride_y, K: tl.constexpr, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # grouped launch order: GROUP_M row tiles share each column tile of w while it is in L2
@@ -89,7 +89,7 @@ def _fp8_matmul_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stri
     mmask = m < M
     nmask = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         k = kb * BLOCK_K + kk
         kmask = k < K
         a = tl.load(q_ptr + m[:, None] * stride_q + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -147,8 +147,8 @@ def fp8_matmul(q: torch.Tensor, q_scales: torch.Tensor, weight: torch.Tensor, we
     block_m, block_n, warps, stages = config or matmul_config(rows, q.is_cuda)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
     _fp8_matmul_kernel[grid](
-        q, q_scales, weight, weight_scales, bias if bias is not None else weight_scales, y, rows, n, k,
+        q, q_scales, weight, weight_scales, bias if bias is not None else weight_scales, y, rows, n,
         q.stride(0), q_scales.stride(0), weight.stride(0), weight_scales.stride(0) if blockwise else 1, y.stride(0),
-        BLOCKWISE=blockwise, HAS_BIAS=bias is not None, SCALE_N=SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n,
+        K=k, BLOCKWISE=blockwise, HAS_BIAS=bias is not None, SCALE_N=SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=SCALE_BLOCK, GROUP_M=8, num_warps=warps, num_stages=stages)
     return y
