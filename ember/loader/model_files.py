@@ -186,6 +186,8 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
         from ember.loader.fp8_checkpoint import quantize_linear_layers
 
         quantize_linear_layers(model, scheme)
-        if device == "cuda":
-            torch.cuda.empty_cache()  # the dense weights' memory back to the device for the KV pool
+    if quantization == "fp8" and device == "cuda":
+        # the dense parameters the FP8 layers replaced: their memory back to the device, where the
+        # KV pool's sizing (free memory) sees it
+        torch.cuda.empty_cache()
     return model.eval()
