@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from gemv_bench import SHAPES, SWEEP, time_us
+from gemv_bench import SHAPES, sweep_configs, time_us
 
 from ember.kernels.fp8 import fp8_matmul, quantize_groups
 from ember.kernels.gemv import gemv, gemv_config
@@ -99,15 +99,7 @@ def main(sweep: bool) -> None:
             if "gemv8" in times:
                 gemv_wins[m] = gemv_wins.get(m, True) and times["gemv8"] < times["q+smm"]
             if sweep and m == 1:
-                rows = []
-                for bn, bk, warps in SWEEP:
-                    try:
-                        t = time_us(lambda i: gemv(x, w8[i], weight_scale=ws[i], config=(bn, bk, warps)), copies8,
-                                    reps=20)
-                        rows.append((t, bn, bk, warps))
-                    except Exception as e:  # out of registers / shared memory
-                        print(f"    {bn},{bk},{warps}: {type(e).__name__}")
-                rows.sort()
+                rows = sweep_configs(lambda i, config: gemv(x, w8[i], weight_scale=ws[i], config=config), copies8)
                 print(f"    fp8 GEMV default {gemv_config(1, n, k)}; best: " + ", ".join(
                     f"{bn},{bk},{w}: {t:.1f}" for t, bn, bk, w in rows[:4]), flush=True)
         del w16, per_row, w8, ws, wsb
