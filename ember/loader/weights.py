@@ -25,6 +25,9 @@ PACKED = {
 }
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
 def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds, with its shape."""
     h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
@@ -114,6 +117,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
     for name, tensor in weights:
         if tied and name == "lm_head.weight":
             continue  # some tied checkpoints store a copy of the embedding
+        if isinstance(tensor, torch.Tensor) and tensor.dtype in _FP8_DTYPES:
+            raise ValueError(f"{source}: tensor {name!r} is {tensor.dtype} with no scale paired to it: an FP8 "
+                             "checkpoint's config.json names its scheme in quantization_config (ember reads "
+                             "quant_method 'fp8' and 'compressed-tensors')")
         pname, shard = _target(name)
         if pname not in params:
             unknown.append(name)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ember.layers.quant.fp8 import FP8, FP8Weight
 from ember.loader.fp8_checkpoint import FP8Scheme, checkpoint_scheme, fp8_weights
@@ -231,9 +231,9 @@ def test_fp8_checkpoint_gives_the_dequantized_models_logits(form, dense, tmp_pat
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     with caplog.at_level(logging.INFO):
         auto = LLM(str(path), **ARGS)  # the CPU's default: dequantized at load, dense layers
-    assert auto.config.quantization == "none" and "FP8 checkpoint dequantized to the run dtype on the CPU" in caplog.text
-    assert all(m.format is None or not isinstance(m.format, FP8Weight) for m in auto.engine.runner.model.modules()
-               if hasattr(m, "format"))
+    assert auto.config.quantization == "none"
+    assert "FP8 checkpoint dequantized to the run dtype on the CPU" in caplog.text
+    assert not any(isinstance(getattr(m, "format", None), FP8Weight) for m in auto.engine.runner.model.modules())
     for got, ref in zip(forward_logits(auto, PROMPTS), want):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
@@ -246,7 +246,8 @@ def dense_dir(tmp_path_factory, dense) -> Path:
 def _closeness(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[float, float]:
     """(mean |diff| / mean |logit|, argmax agreement) over every position of every prompt."""
     got, want = torch.cat(got).float(), torch.cat(want).float()
-    return ((got - want).abs().mean() / want.abs().mean()).item(), (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    error = (got - want).abs().mean() / want.abs().mean()
+    return error.item(), (got.argmax(-1) == want.argmax(-1)).float().mean().item()
 
 
 @pytest.mark.slow
@@ -307,7 +308,10 @@ def test_fp8_checkpoints_and_methods_ember_does_not_run_are_refused_at_load(tmp_
                                          "unquantized"):
         LLM(str(awq), **ARGS)
     path, _ = fp8_checkpoint(tmp_path, dense, "fp8-block")
-    broken = dict(__import__("safetensors.torch", fromlist=["load_file"]).load_file(str(path / "model.safetensors")))
+    no_config = write(tmp_path / "no-config", load_file(str(path / "model.safetensors")))
+    with pytest.raises(ValueError, match="float8_e4m3fn with no scale paired to it: an FP8 checkpoint's config.json"):
+        LLM(str(no_config), **ARGS)
+    broken = load_file(str(path / "model.safetensors"))
     del broken["model.layers.1.mlp.down_proj.weight_scale_inv"]
     write(path, broken, FORMS["fp8-block"][0])
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight \(no weight_scale"):
