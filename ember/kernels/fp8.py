@@ -43,7 +43,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, K
         mask = (k0 + offs < GROUP) & (k < K)
         x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), amax_floor) / FP8_MAX
+    scale = tl.div_rn(tl.maximum(tl.max(amax, 0), amax_floor), FP8_MAX)  # IEEE, as torch: the same scale
     for k0 in range(0, GROUP, BLOCK):
         k = start + k0 + offs
         mask = (k0 + offs < GROUP) & (k < K)

@@ -62,6 +62,12 @@ def test_activation_quantization_is_the_reference_exactly(device, dtype, group):
     assert q.cpu()[0].float().abs().max() == 448
 
 
+def _fp32_tol(device: str) -> dict[str, float]:
+    """float32 output of fp8 dots: the interpreter sums exactly in float32; Hopper's fp8 tensor
+    cores sum each 128-deep tile with fewer mantissa bits (DeepSeek-V3's report: ~14)."""
+    return dict(atol=1e-4, rtol=1e-4) if device == "cpu" else dict(atol=2e-3, rtol=2e-3)
+
+
 def _matmul_reference(q, q_scales, w: FP8Tensor, bias):
     """The float32 matmul of the dequantized activations and weights."""
     x = q.float() * (q_scales if q_scales.shape[1] == 1 else q_scales.repeat_interleave(128, 1)[:, :q.shape[1]])
@@ -79,13 +85,13 @@ def test_fp8_matmul_matches_the_dequantized_float32_matmul(device, blockwise, ro
     bias = torch.randn(n, generator=g)
     q, q_scales = quantize_rows(x, 128 if blockwise else None)
     want = _matmul_reference(q, q_scales, w, bias)
-    for out_dtype, tol in [(torch.float32, dict(atol=1e-4, rtol=1e-4)), (torch.bfloat16, dict(atol=2e-2, rtol=2e-2))]:
+    for out_dtype, tol in [(torch.float32, _fp32_tol(device)), (torch.bfloat16, dict(atol=2e-2, rtol=2e-2))]:
         got = fp8_matmul(q.to(device), q_scales.to(device), w.weight.to(device), w.scale.to(device),
                          bias.to(device), out_dtype)
         assert got.dtype == out_dtype
         torch.testing.assert_close(got.float().cpu(), want, **tol)
     got = fp8_matmul(q.to(device), q_scales.to(device), w.weight.to(device), w.scale.to(device), None, torch.float32)
-    torch.testing.assert_close(got.cpu(), _matmul_reference(q, q_scales, w, None), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.cpu(), _matmul_reference(q, q_scales, w, None), **_fp32_tol(device))
 
 
 def test_fp8_matmul_refuses_mismatched_scales():
@@ -161,7 +167,7 @@ def test_fp8_weight_takes_the_path_its_shape_asks_for(device, case):
     layer = FP8Weight(w.to(device))
     g = torch.Generator().manual_seed(3)
     bias = torch.randn(n, generator=g).to(dtype)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    tol = _fp32_tol(device) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     with gemv_on_cpu():
         for rows in (1, 4, 5, 33):
             x = torch.randn(rows, k, generator=g).to(dtype)
