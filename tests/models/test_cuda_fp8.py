@@ -8,7 +8,8 @@ shape (hidden 1024, 8 heads of 128, 4 KV heads, intermediate 3072, 6 layers).
   printed, bounded at 50 %); the bf16 engine, fed the fp8 engine's greedy tokens, picks the
   same at >= 50 % of the positions (printed); decode batches of 1 to 8 run through the
   graphs (GEMV up to 4 rows, quantized activations and torch._scaled_mm beyond); graphs vs
-  eager reported; the linear layers' weight bytes halve.
+  eager reported, and fp8 weights with an fp8 KV cache (the benchmarks' setting) run; the
+  linear layers' weight bytes halve.
 - an FP8 checkpoint with 128 x 128 block scales (quantization auto -> fp8): the Triton
   block matmul and the block-scaled GEMV against the bf16 engine on the dequantized weights
   (the difference is the activations' fp8 alone), bounded like the above."""
@@ -149,6 +150,12 @@ def test_quantization_fp8_stays_close_to_bf16(dirs, bf16, forward_logits):
     plain = [o.outputs[0].token_ids for o in eager.generate(prompts[:5], params)]
     print(f"fp8 weights, graphs vs eager: {sum(a == b for a, b in zip(graphs, plain))}/5 greedy sequences identical")
     fp8.check_idle()
+    del eager
+    both = LLM(dirs["bf16"], quantization="fp8", kv_cache_dtype="fp8", **ARGS)  # what the benchmarks run
+    with_kv = [o.outputs[0].token_ids for o in both.generate(prompts[:5], params)]
+    print(f"fp8 weights + fp8 KV vs fp8 weights: {sum(a == b for a, b in zip(with_kv, graphs))}/5 greedy sequences "
+          "identical")
+    assert all(len(t) == 16 for t in with_kv)
 
 
 def test_block_scaled_fp8_checkpoint_stays_close_to_its_dequantized_weights(dirs, forward_logits):
