@@ -45,8 +45,10 @@ class EngineConfig:
     # (AVX512_BF16, AMX) and float32 elsewhere | float32 | bfloat16 | float16
     dtype: str = "auto"
     # auto: weights as the checkpoint holds them, where a kernel multiplies them (GGUF blocks
-    # on the CPU), else dequantized to dtype | none: every weight dequantized to dtype.
-    # resolve() names what runs: gguf | none
+    # on the CPU, an FP8 checkpoint on CUDA), else dequantized to dtype | none: every weight
+    # dequantized to dtype | fp8: every linear layer in FP8 (an FP8 checkpoint's own scales;
+    # a dense checkpoint or dummy weights quantized per output row at load; the LM head and
+    # the embedding stay in dtype). resolve() names what runs: gguf | fp8 | none
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
     device: str = "auto"  # auto | cpu | cuda
@@ -86,7 +88,7 @@ class EngineConfig:
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"{name} must be a non-empty string or None; got {value!r:.80}")
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
-        _choice("quantization", self.quantization, ("auto", "none", "gguf"))
+        _choice("quantization", self.quantization, ("auto", "none", "gguf", "fp8"))
         _choice("kv_cache_dtype", self.kv_cache_dtype, tuple(_KV_CACHE_DTYPES))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "lpm"))
@@ -186,10 +188,20 @@ def _auto_dtype(device: str, quantization: str) -> str:
 
 
 def _quantization(asked: str, files, device: str) -> str:
-    """What multiplies the weights: gguf (blocks kept, CPU kernels) or none (dequantized)."""
-    if asked == "none" or not files.is_gguf or files.load_format == "dummy":
+    """What multiplies the weights: gguf (blocks kept, CPU kernels), fp8 (FP8 weights) or
+    none (dequantized)."""
+    if asked == "fp8" and files.is_gguf:
+        raise ValueError("quantization='fp8' quantizes an HF checkpoint's linear layers, and a GGUF file keeps "
+                         "its own blocks: use quantization='auto' (GGUF blocks on the CPU) or 'none', or pass the "
+                         "model's HF directory (config.json + safetensors) with quantization='fp8'")
+    if not files.is_gguf:
         if asked == "gguf":
             raise ValueError("quantization='gguf' needs a .gguf model file")
+        return _fp8_quantization(asked, files, device)
+    if asked == "none" or files.load_format == "dummy":
+        if asked == "gguf":
+            raise ValueError("quantization='gguf' needs a .gguf model file's own weights, and load_format='dummy' "
+                             "makes dense random ones: use quantization='auto'")
         return "none"
     if device != "cpu":
         if asked == "gguf":
@@ -205,6 +217,30 @@ def _quantization(asked: str, files, device: str) -> str:
         logger.warning("the CPU kernels did not build: the GGUF weights are dequantized to the run dtype")
         return "none"
     return "gguf"
+
+
+def _fp8_quantization(asked: str, files, device: str) -> str:
+    """fp8 or none for an HF directory: asked for, or auto on an FP8 checkpoint on CUDA."""
+    scheme = files.quantization_scheme()  # a method ember does not run raises here
+    if asked == "none" or (asked == "auto" and scheme is None):
+        if scheme is not None:
+            logger.info("%s: FP8 checkpoint dequantized to the run dtype (quantization='none')", files.path)
+        return "none"
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        if asked == "fp8":
+            raise ValueError(f"quantization='fp8' needs a GPU with fp8 (compute capability >= 8.9: Ada, Hopper); "
+                             f"this one is {torch.cuda.get_device_capability()}: use quantization='none'")
+        logger.info("%s: FP8 checkpoint dequantized to the run dtype: this GPU has no fp8 (compute capability %s "
+                    "< 8.9)", files.path, torch.cuda.get_device_capability())
+        return "none"
+    if device == "cpu":
+        if asked == "auto":
+            logger.info("%s: FP8 checkpoint dequantized to the run dtype on the CPU (quantization='fp8' keeps the "
+                        "fp8 weights and dequantizes them at every matmul)", files.path)
+            return "none"
+        logger.warning("quantization='fp8' on the CPU: the fp8 weights are dequantized at every matmul (a reference "
+                       "path, slower than quantization='none'); the FP8 kernels run on CUDA")
+    return "fp8"
 
 
 def _sampling_defaults(files, generation_config: str) -> Mapping[str, float | int]:

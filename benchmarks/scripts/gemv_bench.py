@@ -47,6 +47,17 @@ def time_us(fn, copies: int, reps: int = 40) -> float:
     return start.elapsed_time(end) * 1e3 / (5 * reps)
 
 
+def sweep_configs(run, copies: int) -> list[tuple[float, int, int, int]]:
+    """(µs, BLOCK_N, BLOCK_K, warps) of run(i, config) at each SWEEP config, fastest first."""
+    rows = []
+    for bn, bk, nwarps in SWEEP:
+        try:
+            rows.append((time_us(lambda i: run(i, (bn, bk, nwarps)), copies, reps=20), bn, bk, nwarps))
+        except Exception as e:  # out of registers / shared memory
+            print(f"    {bn},{bk},{nwarps}: {type(e).__name__}")
+    return sorted(rows)
+
+
 def main(sweep: bool) -> None:
     torch.manual_seed(0)
     dt = torch.bfloat16
@@ -76,14 +87,7 @@ def main(sweep: bool) -> None:
                 line += f"   {t_nf:8.1f} / {t_nu:8.1f}        {t_sf:8.1f} / {t_su:8.1f}"
             print(line, flush=True)
             if sweep and m == 1:
-                rows = []
-                for bn, bk, nwarps in SWEEP:
-                    try:
-                        t = time_us(lambda i: gemv(x, ws[i], config=(bn, bk, nwarps)), copies, reps=20)
-                        rows.append((t, bn, bk, nwarps))
-                    except Exception as e:  # out of registers / shared memory
-                        print(f"    {bn},{bk},{nwarps}: {type(e).__name__}")
-                rows.sort()
+                rows = sweep_configs(lambda i, config: gemv(x, ws[i], config=config), copies)
                 print(f"    default {gemv_config(m, n, k)}; best: " + ", ".join(
                     f"{bn},{bk},{w}: {t:.1f}" for t, bn, bk, w in rows[:4]), flush=True)
         del ws

@@ -149,13 +149,21 @@ def bench_ember(llm: Any, requests: list[RandomRequest], schema: dict[str, Any] 
     elapsed = time.perf_counter() - start
     cfg = llm.config
     return ThroughputResult(
-        label=f"ember ({Path(cfg.model).name}, {cfg.dtype}, {cfg.device})" + (", JSON schema" if schema else ""),
+        label=f"ember ({_engine_label(cfg)})" + (", JSON schema" if schema else ""),
         num_requests=len(outputs),
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
         output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
         elapsed_s=elapsed,
         forced_tokens=llm.engine.structured.num_forced_tokens - forced,
     )
+
+
+def _engine_label(cfg: Any) -> str:
+    """The model, dtype, weight quantization and KV-cache dtype where not the default, device."""
+    parts = [Path(cfg.model).name, cfg.dtype]
+    parts += [f"{cfg.quantization} weights"] if cfg.quantization != "none" else []
+    parts += [f"{cfg.kv_cache_dtype} KV"] if cfg.kv_cache_dtype != "auto" else []
+    return ", ".join(parts + [cfg.device])
 
 
 def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -180,9 +188,9 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
 
     report: dict[str, Any] = {
         "config": {k: v for k, v in vars(ns).items() if k != "func"},
-        "engine": {k: getattr(cfg, k) for k in ("model", "load_format", "dtype", "kv_cache_dtype", "device",
-                                                 "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
-                                                 "max_num_batched_tokens", "async_scheduling")},
+        "engine": {k: getattr(cfg, k) for k in ("model", "load_format", "dtype", "quantization", "kv_cache_dtype",
+                                                 "device", "max_model_len", "block_size", "num_kv_blocks",
+                                                 "max_num_seqs", "max_num_batched_tokens", "async_scheduling")},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(cfg.device),
         "results": {"ember": {}},

@@ -13,6 +13,12 @@ every row: it streams those rows of W once, in [BLOCK_N, BLOCK_K] tiles along K,
 rebuilds `a` tile by tile (x is a few KB, read from L2). The norm's rms needs the whole of
 h, so every program first sums h's squares (a second short pass over x); program 0 alone
 writes h out.
+
+FP8 weights (layers/quant/fp8.py: float8_e4m3fn W with float32 scales) are dequantized in
+registers while the activations stay in their dtype (weight-only: a decode step reads half
+the bytes, and quantizes nothing): with a scale per output row, y[n] = scale[n] * sum_k
+a[k] W[n, k] (applied once, after the sum); with a scale per 128 x 128 block, each weight
+element times scale[n // 128, k // 128] in the tile.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # the layers send one row only: from 2 rows up cuBLAS's GEMMs won on the H200
+MAX_ROWS = 4  # bf16 layers send one row (from 2 rows up cuBLAS won on the H200), FP8 layers up to 4
 PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
+FP8_SCALE_BLOCK = 128  # block-scaled fp8 weights: one scale per 128 x 128 block
 
 
 @triton.jit
@@ -35,9 +42,11 @@ def _residual_sum(x_ptr, res_ptr, stride_x, stride_r, m, k, mask, HAS_RES: tl.co
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, stride_x, stride_r, stride_w, stride_y,
-                 stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, h_ptr, stride_x, stride_r, stride_w,
+                 stride_s, stride_y, stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr, K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    # SCALE: 0 plain weight, 1 fp8 with a scale per output row, 2 fp8 with a scale per block
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -71,9 +80,15 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, stride_x, s
             up = tl.load(x_ptr + m[:, None] * stride_x + K + k[None, :], mask=xmask, other=0.0)
             g = gate.to(tl.float32)
             a = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=wmask, other=0.0).to(tl.float32)
+        if SCALE == 2:
+            w *= tl.load(s_ptr + (n // SCALE_BLOCK)[:, None] * stride_s + (k // SCALE_BLOCK)[None, :], mask=wmask,
+                         other=0.0)
+        acc += a[:, None, :] * w[None, :, :]
     y = tl.sum(acc, 2)
+    if SCALE == 1:
+        y *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * stride_y + n[None, :], y.to(y_ptr.dtype.element_ty),
@@ -100,16 +115,21 @@ def gemv_config(rows: int, n: int, k: int, fill_gpu: bool = True) -> tuple[int, 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: str = "none",
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         config: tuple[int, int, int] | None = None):
+         config: tuple[int, int, int] | None = None, weight_scale: torch.Tensor | None = None):
     """x [M <= MAX_ROWS, K] ([M, 2K] for "silu"), weight [N, K] with contiguous rows, bias [N].
     Returns y [M, N]; with prologue "norm" returns (y, h) where h = x + residual (a new
-    tensor; x itself when residual is None)."""
+    tensor; x itself when residual is None). A float8_e4m3fn weight comes with
+    `weight_scale`, float32 [N] (per row) or [ceil(N / 128), ceil(K / 128)] (per block), and
+    x in a float dtype of its own; otherwise x is in weight's dtype."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
     rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     width = 2 * k if prologue == "silu" else k
-    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype != weight.dtype:
-        raise ValueError(f"x must be [M, {width}] with contiguous rows in weight's dtype {weight.dtype}; got "
+    scale_mode = _check_scale(weight, weight_scale)
+    want = x.dtype in (torch.bfloat16, torch.float16, torch.float32) if scale_mode else x.dtype == weight.dtype
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1 or not want:
+        raise ValueError(f"x must be [M, {width}] with contiguous rows in "
+                         f"{'a float dtype' if scale_mode else f'weight dtype {weight.dtype}'}; got "
                          f"{tuple(x.shape)} {x.dtype} strides {x.stride()}, weight strides {weight.stride()}")
     if not 0 < rows <= MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {rows}: use F.linear")
@@ -122,10 +142,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty_like(x) if residual is not None else x
     block_n, block_k, warps = config or gemv_config(rows, n, k, x.is_cuda)
+    scale = weight_scale if weight_scale is not None else weight
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight, scale,
         bias if bias is not None else weight, y, h, x.stride(0), residual.stride(0) if residual is not None else 0,
-        weight.stride(0), y.stride(0), h.stride(0), n, eps, M=rows, M_PAD=triton.next_power_of_2(rows), K=k,
-        BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=PROLOGUES[prologue], HAS_RES=residual is not None,
-        HAS_BIAS=bias is not None, num_warps=warps)
+        weight.stride(0), scale.stride(0) if scale_mode == 2 else 0, y.stride(0), h.stride(0), n, eps, M=rows,
+        M_PAD=triton.next_power_of_2(rows), K=k, BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=PROLOGUES[prologue],
+        HAS_RES=residual is not None, HAS_BIAS=bias is not None, SCALE=scale_mode, SCALE_BLOCK=FP8_SCALE_BLOCK,
+        num_warps=warps)
     return (y, h) if prologue == "norm" else y
+
+
+def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The kernel's SCALE mode for this weight: 0 plain, 1 fp8 per row, 2 fp8 per block."""
+    if weight.dtype != torch.float8_e4m3fn:
+        if scale is not None:
+            raise ValueError(f"weight_scale goes with a float8_e4m3fn weight, not {weight.dtype}")
+        return 0
+    n, k = weight.shape
+    blocks = (triton.cdiv(n, FP8_SCALE_BLOCK), triton.cdiv(k, FP8_SCALE_BLOCK))
+    if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) not in ((n,), blocks) \
+            or scale.stride(-1) != 1:
+        raise ValueError(f"a float8_e4m3fn weight [{n}, {k}] needs weight_scale float32 [{n}] or {list(blocks)}; "
+                         f"got {None if scale is None else (scale.dtype, tuple(scale.shape))}")
+    return 1 if scale.dim() == 1 else 2

@@ -1,11 +1,14 @@
 """The token embedding and the LM head. A GGUF embedding stays in its blocks (rows are
-dequantized as they are looked up), and a head tied to it multiplies those blocks."""
+dequantized as they are looked up), and a head tied to it multiplies those blocks. A head
+an FP8 checkpoint stores in FP8 keeps it (--quantization fp8 itself leaves the head and the
+embedding in the model dtype)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ember.layers.quant import WeightFormat
+from ember.layers.quant.fp8 import FP8Tensor, FP8Weight
 from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks
 from ember.layers.quant.unquantized import OneDNNPacked
 
@@ -46,6 +49,12 @@ class LMHead(nn.Module):
         if tensor.shape != tuple(self.weight.shape):
             raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
         self.format = GGUFBlocks(tensor)
+        self.weight = _to_meta(self.weight)
+
+    def load_fp8(self, tensor: FP8Tensor, shard: None = None) -> None:
+        if tensor.shape != tuple(self.weight.shape):
+            raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
+        self.format = FP8Weight(tensor.to(self.weight.device))
         self.weight = _to_meta(self.weight)
 
     def pack_for_cpu(self) -> None:

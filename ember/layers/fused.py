@@ -1,6 +1,7 @@
 """The op before a linear layer fused into it where the layer runs as ember's GEMV kernel
 (one row on CUDA: a decode step of one sequence, where a layer's time is mostly kernel
-launches; see layers/linear.py `uses_gemv`) or on GGUF blocks on the CPU (whose kernel
+launches; see layers/kernel_paths.py; FP8 weights at a few rows take the GEMV too) or on GGUF
+blocks on the CPU (whose kernel
 quantizes its input anyway, and where a step's time is mostly calls):
 RMSNorm with the residual add into q|k|v and gate|up, the gated activation into down. One
 kernel each instead of two (kernels/gemv.py, kernels/cpu/quant_gemm.cpp); elsewhere the two
@@ -13,6 +14,7 @@ import torch
 from ember.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from ember.layers.linear import Linear, uses_gemv
 from ember.layers.norm import RMSNorm
+from ember.layers.quant.fp8 import FP8Weight
 from ember.layers.quant.gguf_blocks import GGUFBlocks
 
 
@@ -24,6 +26,8 @@ def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
         from ember.kernels.gemv import gemv
 
         return gemv(x, layer.weight, layer.bias, "norm", residual, norm.weight, norm.eps)
+    if isinstance(layer.format, FP8Weight) and layer.format.uses_gemv(x) and norm.weight.dtype == x.dtype:
+        return layer.format.gemv(x, layer.bias, "norm", residual, norm.weight, norm.eps)
     if isinstance(layer.format, GGUFBlocks) and norm.weight.dtype == x.dtype:
         if residual is None:
             return layer.format.apply(x, layer.bias, "norm", norm.weight, norm.eps), x
@@ -40,6 +44,8 @@ def silu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
         from ember.kernels.gemv import gemv
 
         return gemv(gate_up, layer.weight, layer.bias, "silu")
+    if isinstance(layer.format, FP8Weight) and layer.format.uses_gemv(gate_up):
+        return layer.format.gemv(gate_up, layer.bias, "silu")
     if isinstance(layer.format, GGUFBlocks):
         return layer.format.apply(gate_up, layer.bias, "silu")
     return layer(silu_and_mul(gate_up))

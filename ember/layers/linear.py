@@ -1,51 +1,41 @@
 """Linear layers. A merged layer takes several checkpoint tensors, one per shard, through
 the `weight_loader` its parameters carry; plain ones are copied whole by the loader. A layer
 multiplies its `weight` parameter unless it has a weight format (layers/quant/): GGUF blocks
-the loader handed it (`load_blocks`, then `finish_loading`), or on the CPU the dense weight
-prepacked once for oneDNN (`pack_for_cpu`). On CUDA, one row (a
-decode step of one sequence) times a weight of a small model goes through ember's GEMV
-kernel (kernels/gemv.py), which is faster than cuBLAS there and can take the op before it
-(layers/fused.py); `EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS."""
+or FP8 weights the loader handed it (`load_blocks` / `load_fp8`, then `finish_loading`), its
+own weight quantized to FP8 at load (`quantize_fp8`, --quantization fp8), or on the CPU the
+dense weight prepacked once for oneDNN (`pack_for_cpu`). On CUDA, one row (a decode step of
+one sequence) times a weight of a small model goes through ember's GEMV kernel
+(kernels/gemv.py), which is faster than cuBLAS there and can take the op before it
+(layers/fused.py); layers/kernel_paths.py says when, and `EMBER_SMALL_BATCH_GEMV=0` leaves
+every size to cuBLAS."""
 
 from __future__ import annotations
-
-import contextlib
-import os
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.layers.kernel_paths import gemv_on_cpu, uses_gemv  # noqa: F401 (tests take gemv_on_cpu from here)
 from ember.layers.quant import WeightFormat
+from ember.layers.quant.fp8 import FP8Tensor, FP8Weight, quantize_weight, stack_fp8
 from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks, stack_rows
 from ember.layers.quant.split import Dense, Split
 from ember.layers.quant.unquantized import OneDNNPacked
 
-
-GEMV_MAX_WEIGHT = 1 << 24  # elements: Llama-8B's o_proj; its q|k|v, gate|up and down go to cuBLAS
-_GEMV_ENABLED = os.environ.get("EMBER_SMALL_BATCH_GEMV", "1") != "0"
-_GEMV_ON_CPU = False  # tests run the kernel on CPU tensors through Triton's interpreter
+Quantized = BlockTensor | FP8Tensor  # a weight the loader hands over in its checkpoint format
 
 
-@contextlib.contextmanager
-def gemv_on_cpu() -> Iterator[None]:
-    """Take the GEMV path for CPU tensors too (Triton's interpreter): for tests."""
-    global _GEMV_ON_CPU
-    _GEMV_ON_CPU = True
-    try:
-        yield
-    finally:
-        _GEMV_ON_CPU = False
+def _format(tensor: Quantized) -> WeightFormat:
+    return GGUFBlocks(tensor) if isinstance(tensor, BlockTensor) else FP8Weight(tensor)
 
 
-def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a linear layer on x runs as ember's GEMV kernel: one row on CUDA, and a
-    weight of at most 2^24 elements. There the kernel beat cuBLAS on the H200; at 2 to 4
-    rows, and for bigger weights, cuBLAS is faster (benchmarks/BENCHMARKS.md, session 4)."""
-    return ((x.is_cuda and _GEMV_ENABLED) or _GEMV_ON_CPU) and x.dim() == 2 and x.shape[0] == 1 \
-        and weight.numel() <= GEMV_MAX_WEIGHT and x.dtype == weight.dtype and x.stride(1) == 1 \
-        and weight.device == x.device
+def _stack(parts: list[Quantized]) -> Quantized | None:
+    """The shards' rows as one weight of one format, or None where they do not stack."""
+    if all(isinstance(p, BlockTensor) for p in parts) and len({p.qtype for p in parts}) == 1:
+        return stack_rows(parts)
+    if all(isinstance(p, FP8Tensor) for p in parts):
+        return stack_fp8(parts)
+    return None
 
 
 class Linear(nn.Module):
@@ -54,7 +44,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.format: WeightFormat | None = None
-        self._blocks: dict[int | None, BlockTensor] = {}  # shard (None: whole) -> GGUF blocks, until loaded
+        self._quantized: dict[int | None, Quantized] = {}  # shard (None: whole) -> its weight, until loaded
 
     def set_format(self, fmt: WeightFormat) -> None:
         """The format holds the weight from now on; the parameter keeps its shape and dtype on
@@ -68,24 +58,38 @@ class Linear(nn.Module):
 
     def load_blocks(self, tensor: BlockTensor, shard: int | None) -> None:
         """A GGUF weight kept in its blocks: the whole weight (shard None) or one shard's rows."""
+        self._keep(tensor, shard)
+
+    def load_fp8(self, tensor: FP8Tensor, shard: int | None) -> None:
+        """An FP8 checkpoint's weight (values and scales): the whole weight or one shard's rows."""
+        self._keep(tensor.to(self.weight.device), shard)
+
+    def _keep(self, tensor: Quantized, shard: int | None) -> None:
         rows = self.weight.shape[0] if shard is None else self.out_sizes[shard]
-        if tensor.shape != (rows, self.weight.shape[1]):
-            raise ValueError(f"parameter rows {(rows, self.weight.shape[1])}, checkpoint {tensor.shape}")
-        self._blocks[shard] = tensor
+        if tuple(tensor.shape) != (rows, self.weight.shape[1]):
+            raise ValueError(f"parameter rows {(rows, self.weight.shape[1])}, checkpoint {tuple(tensor.shape)}")
+        self._quantized[shard] = tensor
 
     def finish_loading(self) -> None:
-        """Once every checkpoint tensor is in: GGUF blocks become the layer's format, one
-        GGUFBlocks where the shards share a type, else a Split beside the dense shards."""
-        blocks, self._blocks = self._blocks, {}
-        if not blocks:
+        """Once every checkpoint tensor is in: the quantized weights become the layer's
+        format, one where the shards stack (GGUF blocks of one type, FP8 of one kind), else a
+        Split of the shards side by side, dense ones among them."""
+        quantized, self._quantized = self._quantized, {}
+        if not quantized:
             return
-        if None in blocks:
-            return self.set_format(GGUFBlocks(blocks[None]))
-        parts = [blocks.get(i) for i in range(len(self.out_sizes))]
-        if None not in parts and len({p.qtype for p in parts}) == 1:
-            return self.set_format(GGUFBlocks(stack_rows(parts)))
+        if None in quantized:
+            return self.set_format(_format(quantized[None]))
+        parts = [quantized.get(i) for i in range(len(self.out_sizes))]
+        stacked = _stack(parts) if None not in parts else None
+        if stacked is not None:
+            return self.set_format(_format(stacked))
         dense = self.weight.data.split(self.out_sizes)
-        self.set_format(Split([GGUFBlocks(p) if p is not None else Dense(d.clone()) for p, d in zip(parts, dense)]))
+        self.set_format(Split([_format(p) if p is not None else Dense(d.clone()) for p, d in zip(parts, dense)]))
+
+    def quantize_fp8(self) -> None:
+        """The loaded dense weight in FP8 with a scale per output row (--quantization fp8)."""
+        if self.format is None:
+            self.set_format(FP8Weight(quantize_weight(self.weight)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format is not None:

@@ -6,12 +6,17 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from ember.layers.quant.fp8 import FP8Tensor
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from ember.loader.fp8_checkpoint import FP8Scheme
 
 # what generation_config.json may set for requests that leave it unset (as vLLM's
 # --generation-config auto; do_sample is not read there either)
@@ -37,9 +42,21 @@ class ModelFiles:
             return ModelConfig.from_gguf_metadata(f.metadata, f.tensor_names, lambda n: f.tensor(n).tolist())
         return ModelConfig.from_hf_dir(self.path)
 
+    def quantization_scheme(self) -> FP8Scheme | None:
+        """The FP8 scheme an HF directory's config.json names (quantization_config); None for
+        a GGUF file or a directory without one. A method ember does not run: ValueError."""
+        if self.is_gguf:
+            return None
+        from ember.loader.fp8_checkpoint import checkpoint_scheme
+
+        file = self.path / "config.json"
+        return checkpoint_scheme(json.loads(file.read_text(encoding="utf-8")), str(file))
+
     def weights(self, cfg: ModelConfig, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                quantization: str = "none") -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
-        """HF-named tensors; with quantization 'gguf', a GGUF's block-quantized weights as BlockTensor."""
+                quantization: str = "none") -> Iterator[tuple[str, torch.Tensor | BlockTensor | FP8Tensor]]:
+        """HF-named tensors; with quantization 'gguf', a GGUF's block-quantized weights as
+        BlockTensor; an FP8 checkpoint's weights as FP8Tensor with quantization 'fp8', else
+        dequantized (float32)."""
         if self.load_format == "dummy":
             from ember.loader.dummy import iter_dummy_weights
 
@@ -54,7 +71,13 @@ class ModelFiles:
         from ember.loader.weights import checkpoint_names
 
         read = iter_pt if self.load_format == "pt" else iter_safetensors
-        return read(self.path, checkpoint_names(cfg))
+        tensors = read(self.path, checkpoint_names(cfg))
+        scheme = self.quantization_scheme()
+        if scheme is None:
+            return tensors
+        from ember.loader.fp8_checkpoint import fp8_weights
+
+        return fp8_weights(tensors, scheme, dequantize=quantization != "fp8", source=str(self.path))
 
     def tensor_bytes(self) -> int:
         """Bytes of the checkpoint's tensors as stored (0 for dummy weights)."""
@@ -156,4 +179,15 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, files.weights(cfg, seed, device, dtype, quantization), source=str(files.path))
+    scheme = files.quantization_scheme()
+    if quantization == "fp8" and (scheme is None or files.load_format == "dummy"):
+        # dense weights (a bf16 checkpoint, or dummy ones at an FP8 checkpoint's shapes): FP8 per
+        # output row, every linear layer but what the checkpoint's ignore-list names
+        from ember.loader.fp8_checkpoint import quantize_linear_layers
+
+        quantize_linear_layers(model, scheme)
+    if quantization == "fp8" and device == "cuda":
+        # the dense parameters the FP8 layers replaced: their memory back to the device, where the
+        # KV pool's sizing (free memory) sees it
+        torch.cuda.empty_cache()
     return model.eval()

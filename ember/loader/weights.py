@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from ember.layers.quant.fp8 import FP8Tensor
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.models.config import ModelConfig
 
@@ -22,6 +23,9 @@ PACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -94,10 +98,12 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockTensor]], source: str) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockTensor | FP8Tensor]],
+                 source: str) -> None:
     """Copy every checkpoint tensor into its parameter; each parameter (shard) exactly once.
-    A BlockTensor (GGUF blocks kept quantized) goes to the layer owning the parameter, which
-    takes it as its weight format once all are in (`finish_loading`).
+    A BlockTensor (GGUF blocks kept quantized) or an FP8Tensor (an FP8 checkpoint's weight
+    with its scales) goes to the layer owning the parameter, which takes it as its weight
+    format once all are in (`finish_loading`).
 
     Raises ValueError naming unknown, duplicated and missing tensors."""
     params = dict(model.named_parameters())
@@ -111,6 +117,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
     for name, tensor in weights:
         if tied and name == "lm_head.weight":
             continue  # some tied checkpoints store a copy of the embedding
+        if isinstance(tensor, torch.Tensor) and tensor.dtype in _FP8_DTYPES:
+            raise ValueError(f"{source}: tensor {name!r} is {tensor.dtype} with no scale paired to it: an FP8 "
+                             "checkpoint's config.json names its scheme in quantization_config (ember reads "
+                             "quant_method 'fp8' and 'compressed-tensors')")
         pname, shard = _target(name)
         if pname not in params:
             unknown.append(name)
@@ -124,6 +134,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
             with torch.no_grad():
                 if isinstance(tensor, BlockTensor):
                     model.get_submodule(pname.rsplit(".", 1)[0]).load_blocks(tensor, shard)
+                elif isinstance(tensor, FP8Tensor):
+                    owner = model.get_submodule(pname.rsplit(".", 1)[0])
+                    if not hasattr(owner, "load_fp8"):
+                        raise ValueError(f"{type(owner).__name__} takes no FP8 weight: dequantize it in the checkpoint")
+                    owner.load_fp8(tensor, shard)
                 elif shard is None and (shards or loader is None):
                     # a plain parameter, or a merged one stored merged (Phi-3's qkv_proj, gate_up_proj)
                     if param.shape != tensor.shape:
@@ -155,6 +170,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
 def _num_shards(model: nn.Module, pname: str) -> int | None:
     """How many checkpoint tensors fill this merged parameter; None for a plain one."""
     return getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "num_shards", None)
+
+
+def hf_module_names(module: str) -> list[str]:
+    """An ember module's name and the checkpoint modules merged into it: ...qkv_proj ->
+    [...qkv_proj, ...q_proj, ...k_proj, ...v_proj]."""
+    parent, _, last = module.rpartition(".")
+    return [module] + [f"{parent}.{original}" if parent else original
+                       for original, (merged, _) in PACKED.items() if merged == last]
 
 
 def _show(item: tuple[str, int | None]) -> str:

@@ -34,9 +34,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: bfloat16 on CUDA; on the CPU float32 for GGUF blocks, else bfloat16 where the "
                              "CPU computes it natively (AVX512_BF16, AMX), float32 elsewhere")
-    parser.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "gguf"],
+    parser.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "gguf", "fp8"],
                         help="auto: a GGUF file's quantized weights stay in their blocks on the CPU (int8 kernels, "
-                             "as llama.cpp); none: dequantize every weight to --dtype")
+                             "as llama.cpp), an FP8 checkpoint's stay in FP8 on CUDA; none: dequantize every "
+                             "weight to --dtype; fp8: every linear layer in FP8 (a bf16 checkpoint or dummy "
+                             "weights quantized per output row at load; the LM head and embedding stay in --dtype)")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3"],
                         help="KV cache storage: auto (the model dtype) or fp8 (e4m3, scale 1.0): half the bytes "
                              "per token, twice the blocks")

@@ -77,3 +77,24 @@ def test_random_requests_bounds_and_special_ids():
 def test_bad_range_ratio_is_refused():
     with pytest.raises(ValueError, match="range-ratio"):
         random_requests(1, 8, 4, 1.0, 100, [], seed=0)
+
+
+def test_fp8_weights_flag_on_dummy_weights(tmp_path, capsys):
+    """--quantization fp8 with --load-format dummy (how the GPU benchmarks run it), here on a
+    tiny config on the CPU: every linear layer quantized at load, named in the report."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "fp8.json"
+    main([*TINY, str(tmp_path), "--load-format", "dummy", "--quantization", "fp8", "--dtype", "float32",
+          "--output-json", str(path)])
+    out = capsys.readouterr().out
+    assert totals(out) == (24, 12) and "float32, fp8 weights, cpu)" in out, out
+    report = json.loads(path.read_text())
+    assert report["config"]["quantization"] == report["engine"]["quantization"] == "fp8"
+    # fp8 linear layers (1 byte a weight, 4 a row's scale) beside the float32 embedding and head
+    linear = 2 * (64 * 128 + 64 * 64 + 2 * 128 * 64 + 64 * 128)
+    rows = 2 * (128 + 64 + 256 + 64)
+    dense = 4 * (2 * 256 * 64 + 5 * 64)  # float32 embedding, head and norms
+    assert report["results"]["ember"]["memory_gib"]["weights"] * 2**30 == linear + 4 * rows + dense

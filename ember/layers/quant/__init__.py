@@ -6,6 +6,8 @@ weights are loaded and owns what it holds:
 
     unquantized.py   OneDNNPacked: a dense weight prepacked for oneDNN (CPU)
     gguf_blocks.py   GGUFBlocks: GGUF's block-quantized rows (Q4_0 ... Q6_K), int8 kernels (CPU)
+    fp8.py           FP8Weight: float8_e4m3fn with per-row or 128 x 128 block scales (CUDA
+                     kernels; dequantized on the CPU)
     split.py         Split: pieces of a merged layer in different formats, side by side
 
 Model files never see formats: they call the layer.

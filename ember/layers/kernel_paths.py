@@ -1,0 +1,53 @@
+"""Which matmul a linear layer's input takes: ember's CUDA paths (the small-batch GEMV,
+kernels/gemv.py; the FP8 kernels, layers/quant/fp8.py) for CUDA tensors, cuBLAS / plain
+torch otherwise. `gemv_on_cpu()` sends CPU tensors down the CUDA paths too, through
+Triton's interpreter, for tests. `EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS
+(and FP8 weights to torch._scaled_mm)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+GEMV_MAX_WEIGHT = 1 << 24  # elements: Llama-8B's o_proj; its q|k|v, gate|up and down go to cuBLAS
+# FP8 weights: rows up to this go to the weight-only fp8 GEMV, more to the fp8 x fp8 matmuls.
+# A first guess (the GEMV reads the fp8 weight once and skips quantizing the activations; for
+# bf16 weights cuBLAS won from 2 rows up): the lead measures it on the H200
+# (benchmarks/scripts/fp8_gemm_bench.py) and sets it from there.
+FP8_GEMV_MAX_ROWS = 4
+_GEMV_ENABLED = os.environ.get("EMBER_SMALL_BATCH_GEMV", "1") != "0"
+_ON_CPU = False  # tests run the kernels on CPU tensors through Triton's interpreter
+
+
+@contextlib.contextmanager
+def gemv_on_cpu() -> Iterator[None]:
+    """Take the CUDA paths (GEMV, FP8 kernels) for CPU tensors too (Triton's interpreter): for tests."""
+    global _ON_CPU
+    _ON_CPU = True
+    try:
+        yield
+    finally:
+        _ON_CPU = False
+
+
+def cuda_paths(x: torch.Tensor) -> bool:
+    """x takes the CUDA kernels: it is on CUDA, or tests asked for them on the CPU."""
+    return x.is_cuda or _ON_CPU
+
+
+def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a linear layer on x runs as ember's GEMV kernel: one row on CUDA, and a
+    weight of at most 2^24 elements. There the kernel beat cuBLAS on the H200; at 2 to 4
+    rows, and for bigger weights, cuBLAS is faster (benchmarks/BENCHMARKS.md, session 4)."""
+    return ((x.is_cuda and _GEMV_ENABLED) or _ON_CPU) and x.dim() == 2 and x.shape[0] == 1 \
+        and weight.numel() <= GEMV_MAX_WEIGHT and x.dtype == weight.dtype and x.stride(1) == 1 \
+        and weight.device == x.device
+
+
+def uses_fp8_gemv(x: torch.Tensor) -> bool:
+    """Whether a layer holding FP8 weights runs x [M, K] as the weight-only fp8 GEMV."""
+    return ((x.is_cuda and _GEMV_ENABLED) or _ON_CPU) and x.dim() == 2 and 0 < x.shape[0] <= FP8_GEMV_MAX_ROWS \
+        and x.stride(1) == 1
