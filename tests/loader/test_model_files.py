@@ -89,7 +89,8 @@ def test_truncated_gguf(tmp_path, gguf_path):
     with open(gguf_path, "rb") as src:
         path.write_bytes(src.read(gguf_path.stat().st_size // 2))
     msg = load_error(path)
-    assert msg.startswith(f"{path} is not a readable GGUF file: it looks truncated or corrupt")
+    # the header is whole; the first tensor past the end is named
+    assert msg.startswith(f"{path} is truncated or corrupt: tensor 'blk.15.attn_output.weight' needs bytes")
     assert msg.endswith("Download or convert it again.")
 
 
