@@ -30,7 +30,7 @@ from ember.kernels.fp8 import fp8_matmul, quantize_groups
 from ember.kernels.gemv import gemv, gemv_config
 from ember.layers.quant.fp8 import AMAX_FLOOR, quantize_weight
 
-ROWS = [1, 2, 4, 8, 16, 64, 256, 512, 2048]
+ROWS = [1] if "--m1" in sys.argv else [1, 2, 4, 8, 16, 64, 256, 512, 2048]
 COLUMNS = ["bf16", "gemv8", "q+smm", "fast", "quant", "tri", "blk", "blk-smm"]
 
 

@@ -22,7 +22,8 @@ SHAPES = {  # name: (N, K) of weight [N, K]
 
 
 SWEEP = [(4, 512, 4), (8, 512, 4), (16, 512, 4), (8, 256, 4), (16, 256, 4), (32, 256, 4), (8, 1024, 8),
-         (16, 512, 8)]  # (BLOCK_N, BLOCK_K, num_warps) at one row
+         (16, 512, 8), (4, 1024, 4), (8, 1024, 4), (16, 1024, 8), (4, 2048, 8), (8, 2048, 8), (2, 2048, 4),
+         (32, 512, 8)]  # (BLOCK_N, BLOCK_K, num_warps) at one row; the long tiles are for fp8 weights
 
 
 def time_us(fn, copies: int, reps: int = 40) -> float:

@@ -145,6 +145,9 @@ def stack_fp8(parts: list[FP8Tensor]) -> FP8Tensor | None:
     return FP8Tensor(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
 
 
+WIDE_ROWS = 16384  # from here on, one row goes to the fp8 matmul, not the GEMV (uses_gemv)
+
+
 class FP8Weight(WeightFormat):
     def __init__(self, tensor: FP8Tensor) -> None:
         self.weight = tensor.weight.contiguous()
@@ -163,7 +166,10 @@ class FP8Weight(WeightFormat):
         return FP8Tensor(self.weight, self.scale).dequantize(dtype)
 
     def uses_gemv(self, x: torch.Tensor) -> bool:
-        return uses_fp8_gemv(x)
+        """The fp8 GEMV for a few rows, but for the widest weights (Llama-8B's gate|up, 28672
+        rows), where the Triton fp8 matmul read them faster at one row on the H200 (34 vs 46 us:
+        benchmarks/BENCHMARKS.md)."""
+        return uses_fp8_gemv(x) and self.out_features < WIDE_ROWS
 
     def gemv(self, x: torch.Tensor, bias: torch.Tensor | None = None, prologue: str = "none",
              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
@@ -181,12 +187,13 @@ class FP8Weight(WeightFormat):
             rows = rows.contiguous()
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        if uses_fp8_gemv(rows):
+        if self.uses_gemv(rows):
             y = self.gemv(rows, bias)
         else:
             from ember.kernels.fp8 import fp8_matmul, quantize_groups
 
-            if self._scaled_mm_scale is not None and x.dtype == torch.bfloat16:
+            few_rows = uses_fp8_gemv(rows)  # a wide weight's few rows: the Triton matmul (uses_gemv)
+            if self._scaled_mm_scale is not None and x.dtype == torch.bfloat16 and not few_rows:
                 q, q_scale = quantize_groups(rows, None, AMAX_FLOOR)
                 y = torch._scaled_mm(q, self.weight.t(), scale_a=q_scale, scale_b=self._scaled_mm_scale, bias=bias,
                                      out_dtype=torch.bfloat16)
