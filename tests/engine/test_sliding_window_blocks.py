@@ -111,7 +111,7 @@ def run(llm: LLM, tag: str) -> tuple[list[list[int]], list[int], list[int], int]
 
 def test_chunked_prefill_and_a_prefix_hit_match_hf_while_blocks_go_back(windowed):
     path, expected = windowed
-    llm = LLM(path, block_size=BLOCK, num_kv_blocks=96, max_model_len=128, max_num_batched_tokens=5)
+    llm = LLM(path, dtype="float32", block_size=BLOCK, num_kv_blocks=96, max_model_len=128, max_num_batched_tokens=5)
     tokens, hits, most_held, most_in_use = run(llm, "cold")
     assert tokens == expected and hits == [0, 0, 0]
     # each request held at most its window's 4 blocks (the whole context: 15, 19 and 12,
@@ -128,7 +128,7 @@ def test_a_pool_smaller_than_the_context_but_enough_for_the_window_runs(windowed
     path, expected = windowed
     assert SlidingWindowBlocks(BLOCK, WINDOW).most_held(10**6) == 4
     # 6 blocks (24 tokens) for requests of up to 77 tokens (20 blocks)
-    llm = LLM(path, block_size=BLOCK, num_kv_blocks=6, max_model_len=128, max_num_batched_tokens=16,
+    llm = LLM(path, dtype="float32", block_size=BLOCK, num_kv_blocks=6, max_model_len=128, max_num_batched_tokens=16,
               async_scheduling=async_scheduling)
     for tag in ("small", "again"):  # again: over a tree the first run left with holes and evictable blocks
         tokens, _, most_held, most_in_use = run(llm, tag)
@@ -140,11 +140,11 @@ def test_a_pool_smaller_than_the_context_but_enough_for_the_window_runs(windowed
 
 def test_a_model_with_global_layers_gives_back_nothing(tmp_path_factory):
     path, expected = build("gemma2", tmp_path_factory)
-    llm = LLM(path, block_size=BLOCK, num_kv_blocks=96, max_model_len=128, max_num_batched_tokens=16)
+    llm = LLM(path, dtype="float32", block_size=BLOCK, num_kv_blocks=96, max_model_len=128, max_num_batched_tokens=16)
     assert llm.engine.scheduler.window.first_needed(10**6) == 0
     tokens, _, most_held, _ = run(llm, "g")  # check_blocks: no table ever points at the null block
     # the whole context of each request, as last seen before its final step (41 + 18, 57 + 18, 30 + 18 tokens)
     assert tokens == expected and most_held == [15, 19, 12]
     with pytest.raises(ValueError, match="whose KV needs 19 blocks, but the whole pool has 6"):
-        LLM(path, block_size=BLOCK, num_kv_blocks=6, max_model_len=128).generate(
+        LLM(path, dtype="float32", block_size=BLOCK, num_kv_blocks=6, max_model_len=128).generate(
             [{"prompt_token_ids": PROMPTS[1]}], PARAMS)

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 
 #include "convert.h"
@@ -132,15 +133,45 @@ void rotate_rows(const at::Tensor& x, const float* cos_sin, int64_t rotary) {
 // rotate-half RoPE of q [tokens, heads, dim] and k [tokens, kv_heads, dim] in place (they may
 // be views of the fused qkv output); cos_sin [tokens, rotary] float32 = cos | sin, rotary <= dim:
 // the first `rotary` dims of each head turn (partial RoPE where rotary < dim), the rest pass
-void rotary_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_sin) {
+// With the cache given (v, k_cache, v_cache, slot_mapping), token t's rotated k and its v are
+// then stored in cache slot slot_mapping[t] (k_cache[slot / block_size][slot % block_size]),
+// as CUDA's RoPE kernel does: one call a layer instead of RoPE and two index copies.
+void rotary_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_sin,
+                    const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_cache,
+                    const std::optional<at::Tensor>& v_cache, const std::optional<at::Tensor>& slot_mapping) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(-1) == 1 && k.stride(-1) == 1 && q.size(0) == k.size(0) &&
               q.size(2) == k.size(2) && q.scalar_type() == k.scalar_type(), "q and k must be [tokens, heads, dim] alike");
   TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.scalar_type() == at::kFloat &&
               cos_sin.size(0) == q.size(0) && cos_sin.size(1) <= q.size(2) && cos_sin.size(1) % 2 == 0,
               "cos_sin must be a contiguous float32 [tokens, rotary], rotary even and at most dim");
+  const bool write = k_cache.has_value();
+  if (write) {
+    TORCH_CHECK(v.has_value() && v_cache.has_value() && slot_mapping.has_value(), "the cache write needs v, both caches and slots");
+    TORCH_CHECK(v->sizes() == k.sizes() && v->stride(-1) == 1 && v->scalar_type() == k.scalar_type(), "v must be shaped as k");
+    TORCH_CHECK(k_cache->dim() == 4 && k_cache->is_contiguous() && v_cache->is_contiguous() &&
+                k_cache->sizes() == v_cache->sizes() && k_cache->scalar_type() == k.scalar_type() &&
+                v_cache->scalar_type() == k.scalar_type() && k_cache->size(2) == k.size(1) && k_cache->size(3) == k.size(2),
+                "caches must be contiguous [blocks, block_size, kv_heads, dim] in k's dtype");
+    TORCH_CHECK(slot_mapping->scalar_type() == at::kLong && slot_mapping->dim() == 1 && slot_mapping->is_contiguous() &&
+                slot_mapping->size(0) == k.size(0), "slot_mapping must be a contiguous int64 [tokens]");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_inplace", [&] {
     rotate_rows<scalar_t>(q, cos_sin.data_ptr<float>(), cos_sin.size(1));
     rotate_rows<scalar_t>(k, cos_sin.data_ptr<float>(), cos_sin.size(1));
+    if (!write) return;
+    const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2), slots = k_cache->size(0) * k_cache->size(1);
+    const int64_t* slot = slot_mapping->data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is not in the cache");
+    scalar_t* kc = k_cache->data_ptr<scalar_t>();
+    scalar_t* vc = v_cache->data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v->data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kc + (slot[t] * heads + h) * dim, kp + t * k.stride(0) + h * k.stride(1), dim * sizeof(scalar_t));
+        std::memcpy(vc + (slot[t] * heads + h) * dim, vp + t * v->stride(0) + h * v->stride(1), dim * sizeof(scalar_t));
+      }
+    }
   });
 }
 
@@ -149,7 +180,8 @@ void rotary_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.def("rotary_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos_sin) -> ()");
+  m.def("rotary_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos_sin, Tensor? v=None, Tensor(c!)? k_cache=None, "
+        "Tensor(d!)? v_cache=None, Tensor? slot_mapping=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -23,11 +24,17 @@
 
 namespace {
 
-constexpr int64_t kThreadRows = 2048;
+constexpr int64_t kThreadRows = 256;  // context rows a thread: KV rows come from DRAM (the weights stream evicts them)
 
+// a cache row as float32: itself in a float32 cache, else converted into `buf`
 template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = ember_cpu::load(src[i]);
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = ember_cpu::load(src[i]);
+    return buf;
+  }
 }
 
 // kDim > 0: the head size as a compile-time constant, so the inner loops unroll (2x faster
@@ -52,7 +59,20 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // the first key a query sees:  keys  0 ... first ... len - 1   (first = 0 without a window)
   auto first_key = [window](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0}; };
 
-  // threads pay only past ~2k context rows in all (batch 1 at a short context runs on one)
+  // f(i, row) for keys first + i, i in [0, len): a block's rows one after another (one division a
+  // block, not two a key; the next row prefetched)
+  auto each_key = [&](const int32_t* table, int64_t first, int64_t len, const T* base, auto&& f) {
+    for (int64_t i = 0; i < len;) {
+      const int64_t t = first + i, offset = t % block_size, run = std::min(block_size - offset, len - i);
+      const T* row = base + table[t / block_size] * block_stride + offset * slot_stride;
+      for (int64_t j = 0; j < run; ++j, ++i, row += slot_stride) {
+        __builtin_prefetch(row + 4 * slot_stride);
+        f(i, row);
+      }
+    }
+  };
+
+  // threads pay past ~256 context rows in all (batch 1 at a short context runs on one)
   int64_t rows = 0;
   for (int64_t b = 0; b < batch; ++b) rows += (lens[b] - first_key(lens[b])) * kv_heads;
   const int64_t grain = std::max<int64_t>(1, kThreadRows * batch * kv_heads / std::max<int64_t>(1, rows));
@@ -67,18 +87,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ember_cpu::load(src[d]) * fscale;
       }
       scores.resize(group * len);
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t t = first + i;
-        const T* k = kp + table[t / block_size] * block_stride + (t % block_size) * slot_stride + kv_head * dim;
-        to_float(k, row.data(), dim);
+      each_key(table, first, len, kp + kv_head * dim, [&](int64_t i, const T* k) {
+        const float* kf = as_float(k, row.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * dim;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
+          for (int64_t d = 0; d < dim; ++d) s += qg[d] * kf[d];
           scores[g * len + i] = s;
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
         if (cap > 0) {
@@ -91,16 +109,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t i = 0; i < len; ++i) s[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t t = first + i;
-        const T* v = vp + table[t / block_size] * block_stride + (t % block_size) * slot_stride + kv_head * dim;
-        to_float(v, row.data(), dim);
+      each_key(table, first, len, vp + kv_head * dim, [&](int64_t i, const T* v) {
+        const float* vf = as_float(v, row.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + i];
           float* a = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * vf[d];
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         T* dst = op + (b * heads + kv_head * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = ember_cpu::store<T>(acc[g * dim + d]);
