@@ -28,7 +28,7 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def engine(gguf_path):
-    e = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32"))
+    e = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", quantization="none"))
     yield e
     e.stop()
 
@@ -135,7 +135,7 @@ def test_bad_input_is_refused_before_the_engine_thread(engine):
 
 def test_shutdown_lets_in_flight_requests_finish_then_refuses(gguf_path, llm):
     ref = llm.generate(FRANCE, greedy(20, ignore_eos=True))[0].outputs[0].text
-    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", num_kv_blocks=64))
+    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", quantization="none", num_kv_blocks=64))
 
     async def run():
         stream = engine.add_request(FRANCE, greedy(20, ignore_eos=True))
@@ -152,7 +152,7 @@ def test_shutdown_lets_in_flight_requests_finish_then_refuses(gguf_path, llm):
 
 
 def test_a_dead_engine_loop_fails_its_streams_and_refuses_new_requests(gguf_path, monkeypatch):
-    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", num_kv_blocks=64))
+    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", quantization="none", num_kv_blocks=64))
 
     def broken_step():
         raise RuntimeError("boom")

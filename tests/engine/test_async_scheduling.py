@@ -344,7 +344,7 @@ def test_the_async_engine_front_with_async_scheduling(gguf_path, llm):
               greedy(6, logprobs=2)]
     prompts = PROMPTS[1:5]
     want = [llm.generate(p, sp)[0] for p, sp in zip(prompts, params)]
-    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", async_scheduling=True))
+    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", quantization="none", async_scheduling=True))
     try:
         async def run():
             long = engine.add_request(FRANCE, greedy(2000, ignore_eos=True))

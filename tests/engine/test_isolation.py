@@ -27,7 +27,7 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def engine(gguf_path):
-    e = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", num_kv_blocks=128))
+    e = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", quantization="none", num_kv_blocks=128))
     yield e
     e.stop()
 
@@ -140,7 +140,7 @@ def test_scores_with_no_allowed_token_end_the_request_with_an_error_not_text(eng
 
 def test_a_dead_loop_tells_its_owner_and_every_stream(gguf_path, monkeypatch):
     died = []
-    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", num_kv_blocks=64),
+    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", quantization="none", num_kv_blocks=64),
                          on_dead=died.append)
     monkeypatch.setattr(engine.core, "step", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
 

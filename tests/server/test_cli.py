@@ -13,14 +13,14 @@ def ember(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 def test_generate_prints_the_greedy_completion(llm):
     want = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
-    done = ember("generate", "The capital of France is", "--max-tokens", "12", "--dtype", "float32")
+    done = ember("generate", "The capital of France is", "--max-tokens", "12", "--dtype", "float32", "--quantization", "none")
     assert done.returncode == 0, done.stderr
     assert done.stdout == want + "\n"
     assert "[12 tokens," in done.stderr and "tok/s]" in done.stderr
 
 
 def test_chat_one_shot_answers(llm):
-    done = ember("chat", "-m", "What is the capital of France?", "--dtype", "float32")
+    done = ember("chat", "-m", "What is the capital of France?", "--dtype", "float32", "--quantization", "none")
     assert done.returncode == 0, done.stderr
     assert done.stdout == "The capital of France is Paris.\n"
 
@@ -31,7 +31,7 @@ def test_interactive_chat_keeps_the_history(llm):
     reply1 = llm.chat(first, params)[0].outputs[0].text
     second = first + [{"role": "assistant", "content": reply1}, {"role": "user", "content": "And of Italy?"}]
     reply2 = llm.chat(second, params)[0].outputs[0].text
-    done = ember("chat", "--dtype", "float32", "--max-tokens", "24",
+    done = ember("chat", "--dtype", "float32", "--quantization", "none", "--max-tokens", "24",
                  stdin="What is the capital of France?\nAnd of Italy?\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"> {reply1}\n> {reply2}\n> "

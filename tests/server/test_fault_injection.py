@@ -240,7 +240,10 @@ def test_served_but_costly_requests_leave_others_alone(server, victim_text):
         choice = r.json()["choices"][0]
         assert choice["text"] in ("yes", "no") and choice["finish_reason"] == "stop"  # 1e-40 is greedy
         r = _send(server, *completion(prompt="x", max_tokens=4, guided_regex="a{1,100000}"))
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "aaaa", r.text
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]  # sampled: it may stop (an end-of-generation token) after any "a"
+        assert choice["text"] in ("a", "aa", "aaa", "aaaa"), r.text
+        assert choice["finish_reason"] == ("length" if choice["text"] == "aaaa" else "stop"), r.text
         bias = {str(t): -1.0 for t in range(1000, 2023)} | {"7042": 100}  # 1024 entries, one scatter-add
         r = _send(server, *completion(prompt="The capital of France is", max_tokens=3, temperature=0,
                                       logit_bias=bias, logprobs=0))

@@ -64,7 +64,7 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "ember.server.cli", "serve", str(gguf), "--dtype", "float32",
+        cmd = [sys.executable, "-m", "ember.server.cli", "serve", str(gguf), "--dtype", "float32", "--quantization", "none",
                "--port", str(self.port), "--served-model-name", MODEL, *args]
         self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      env=os.environ | {"PYTHONUNBUFFERED": "1"})

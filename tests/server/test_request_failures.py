@@ -33,7 +33,7 @@ DOOMED_SEED = 666  # the injected fault hits requests with this seed
 def served(gguf_path):
     """(base url, engine): a keyed server with public metrics on an engine whose sampling
     rows fail for seed DOOMED_SEED."""
-    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", num_kv_blocks=128))
+    engine = AsyncEngine(EngineConfig(model=str(gguf_path), dtype="float32", quantization="none", num_kv_blocks=128))
     generator = engine.core.runner._generator
 
     def doomed(req, i):

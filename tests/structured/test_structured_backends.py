@@ -17,6 +17,9 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age"]}
 
 
+STOP = {0, 2, 4}  # the default model's end-of-generation tokens
+
+
 def allowed(matcher) -> set[int]:
     bitmask = torch.zeros(2, bitmask_words(VOCAB), dtype=torch.int32)
     matcher.fill_bitmask(bitmask, 1)
@@ -31,8 +34,10 @@ def test_the_backends_see_the_models_vocabulary(tok):
     assert info.vocab_size == VOCAB == tok.vocab_size
     assert info.vocab_type.name == "BYTE_LEVEL"
     assert tok.all_special_ids == list(range(17))
-    assert info.special_token_ids == [i for i in range(17) if i != 2]  # xgrammar lists the stop token apart
-    assert info.stop_token_ids == [2]  # <|im_end|>
+    # the stop tokens are llama.cpp's end-of-generation set for this file (ember/loader/gguf_tokenizer.py):
+    # <|endoftext|>, <|im_end|> and <reponame> (a fill-in-the-middle token); xgrammar lists them apart
+    assert info.stop_token_ids == [0, 2, 4]
+    assert info.special_token_ids == [i for i in range(17) if i not in (0, 2, 4)]
     with pytest.raises(ValueError, match="the tokenizer has 49152 tokens but the model's logits are 100 wide"):
         tokenizer_info(tok, 100)
 
@@ -42,7 +47,7 @@ def test_a_choice_allows_exactly_the_prefixes_of_its_options(backend, tok):
     first = allowed(m)
     assert {tok.decode([t]) for t in first} == {"y", "ye", "yes", "n", "no"}
     assert m.accept_token(tok.encode("yes", add_special_tokens=False)[0])
-    assert allowed(m) == {2}  # complete: only the stop token
+    assert allowed(m) == STOP  # complete: only the stop tokens
     assert m.is_terminated() == (backend.name == "guidance")
     assert not m.accept_token(tok.encode(" maybe", add_special_tokens=False)[0])
 
@@ -55,7 +60,7 @@ def test_json_accepts_a_valid_object_token_by_token_and_no_special_token_inside(
     inside = allowed(m)
     assert not inside & set(range(17)) and len(inside) > 1000  # free text, but no special token
     assert m.accept_tokens(ids[5:]) == len(ids) - 5
-    assert allowed(m) == {2}  # complete: only the stop token
+    assert allowed(m) == STOP  # complete: only the stop tokens
     assert m.accept_token(2) or backend.name == "guidance"
     assert m.is_terminated()
 
