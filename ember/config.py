@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --kv-cache-dtype: auto stores K/V in the model dtype; fp8 (= fp8_e4m3) in float8_e4m3fn
-_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                    "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_CACHE_MEMORY = 1 << 30  # default KV pool on the CPU: 1 GiB (vLLM's CPU backend uses 4)
 # default token budget a step: 2048 on CUDA; on the CPU 512 (llama.cpp's ubatch), as a step
 # is compute-bound there: SmolLM2-135M fp32 on 2 AVX2 cores takes ~2 s for 512 prompt tokens,
@@ -50,7 +51,10 @@ class EngineConfig:
     # a dense checkpoint or dummy weights quantized per output row at load; the LM head and
     # the embedding stay in dtype). resolve() names what runs: gguf | fp8 | none
     quantization: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
+    # auto: = dtype, but float16 with GGUF blocks on the CPU (llama.cpp's default cache type: a
+    # batch's decode reads as many KV bytes as weight bytes there) | float16 | bfloat16 |
+    # fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # default: the model's context length
     # tokens a KV block; None: 128 on CUDA (an attention tile is then one block: one block-table
@@ -138,7 +142,7 @@ class EngineConfig:
                 f"max_model_len={max_model_len} is longer than the model's context "
                 f"({model_config.max_context}): lower max_model_len"
             )
-        if device == "cuda" and _KV_CACHE_DTYPES[self.kv_cache_dtype] is not None \
+        if device == "cuda" and _KV_CACHE_DTYPES[self.kv_cache_dtype] == torch.float8_e4m3fn \
                 and torch.cuda.get_device_capability() < (8, 9):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU with fp8 (compute capability "
                              f">= 8.9: Ada, Hopper); this one is {torch.cuda.get_device_capability()}: "
@@ -159,6 +163,8 @@ class EngineConfig:
             device=device,
             dtype=dtype,
             quantization=quantization,
+            kv_cache_dtype="float16" if self.kv_cache_dtype == "auto" and device == "cpu" and quantization == "gguf"
+            else self.kv_cache_dtype,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
             block_size=self.block_size or (128 if device == "cuda" else 16),

@@ -132,15 +132,15 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor,
     ([T, rotary_dim]: a narrower one turns the first rotary_dim dims of each head alone).
     On CUDA (one Triton kernel) and on the CPU (one C++ loop) q and k are rotated in place.
     Returns (q, k, whether k and v are in `cache` now: on CUDA the same kernel writes them, on
-    the CPU the same loop where the cache is in k's dtype)."""
+    the CPU the same loop, converting to a float cache's dtype (fp8: not there))."""
     if q.is_cuda:
         from ember.kernels.rotary import rope_inplace
 
         rope_inplace(q, k, rope, **(cache.kernel_args() if cache is not None else {}))
         return q, k, cache is not None
     if (ops := cpu_kernels.for_tensor(q)) is not None:
-        if cache is not None and cache.k_cache is not None and cache.k_cache.dtype == k.dtype \
-                and cache.slot_mapping.dtype == torch.int64:  # the cache in k's own dtype: stored as it turns
+        if cache is not None and cache.k_cache is not None and cache.k_cache.dtype in cpu_kernels.DTYPES \
+                and cache.slot_mapping.dtype == torch.int64:  # a float cache (not fp8): stored as it turns
             ops.rotary_inplace(q, k, rope, cache.v, cache.k_cache, cache.v_cache, cache.slot_mapping)
             return q, k, True
         ops.rotary_inplace(q, k, rope)

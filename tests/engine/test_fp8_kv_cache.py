@@ -58,9 +58,14 @@ def test_the_pool_is_fp8_and_holds_more_blocks(gguf_path, llm, fp8_llm):
         assert attn.k_scale.tolist() == attn.v_scale.tolist() == [1.0]  # vLLM's default without calibration
     # a block costs a quarter of float32's and half of bfloat16's: as many more blocks in the same memory
     fp8 = runner.kv_bytes_per_block()
-    assert _bytes_per_block(gguf_path, dtype="float32") == 4 * fp8 == llm.engine.runner.kv_bytes_per_block()
-    assert _bytes_per_block(gguf_path, dtype="bfloat16") == 2 * fp8
-    assert _bytes_per_block(gguf_path, dtype="bfloat16", kv_cache_dtype="fp8") == fp8
+    exact = {"quantization": "none"}  # the dequantized model: the cache is in its dtype
+    assert _bytes_per_block(gguf_path, dtype="float32", **exact) == 4 * fp8 == llm.engine.runner.kv_bytes_per_block()
+    assert _bytes_per_block(gguf_path, dtype="bfloat16", **exact) == 2 * fp8
+    assert _bytes_per_block(gguf_path, dtype="bfloat16", kv_cache_dtype="fp8", **exact) == fp8
+    # GGUF blocks (the default): float32 activations, a float16 cache as llama.cpp's
+    assert _bytes_per_block(gguf_path) == 2 * fp8
+    assert EngineConfig(model=str(gguf_path)).resolve().kv_cache_dtype == "float16"
+    assert _bytes_per_block(gguf_path, kv_cache_dtype="bfloat16") == 2 * fp8
     assert runner.num_blocks == CPU_KV_CACHE_MEMORY // fp8 == fp8_llm.engine.block_pool.num_blocks
     assert runner.num_blocks >= 4 * llm.engine.runner.num_blocks
     assert runner.kv_cache.nbytes <= CPU_KV_CACHE_MEMORY

@@ -150,6 +150,46 @@ def test_paged_decode_attention_matches_plain_torch(dtype, heads, kv_heads, dim,
     torch.testing.assert_close(got[0].float(), first, **tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (6, 1, 40)])
+def test_paged_decode_attention_reads_a_half_cache_under_float32_queries(cache_dtype, heads, kv_heads, dim):
+    """The GGUF-block path's float16 cache (llama.cpp's default type): the float32 math on
+    the cache's values as they are stored."""
+    q, k_cache, v_cache, tables, lens = decode_case(torch.float32, heads, kv_heads, dim, 3, [1, 16, 17, 100, 47])
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    scale = 1 / math.sqrt(dim)
+    got = cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, 0, 0.0)
+    want = plain_decode(q, k_cache.float(), v_cache.float(), tables, lens, scale)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rotary_writes_k_and_v_into_the_cache_as_it_turns(cache_dtype):
+    """rotary_inplace with the cache: k rotated in place as without it, then k and v stored
+    at their slots, rounded to the cache's dtype as .to() rounds; every other slot untouched."""
+    g = torch.Generator().manual_seed(2)
+    rope = RotaryEmbedding(16, 64, 10000.0, None)
+    qkv = torch.randn(3, (4 + 2 + 2) * 16, generator=g)
+    q, k, v = (t.reshape(3, -1, 16) for t in qkv.split([64, 32, 32], dim=1))
+    q_ref, k_ref = q.clone(), k.clone()
+    positions = torch.tensor([0, 5, 9])
+    ops = cpu_kernels.ops()
+    ops.rotary_inplace(q_ref, k_ref, rope.lookup(positions))
+    k_cache = torch.full((4, 4, 2, 16), 7.0).to(cache_dtype)
+    v_cache = torch.full((4, 4, 2, 16), 7.0).to(cache_dtype)
+    slots = torch.tensor([13, 2, 6])
+    ops.rotary_inplace(q, k, rope.lookup(positions), v, k_cache, v_cache, slots)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
+    assert torch.equal(flat_k[slots], k_ref.to(cache_dtype)) and torch.equal(flat_v[slots], v.to(cache_dtype))
+    others = torch.ones(16, dtype=torch.bool)
+    others[slots] = False
+    assert (flat_k[others] == 7).all() and (flat_v[others] == 7).all()
+    with pytest.raises(RuntimeError, match="slot 16 is not in the cache"):
+        ops.rotary_inplace(q, k, rope.lookup(positions), v, k_cache, v_cache, torch.tensor([13, 2, 16]))
+
+
 # (window, softcap): a window of one key (the query's own), one block, one block and a key,
 # inside a block, past every context; caps that bend these scores hard and gently
 WINDOW_SOFTCAP = [(1, None), (16, None), (17, 30.0), (5, None), (1000, 5.0), (None, 2.0), (40, 50.0)]
@@ -187,7 +227,7 @@ def test_paged_decode_attention_refuses_bad_layouts():
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="int32"):
         ops.paged_decode_attention(q, cache, cache, tables.long(), lens, 1.0)
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="the caches must be in q's dtype, or float16 / bfloat16 with a float32 q"):
         ops.paged_decode_attention(q.bfloat16(), cache, cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="head shapes"):
         ops.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, tables, lens, 1.0)

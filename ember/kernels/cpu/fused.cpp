@@ -148,10 +148,12 @@ void rotary_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   if (write) {
     TORCH_CHECK(v.has_value() && v_cache.has_value() && slot_mapping.has_value(), "the cache write needs v, both caches and slots");
     TORCH_CHECK(v->sizes() == k.sizes() && v->stride(-1) == 1 && v->scalar_type() == k.scalar_type(), "v must be shaped as k");
+    const auto ct = k_cache->scalar_type();
     TORCH_CHECK(k_cache->dim() == 4 && k_cache->is_contiguous() && v_cache->is_contiguous() &&
-                k_cache->sizes() == v_cache->sizes() && k_cache->scalar_type() == k.scalar_type() &&
-                v_cache->scalar_type() == k.scalar_type() && k_cache->size(2) == k.size(1) && k_cache->size(3) == k.size(2),
-                "caches must be contiguous [blocks, block_size, kv_heads, dim] in k's dtype");
+                k_cache->sizes() == v_cache->sizes() && v_cache->scalar_type() == ct &&
+                (ct == k.scalar_type() || ct == at::kHalf || ct == at::kBFloat16 || ct == at::kFloat) &&
+                k_cache->size(2) == k.size(1) && k_cache->size(3) == k.size(2),
+                "caches must be contiguous [blocks, block_size, kv_heads, dim], in k's dtype or a float one");
     TORCH_CHECK(slot_mapping->scalar_type() == at::kLong && slot_mapping->dim() == 1 && slot_mapping->is_contiguous() &&
                 slot_mapping->size(0) == k.size(0), "slot_mapping must be a contiguous int64 [tokens]");
   }
@@ -162,16 +164,22 @@ void rotary_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2), slots = k_cache->size(0) * k_cache->size(1);
     const int64_t* slot = slot_mapping->data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is not in the cache");
-    scalar_t* kc = k_cache->data_ptr<scalar_t>();
-    scalar_t* vc = v_cache->data_ptr<scalar_t>();
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v->data_ptr<scalar_t>();
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(kc + (slot[t] * heads + h) * dim, kp + t * k.stride(0) + h * k.stride(1), dim * sizeof(scalar_t));
-        std::memcpy(vc + (slot[t] * heads + h) * dim, vp + t * v->stride(0) + h * v->stride(1), dim * sizeof(scalar_t));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache->scalar_type(), "cache_write", [&] {
+      using C = scalar_t;  // the cache's dtype: rows converted as they go in (rounded to nearest even)
+      C* kc = k_cache->data_ptr<C>();
+      C* vc = v_cache->data_ptr<C>();
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const auto* ks = kp + t * k.stride(0) + h * k.stride(1);
+          const auto* vs = vp + t * v->stride(0) + h * v->stride(1);
+          C* kd = kc + (slot[t] * heads + h) * dim;
+          C* vd = vc + (slot[t] * heads + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) kd[d] = store<C>(load(ks[d])), vd[d] = store<C>(load(vs[d]));
+        }
       }
-    }
+    });
   });
 }
 

@@ -14,6 +14,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -32,6 +35,15 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else {
+#if defined(__F16C__)
+    if constexpr (std::is_same_v<T, at::Half>) {  // c10's conversion is scalar bit work: 8 at a time here
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+      for (; i < n; ++i) buf[i] = ember_cpu::load(src[i]);
+      return buf;
+    }
+#endif
     for (int64_t i = 0; i < n; ++i) buf[i] = ember_cpu::load(src[i]);
     return buf;
   }
@@ -39,7 +51,7 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
 
 // kDim > 0: the head size as a compile-time constant, so the inner loops unroll (2x faster
 // at 64); 0: read from q
-template <typename T, int64_t kDim>
+template <typename T, typename TKV, int64_t kDim>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
             double softcap, at::Tensor& out) {
@@ -49,8 +61,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
   const int64_t slot_stride = kv_heads * dim, block_stride = block_size * slot_stride;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const TKV* kp = k_cache.data_ptr<TKV>();
+  const TKV* vp = v_cache.data_ptr<TKV>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
@@ -61,10 +73,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
   // f(i, row) for keys first + i, i in [0, len): a block's rows one after another (one division a
   // block, not two a key; the next row prefetched)
-  auto each_key = [&](const int32_t* table, int64_t first, int64_t len, const T* base, auto&& f) {
+  auto each_key = [&](const int32_t* table, int64_t first, int64_t len, const TKV* base, auto&& f) {
     for (int64_t i = 0; i < len;) {
       const int64_t t = first + i, offset = t % block_size, run = std::min(block_size - offset, len - i);
-      const T* row = base + table[t / block_size] * block_stride + offset * slot_stride;
+      const TKV* row = base + table[t / block_size] * block_stride + offset * slot_stride;
       for (int64_t j = 0; j < run; ++j, ++i, row += slot_stride) {
         __builtin_prefetch(row + 4 * slot_stride);
         f(i, row);
@@ -87,7 +99,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ember_cpu::load(src[d]) * fscale;
       }
       scores.resize(group * len);
-      each_key(table, first, len, kp + kv_head * dim, [&](int64_t i, const T* k) {
+      each_key(table, first, len, kp + kv_head * dim, [&](int64_t i, const TKV* k) {
         const float* kf = as_float(k, row.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * dim;
@@ -109,7 +121,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t i = 0; i < len; ++i) s[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      each_key(table, first, len, vp + kv_head * dim, [&](int64_t i, const T* v) {
+      each_key(table, first, len, vp + kv_head * dim, [&](int64_t i, const TKV* v) {
         const float* vf = as_float(v, row.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + i];
@@ -134,23 +146,35 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [num_seqs, heads, head_dim] with unit last stride");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "caches must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == cache_type && (cache_type == q.scalar_type() ||
+              (q.scalar_type() == at::kFloat && (cache_type == at::kHalf || cache_type == at::kBFloat16))),
+              "the caches must be in q's dtype, or float16 / bfloat16 with a float32 q");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
               seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "block_tables and seq_lens must be contiguous int32");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "one table and length per query");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+  auto run = [&](auto q_type, auto cache_type_) {
+    using T = decltype(q_type);
+    using TKV = decltype(cache_type_);
     if (q.size(2) == 64) {
-      attend<scalar_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
+      attend<T, TKV, 64>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
     } else if (q.size(2) == 128) {
-      attend<scalar_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
+      attend<T, TKV, 128>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
     } else {
-      attend<scalar_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
+      attend<T, TKV, 0>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out);
     }
-  });
+  };
+  if (cache_type == at::kHalf && q.scalar_type() == at::kFloat) {
+    run(float{}, at::Half{});
+  } else if (cache_type == at::kBFloat16 && q.scalar_type() == at::kFloat) {
+    run(float{}, at::BFloat16{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention",
+                                    [&] { run(scalar_t{}, scalar_t{}); });
+  }
   return out;
 }
 

@@ -121,9 +121,11 @@ class TorchReferenceBackend(AttentionBackend):
 
 
 def _in_place_decode_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The C++ decode kernel reads a cache in the model dtype (not an fp8 cache: its dtype
-    differs), with or without a sliding window and a soft cap (0 there: none)."""
-    return k_cache.dtype == q.dtype and cpu_kernels.for_tensor(q) is not None
+    """The C++ decode kernel reads a cache in the model dtype, or in float16 / bfloat16 under
+    float32 queries (not an fp8 cache), with or without a sliding window and a soft cap (0
+    there: none)."""
+    same = k_cache.dtype == q.dtype or (q.dtype == torch.float32 and k_cache.dtype in (torch.float16, torch.bfloat16))
+    return same and cpu_kernels.for_tensor(q) is not None
 
 
 def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
