@@ -38,7 +38,8 @@ def _objects() -> list[tuple[Path, str, list[str]]]:
     objects = [(_HERE / "paged_decode.cpp", "paged_decode", ["-ffast-math"]),
                (_HERE / "fused.cpp", "fused", ["-ffast-math"]),
                (_HERE / "quant_gemm.cpp", "quant_gemm", ["-DEMBER_QUANT_X86"] if _X86 else []),
-               (_HERE / "quant_repack.cpp", "quant_repack", [])]
+               (_HERE / "quant_repack.cpp", "quant_repack", []),
+               (_HERE / "quant_prologue.cpp", "quant_prologue", ["-ffast-math"])]
     if _X86:
         objects += [(_HERE / "quant_simd.cpp", "quant_avx2", ["-march=x86-64-v3"]),
                     (_HERE / "quant_simd.cpp", "quant_avx512",

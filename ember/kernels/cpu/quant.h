@@ -33,6 +33,8 @@
 //                          w = d * scale * (q - 32)
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -137,6 +139,11 @@ inline void k_scale_min(const uint8_t* q, int j, int& scale, int& min) {
     min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
 }
+
+// the op before a layer (quant_prologue.cpp): rows of x (dtype T, `stride` apart) -> count x k floats
+enum class Prologue { kNone, kNorm, kSilu, kGeluTanh };
+void prologue_rows(Prologue kind, const void* src, at::ScalarType dtype, int64_t stride, int64_t count, int64_t k,
+                   const void* norm_weight, float eps, void* residual, float* out);
 
 void tiles_scalar(const Job& job);
 void repack_tiles(const uint8_t* src, int qtype, int64_t n, int64_t k, uint8_t* dst, int64_t t0, int64_t t1);

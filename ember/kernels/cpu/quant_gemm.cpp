@@ -84,59 +84,12 @@ void quantize_block(const float* x, int8_t* q, float* d, float* s, float* h) {
   h[1] = scale * static_cast<float>(sums[1]);
 }
 
-// What runs on a row before it is quantized (the op the layer before would run, fused in):
-// the values each produces are the plain ops' own (layers/norm.py, layers/activation.py),
-// rounded to the model dtype T where those round.
-enum class Prologue { kNone, kNorm, kSilu, kGeluTanh };
-
 Prologue prologue_of(const std::string& name) {
   if (name == "none") return Prologue::kNone;
   if (name == "norm") return Prologue::kNorm;
   if (name == "silu") return Prologue::kSilu;
   if (name == "gelu_tanh") return Prologue::kGeluTanh;
   TORCH_CHECK(false, "unknown prologue '", name, "': use none, norm, silu or gelu_tanh");
-}
-
-template <typename T>
-inline float rounded(float v) { return ember_cpu::round_to<T>(v); }
-
-// row -> k float values in out; src is the row as the layer receives it
-template <typename T>
-void prologue_row(Prologue kind, const T* src, int64_t k, const T* norm_weight, float eps, T* residual, float* out) {
-  using ember_cpu::load;
-  using ember_cpu::store;
-  switch (kind) {
-    case Prologue::kNone:
-      for (int64_t i = 0; i < k; ++i) out[i] = load(src[i]);
-      return;
-    case Prologue::kNorm: {  // y = w * T(r / rms(r)), r = T(x + residual) (residual <- r) or x
-      for (int64_t i = 0; i < k; ++i) out[i] = load(src[i]);
-      if (residual != nullptr) {
-        for (int64_t i = 0; i < k; ++i) {
-          residual[i] = store<T>(out[i] + load(residual[i]));
-          out[i] = load(residual[i]);
-        }
-      }
-      float squares = 0.f;
-      for (int64_t i = 0; i < k; ++i) squares += out[i] * out[i];
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(k) + eps);
-      for (int64_t i = 0; i < k; ++i) out[i] = rounded<T>(load(norm_weight[i]) * rounded<T>(out[i] * inv));
-      return;
-    }
-    case Prologue::kSilu:  // src = [gate | up] of 2k values: T(T(silu(gate)) * up)
-      for (int64_t i = 0; i < k; ++i) {
-        const float g = load(src[i]);
-        out[i] = rounded<T>(rounded<T>(g / (1.f + std::exp(-g))) * load(src[k + i]));
-      }
-      return;
-    case Prologue::kGeluTanh:  // T(T(gelu_tanh(gate)) * up)
-      for (int64_t i = 0; i < k; ++i) {
-        const float g = load(src[i]);
-        const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-        out[i] = rounded<T>(rounded<T>(0.5f * g * (1.f + std::tanh(inner))) * load(src[k + i]));
-      }
-      return;
-  }
 }
 
 struct Quantized {
@@ -173,14 +126,14 @@ Quantized quantize(const at::Tensor& x, Prologue kind, const std::optional<at::T
     const int64_t nb = k / kBlock, stride = x.stride(0);
     const int64_t per_item = std::max<int64_t>(1, 8192 / k);  // rows an item: one row is ~1 us
     ember_cpu::Pool::get().run((m + per_item - 1) / per_item, [&](int64_t item) {
-      std::vector<float> row(k);
-      for (int64_t r = item * per_item; r < std::min(m, (item + 1) * per_item); ++r) {
-        prologue_row<scalar_t>(kind, xp + r * stride, k, wp, static_cast<float>(eps), rp ? rp + r * k : nullptr,
-                               row.data());
+      const int64_t r0 = item * per_item, count = std::min(m, (item + 1) * per_item) - r0;
+      std::vector<float> rows(count * k);
+      prologue_rows(kind, xp + r0 * stride, x.scalar_type(), stride, count, k, wp, static_cast<float>(eps),
+                    rp ? rp + r0 * k : nullptr, rows.data());
+      for (int64_t r = r0; r < r0 + count; ++r)
         for (int64_t b = 0; b < nb; ++b)
-          quantize_block(row.data() + b * kBlock, qp + r * k + b * kBlock, dp + r * nb + b, sp + r * nb + b,
-                         hp + (r * nb + b) * 2);
-      }
+          quantize_block(rows.data() + (r - r0) * k + b * kBlock, qp + r * k + b * kBlock, dp + r * nb + b,
+                         sp + r * nb + b, hp + (r * nb + b) * 2);
     });
   });
   return out;
