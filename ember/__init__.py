@@ -1,8 +1,16 @@
 """ember: a small, readable LLM inference and serving engine."""
 
-from ember.config import EngineConfig
-from ember.outputs import CompletionOutput, RequestOutput
-from ember.sampling_params import SamplingParams, StructuredOutputsParams
+import os
+
+# torch's OpenMP workers sleep between regions instead of spinning, where nobody chose
+# otherwise before torch loads: on the CPU ember's kernels run on their own thread pool
+# (kernels/cpu/pool.h), and OpenMP workers spinning after each of torch's small ops (the
+# sampler's) held its cores: ~25 % of a decode step on 2 cores (benchmarks/BENCHMARKS.md)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from ember.config import EngineConfig  # noqa: E402
+from ember.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from ember.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
 

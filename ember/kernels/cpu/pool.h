@@ -113,6 +113,9 @@ class Pool {
           EMBER_PAUSE();
           gen = counter_.load(std::memory_order_acquire) >> 32;
         }
+        // every few microseconds let the core go to a thread that is ready (torch's own OpenMP
+        // workers between steps: a spinning worker held them off for a scheduler tick, 0.8 ms)
+        if (gen == last) std::this_thread::yield();
         if (gen == last && std::chrono::steady_clock::now() > until) {
           std::unique_lock<std::mutex> lock(mutex_);
           sleeping_.fetch_add(1, std::memory_order_acq_rel);
