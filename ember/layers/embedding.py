@@ -17,6 +17,13 @@ def _to_meta(weight: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
 
 
+def _take_blocks(weight: nn.Parameter, tensor: BlockTensor) -> tuple[GGUFBlocks, nn.Parameter]:
+    """GGUF blocks in place of a [vocab, hidden] weight: (the format, the parameter on meta)."""
+    if tensor.shape != tuple(weight.shape):
+        raise ValueError(f"parameter {tuple(weight.shape)}, checkpoint {tensor.shape}")
+    return GGUFBlocks(tensor), _to_meta(weight)
+
+
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -24,10 +31,7 @@ class VocabEmbedding(nn.Module):
         self.blocks: GGUFBlocks | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
-        if tensor.shape != tuple(self.weight.shape):
-            raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
-        self.blocks = GGUFBlocks(tensor)
-        self.weight = _to_meta(self.weight)
+        self.blocks, self.weight = _take_blocks(self.weight, tensor)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
@@ -46,10 +50,7 @@ class LMHead(nn.Module):
         self.format: WeightFormat | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
-        if tensor.shape != tuple(self.weight.shape):
-            raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
-        self.format = GGUFBlocks(tensor)
-        self.weight = _to_meta(self.weight)
+        self.format, self.weight = _take_blocks(self.weight, tensor)
 
     def load_fp8(self, tensor: FP8Tensor, shard: None = None) -> None:
         if tensor.shape != tuple(self.weight.shape):

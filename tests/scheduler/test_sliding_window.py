@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from ember.request import Request, RequestStatus
+from ember.request import Request
 from ember.sampling_params import SamplingParams
 from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import RadixPrefixCache

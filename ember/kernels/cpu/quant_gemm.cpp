@@ -2,9 +2,10 @@
 // the file's rows are repacked once into tiles of 16 (`quant_repack`), activations are
 // quantized to int8 per block of 32 (`quantize_rows`, or fused with the op before the layer:
 // `quant_linear`), then `quant_matmul` takes the integer dot products. One path for decode
-// rows and prefill alike: the tiles go to the threads one at a time (from a shared counter:
-// pool.h), and each tile meets the activation rows a few at a time while its bytes are in L1. The SIMD rows (quant_simd.cpp) are chosen at run time by
-// what the CPU has; `quant_isa` forces one (tests) and says which runs.
+// rows and prefill alike: the tiles go to the threads a few at a time (from a shared counter:
+// pool.h), and each tile meets the activation rows a few at a time while its bytes are in L1.
+// The SIMD rows (quant_simd.cpp) are chosen at run time by what the CPU has; `quant_isa`
+// forces one (tests) and says which runs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,7 +16,6 @@
 #include <tuple>
 #include <vector>
 
-#include "convert.h"
 #include "pool.h"
 #include "quant.h"
 
