@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --kv-cache-dtype: auto stores K/V in the model dtype; fp8 (= fp8_e4m3) in float8_e4m3fn
 _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                    "float16": torch.float16, "bfloat16": torch.bfloat16}
+                    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CPU_KV_CACHE_MEMORY = 1 << 30  # default KV pool on the CPU: 1 GiB (vLLM's CPU backend uses 4)
 # default token budget a step: 2048 on CUDA; on the CPU 512 (llama.cpp's ubatch), as a step
 # is compute-bound there: SmolLM2-135M fp32 on 2 AVX2 cores takes ~2 s for 512 prompt tokens,
@@ -51,8 +51,8 @@ class EngineConfig:
     # the embedding stay in dtype). resolve() names what runs: gguf | fp8 | none
     quantization: str = "auto"
     # auto: = dtype, but float16 with GGUF blocks on the CPU (llama.cpp's default cache type: a
-    # batch's decode reads as many KV bytes as weight bytes there) | float16 | bfloat16 |
-    # fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
+    # batch's decode reads as many KV bytes as weight bytes there) | float32 | float16 |
+    # bfloat16 | fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # default: the model's context length

@@ -40,9 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "weight to --dtype; fp8: every linear layer in FP8 (a bf16 checkpoint or dummy "
                              "weights quantized per output row at load; the LM head and embedding stay in --dtype)")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                        choices=["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"],
+                        choices=["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3"],
                         help="KV cache storage: auto (the model dtype; float16 with GGUF blocks on the CPU, as "
-                             "llama.cpp), float16, bfloat16, or fp8 (e4m3, scale 1.0): half the bytes per token, "
+                             "llama.cpp), float32, float16, bfloat16, or fp8 (e4m3, scale 1.0): half the bytes per token, "
                              "twice the blocks")
     parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)

@@ -37,7 +37,7 @@ def test_fixed_lengths_and_json(gguf_path, tmp_path, capsys):
     assert set(report) == {"config", "engine", "date", "machine", "results"}
     assert report["config"]["num_prompts"] == 3 and report["config"]["input_len"] == 8
     assert report["engine"]["max_model_len"] == 128 and report["engine"]["num_kv_blocks"] == 64
-    assert report["engine"]["kv_cache_dtype"] == "auto"
+    assert report["engine"]["kv_cache_dtype"] == "float16"  # auto with GGUF blocks on the CPU: llama.cpp's default
     assert {"platform", "cpu_count", "torch", "device"} <= set(report["machine"])
     ember = report["results"]["ember"]
     assert (ember["num_requests"], ember["prompt_tokens"], ember["output_tokens"]) == (3, 24, 12)

@@ -515,8 +515,8 @@ def test_unknown_engine_arg(gguf_path):
 @pytest.mark.parametrize("kwargs, message", [
     ({"block_size": 0}, "block_size must be a positive integer, got 0"),
     ({"dtype": "fp8"}, "dtype must be one of auto, float32, bfloat16, float16; got 'fp8'"),
-    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, float16, bfloat16; got 'int8'"),
-    ({"kv_cache_dtype": "float8_e4m3fn"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, float16, bfloat16; got 'float8_e4m3fn'"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, float16, bfloat16, float32; got 'int8'"),
+    ({"kv_cache_dtype": "float8_e4m3fn"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, float16, bfloat16, float32; got 'float8_e4m3fn'"),
     ({"load_format": "npz"}, "load_format must be one of auto, gguf, safetensors, pt, dummy; got 'npz'"),
     ({"generation_config": "hf"}, "generation_config must be one of auto, vllm; got 'hf'"),
     ({"revision": ""}, "revision must be a non-empty string or None; got ''"),

@@ -107,7 +107,9 @@ VARIANTS = {
 PROMPTS = ["The quick brown fox", "def load(path):\n",
            "Every request has a prompt and a budget of new tokens; the scheduler gives each request a share"]
 MAX_TOKENS = 32
-ENGINE = dict(num_kv_blocks=32, block_size=8, max_model_len=256, dtype="float32")
+# a float32 KV cache: auto is float16 with GGUF blocks on the CPU (llama.cpp's default), and
+# the logits are compared with transformers' float32 ones at 1e-4
+ENGINE = dict(num_kv_blocks=32, block_size=8, max_model_len=256, dtype="float32", kv_cache_dtype="float32")
 
 
 def write_tokenizer(root: Path, spm_dir: Path, v: Variant) -> None:

@@ -252,7 +252,7 @@ def test_partial_rope_from_a_llama_cpp_gguf_matches_hf(tmp_path_factory, gguf_co
     stored = torch.tensor(FAMILIES["phi3_partial"]["rope_scaling"]["short_factor"]).tolist()  # float32 in the file
     assert (cfg.rope_scaling.kind, list(cfg.rope_scaling.short_factor)) == ("longrope", stored)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    assert_logits_match(LLM(str(gguf), num_kv_blocks=64, block_size=8, max_model_len=256), hf, PROMPTS, forward_logits)
+    assert_logits_match(LLM(str(gguf), num_kv_blocks=64, block_size=8, max_model_len=256, kv_cache_dtype="float32"), hf, PROMPTS, forward_logits)
 
 
 # -- Gemma 3 4B/12B/27B: Gemma3ForConditionalGeneration, served as text ---------------------
