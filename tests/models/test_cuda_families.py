@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from hf_agreement import greedy_agreement, logits_agreement
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -64,33 +65,9 @@ def _prompts(seed: int) -> list[list[int]]:
 
 def test_logits_match_hf_in_bf16(models, forward_logits):
     name, llm, hf = models
-    agree = total = 0
-    prompts = _prompts(0)
-    for p, got in zip(prompts, forward_logits(llm, prompts)):
-        with torch.no_grad():
-            want = hf(torch.tensor([p], device="cuda")).logits[0].float()
-        err = (got.float() - want).abs()
-        print(f"{name} prompt {len(p):4d}: mean |diff| {err.mean():.4f}, mean |logit| {want.abs().mean():.3f}")
-        assert err.mean() < 0.02 * want.abs().mean() + 0.01
-        agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
-        total += len(p)
-    print(f"{name}: argmax agreement {agree}/{total} = {agree / total:.3f}")
-    assert agree / total >= 0.95
+    assert logits_agreement(name, llm, hf, _prompts(0), forward_logits) >= 0.95
 
 
 def test_greedy_generation_agrees_with_hf(models):
-    from ember import SamplingParams
-
     name, llm, hf = models
-    prompts = _prompts(1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
-    agree = total = 0
-    for p, o in zip(prompts, outs):
-        gen = o.outputs[0].token_ids
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + gen[:-1]], device="cuda")).logits[0, len(p) - 1:]
-        agree += (logits.argmax(-1).cpu() == torch.tensor(gen)).sum().item()
-        total += len(gen)
-    print(f"{name}: greedy tokens HF agrees with: {agree}/{total} = {agree / total:.3f}")
-    assert agree / total >= 0.95
+    assert greedy_agreement(name, llm, hf, _prompts(1)) >= 0.95
