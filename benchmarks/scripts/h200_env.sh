@@ -1,4 +1,4 @@
-# Shared by the h200_session*.sh device scripts (sourced from the repo root): paths, the
+# Shared by the h200_*.sh device scripts (sourced from the repo root): paths, the
 # bench command, the nano-vllm and one-request workloads, and a filter for the bench's output.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p $J

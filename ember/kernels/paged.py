@@ -70,7 +70,7 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, n0, pmask, kvh, d, str
     `table_row_ptr` points at the sequence's block-table row. Where a page holds whole tiles
     (PAGE a multiple of BLOCK_N: CUDA's default block size of 128), one block-table read
     serves the tile and its rows are at one base: the fp8 decode kernel read 16-20 % faster
-    so on the H200 than with a read per position (benchmarks/scripts/kv_layout_probe.py)."""
+    so on the H200 than with a read per position (the KV layout probe of BENCHMARKS.md)."""
     if PAGE % BLOCK_N == 0:
         block = tl.load(table_row_ptr + n0 // PAGE).to(tl.int64)
         off = block * stride_cb + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_cs + kvh * stride_ch
