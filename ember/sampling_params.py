@@ -107,7 +107,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to max_model_len
+    max_tokens: int | None = 16  # None: up to max_model_len; 0: score the prompt only (prompt_logprobs)
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -148,8 +148,9 @@ class SamplingParams:
                self.repetition_penalty, "> 0")
         _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
                "seed", self.seed, "an integer in [-2**63, 2**64 - 1] (a 64-bit seed)")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
-               self.max_tokens, "an integer >= 1")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0), "max_tokens",
+               self.max_tokens, "an integer >= 0 (0 scores the prompt only)")
+        _check(self.max_tokens != 0 or self.n == 1, "n", self.n, "1 with max_tokens=0 (prompt scoring only)")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                self.min_tokens, f"<= max_tokens ({self.max_tokens})")

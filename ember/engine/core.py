@@ -185,7 +185,7 @@ class EngineCore:
         for request_id in result.failed:
             result.sampled.pop(request_id, None)
         stepped, finished = self.scheduler.update(plan, result.sampled)
-        new_tokens = {req.request_id: [req.output_token_ids[-1]] for req in stepped}
+        new_tokens = {req.request_id: req.output_token_ids[-1:] for req in stepped}  # none with max_tokens=0
         for req in stepped:
             if not req.status.is_finished:
                 new_tokens[req.request_id] += self._follow_grammar(req, finished)
@@ -242,7 +242,7 @@ class EngineCore:
         return []
 
     def _output(self, req: Request, result: ModelRunnerOutput, new_tokens: list[int]) -> EngineCoreOutput:
-        logprobs = result.logprobs.get(req.request_id)
+        logprobs = result.logprobs.get(req.request_id) if new_tokens else None
         return EngineCoreOutput(req, new_tokens, req.status.is_finished,
                                 [logprobs] if logprobs is not None else None,
                                 result.prompt_logprobs.get(req.request_id))

@@ -146,7 +146,8 @@ class Scheduler:
                              "lower n or raise max_num_seqs")
         check_prompt_length(req.num_prompt_tokens, self.max_model_len)
         # the last sampled token never gets KV, so the longest sequence holds one less
-        longest = min(req.num_prompt_tokens + (req.max_tokens or self.max_model_len), self.max_model_len) - 1
+        max_tokens = self.max_model_len if req.max_tokens is None else req.max_tokens
+        longest = min(req.num_prompt_tokens + max_tokens, self.max_model_len) - 1
         need = self.window.most_held(longest)
         if need > self.pool.num_blocks:
             raise ValueError(
@@ -363,6 +364,11 @@ class Scheduler:
             tokens = sampled.get(req.request_id) if chunk.samples else None
             if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
+            if req.max_tokens == 0:  # prompt scoring only: the prompt is computed, the sampled token dropped
+                self.finish(req, "length")
+                stepped.append(req)
+                finished.append(req)
+                continue
             req.append_token(tokens[0])
             reason = self._stop_reason(req, tokens[0])
             # its block now known, if a step in flight computes it; not for a request that ends here

@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions   POST /v1/completions     (stream or not)
     GET  /v1/models             GET  /health (503 until the model is loaded)
-    POST /tokenize              POST /detokenize         GET /version   GET /metrics
+    POST /tokenize              POST /detokenize         GET /tokenizer_info
+    GET  /version               GET  /metrics
 
 Every request is validated here (strict pydantic shapes and ranges, RequestLimits,
 SamplingParams, chat template, tokenize, prompt length): bad input is refused with 400
@@ -55,7 +56,9 @@ from ember.outputs import CompletionOutput, Logprob, RequestOutput
 from ember.request import Request as EngineRequest
 from ember.sampling_params import SamplingParams
 from ember.server import protocol as p
+from ember.server import scoring
 from ember.server.metrics import ServerMetrics
+from ember.server.scoring import ranked as _ranked
 
 logger = logging.getLogger("ember.server")
 
@@ -268,6 +271,12 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
 
         return {"prompt": await _prepare(engine, text)}
 
+    @app.get("/tokenizer_info", responses=_ERRORS)
+    async def tokenizer_info() -> dict[str, Any]:
+        engine = state.ready_engine()
+        return await _prepare(engine, lambda: scoring.tokenizer_info(engine.inputs.require_tokenizer(),
+                                                                     config.engine.max_model_len))
+
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_STREAMED_ERRORS)
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request) -> Response:
         engine = state.ready_engine()
@@ -288,7 +297,8 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         choices = [p.ChatCompletionChoice(index=c.index, message=p.ChatMessageOut(content=c.text),
                                           logprobs=_chat_logprobs(c.logprobs, params) if c.logprobs is not None
                                           else None,
-                                          finish_reason=_finish_reason(c), stop_reason=c.stop_reason)
+                                          finish_reason=_finish_reason(c), stop_reason=c.stop_reason,
+                                          prompt_logprobs=scoring.prompt_logprobs(final, body.prompt_logprobs))
                    for c in _all_samples(final, params)]
         response = p.ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage([final]))
         return JSONResponse(response.model_dump())
@@ -301,6 +311,8 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
 
         def make() -> tuple[SamplingParams, list[EngineRequest]]:
             params = body.to_sampling_params(limits, engine.config.sampling_defaults)
+            if body.echo:
+                engine.inputs.require_tokenizer()  # to write token-id prompts back as text
             return params, [engine.inputs.make_request(f"{request_id}-{i}", prompt, params, body.priority)
                             for i, prompt in enumerate(body.prompts(limits))]
 
@@ -312,8 +324,12 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         choices = [p.CompletionChoice(index=i * params.n + c.index, text=c.text,
                                       logprobs=_completion_logprobs(c.logprobs, params, 0)
                                       if c.logprobs is not None else None,
-                                      finish_reason=_finish_reason(c), stop_reason=c.stop_reason)
+                                      finish_reason=_finish_reason(c), stop_reason=c.stop_reason,
+                                      prompt_logprobs=scoring.prompt_logprobs(final, body.prompt_logprobs))
                    for i, final in enumerate(finals) for c in _all_samples(final, params)]
+        if body.echo:
+            for choice in choices:
+                scoring.echo(choice, finals[choice.index // params.n], body.logprobs, engine.inputs.tokenizer)
         response = p.CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
         return JSONResponse(response.model_dump())
 
@@ -594,10 +610,6 @@ def _usage(outputs: list[RequestOutput]) -> p.UsageInfo:
 
 
 # -- logprobs in OpenAI's two shapes ---------------------------------------------------------
-
-
-def _ranked(entry: dict[int, Logprob], top: int) -> list[tuple[int, Logprob]]:
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top), key=lambda x: x[1].rank)[:top]
 
 
 def _token_text(lp: Logprob, token_id: int) -> str:

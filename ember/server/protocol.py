@@ -180,13 +180,15 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: Bulk(list[str] | None) = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
-                         defaults: Mapping[str, float | int]) -> SamplingParams:
+                         defaults: Mapping[str, float | int], prompt_logprobs: int | None = None) -> SamplingParams:
+        """`prompt_logprobs`: what the engine computes for the prompt, if more than the field asks."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
         if self.n > limits.max_n:
@@ -208,6 +210,11 @@ class _SamplingRequest(_Strict):
             return defaults.get(name, default) if value is None else value
 
         structured = self._structured_outputs(limits)
+        if prompt_logprobs is None:
+            prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None and self.stream:
+            raise InvalidRequest("prompt logprobs (prompt_logprobs, or echo with logprobs) are not supported with "
+                                 "stream: send the request with stream false", "prompt_logprobs")
 
         try:
             return SamplingParams(
@@ -228,6 +235,7 @@ class _SamplingRequest(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 logit_bias=bias,
                 structured_outputs=structured,
             )
@@ -359,7 +367,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Bulk(Union[str, list[str], list[Int64], list[list[Int64]]])
-    max_tokens: Count | None = 16  # OpenAI's default for completions
+    max_tokens: Annotated[int, Field(ge=0, le=INT64[1])] | None = 16  # OpenAI's default; 0 with echo: scoring
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -367,11 +375,17 @@ class CompletionRequest(_SamplingRequest):
     def to_sampling_params(self, limits: RequestLimits = RequestLimits(),
                            defaults: Mapping[str, float | int] = NO_DEFAULTS) -> SamplingParams:
         """`defaults`: the model's sampling defaults (EngineConfig.sampling_defaults)."""
-        if self.echo:
-            raise InvalidRequest("echo is not supported", "echo")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", "suffix")
-        return self._sampling_params(self.max_tokens, self.logprobs, limits, defaults)
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo: the prompt scored, nothing "
+                                 "generated)", "max_tokens")
+        if self.echo and self.stream:
+            raise InvalidRequest("echo is not supported with stream: send the request with stream false", "echo")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        return self._sampling_params(self.max_tokens, self.logprobs, limits, defaults, prompt_logprobs)
 
     def prompts(self, limits: RequestLimits = RequestLimits()) -> list[str | dict[str, Any]]:
         """One engine prompt per prompt given: text, or {"prompt_token_ids": [...]}."""
@@ -425,6 +439,17 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's prompt_logprobs: token id -> this."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # None for the first token (no context)
+
+
 class ChatCompletionTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
@@ -444,6 +469,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -490,6 +516,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -286,7 +286,8 @@ FALLBACKS = {  # each batch runs next to free greedy and seeded requests
 }
 NO_FALLBACK = {  # these take the async path
     "stop strings": [greedy(16, stop=["answer"]), greedy(16, stop=["\n"]), seeded(16, 6, stop=[" the", "."])],
-    "logprobs": [greedy(8, logprobs=3), seeded(8, 7, logprobs=0), greedy(4, prompt_logprobs=2)],
+    "logprobs": [greedy(8, logprobs=3), seeded(8, 7, logprobs=0), greedy(4, prompt_logprobs=2),
+                 greedy(0, prompt_logprobs=1), seeded(0, 4, prompt_logprobs=0, logprobs=1)],  # 0: prompt scoring
 }
 
 

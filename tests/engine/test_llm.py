@@ -446,12 +446,37 @@ def test_output_stops_at_max_model_len(short_llm):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0), ("n", 0),
+    ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("max_tokens", -1), ("n", 0),
     ("min_p", 2), ("repetition_penalty", 0), ("min_tokens", -1),
 ])
 def test_bad_sampling_params(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*; got {value!r}"):
         SamplingParams(**{field: value})
+
+
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(llm):
+    """Prompt scoring (what evaluation harnesses ask for): the prompt's logprobs, no token,
+    and no block held after; as the prompt logprobs of a request that generates."""
+    want = llm.generate(FRANCE, greedy(1, prompt_logprobs=2))[0].prompt_logprobs
+    params = [greedy(0, prompt_logprobs=2), greedy(0, prompt_logprobs=2, logprobs=3), greedy(3)]
+    outs = llm.generate([FRANCE, FRANCE, "Hello"], params)
+    for out in outs[:2]:
+        c = out.outputs[0]
+        assert (c.token_ids, c.text, c.finish_reason) == ([], "", "length")
+        assert len(out.prompt_logprobs) == len(FRANCE_IDS) and out.prompt_logprobs[0] is None
+        for got, ref in zip(out.prompt_logprobs[1:], want[1:]):
+            assert list(got) == list(ref)
+            assert [(lp.rank, lp.decoded_token) for lp in got.values()] == \
+                [(lp.rank, lp.decoded_token) for lp in ref.values()]
+            assert [lp.logprob for lp in got.values()] == pytest.approx([lp.logprob for lp in ref.values()], abs=1e-5)
+    assert outs[1].outputs[0].logprobs == []
+    assert len(outs[2].outputs[0].token_ids) == 3  # the request next to them generates as ever
+    llm.check_idle()
+
+
+def test_max_tokens_0_takes_one_sample():
+    with pytest.raises(ValueError, match=r"SamplingParams\.n must be 1 with max_tokens=0"):
+        SamplingParams(n=2, max_tokens=0)
 
 
 def test_min_tokens_above_max_tokens():

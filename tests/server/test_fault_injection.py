@@ -307,12 +307,13 @@ SHARED_FIELDS = {
     "guided_regex": [1, True, ["a"], "(a", ""],
     "guided_choice": [1, "yes", [1], [""], []],
     "guided_grammar": [1, True, ["a"], "root ::= foo", ""],
+    "prompt_logprobs": INTEGER + [-1, 21],
 }
 COMPLETION_FIELDS = SHARED_FIELDS | {
     "prompt": [1, True, None, {"a": 1}, [True], [1.5], [[1, "a"]], [-1], [10**7], "", [], "\ud800"],
     "max_tokens": INTEGER + [0, -1],
     "logprobs": INTEGER + [-1, 21],
-    "echo": BOOL + [True],
+    "echo": BOOL,
     "suffix": TEXT[:-1] + ["tail"],
 }
 CHAT_FIELDS = SHARED_FIELDS | {
