@@ -145,8 +145,9 @@ class Scheduler:
             raise ValueError(f"n={req.sampling_params.n} is more than max_num_seqs={self.max_num_seqs}: "
                              "lower n or raise max_num_seqs")
         check_prompt_length(req.num_prompt_tokens, self.max_model_len)
-        # the last sampled token never gets KV, so the longest sequence holds one less
-        max_tokens = self.max_model_len if req.max_tokens is None else req.max_tokens
+        # the last sampled token never gets KV, so the longest sequence holds one less (and a
+        # prompt scored with max_tokens=0 holds the whole prompt)
+        max_tokens = self.max_model_len if req.max_tokens is None else max(req.max_tokens, 1)
         longest = min(req.num_prompt_tokens + max_tokens, self.max_model_len) - 1
         need = self.window.most_held(longest)
         if need > self.pool.num_blocks:
