@@ -73,6 +73,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="schedule and prepare the next step while the device runs this one "
                              "(default: on for CUDA, off on the CPU)")
+    parser.add_argument("--runner", default=None, choices=["generate", "pooling"],
+                        help="generate: complete text (default); pooling: embeddings (/v1/embeddings, LLM.embed) "
+                             "from the final hidden states, as --pooler-config says")
+    parser.add_argument("--task", default=None, choices=["generate", "embed"],
+                        help="vLLM's older name: --task embed is --runner pooling")
+    parser.add_argument("--pooler-config", default=None, metavar="JSON",
+                        help='with --runner pooling: \'{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": '
+                             'true | false}\' (default: the last token, L2-normalized)')
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
@@ -80,7 +88,16 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
              "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
              "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling"]
-    return {"model": model_arg(ns)} | {n: getattr(ns, n) for n in names}
+    return {"model": model_arg(ns), "runner": runner_arg(ns), "pooler_config": ns.pooler_config} | \
+        {n: getattr(ns, n) for n in names}
+
+
+def runner_arg(ns: argparse.Namespace) -> str:
+    """--runner, or --task (its older name: embed is pooling); ValueError if they disagree."""
+    from_task = {"embed": "pooling", "generate": "generate", None: None}[ns.task]
+    if ns.runner is not None and from_task is not None and ns.runner != from_task:
+        raise ValueError(f"--task {ns.task} means --runner {from_task}, but --runner {ns.runner} is given: give one")
+    return ns.runner or from_task or "generate"
 
 
 def model_arg(ns: argparse.Namespace) -> str | None:
