@@ -3,6 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions     (stream or not)
     GET  /v1/models             GET  /health (503 until the model is loaded)
     POST /tokenize              POST /detokenize         GET /version   GET /metrics
+    POST /v1/embeddings         (--runner pooling: embeddings.py)
 
 Every request is validated here (strict pydantic shapes and ranges, RequestLimits,
 SamplingParams, chat template, tokenize, prompt length): bad input is refused with 400
@@ -223,6 +224,9 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
 
     app = FastAPI(title="ember", version=ember.__version__, lifespan=lifespan)
     app.state.ember = state
+    from ember.server.embeddings import RunnerRoutes, add_embeddings_route
+
+    app.add_middleware(RunnerRoutes, runner=config.engine.runner)
     app.add_middleware(_BodyMiddleware, max_bytes=limits.max_body_bytes)
     if config.api_key:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key,
@@ -335,6 +339,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         response = p.CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
         return JSONResponse(response.model_dump())
 
+    add_embeddings_route(app, state, limits)
     _document_errors(app)
     return app
 
