@@ -62,6 +62,18 @@ def test_embed_equals_hf_pooled_hidden_states(tiny, config):
     assert llm.engine.block_pool.num_in_use == 0
 
 
+def test_async_scheduling_gives_the_same_vectors(tiny):
+    """With async scheduling the next step is scheduled while a prompt's last chunk runs:
+    the prompt is not scheduled again, and ends when its vector is collected."""
+    path, hidden = tiny
+    config = PoolerConfig("MEAN")
+    llm = pooling_llm(path, config, async_scheduling=True)
+    outputs = llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS])
+    for out, h in zip(outputs, hidden):
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), reference(h, config), atol=1e-4, rtol=0)
+    llm.check_idle()
+
+
 def test_default_is_last_token_normalized_without_prefix_cache(tiny):
     path, hidden = tiny
     llm = pooling_llm(path, None)

@@ -134,3 +134,20 @@ def test_enable_log_requests_logs_id_prompt_length_and_params(configured):
     assert "INFO ember.engine.async_engine: request " + request_id + "-0: 5 prompt tokens, SamplingParams(" \
         in lines[0]
     assert "max_tokens=3" in lines[0] and "temperature=0" in lines[0]
+
+
+def test_runner_task_and_pooler_config_flags_reach_the_engine_args(tmp_path):
+    assert engine_args(parse_args(["serve"]))["runner"] == "generate"
+    assert engine_args(parse_args(["serve", "--runner", "pooling"]))["runner"] == "pooling"
+    assert engine_args(parse_args(["serve", "--task", "embed"]))["runner"] == "pooling"  # vLLM's older name
+    args = engine_args(parse_args(["serve", "--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}']))
+    assert args["pooler_config"] == '{"pooling_type": "MEAN"}'
+    with pytest.raises(ValueError, match="--task embed means --runner pooling, but --runner generate is given"):
+        engine_args(parse_args(["serve", "--task", "embed", "--runner", "generate"]))
+    config = tmp_path / "embed.yaml"
+    config.write_text("runner: pooling\npooler-config: {pooling_type: CLS, normalize: false}\n")
+    from ember.config import EngineConfig
+    from ember.pooling import PoolerConfig
+
+    engine = EngineConfig(**engine_args(parse_args(["serve", "--config", str(config)])))
+    assert (engine.runner, engine.pooler_config) == ("pooling", PoolerConfig("CLS", normalize=False))
