@@ -237,6 +237,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
                            allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
                            allow_credentials=cors.allow_credentials)
     _add_error_handlers(app)
+    add_embeddings_route(app, state, limits)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "Ready (an empty body)"}, **_ERRORS})
     async def health() -> Response:
@@ -339,7 +340,6 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         response = p.CompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(finals))
         return JSONResponse(response.model_dump())
 
-    add_embeddings_route(app, state, limits)
     _document_errors(app)
     return app
 
