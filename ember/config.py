@@ -12,6 +12,7 @@ from types import MappingProxyType
 import torch
 
 from ember.models.config import ModelConfig
+from ember.pooling import PoolerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,11 @@ class EngineConfig:
     # schedule and prepare step N+1 while step N runs on the device (vLLM's flag);
     # None: on for CUDA, off on the CPU (where torch runs synchronously: nothing to overlap)
     async_scheduling: bool | None = None
+    # generate: sample tokens | pooling: each request's prompt becomes one pooled vector of
+    # its final hidden states (embeddings), as `pooler_config` says; no sampling, no prefix
+    # cache (a hit would skip positions that mean pooling reads). vLLM's --runner
+    runner: str = "generate"
+    pooler_config: PoolerConfig | None = None  # runner="pooling" only; None: PoolerConfig() (last token, normalized)
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")
@@ -96,6 +102,13 @@ class EngineConfig:
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "lpm"))
         _choice("structured_outputs_backend", self.structured_outputs_backend, ("xgrammar", "guidance"))
+        _choice("runner", self.runner, ("generate", "pooling"))
+        if self.pooler_config is not None:
+            if self.runner != "pooling":
+                raise ValueError("pooler_config applies to runner='pooling' only: pass runner='pooling' "
+                                 "(--runner pooling) too")
+            if not isinstance(self.pooler_config, PoolerConfig):
+                object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         _positive("max_num_seqs", self.max_num_seqs)
         for name in ("block_size", "max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
@@ -170,6 +183,8 @@ class EngineConfig:
             attention_backend=backend,
             async_scheduling=async_scheduling,
             model_config=model_config,
+            pooler_config=self.pooler_config or (PoolerConfig() if self.runner == "pooling" else None),
+            enable_prefix_caching=self.enable_prefix_caching and self.runner == "generate",
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
 

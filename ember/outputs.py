@@ -41,3 +41,19 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first token
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     error: str | None = None  # the request failed in the engine (a sample's finish_reason is "error"): why
+    embedding: list[float] | None = None  # runner="pooling": the prompt's pooled vector
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns for one prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -163,12 +163,14 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
                  stat_loggers: list[StatLogger] | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
-        """`on_dead(error)` is called on the engine thread if the loop dies."""
+                 on_dead: Callable[[BaseException], None] | None = None, log_requests: bool = False) -> None:
+        """`on_dead(error)` is called on the engine thread if the loop dies; `log_requests`:
+        log each submitted request's id, prompt length and sampling parameters at INFO."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 (or None: no limit); got {max_waiting_requests}")
         self.config = config if config.model_config is not None else config.resolve()
         self.max_waiting_requests = max_waiting_requests
+        self.log_requests = log_requests
         self.tokenizer = load_engine_tokenizer(self.config)
         self.core = EngineCore(self.config, self.tokenizer)
         self.inputs = InputProcessor(self.config, self.tokenizer, self.core.check_request)
@@ -235,6 +237,8 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._new.append(req)
             self._wakeup.notify()
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", request_id, req.num_prompt_tokens, req.sampling_params)
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,

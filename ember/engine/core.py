@@ -49,6 +49,7 @@ class EngineCoreOutput:
     finished: bool
     logprobs: list[TokenLogprobs] | None = None  # one per new token
     prompt_logprobs: PromptLogprobs | None = None
+    pooled: list[float] | None = None  # runner="pooling": the prompt's vector (the request ends with it)
 
 
 class EngineCore:
@@ -131,6 +132,7 @@ class EngineCore:
             "the scheduler still holds requests"
         assert not self.runner.generators, "a seeded request's generator outlived it"
         assert not self.runner.biases, "a request's logit_bias tensors outlived it"
+        assert self.runner.pooler is None or not self.runner.pooler.partial, "a request's pooling state outlived it"
         assert not self._failed, "a failed request's output was never handed back"
         assert not self.structured.holds(), "the structured-output manager still holds requests"
         assert not (self.launched or self.scheduler.in_flight), "a launched step was never collected"
@@ -185,6 +187,7 @@ class EngineCore:
         for request_id in result.failed:
             result.sampled.pop(request_id, None)
         stepped, finished = self.scheduler.update(plan, result.sampled)
+        pooled = self._finish_pooled(result.pooled)
         new_tokens = {req.request_id: req.output_token_ids[-1:] for req in stepped}  # none with max_tokens=0
         for req in stepped:
             if not req.status.is_finished:
@@ -193,10 +196,21 @@ class EngineCore:
             self._release(req.request_id)
         for request_id, message in result.failed.items():
             self.fail_request(request_id, message)
-        return [self._output(req, result, new_tokens[req.request_id]) for req in stepped] + [
+        return pooled + [self._output(req, result, new_tokens[req.request_id]) for req in stepped] + [
             EngineCoreOutput(c.request, [], False, prompt_logprobs=result.prompt_logprobs[c.request.request_id])
             for c in plan.chunks if c.request.request_id in result.prompt_logprobs and not c.samples
             and not c.request.status.is_finished]
+
+    def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[EngineCoreOutput]:
+        """End the requests whose prompt gave its pooled vector (those still there)."""
+        outputs = []
+        for request_id, vector in pooled.items():
+            req = self.scheduler.requests.get(request_id)
+            if req is not None:
+                self.scheduler.finish(req, "stop")
+                self._release(request_id)
+                outputs.append(EngineCoreOutput(req, [], True, pooled=vector))
+        return outputs
 
     def _timed(self, phase: str, fn, *args):
         """fn(*args), its seconds added to the runner's step_times[phase] when profiling."""

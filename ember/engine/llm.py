@@ -13,7 +13,8 @@ from ember.engine.core import EngineCore
 from ember.engine.input_processor import Conversation, InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
 from ember.loader.tokenizer import Tokenizer
-from ember.outputs import RequestOutput
+from ember.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from ember.pooling import pooling_sampling_params
 from ember.request import Request
 from ember.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order."""
+        self._require_runner("generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
@@ -60,8 +62,21 @@ class LLM:
         prompts = [self.inputs.chat_prompt(conv, add_generation_prompt, **template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """Each prompt's pooled final hidden state (runner="pooling"; see PoolerConfig), in input order."""
+        self._require_runner("pooling")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        outputs = self._run([self._make_request(p, pooling_sampling_params()) for p in prompts], use_tqdm)
+        for out in outputs:
+            if out.embedding is None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids)
+                for out in outputs]
+
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """One prompt's output after every step that changed it, the last one finished."""
+        self._require_runner("generate")
         yield from self._drive([self._make_request(prompt, sampling_params or self.get_default_sampling_params())])
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -78,6 +93,12 @@ class LLM:
         return self.inputs.require_tokenizer()
 
     # -- internals ------------------------------------------------------------------------
+
+    def _require_runner(self, runner: str) -> None:
+        if self.config.runner != runner:
+            what = "LLM.embed" if runner == "pooling" else "LLM.generate, chat and stream"
+            raise ValueError(f"{what} needs an LLM made with runner={runner!r}; this one has "
+                             f"runner={self.config.runner!r}")
 
     def _run(self, requests: list[Request], use_tqdm: bool = False) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

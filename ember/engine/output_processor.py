@@ -39,6 +39,7 @@ class _Group:
     samples: dict[int, _Sample] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # a sample failed: the request ends with this message
+    embedding: list[float] | None = None  # runner="pooling"
 
     @property
     def finished(self) -> bool:
@@ -97,6 +98,8 @@ class OutputProcessor:
         req = out.request
         if out.prompt_logprobs is not None:
             self._add_prompt_logprobs(group, out.prompt_logprobs.first_position, out.prompt_logprobs.tokens)
+        if out.pooled is not None:
+            group.embedding = out.pooled
         if not out.new_token_ids and not out.finished:
             return
         sample = group.samples.get(req.index) or self._new_sample(group, req)
@@ -179,4 +182,5 @@ class OutputProcessor:
         ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, group.finished,
                              prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None,
-                             num_cached_tokens=req.num_cached_tokens or 0, error=group.error)
+                             num_cached_tokens=req.num_cached_tokens or 0, error=group.error,
+                             embedding=group.embedding)

@@ -27,6 +27,7 @@ from ember.layers.quant.unquantized import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs
+from ember.runner.pooler import Pooler
 from ember.runner.sampler import (LogitBias, PendingLogprobs, Sampler, SamplingRow, TokenLogprobs, to_device,
                                   to_host, token_logprobs)
 from ember.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its token is void (see launch)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # runner="pooling": prompts that ended
 
 
 @dataclass
@@ -65,6 +67,7 @@ class LaunchedStep:
     prompt_logprobs: dict[str, tuple[int, PendingLogprobs]] = field(default_factory=dict)  # id -> (first position, ...)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why: its sampling row could not be built
     host_invalid: torch.Tensor | None = None  # SamplerOutput.invalid copied to the CPU like host_tokens
+    pooled: tuple[list[str], torch.Tensor] | None = None  # (request ids, their vectors) copied like host_tokens
 
 
 @dataclass
@@ -119,6 +122,7 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler(config.seed)
+        self.pooler = Pooler(config.pooler_config) if config.runner == "pooling" else None
         self.pin = self.device.type == "cuda"  # host tensors bound for the device are pinned: copies don't wait
         self.last_launched: LaunchedStep | None = None  # where a pending input id is gathered from
         self.generators: dict[str, torch.Generator] = {}
@@ -234,6 +238,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         clock("forward")
         step = LaunchedStep(plan)
+        if self.pooler is not None:  # no sampling: the prompts that end here give their vectors
+            pooled = self.pooler.pool(hidden, plan)
+            if pooled:
+                step.pooled = list(pooled), to_host(torch.stack(list(pooled.values())), self.pin)
+            sampled_chunks = []
         if sampled_chunks:
             # a request that forks into n samples draws n tokens from its one row of logits
             owners = step.owners
@@ -265,7 +274,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows.start:rows.stop])
             pending = token_logprobs(logits, targets, [req.sampling_params.prompt_logprobs] * len(targets))
             step.prompt_logprobs[req.request_id] = req.num_computed_tokens + 1, pending.to_host(self.pin)
-        if self.pin and (step.host_tokens is not None or step.prompt_logprobs):
+        if self.pin and (step.host_tokens is not None or step.prompt_logprobs or step.pooled is not None):
             step.ready = torch.cuda.Event()  # the copies above are complete once the device passes it
             step.ready.record()
         self.last_launched = step
@@ -290,6 +299,8 @@ class ModelRunner:
         if step.host_tokens is not None:
             for (req, _), token in zip(step.owners, step.host_tokens.tolist()):
                 out.sampled.setdefault(req.request_id, []).append(token)
+        if step.pooled is not None:
+            out.pooled = dict(zip(step.pooled[0], step.pooled[1].tolist()))
         out.failed = dict(step.failed)
         if step.host_invalid is not None:
             for (req, _), invalid in zip(step.owners, step.host_invalid.tolist()):
@@ -352,6 +363,8 @@ class ModelRunner:
         self.generators.pop(request_id, None)
         self.biases.pop(request_id, None)
         self.table_rows.pop(request_id, None)
+        if self.pooler is not None:
+            self.pooler.release(request_id)
 
     def _table_row(self, req: Request) -> np.ndarray:
         """The request's block-table row, [max_blocks_per_seq] int32 zero-padded, kept across

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -18,6 +19,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="a .gguf file, an HF model directory, or a Hugging Face Hub id: org/name, or "
                              "org/name-GGUF:Q4_K_M for one quant of a GGUF repo (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="the model, as the positional argument (give one or the other, or the same in both)")
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="flags from a YAML file (keys: flag names, with dashes or underscores); flags given "
+                             "on the command line override it")
+    parser.set_defaults(config_parser=parser)
     parser.add_argument("--revision", default=d.revision,
                         help="hub ids: the branch, tag or commit hash to fetch (default: main)")
     parser.add_argument("--download-dir", default=d.download_dir,
@@ -66,6 +73,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="schedule and prepare the next step while the device runs this one "
                              "(default: on for CUDA, off on the CPU)")
+    parser.add_argument("--runner", default=None, choices=["generate", "pooling"],
+                        help="generate: complete text (default); pooling: embeddings (/v1/embeddings, LLM.embed) "
+                             "from the final hidden states, as --pooler-config says")
+    parser.add_argument("--task", default=None, choices=["generate", "embed"],
+                        help="vLLM's older name: --task embed is --runner pooling")
+    parser.add_argument("--pooler-config", default=None, metavar="JSON",
+                        help='with --runner pooling: \'{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": '
+                             'true | false}\' (default: the last token, L2-normalized)')
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
@@ -73,7 +88,33 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
              "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
              "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling"]
-    return {"model": ns.model} | {n: getattr(ns, n) for n in names}
+    return {"model": model_arg(ns), "runner": runner_arg(ns), "pooler_config": ns.pooler_config} | \
+        {n: getattr(ns, n) for n in names}
+
+
+def runner_arg(ns: argparse.Namespace) -> str:
+    """--runner, or --task (its older name: embed is pooling); ValueError if they disagree."""
+    from_task = {"embed": "pooling", "generate": "generate", None: None}[ns.task]
+    if ns.runner is not None and from_task is not None and ns.runner != from_task:
+        raise ValueError(f"--task {ns.task} means --runner {from_task}, but --runner {ns.runner} is given: give one")
+    return ns.runner or from_task or "generate"
+
+
+def model_arg(ns: argparse.Namespace) -> str | None:
+    """The model: the positional argument or --model (ValueError if they differ)."""
+    if ns.model is not None and ns.model_flag is not None and ns.model != ns.model_flag:
+        raise ValueError(f"the model is given twice, as {ns.model!r} and --model {ns.model_flag!r}: give one")
+    return ns.model if ns.model is not None else ns.model_flag
+
+
+def _json_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's form: '["http://a.example", "http://b.example"]'), or one string."""
+    if not value.lstrip().startswith("["):
+        return [value]
+    items = json.loads(value)
+    if not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return items
 
 
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k")
@@ -152,15 +193,21 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     from ember.server.openai_api import run_server
 
     from ember.server.limits import RequestLimits
+    from ember.server.openai_api import CORSOptions
 
     logging.getLogger("ember").setLevel(logging.INFO)
     limits = RequestLimits(max_n=ns.max_n, max_prompts=ns.max_prompts_per_request, max_logit_bias=ns.max_logit_bias,
                            max_stop=ns.max_stop_strings, max_choices=ns.max_choices,
                            max_body_bytes=ns.max_request_body_bytes)
+    cors = None
+    if ns.allowed_origins is not None:
+        cors = CORSOptions(tuple(ns.allowed_origins), tuple(ns.allowed_methods), tuple(ns.allowed_headers),
+                           ns.allow_credentials)
     code = run_server(EngineConfig(**engine_args(ns)), host=ns.host, port=ns.port, api_key=ns.api_key,
                       served_model_names=[ns.served_model_name] if ns.served_model_name else None,
                       max_waiting_requests=ns.max_waiting_requests, shutdown_timeout=ns.shutdown_timeout,
-                      log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public)
+                      log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public,
+                      cors=cors, log_requests=ns.enable_log_requests)
     sys.exit(code)
 
 
@@ -176,8 +223,11 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     run_serve_bench(ns)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    import ember
+
     parser = argparse.ArgumentParser(prog="ember", description="ember: a small LLM inference engine")
+    parser.add_argument("--version", action="version", version=ember.__version__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print it as it comes")
@@ -221,6 +271,17 @@ def main(argv: list[str] | None = None) -> None:
                        help="larger request bodies get 413")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's id, prompt length and sampling parameters (INFO)")
+    serve.add_argument("--allowed-origins", type=_json_list, default=None,
+                       help='CORS: the origins browsers may call from, a JSON list (\'["https://a.example"]\') '
+                            'or one origin; "*" for any (default: no CORS headers: browsers refuse other origins)')
+    serve.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                       help="CORS: the methods allowed, a JSON list (with --allowed-origins)")
+    serve.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                       help="CORS: the request headers allowed, a JSON list (with --allowed-origins)")
+    serve.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: allow cookies and Authorization headers (with --allowed-origins)")
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks, as `vllm bench`")
@@ -237,8 +298,25 @@ def main(argv: list[str] | None = None) -> None:
 
     add_serve_bench_args(serve_bench)
     serve_bench.set_defaults(func=cmd_bench_serve)
+    return parser
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with a --config file's values under the flags given."""
+    from ember.server.config_file import apply_config_file
+
+    parser = build_parser()
     ns = parser.parse_args(argv)
+    if getattr(ns, "config", None):  # the file's values become defaults: parse again so the flags win
+        from_file = apply_config_file(ns.config_parser, ns.config)
+        ns = parser.parse_args(argv)
+        if ns.model_flag is not None and ns.model == from_file.get("model"):
+            ns.model = None  # --model on the command line overrides the file's model
+    return ns
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         ns.func(ns)

@@ -4,6 +4,7 @@
     GET  /v1/models             GET  /health (503 until the model is loaded)
     POST /tokenize              POST /detokenize         GET /tokenizer_info
     GET  /version               GET  /metrics
+    POST /v1/embeddings         (--runner pooling: embeddings.py)
 
 Every request is validated here (strict pydantic shapes and ranges, RequestLimits,
 SamplingParams, chat template, tokenize, prompt length): bad input is refused with 400
@@ -44,6 +45,7 @@ import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -66,6 +68,16 @@ RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 
 
 @dataclass(frozen=True)
+class CORSOptions:
+    """Starlette's CORSMiddleware settings (vLLM's flag names: --allowed-origins, ...)."""
+
+    allowed_origins: tuple[str, ...]
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig  # resolved
     served_model_names: tuple[str, ...]
@@ -74,6 +86,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     limits: p.RequestLimits = p.RequestLimits()
     metrics_public: bool = False  # /metrics without the API key
+    cors: CORSOptions | None = None  # None: no CORS headers (browsers refuse other origins)
+    log_requests: bool = False  # each request's id, prompt length and sampling parameters at INFO
 
     @property
     def model_name(self) -> str:
@@ -169,7 +183,7 @@ class ServerState:
         """Build the engine (runs on its own thread)."""
         try:
             engine = AsyncEngine(self.config.engine, self.config.max_waiting_requests, self.stat_loggers,
-                                 on_dead=lambda e: self.engine_died(loop))
+                                 on_dead=lambda e: self.engine_died(loop), log_requests=self.config.log_requests)
             engine.core.structured.warm_up()
         except BaseException as e:
             logger.exception("the model failed to load")
@@ -213,11 +227,20 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
 
     app = FastAPI(title="ember", version=ember.__version__, lifespan=lifespan)
     app.state.ember = state
+    from ember.server.embeddings import RunnerRoutes, add_embeddings_route
+
+    app.add_middleware(RunnerRoutes, runner=config.engine.runner)
     app.add_middleware(_BodyMiddleware, max_bytes=limits.max_body_bytes)
     if config.api_key:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key,
                            open_paths=_OPEN_PATHS | ({"/metrics"} if config.metrics_public else set()))
+    if config.cors is not None:  # outermost: a preflight carries no API key
+        cors = config.cors
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials)
     _add_error_handlers(app)
+    add_embeddings_route(app, state, limits)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "Ready (an empty body)"}, **_ERRORS})
     async def health() -> Response:
@@ -797,13 +820,13 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = None,
                shutdown_timeout: float = 30.0, log_level: str = "info", limits: p.RequestLimits | None = None,
-               metrics_public: bool = False) -> int:
+               metrics_public: bool = False, cors: CORSOptions | None = None, log_requests: bool = False) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit code: 0 after a graceful stop, 1 if
     the model failed to load or the engine loop died (a supervisor should restart it)."""
     names = tuple(served_model_names or [default_model_name(engine_config.model)])
     resolved = engine_config.resolve()  # a bad model path or flag fails here, before listening
     config = ServerConfig(resolved, names, api_key, max_waiting_requests, shutdown_timeout,
-                          limits or p.RequestLimits(), metrics_public)
+                          limits or p.RequestLimits(), metrics_public, cors, log_requests)
     app = build_app(config)
     state: ServerState = app.state.ember
     # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left
