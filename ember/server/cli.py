@@ -160,8 +160,21 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     code = run_server(EngineConfig(**engine_args(ns)), host=ns.host, port=ns.port, api_key=ns.api_key,
                       served_model_names=[ns.served_model_name] if ns.served_model_name else None,
                       max_waiting_requests=ns.max_waiting_requests, shutdown_timeout=ns.shutdown_timeout,
-                      log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public)
+                      log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public,
+                      tool_call_parser=_auto_tool_parser(ns))
     sys.exit(code)
+
+
+def _auto_tool_parser(ns: argparse.Namespace) -> str | None:
+    """The parser of tool_choice "auto" outputs: --tool-call-parser, with --enable-auto-tool-choice."""
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME: the parser of the model's tool "
+                         "call format")
+    if ns.tool_call_parser is not None and not ns.enable_auto_tool_choice:
+        logging.getLogger("ember.server").warning("--tool-call-parser is used with --enable-auto-tool-choice only: "
+                                                  'tool_choice "auto" is refused')
+        return None
+    return ns.tool_call_parser
 
 
 def cmd_bench_throughput(ns: argparse.Namespace) -> None:
@@ -219,6 +232,14 @@ def main(argv: list[str] | None = None) -> None:
                        help="options of a guided_choice / structured_outputs.choice")
     serve.add_argument("--max-request-body-bytes", type=int, default=caps.max_body_bytes,
                        help="larger request bodies get 413")
+    from ember.parsers import TOOL_PARSERS
+
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto" (the default with tools): the model may call tools, read from its '
+                            "text by --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the model's tool call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral, "
+                            "pythonic (Llama 3.2 / 4)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)
