@@ -161,7 +161,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                       served_model_names=[ns.served_model_name] if ns.served_model_name else None,
                       max_waiting_requests=ns.max_waiting_requests, shutdown_timeout=ns.shutdown_timeout,
                       log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public,
-                      tool_call_parser=_auto_tool_parser(ns))
+                      tool_call_parser=_auto_tool_parser(ns), reasoning_parser=ns.reasoning_parser)
     sys.exit(code)
 
 
@@ -240,6 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the model's tool call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral, "
                             "pythonic (Llama 3.2 / 4)")
+    from ember.parsers.reasoning import REASONING_PARSERS
+
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="the text between <think> and </think> goes to message.reasoning_content: qwen3, "
+                            "deepseek_r1")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)

@@ -73,6 +73,7 @@ class ServerConfig:
     limits: p.RequestLimits = p.RequestLimits()
     metrics_public: bool = False  # /metrics without the API key
     tool_call_parser: str | None = None  # reads tool_choice "auto" outputs (--enable-auto-tool-choice)
+    reasoning_parser: str | None = None  # splits off <think> reasoning (--reasoning-parser)
 
     @property
     def model_name(self) -> str:
@@ -279,7 +280,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def make() -> tuple[SamplingParams, list[EngineRequest], ToolPlan]:
-            tools = plan_tools(body, config.tool_call_parser)
+            tools = plan_tools(body, config.tool_call_parser, config.reasoning_parser)
             params = tools.sampling_params(body.to_sampling_params(limits, engine.config.sampling_defaults))
             prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt, tools=tools.tools,
                                                **body.template_kwargs())
@@ -719,12 +720,12 @@ async def _chat_chunks(stream: RequestStream, request_id: str, model: str, param
             if deltas or logprobs or s.done:
                 deltas = deltas or [p.DeltaMessage(content="")]
                 for j, delta in enumerate(deltas):  # logprobs with the first, finish_reason with the last
-                    last = j == len(deltas) - 1
+                    closing = j == len(deltas) - 1
                     yield chunk([p.ChatCompletionStreamChoice(
                         index=c.index, delta=delta,
                         logprobs=_chat_logprobs(logprobs, params) if logprobs is not None and j == 0 else None,
-                        finish_reason=choice_streams[c.index].finish_reason(c) if s.done and last else None,
-                        stop_reason=c.stop_reason if last else None)])
+                        finish_reason=choice_streams[c.index].finish_reason(c) if s.done and closing else None,
+                        stop_reason=c.stop_reason if closing else None)])
     for i, s in enumerate(sent):  # aborted (server shutting down) before the end
         if not s.done:
             yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(), finish_reason="abort")])
@@ -797,13 +798,14 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = None,
                shutdown_timeout: float = 30.0, log_level: str = "info", limits: p.RequestLimits | None = None,
-               metrics_public: bool = False, tool_call_parser: str | None = None) -> int:
+               metrics_public: bool = False, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit code: 0 after a graceful stop, 1 if
     the model failed to load or the engine loop died (a supervisor should restart it)."""
     names = tuple(served_model_names or [default_model_name(engine_config.model)])
     resolved = engine_config.resolve()  # a bad model path or flag fails here, before listening
     config = ServerConfig(resolved, names, api_key, max_waiting_requests, shutdown_timeout,
-                          limits or p.RequestLimits(), metrics_public, tool_call_parser)
+                          limits or p.RequestLimits(), metrics_public, tool_call_parser, reasoning_parser)
     app = build_app(config)
     state: ServerState = app.state.ember
     # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left

@@ -1,5 +1,6 @@
 """Tool calling on /v1/chat/completions: what a request's `tools`, `tool_choice` and
-`parallel_tool_calls` ask for (a `ToolPlan`), and the answer's `tool_calls`.
+`parallel_tool_calls` ask for (a `ToolPlan`), and the answer's `tool_calls` (after its
+`reasoning_content`, split off first with --reasoning-parser).
 
     tool_choice      the template gets   the output is                    read by
     (no tools)       -                   text                             -
@@ -30,6 +31,7 @@ from ember.outputs import CompletionOutput
 from ember.parsers import get_tool_parser
 from ember.parsers.base import ToolCallStream, ToolParser, new_call_id
 from ember.parsers.forced import NamedCall, RequiredCalls, parameters_schema, required_schema
+from ember.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.server import protocol as p
 
@@ -72,6 +74,7 @@ class ToolPlan:
     parser: Callable[[], ToolParser] | None = None  # reads calls out of the text; None: the text is content
     max_calls: int | None = None  # 1 without parallel tool calls
     keep_special_tokens: bool = False  # the parser's markers are special tokens
+    reasoning: Callable[[], ReasoningParser] | None = None  # splits off the reasoning first (--reasoning-parser)
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         changes: dict[str, Any] = {}
@@ -87,32 +90,49 @@ class ToolPlan:
 
     def message(self, c: CompletionOutput) -> tuple[p.ChatMessageOut, str]:
         """One finished choice's message and finish_reason."""
+        reasoning, answer = None, c.text
+        if self.reasoning is not None:
+            reasoning, answer = self.reasoning().split(c.text)
         if self.parser is None:
-            return p.ChatMessageOut(content=c.text), _finish_reason(c, False)
-        result = self.parser().extract(c.text, self.max_calls)
+            return p.ChatMessageOut(content=answer, reasoning_content=reasoning), _finish_reason(c, False)
+        result = self.parser().extract(answer or "", self.max_calls)
         calls = [p.ToolCall(id=new_call_id(), function=p.FunctionCallOut(name=call.name, arguments=call.arguments))
                  for call in result.calls]
-        return p.ChatMessageOut(content=result.content, tool_calls=calls or None), _finish_reason(c, bool(calls))
+        return (p.ChatMessageOut(content=result.content, reasoning_content=reasoning, tool_calls=calls or None),
+                _finish_reason(c, bool(calls)))
 
     def stream(self) -> ChoiceStream:
-        return ChoiceStream(ToolCallStream(self.parser(), self.max_calls) if self.parser is not None else None)
+        return ChoiceStream(ToolCallStream(self.parser(), self.max_calls) if self.parser is not None else None,
+                            self.reasoning() if self.reasoning is not None else None)
 
 
 NO_TOOLS = ToolPlan()
 
 
 class ChoiceStream:
-    """One streamed choice's deltas: its new text as content, or through the parser."""
+    """One streamed choice's deltas: its new text as content, or through the parsers (the
+    reasoning's, then the tool calls')."""
 
-    def __init__(self, calls: ToolCallStream | None) -> None:
+    def __init__(self, calls: ToolCallStream | None, reasoning: ReasoningParser | None = None) -> None:
         self._calls = calls
+        self._reasoning = reasoning
+        self._sent = [0, 0]  # characters of reasoning and of answer sent (with a reasoning parser)
 
     def deltas(self, text: str, new_text: str, final: bool) -> list[p.DeltaMessage]:
         """`text`: all of the choice's text sent so far, `new_text` its end not sent before."""
+        out = []
+        if self._reasoning is not None:
+            split = self._reasoning.scan(text, final)
+            thought, text = split.reasoning[self._sent[0]:], split.content
+            new_text = text[self._sent[1]:]
+            self._sent = [max(self._sent[0], len(split.reasoning)), max(self._sent[1], len(text))]
+            if thought:
+                out.append(p.DeltaMessage(reasoning_content=thought))
         if self._calls is None:
-            return [p.DeltaMessage(content=new_text)] if new_text else []
+            return out + ([p.DeltaMessage(content=new_text)] if new_text else [])
         update = self._calls.update(text, final)
-        out = [p.DeltaMessage(content=update.content)] if update.content else []
+        if update.content:
+            out.append(p.DeltaMessage(content=update.content))
         for d in update.tool_calls:
             call = p.DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
                                    function=p.DeltaFunctionCall(name=d.name, arguments=d.arguments))
@@ -123,9 +143,25 @@ class ChoiceStream:
         return _finish_reason(c, self._calls is not None and bool(self._calls.ids))
 
 
-def plan_tools(body: p.ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
+_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar")
+
+
+def plan_tools(body: p.ChatCompletionRequest, auto_parser: str | None, reasoning_parser: str | None = None) -> ToolPlan:
     """What the request's tool fields ask for; `auto_parser`: the server's tool-call parser
-    (--tool-call-parser with --enable-auto-tool-choice), None without one."""
+    (--tool-call-parser with --enable-auto-tool-choice), None without one; `reasoning_parser`:
+    --reasoning-parser. An output constrained from its first token (a named function,
+    "required", response_format, ...) has no reasoning to split off."""
+    plan = _plan_tools(body, auto_parser)
+    text_format = body.response_format is not None and body.response_format.type == "text"
+    constrained = plan.constraint is not None or any(
+        getattr(body, name) is not None for name in _CONSTRAINTS if not (name == "response_format" and text_format))
+    if reasoning_parser is None or constrained:
+        return plan
+    return dataclasses.replace(plan, reasoning=get_reasoning_parser(reasoning_parser))
+
+
+def _plan_tools(body: p.ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
     tools = checked_tools(body.tools)
     choice = body.tool_choice
     if tools is None:
