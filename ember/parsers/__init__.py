@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ember.parsers import hermes, llama3_json, mistral, pythonic  # noqa: F401 (they register themselves)
 from ember.parsers.base import (TOOL_PARSERS, ExtractedToolCalls, FunctionCall, ToolCallDelta, ToolCallStream,
-                                ToolParser)
+                                ToolParser, registered)
 
 __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "FunctionCall", "ToolCallDelta", "ToolCallStream", "ToolParser",
            "get_tool_parser"]
@@ -21,8 +21,4 @@ __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "FunctionCall", "ToolCallDelta"
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered under `name`; ValueError naming the choices otherwise."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}: choose one of {', '.join(sorted(TOOL_PARSERS))}") \
-            from None
+    return registered(TOOL_PARSERS, name, "tool call parser")

@@ -94,6 +94,17 @@ def register_tool_parser(name: str) -> Callable[[P], P]:
     return register
 
 
+R = TypeVar("R")
+
+
+def registered(registry: dict[str, R], name: str, kind: str) -> R:
+    """`registry[name]`; ValueError naming the choices otherwise."""
+    try:
+        return registry[name]
+    except KeyError:
+        raise ValueError(f"unknown {kind} {name!r}: choose one of {', '.join(sorted(registry))}") from None
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ember.parsers.base import held_back
+from ember.parsers.base import held_back, registered
 
 START, END = "<think>", "</think>"
 
@@ -67,8 +67,4 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}: choose one of {', '.join(sorted(REASONING_PARSERS))}") \
-            from None
+    return registered(REASONING_PARSERS, name, "reasoning parser")
