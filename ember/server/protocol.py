@@ -326,6 +326,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # the call a tool message answers
+    reasoning_content: str | None = None  # an assistant's reasoning, as answers give it (templates may show it)
 
     def as_template_dict(self) -> dict[str, Any]:
         """{"role", "content"} with the content as one string (text parts joined)."""
@@ -348,6 +349,8 @@ class ChatMessage(_Strict):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

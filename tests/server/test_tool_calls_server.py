@@ -169,6 +169,17 @@ def test_a_tool_result_round_trip_keeps_the_call_and_the_result_in_the_prompt(se
                                                       tools=TOOLS)[0].outputs[0].text
 
 
+def test_an_agent_loop_sends_the_answer_back_as_it_came(client):
+    """The openai client's own message object (tool_calls, null content and the rest of
+    ember's answer) goes back into the history, with the tool's result after it."""
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=60).choices[0].message
+    history = ASK + [first, {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "21 degrees"}]
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                         temperature=0, max_tokens=5)
+    assert out.choices[0].message.content and out.choices[0].message.tool_calls is None
+
+
 # -- what client libraries send ----------------------------------------------------------------
 
 
