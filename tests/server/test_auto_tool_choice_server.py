@@ -99,3 +99,13 @@ def test_a_named_function_is_constrained_on_this_server_too(client, hermes_llm):
     assert (call.function.name, call.function.arguments) == ("get_weather", want)
     jsonschema.validate(json.loads(want), parameters)
     assert out.choices[0].finish_reason == "tool_calls"
+
+
+def test_chat_template_kwargs_reach_the_template(client, hermes_llm):
+    """Qwen3's switch: its template closes an empty <think> block when thinking is off."""
+    off = hermes_llm.chat(ASK, SamplingParams(temperature=0, max_tokens=1), tools=TOOLS, enable_thinking=False)[0]
+    assert off.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    on = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert out.usage.prompt_tokens == len(off.prompt_token_ids) > on.usage.prompt_tokens
