@@ -223,3 +223,17 @@ def test_what_langchain_with_structured_output_function_calling_sends(client):
                                          temperature=0, max_tokens=40)
     [call] = out.choices[0].message.tool_calls
     assert UserDetail.model_validate(json.loads(call.function.arguments)) == UserDetail(name="Jason", age=25)
+
+
+def test_what_pydantic_ai_sends_for_its_default_structured_output(client):
+    """pydantic-ai's default output mode: a `final_result` tool whose parameters are the
+    output type's schema, with tool_choice "required" (no text answer allowed); it validates
+    the call's arguments with the output type."""
+    tool = {"type": "function", "function": {
+        "name": "final_result", "description": "The final response which ends this conversation",
+        "parameters": {"additionalProperties": False, **UserDetail.model_json_schema()}}}
+    out = client.chat.completions.create(model=MODEL, messages=EXTRACT, tools=[tool], tool_choice="required",
+                                         temperature=0, max_tokens=40)
+    [call] = out.choices[0].message.tool_calls
+    assert call.function.name == "final_result" and out.choices[0].finish_reason == "tool_calls"
+    assert UserDetail.model_validate_json(call.function.arguments) == UserDetail(name="Jason", age=25)
