@@ -68,7 +68,8 @@ class ToolParser(ABC):
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
         """What `text` holds; `final`: the text is complete (nothing is held back, and a call
-        that does not parse makes the whole text content)."""
+        that does not parse, malformed or cut off by max_tokens, makes the whole text content:
+        a stream may have sent its beginning as a call by then)."""
 
     def extract(self, text: str, max_calls: int | None = None) -> ExtractedToolCalls:
         """The calls in a whole output (at most `max_calls`) and the content around them."""

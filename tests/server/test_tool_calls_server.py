@@ -237,3 +237,30 @@ def test_what_pydantic_ai_sends_for_its_default_structured_output(client):
     [call] = out.choices[0].message.tool_calls
     assert call.function.name == "final_result" and out.choices[0].finish_reason == "tool_calls"
     assert UserDetail.model_validate_json(call.function.arguments) == UserDetail(name="Jason", age=25)
+
+
+class Address(BaseModel):
+    street: str
+    city: str
+
+
+class Order(BaseModel):
+    item: str
+    to: Address
+
+
+def test_required_calls_a_tool_whose_parameters_use_defs(client, llm):
+    """A nested model's schema refers to its $defs: in the array of calls they move to the
+    root, and the arguments still follow the tool's own schema."""
+    ship = {"type": "function", "function": {"name": "ship", "parameters": Order.model_json_schema()}}
+    messages = [{"role": "user", "content": "Ship a lamp to 5 Rue de Rivoli, Paris."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=[ship, TIME], tool_choice="required",
+                                         parallel_tool_calls=False, temperature=0, max_tokens=60)
+    [call] = out.choices[0].message.tool_calls
+    text = llm.chat(messages, SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        json=required_schema([ship["function"], TIME["function"]], False))), tools=[ship, TIME])[0].outputs[0].text
+    assert [(c.name, c.arguments) for c in RequiredCalls().extract(text).calls] == [(call.function.name,
+                                                                                    call.function.arguments)]
+    assert (call.function.name, call.function.arguments) == (
+        "ship", '{"item": "Ship", "to": {"street": "Ship", "city": "Paris"}}')  # the tiny model's best
+    Order.model_validate_json(call.function.arguments)
