@@ -6,7 +6,9 @@ and offline on `LLM.chat` outputs:
     parser = get_tool_parser("hermes")()
     result = parser.extract(output.outputs[0].text)   # .content, .calls[i].name / .arguments
 
-One file per format; `base.py` holds the shapes, the registry and the streaming.
+One file per format; `base.py` holds the shapes, the registry and the streaming;
+`forced.py` the calls a constraint forces (a named function, "required"); `reasoning.py`
+the <think> splitters (`--reasoning-parser`).
 """
 
 from __future__ import annotations
