@@ -10,6 +10,7 @@ max_model_len tokens is refused by its length before it is tokenized.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -92,7 +93,8 @@ class InputProcessor:
         if not messages:
             raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
         tok = self.require_tokenizer()
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                       **template_kwargs)
         # the template already wrote any BOS: add no special tokens on top
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
@@ -121,3 +123,30 @@ class InputProcessor:
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model} has no tokenizer: pass {{'prompt_token_ids': [...]}} prompts")
         return self.tokenizer
+
+
+def template_messages(messages: Conversation) -> Conversation:
+    """The messages as chat templates take them: no content (an assistant's message that
+    only calls tools) is empty text, and an assistant's tool call arguments, which OpenAI's
+    API gives as JSON text, become their value (templates write them with tojson, as
+    transformers expects); arguments that are not JSON stay text."""
+    out = []
+    for message in messages:
+        if isinstance(message, dict) and "content" in message and message["content"] is None:
+            message = {**message, "content": ""}
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if calls and isinstance(calls, list):
+            message = {**message, "tool_calls": [_parsed_arguments(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _parsed_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -207,8 +207,21 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                       served_model_names=[ns.served_model_name] if ns.served_model_name else None,
                       max_waiting_requests=ns.max_waiting_requests, shutdown_timeout=ns.shutdown_timeout,
                       log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public,
-                      cors=cors, log_requests=ns.enable_log_requests)
+                      cors=cors, log_requests=ns.enable_log_requests,
+                      tool_call_parser=_auto_tool_parser(ns), reasoning_parser=ns.reasoning_parser)
     sys.exit(code)
+
+
+def _auto_tool_parser(ns: argparse.Namespace) -> str | None:
+    """The parser of tool_choice "auto" outputs: --tool-call-parser, with --enable-auto-tool-choice."""
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME: the parser of the model's tool "
+                         "call format")
+    if ns.tool_call_parser is not None and not ns.enable_auto_tool_choice:
+        logging.getLogger("ember.server").warning("--tool-call-parser is used with --enable-auto-tool-choice only: "
+                                                  'tool_choice "auto" is refused')
+        return None
+    return ns.tool_call_parser
 
 
 def cmd_bench_throughput(ns: argparse.Namespace) -> None:
@@ -269,6 +282,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="options of a guided_choice / structured_outputs.choice")
     serve.add_argument("--max-request-body-bytes", type=int, default=caps.max_body_bytes,
                        help="larger request bodies get 413")
+    from ember.parsers import TOOL_PARSERS
+
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto" (the default with tools): the model may call tools, read from its '
+                            "text by --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the model's tool call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral, "
+                            "pythonic (Llama 3.2 / 4)")
+    from ember.parsers.reasoning import REASONING_PARSERS
+
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="the text between <think> and </think> goes to message.reasoning_content: qwen3, "
+                            "deepseek_r1")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.add_argument("--enable-log-requests", action="store_true",

@@ -61,6 +61,7 @@ from ember.server import protocol as p
 from ember.server import scoring
 from ember.server.metrics import ServerMetrics
 from ember.server.scoring import ranked as _ranked
+from ember.server.tool_calls import ToolPlan, checked_tools, plan_tools
 
 logger = logging.getLogger("ember.server")
 
@@ -88,6 +89,8 @@ class ServerConfig:
     metrics_public: bool = False  # /metrics without the API key
     cors: CORSOptions | None = None  # None: no CORS headers (browsers refuse other origins)
     log_requests: bool = False  # each request's id, prompt length and sampling parameters at INFO
+    tool_call_parser: str | None = None  # reads tool_choice "auto" outputs (--enable-auto-tool-choice)
+    reasoning_parser: str | None = None  # splits off <think> reasoning (--reasoning-parser)
 
     @property
     def model_name(self) -> str:
@@ -270,8 +273,10 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
             if (body.prompt is None) == (body.messages is None):
                 raise p.InvalidRequest("give exactly one of prompt and messages", "prompt")
             if body.messages is not None:
-                return engine.inputs.chat_prompt(p.conversation(body.messages),
-                                                 body.add_generation_prompt)["prompt_token_ids"]
+                return engine.inputs.chat_prompt(p.conversation(body.messages), body.add_generation_prompt,
+                                                 tools=checked_tools(body.tools))["prompt_token_ids"]
+            if body.tools is not None:
+                raise p.InvalidRequest("tools are rendered with messages: give messages, not prompt", "tools")
             return engine.inputs.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
         tokens = await _prepare(engine, ids)
@@ -306,23 +311,25 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         model = state.check_model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
-        def make() -> tuple[SamplingParams, list[EngineRequest]]:
-            params = body.to_sampling_params(limits, engine.config.sampling_defaults)
-            prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt,
+        def make() -> tuple[SamplingParams, list[EngineRequest], ToolPlan]:
+            tools = plan_tools(body, config.tool_call_parser, config.reasoning_parser)
+            params = tools.sampling_params(body.to_sampling_params(limits, engine.config.sampling_defaults))
+            prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt, tools=tools.tools,
                                                **body.template_kwargs())
-            return params, [engine.inputs.make_request(request_id, prompt, params, body.priority)]
+            return params, [engine.inputs.make_request(request_id, prompt, params, body.priority)], tools
 
-        params, requests = await _prepare(engine, make)
+        params, requests, tools = await _prepare(engine, make)
         streams = _submit(engine, requests)
         if body.stream:
-            return _sse(_chat_chunks(streams[0], request_id, model, params, body.include_usage), streams)
+            return _sse(_chat_chunks(streams[0], request_id, model, params, body.include_usage, tools), streams)
         final = (await _until_disconnected(raw, _final_outputs(streams), streams))[0]
-        choices = [p.ChatCompletionChoice(index=c.index, message=p.ChatMessageOut(content=c.text),
-                                          logprobs=_chat_logprobs(c.logprobs, params) if c.logprobs is not None
-                                          else None,
-                                          finish_reason=_finish_reason(c), stop_reason=c.stop_reason,
-                                          prompt_logprobs=scoring.prompt_logprobs(final, body.prompt_logprobs))
-                   for c in _all_samples(final, params)]
+        choices = []
+        for c in _all_samples(final, params):
+            message, finish_reason = tools.message(c)
+            choices.append(p.ChatCompletionChoice(
+                index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
+                logprobs=_chat_logprobs(c.logprobs, params) if c.logprobs is not None else None,
+                prompt_logprobs=scoring.prompt_logprobs(final, body.prompt_logprobs)))
         response = p.ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage([final]))
         return JSONResponse(response.model_dump())
 
@@ -724,7 +731,7 @@ def _data(chunk) -> str:
 
 
 async def _chat_chunks(stream: RequestStream, request_id: str, model: str, params: SamplingParams,
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool, tools: ToolPlan) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[p.ChatCompletionStreamChoice], usage: p.UsageInfo | None = None) -> str:
@@ -732,6 +739,7 @@ async def _chat_chunks(stream: RequestStream, request_id: str, model: str, param
                                            usage=usage))
 
     sent = [_Sent() for _ in range(params.n)]
+    choice_streams = [tools.stream() for _ in range(params.n)]
     for i in range(params.n):  # the role first, as OpenAI does
         yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
     last: RequestOutput | None = None
@@ -743,11 +751,16 @@ async def _chat_chunks(stream: RequestStream, request_id: str, model: str, param
                 continue
             text, logprobs = _new_text(c, s, params), _new_logprobs(c, s)
             s.done = c.finished
-            if text or logprobs or s.done:
-                yield chunk([p.ChatCompletionStreamChoice(
-                    index=c.index, delta=p.DeltaMessage(content=text),
-                    logprobs=_chat_logprobs(logprobs, params) if logprobs is not None else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            deltas = choice_streams[c.index].deltas(c.text[:s.text], text, s.done)
+            if deltas or logprobs or s.done:
+                deltas = deltas or [p.DeltaMessage(content="")]
+                for j, delta in enumerate(deltas):  # logprobs with the first, finish_reason with the last
+                    closing = j == len(deltas) - 1
+                    yield chunk([p.ChatCompletionStreamChoice(
+                        index=c.index, delta=delta,
+                        logprobs=_chat_logprobs(logprobs, params) if logprobs is not None and j == 0 else None,
+                        finish_reason=choice_streams[c.index].finish_reason(c) if s.done and closing else None,
+                        stop_reason=c.stop_reason if closing else None)])
     for i, s in enumerate(sent):  # aborted (server shutting down) before the end
         if not s.done:
             yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(), finish_reason="abort")])
@@ -820,13 +833,15 @@ class _Server(uvicorn.Server):
 def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = None,
                shutdown_timeout: float = 30.0, log_level: str = "info", limits: p.RequestLimits | None = None,
-               metrics_public: bool = False, cors: CORSOptions | None = None, log_requests: bool = False) -> int:
+               metrics_public: bool = False, cors: CORSOptions | None = None, log_requests: bool = False,
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit code: 0 after a graceful stop, 1 if
     the model failed to load or the engine loop died (a supervisor should restart it)."""
     names = tuple(served_model_names or [default_model_name(engine_config.model)])
     resolved = engine_config.resolve()  # a bad model path or flag fails here, before listening
     config = ServerConfig(resolved, names, api_key, max_waiting_requests, shutdown_timeout,
-                          limits or p.RequestLimits(), metrics_public, cors, log_requests)
+                          limits or p.RequestLimits(), metrics_public, cors, log_requests, tool_call_parser,
+                          reasoning_parser)
     app = build_app(config)
     state: ServerState = app.state.ember
     # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema, model_serializer
 
 from ember.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
 from ember.server.limits import MAX_STOP_CHARS, RequestLimits
@@ -296,10 +296,45 @@ class _SamplingRequest(_Strict):
             raise InvalidRequest(f"{name}: {e}", name) from None
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class MessageFunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    reasoning_content: str | None = None  # an assistant's reasoning, as answers give it (templates may show it)
 
     def as_template_dict(self) -> dict[str, Any]:
         """{"role", "content"} with the content as one string (text parts joined)."""
@@ -312,9 +347,18 @@ class ChatMessage(_Strict):
                                          "messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise InvalidRequest(f"only assistant messages have tool_calls; got a {self.role!r:.40} message",
+                                     "messages")
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -343,6 +387,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Bulk(list[ChatTool] | None) = None  # checked by ember.server.tool_calls
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, limits: RequestLimits = RequestLimits(),
                            defaults: Mapping[str, float | int] = NO_DEFAULTS) -> SamplingParams:
@@ -412,6 +459,7 @@ class TokenizeRequest(_Strict):
     messages: Bulk(list[ChatMessage] | None) = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: Bulk(list[ChatTool] | None) = None  # rendered with messages
 
 
 class DetokenizeRequest(_Strict):
@@ -458,9 +506,22 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatCompletionTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -481,9 +542,33 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class _NoNulls(BaseModel):
+    """Serialized without its unset (None) fields, as OpenAI sends tool-call deltas."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_NoNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_NoNulls):
+    """A call's first delta has its id, type and name; later ones pieces of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -326,6 +326,10 @@ CHAT_FIELDS = SHARED_FIELDS | {
     "top_logprobs": INTEGER + [-1, 21],
     "add_generation_prompt": BOOL,
     "chat_template_kwargs": ["x", 1, [1], {"messages": []}, {"tools": []}],
+    "tools": ["x", 1, {"type": "function"}, [1], [{"type": "retrieval"}], [{"type": "function", "function": {}}],
+              [{"type": "function", "function": {"name": "f", "parameters": "x"}}]],
+    "tool_choice": [1, "any", {"type": "function"}, {"type": "function", "function": {"name": 1}}, "required"],
+    "parallel_tool_calls": BOOL,
 }
 FIELD_CASES = [("/v1/completions", f, v) for f, vs in COMPLETION_FIELDS.items() for v in vs] + \
               [("/v1/chat/completions", f, v) for f, vs in CHAT_FIELDS.items() for v in vs]

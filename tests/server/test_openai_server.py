@@ -124,15 +124,21 @@ class Server:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
-def server(gguf_path, tmp_path_factory):
-    s = Server(gguf_path, tmp_path_factory.mktemp("server") / "server.log", "--api-key", KEY)
+def serving(gguf_path, tmp_path_factory, *args: str):
+    """A module's server (`yield from` it in a fixture): ready, then stopped with SIGTERM,
+    after which it must exit 0."""
+    s = Server(gguf_path, tmp_path_factory.mktemp("server") / "server.log", "--api-key", KEY, *args)
     try:
         s.wait_ready()
         yield s
     finally:
         code = s.stop()
     assert code == 0, f"the server exited with {code} after SIGTERM:\n{s.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def server(gguf_path, tmp_path_factory):
+    yield from serving(gguf_path, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

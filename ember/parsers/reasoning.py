@@ -1,0 +1,70 @@
+"""Reasoning parsers: the text a reasoning model writes between <think> and </think> is its
+reasoning (`reasoning_content`), the rest its answer (`content`), for whole outputs and
+for streams. `--reasoning-parser NAME` on the server; offline:
+
+    from ember.parsers.reasoning import get_reasoning_parser
+
+    reasoning, content = get_reasoning_parser("qwen3")().split(text)
+
+- qwen3: <think>...</think> and then the answer; without </think> (thinking turned off,
+  `chat_template_kwargs: {"enable_thinking": false}`) the whole text is the answer.
+- deepseek_r1: the template opens <think> in the prompt, so the output may begin inside
+  it: everything up to </think> is reasoning; without </think> the whole text is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ember.parsers.base import held_back, registered
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Split:
+    reasoning: str  # a prefix of the finished reasoning
+    content: str  # a prefix of the finished answer
+
+
+class ReasoningParser:
+    name: ClassVar[str] = ""
+    always_thinks: ClassVar[bool] = False  # the output begins inside <think> even without the tag
+
+    def scan(self, text: str, final: bool) -> Split:
+        """What `text` holds so far; a tail that may begin a tag waits unless `final`. Both
+        parts are given without leading blank space."""
+        lead = text.lstrip()
+        opened = lead.startswith(START)
+        if not opened and not final and START.startswith(lead):  # the start tag may be being written
+            return Split("", "")
+        if not opened and not self.always_thinks:
+            return Split("", lead)
+        body = lead[len(START):] if opened else lead
+        end = body.find(END)
+        if end < 0:
+            return Split((body if final else body[:len(body) - held_back(body, END)]).lstrip(), "")
+        return Split(body[:end].lstrip(), body[end + len(END):].lstrip())
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning_content, content) of a whole output; None for an empty part."""
+        parts = self.scan(text, final=True)
+        return parts.reasoning or None, parts.content or None
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+    always_thinks = True
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    cls.name: cls for cls in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)}
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    return registered(REASONING_PARSERS, name, "reasoning parser")
