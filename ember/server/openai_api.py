@@ -5,6 +5,7 @@
     POST /tokenize              POST /detokenize         GET /tokenizer_info
     GET  /version               GET  /metrics
     POST /v1/embeddings         (--runner pooling: embeddings.py)
+    POST /v1/responses          (run as a chat completion: responses.py)
 
 Every request is validated here (strict pydantic shapes and ranges, RequestLimits,
 SamplingParams, chat template, tokenize, prompt length): bad input is refused with 400
@@ -47,6 +48,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ember
@@ -61,6 +63,7 @@ from ember.server import protocol as p
 from ember.server import scoring
 from ember.server.metrics import ServerMetrics
 from ember.server.scoring import ranked as _ranked
+from ember.server.responses import ResponseBuilder, ResponsesRequest
 from ember.server.tool_calls import ToolPlan, checked_tools, plan_tools
 
 logger = logging.getLogger("ember.server")
@@ -312,26 +315,34 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def make() -> tuple[SamplingParams, list[EngineRequest], ToolPlan]:
-            tools = plan_tools(body, config.tool_call_parser, config.reasoning_parser)
-            params = tools.sampling_params(body.to_sampling_params(limits, engine.config.sampling_defaults))
-            prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt, tools=tools.tools,
-                                               **body.template_kwargs())
-            return params, [engine.inputs.make_request(request_id, prompt, params, body.priority)], tools
+            return _chat_requests(engine, config, body, request_id)
 
         params, requests, tools = await _prepare(engine, make)
         streams = _submit(engine, requests)
         if body.stream:
-            return _sse(_chat_chunks(streams[0], request_id, model, params, body.include_usage, tools), streams)
+            chunks = _chat_chunks(streams[0], request_id, model, params, body.include_usage, tools)
+            return _sse(_sse_lines(chunks), streams)
         final = (await _until_disconnected(raw, _final_outputs(streams), streams))[0]
-        choices = []
-        for c in _all_samples(final, params):
-            message, finish_reason = tools.message(c)
-            choices.append(p.ChatCompletionChoice(
-                index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
-                logprobs=_chat_logprobs(c.logprobs, params) if c.logprobs is not None else None,
-                prompt_logprobs=scoring.prompt_logprobs(final, body.prompt_logprobs)))
-        response = p.ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage([final]))
-        return JSONResponse(response.model_dump())
+        return JSONResponse(_chat_answer(final, params, tools, body, request_id, model).model_dump())
+
+    @app.post("/v1/responses", responses=_STREAMED_ERRORS)
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API, run as the chat completion it translates to (responses.py)."""
+        engine = state.ready_engine()
+        model = state.check_model(body.model)
+        answer = ResponseBuilder(body, model)
+
+        def make() -> tuple[p.ChatCompletionRequest, SamplingParams, list[EngineRequest], ToolPlan]:
+            chat = p.ChatCompletionRequest.model_validate(body.chat_request())
+            return chat, *_chat_requests(engine, config, chat, answer.id)
+
+        chat, params, requests, tools = await _prepare(engine, make)
+        streams = _submit(engine, requests)
+        if body.stream:
+            chunks = _chat_chunks(streams[0], answer.id, model, params, True, tools)
+            return _sse(answer.events(chunk.model_dump() async for chunk in chunks), streams)
+        final = (await _until_disconnected(raw, _final_outputs(streams), streams))[0]
+        return JSONResponse(answer.from_chat(_chat_answer(final, params, tools, chat, answer.id, model).model_dump()))
 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_STREAMED_ERRORS)
     async def completions(body: p.CompletionRequest, raw: Request) -> Response:
@@ -393,6 +404,29 @@ def _submit(engine: AsyncEngine, requests: list[EngineRequest]) -> list[RequestS
             raise bad_request(e) from None
         raise
     return streams
+
+
+def _chat_requests(engine: AsyncEngine, config: ServerConfig, body: p.ChatCompletionRequest,
+                   request_id: str) -> tuple[SamplingParams, list[EngineRequest], ToolPlan]:
+    """A chat request's sampling parameters, its engine request and its tool plan (on the
+    input pool: the template and the tools' grammar grow with the input)."""
+    tools = plan_tools(body, config.tool_call_parser, config.reasoning_parser)
+    params = tools.sampling_params(body.to_sampling_params(config.limits, engine.config.sampling_defaults))
+    prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt, tools=tools.tools,
+                                       **body.template_kwargs())
+    return params, [engine.inputs.make_request(request_id, prompt, params, body.priority)], tools
+
+
+def _chat_answer(final: RequestOutput, params: SamplingParams, tools: ToolPlan, body: p.ChatCompletionRequest,
+                 request_id: str, model: str) -> p.ChatCompletionResponse:
+    choices = []
+    for c in _all_samples(final, params):
+        message, finish_reason = tools.message(c)
+        choices.append(p.ChatCompletionChoice(
+            index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
+            logprobs=_chat_logprobs(c.logprobs, params) if c.logprobs is not None else None,
+            prompt_logprobs=scoring.prompt_logprobs(final, body.prompt_logprobs)))
+    return p.ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage([final]))
 
 
 # -- middleware and errors -------------------------------------------------------------------
@@ -730,13 +764,19 @@ def _data(chunk) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
 
 
+async def _sse_lines(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """Chunks as server-sent events, then [DONE]."""
+    async for chunk in chunks:
+        yield _data(chunk)
+    yield "data: [DONE]\n\n"
+
+
 async def _chat_chunks(stream: RequestStream, request_id: str, model: str, params: SamplingParams,
-                       include_usage: bool, tools: ToolPlan) -> AsyncIterator[str]:
+                       include_usage: bool, tools: ToolPlan) -> AsyncIterator[p.ChatCompletionChunk]:
     created = int(time.time())
 
-    def chunk(choices: list[p.ChatCompletionStreamChoice], usage: p.UsageInfo | None = None) -> str:
-        return _data(p.ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
-                                           usage=usage))
+    def chunk(choices: list[p.ChatCompletionStreamChoice], usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
     sent = [_Sent() for _ in range(params.n)]
     choice_streams = [tools.stream() for _ in range(params.n)]
@@ -766,7 +806,6 @@ async def _chat_chunks(stream: RequestStream, request_id: str, model: str, param
             yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(), finish_reason="abort")])
     if include_usage:
         yield chunk([], _usage([last] if last is not None else []))
-    yield "data: [DONE]\n\n"
 
 
 async def _completion_chunks(streams: list[RequestStream], request_id: str, model: str, params: SamplingParams,

@@ -3,11 +3,12 @@
 A Responses request becomes one chat completions request (input items -> messages,
 instructions -> a system message, text.format -> response_format, function tools -> chat
 tools), which runs through everything the chat route has (templates, structured output,
-tool calls, sampling defaults); its answer, or its stream of chunks, is turned back into a
+tool calls, reasoning parsers, sampling defaults); its answer, or its stream of chunks, is turned back into a
 Response object or Responses events:
 
     response.created, response.in_progress,
     per output item: response.output_item.added,
+        reasoning:       response.reasoning_text.delta ..., response.reasoning_text.done
         a message:       response.content_part.added, response.output_text.delta ...,
                          response.output_text.done, response.content_part.done
         a function call: response.function_call_arguments.delta ...,
@@ -226,6 +227,8 @@ class ResponseBuilder:
         """The Response object for a finished chat completion (its first choice)."""
         choice = chat["choices"][0]
         message = choice["message"]
+        if message.get("reasoning_content"):
+            self.output.append(_reasoning_item(_id("rs"), message["reasoning_content"], "completed"))
         if message.get("content"):
             self.output.append(_message_item(_id("msg"), message["content"], "completed"))
         for call in message.get("tool_calls") or []:
@@ -245,7 +248,7 @@ class ResponseBuilder:
         """Responses events from chat completion chunks (dicts, with usage in the last)."""
         yield self._event("response.created", response=self.response())
         yield self._event("response.in_progress", response=self.response())
-        text: dict[str, Any] | None = None  # the message item being written
+        texts: dict[str, dict[str, Any]] = {}  # "content" / "reasoning_content" -> the item it writes
         calls: dict[int, dict[str, Any]] = {}  # chat's tool call index -> its function_call item
         finish_reason = None
         usage: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
@@ -253,18 +256,20 @@ class ResponseBuilder:
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 delta = choice.get("delta") or {}
-                if delta.get("content"):
-                    if text is None:
-                        text = _message_item(_id("msg"), "", "in_progress")
-                        for event in self._open(text):
+                for field in ("reasoning_content", "content"):
+                    if not delta.get(field):
+                        continue
+                    item = texts.get(field)
+                    if item is None:
+                        item = texts[field] = (_reasoning_item(_id("rs"), "", "in_progress") if field ==
+                                               "reasoning_content" else _message_item(_id("msg"), "", "in_progress"))
+                        for event in self._open(item):
                             yield event
-                        yield self._event("response.content_part.added", item_id=text["id"],
-                                          output_index=self.output.index(text), content_index=0,
-                                          part=dict(text["content"][0]))
-                    text["content"][0]["text"] += delta["content"]
-                    yield self._event("response.output_text.delta", item_id=text["id"],
-                                      output_index=self.output.index(text), content_index=0,
-                                      delta=delta["content"], logprobs=[])
+                    part, index = item["content"][0], self.output.index(item)
+                    part["text"] += delta[field]
+                    yield self._event(_TEXT_EVENTS[part["type"]] + ".delta", item_id=item["id"], output_index=index,
+                                      content_index=0, delta=delta[field],
+                                      **({"logprobs": []} if item["type"] == "message" else {}))
                 for call in delta.get("tool_calls") or []:
                     item = calls.get(call["index"])
                     function = call.get("function") or {}
@@ -286,27 +291,40 @@ class ResponseBuilder:
 
     def _open(self, item: dict[str, Any]) -> Iterator[str]:
         self.output.append(item)
-        yield self._event("response.output_item.added", output_index=len(self.output) - 1,
-                          item=_snapshot(item))
+        index = len(self.output) - 1
+        yield self._event("response.output_item.added", output_index=index, item=_snapshot(item))
+        if item["type"] == "message":
+            yield self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                              content_index=0, part=dict(item["content"][0]))
 
     def _close(self, item: dict[str, Any]) -> Iterator[str]:
         index = self.output.index(item)
         item["status"] = "completed"
-        if item["type"] == "message":
-            part = item["content"][0]
-            yield self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                              text=part["text"], logprobs=[])
-            yield self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                              content_index=0, part=dict(part))
-        else:
+        if item["type"] == "function_call":
             yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                               arguments=item["arguments"])
+        else:
+            part = item["content"][0]
+            yield self._event(_TEXT_EVENTS[part["type"]] + ".done", item_id=item["id"], output_index=index,
+                              content_index=0, text=part["text"],
+                              **({"logprobs": []} if item["type"] == "message" else {}))
+            if item["type"] == "message":
+                yield self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=dict(part))
         yield self._event("response.output_item.done", output_index=index, item=_snapshot(item))
+
+
+_TEXT_EVENTS = {"output_text": "response.output_text", "reasoning_text": "response.reasoning_text"}
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -317,6 +335,6 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str
 def _snapshot(item: dict[str, Any]) -> dict[str, Any]:
     """An item as an event carries it: a copy, so later deltas do not change what was sent."""
     copy = dict(item)
-    if item["type"] == "message":
+    if "content" in item:
         copy["content"] = [dict(part) for part in item["content"]] if item["status"] == "completed" else []
     return copy
