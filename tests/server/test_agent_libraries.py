@@ -1,0 +1,64 @@
+"""The agent libraries themselves against a real `ember serve` (the default model, no tool
+flags): langchain-openai's `with_structured_output(method="function_calling")` and
+`bind_tools` with a named tool, and pydantic-ai's default structured output (a final_result
+tool, tool_choice required), through both its chat and its Responses model. A named tool or
+`required` constrains decoding, so even the tiny model answers with valid calls. (instructor
+pins an older openai client: tests/server/test_tool_calls_server.py sends what it sends.)"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+from test_openai_server import KEY, MODEL, client, server, still_serving  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+
+ASK = "What is the weather like in Paris today?"
+
+
+class Weather(BaseModel):
+    """The weather in a city."""
+
+    city: Literal["Paris", "London", "Rome"] = Field(description="The city")
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_langchain_structured_output_and_a_named_bound_tool(server, client):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEY, model=MODEL, temperature=0,
+                                       max_tokens=60)
+    weather = chat.with_structured_output(Weather, method="function_calling").invoke(ASK)
+    assert isinstance(weather, Weather)
+    direct = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ASK}], temperature=0, max_tokens=60,
+        tools=[{"type": "function", "function": {"name": "Weather", "description": "The weather in a city.",
+                                                 "parameters": Weather.model_json_schema()}}],
+        tool_choice={"type": "function", "function": {"name": "Weather"}})
+    assert weather == Weather.model_validate_json(direct.choices[0].message.tool_calls[0].function.arguments)
+
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return "sunny"
+
+    message = chat.bind_tools([get_weather], tool_choice="get_weather").invoke(ASK)
+    [call] = message.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city"} and isinstance(call["args"]["city"], str)
+    assert call["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_pydantic_ai_default_structured_output(server, api):
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    provider = OpenAIProvider(base_url=f"{server.url}/v1", api_key=KEY)
+    model = (OpenAIChatModel if api == "chat" else OpenAIResponsesModel)(MODEL, provider=provider)
+    agent = Agent(model, output_type=Weather, model_settings={"temperature": 0.0, "max_tokens": 60})
+    result = agent.run_sync(ASK)
+    assert result.output == Weather(city="Paris", unit="celsius")  # the tiny model's greedy call
+    assert result.usage.output_tokens > 0
