@@ -124,16 +124,20 @@ class Server:
         return self.proc.returncode
 
 
-def serving(gguf_path, tmp_path_factory, *args: str):
+def running(s: Server):
     """A module's server (`yield from` it in a fixture): ready, then stopped with SIGTERM,
     after which it must exit 0."""
-    s = Server(gguf_path, tmp_path_factory.mktemp("server") / "server.log", "--api-key", KEY, *args)
     try:
         s.wait_ready()
         yield s
     finally:
         code = s.stop()
     assert code == 0, f"the server exited with {code} after SIGTERM:\n{s.log_tail()}"
+
+
+def serving(gguf_path, tmp_path_factory, *args: str):
+    """`running` on the default model, with the API key and `args`."""
+    yield from running(Server(gguf_path, tmp_path_factory.mktemp("server") / "server.log", "--api-key", KEY, *args))
 
 
 @pytest.fixture(scope="module")

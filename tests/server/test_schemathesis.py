@@ -17,7 +17,7 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import (content_type_conformance, negative_data_rejection,  # noqa: E402
                                  not_a_server_error, response_schema_conformance, status_code_conformance)
 
-from test_openai_server import KEY, Server  # noqa: E402
+from test_openai_server import KEY, Server, running  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +31,7 @@ def small_server(gguf_path, tmp_path_factory):
     s = Server(gguf_path, tmp_path_factory.mktemp("schemathesis") / "server.log", "--api-key", KEY,
                "--max-model-len", "64", "--max-n", "2", "--max-prompts-per-request", "2", "--max-stop-strings", "4",
                "--max-choices", "8", "--max-logit-bias", "8")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        code = s.stop()
-    assert code == 0, s.log_tail()
+    yield from running(s)
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])

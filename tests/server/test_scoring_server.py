@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ember import SamplingParams
-from test_openai_server import FRANCE, KEY, MODEL, Server, _post, assert_openai_error
+from test_openai_server import FRANCE, KEY, MODEL, Server, _post, assert_openai_error, running
 
 openai = pytest.importorskip("openai")
 
@@ -31,13 +31,7 @@ LM_EVAL_DATA = Path(__file__).parent.parent / "data" / "lm_eval"
 
 @pytest.fixture(scope="module")
 def server(gguf_path, tmp_path_factory):
-    s = Server(gguf_path, tmp_path_factory.mktemp("scoring") / "server.log", "--api-key", KEY)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        code = s.stop()
-    assert code == 0, f"the server exited with {code} after SIGTERM:\n{s.log_tail()}"
+    yield from running(Server(gguf_path, tmp_path_factory.mktemp("scoring") / "server.log", "--api-key", KEY))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 import ember
 from ember.server.cli import engine_args, parse_args
-from test_openai_server import KEY, MODEL, Server, _post
+from test_openai_server import KEY, MODEL, Server, _post, running
 
 ORIGIN = "http://app.example"
 
@@ -89,13 +89,7 @@ def configured(gguf_path, tmp_path_factory):
     config = root / "serve.yaml"
     config.write_text(f"allowed_origins: ['{ORIGIN}']\nallowed-methods: ['GET', 'POST']\n"
                       f"enable-log-requests: true\napi-key: {KEY}\nmax-model-len: 256\n")
-    s = Server(gguf_path, root / "server.log", "--config", str(config))
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        code = s.stop()
-    assert code == 0, s.log_tail()
+    yield from running(Server(gguf_path, root / "server.log", "--config", str(config)))
 
 
 def test_a_cors_preflight_is_answered_without_the_api_key(configured):
