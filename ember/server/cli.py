@@ -338,6 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ns = parser.parse_args(argv)
         if ns.model_flag is not None and ns.model == from_file.get("model"):
             ns.model = None  # --model on the command line overrides the file's model
+    vars(ns).pop("config_parser", None)  # the subcommand's parser, for the file: not a setting
     return ns
 
 
