@@ -1,7 +1,8 @@
 """--reasoning-parser on a real server: deepseek_r1 takes an output without </think> as
 all reasoning (its template opens <think> in the prompt), so the default model's answer
 comes back as `reasoning_content`, streamed or not. A tool call or response_format is
-constrained only after </think> (the default model echoes a text with </think> in it):
+constrained only after </think> (the default model echoes a text with </think> in it), on
+the chat route and the Responses API:
 reasoning_content, then the call's arguments or the JSON, equal to the offline gated run."""
 
 from __future__ import annotations
@@ -106,3 +107,11 @@ def test_a_constrained_output_that_never_ends_its_reasoning_is_all_reasoning(cli
     out = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=5,
                                          extra_body={"guided_choice": ["Paris", "Rome"]})
     assert (out.choices[0].message.reasoning_content, out.choices[0].message.content) == (ref.text, None)
+
+
+def test_the_responses_api_gives_a_reasoning_item_then_the_constrained_text(client, llm):
+    reasoning, answer = reference(llm, CITY)
+    out = client.responses.create(model=MODEL, input=ECHO[0]["content"], max_output_tokens=60, temperature=0,
+                                  text={"format": {"type": "json_schema", "name": "city", "schema": CITY}})
+    assert [item.type for item in out.output] == ["reasoning", "message"]
+    assert out.output[0].content[0].text == reasoning and out.output_text == answer
