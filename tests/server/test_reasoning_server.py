@@ -1,9 +1,9 @@
 """--reasoning-parser on a real server: deepseek_r1 takes an output without </think> as
 all reasoning (its template opens <think> in the prompt), so the default model's answer
 comes back as `reasoning_content`, streamed or not. A tool call or response_format is
-constrained only after </think> (the default model echoes a text with </think> in it), on
-the chat route and the Responses API:
-reasoning_content, then the call's arguments or the JSON, equal to the offline gated run."""
+constrained only after </think> (the default model echoes a text with </think> in it):
+reasoning_content, then the call's arguments or the JSON, equal to the offline gated run,
+on the chat route and the Responses API."""
 
 from __future__ import annotations
 
