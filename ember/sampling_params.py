@@ -28,13 +28,21 @@ def _depth(value: Any) -> int:
 class StructuredOutputsParams:
     """One constraint on a request's output (vLLM's shape): a JSON schema (dict or JSON
     text), a regex, a choice among strings, a grammar (EBNF as xgrammar writes it), or
-    any JSON object. Exactly one is given. Backends check the schema/regex/grammar itself."""
+    any JSON object. Exactly one is given. Backends check the schema/regex/grammar itself.
+
+    `reasoning_end` (a reasoning model's answer): the token ids that end its reasoning (the
+    tokenizer's encoding of "</think>"). The output then begins inside the reasoning: every
+    token is free until the output ends with these ids, and the constraint applies to the
+    tokens after them. Give it only where the output does begin in reasoning (not where the
+    prompt already closed it, e.g. a template's empty <think></think>): an output that never
+    writes the end sequence is never constrained."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    reasoning_end: list[int] | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -67,6 +75,12 @@ class StructuredOutputsParams:
                 raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings; "
                                  f"got {self.choice!r:.80}")
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.reasoning_end is not None:
+            if isinstance(self.reasoning_end, (str, bytes)) or not self.reasoning_end or \
+                    not all(_is_int(t) and t >= 0 for t in self.reasoning_end):
+                raise ValueError("StructuredOutputsParams.reasoning_end must be a non-empty list of token ids "
+                                 f"(integers >= 0); got {self.reasoning_end!r:.80}")
+            object.__setattr__(self, "reasoning_end", tuple(self.reasoning_end))
 
     @property
     def kind(self) -> str:

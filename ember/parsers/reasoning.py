@@ -10,6 +10,13 @@ for streams. `--reasoning-parser NAME` on the server; offline:
   `chat_template_kwargs: {"enable_thinking": false}`) the whole text is the answer.
 - deepseek_r1: the template opens <think> in the prompt, so the output may begin inside
   it: everything up to </think> is reasoning; without </think> the whole text is.
+
+A structured-output or tool-call constraint starts after the reasoning
+(StructuredOutputsParams.reasoning_end): the server gives it where `starts_in_reasoning`
+says the output begins inside the reasoning, i.e. where the rendered prompt has not
+already closed it (a template that writes an empty <think></think> when thinking is off).
+A qwen3 model that thinks writes <think> first; one that does not (and no </think>) is
+never constrained, as in vLLM.
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ class ReasoningParser:
         if end < 0:
             return Split((body if final else body[:len(body) - held_back(body, END)]).lstrip(), "")
         return Split(body[:end].lstrip(), body[end + len(END):].lstrip())
+
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        """Whether an output that follows `prompt` begins inside the reasoning (or, for
+        qwen3, may open it): not where the prompt ends with </think>."""
+        return not prompt.rstrip().endswith(END)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a whole output; None for an empty part."""

@@ -414,6 +414,7 @@ def _chat_requests(engine: AsyncEngine, config: ServerConfig, body: p.ChatComple
     params = tools.sampling_params(body.to_sampling_params(config.limits, engine.config.sampling_defaults))
     prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt, tools=tools.tools,
                                        **body.template_kwargs())
+    params, tools = tools.gate_reasoning(params, prompt["prompt"], engine.inputs.require_tokenizer())
     return params, [engine.inputs.make_request(request_id, prompt, params, body.priority)], tools
 
 

@@ -27,11 +27,12 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from ember.loader.tokenizer import Tokenizer
 from ember.outputs import CompletionOutput
 from ember.parsers import get_tool_parser
 from ember.parsers.base import ToolCallStream, ToolParser, new_call_id
 from ember.parsers.forced import NamedCall, RequiredCalls, parameters_schema, required_schema
-from ember.parsers.reasoning import ReasoningParser, get_reasoning_parser
+from ember.parsers.reasoning import END, ReasoningParser, get_reasoning_parser
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.server import protocol as p
 
@@ -88,6 +89,19 @@ class ToolPlan:
             changes["skip_special_tokens"] = False
         return dataclasses.replace(params, **changes) if changes else params
 
+    def gate_reasoning(self, params: SamplingParams, prompt: str, tokenizer: Tokenizer) -> tuple[SamplingParams,
+                                                                                                  ToolPlan]:
+        """With a reasoning parser, a constrained output (tool calls, response_format, ...)
+        is constrained only after </think> where the prompt leaves it inside the reasoning;
+        where the prompt closed the reasoning the output is all answer (no split)."""
+        so = params.structured_outputs
+        if self.reasoning is None or so is None:
+            return params, self
+        if not self.reasoning().starts_in_reasoning(prompt):
+            return params, dataclasses.replace(self, reasoning=None)
+        end = tokenizer.encode(END, add_special_tokens=False)
+        return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, reasoning_end=end)), self
+
     def message(self, c: CompletionOutput) -> tuple[p.ChatMessageOut, str]:
         """One finished choice's message and finish_reason."""
         reasoning, answer = None, c.text
@@ -130,6 +144,8 @@ class ChoiceStream:
                 out.append(p.DeltaMessage(reasoning_content=thought))
         if self._calls is None:
             return out + ([p.DeltaMessage(content=new_text)] if new_text else [])
+        if self._reasoning is not None and not text and not final:
+            return out  # a named call's name waits for its answer: the calls follow the reasoning
         update = self._calls.update(text, final)
         if update.content:
             out.append(p.DeltaMessage(content=update.content))
@@ -143,20 +159,13 @@ class ChoiceStream:
         return _finish_reason(c, self._calls is not None and bool(self._calls.ids))
 
 
-_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar")
-
-
 def plan_tools(body: p.ChatCompletionRequest, auto_parser: str | None, reasoning_parser: str | None = None) -> ToolPlan:
     """What the request's tool fields ask for; `auto_parser`: the server's tool-call parser
     (--tool-call-parser with --enable-auto-tool-choice), None without one; `reasoning_parser`:
-    --reasoning-parser. An output constrained from its first token (a named function,
-    "required", response_format, ...) has no reasoning to split off."""
+    --reasoning-parser (a constrained output's constraint then starts after the reasoning:
+    see gate_reasoning)."""
     plan = _plan_tools(body, auto_parser)
-    text_format = body.response_format is not None and body.response_format.type == "text"
-    constrained = plan.constraint is not None or any(
-        getattr(body, name) is not None for name in _CONSTRAINTS if not (name == "response_format" and text_format))
-    if reasoning_parser is None or constrained:
+    if reasoning_parser is None:
         return plan
     return dataclasses.replace(plan, reasoning=get_reasoning_parser(reasoning_parser))
 

@@ -20,6 +20,15 @@ token is left to the model, under the mask, because it may merge with what follo
 the output stays valid. Off for requests that want logprobs (forced tokens have none)
 and, at the start, for n > 1 (its first step samples n first tokens).
 
+Reasoning gate (StructuredOutputsParams.reasoning_end): a reasoning model's output begins
+with free text that ends with the given token ids (</think>), and only what follows is
+constrained. While a request is in its reasoning (`_reasoning`) its rows get no mask,
+advance() feeds its matcher nothing, and the tokens its grammar forces at the start wait;
+on the step whose token completes the end sequence, advance() hands back those forced
+tokens and the matcher takes every token after. Its forks each start in reasoning too.
+Whether an output begins in reasoning is the caller's to say (the server asks its
+reasoning parser about the prompt: see ember/server/tool_calls.py).
+
 Budgets (the constants below): grammar work runs on the engine thread, so no request may
 hold it for long.
   - Jump-forward appends at most MAX_FORCED_CHARS of text / MAX_FORCED_TOKENS tokens per
@@ -173,6 +182,7 @@ class StructuredOutputManager:
         self._matchers: dict[str, GrammarMatcher] = {}
         self._slow: set[str] = set()  # requests whose jump-forward went over JUMP_FORWARD_SLOW_S: off for them
         self._broken: dict[str, str] = {}  # requests whose matcher raised -> their message (until release)
+        self._reasoning: set[str] = set()  # gated requests whose output has not ended its reasoning yet
         self._failures: dict[str, str] = {}  # of those, the ones not reported yet (take_failures)
         self.num_forced_tokens = 0  # appended by jump-forward, since start
 
@@ -198,8 +208,11 @@ class StructuredOutputManager:
     def validate(self, params: SamplingParams) -> None:
         """ValueError with the compiler's message for a schema / regex / grammar that cannot
         compile, or whose grammar has a rule that can never end."""
-        if params.structured_outputs is not None:
-            self.backend.validate(params.structured_outputs)
+        so = params.structured_outputs
+        if so is not None:
+            if so.reasoning_end is not None and max(so.reasoning_end) >= self.vocab_size:
+                raise ValueError(f"StructuredOutputsParams.reasoning_end must be token ids in [0, {self.vocab_size})")
+            self.backend.validate(so)
 
     # -- compiling ------------------------------------------------------------------------
 
@@ -254,9 +267,10 @@ class StructuredOutputManager:
                                else f"its grammar failed to compile: {type(error).__name__}: {error}"))
                 continue
             grammar: CompiledGrammar = future.result()
+            gated = req.sampling_params.structured_outputs.reasoning_end is not None
             try:
                 matcher = grammar.matcher()
-                forced = self._forced(req, matcher) if req.sampling_params.n == 1 else []
+                forced = self._forced(req, matcher) if req.sampling_params.n == 1 and not gated else []
             except Exception as e:
                 logger.exception("request %s: its grammar's matcher failed at the start", request_id)
                 self._slow.discard(request_id)
@@ -264,6 +278,8 @@ class StructuredOutputManager:
                 continue
             self._grammars[request_id] = grammar
             self._matchers[request_id] = matcher
+            if gated:
+                self._reasoning.add(request_id)
             ready.append((req, forced))
         self._cache.settle()
         return ready, failed
@@ -294,11 +310,12 @@ class StructuredOutputManager:
         self._slow.discard(request_id)
         self._broken.pop(request_id, None)
         self._failures.pop(request_id, None)
+        self._reasoning.discard(request_id)
 
     def holds(self) -> int:
         """Requests this manager still tracks (0 when the engine is idle)."""
         return (len(self._compiling) + len(self._matchers) + len(self._grammars) + len(self._slow)
-                + len(self._broken))
+                + len(self._broken) + len(self._reasoning))
 
     # -- each step ------------------------------------------------------------------------
 
@@ -308,7 +325,8 @@ class StructuredOutputManager:
         A request whose matcher raises gets a row that allows every token and goes to
         take_failures(); the other rows are unaffected."""
         rows = [c.request.request_id for c in plan.chunks
-                if c.samples and c.request.request_id in self._matchers]
+                if c.samples and c.request.request_id in self._matchers
+                and c.request.request_id not in self._reasoning]
         if not rows:
             return {}
         bitmask = torch.empty(len(rows), bitmask_words(self.vocab_size), dtype=torch.int32)
@@ -344,6 +362,10 @@ class StructuredOutputManager:
                 grammar = self._grammars[req.parent.request_id]
                 self._grammars[request_id] = grammar
                 matcher = self._matchers[request_id] = grammar.matcher()
+                if req.sampling_params.structured_outputs.reasoning_end is not None:
+                    self._reasoning.add(request_id)
+            if request_id in self._reasoning:
+                return self._follow_reasoning(req, matcher)
             if not matcher.accept_token(req.output_token_ids[-1]):
                 return GrammarAdvance(False)
             if matcher.is_terminated():
@@ -351,6 +373,15 @@ class StructuredOutputManager:
             return GrammarAdvance(True, forced=self._forced(req, matcher))
         except Exception as e:
             return GrammarAdvance(False, error=self._break(request_id, e, "following its sampled token"))
+
+    def _follow_reasoning(self, req: Request, matcher: GrammarMatcher) -> GrammarAdvance:
+        """A gated request's token inside its reasoning: free; the one that completes the end
+        sequence opens the gate (the grammar's start tokens are forced then)."""
+        end = req.sampling_params.structured_outputs.reasoning_end
+        if tuple(req.output_token_ids[-len(end):]) != end:
+            return GrammarAdvance(True)
+        self._reasoning.discard(req.request_id)
+        return GrammarAdvance(True, forced=self._forced(req, matcher))
 
     def _break(self, request_id: str, error: Exception, doing: str) -> str:
         """Mark a request whose matcher raised (call from the `except` block); its message."""

@@ -5,10 +5,15 @@ to the whole split."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+
+from ember import SamplingParams
 
 from ember.outputs import CompletionOutput
 from ember.parsers import get_tool_parser
+from ember.parsers.forced import NamedCall
 from ember.parsers.reasoning import REASONING_PARSERS, get_reasoning_parser
 from ember.server import protocol as p
 from ember.server.tool_calls import ToolPlan, plan_tools
@@ -66,19 +71,44 @@ def test_reasoning_then_a_tool_call(step):
     assert streamed(plan, text, step) == unstreamed(plan, text) == want
 
 
-def test_the_server_splits_reasoning_only_where_the_output_is_free():
+def test_the_server_gates_a_constrained_output_on_the_end_of_the_reasoning(llm):
+    """With --reasoning-parser every chat plan splits off the reasoning; a constrained one
+    gets reasoning_end = </think>'s ids where the prompt leaves the output in its reasoning,
+    and neither gate nor split where the prompt closed it (thinking turned off)."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     ask = [{"role": "user", "content": "hi"}]
+    tok = llm.get_tokenizer()
 
     def plan(**fields):
         return plan_tools(p.ChatCompletionRequest(messages=ask, **fields), None, "qwen3")
 
-    assert plan().reasoning is REASONING_PARSERS["qwen3"]
-    assert plan(tools=tools, tool_choice="none").reasoning is REASONING_PARSERS["qwen3"]
-    assert plan(response_format={"type": "text"}).reasoning is REASONING_PARSERS["qwen3"]
-    assert plan(tools=tools, tool_choice="required").reasoning is None  # constrained from the first token
-    assert plan(response_format={"type": "json_object"}).reasoning is None
+    for fields in ({}, {"tools": tools, "tool_choice": "none"}, {"response_format": {"type": "text"}},
+                   {"tools": tools, "tool_choice": "required"}, {"response_format": {"type": "json_object"}}):
+        assert plan(**fields).reasoning is REASONING_PARSERS["qwen3"]
     assert plan_tools(p.ChatCompletionRequest(messages=ask), None).reasoning is None
+    required = plan(tools=tools, tool_choice="required")
+    params = required.sampling_params(SamplingParams())
+    gated, same = required.gate_reasoning(params, "<|im_start|>assistant\n", tok)
+    assert same is required and gated.structured_outputs.reasoning_end == (9617, 17400, 46)
+    assert tok.decode(list(gated.structured_outputs.reasoning_end)) == "</think>"
+    assert gated.structured_outputs.json == params.structured_outputs.json
+    closed, unsplit = required.gate_reasoning(params, "<|im_start|>assistant\n<think>\n\n</think>\n\n", tok)
+    assert closed is params and unsplit.reasoning is None
+    free = plan()
+    assert free.gate_reasoning(SamplingParams(), "<|im_start|>assistant\n", tok) == (SamplingParams(), free)
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_a_named_call_streams_after_its_reasoning(step):
+    text = 'Checking the city.</think>\n{"city": "Paris"}'
+    plan = ToolPlan(parser=functools.partial(NamedCall, "get_weather"), reasoning=get_reasoning_parser("deepseek_r1"))
+    stream, kinds = plan.stream(), []
+    for end in range(step, len(text) + step, step):
+        for delta in stream.deltas(text[:end], text[max(0, end - step):end], end >= len(text)):
+            kinds.append("reasoning" if delta.reasoning_content else "call" if delta.tool_calls else "other")
+    assert kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "reasoning")
+    want = ("Checking the city.", None, [("get_weather", '{"city": "Paris"}')])
+    assert streamed(plan, text, step) == unstreamed(plan, text) == want
 
 
 def test_an_unknown_reasoning_parser_is_refused():
