@@ -27,13 +27,9 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from ember.server.protocol import INT64, InvalidRequest
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+from ember.server.protocol import INT64, InvalidRequest, _Strict
 
 
 class TextFormat(_Strict):
