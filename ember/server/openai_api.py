@@ -62,7 +62,6 @@ from ember.sampling_params import SamplingParams
 from ember.server import protocol as p
 from ember.server import scoring
 from ember.server.metrics import ServerMetrics
-from ember.server.scoring import ranked as _ranked
 from ember.server.responses import ResponseBuilder, ResponsesRequest
 from ember.server.tool_calls import ToolPlan, checked_tools, plan_tools
 
@@ -687,7 +686,7 @@ def _chat_logprobs(entries: list[dict[int, Logprob]], params: SamplingParams) ->
         token_id, lp = next(iter(entry.items()))  # the sampled token comes first
         text = _token_text(lp, token_id)
         tops = [p.TopLogprob(token=_token_text(t, tid), logprob=t.logprob, bytes=list(_token_text(t, tid).encode()))
-                for tid, t in _ranked(entry, params.logprobs or 0)]
+                for tid, t in scoring.ranked(entry, params.logprobs or 0)]
         content.append(p.ChatCompletionTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()),
                                                     top_logprobs=tops))
     return p.ChatChoiceLogprobs(content=content)
@@ -703,7 +702,7 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], params: SamplingPara
         out.token_logprobs.append(lp.logprob)
         out.text_offset.append(offset)
         offset += len(text)
-        top = {_token_text(t, tid): t.logprob for tid, t in _ranked(entry, params.logprobs or 0)}
+        top = {_token_text(t, tid): t.logprob for tid, t in scoring.ranked(entry, params.logprobs or 0)}
         out.top_logprobs.append(top if params.logprobs else None)
     return out
 
