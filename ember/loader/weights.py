@@ -6,6 +6,7 @@ how those names land on ember's merged parameters.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -25,6 +26,14 @@ PACKED = {
 }
 
 
+# a mixture of experts' tensors (Mixtral's block_sparse_moe.*, Qwen3-MoE's mlp.*): the router
+# -> mlp.gate, each expert's projections -> shards of the stacked mlp.w13 (gate 2e, up 2e + 1)
+# and mlp.w2 (down e) of layers/moe.py
+_EXPERT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PARTS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
+                 "w2": ("w2", None), "down_proj": ("w2", None)}
+_MIXTRAL_ROUTER = re.compile(r"(.*)\.block_sparse_moe\.gate\.weight")
+
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
@@ -41,7 +50,6 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.down_proj.weight": (h, inter),
         }
         if fused:
             shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)}
@@ -50,9 +58,13 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.q_proj.weight": (q, h),
                 p + "self_attn.k_proj.weight": (kv, h),
                 p + "self_attn.v_proj.weight": (kv, h),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
             }
+        if cfg.layer_is_moe(i):
+            shapes |= _expert_shapes(cfg, p)
+        else:
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
+            if not fused:
+                shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
         if cfg.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         if cfg.attention_bias:
@@ -60,6 +72,19 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (kv,)}
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+    return shapes
+
+
+def _expert_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router and per-expert tensors, as its HF checkpoint names them."""
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    mixtral = cfg.architecture == "mixtral"
+    p = layer + ("block_sparse_moe." if mixtral else "mlp.")
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        shapes |= {f"{p}experts.{e}.{gate}.weight": (inter, h), f"{p}experts.{e}.{up}.weight": (inter, h),
+                   f"{p}experts.{e}.{down}.weight": (h, inter)}
     return shapes
 
 
@@ -90,6 +115,12 @@ def _language_model_name(name: str) -> str | None:
 
 def _target(name: str) -> tuple[str, int | None]:
     """HF name -> (ember parameter name, shard index or None)."""
+    if (m := _EXPERT.fullmatch(name)) is not None:
+        param, half = _EXPERT_PARTS[m[3]]
+        expert = int(m[2])
+        return f"{m[1]}.mlp.{param}", expert if half is None else 2 * expert + half
+    if (m := _MIXTRAL_ROUTER.fullmatch(name)) is not None:
+        return f"{m[1]}.mlp.gate.weight", None
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in PACKED:
@@ -168,8 +199,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
 
 
 def _num_shards(model: nn.Module, pname: str) -> int | None:
-    """How many checkpoint tensors fill this merged parameter; None for a plain one."""
-    return getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "num_shards", None)
+    """How many checkpoint tensors fill this merged parameter (the parameter says, or its
+    module for all of its parameters); None for a plain one."""
+    own = getattr(model.get_parameter(pname), "num_shards", None)
+    return own if own is not None else getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "num_shards", None)
 
 
 def hf_module_names(module: str) -> list[str]:

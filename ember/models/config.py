@@ -11,7 +11,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe")
 
 # HF `architectures[0]` -> ember's family name
 _HF_ARCHITECTURES = {
@@ -22,11 +22,14 @@ _HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForConditionalGeneration": "gemma3",  # served as text: its language model alone
 }
 # HF `model_type` -> family, for a config.json without `architectures`
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                   "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3"}
+                   "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3",
+                   "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
 # vision-language checkpoints (by `architectures`, or `model_type`): the language model's
 # config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
 _VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
@@ -119,6 +122,14 @@ class ModelConfig:
     # a vision-language checkpoint (Gemma3ForConditionalGeneration): ember serves its language
     # model on text prompts; the loader skips the vision tower and projector tensors
     multimodal: bool = False
+    # mixture of experts (Mixtral, Qwen3-MoE): which layers' MLP is sparse (None: none is), the
+    # number of experts, how many each token goes to, each expert's intermediate size, and
+    # whether the top-k routing weights are renormalized to sum to 1
+    moe_layers: tuple[bool, ...] | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         if self.rotary_dim is None:
@@ -146,6 +157,12 @@ class ModelConfig:
             raise ValueError(f"unsupported MLP activation {self.hidden_act!r}; ember runs silu and gelu_tanh")
         if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if self.moe_layers is not None and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be within 1..num_experts "
+                             f"({self.num_experts})")
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return self.moe_layers is not None and self.moe_layers[layer]
 
     def layer_window(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
@@ -200,7 +217,7 @@ class ModelConfig:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             rope_scaling=_rope_scaling(global_rope, config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=_first(config.get("eos_token_id")),
@@ -216,6 +233,7 @@ class ModelConfig:
             local_rope_scaling=_rope_scaling(local_rope, config) if local_rope else None,
             rotary_dim=int(head_dim * rotary_factor),
             multimodal=multimodal,
+            **_moe_options(config, family, num_layers),
         )
 
     @staticmethod
@@ -408,13 +426,33 @@ def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling |
         raise ValueError(f"rope_scaling {rope!r} is incomplete or malformed for type {kind!r} ({e})") from None
 
 
+def _moe_options(config: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields. Mixtral: every layer sparse, its experts of
+    intermediate_size, top-k renormalized. Qwen3-MoE: layer i sparse unless it is among
+    mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step (those keep a dense
+    MLP of intermediate_size); experts of moe_intermediate_size; renormalized per norm_topk_prob."""
+    if family == "mixtral":
+        return {"moe_layers": (True,) * num_layers, "num_experts": config["num_local_experts"],
+                "num_experts_per_tok": config["num_experts_per_tok"],
+                "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True}
+    if family == "qwen3_moe":
+        dense, step = set(config.get("mlp_only_layers") or ()), config.get("decoder_sparse_step", 1)
+        experts = config["num_experts"]
+        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+        return {"moe_layers": sparse if any(sparse) else None, "num_experts": experts,
+                "num_experts_per_tok": config["num_experts_per_tok"],
+                "moe_intermediate_size": config["moe_intermediate_size"],
+                "norm_topk_prob": bool(config.get("norm_topk_prob", False))}
+    return {}
+
+
 def _layer_windows(config: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...] | None:
     """Each layer's sliding window: from `layer_types` where config.json lists them, else
     each family's rule (Gemma 2: every other layer, from the first; Gemma 3: all but every
     sixth; Qwen2/3 with use_sliding_window: layers from max_window_layers on; Mistral, Phi-3:
     every layer)."""
     window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
         window = None
     if not window:
         return None
@@ -432,7 +470,7 @@ def _layer_windows(config: dict[str, Any], family: str, num_layers: int) -> tupl
     elif family == "gemma3":
         pattern = config.get("sliding_window_pattern", 6)
         sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
         first = config.get("max_window_layers", num_layers)
         sliding = [i >= first for i in range(num_layers)]
     else:

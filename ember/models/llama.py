@@ -1,6 +1,7 @@
 """The decoder-only transformer in one file: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
 (q/k norm), Phi-3 (its checkpoints merge q|k|v and gate|up; the loader takes them whole),
-Gemma 2 and 3. The families differ only in options that ModelConfig names (norm kind,
+Gemma 2 and 3, and the mixtures of experts Mixtral and Qwen3-MoE (a sparse MLP, layers/moe.py,
+in the layers ModelConfig.moe_layers marks). The families differ only in options that ModelConfig names (norm kind,
 activation, sandwich norms, embedding scale, soft-capping, a sliding window per layer, a
 second RoPE for the sliding layers); each block reads them, so no block is copied.
 
@@ -19,6 +20,7 @@ from ember.layers.attention import AttentionBackend, AttentionMetadata
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.fused import gelu_linear, norm_linear, silu_linear
 from ember.layers.linear import Linear, MergedLinear
+from ember.layers.moe import FusedMoE
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import CacheWrite, RotaryEmbedding, apply_rotary, norm_and_rotate
 from ember.models.config import ModelConfig
@@ -92,7 +94,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.self_attn = LlamaAttention(cfg, backend, layer)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
-        self.mlp = LlamaMLP(cfg)
+        self.moe = cfg.layer_is_moe(layer)
+        self.mlp = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                            cfg.norm_topk_prob) if self.moe else LlamaMLP(cfg)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:  # Gemma: post_attention_layernorm normalizes the attention's output
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
@@ -110,6 +114,9 @@ class LlamaDecoderLayer(nn.Module):
             h = self.post_attention_layernorm(h)
             gate_up, residual = norm_linear(self.pre_feedforward_layernorm, self.mlp.gate_up_proj, h, residual)
             return self.post_feedforward_layernorm(self.mlp(gate_up)), residual
+        if self.moe:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
         gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
         return self.mlp(gate_up), residual
 

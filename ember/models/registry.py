@@ -12,6 +12,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "gemma2": LlamaForCausalLM,
     "gemma3": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
+    "mixtral": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
 }
 
 

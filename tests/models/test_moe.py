@@ -1,0 +1,102 @@
+"""Mixtures of experts: Mixtral and Qwen3-MoE (one dense layer among the sparse ones) on tiny
+random models saved by HF transformers give transformers' logits and greedy tokens (float32);
+the FusedMoE layer equals a plain per-token loop over each token's experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember import SamplingParams
+from ember.layers.moe import FusedMoE
+from ember.models.config import ModelConfig
+from test_families import BASE, MAX_TOKENS, PROMPTS, assert_logits_match, build, hf_greedy
+
+MOE = {
+    "mixtral": BASE | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "rope_theta": 10000.0,
+                       "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    # layer 1 dense by mlp_only_layers; experts narrower than the dense MLP; 6 of 16 experts per token
+    "qwen3_moe": BASE | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 16,
+                         "rope_theta": 10000.0, "num_experts": 16, "num_experts_per_tok": 6,
+                         "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                         "mlp_only_layers": [1], "tie_word_embeddings": False},
+    # the top-k weights as the softmax gives them (not renormalized); every other layer dense
+    "qwen3_moe_unnormalized": BASE | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                                      "rope_theta": 10000.0, "num_experts": 8, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 48, "norm_topk_prob": False,
+                                      "decoder_sparse_step": 2, "tie_word_embeddings": True},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE))
+def moe_model(request, tmp_path_factory):
+    pytest.importorskip("transformers")
+    cfg, hf, llm = build(request.param, MOE[request.param], tmp_path_factory)
+    return request.param, cfg, hf, llm
+
+
+@pytest.mark.slow
+def test_moe_logits_match_hf(moe_model, forward_logits):
+    _, _, hf, llm = moe_model
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+
+
+@pytest.mark.slow
+def test_moe_greedy_matches_hf(moe_model):
+    _, _, hf, llm = moe_model
+    expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_moe_config_reads_the_options():
+    mixtral = ModelConfig.from_hf_config(MOE["mixtral"])
+    assert (mixtral.moe_layers, mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size,
+            mixtral.norm_topk_prob, mixtral.qk_norm) == ((True,) * 4, 8, 2, 96, True, False)
+    qwen = ModelConfig.from_hf_config(MOE["qwen3_moe"])
+    assert (qwen.moe_layers, qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size,
+            qwen.intermediate_size, qwen.norm_topk_prob, qwen.qk_norm) == \
+        ((True, False, True, True), 16, 6, 32, 96, True, True)
+    every_other = ModelConfig.from_hf_config(MOE["qwen3_moe_unnormalized"])
+    assert (every_other.moe_layers, every_other.norm_topk_prob) == ((False, True, False, True), False)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok 9 must be within 1..num_experts \(8\)"):
+        ModelConfig.from_hf_config(MOE["mixtral"] | {"num_experts_per_tok": 9})
+
+
+def _per_token_reference(moe: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token alone: softmax, top-k, (renormalize), and the sum of its experts' SwiGLU MLPs."""
+    out = torch.zeros_like(x)
+    inter = moe.intermediate_size
+    for t in range(x.shape[0]):
+        probs = torch.softmax(x[t] @ moe.gate.weight.t(), dim=-1)
+        weights, ids = torch.topk(probs, moe.top_k)
+        if moe.renormalize:
+            weights = weights / weights.sum()
+        for w, e in zip(weights.tolist(), ids.tolist()):
+            gate, up = moe.w13[e, :inter] @ x[t], moe.w13[e, inter:] @ x[t]
+            out[t] += w * (moe.w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_fused_moe_equals_the_per_token_loop(renormalize, tokens):
+    """16 experts, top 4: with 1 or 3 tokens most experts receive none."""
+    gen = torch.Generator().manual_seed(tokens)
+    moe = FusedMoE(hidden_size=32, intermediate_size=24, num_experts=16, top_k=4, renormalize=renormalize)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        x = torch.randn(tokens, 32, generator=gen)
+        got = moe(x)
+        want = _per_token_reference(moe, x)
+    active = len(set(moe.route(moe.gate(x))[1].flatten().tolist()))
+    assert active == 4 if tokens == 1 else active > 4
+    torch.testing.assert_close(got, want)
+
+
+def test_fused_moe_refuses_a_top_k_beyond_its_experts():
+    with pytest.raises(ValueError, match=r"top_k 5 must be within 1..num_experts \(4\)"):
+        FusedMoE(8, 8, num_experts=4, top_k=5, renormalize=True)
