@@ -82,6 +82,10 @@ def _expert_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
     p = layer + ("block_sparse_moe." if mixtral else "mlp.")
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (cfg.num_experts, h)}
+    if cfg.shared_expert_intermediate_size:
+        shared = cfg.shared_expert_intermediate_size
+        shapes |= {p + "shared_expert.gate_proj.weight": (shared, h), p + "shared_expert.up_proj.weight": (shared, h),
+                   p + "shared_expert.down_proj.weight": (h, shared), p + "shared_expert_gate.weight": (1, h)}
     for e in range(cfg.num_experts):
         shapes |= {f"{p}experts.{e}.{gate}.weight": (inter, h), f"{p}experts.{e}.{up}.weight": (inter, h),
                    f"{p}experts.{e}.{down}.weight": (h, inter)}

@@ -11,7 +11,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe",
+                           "qwen2_moe")
 
 # HF `architectures[0]` -> ember's family name
 _HF_ARCHITECTURES = {
@@ -24,12 +25,14 @@ _HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Gemma3ForConditionalGeneration": "gemma3",  # served as text: its language model alone
 }
 # HF `model_type` -> family, for a config.json without `architectures`
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                    "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3",
-                   "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
+                   "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+                   "qwen2_moe": "qwen2_moe"}
 # vision-language checkpoints (by `architectures`, or `model_type`): the language model's
 # config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
 _VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
@@ -130,6 +133,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Qwen2-MoE: a shared expert of this intermediate size beside the routed ones, its output
+    # times sigmoid(shared_expert_gate(x)); 0: none
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.rotary_dim is None:
@@ -216,7 +222,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
-            attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+            attention_bias=family == "qwen2" or bool(config.get("attention_bias", False))
+            or (family == "qwen2_moe" and bool(config.get("qkv_bias", True))),
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             rope_scaling=_rope_scaling(global_rope, config),
             bos_token_id=config.get("bos_token_id"),
@@ -430,19 +437,22 @@ def _moe_options(config: dict[str, Any], family: str, num_layers: int) -> dict[s
     """ModelConfig's mixture-of-experts fields. Mixtral: every layer sparse, its experts of
     intermediate_size, top-k renormalized. Qwen3-MoE: layer i sparse unless it is among
     mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step (those keep a dense
-    MLP of intermediate_size); experts of moe_intermediate_size; renormalized per norm_topk_prob."""
+    MLP of intermediate_size); experts of moe_intermediate_size; renormalized per norm_topk_prob.
+    Qwen2-MoE: Qwen3-MoE's rule, and a shared expert."""
     if family == "mixtral":
         return {"moe_layers": (True,) * num_layers, "num_experts": config["num_local_experts"],
                 "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True}
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         dense, step = set(config.get("mlp_only_layers") or ()), config.get("decoder_sparse_step", 1)
         experts = config["num_experts"]
         sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
         return {"moe_layers": sparse if any(sparse) else None, "num_experts": experts,
                 "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["moe_intermediate_size"],
-                "norm_topk_prob": bool(config.get("norm_topk_prob", False))}
+                "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                "shared_expert_intermediate_size": config["shared_expert_intermediate_size"]
+                if family == "qwen2_moe" else 0}
     return {}
 
 
@@ -452,7 +462,7 @@ def _layer_windows(config: dict[str, Any], family: str, num_layers: int) -> tupl
     sixth; Qwen2/3 with use_sliding_window: layers from max_window_layers on; Mistral, Phi-3:
     every layer)."""
     window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not config.get("use_sliding_window", False):
         window = None
     if not window:
         return None
@@ -470,7 +480,7 @@ def _layer_windows(config: dict[str, Any], family: str, num_layers: int) -> tupl
     elif family == "gemma3":
         pattern = config.get("sliding_window_pattern", 6)
         sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-    elif family in ("qwen2", "qwen3", "qwen3_moe"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         first = config.get("max_window_layers", num_layers)
         sliding = [i >= first for i in range(num_layers)]
     else:

@@ -1,6 +1,6 @@
 """The decoder-only transformer in one file: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
 (q/k norm), Phi-3 (its checkpoints merge q|k|v and gate|up; the loader takes them whole),
-Gemma 2 and 3, and the mixtures of experts Mixtral and Qwen3-MoE (a sparse MLP, layers/moe.py,
+Gemma 2 and 3, and the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE (a sparse MLP, layers/moe.py,
 in the layers ModelConfig.moe_layers marks). The families differ only in options that ModelConfig names (norm kind,
 activation, sandwich norms, embedding scale, soft-capping, a sliding window per layer, a
 second RoPE for the sliding layers); each block reads them, so no block is copied.
@@ -74,10 +74,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter] * 2)
+        self.down_proj = Linear(inter, cfg.hidden_size)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -88,6 +89,28 @@ class LlamaMLP(nn.Module):
         return silu_linear(self.down_proj, gate_up)
 
 
+class SharedExpertMoE(FusedMoE):
+    """Qwen2-MoE: the routed experts plus one shared expert, which every token takes, times
+    sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                         cfg.norm_topk_prob)
+        self.shared_expert = LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(self.shared_expert.gate_up_proj(x))
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+
+def _sparse_mlp(cfg: ModelConfig) -> FusedMoE:
+    if cfg.shared_expert_intermediate_size:
+        return SharedExpertMoE(cfg)
+    return FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                    cfg.norm_topk_prob)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
@@ -95,8 +118,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, backend, layer)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         self.moe = cfg.layer_is_moe(layer)
-        self.mlp = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                            cfg.norm_topk_prob) if self.moe else LlamaMLP(cfg)
+        self.mlp = _sparse_mlp(cfg) if self.moe else LlamaMLP(cfg)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:  # Gemma: post_attention_layernorm normalizes the attention's output
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)

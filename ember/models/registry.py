@@ -14,6 +14,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "phi3": LlamaForCausalLM,
     "mixtral": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
+    "qwen2_moe": LlamaForCausalLM,
 }
 
 

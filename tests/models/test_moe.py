@@ -1,4 +1,5 @@
-"""Mixtures of experts: Mixtral and Qwen3-MoE (one dense layer among the sparse ones) on tiny
+"""Mixtures of experts: Mixtral, Qwen3-MoE (one dense layer among the sparse ones) and Qwen2-MoE
+(a shared expert, q/k/v bias) on tiny
 random models saved by HF transformers give transformers' logits and greedy tokens (float32);
 the FusedMoE layer equals a plain per-token loop over each token's experts."""
 
@@ -26,6 +27,10 @@ MOE = {
                                       "rope_theta": 10000.0, "num_experts": 8, "num_experts_per_tok": 2,
                                       "moe_intermediate_size": 48, "norm_topk_prob": False,
                                       "decoder_sparse_step": 2, "tie_word_embeddings": True},
+    "qwen2_moe": BASE | {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "rope_theta": 10000.0,
+                         "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                         "shared_expert_intermediate_size": 80, "norm_topk_prob": False, "mlp_only_layers": [2],
+                         "tie_word_embeddings": False},
 }
 
 
@@ -61,6 +66,9 @@ def test_moe_config_reads_the_options():
         ((True, False, True, True), 16, 6, 32, 96, True, True)
     every_other = ModelConfig.from_hf_config(MOE["qwen3_moe_unnormalized"])
     assert (every_other.moe_layers, every_other.norm_topk_prob) == ((False, True, False, True), False)
+    qwen2 = ModelConfig.from_hf_config(MOE["qwen2_moe"])
+    assert (qwen2.moe_layers, qwen2.shared_expert_intermediate_size, qwen2.attention_bias, qwen2.qk_norm) == \
+        ((True, True, False, True), 80, True, False)
     with pytest.raises(ValueError, match=r"num_experts_per_tok 9 must be within 1..num_experts \(8\)"):
         ModelConfig.from_hf_config(MOE["mixtral"] | {"num_experts_per_tok": 9})
 
