@@ -46,11 +46,15 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     fused = cfg.architecture == "phi3"  # Phi-3 checkpoints store q|k|v and gate|up merged
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        # the order is the dummy weights' draw order: a dense layer's stays as it was
+        dense = not cfg.layer_is_moe(i)
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.o_proj.weight": (h, q),
         }
+        if dense:
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
         if fused:
             shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)}
         else:
@@ -59,12 +63,10 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.weight": (kv, h),
                 p + "self_attn.v_proj.weight": (kv, h),
             }
-        if cfg.layer_is_moe(i):
-            shapes |= _expert_shapes(cfg, p)
-        else:
-            shapes[p + "mlp.down_proj.weight"] = (h, inter)
-            if not fused:
+            if dense:
                 shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+        if not dense:
+            shapes |= _expert_shapes(cfg, p)
         if cfg.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         if cfg.attention_bias:
@@ -223,6 +225,9 @@ def _show(item: tuple[str, int | None]) -> str:
     if shard is None:
         return name
     parts = name.split(".")
+    if parts[-1] in ("w13", "w2"):  # a stacked expert weight (layers/moe.py)
+        expert, half = divmod(shard, 2) if parts[-1] == "w13" else (shard, 2)
+        return ".".join(parts[:-1] + ["experts", str(expert), ("gate_proj", "up_proj", "down_proj")[half], "weight"])
     for original, (merged, index) in PACKED.items():
         if index == shard and merged in parts:
             parts[parts.index(merged)] = original

@@ -5,12 +5,17 @@ the FusedMoE layer equals a plain per-token loop over each token's experts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ember import SamplingParams
 from ember.layers.moe import FusedMoE
+from ember.loader.dummy import iter_dummy_weights
+from ember.loader.model_files import load_model, locate_model
+from ember.loader.weights import load_weights
 from ember.models.config import ModelConfig
 from test_families import BASE, MAX_TOKENS, PROMPTS, assert_logits_match, build, hf_greedy
 
@@ -71,6 +76,39 @@ def test_moe_config_reads_the_options():
         ((True, True, False, True), 80, True, False)
     with pytest.raises(ValueError, match=r"num_experts_per_tok 9 must be within 1..num_experts \(8\)"):
         ModelConfig.from_hf_config(MOE["mixtral"] | {"num_experts_per_tok": 9})
+
+
+def _dummy_model(path, config: dict, seed: int = 0):
+    (path / "config.json").write_text(json.dumps(config))
+    return load_model(locate_model(str(path), "dummy"), ModelConfig.from_hf_config(config), max_positions=128,
+                      dtype=torch.float32, device="cpu", attention_backend="torch", seed=seed)
+
+
+def test_dummy_weights_fill_the_stacked_expert_weights(tmp_path):
+    """Dummy weights, drawn per expert under the checkpoint's names, land in [E, 2I, H] and
+    [E, H, I]; the shared expert's gate|up merged as a dense MLP's; layer 2 dense."""
+    model = _dummy_model(tmp_path, MOE["qwen2_moe"])
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if ".mlp." in n}
+    assert {n: s for n, s in shapes.items() if n.startswith("model.layers.0.")} == {
+        "model.layers.0.mlp.gate.weight": (8, 64),
+        "model.layers.0.mlp.w13": (8, 64, 64),
+        "model.layers.0.mlp.w2": (8, 64, 32),
+        "model.layers.0.mlp.shared_expert.gate_up_proj.weight": (160, 64),
+        "model.layers.0.mlp.shared_expert.down_proj.weight": (64, 80),
+        "model.layers.0.mlp.shared_expert_gate.weight": (1, 64),
+    }
+    assert {n: s for n, s in shapes.items() if n.startswith("model.layers.2.")} == {
+        "model.layers.2.mlp.gate_up_proj.weight": (192, 64), "model.layers.2.mlp.down_proj.weight": (64, 96)}
+    w13 = model.get_parameter("model.layers.0.mlp.w13")
+    assert all(w13[e].std() > 0.01 for e in range(8))  # every expert drawn, none left empty
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    model = _dummy_model(tmp_path, MOE["mixtral"])
+    cfg = ModelConfig.from_hf_config(MOE["mixtral"])
+    weights = ((n, t) for n, t in iter_dummy_weights(cfg) if n != "model.layers.3.block_sparse_moe.experts.5.w3.weight")
+    with pytest.raises(ValueError, match=r"1 missing: model\.layers\.3\.mlp\.experts\.5\.up_proj\.weight$"):
+        load_weights(model, weights, "test checkpoint")
 
 
 def _per_token_reference(moe: FusedMoE, x: torch.Tensor) -> torch.Tensor:
