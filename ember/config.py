@@ -143,7 +143,13 @@ class EngineConfig:
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device: use device='cpu'")
+        if model_config.moe_layers is not None and device == "cuda":
+            raise ValueError(f"{model_config.architecture}: mixtures of experts run on the CPU for now (no fused MoE "
+                             "kernel for CUDA yet): use device='cpu'")
         quantization = _quantization(self.quantization, files, device)
+        if model_config.moe_layers is not None and quantization == "fp8":
+            raise ValueError(f"{model_config.architecture}: quantization='fp8' does not cover the experts' stacked "
+                             "weights yet: use quantization='none' (or 'auto')")
         dtype = self.dtype if self.dtype != "auto" else _auto_dtype(device, quantization)
         if device == "cpu" and dtype == "bfloat16" and not cpu_computes_bfloat16():
             logger.warning("dtype=bfloat16 on a CPU without native bfloat16 (AVX512_BF16 or AMX): every op "

@@ -263,6 +263,9 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported GGUF architecture {arch!r}; ember runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if md.get(f"{arch}.expert_count"):  # Mixtral's GGUFs say "llama" with experts
+            raise ValueError(f"this GGUF is a mixture of {md[f'{arch}.expert_count']} experts, which ember reads "
+                             "from HF safetensors only for now: pass the model's HF directory or hub id")
 
         def get(key: str, default: Any = None) -> Any:
             value = md.get(f"{arch}.{key}", default)
