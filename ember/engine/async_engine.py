@@ -318,9 +318,9 @@ class AsyncEngine:
         except BaseException as e:  # the loop died: fail every stream, refuse new requests
             logger.exception("the engine loop died")
             self.error = e
-            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
-            if self.on_dead is not None:
+            if self.on_dead is not None:  # the owner first: a client that sees its stream fail finds it told
                 self.on_dead(e)
+            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
             return
         self._fail_all(self._stop_error)  # stopped: end (or fail) whatever is left
         self.core.finish_in_flight()  # a launched step's tokens were for those requests
