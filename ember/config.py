@@ -143,9 +143,6 @@ class EngineConfig:
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device: use device='cpu'")
-        if model_config.moe_layers is not None and device == "cuda":
-            raise ValueError(f"{model_config.architecture}: mixtures of experts run on the CPU for now (no fused MoE "
-                             "kernel for CUDA yet): use device='cpu'")
         quantization = _quantization(self.quantization, files, device)
         if model_config.moe_layers is not None and quantization == "fp8":
             raise ValueError(f"{model_config.architecture}: quantization='fp8' does not cover the experts' stacked "

@@ -11,7 +11,7 @@
 #            512 x 1000/1000 (--max-num-seqs 512 --max-num-batched-tokens 16384
 #            --max-model-len 2048) and one request 128/512, with --quantization fp8, then the
 #            same two with bf16 weights (the baseline)
-#   vllm:    vLLM 0.24 on the same requests (vllm_fp8_bench.py: ember's random_requests) with
+#   vllm:    vLLM 0.24 on the same requests (vllm_race.py: ember's random_requests) with
 #            quantization="fp8", kv_cache_dtype="fp8". Stage vLLM first as
 #            /work/shared/peers/vllm-gpu/stage says (its parts copied into /root/st by the calls
 #            before), and carry the last part (.vllm-s5) in this call.
@@ -50,7 +50,7 @@ vllm)
   fi
   $S/run-on-device none  # puts the last part beside the others and installs vLLM into /tmp/vllm-site; runs no workload
   VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm-site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-    timeout 540 python3 benchmarks/scripts/vllm_fp8_bench.py llama latency 2>&1 | grep -E "^RESULT|Error|error:" \
+    timeout 540 python3 benchmarks/scripts/vllm_race.py throughput latency --weights fp8 --kv-cache-dtype fp8 2>&1 | grep -E "^RESULT|Error|error:" \
     | tee $J/vllm_fp8.log
   pack
   ;;

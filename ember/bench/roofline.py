@@ -6,6 +6,10 @@ prefilled once (FLOPs: 2 x matmul params per token + causal attention), then eve
 step reads all weights once and each running sequence's whole KV context, and does
 2 x params FLOPs per sequence plus its attention. A step's floor is
 max(bytes / bandwidth, FLOPs / peak); the run's floor is the sum.
+
+A mixture of experts reads, per step and sparse layer, only the experts its tokens chose:
+E x (1 - (1 - k/E)^B) of them for a batch of B under uniform routing (the dummy weights'
+router is close to uniform), and its FLOPs count the k active experts per token.
 """
 
 from __future__ import annotations
@@ -46,15 +50,34 @@ class Floor:
 
 
 def model_sizes(cfg: ModelConfig, dtype_bytes: int = 2) -> tuple[float, float, float, float]:
-    """(weight bytes read per step, matmul params, KV bytes per token, attention FLOPs per
-    query per context token)."""
+    """(bytes read per step apart from routed experts, active matmul params per token, KV
+    bytes per token, attention FLOPs per query per context token)."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
-    matmul = cfg.num_layers * per_layer + cfg.vocab_size * h  # the LM head
+    attn_params = h * (q + 2 * kv) + q * h
+    sparse = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
+    dense_mlp = 3 * h * cfg.intermediate_size * (cfg.num_layers - sparse)
+    shared = (3 * h * cfg.shared_expert_intermediate_size + h * cfg.num_experts) * sparse  # router, shared expert
+    head = cfg.vocab_size * h
+    resident = cfg.num_layers * attn_params + dense_mlp + shared + head
+    active = resident + sparse * cfg.num_experts_per_tok * expert_params(cfg)
     kv_bytes = 2 * cfg.num_layers * kv * dtype_bytes
     attn_flops = 4 * cfg.num_layers * q  # q.k and p.v per head
-    return matmul * dtype_bytes, float(matmul), float(kv_bytes), float(attn_flops)
+    return resident * dtype_bytes, float(active), float(kv_bytes), float(attn_flops)
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+def expert_bytes_read(cfg: ModelConfig, batch: int, dtype_bytes: int = 2) -> float:
+    """Routed experts' bytes one step reads for `batch` tokens (module doc: uniform routing)."""
+    sparse = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
+    if not sparse or not batch:
+        return 0.0
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    touched = e * (1 - (1 - k / e) ** batch)
+    return sparse * touched * expert_params(cfg) * dtype_bytes
 
 
 def workload_floor(cfg: ModelConfig, lengths: Sequence[tuple[int, int]], max_num_seqs: int, chip: Chip = H200,
@@ -77,7 +100,7 @@ def workload_floor(cfg: ModelConfig, lengths: Sequence[tuple[int, int]], max_num
             i = waiting.pop()
             ctx, left = np.append(ctx, prompts[i]), np.append(left, outs[i])
         # one decode step: every running sequence makes one token (the first comes from prefill's last row)
-        nbytes = weights + kv_tok * ctx.sum()
+        nbytes = weights + expert_bytes_read(cfg, len(ctx), dtype_bytes) + kv_tok * ctx.sum()
         flops = 2 * params * len(ctx) + attn * ctx.sum()
         total_s += max(nbytes / chip.hbm_bytes_per_s, flops / chip.bf16_flops_per_s)
         total_bytes += nbytes

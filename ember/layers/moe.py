@@ -6,9 +6,10 @@ to sum to 1 where `renormalize` (Mixtral, Qwen3-MoE with norm_topk_prob). The ex
 weights are stacked: `w13` [E, 2I, H] (gate | up of each expert) and `w2` [E, H, I] (down);
 the loader fills them one checkpoint tensor (shard) at a time.
 
-The torch path groups the (token, expert) pairs by expert and runs one gate|up and one down
-matmul per expert that received a token, then adds each output, times its routing weight,
-into its token's row.
+On CUDA (and for tests through Triton's interpreter) the routing and the experts run as
+kernels/moe.py's fused kernels, which CUDA graphs capture. The torch path (the CPU) groups
+the (token, expert) pairs by expert and runs one gate|up and one down matmul per expert
+that received a token, then adds each output, times its routing weight, into its token's row.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from ember.layers.activation import silu_and_mul
+from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import Linear
 
 
@@ -51,7 +53,13 @@ class FusedMoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(self.gate(x))
+        logits = self.gate(x)
+        if cuda_paths(x):
+            from ember.kernels.moe import fused_experts, route_topk
+
+            weights, ids = route_topk(logits, self.top_k, self.renormalize)
+            return fused_experts(x.contiguous(), self.w13, self.w2, weights, ids)
+        weights, ids = self.route(logits)
         return grouped_experts(x, self.w13, self.w2, weights.to(x.dtype), ids)
 
 

@@ -41,3 +41,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         return out.view(width).numpy().reshape(np.shape(data))
 
     interpreter._convert_float = _convert_float_fp8
+
+    def _bf16_as_float32(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = (np.ascontiguousarray(handle.data).astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    _create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return _create_dot(self, _bf16_as_float32(a), _bf16_as_float32(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot

@@ -1,4 +1,4 @@
-"""On CUDA (`-m gpu`): Gemma 2 (windows on every other layer, both soft-caps), Gemma 3
+"""On CUDA (`-m gpu`): Mixtral, Qwen3-MoE and Qwen2-MoE (the fused MoE kernels), Gemma 2 (windows on every other layer, both soft-caps), Gemma 3
 (local and global RoPE, q/k norm) and Phi-3 (fused checkpoints, LongRoPE, a window on every
 layer) through the whole bfloat16 engine (Triton attention with windows, CUDA graphs)
 against HF transformers in float32 on the same weights: logits within bfloat16 tolerance,
@@ -32,6 +32,17 @@ CONFIGS = {
                     "rope_theta": 10000.0, "original_max_position_embeddings": 1024, "tie_word_embeddings": False,
                     "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(64)],
                                      "long_factor": [2.0 + 0.1 * i for i in range(64)]}},
+    # mixtures of experts through the fused Triton MoE kernels (kernels/moe.py), in CUDA graphs too
+    "mixtral": BASE | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "rope_theta": 10000.0,
+                       "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    "qwen3_moe": BASE | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "rope_theta": 10000.0,
+                         "num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 256,
+                         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+                         "tie_word_embeddings": False},
+    "qwen2_moe": BASE | {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "rope_theta": 10000.0,
+                         "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
+                         "shared_expert_intermediate_size": 1024, "norm_topk_prob": False,
+                         "tie_word_embeddings": False},
 }
 
 

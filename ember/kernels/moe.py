@@ -1,0 +1,269 @@
+"""The fused mixture-of-experts path for layers/moe.py on CUDA: five kernels, none of which
+reads a value back to the host, so CUDA graphs capture MoE decode.
+
+    route_topk      router logits [T, E] -> top-k weights [T, k] (float32) and expert ids
+                    [T, k]: softmax in float32, the k largest, renormalized if asked
+    align_experts   the T*k (token, slot) pairs grouped by expert, each expert's group padded
+                    to BLOCK_M rows: `sorted_pairs` (pair index, or T*k for padding),
+                    `block_expert` (the expert of each BLOCK_M rows), `num_padded` (rows used)
+    moe_gemm        per block of BLOCK_M sorted pairs, all of one expert:
+                    gate|up pass:  act[pair] = silu(x[token] @ w13[e, :I]^T) * (x[token] @ w13[e, I:]^T)
+                    down pass:     out[pair] = weight[pair] * (act[pair] @ w2[e]^T)
+    then the k rows of each token are summed (torch).
+
+align_experts sizes its outputs for the worst case (every pair's expert padded), so shapes
+depend on T only. The order of pairs inside an expert's group does not change any result:
+each row is computed on its own and the top-k sum runs in slot order.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    total = 0.0
+    for slot in tl.static_range(TOP_K):
+        best = tl.argmax(p, 0, tie_break_left=True)
+        w = tl.max(p, 0)
+        total += w
+        tl.store(weights_ptr + t * TOP_K + slot, w)
+        tl.store(ids_ptr + t * TOP_K + slot, best.to(tl.int32))
+        p = tl.where(e == best, -1.0, p)
+    if RENORMALIZE:
+        for slot in tl.static_range(TOP_K):
+            w = tl.load(weights_ptr + t * TOP_K + slot)
+            tl.store(weights_ptr + t * TOP_K + slot, w / total)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights [T, k] float32, expert ids [T, k] int32), as
+    softmax(float32) -> topk -> optional renormalizing does in torch."""
+    tokens, experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](router_logits, weights, ids, router_logits.stride(0), experts, TOP_K=top_k,
+                                 RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(experts))
+    return weights, ids
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, E, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=BLOCK_E - 1)
+        hit = start + offs < num_pairs
+        counts += tl.histogram(ids, BLOCK_E, mask=hit)
+    e = tl.arange(0, BLOCK_E)
+    tl.store(counts_ptr + e, counts, mask=e < E)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, E,
+                    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    # program `expert`: where its group starts (the padded counts of the experts before it),
+    # then its pairs in order, then its padding rows and its blocks' expert id
+    expert = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(e < expert, padded, 0), 0)
+    mine = tl.sum(tl.where(e == expert, counts, 0), 0)
+    mine_padded = tl.sum(tl.where(e == expert, padded, 0), 0)
+    if expert == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+    offs = tl.arange(0, CHUNK)
+    placed = start
+    for chunk in range(0, num_pairs, CHUNK):
+        pair = chunk + offs
+        ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+        hit = (ids == expert).to(tl.int32)
+        rank = tl.cumsum(hit, 0) - 1
+        tl.store(sorted_ptr + placed + rank, pair, mask=hit > 0)
+        placed += tl.sum(hit, 0)
+    for pad in range(mine, mine_padded, CHUNK):
+        row = pad + offs
+        tl.store(sorted_ptr + start + row, num_pairs, mask=row < mine_padded)
+    for block in range(start // BLOCK_M, (start + mine_padded) // BLOCK_M):
+        tl.store(block_expert_ptr + block, expert)
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of align_experts' output in the worst case: each expert with a pair adds at most
+    block_m - 1 padding rows, and at most min(E, pairs) experts have one."""
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+
+
+def align_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ids [T, k] -> (sorted_pairs [R] int32, block_expert [R / block_m] int32,
+    num_padded [1] int32), R = max_padded_rows(T * k, E, block_m). Rows past num_padded are
+    unused, and so are their blocks."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    rows = max_padded_rows(pairs, num_experts, block_m)
+    dev = ids.device
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(triton.cdiv(rows, block_m), dtype=torch.int32, device=dev)
+    num_padded = torch.zeros(1, dtype=torch.int32, device=dev)
+    if pairs:
+        block_e = triton.next_power_of_2(num_experts)
+        _count_kernel[(1,)](flat, counts, pairs, num_experts, BLOCK_E=block_e, CHUNK=1024)
+        _scatter_kernel[(num_experts,)](flat, counts, sorted_pairs, block_expert, num_padded, pairs, num_experts,
+                                        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=256)
+    return sorted_pairs, block_expert, num_padded
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
+                     num_pairs, N, K, stride_a, stride_we, stride_wn, stride_c,
+                     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # grouped launch order: GROUP_M row blocks share each column tile of the weight while it is in L2
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < num_pairs
+    a_rows = (pair // ROWS_PER_A).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    kk = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        kmask = k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+        if GATED:  # the up rows of w13 sit N rows below the gate rows
+            u = tl.load(w_base + (n[None, :] + N) * stride_wn + k[:, None], mask=nmask[None, :] & kmask[:, None],
+                        other=0.0)
+            if IEEE:
+                acc_up += tl.dot(a, u, input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, u)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if WEIGHTED:
+        acc = acc * tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
+    tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_c + n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=valid[:, None] & nmask[None, :])
+
+
+def heuristic_config(num_experts: int, tokens: int, top_k: int) -> dict[str, int]:
+    """Tile sizes by the rows each expert gets on average (T * k / E): 16-row blocks while
+    experts see few tokens (decode: the weights' bytes bound the step), larger ones as the
+    GEMMs fill. Used where moe_configs.json has no entry for the GPU."""
+    per_expert = tokens * top_k / num_experts
+    if per_expert <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 256:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def config_key(num_experts: int, hidden: int, inter: int, top_k: int) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k}"
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(device_name: str) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
+    path = Path(__file__).with_name("moe_configs.json")
+    return json.loads(path.read_text()).get(device_name, {}) if path.exists() else {}
+
+
+@functools.lru_cache(maxsize=None)
+def moe_configs(num_experts: int, hidden: int, inter: int, top_k: int, tokens: int,
+                device_name: str = "") -> tuple[dict[str, int], dict[str, int]]:
+    """(gate|up pass config, down pass config), one BLOCK_M for both: what
+    benchmarks/scripts/moe_tune.py measured on this GPU for the nearest token count
+    (moe_configs.json), else heuristic_config for both. Cached per (E, H, I, k, T, GPU)."""
+    table = _tuned(device_name).get(config_key(num_experts, hidden, inter, top_k)) if device_name else None
+    if table:
+        nearest = min(table, key=lambda t: abs(int(t) - tokens))
+        return table[nearest]["up"], table[nearest]["down"]
+    cfg = heuristic_config(num_experts, tokens, top_k)
+    return cfg, cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def token_bucket(tokens: int) -> int:
+    """The config key's token count: the next power of two (so every decode batch size
+    and prefill chunk does not get a config of its own)."""
+    return triton.next_power_of_2(max(1, tokens))
+
+
+def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+             block_expert: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor | None, rows_per_a: int,
+             gated: bool, config: dict[str, int]) -> torch.Tensor:
+    """One pass over the sorted pairs (see the module doc): out [P, N] with N = w.shape[1] // 2
+    if gated, else w.shape[1]; a's row for pair p is p // rows_per_a."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    blocks = block_expert.numel()
+    if blocks == 0 or out.shape[0] == 0:
+        return out
+    cfg = dict(config)
+    if sorted_pairs.numel() != max_padded_rows(out.shape[0], w.shape[0], cfg["BLOCK_M"]):
+        raise ValueError(f"config BLOCK_M {cfg['BLOCK_M']} is not the block size the pairs were aligned to")
+    grid = (blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _moe_gemm_kernel[grid](a, w, out, sorted_pairs, block_expert, num_padded, weights if weights is not None else out,
+                           out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                           ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=weights is not None,
+                           IEEE=a.dtype == torch.float32, **cfg)
+    return out
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert ids[t, k] (x[t]), each expert a SwiGLU MLP with
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]. x [T, H] with contiguous rows;
+    weights float32 [T, k]."""
+    tokens, top_k = ids.shape
+    experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    if tokens == 0:
+        return torch.zeros_like(x)
+    device_name = _device_name(x.device.index or 0) if x.is_cuda else ""
+    up_cfg, down_cfg = moe_configs(experts, hidden, inter, top_k, token_bucket(tokens), device_name)
+    sorted_pairs, block_expert, num_padded = align_experts(ids, experts, up_cfg["BLOCK_M"])
+    act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    moe_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, top_k, True, up_cfg)
+    out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    moe_gemm(act, w2, out, sorted_pairs, block_expert, num_padded, weights.reshape(-1), 1, False, down_cfg)
+    return out.view(tokens, top_k, hidden).sum(dim=1)

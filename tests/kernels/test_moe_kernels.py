@@ -1,0 +1,162 @@
+"""The fused MoE kernels (kernels/moe.py) against plain torch: routing exactly (ids) and to
+float rounding (weights), the expert grouping exactly (every pair once, in its expert's
+padded group), and the whole expert MLP against a float32 per-token loop. CPU: Triton's
+interpreter at small shapes; `-m gpu`: CUDA at real shapes, and the layer in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from ember.kernels.moe import align_experts, fused_experts, heuristic_config, max_padded_rows, route_topk  # noqa: E402
+from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
+from ember.layers.moe import FusedMoE, grouped_experts  # noqa: E402
+
+DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+
+
+def _loop_reference(x, w13, w2, weights, ids):
+    """The definition, token by token, in float32."""
+    x, w13, w2 = x.float(), w13.float(), w2.float()
+    out = torch.zeros_like(x)
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[t, slot])
+            h = x[t] @ w13[e].t()
+            out[t] += float(weights[t, slot]) * ((F.silu(h[:inter]) * h[inter:]) @ w2[e].t())
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("experts,top_k,renormalize", [(8, 2, True), (60, 4, False), (128, 8, True)])
+def test_routing_is_softmax_topk(device, experts, top_k, renormalize):
+    g = torch.Generator().manual_seed(experts)
+    logits = torch.randn(5, experts, generator=g).to(device)
+    weights, ids = route_topk(logits, top_k, renormalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    want_w, want_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.long().cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), want_w.cpu(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (7, 8, 2, 16), (40, 128, 8, 16),
+                                                           (300, 8, 2, 64), (0, 8, 2, 16)])
+def test_alignment_groups_every_pair_once_by_expert(device, tokens, experts, top_k, block_m):
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]) if tokens else \
+        torch.empty(0, top_k, dtype=torch.int64)
+    if tokens >= 300:
+        ids[:200, 0] = 3  # one expert much busier than the rest
+        ids[:200, 1] = torch.where(ids[:200, 1] == 3, 4, ids[:200, 1])
+    ids = ids.to(torch.int32).to(device)
+    sorted_pairs, block_expert, num_padded = align_experts(ids, experts, block_m)
+    pairs = tokens * top_k
+    rows = max_padded_rows(pairs, experts, block_m)
+    assert sorted_pairs.shape == (rows,) and block_expert.shape == (-(-rows // block_m),)
+    flat = ids.reshape(-1).long().cpu()
+    counts = torch.bincount(flat, minlength=experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert int(num_padded) == int(padded.sum())
+    used = sorted_pairs[:int(num_padded)].long().cpu()
+    blocks = block_expert[:int(num_padded) // block_m].long().cpu()
+    # the padded groups in expert order, each holding exactly its expert's pairs, in pair order
+    want_blocks = torch.repeat_interleave(torch.arange(experts), padded // block_m)
+    assert torch.equal(blocks, want_blocks)
+    start = 0
+    for e in range(experts):
+        group = used[start:start + int(padded[e])]
+        assert torch.equal(group[:int(counts[e])], torch.nonzero(flat == e).flatten())
+        assert torch.all(group[int(counts[e]):] == pairs)
+        start += int(padded[e])
+
+
+def _experts(experts, hidden, inter, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype).to(device)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(device)
+    return w13, w2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 64, 96), (9, 16, 4, 48, 40),
+                                                               (70, 8, 2, 32, 64)])
+def test_fused_experts_match_the_per_token_loop(device, dtype, tokens, experts, top_k, hidden, inter):
+    g = torch.Generator().manual_seed(tokens)
+    w13, w2 = _experts(experts, hidden, inter, dtype, device)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(device)
+    weights, ids = route_topk(torch.randn(tokens, experts, generator=g).to(device), top_k, True)
+    got = fused_experts(x, w13, w2, weights, ids)
+    want = _loop_reference(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
+
+
+def test_each_tile_config_gives_the_same_result():
+    """Every moe_config bucket (16..128-row blocks, gated or not) on one input."""
+    w13, w2 = _experts(4, 32, 32, torch.float32, "cpu", seed=3)
+    x = torch.randn(20, 32, generator=torch.Generator().manual_seed(3))
+    weights, ids = route_topk(torch.randn(20, 4, generator=torch.Generator().manual_seed(4)), 2, True)
+    want = _loop_reference(x, w13, w2, weights, ids)
+    import ember.kernels.moe as moe
+
+    configs = {tuple(heuristic_config(4, t, 2).items()) for t in (1, 64, 256, 4096)}
+    assert len(configs) == 4
+    for cfg in configs:
+        small = dict(cfg, BLOCK_K=min(dict(cfg)["BLOCK_K"], 32), BLOCK_N=min(dict(cfg)["BLOCK_N"], 32))
+        sorted_pairs, block_expert, num_padded = align_experts(ids, 4, small["BLOCK_M"])
+        act = torch.empty(40, 32)
+        moe.moe_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, 2, True, small)
+        out = torch.empty(40, 32)
+        moe.moe_gemm(act, w2, out, sorted_pairs, block_expert, num_padded, weights.reshape(-1), 1, False, small)
+        torch.testing.assert_close(out.view(20, 2, 32).sum(1), want, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_the_layer_takes_the_fused_path_and_agrees_with_the_cpu_path():
+    torch.manual_seed(5)
+    layer = FusedMoE(48, 40, 16, 4, renormalize=False)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(11, 48)
+    want = layer(x)  # the torch path (grouped_experts)
+    with gemv_on_cpu():
+        got = layer(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    weights, ids = layer.route(layer.gate(x))
+    torch.testing.assert_close(grouped_experts(x, layer.w13, layer.w2, weights, ids),
+                               _loop_reference(x, layer.w13, layer.w2, weights, ids), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 128, 8, 2048, 768), (512, 128, 8, 2048, 768),
+                                                               (3000, 8, 2, 4096, 1024)])
+def test_fused_experts_at_real_shapes_and_in_a_cuda_graph(tokens, experts, top_k, hidden, inter):
+    w13, w2 = _experts(experts, hidden, inter, torch.bfloat16, "cuda")
+    layer = FusedMoE(hidden, inter, experts, top_k, renormalize=True).cuda().to(torch.bfloat16)
+    layer.w13.data.copy_(w13)
+    layer.w2.data.copy_(w2)
+    layer.gate.weight.data.normal_(0, 0.05)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = route_topk(layer.gate(x), top_k, True)
+    want = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids.long())
+    eager = layer(x)
+    torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2)
+    static = x.clone()
+    layer(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(static)
+    static.copy_(torch.randn_like(x))  # new tokens route elsewhere: the graph must follow
+    graph.replay()
+    torch.testing.assert_close(out, layer(static), rtol=0, atol=0)
