@@ -52,7 +52,8 @@ def main() -> None:
             act = torch.empty(tokens * top_k, inter, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(tokens * top_k, hidden, device="cuda", dtype=torch.bfloat16)
             per_expert = tokens * top_k / experts
-            block_ms = [16, 32, 64] if per_expert <= 32 else [32, 64, 128] if per_expert <= 256 else [64, 128]
+            block_ms = [16] if per_expert <= 1 else [16, 32] if per_expert <= 32 else [32, 64, 128] \
+                if per_expert <= 256 else [64, 128]
             best = None
             for bm in block_ms:
                 layout = moe.align_experts(ids, experts, bm)

@@ -131,8 +131,8 @@ def align_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
-                     num_pairs, N, K, stride_a, stride_we, stride_wn, stride_c,
-                     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
+                     num_pairs, N, K, stride_a, stride_we, stride_wn, stride_c, rows_per_a,
+                     GATED: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
@@ -148,7 +148,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padd
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pair < num_pairs
-    a_rows = (pair // ROWS_PER_A).to(tl.int64)
+    a_rows = (pair // rows_per_a).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     kk = tl.arange(0, BLOCK_K)
@@ -243,8 +243,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: 
         raise ValueError(f"config BLOCK_M {cfg['BLOCK_M']} is not the block size the pairs were aligned to")
     grid = (blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](a, w, out, sorted_pairs, block_expert, num_padded, weights if weights is not None else out,
-                           out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                           ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=weights is not None,
+                           out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), rows_per_a,
+                           GATED=gated, WEIGHTED=weights is not None,
                            IEEE=a.dtype == torch.float32, **cfg)
     return out
 
