@@ -149,7 +149,7 @@ def test_fused_moe_refuses_a_top_k_beyond_its_experts():
 
 
 def test_what_moe_does_not_run_yet_is_refused(tmp_path, monkeypatch):
-    """CUDA (no fused MoE kernel), FP8 (the stacked experts would stay dense) and MoE GGUFs."""
+    """CUDA (no fused MoE kernel) and FP8 (the stacked experts would stay dense)."""
     from ember.config import EngineConfig
 
     (tmp_path / "config.json").write_text(json.dumps(MOE["mixtral"]))
@@ -158,5 +158,3 @@ def test_what_moe_does_not_run_yet_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match=r"^mixtral: mixtures of experts run on the CPU for now .* use device='cpu'"):
         EngineConfig(model=str(tmp_path), load_format="dummy", device="cuda").resolve()
-    with pytest.raises(ValueError, match="this GGUF is a mixture of 8 experts, which ember reads from HF safetensors"):
-        ModelConfig.from_gguf_metadata({"general.architecture": "llama", "llama.expert_count": 8}, [])
