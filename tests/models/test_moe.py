@@ -52,13 +52,17 @@ def test_moe_logits_match_hf(moe_model, forward_logits):
     assert_logits_match(llm, hf, PROMPTS, forward_logits)
 
 
-@pytest.mark.slow
-def test_moe_greedy_matches_hf(moe_model):
-    _, _, hf, llm = moe_model
+def assert_greedy_matches_hf(llm, hf) -> None:
     expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.slow
+def test_moe_greedy_matches_hf(moe_model):
+    _, _, hf, llm = moe_model
+    assert_greedy_matches_hf(llm, hf)
 
 
 def test_moe_config_reads_the_options():

@@ -18,8 +18,8 @@ from ember import LLM, SamplingParams
 from ember.loader.gguf import open_gguf
 from ember.loader.model_files import ModelFiles
 from ember.models.config import ModelConfig
-from test_families import MAX_TOKENS, PROMPTS, assert_logits_match, hf_greedy, save_tiny_model
-from test_moe import MOE
+from test_families import PROMPTS, assert_logits_match, save_tiny_model
+from test_moe import MOE, assert_greedy_matches_hf
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -97,10 +97,7 @@ def test_gguf_moe_logits_match_hf(converted, forward_logits):
 @pytest.mark.slow
 def test_gguf_moe_greedy_matches_hf(converted):
     _, _, hf, llm = converted
-    expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in PROMPTS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_greedy_matches_hf(llm, hf)
 
 
 @pytest.mark.slow
