@@ -16,6 +16,7 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.loader.gguf import open_gguf
+from ember.loader.gguf_experts import split_experts
 from ember.loader.model_files import ModelFiles
 from ember.models.config import ModelConfig
 from test_families import PROMPTS, assert_logits_match, save_tiny_model
@@ -165,3 +166,17 @@ def test_gguf_moe_config_follows_llama_cpp_defaults():
 def test_gguf_moe_refusals_say_what_is_wrong(md, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig.from_gguf_metadata(md, [])
+
+
+def test_fused_gate_up_experts_split_into_gate_and_up():
+    """The converter's --fuse-gate-up-exps writes one [E, 2I, H] tensor, gate rows then up."""
+    stacked = torch.arange(3 * 4 * 5, dtype=torch.float32).reshape(3, 4, 5)
+    parts = dict(split_experts("blk.7.ffn_gate_up_exps.weight", stacked))
+    assert list(parts) == [f"model.layers.7.mlp.experts.{e}.{p}_proj.weight" for e in range(3) for p in ("gate", "up")]
+    for e in range(3):
+        assert torch.equal(parts[f"model.layers.7.mlp.experts.{e}.gate_proj.weight"], stacked[e, :2])
+        assert torch.equal(parts[f"model.layers.7.mlp.experts.{e}.up_proj.weight"], stacked[e, 2:])
+    down = dict(split_experts("blk.0.ffn_down_exps.weight", stacked))
+    assert torch.equal(down["model.layers.0.mlp.experts.2.down_proj.weight"], stacked[2])
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight \(4, 5\) is not a stack of experts"):
+        list(split_experts("blk.0.ffn_up_exps.weight", stacked[0]))
