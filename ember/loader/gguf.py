@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ember.layers.quant.gguf_blocks import KERNEL_TYPES, BlockTensor
+from ember.loader.gguf_experts import is_stacked_experts, split_experts
 from ember.loader.gguf_reader import CorruptGGUF, read_gguf
 from ember.loader.weights import hf_weight_shapes
 from ember.models.config import ModelConfig
@@ -392,7 +393,9 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     config takes RoPE scaling from it); they are not yielded.
     keep_quantized: 2-D weights of a type the CPU kernels multiply come out as BlockTensor,
     their bytes as stored (rows reordered where the converter reordered them); other
-    quantized types are dequantized, named in one warning.
+    quantized types are dequantized, named in one warning. llama.cpp's stacked experts
+    (blk.N.ffn_gate_exps, ...) come out dequantized, one tensor per expert under its HF name
+    (loader/gguf_experts.py).
 
     A tensor with no HF counterpart is yielded under its GGUF name, so the model loader's
     completeness check names it rather than it being dropped: rope_freqs.weight (Llama 3.1's
@@ -407,9 +410,12 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
             continue
         info = f.tensor_info(gguf_name)
         blocks = keep_quantized and len(info.shape) == 2 and info.qtype in KERNEL_TYPES
-        if keep_quantized and len(info.shape) == 2 and not blocks and info.qtype not in _DENSE_TYPES:
+        if keep_quantized and not blocks and info.qtype not in _DENSE_TYPES:
             no_kernel.setdefault(info.qtype_name, []).append(gguf_name)
         w = _block_tensor(f, info) if blocks else f.tensor(gguf_name)
+        if is_stacked_experts(gguf_name):  # 3-D, so dequantized above (see loader/gguf_experts.py)
+            yield from split_experts(gguf_name, w)
+            continue
         name = names.get(gguf_name)
         if name is None:
             yield gguf_name, w
@@ -425,8 +431,8 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     if no_kernel:
         listed = "; ".join(f"{t}: {', '.join(n[:4])}{' ...' if len(n) > 4 else ''} ({len(n)})"
                            for t, n in no_kernel.items())
-        logger.warning("%s: no CPU kernel multiplies these types yet, so these tensors were dequantized to the "
-                       "run dtype: %s", f.path.name, listed)
+        logger.warning("%s: no CPU kernel multiplies these types (or stacked experts' weights) yet, so these "
+                       "tensors were dequantized to the run dtype: %s", f.path.name, listed)
 
 
 _DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: plain weights, not quantized

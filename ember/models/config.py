@@ -53,6 +53,12 @@ _TEXT_CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers"
 # the RoPE base where a config names none: the global one (the sliding layers' is 10000 in both)
 _DEFAULT_THETA = {"gemma3": 1_000_000.0}
 
+# llama.cpp's architecture names where they differ from ember's families (a Mixtral GGUF says
+# "llama", with experts), and the names ember reads from a GGUF's general.architecture
+_GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+GGUF_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES if a not in ("mixtral", *_GGUF_FAMILIES.values())) \
+    + tuple(_GGUF_FAMILIES)
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
@@ -259,13 +265,10 @@ class ModelConfig:
         """From llama.cpp's metadata keys. `read_vector` reads a small tensor of the file: the
         RoPE factors llama.cpp stores as tensors (rope_freqs, rope_factors_long/short)."""
         arch = md.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in GGUF_ARCHITECTURES:
             raise ValueError(
-                f"unsupported GGUF architecture {arch!r}; ember runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported GGUF architecture {arch!r}; ember runs {', '.join(GGUF_ARCHITECTURES)}"
             )
-        if md.get(f"{arch}.expert_count"):  # Mixtral's GGUFs say "llama" with experts
-            raise ValueError(f"this GGUF is a mixture of {md[f'{arch}.expert_count']} experts, which ember reads "
-                             "from HF safetensors only for now: pass the model's HF directory or hub id")
 
         def get(key: str, default: Any = None) -> Any:
             value = md.get(f"{arch}.{key}", default)
@@ -292,6 +295,8 @@ class ModelConfig:
             raise ValueError(f"a llama GGUF with RoPE on {rotary_dim} of each head's {head_dim} dims "
                              "(rope.dimension_count) is not supported: serve the model's HF checkpoint "
                              "directory instead")
+        ff = get("feed_forward_length")
+        moe = _gguf_moe_options(md, arch, layers, ff)
         query_scalar = None
         if gemma:  # llama.cpp's rule: the 27B models (by layer count) scale by hidden / heads, others by head_dim
             query_scalar = hidden // heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim
@@ -305,10 +310,10 @@ class ModelConfig:
         # only where a key says so (0: none)
         final_cap = md.get(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None) if gemma else None
         return ModelConfig(
-            architecture=arch,
+            architecture=moe.pop("family", arch),
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=get("feed_forward_length"),
+            intermediate_size=ff,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=get("attention.head_count_kv", heads),
@@ -333,6 +338,7 @@ class ModelConfig:
             local_rope_theta=None if local_theta is None else float(local_theta),
             local_rope_scaling=rope_scaling if arch == "gemma2" and local_theta is not None else None,
             rotary_dim=rotary_dim,
+            **moe,
         )
 
 
@@ -459,6 +465,47 @@ def _moe_options(config: dict[str, Any], family: str, num_layers: int) -> dict[s
     return {}
 
 
+# llama.cpp's top-k renormalization (build_moe_ffn's norm_w) per architecture: its graphs fix
+# it (llama: Mixtral's; qwen3moe: Qwen3-MoE's norm_topk_prob of the released models; qwen2moe:
+# never) and its converter writes no key for it. expert_weights_norm, where a file has it, wins.
+_GGUF_TOPK_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+
+
+def _gguf_moe_options(md: dict[str, Any], arch: str, num_layers: int, ff: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields (and `family`) from llama.cpp's keys: expert_count,
+    expert_used_count, expert_feed_forward_length (the experts' intermediate size; llama.cpp's
+    fallbacks where it lacks: llama's feed_forward_length, the Qwen MoEs' feed_forward_length /
+    expert_used_count), expert_shared_feed_forward_length (qwen2moe's shared expert), and
+    leading_dense_block_count (the first layers' MLP dense; 0 where it lacks, as the converter
+    writes these architectures: llama.cpp's graphs for them have no dense layer)."""
+    experts = md.get(f"{arch}.expert_count") or 0
+    family = _GGUF_FAMILIES.get(arch, arch)
+    if not experts:
+        if arch in _GGUF_FAMILIES:
+            raise ValueError(f"GGUF metadata lacks {arch}.expert_count: the file is incomplete")
+        return {}
+    if arch not in _GGUF_TOPK_NORM:
+        raise ValueError(f"this {arch} GGUF is a mixture of {experts} experts, which ember reads from GGUF "
+                         "architectures llama (Mixtral), qwen3moe and qwen2moe only: pass the model's HF directory")
+    gating = md.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"{arch}.expert_gating_func {gating}: ember routes experts by softmax (1) only")
+    scale = md.get(f"{arch}.expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ValueError(f"{arch}.expert_weights_scale {scale}: ember does not scale the routing weights")
+    used = md.get(f"{arch}.expert_used_count")
+    if not used:
+        raise ValueError(f"GGUF metadata lacks {arch}.expert_used_count: the file is incomplete")
+    dense = int(md.get(f"{arch}.leading_dense_block_count", 0))
+    inter = md.get(f"{arch}.expert_feed_forward_length") or (ff if arch == "llama" else ff // used)
+    shared = (md.get(f"{arch}.expert_shared_feed_forward_length") or ff) if arch == "qwen2moe" else 0
+    return {"family": "mixtral" if arch == "llama" else family,
+            "moe_layers": tuple(i >= dense for i in range(num_layers)), "num_experts": experts,
+            "num_experts_per_tok": used, "moe_intermediate_size": inter,
+            "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", _GGUF_TOPK_NORM[arch])),
+            "shared_expert_intermediate_size": shared}
+
+
 def _layer_windows(config: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...] | None:
     """Each layer's sliding window: from `layer_types` where config.json lists them, else
     each family's rule (Gemma 2: every other layer, from the first; Gemma 3: all but every
@@ -501,7 +548,7 @@ def _gguf_layer_windows(md: dict[str, Any], arch: str, num_layers: int) -> tuple
     if not window:
         return None
     if arch not in _GEMMA:
-        return _layer_windows({"sliding_window": window}, arch, num_layers)
+        return _layer_windows({"sliding_window": window}, _GGUF_FAMILIES.get(arch, arch), num_layers)
     key = f"{arch}.attention.sliding_window_pattern"
     pattern = md.get(key, 2 if arch == "gemma2" else 6)
     if isinstance(pattern, list):

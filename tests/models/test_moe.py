@@ -52,13 +52,17 @@ def test_moe_logits_match_hf(moe_model, forward_logits):
     assert_logits_match(llm, hf, PROMPTS, forward_logits)
 
 
-@pytest.mark.slow
-def test_moe_greedy_matches_hf(moe_model):
-    _, _, hf, llm = moe_model
+def assert_greedy_matches_hf(llm, hf) -> None:
     expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.slow
+def test_moe_greedy_matches_hf(moe_model):
+    _, _, hf, llm = moe_model
+    assert_greedy_matches_hf(llm, hf)
 
 
 def test_moe_config_reads_the_options():
@@ -148,12 +152,10 @@ def test_fused_moe_refuses_a_top_k_beyond_its_experts():
         FusedMoE(8, 8, num_experts=4, top_k=5, renormalize=True)
 
 
-def test_what_moe_does_not_run_yet_is_refused(tmp_path):
-    """FP8 (the stacked experts would stay dense) and MoE GGUFs."""
+def test_fp8_weights_for_moe_are_refused(tmp_path):
+    """The fp8 quantization does not cover the stacked experts: refused, not run half dense."""
     from ember.config import EngineConfig
 
     (tmp_path / "config.json").write_text(json.dumps(MOE["mixtral"]))
     with pytest.raises(ValueError, match=r"^mixtral: quantization='fp8' does not cover the experts' stacked weights"):
         EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", quantization="fp8").resolve()
-    with pytest.raises(ValueError, match="this GGUF is a mixture of 8 experts, which ember reads from HF safetensors"):
-        ModelConfig.from_gguf_metadata({"general.architecture": "llama", "llama.expert_count": 8}, [])
