@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from ember.kernels.moe import align_experts, fused_experts, heuristic_config, max_padded_rows, route_topk  # noqa: E402
+from ember.kernels.moe import (align_experts, fused_experts, heuristic_config, max_padded_rows, moe_configs,  # noqa: E402
+                               route_topk)  # noqa: E402
 from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
 from ember.layers.moe import FusedMoE, grouped_experts  # noqa: E402
 
@@ -119,6 +120,19 @@ def test_each_tile_config_gives_the_same_result():
         out = torch.empty(40, 32)
         moe.moe_gemm(act, w2, out, sorted_pairs, block_expert, num_padded, weights.reshape(-1), 1, False, small)
         torch.testing.assert_close(out.view(20, 2, 32).sum(1), want, rtol=1e-4, atol=1e-4)
+
+
+def test_tuned_configs_are_read_for_their_gpu_and_the_nearest_token_count():
+    """moe_configs.json holds what moe_tune.py measured on the H200; other GPUs (and the
+    interpreter) get the heuristic."""
+    up, down = moe_configs(128, 2048, 768, 8, 1, "NVIDIA H200")
+    assert up["BLOCK_M"] == down["BLOCK_M"] == 16 and (up["BLOCK_N"], down["BLOCK_N"]) == (64, 32)
+    assert moe_configs(128, 2048, 768, 8, 1024, "NVIDIA H200") == moe_configs(128, 2048, 768, 8, 512, "NVIDIA H200")
+    assert moe_configs(8, 4096, 14336, 2, 512, "NVIDIA H200")[0]["BLOCK_M"] == 128
+    heuristic = heuristic_config(128, 1, 8)
+    assert moe_configs(128, 2048, 768, 8, 1, "") == (heuristic, heuristic)
+    assert moe_configs(128, 2048, 768, 8, 1, "NVIDIA A100") == (heuristic, heuristic)
+    assert moe_configs(64, 2048, 768, 8, 1, "NVIDIA H200") == (heuristic_config(64, 1, 8),) * 2
 
 
 @torch.inference_mode()
