@@ -1,0 +1,1 @@
+"""`ember router`: a cache-aware HTTP router in front of several `ember serve` workers."""
