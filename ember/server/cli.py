@@ -224,6 +224,13 @@ def _auto_tool_parser(ns: argparse.Namespace) -> str | None:
     return ns.tool_call_parser
 
 
+def cmd_router(ns: argparse.Namespace) -> None:
+    from ember.router.cli import run_router_from_args
+
+    logging.getLogger("ember").setLevel(logging.INFO)
+    run_router_from_args(ns)
+
+
 def cmd_bench_throughput(ns: argparse.Namespace) -> None:
     from ember.bench.throughput import run_throughput
 
@@ -309,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-credentials", action="store_true",
                        help="CORS: allow cookies and Authorization headers (with --allowed-origins)")
     serve.set_defaults(func=cmd_serve)
+
+    router = sub.add_parser("router", help="a cache-aware router in front of several `ember serve` workers")
+    from ember.router.cli import add_router_args
+
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
 
     bench = sub.add_parser("bench", help="benchmarks, as `vllm bench`")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

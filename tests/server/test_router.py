@@ -4,9 +4,19 @@ official `openai` client."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from ember.router.policy import CacheAwarePolicy, NoHealthyWorker, PolicyConfig, PrefixTree
+from test_openai_server import KEY, MODEL, Server, _free_port, assert_openai_error
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
 A, B, C = "http://a", "http://b", "http://c"
 SYSTEM = "You are a helpful assistant who answers in one short sentence. "  # 64 characters
@@ -145,3 +155,156 @@ def test_bad_configurations_are_refused():
         PolicyConfig(cache_threshold=1.5)
     with pytest.raises(ValueError, match="balance_rel_threshold"):
         PolicyConfig(balance_rel_threshold=0.5)
+
+
+# ---- end to end: two `ember serve` workers behind `ember router` --------------------------
+
+LONG_SYSTEM = ("You are the archivist of a small mountain library. You answer questions about the books, the "
+               "opening hours (nine to five, closed on Sundays), the reading room rules (no food, quiet voices) "
+               "and the history of the building, which was a school until 1961. Keep every answer short.")
+OTHER_SYSTEM = "You are a pirate. Speak like one."
+
+
+class RouterProcess:
+    """`ember router` in a subprocess, in front of `workers`."""
+
+    def __init__(self, workers: list, log, *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "ember.server.cli", "router", "--port", str(self.port),
+               *[a for w in workers for a in ("--worker", w.url)], *args]
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"the router was not ready within {timeout} s:\n{self.log.read_text()}")
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def stats(self) -> list[dict]:
+        return httpx.get(f"{self.url}/router/stats", timeout=10).json()["workers"]
+
+    def routed(self) -> list[int]:
+        return [w["routed"] for w in self.stats()]
+
+
+@pytest.fixture(scope="module")
+def workers(gguf_path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("router")
+    ws = [Server(gguf_path, logs / f"worker{i}.log", "--api-key", KEY) for i in range(2)]
+    try:
+        for w in ws:
+            w.wait_ready()
+        yield ws
+    finally:
+        for w in ws:
+            w.stop()
+
+
+@pytest.fixture(scope="module")
+def router(workers, tmp_path_factory):
+    r = RouterProcess(workers, tmp_path_factory.mktemp("router") / "router.log", "--health-check-interval", "0.5")
+    try:
+        r.wait_ready()
+        yield r
+    finally:
+        r.proc.send_signal(signal.SIGTERM)
+        assert r.proc.wait(30) == 0, r.log.read_text()
+
+
+def _chat(client, system: str, *turns: str, **kw) -> str:
+    messages = [{"role": "system", "content": system}] + [{"role": "user", "content": t} for t in turns]
+    out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12, **kw)
+    return out.choices[0].message.content
+
+
+def _after(router: RouterProcess, before: list[int]) -> list[int]:
+    return [a - b for a, b in zip(router.routed(), before)]
+
+
+@pytest.mark.slow
+def test_answers_through_the_router_equal_the_workers_own(router, workers):
+    client = router.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    direct = [_chat(w.client(), LONG_SYSTEM, "When do you open?") for w in workers]
+    assert direct[0] == direct[1] and direct[0]
+    assert _chat(client, LONG_SYSTEM, "When do you open?") == direct[0]
+    stream = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, stream=True,
+                                            messages=[{"role": "system", "content": LONG_SYSTEM},
+                                                      {"role": "user", "content": "When do you open?"}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == direct[0]
+    text = workers[1].client().completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                                  temperature=0).choices[0].text
+    assert client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                     temperature=0).choices[0].text == text == " Paris.\n\n"
+    # idle workers: the first request to the first listed, the same prefix again to it, new text to the other
+    assert router.routed() == [2, 1]
+    assert [w["in_flight"] for w in router.stats()] == [0, 0]
+    # the worker's own errors come back as they are
+    r = httpx.post(f"{router.url}/v1/chat/completions", json={"model": MODEL, "messages": []},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert_openai_error(r, 400)
+    assert httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "hi"},
+                      timeout=30).status_code == 401
+
+
+@pytest.mark.slow
+def test_a_shared_prefix_goes_to_the_worker_that_holds_it(router, workers):
+    client = router.client()
+    hits = [w.metrics()["prefix_cache_hits_total"] for w in workers]
+    before = router.routed()
+    _chat(client, OTHER_SYSTEM, "Where is the treasure? " * 8)  # new text: the worker with less of it, 1
+    assert _after(router, before) == [0, 1]
+    _chat(client, OTHER_SYSTEM, "Where is the treasure? " * 8, "And the map?")
+    assert _after(router, before) == [0, 2]
+    _chat(client, LONG_SYSTEM, "Is the reading room quiet?")  # the library prompt lives on worker 0
+    assert _after(router, before) == [1, 2]
+    gained = [w.metrics()["prefix_cache_hits_total"] - h for w, h in zip(workers, hits)]
+    assert gained[0] >= 48 and gained[1] >= 48, gained  # each follow-up found its prefix in its worker's cache
+
+
+@pytest.mark.slow
+def test_a_dead_worker_fails_its_requests_cleanly_and_the_other_takes_the_rest(router, workers):
+    client = router.client()
+    messages = [{"role": "system", "content": OTHER_SYSTEM},
+                {"role": "user", "content": "Where is the treasure? " * 8}, {"role": "user", "content": "Sing!"}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=2000,
+                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    assert [w["in_flight"] for w in router.stats()] == [0, 1]  # pinned to worker 1, which holds the prefix
+    workers[1].proc.kill()
+    start = time.monotonic()
+    with pytest.raises(openai.APIError, match=f"the worker {workers[1].url} failed during the request"):
+        for _ in chunks:
+            pass
+    assert time.monotonic() - start < 10
+    stats = router.stats()
+    assert [(w["healthy"], w["in_flight"]) for w in stats] == [(True, 0), (False, 0)]
+    # the next requests, the same conversation included, go to worker 0 and get its answers
+    before = router.routed()
+    direct = _chat(workers[0].client(), OTHER_SYSTEM, "Where is the treasure? " * 8, "And the map?")
+    assert _chat(client, OTHER_SYSTEM, "Where is the treasure? " * 8, "And the map?") == direct
+    assert _chat(client, "Hello") and _after(router, before) == [2, 0]
+    assert httpx.get(f"{router.url}/health").status_code == 200
+    # the last worker stops: the router says so
+    assert workers[0].stop() == 0
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{router.url}/health").status_code != 503:
+        assert time.monotonic() < deadline, router.stats()
+        time.sleep(0.1)
+    r = httpx.post(f"{router.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert_openai_error(r, 503, "no healthy worker", workers[0].url, workers[1].url)
+    assert httpx.get(f"{router.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 503
