@@ -162,7 +162,7 @@ class Router:
             waiter.cancel()
             if not task.done():
                 task.cancel()
-        if task.cancelled():
+        if not task.done() or task.cancelled():
             raise WorkerFailed
         return task.result()
 

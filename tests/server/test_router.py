@@ -212,15 +212,25 @@ def workers(gguf_path, tmp_path_factory):
             w.stop()
 
 
-@pytest.fixture(scope="module")
-def router(workers, tmp_path_factory):
-    r = RouterProcess(workers, tmp_path_factory.mktemp("router") / "router.log", "--health-check-interval", "0.5")
+def _router(workers: list, tmp_path_factory, *args: str):
+    r = RouterProcess(workers, tmp_path_factory.mktemp("router") / "router.log", *args)
     try:
         r.wait_ready()
         yield r
     finally:
         r.proc.send_signal(signal.SIGTERM)
         assert r.proc.wait(30) == 0, r.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def router(workers, tmp_path_factory):
+    yield from _router(workers, tmp_path_factory, "--health-check-interval", "0.5", "--health-check-timeout", "2")
+
+
+@pytest.fixture(scope="module")
+def unaware_router(workers, tmp_path_factory):
+    """Checks health once an hour, and lists worker 1 first."""
+    yield from _router(workers[::-1], tmp_path_factory, "--health-check-interval", "3600")
 
 
 def _chat(client, system: str, *turns: str, **kw) -> str:
@@ -275,7 +285,7 @@ def test_a_shared_prefix_goes_to_the_worker_that_holds_it(router, workers):
 
 
 @pytest.mark.slow
-def test_a_dead_worker_fails_its_requests_cleanly_and_the_other_takes_the_rest(router, workers):
+def test_a_dead_worker_fails_its_requests_cleanly_and_the_other_takes_the_rest(router, unaware_router, workers):
     client = router.client()
     messages = [{"role": "system", "content": OTHER_SYSTEM},
                 {"role": "user", "content": "Where is the treasure? " * 8}, {"role": "user", "content": "Sing!"}]
@@ -298,6 +308,32 @@ def test_a_dead_worker_fails_its_requests_cleanly_and_the_other_takes_the_rest(r
     assert _chat(client, OTHER_SYSTEM, "Where is the treasure? " * 8, "And the map?") == direct
     assert _chat(client, "Hello") and _after(router, before) == [2, 0]
     assert httpx.get(f"{router.url}/health").status_code == 200
+    # a router that has not noticed: the request is refused by worker 1, then answered by worker 0
+    assert [w["healthy"] for w in unaware_router.stats()] == [True, True]
+    assert _chat(unaware_router.client(), OTHER_SYSTEM, "Where is the treasure? " * 8, "And the map?") == direct
+    assert [(w["healthy"], w["routed"], w["in_flight"]) for w in unaware_router.stats()] == [(False, 1, 0),
+                                                                                            (True, 1, 0)]
+    # a worker that hangs (its /health times out) fails its running requests, and is back once it answers
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    workers[0].proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(openai.APIError, match=f"the worker {workers[0].url} failed during the request "
+                                                  r"\(it stopped answering\)"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - start < 10
+        assert [(w["healthy"], w["in_flight"]) for w in router.stats()] == [(False, 0), (False, 0)]
+    finally:
+        workers[0].proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{router.url}/health").status_code != 200:
+        assert time.monotonic() < deadline, router.stats()
+        time.sleep(0.1)
+    assert _chat(client, OTHER_SYSTEM, "Where is the treasure? " * 8, "And the map?") == direct
     # the last worker stops: the router says so
     assert workers[0].stop() == 0
     deadline = time.monotonic() + 10
