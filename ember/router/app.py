@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -149,23 +149,6 @@ class Router:
         if fail_running:
             self._failed[worker.url].set()
 
-    async def _on(self, worker: WorkerState, failed: asyncio.Event, work: Awaitable[T]) -> T:
-        """`work`, unless `worker` is taken out first (WorkerFailed)."""
-        task = asyncio.ensure_future(work)
-        if failed.is_set():
-            task.cancel()
-            raise WorkerFailed
-        waiter = asyncio.ensure_future(failed.wait())
-        try:
-            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-            if not task.done():
-                task.cancel()
-        if not task.done() or task.cancelled():
-            raise WorkerFailed
-        return task.result()
-
     # ---- requests --------------------------------------------------------------------
 
     async def forward(self, request: Request, path: str) -> Response:
@@ -187,7 +170,7 @@ class Router:
             upstream_request = self.client.build_request("POST", f"{worker.url}{path}", content=content,
                                                          headers=headers)
             try:
-                upstream = await self._on(worker, failed, self.client.send(upstream_request, stream=True))
+                upstream = await _unless(self.client.send(upstream_request, stream=True), failed, request)
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing reached it: another may take it
                 self.policy.finished(worker)
@@ -197,21 +180,37 @@ class Router:
                 self.policy.finished(worker)
                 self.take_out(worker, _describe(e))
                 return error_response(502, _failed_message(worker, e))
+            except ClientGone:
+                self.policy.finished(worker)
+                return Response(status_code=499)  # nobody reads it
+            except BaseException:  # the router stops
+                self.policy.finished(worker)
+                raise
+
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                await upstream.aclose()  # closes the connection if unread: the worker drops the request
+                self.policy.finished(worker)
+
         if stream and upstream.status_code == 200:
-            return StreamingResponse(self._relay(worker, failed, upstream), status_code=200,
-                                     headers=_forwarded(upstream.headers))
+            return _Relay(self._relay(worker, failed, upstream, release), release, _forwarded(upstream.headers))
         try:
-            answer = await self._on(worker, failed, upstream.aread())
+            answer = await _unless(upstream.aread(), failed, request)
         except (httpx.HTTPError, WorkerFailed) as e:
             self.take_out(worker, _describe(e))
             return error_response(502, _failed_message(worker, e))
+        except ClientGone:
+            return Response(status_code=499)
         finally:
-            await upstream.aclose()
-            self.policy.finished(worker)
+            await release()
         return Response(answer, status_code=upstream.status_code, headers=_forwarded(upstream.headers))
 
-    async def _relay(self, worker: WorkerState, failed: asyncio.Event,
-                     upstream: httpx.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, worker: WorkerState, failed: asyncio.Event, upstream: httpx.Response,
+                     release: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
         """The worker's server-sent events, whole ones only: if it fails mid-stream the client
         gets an error event and [DONE] after the last complete event."""
         pending = b""
@@ -219,7 +218,7 @@ class Router:
         try:
             while True:
                 try:
-                    chunk = await self._on(worker, failed, chunks.__anext__())
+                    chunk = await _unless(chunks.__anext__(), failed)
                 except StopAsyncIteration:
                     break
                 except (httpx.HTTPError, WorkerFailed) as e:
@@ -235,8 +234,7 @@ class Router:
             if pending:
                 yield pending
         finally:
-            await upstream.aclose()
-            self.policy.finished(worker)
+            await release()
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models of the first healthy worker (the workers serve the same model)."""
@@ -257,6 +255,56 @@ class Router:
         return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
                              "cache_routed": w.cache_routed, "tree_chars": w.tree.size}
                             for w in self.policy.workers]}
+
+
+class ClientGone(Exception):
+    """The client closed its connection."""
+
+
+async def _unless(work: Awaitable[T], failed: asyncio.Event, client: Request | None = None) -> T:
+    """`work`, unless the worker hangs first (`failed` is set: WorkerFailed) or `client` goes away
+    (ClientGone); either cancels it."""
+    task = asyncio.ensure_future(work)
+    if failed.is_set():
+        task.cancel()
+        raise WorkerFailed
+    hang = asyncio.ensure_future(failed.wait())
+    gone = asyncio.ensure_future(_disconnected(client)) if client is not None else None
+    waiters = {hang} if gone is None else {hang, gone}
+    try:
+        await asyncio.wait({task, *waiters}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    if gone is not None and gone.done() and not gone.cancelled():
+        raise ClientGone
+    raise WorkerFailed
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the request body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Relay(StreamingResponse):
+    """A stream that releases its worker however it ends, even if it never starts (the client
+    left before the first byte)."""
+
+    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(body, status_code=200, headers=headers)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
 
 
 def _forwarded(headers: httpx.Headers | Any) -> dict[str, str]:

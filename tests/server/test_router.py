@@ -285,6 +285,23 @@ def test_a_shared_prefix_goes_to_the_worker_that_holds_it(router, workers):
 
 
 @pytest.mark.slow
+def test_a_client_that_leaves_frees_its_worker(router, workers):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6000, "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(httpx.ReadTimeout):  # an answer, awaited
+        httpx.post(f"{router.url}/v1/completions", json=body, headers=headers, timeout=1.5)
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body | {"stream": True}, headers=headers,
+                      timeout=30) as r:
+        assert next(r.iter_lines()).startswith("data: {")  # a stream, left after its first event
+    deadline = time.monotonic() + 5
+    while any(w["in_flight"] for w in router.stats()):
+        assert time.monotonic() < deadline, router.stats()
+        time.sleep(0.05)
+    for w in workers:
+        w.wait_idle()
+
+
+@pytest.mark.slow
 def test_a_dead_worker_fails_its_requests_cleanly_and_the_other_takes_the_rest(router, unaware_router, workers):
     client = router.client()
     messages = [{"role": "system", "content": OTHER_SYSTEM},
