@@ -157,6 +157,33 @@ def test_bad_configurations_are_refused():
         PolicyConfig(balance_rel_threshold=0.5)
 
 
+def test_the_routing_text_of_each_request_shape():
+    from ember.router.app import routing_text
+
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]}
+    assert routing_text(chat) == "<system>Be brief.\n<user>Hi there\n"
+    assert routing_text({"prompt": "Once"}) == "Once"
+    assert routing_text({"prompt": ["first", "second"]}) == "first"
+    assert routing_text({"prompt": [1, 2, 3]}) == "1 2 3"
+    assert routing_text({"prompt": [[4, 5], [6]]}) == "4 5"
+    assert [routing_text(x) for x in [None, [], {"prompt": None}, {"messages": "x"}, {"prompt": []}]] == [""] * 5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--worker", "http://a", "--worker", "http://a"], "a worker is listed twice"),
+    (["--worker", "http://a", "--cache-threshold", "2"], "cache_threshold must be in [0, 1]"),
+    ([], "the following arguments are required: --worker"),
+])
+def test_the_router_refuses_bad_flags_before_listening(args, message, capsys):
+    from ember.server.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["router", *args])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and message in err, err
+
+
 # ---- end to end: two `ember serve` workers behind `ember router` --------------------------
 
 LONG_SYSTEM = ("You are the archivist of a small mountain library. You answer questions about the books, the "
@@ -267,6 +294,10 @@ def test_answers_through_the_router_equal_the_workers_own(router, workers):
     assert_openai_error(r, 400)
     assert httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "hi"},
                       timeout=30).status_code == 401
+    r = httpx.post(f"{router.url}/v1/completions", content=b"{not json", timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert_openai_error(r, 400)
+    assert_openai_error(httpx.get(f"{router.url}/nowhere"), 404)
 
 
 @pytest.mark.slow
