@@ -37,10 +37,11 @@ logger = logging.getLogger("ember.router")
 
 T = TypeVar("T")
 
-# connection-level headers belong to one hop; content-length is set again for what we send
+# connection-level headers belong to one hop; content-length, date and server are set again for
+# what the router sends
 _HOP_HEADERS = frozenset({"host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                           "trailer", "transfer-encoding", "upgrade", "content-length", "accept-encoding",
-                          "content-encoding"})
+                          "content-encoding", "date", "server"})
 
 
 @dataclass(frozen=True)

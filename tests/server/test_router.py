@@ -298,6 +298,15 @@ def test_answers_through_the_router_equal_the_workers_own(router, workers):
                    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert_openai_error(r, 400)
     assert_openai_error(httpx.get(f"{router.url}/nowhere"), 404)
+    # the worker's headers pass, those of the connection do not (one date, one server)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{router.url}/v1/completions", json=body, headers=auth, timeout=30)
+    assert r.headers["content-type"] == "application/json" and int(r.headers["content-length"]) == len(r.content)
+    assert [len(r.headers.get_list(h)) for h in ("date", "server")] == [1, 1]
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body | {"stream": True}, headers=auth) as r:
+        assert r.headers["content-type"].startswith("text/event-stream") and r.read().endswith(b"data: [DONE]\n\n")
+        assert [len(r.headers.get_list(h)) for h in ("date", "server")] == [1, 1]
 
 
 @pytest.mark.slow
