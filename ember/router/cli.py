@@ -14,6 +14,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "http://127.0.0.1:8001; give it once per worker")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--policy", choices=["cache-aware", "round-robin"], default="cache-aware",
+                        help="round-robin: each healthy worker in turn, whatever the text (a baseline)")
     parser.add_argument("--cache-threshold", type=float, default=p.cache_threshold,
                         help="send a request to the worker holding the longest prefix of its text when that "
                              "prefix is at least this share of the text; else to the least loaded worker")
@@ -35,7 +37,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def run_router_from_args(ns: argparse.Namespace) -> None:
     from ember.router.app import RouterConfig, run_router
 
-    policy = PolicyConfig(ns.cache_threshold, ns.balance_abs_threshold, ns.balance_rel_threshold, ns.max_tree_chars)
+    policy = PolicyConfig(ns.cache_threshold, ns.balance_abs_threshold, ns.balance_rel_threshold, ns.max_tree_chars,
+                          round_robin=ns.policy == "round-robin")
     config = RouterConfig(tuple(ns.worker), policy, ns.health_check_interval, ns.health_check_timeout)
     CacheAwarePolicy(list(config.workers), policy)  # a bad worker list fails here, before listening
     run_router(config, ns.host, ns.port, ns.uvicorn_log_level)

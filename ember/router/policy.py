@@ -118,6 +118,7 @@ class PolicyConfig:
     balance_abs_threshold: int = 16  # loads are imbalanced when max - min in flight exceeds this ...
     balance_rel_threshold: float = 1.5  # ... and max exceeds this x min
     max_tree_chars: int = 1 << 24  # characters each worker's tree keeps before evicting
+    round_robin: bool = False  # ignore text and load: each healthy worker in turn (the baseline)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -153,6 +154,7 @@ class CacheAwarePolicy:
         self.config = config or PolicyConfig()
         self.workers = [WorkerState(url, PrefixTree(self.config.max_tree_chars)) for url in urls]
         self._by_url = {w.url: w for w in self.workers}
+        self._turn = 0  # round_robin: the next worker's index
 
     def worker(self, url: str) -> WorkerState:
         return self._by_url[url]
@@ -182,6 +184,11 @@ class CacheAwarePolicy:
         worker.healthy = True
 
     def _choose(self, text: str, candidates: list[WorkerState]) -> tuple[WorkerState, bool]:
+        if self.config.round_robin:
+            ring = self.workers[self._turn:] + self.workers[:self._turn]
+            chosen = next(w for w in ring if w in candidates)
+            self._turn = (self.workers.index(chosen) + 1) % len(self.workers)
+            return chosen, False
         loads = [w.in_flight for w in candidates]
         lo, hi = min(loads), max(loads)
         c = self.config

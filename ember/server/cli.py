@@ -196,6 +196,8 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     from ember.server.openai_api import CORSOptions
 
     logging.getLogger("ember").setLevel(logging.INFO)
+    if ns.data_parallel_size != 1:
+        sys.exit(_serve_data_parallel(ns))
     limits = RequestLimits(max_n=ns.max_n, max_prompts=ns.max_prompts_per_request, max_logit_bias=ns.max_logit_bias,
                            max_stop=ns.max_stop_strings, max_choices=ns.max_choices,
                            max_body_bytes=ns.max_request_body_bytes)
@@ -210,6 +212,20 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                       cors=cors, log_requests=ns.enable_log_requests,
                       tool_call_parser=_auto_tool_parser(ns), reasoning_parser=ns.reasoning_parser)
     sys.exit(code)
+
+
+def _serve_data_parallel(ns: argparse.Namespace) -> int:
+    from ember.server.data_parallel import run_data_parallel
+
+    if ns.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
+    _auto_tool_parser(ns)  # the replicas' flag errors, found before any starts
+    device = ns.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return run_data_parallel(ns.argv, ns.data_parallel_size, device, ns.host, ns.port, ns.uvicorn_log_level)
 
 
 def _auto_tool_parser(ns: argparse.Namespace) -> str | None:
@@ -267,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="N replicas of this server (each its own process: cores / N threads on the CPU, one "
+                            "GPU each on CUDA) behind ember's cache-aware router on --host/--port")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health, /version and the "
                             "OpenAPI docs (and /metrics with --metrics-public)")
@@ -357,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(argv)
+    ns.argv = list(argv) if argv is not None else sys.argv[1:]  # --data-parallel-size passes it to the replicas
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         ns.func(ns)

@@ -146,6 +146,16 @@ def test_a_worker_out_of_rotation_gets_nothing_and_forgets_its_cache():
         policy.route(SYSTEM)
 
 
+def test_round_robin_takes_each_healthy_worker_in_turn_whatever_the_text():
+    policy = CacheAwarePolicy([A, B, C], PolicyConfig(round_robin=True))
+    assert _urls(policy, [SYSTEM, SYSTEM, SYSTEM, SYSTEM]) == [A, B, C, A]
+    policy.mark_down(policy.worker(C))
+    assert _urls(policy, [SYSTEM, SYSTEM, SYSTEM]) == [B, A, B]
+    assert _urls(policy, [SYSTEM], finish=False) == [A]
+    assert policy.route(SYSTEM, exclude=frozenset({B})).url == A  # the next in turn is B, excluded: A
+    assert [w.cache_routed for w in policy.workers] == [0, 0, 0]
+
+
 def test_bad_configurations_are_refused():
     with pytest.raises(ValueError, match="at least one worker"):
         CacheAwarePolicy([])

@@ -1,0 +1,119 @@
+"""`ember serve --data-parallel-size 2`: two replica processes behind the cache-aware router
+on the address asked for. Through the real `openai` client the answers equal the offline
+engine's; a conversation's turns stay on one replica; SIGTERM stops everything cleanly, and
+a SIGKILLed parent leaves no replica behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ember import LLM, SamplingParams
+from ember.server.data_parallel import replica_argv, replica_env
+from test_openai_server import KEY, MODEL, Server
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_replica_gets_the_flags_but_the_parents_own():
+    argv = ["serve", "m.gguf", "--port", "9000", "--data-parallel-size=2", "--host", "0.0.0.0", "--api-key", "k",
+            "--max-num-seqs", "4"]
+    assert replica_argv(argv, 41234) == ["serve", "m.gguf", "--api-key", "k", "--max-num-seqs", "4", "--host",
+                                         "127.0.0.1", "--port", "41234", "--data-parallel-size", "1"]
+    assert replica_argv(["serve", "m", "--port=1", "--data-parallel-size", "3"], 5) == \
+        ["serve", "m", "--host", "127.0.0.1", "--port", "5", "--data-parallel-size", "1"]
+
+
+def test_a_replica_gets_its_gpu_or_its_share_of_the_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert replica_env(1, 2, "cpu")["OMP_NUM_THREADS"] == "4"
+    assert replica_env(0, 16, "cpu")["OMP_NUM_THREADS"] == "1"
+    assert replica_env(1, 2, "cuda")["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert replica_env(1, 2, "cuda")["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert replica_env(0, 2, "cpu")["OMP_NUM_THREADS"] == "3"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path):
+    return LLM(str(gguf_path), quantization="none", dtype="float32", num_kv_blocks=128)
+
+
+def _chat(client, text: str) -> str:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=12,
+                                       temperature=0)
+    return r.choices[0].message.content
+
+
+def test_two_replicas_answer_as_one_engine_and_stop_cleanly(gguf_path, tmp_path, reference):
+    s = Server(gguf_path, tmp_path / "dp.log", "--api-key", KEY, "--data-parallel-size", "2", "--num-kv-blocks", "128")
+    try:
+        s.wait_ready()
+        replicas = _children(s.proc.pid)
+        assert len(replicas) == 2, s.log_tail()
+        client = s.client()
+        questions = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?"]
+        want = [reference.chat([{"role": "user", "content": q}], SamplingParams(max_tokens=12, temperature=0))
+                [0].outputs[0].text for q in questions]
+        assert [_chat(client, q) for q in questions] == want
+        stats = httpx.get(f"{s.url}/router/stats", timeout=10).json()["workers"]
+        assert [w["healthy"] for w in stats] == [True, True] and sum(w["routed"] for w in stats) == 3
+        assert min(w["routed"] for w in stats) >= 1  # new text spreads over both replicas
+    finally:
+        code = s.stop()
+    assert code == 0, s.log_tail()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in replicas) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in replicas)
+
+
+def test_a_killed_parent_leaves_no_replica_behind(gguf_path, tmp_path):
+    s = Server(gguf_path, tmp_path / "dp.log", "--data-parallel-size", "2", "--num-kv-blocks", "64")
+    try:
+        s.wait_ready()
+        replicas = _children(s.proc.pid)
+        assert len(replicas) == 2, s.log_tail()
+        s.proc.send_signal(signal.SIGKILL)
+        s.proc.wait(30)
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in replicas) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in replicas), [p for p in replicas if _alive(p)]
+    finally:
+        s.stop()
+
+
+def test_a_replica_that_cannot_start_ends_the_command_with_its_error(gguf_path, tmp_path):
+    s = Server(gguf_path, tmp_path / "dp.log", "--data-parallel-size", "2", "--max-model-len", "99999999")
+    assert s.proc.wait(300) == 2
+    assert "data-parallel replica 0" in s.log_tail() or "data-parallel replica 1" in s.log_tail()
