@@ -181,6 +181,10 @@ class _SamplingRequest(_Strict):
     guided_choice: Bulk(list[str] | None) = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's logprob
+    # SGLang's fields, which its router (sglang-router) writes into every request it forwards:
+    # no_stop_trim is include_stop_str_in_output; return_hidden_states only at its default
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -191,6 +195,8 @@ class _SamplingRequest(_Strict):
         """`prompt_logprobs`: what the engine computes for the prompt, if more than the field asks."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+        if self.return_hidden_states:
+            raise InvalidRequest("return_hidden_states is not supported", "return_hidden_states")
         if self.n > limits.max_n:
             raise InvalidRequest(f"n must be at most {limits.max_n}; got {self.n}", "n")
         bias = self._logit_bias(limits)
@@ -232,7 +238,7 @@ class _SamplingRequest(_Strict):
                 stop=stop,
                 stop_token_ids=[] if self.stop_token_ids is None else self.stop_token_ids,  # SamplingParams checks each
                 ignore_eos=self.ignore_eos,
-                include_stop_str_in_output=self.include_stop_str_in_output,
+                include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
                 skip_special_tokens=self.skip_special_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
@@ -390,10 +396,20 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Bulk(list[ChatTool] | None) = None  # checked by ember.server.tool_calls
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    # SGLang's, as its router sends them: accepted at the values that are ember's behaviour
+    # (reasoning is separated, and streamed, wherever --reasoning-parser is set)
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     def to_sampling_params(self, limits: RequestLimits = RequestLimits(),
                            defaults: Mapping[str, float | int] = NO_DEFAULTS) -> SamplingParams:
         """`defaults`: the model's sampling defaults (EngineConfig.sampling_defaults)."""
+        for name, supported in (("continue_final_message", False), ("separate_reasoning", True),
+                                ("stream_reasoning", True)):
+            if getattr(self, name) != supported:
+                raise InvalidRequest(f"{name} {str(not supported).lower()} is not supported: ember runs as "
+                                     f"{name} {str(supported).lower()}", name)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -118,10 +118,26 @@ class XGrammarBackend(GrammarBackend):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: xgr.GrammarCompiler | None = None
+        self._spelled: frozenset[int] | None = None  # the bytes some token's text holds
         self._lock = threading.Lock()
 
     def validate(self, params: StructuredOutputsParams) -> None:
         _checked_grammar(params)
+        if params.choice:
+            self._check_spellable(params.choice)
+
+    def _check_spellable(self, choices: tuple[str, ...]) -> None:
+        """A choice holding a byte that no token holds (SmolLM2's vocabulary has none of
+        0xF1, 0xF2 and a few control bytes) is a dead end the grammar would only meet mid-way
+        through the output: refused here instead."""
+        if self._spelled is None:
+            self.compiler()
+        for i, choice in enumerate(choices):
+            missing = set(choice.encode("utf-8", "surrogatepass")) - self._spelled
+            if missing:
+                raise ValueError(f"choice {i} ({choice[:40]!r}) holds bytes no token of the model's vocabulary "
+                                 f"has ({', '.join(f'0x{b:02X}' for b in sorted(missing))}), so it can never be "
+                                 "generated: remove those characters")
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Checked again here: the offline LLM path may reach it without validate()."""
@@ -142,8 +158,9 @@ class XGrammarBackend(GrammarBackend):
     def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:  # built once, on first use (~30 ms)
             if self._compiler is None:
-                self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size), max_threads=2,
-                                                     cache_limit_bytes=COMPILER_CACHE_BYTES)
+                info = tokenizer_info(self.tokenizer, self.vocab_size)
+                self._spelled = frozenset(b for token in info.decoded_vocab for b in token)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=COMPILER_CACHE_BYTES)
             return self._compiler
 
 

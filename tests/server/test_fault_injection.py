@@ -308,6 +308,8 @@ SHARED_FIELDS = {
     "guided_choice": [1, "yes", [1], [""], []],
     "guided_grammar": [1, True, ["a"], "root ::= foo", ""],
     "prompt_logprobs": INTEGER + [-1, 21],
+    "no_stop_trim": BOOL,
+    "return_hidden_states": BOOL + [True],
 }
 COMPLETION_FIELDS = SHARED_FIELDS | {
     "prompt": [1, True, None, {"a": 1}, [True], [1.5], [[1, "a"]], [-1], [10**7], "", [], "\ud800"],
@@ -330,6 +332,9 @@ CHAT_FIELDS = SHARED_FIELDS | {
               [{"type": "function", "function": {"name": "f", "parameters": "x"}}]],
     "tool_choice": [1, "any", {"type": "function"}, {"type": "function", "function": {"name": 1}}, "required"],
     "parallel_tool_calls": BOOL,
+    "continue_final_message": BOOL + [True],
+    "separate_reasoning": BOOL + [False],
+    "stream_reasoning": BOOL + [False],
 }
 FIELD_CASES = [("/v1/completions", f, v) for f, vs in COMPLETION_FIELDS.items() for v in vs] + \
               [("/v1/chat/completions", f, v) for f, vs in CHAT_FIELDS.items() for v in vs]

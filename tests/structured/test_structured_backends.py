@@ -125,3 +125,13 @@ def test_the_sampler_masks_exactly_the_forbidden_tokens_of_constrained_rows():
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 31, 33, 69]
     assert torch.equal(out[1][[0, 31, 33, 69]], logits[1][[0, 31, 33, 69]])
+
+
+def test_xgrammar_refuses_a_choice_no_token_sequence_can_spell(xgrammar_backend, tok):
+    """SmolLM2's vocabulary holds no token with the byte 0xF1 (the first byte of U+40000 to
+    U+7FFFF): such a choice would meet a dead end mid-output, so it is refused at the boundary."""
+    with pytest.raises(ValueError, match=r"^choice 1 \('%J\\U00078282Æ\{'\) holds bytes no token of the model's "
+                                         r"vocabulary has \(0xF1\), so it can never be generated"):
+        xgrammar_backend.validate(S(choice=(";", "%J\U00078282Æ{")))
+    xgrammar_backend.validate(S(choice=("café", "\U0001F600", "\U00100000")))  # spellable
+    assert xgrammar_backend._spelled >= set(range(0x20, 0x7F)) and 0xF1 not in xgrammar_backend._spelled
