@@ -1,12 +1,19 @@
 """The token embedding and the LM head. A GGUF embedding stays in its blocks (rows are
 dequantized as they are looked up), and a head tied to it multiplies those blocks. A head
 an FP8 checkpoint stores in FP8 keeps it (--quantization fp8 itself leaves the head and the
-embedding in the model dtype)."""
+embedding in the model dtype).
+
+Tensor parallelism splits the vocabulary (distributed/sharding.py: ceil(vocab / tp) rows a
+rank): the embedding looks up the ids in its rows, zeros the others' and all-reduces; the
+head's logits for its rows are gathered from every rank. Weights kept quantized are not split."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from ember.distributed.sharding import vocab_rows
+from ember.layers.linear import refuse_split_quantized
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight
 from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks
@@ -24,35 +31,60 @@ def _take_blocks(weight: nn.Parameter, tensor: BlockTensor) -> tuple[GGUFBlocks,
     return GGUFBlocks(tensor), _to_meta(weight)
 
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+class VocabRows(nn.Module):
+    """A [vocab, hidden] weight of which this rank holds rows [start, start + rows)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, own_weight: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.vocab_size, self.tp = vocab_size, tp_size()
+        self.start, rows = vocab_rows(vocab_size, tp_rank(), self.tp)
+        if own_weight:
+            self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+            self.weight.weight_loader = self.load_rows
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"parameter {(self.vocab_size, param.shape[1])}, checkpoint {tuple(loaded.shape)}")
+        held = max(0, min(param.shape[0], self.vocab_size - self.start))
+        param.data[:held].copy_(loaded.narrow(0, self.start, held))
+        param.data[held:].zero_()  # the last rank's padding
+
+
+class VocabEmbedding(VocabRows):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
         self.blocks: GGUFBlocks | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
+        refuse_split_quantized("the embedding")
         self.blocks, self.weight = _take_blocks(self.weight, tensor)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
             return self.blocks.rows(input_ids, self.weight.dtype)
-        return F.embedding(input_ids, self.weight)
+        if self.tp == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
-class LMHead(nn.Module):
-    """hidden -> vocab logits; shares the embedding's weight when the model ties them."""
+class LMHead(VocabRows):
+    """hidden -> vocab logits; shares the embedding's weight when the model ties them. With
+    tensor parallelism every rank gets the logits of the whole vocabulary."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
-        super().__init__()
+        super().__init__(vocab_size, hidden_size, own_weight=tied_to is None)
         self.tied_to = tied_to
-        if tied_to is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.format: WeightFormat | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
+        refuse_split_quantized("the LM head")
         self.format, self.weight = _take_blocks(self.weight, tensor)
 
     def load_fp8(self, tensor: FP8Tensor, shard: None = None) -> None:
+        refuse_split_quantized("the LM head")
         if tensor.shape != tuple(self.weight.shape):
             raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
         self.format = FP8Weight(tensor.to(self.weight.device))
@@ -68,8 +100,11 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.format is not None:
-            return self.format.apply(hidden)
-        if self.tied_to is not None and self.tied_to.blocks is not None:
-            return self.tied_to.blocks.apply(hidden)
-        weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        return F.linear(hidden, weight)
+            logits = self.format.apply(hidden)
+        elif self.tied_to is not None and self.tied_to.blocks is not None:
+            logits = self.tied_to.blocks.apply(hidden)
+        else:
+            logits = F.linear(hidden, self.tied_to.weight if self.tied_to is not None else self.weight)
+        if self.tp == 1:
+            return logits
+        return all_gather_last_dim(logits)[..., : self.vocab_size]

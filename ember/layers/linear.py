@@ -7,7 +7,13 @@ dense weight prepacked once for oneDNN (`pack_for_cpu`). On CUDA, one row (a dec
 one sequence) times a weight of a small model goes through ember's GEMV kernel
 (kernels/gemv.py), which is faster than cuBLAS there and can take the op before it
 (layers/fused.py); layers/kernel_paths.py says when, and `EMBER_SMALL_BATCH_GEMV=0` leaves
-every size to cuBLAS."""
+every size to cuBLAS.
+
+Tensor parallelism (ember/distributed/): a merged layer is column-parallel where asked (each
+rank holds its rows of every shard: `MergedLinear.column_parallel`, `QKVLinear` by heads), a
+`RowParallelLinear` holds its columns of the input and all-reduces its output. Their weight
+loaders narrow each checkpoint tensor to the rank's part before copying it. Weights kept
+quantized (GGUF blocks, FP8) are not split: a model with them runs on one rank."""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from ember.distributed.sharding import shard_heads, split_evenly
 from ember.layers.kernel_paths import gemv_on_cpu, uses_gemv  # noqa: F401 (tests take gemv_on_cpu from here)
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight, quantize_weight, stack_fp8
@@ -27,6 +35,14 @@ Quantized = BlockTensor | FP8Tensor  # a weight the loader hands over in its che
 
 def _format(tensor: Quantized) -> WeightFormat:
     return GGUFBlocks(tensor) if isinstance(tensor, BlockTensor) else FP8Weight(tensor)
+
+
+def refuse_split_quantized(what: str) -> None:
+    """Weights kept quantized are not split among ranks (yet)."""
+    if tp_size() > 1:
+        raise ValueError(f"tensor parallelism splits dense weights only, and {what} came quantized: load the model "
+                         "with quantization='none' (GGUF files and FP8 checkpoints dequantized) and dtype "
+                         "'float32' or 'bfloat16'")
 
 
 def _stack(parts: list[Quantized]) -> Quantized | None:
@@ -65,6 +81,7 @@ class Linear(nn.Module):
         self._keep(tensor.to(self.weight.device), shard)
 
     def _keep(self, tensor: Quantized, shard: int | None) -> None:
+        refuse_split_quantized(f"a {type(tensor).__name__}")
         rows = self.weight.shape[0] if shard is None else self.out_sizes[shard]
         if tuple(tensor.shape) != (rows, self.weight.shape[1]):
             raise ValueError(f"parameter rows {(rows, self.weight.shape[1])}, checkpoint {tuple(tensor.shape)}")
@@ -91,14 +108,51 @@ class Linear(nn.Module):
         if self.format is None:
             self.set_format(FP8Weight(quantize_weight(self.weight)))
 
+    @property
+    def fused_bias(self) -> torch.Tensor | None:
+        """The bias the matmul adds (a row-parallel layer adds its own after the reduce)."""
+        return self.bias
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        """The matmul's output made the layer's: itself here (a row-parallel layer sums the ranks')."""
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format is not None:
-            return self.format.apply(x, self.bias)
+            return self.reduce_output(self.format.apply(x, self.fused_bias))
         if uses_gemv(x, self.weight):
             from ember.kernels.gemv import gemv  # triton is imported only on this path
 
-            return gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self.reduce_output(gemv(x, self.weight, self.fused_bias))
+        return self.reduce_output(F.linear(x, self.weight, self.fused_bias))
+
+
+class RowParallelLinear(Linear):
+    """Input columns split among the ranks: each multiplies its columns of x (the output of a
+    column-parallel layer, split alike) and the partial sums are all-reduced; the bias is
+    added once, after the reduce. One rank: a plain Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, what: str = "input features") -> None:
+        self.in_start, local = split_evenly(in_features, tp_rank(), tp_size(), what)
+        super().__init__(local, out_features, bias)
+        self.full_in_features = in_features
+        self.reduces = tp_size() > 1
+        self.weight.weight_loader = self.load_columns
+
+    def load_columns(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        if tuple(loaded.shape) != (param.shape[0], self.full_in_features):
+            raise ValueError(f"parameter {(param.shape[0], self.full_in_features)}, checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(1, self.in_start, param.shape[1]))
+
+    @property
+    def fused_bias(self) -> torch.Tensor | None:
+        return None if self.reduces else self.bias
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        if not self.reduces:
+            return y
+        y = all_reduce(y)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class MergedLinear(Linear):
@@ -108,25 +162,57 @@ class MergedLinear(Linear):
     offsets[i] : offsets[i] + sizes[i].
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 rows: list[tuple[int, int]] | None = None) -> None:
+        """out_sizes: each shard's rows in the checkpoint; rows: the (start, length) of each
+        that this rank holds (column parallelism), None for all of them."""
+        self.full_sizes = list(out_sizes)
+        self.rows = rows if rows is not None else [(0, n) for n in out_sizes]
+        out_sizes = [n for _, n in self.rows]
         super().__init__(in_features, sum(out_sizes), bias)
-        self.out_sizes = list(out_sizes)
+        self.out_sizes = out_sizes
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.weight.weight_loader = self.load_shard
         if self.bias is not None:
             self.bias.weight_loader = self.load_shard
 
+    @classmethod
+    def column_parallel(cls, in_features: int, out_sizes: list[int], bias: bool = False,
+                        what: str = "output rows") -> MergedLinear:
+        """Each shard's rows split evenly among the ranks (gate|up by intermediate rows)."""
+        return cls(in_features, out_sizes, bias, [split_evenly(n, tp_rank(), tp_size(), what) for n in out_sizes])
+
     @property
     def num_shards(self) -> int:
         return len(self.out_sizes)
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """Checkpoint shard `shard`, or all of them stored merged (shard None: Phi-3's q|k|v),
+        narrowed to this rank's rows."""
+        if shard is None:
+            if loaded.shape[0] != sum(self.full_sizes):
+                raise ValueError(f"merged parameter of {sum(self.full_sizes)} rows, checkpoint {tuple(loaded.shape)}")
+            for i, part in enumerate(loaded.split(self.full_sizes)):
+                self.load_shard(param, part, i)
+            return
         rows = param.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
-        if rows.shape != loaded.shape:
-            raise ValueError(
-                f"shape mismatch for shard {shard}: parameter {tuple(rows.shape)}, checkpoint {tuple(loaded.shape)}"
-            )
-        rows.copy_(loaded)
+        expected = (self.full_sizes[shard],) + tuple(rows.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch for shard {shard}: parameter {expected}, checkpoint {tuple(loaded.shape)}")
+        rows.copy_(loaded.narrow(0, self.rows[shard][0], self.out_sizes[shard]))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.out_sizes, dim=-1)
+
+
+class QKVLinear(MergedLinear):
+    """q|k|v, column-parallel by heads (distributed/sharding.py: KV heads replicated where
+    there are fewer than ranks). num_heads and num_kv_heads are this rank's."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        heads = shard_heads(num_heads, num_kv_heads, tp_rank(), tp_size())
+        q = (heads.q_start * head_dim, heads.num_heads * head_dim)
+        kv = (heads.kv_start * head_dim, heads.num_kv_heads * head_dim)
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, [q, kv, kv])
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
