@@ -4,8 +4,9 @@ an FP8 checkpoint stores in FP8 keeps it (--quantization fp8 itself leaves the h
 embedding in the model dtype).
 
 Tensor parallelism splits the vocabulary (distributed/sharding.py: ceil(vocab / tp) rows a
-rank): the embedding looks up the ids in its rows, zeros the others' and all-reduces; the
-head's logits for its rows are gathered from every rank. Weights kept quantized are not split."""
+rank; GGUF blocks too): the embedding looks up the ids in its rows, zeros the others' and
+all-reduces; the head's logits for its rows are gathered from every rank. An FP8 head is not
+split yet."""
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from torch import nn
 
 from ember.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.distributed.sharding import vocab_rows
-from ember.layers.linear import refuse_split_quantized
+from ember.layers.linear import refuse_split_fp8
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight
 from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks
@@ -45,9 +46,21 @@ class VocabRows(nn.Module):
     def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
         if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
             raise ValueError(f"parameter {(self.vocab_size, param.shape[1])}, checkpoint {tuple(loaded.shape)}")
-        held = max(0, min(param.shape[0], self.vocab_size - self.start))
+        held = self._held(param.shape[0])
         param.data[:held].copy_(loaded.narrow(0, self.start, held))
         param.data[held:].zero_()  # the last rank's padding
+
+    def _held(self, rows: int) -> int:
+        """Rows of the vocabulary this rank holds; the rest of its `rows` are padding."""
+        return max(0, min(rows, self.vocab_size - self.start))
+
+    def _local_blocks(self, tensor: BlockTensor, weight: nn.Parameter) -> BlockTensor:
+        """This rank's rows of a GGUF [vocab, hidden] weight, padded."""
+        if self.tp == 1:
+            return tensor
+        if tensor.shape != (self.vocab_size, weight.shape[1]):
+            raise ValueError(f"parameter {(self.vocab_size, weight.shape[1])}, checkpoint {tensor.shape}")
+        return tensor.narrow(0, self.start, self._held(weight.shape[0])).pad_rows(weight.shape[0])
 
 
 class VocabEmbedding(VocabRows):
@@ -56,17 +69,19 @@ class VocabEmbedding(VocabRows):
         self.blocks: GGUFBlocks | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
-        refuse_split_quantized("the embedding")
-        self.blocks, self.weight = _take_blocks(self.weight, tensor)
+        self.blocks, self.weight = _take_blocks(self.weight, self._local_blocks(tensor, self.weight))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return self.blocks.rows(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None:
-            return self.blocks.rows(input_ids, self.weight.dtype)
         if self.tp == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self._lookup(local.masked_fill(outside, 0))
         return all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
@@ -80,11 +95,10 @@ class LMHead(VocabRows):
         self.format: WeightFormat | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
-        refuse_split_quantized("the LM head")
-        self.format, self.weight = _take_blocks(self.weight, tensor)
+        self.format, self.weight = _take_blocks(self.weight, self._local_blocks(tensor, self.weight))
 
     def load_fp8(self, tensor: FP8Tensor, shard: None = None) -> None:
-        refuse_split_quantized("the LM head")
+        refuse_split_fp8("the LM head")
         if tensor.shape != tuple(self.weight.shape):
             raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
         self.format = FP8Weight(tensor.to(self.weight.device))

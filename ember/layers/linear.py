@@ -12,8 +12,8 @@ every size to cuBLAS.
 Tensor parallelism (ember/distributed/): a merged layer is column-parallel where asked (each
 rank holds its rows of every shard: `MergedLinear.column_parallel`, `QKVLinear` by heads), a
 `RowParallelLinear` holds its columns of the input and all-reduces its output. Their weight
-loaders narrow each checkpoint tensor to the rank's part before copying it. Weights kept
-quantized (GGUF blocks, FP8) are not split: a model with them runs on one rank."""
+loaders narrow each checkpoint tensor to the rank's part before copying it; GGUF blocks are
+narrowed alike (columns on block boundaries). FP8 weights are not split yet."""
 
 from __future__ import annotations
 
@@ -37,12 +37,11 @@ def _format(tensor: Quantized) -> WeightFormat:
     return GGUFBlocks(tensor) if isinstance(tensor, BlockTensor) else FP8Weight(tensor)
 
 
-def refuse_split_quantized(what: str) -> None:
-    """Weights kept quantized are not split among ranks (yet)."""
+def refuse_split_fp8(what: str) -> None:
+    """FP8 weights are not split among ranks (yet)."""
     if tp_size() > 1:
-        raise ValueError(f"tensor parallelism splits dense weights only, and {what} came quantized: load the model "
-                         "with quantization='none' (GGUF files and FP8 checkpoints dequantized) and dtype "
-                         "'float32' or 'bfloat16'")
+        raise ValueError(f"tensor parallelism does not split FP8 weights yet, and {what} came in FP8: load the "
+                         "model with quantization='none' (FP8 checkpoints dequantized to dtype)")
 
 
 def _stack(parts: list[Quantized]) -> Quantized | None:
@@ -81,7 +80,6 @@ class Linear(nn.Module):
         self._keep(tensor.to(self.weight.device), shard)
 
     def _keep(self, tensor: Quantized, shard: int | None) -> None:
-        refuse_split_quantized(f"a {type(tensor).__name__}")
         rows = self.weight.shape[0] if shard is None else self.out_sizes[shard]
         if tuple(tensor.shape) != (rows, self.weight.shape[1]):
             raise ValueError(f"parameter rows {(rows, self.weight.shape[1])}, checkpoint {tuple(tensor.shape)}")
@@ -144,6 +142,15 @@ class RowParallelLinear(Linear):
             raise ValueError(f"parameter {(param.shape[0], self.full_in_features)}, checkpoint {tuple(loaded.shape)}")
         param.data.copy_(loaded.narrow(1, self.in_start, param.shape[1]))
 
+    def _keep(self, tensor: Quantized, shard: None) -> None:
+        if self.reduces:
+            if isinstance(tensor, FP8Tensor):
+                refuse_split_fp8("a row-parallel layer")
+            if tensor.shape[1] != self.full_in_features:
+                raise ValueError(f"parameter {(self.weight.shape[0], self.full_in_features)}, checkpoint {tensor.shape}")
+            tensor = tensor.narrow(1, self.in_start, self.weight.shape[1])
+        super()._keep(tensor, shard)
+
     @property
     def fused_bias(self) -> torch.Tensor | None:
         return None if self.reduces else self.bias
@@ -175,6 +182,21 @@ class MergedLinear(Linear):
         self.weight.weight_loader = self.load_shard
         if self.bias is not None:
             self.bias.weight_loader = self.load_shard
+
+    def _keep(self, tensor: Quantized, shard: int | None) -> None:
+        if self.out_sizes == self.full_sizes:  # one rank
+            return super()._keep(tensor, shard)
+        if isinstance(tensor, FP8Tensor):
+            refuse_split_fp8("a column-parallel layer")
+        if shard is None:  # the shards stored merged (Phi-3's GGUF)
+            if tensor.shape[0] != sum(self.full_sizes):
+                raise ValueError(f"merged parameter of {sum(self.full_sizes)} rows, checkpoint {tensor.shape}")
+            for i, size in enumerate(self.full_sizes):
+                self._keep(tensor.narrow(0, sum(self.full_sizes[:i]), size), i)
+            return
+        if tensor.shape[0] != self.full_sizes[shard]:
+            raise ValueError(f"shard {shard} of {self.full_sizes[shard]} rows, checkpoint {tensor.shape}")
+        super()._keep(tensor.narrow(0, self.rows[shard][0], self.out_sizes[shard]), shard)
 
     @classmethod
     def column_parallel(cls, in_features: int, out_sizes: list[int], bias: bool = False,
