@@ -174,8 +174,8 @@ class MergedLinear(Linear):
         """out_sizes: each shard's rows in the checkpoint; rows: the (start, length) of each
         that this rank holds (column parallelism), None for all of them."""
         self.full_sizes = list(out_sizes)
-        self.rows = rows if rows is not None else [(0, n) for n in out_sizes]
-        out_sizes = [n for _, n in self.rows]
+        self.rank_rows = rows if rows is not None else [(0, n) for n in out_sizes]
+        out_sizes = [n for _, n in self.rank_rows]
         super().__init__(in_features, sum(out_sizes), bias)
         self.out_sizes = out_sizes
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
@@ -189,14 +189,18 @@ class MergedLinear(Linear):
         if isinstance(tensor, FP8Tensor):
             refuse_split_fp8("a column-parallel layer")
         if shard is None:  # the shards stored merged (Phi-3's GGUF)
-            if tensor.shape[0] != sum(self.full_sizes):
-                raise ValueError(f"merged parameter of {sum(self.full_sizes)} rows, checkpoint {tensor.shape}")
-            for i, size in enumerate(self.full_sizes):
-                self._keep(tensor.narrow(0, sum(self.full_sizes[:i]), size), i)
+            for i, part in enumerate(self._merged_parts(tensor)):
+                self._keep(part, i)
             return
         if tensor.shape[0] != self.full_sizes[shard]:
-            raise ValueError(f"shard {shard} of {self.full_sizes[shard]} rows, checkpoint {tensor.shape}")
-        super()._keep(tensor.narrow(0, self.rows[shard][0], self.out_sizes[shard]), shard)
+            raise ValueError(f"shard {shard} of {self.full_sizes[shard]} rows, checkpoint {tuple(tensor.shape)}")
+        super()._keep(tensor.narrow(0, self.rank_rows[shard][0], self.out_sizes[shard]), shard)
+
+    def _merged_parts(self, merged: torch.Tensor | BlockTensor) -> list[torch.Tensor | BlockTensor]:
+        """A checkpoint tensor holding every shard, one after another, cut into the shards."""
+        if merged.shape[0] != sum(self.full_sizes):
+            raise ValueError(f"merged parameter of {sum(self.full_sizes)} rows, checkpoint {tuple(merged.shape)}")
+        return [merged.narrow(0, sum(self.full_sizes[:i]), n) for i, n in enumerate(self.full_sizes)]
 
     @classmethod
     def column_parallel(cls, in_features: int, out_sizes: list[int], bias: bool = False,
@@ -212,16 +216,14 @@ class MergedLinear(Linear):
         """Checkpoint shard `shard`, or all of them stored merged (shard None: Phi-3's q|k|v),
         narrowed to this rank's rows."""
         if shard is None:
-            if loaded.shape[0] != sum(self.full_sizes):
-                raise ValueError(f"merged parameter of {sum(self.full_sizes)} rows, checkpoint {tuple(loaded.shape)}")
-            for i, part in enumerate(loaded.split(self.full_sizes)):
+            for i, part in enumerate(self._merged_parts(loaded)):
                 self.load_shard(param, part, i)
             return
         rows = param.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
         expected = (self.full_sizes[shard],) + tuple(rows.shape[1:])
         if tuple(loaded.shape) != expected:
             raise ValueError(f"shape mismatch for shard {shard}: parameter {expected}, checkpoint {tuple(loaded.shape)}")
-        rows.copy_(loaded.narrow(0, self.rows[shard][0], self.out_sizes[shard]))
+        rows.copy_(loaded.narrow(0, self.rank_rows[shard][0], self.out_sizes[shard]))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.out_sizes, dim=-1)

@@ -2,7 +2,7 @@
 its shard through load_model as LLM does and running one prefill of a fixed batch, give the
 logits of one process without it, on every rank: a tiny random Llama saved by transformers
 (8 q / 2 KV heads, vocabulary 322: padded at TP=4) at TP=2 and TP=4 (each KV head held by two
-ranks), and SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3, dequantized and in its
+ranks) and a tiny Phi-3 (q|k|v and gate|up stored merged) at TP=2, and SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3, dequantized and in its
 Q4_1 blocks. A split that does not fit and mixtures of experts are refused by name."""
 
 from __future__ import annotations
@@ -118,29 +118,36 @@ def run_ranks(world: int, model_path: str, tmp_path: Path, quantization: str = "
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
+def _save_tiny(config: dict, path: Path) -> str:
     transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-llama-tp")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
-    model.save_pretrained(str(path))
+    hf_config = transformers.AutoConfig.for_model(**config)
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(str(path))
     assert json.loads((path / "config.json").read_text())["num_key_value_heads"] == 2
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_logits(tiny_llama) -> torch.Tensor:
-    return prefill_logits(tiny_llama, PROMPTS)
+def tiny_llama(tmp_path_factory) -> str:
+    return _save_tiny(TINY_LLAMA, tmp_path_factory.mktemp("tiny-llama-tp"))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_tiny_llama_split_gives_the_logits_of_one_process(tiny_llama, tiny_llama_logits, tmp_path, world):
-    ranks = run_ranks(world, tiny_llama, tmp_path)
-    assert tiny_llama_logits.shape == (sum(map(len, PROMPTS)), 322)
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory) -> str:
+    """Phi-3's checkpoints store q|k|v and gate|up merged: each rank cuts them up."""
+    return _save_tiny(TINY_LLAMA | {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
+                      tmp_path_factory.mktemp("tiny-phi3-tp"))
+
+
+@pytest.mark.parametrize(("model", "world"), [("tiny_llama", 2), ("tiny_llama", 4), ("tiny_phi3", 2)])
+def test_tiny_models_split_give_the_logits_of_one_process(request, tmp_path, model, world):
+    path = request.getfixturevalue(model)
+    expected = prefill_logits(path, PROMPTS)
+    ranks = run_ranks(world, path, tmp_path)
+    assert expected.shape == (sum(map(len, PROMPTS)), 322)
     assert all(torch.equal(logits, ranks[0]) for logits in ranks)  # every rank, the whole vocabulary
-    torch.testing.assert_close(ranks[0], tiny_llama_logits, rtol=0, atol=1e-5)
-    assert torch.equal(ranks[0].argmax(-1), tiny_llama_logits.argmax(-1))
+    torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
+    assert torch.equal(ranks[0].argmax(-1), expected.argmax(-1))
 
 
 @pytest.fixture(scope="module")
