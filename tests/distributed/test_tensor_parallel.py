@@ -11,6 +11,7 @@ import json
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,13 +67,13 @@ def prefill_logits(model_path: str, prompts: list[list[int]], quantization: str 
         return model.compute_logits(model(ids, positions, meta)).float()
 
 
-def _rank_main(rank: int, world: int, init_method: str, model_path: str, quantization: str, load_format: str,
-               out_dir: str, reports: mp.Queue) -> None:
-    """One rank: join the group, compute the logits, save them; report None or the traceback."""
+def _rank_main(rank: int, world: int, init_method: str, out_dir: str, reports: mp.Queue, task: Callable,
+               args: tuple) -> None:
+    """One rank: join the group, run task(*args), save what it returns; report None or the traceback."""
     try:
         torch.set_num_threads(1)
         parallel_state.init_tensor_parallel(rank, world, "gloo", init_method, timeout_s=JOIN_TIMEOUT_S)
-        torch.save(prefill_logits(model_path, PROMPTS, quantization, load_format), Path(out_dir) / f"rank{rank}.pt")
+        torch.save(task(*args), Path(out_dir) / f"rank{rank}.pt")
         reports.put((rank, None))
     except BaseException:
         reports.put((rank, traceback.format_exc()))
@@ -82,14 +83,20 @@ def _rank_main(rank: int, world: int, init_method: str, model_path: str, quantiz
 
 def run_ranks(world: int, model_path: str, tmp_path: Path, quantization: str = "none",
               load_format: str = "auto") -> list[torch.Tensor]:
-    """Every rank's logits. The first rank to fail (an exception, or an exit without a report)
-    fails the call with its error, and every process is ended: none is left behind."""
+    """Every rank's logits of PROMPTS."""
+    return run_task(world, tmp_path, prefill_logits, (model_path, PROMPTS, quantization, load_format))
+
+
+def run_task(world: int, tmp_path: Path, task: Callable, args: tuple) -> list:
+    """What task(*args) returns on each of `world` ranks. The first rank to fail (an exception,
+    or an exit without a report) fails the call with its error, and every process is ended:
+    none is left behind."""
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
-    out = tmp_path / f"tp{world}"
+    out = tmp_path / f"{task.__name__}-{world}"
     out.mkdir()
     init = f"file://{out / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank_main, args=(r, world, init, model_path, quantization, load_format, str(out), reports),
+    procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(out), reports, task, args),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -232,6 +239,22 @@ def test_rows_and_vocabulary_split():
                                          r"use a tensor_parallel_size among \[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96\]"):
         split_evenly(96, 0, 5, "intermediate_size")
     assert [vocab_rows(322, r, 4) for r in range(4)] == [(0, 81), (81, 81), (162, 81), (243, 81)]  # 2 rows padding
+
+
+def _collectives() -> dict[str, torch.Tensor | None]:
+    rank = parallel_state.tp_rank()
+    y = torch.arange(4.0).view(2, 2) + 10 * rank
+    return {"sum": parallel_state.all_reduce(y.clone()), "all": parallel_state.all_gather_last_dim(y),
+            "to_0": parallel_state.gather_last_dim(y), "size": torch.tensor(parallel_state.tp_size())}
+
+
+def test_collectives_over_three_ranks(tmp_path):
+    ranks = run_task(3, tmp_path, _collectives, ())
+    y = [torch.arange(4.0).view(2, 2) + 10 * r for r in range(3)]
+    for r, got in enumerate(ranks):
+        assert torch.equal(got["sum"], y[0] + y[1] + y[2]) and torch.equal(got["all"], torch.cat(y, -1))
+        assert got["size"].item() == 3
+        assert torch.equal(got["to_0"], torch.cat(y, -1)) if r == 0 else got["to_0"] is None
 
 
 def test_without_a_group_this_process_is_rank_0_of_1():
