@@ -4,9 +4,8 @@ an FP8 checkpoint stores in FP8 keeps it (--quantization fp8 itself leaves the h
 embedding in the model dtype).
 
 Tensor parallelism splits the vocabulary (distributed/sharding.py: ceil(vocab / tp) rows a
-rank; GGUF blocks too): the embedding looks up the ids in its rows, zeros the others' and
-all-reduces; the head's logits for its rows are gathered from every rank. An FP8 head is not
-split yet."""
+rank; GGUF blocks and an FP8 head too): the embedding looks up the ids in its rows, zeros the
+others' and all-reduces; the head's logits for its rows are gathered from every rank."""
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,6 @@ from torch import nn
 
 from ember.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.distributed.sharding import vocab_rows
-from ember.layers.linear import refuse_split_fp8
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight
 from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks
@@ -54,8 +52,8 @@ class VocabRows(nn.Module):
         """Rows of the vocabulary this rank holds; the rest of its `rows` are padding."""
         return max(0, min(rows, self.vocab_size - self.start))
 
-    def _local_blocks(self, tensor: BlockTensor, weight: nn.Parameter) -> BlockTensor:
-        """This rank's rows of a GGUF [vocab, hidden] weight, padded."""
+    def _local_rows(self, tensor: BlockTensor | FP8Tensor, weight: nn.Parameter) -> BlockTensor | FP8Tensor:
+        """This rank's rows of a [vocab, hidden] weight kept quantized, padded."""
         if self.tp == 1:
             return tensor
         if tensor.shape != (self.vocab_size, weight.shape[1]):
@@ -69,7 +67,7 @@ class VocabEmbedding(VocabRows):
         self.blocks: GGUFBlocks | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
-        self.blocks, self.weight = _take_blocks(self.weight, self._local_blocks(tensor, self.weight))
+        self.blocks, self.weight = _take_blocks(self.weight, self._local_rows(tensor, self.weight))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
@@ -95,10 +93,10 @@ class LMHead(VocabRows):
         self.format: WeightFormat | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
-        self.format, self.weight = _take_blocks(self.weight, self._local_blocks(tensor, self.weight))
+        self.format, self.weight = _take_blocks(self.weight, self._local_rows(tensor, self.weight))
 
     def load_fp8(self, tensor: FP8Tensor, shard: None = None) -> None:
-        refuse_split_fp8("the LM head")
+        tensor = self._local_rows(tensor, self.weight)
         if tensor.shape != tuple(self.weight.shape):
             raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
         self.format = FP8Weight(tensor.to(self.weight.device))

@@ -12,8 +12,8 @@ every size to cuBLAS.
 Tensor parallelism (ember/distributed/): a merged layer is column-parallel where asked (each
 rank holds its rows of every shard: `MergedLinear.column_parallel`, `QKVLinear` by heads), a
 `RowParallelLinear` holds its columns of the input and all-reduces its output. Their weight
-loaders narrow each checkpoint tensor to the rank's part before copying it; GGUF blocks are
-narrowed alike (columns on block boundaries). FP8 weights are not split yet."""
+loaders narrow each checkpoint tensor to the rank's part before copying it; GGUF blocks and
+FP8 weights kept as they are are narrowed alike (columns on whole blocks)."""
 
 from __future__ import annotations
 
@@ -35,13 +35,6 @@ Quantized = BlockTensor | FP8Tensor  # a weight the loader hands over in its che
 
 def _format(tensor: Quantized) -> WeightFormat:
     return GGUFBlocks(tensor) if isinstance(tensor, BlockTensor) else FP8Weight(tensor)
-
-
-def refuse_split_fp8(what: str) -> None:
-    """FP8 weights are not split among ranks (yet)."""
-    if tp_size() > 1:
-        raise ValueError(f"tensor parallelism does not split FP8 weights yet, and {what} came in FP8: load the "
-                         "model with quantization='none' (FP8 checkpoints dequantized to dtype)")
 
 
 def _stack(parts: list[Quantized]) -> Quantized | None:
@@ -144,8 +137,6 @@ class RowParallelLinear(Linear):
 
     def _keep(self, tensor: Quantized, shard: None) -> None:
         if self.reduces:
-            if isinstance(tensor, FP8Tensor):
-                refuse_split_fp8("a row-parallel layer")
             if tensor.shape[1] != self.full_in_features:
                 raise ValueError(f"parameter {(self.weight.shape[0], self.full_in_features)}, checkpoint {tensor.shape}")
             tensor = tensor.narrow(1, self.in_start, self.weight.shape[1])
@@ -186,8 +177,6 @@ class MergedLinear(Linear):
     def _keep(self, tensor: Quantized, shard: int | None) -> None:
         if self.out_sizes == self.full_sizes:  # one rank
             return super()._keep(tensor, shard)
-        if isinstance(tensor, FP8Tensor):
-            refuse_split_fp8("a column-parallel layer")
         if shard is None:  # the shards stored merged (Phi-3's GGUF)
             for i, part in enumerate(self._merged_parts(tensor)):
                 self._keep(part, i)

@@ -2,7 +2,7 @@
 its shard through load_model as LLM does and running one prefill of a fixed batch, give the
 logits of one process without it, on every rank: a tiny random Llama saved by transformers
 (8 q / 2 KV heads, vocabulary 322: padded at TP=4) at TP=2 and TP=4 (each KV head held by two
-ranks) and a tiny Phi-3 (q|k|v and gate|up stored merged) at TP=2, and SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3, dequantized and in its
+ranks), the same in FP8 and a tiny Phi-3 (q|k|v and gate|up stored merged) at TP=2, and SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3, dequantized and in its
 Q4_1 blocks. A split that does not fit and mixtures of experts are refused by name."""
 
 from __future__ import annotations
@@ -155,6 +155,56 @@ def test_tiny_models_split_give_the_logits_of_one_process(request, tmp_path, mod
     assert all(torch.equal(logits, ranks[0]) for logits in ranks)  # every rank, the whole vocabulary
     torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
     assert torch.equal(ranks[0].argmax(-1), expected.argmax(-1))
+
+
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_fp8(tiny_llama, tmp_path_factory) -> str:
+    """The tiny Llama as an FP8 checkpoint (quant_method fp8, a scale per tensor: per row at load)."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("tiny-llama-fp8")
+    tensors = {}
+    for name, t in load_file(str(Path(tiny_llama) / "model.safetensors")).items():
+        if name.removesuffix(".weight").endswith(LINEAR):
+            scale = t.abs().max() / 448
+            tensors |= {name: (t / scale).to(torch.float8_e4m3fn), name.replace(".weight", ".weight_scale"): scale}
+        else:
+            tensors[name] = t
+    save_file(tensors, str(path / "model.safetensors"))
+    config = TINY_LLAMA | {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_fp8_weights_split_give_the_logits_of_one_process(tiny_llama_fp8, tmp_path):
+    """FP8 kept (quantization='fp8'; on the CPU the weight is dequantized at each matmul): each
+    rank its rows with their scales, or its columns beside the same row scales."""
+    expected = prefill_logits(tiny_llama_fp8, PROMPTS, quantization="fp8")
+    ranks = run_ranks(2, tiny_llama_fp8, tmp_path, quantization="fp8")
+    assert all(torch.equal(logits, ranks[0]) for logits in ranks)
+    torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
+    assert torch.equal(ranks[0].argmax(-1), expected.argmax(-1))
+
+
+def test_fp8_block_scales_split_on_whole_blocks():
+    from ember.layers.quant.fp8 import FP8Tensor
+
+    weight = torch.randn(384, 256)
+    scale = torch.rand(3, 2) + 0.5
+    tensor = FP8Tensor(weight.to(torch.float8_e4m3fn), scale)
+    full = tensor.dequantize()
+    assert torch.equal(tensor.narrow(0, 128, 256).dequantize(), full[128:])
+    assert torch.equal(tensor.narrow(1, 128, 128).dequantize(), full[:, 128:])
+    assert torch.equal(tensor.narrow(0, 256, 128).pad_rows(200).dequantize(), torch.cat([full[256:], torch.zeros(72, 256)]))
+    with pytest.raises(ValueError, match=r"columns \[64, 128\) of an FP8 weight cut its 128 x 128 scale blocks: load "
+                                         r"the model with quantization='none'"):
+        tensor.narrow(1, 64, 64)
+    rows = FP8Tensor(weight.to(torch.float8_e4m3fn), torch.rand(384))  # a scale per row: any cut
+    assert torch.equal(rows.narrow(0, 10, 20).dequantize(), rows.dequantize()[10:30])
+    assert torch.equal(rows.narrow(1, 10, 20).dequantize(), rows.dequantize()[:, 10:30])
 
 
 @pytest.fixture(scope="module")
