@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from ember.distributed import parallel_state
 from ember.distributed.sharding import HeadShard, shard_heads, split_evenly, vocab_rows
 from ember.layers.attention import AttentionMetadata
+from ember.layers.kernel_paths import gemv_on_cpu
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.loader.model_files import load_model, locate_model
 
@@ -39,16 +40,24 @@ TINY_LLAMA = {
 
 
 def prefill_logits(model_path: str, prompts: list[list[int]], quantization: str = "none",
-                   load_format: str = "auto") -> torch.Tensor:
+                   load_format: str = "auto", cuda_paths: bool = False) -> torch.Tensor:
     """The float32 model as LLM loads it (CPU, torch attention, weights prepacked), one
-    prefill of `prompts` over a small paged KV cache of its own: logits [tokens, vocab]."""
+    prefill of `prompts` over a small paged KV cache of its own: logits [tokens, vocab].
+    cuda_paths: unpacked weights, and the CUDA kernels run by Triton's interpreter."""
     files = locate_model(model_path, load_format)
     cfg = files.model_config()
     model = load_model(files, cfg, max_positions=128, dtype=torch.float32, device="cpu", attention_backend="torch",
                        quantization=quantization)
+    if cuda_paths:
+        with gemv_on_cpu():
+            return _prefill(model, prompts)
     for module in model.modules():
         if hasattr(module, "pack_for_cpu"):
             module.pack_for_cpu()
+    return _prefill(model, prompts)
+
+
+def _prefill(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
     per_seq = -(-max(map(len, prompts)) // BLOCK)
     for attn in model.attention_layers():  # this rank's KV heads
         attn.k_cache = torch.zeros(len(prompts) * per_seq, BLOCK, attn.num_kv_heads, attn.head_dim)
@@ -57,7 +66,7 @@ def prefill_logits(model_path: str, prompts: list[list[int]], quantization: str 
     # sequence i owns blocks [i * per_seq, (i + 1) * per_seq)
     slots = torch.cat([i * per_seq * BLOCK + torch.arange(n) for i, n in enumerate(lens)])
     meta = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32),
+        slot_mapping=slots, query_start_loc=torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         block_tables=torch.arange(len(prompts) * per_seq, dtype=torch.int32).view(len(prompts), per_seq),
         query_lens_cpu=lens, seq_lens_cpu=lens)
@@ -155,6 +164,16 @@ def test_tiny_models_split_give_the_logits_of_one_process(request, tmp_path, mod
     assert all(torch.equal(logits, ranks[0]) for logits in ranks)  # every rank, the whole vocabulary
     torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
     assert torch.equal(ranks[0].argmax(-1), expected.argmax(-1))
+
+
+def test_one_row_through_the_gemv_kernels(tiny_llama, tmp_path):
+    """One token: the CUDA GEMV (Triton's interpreter) with the norm fused into q|k|v and
+    gate|up and the SiLU into down, whose output is reduced after the kernel."""
+    pytest.importorskip("triton")
+    expected = prefill_logits(tiny_llama, [[250]], cuda_paths=True)
+    ranks = run_task(2, tmp_path, prefill_logits, (tiny_llama, [[250]], "none", "auto", True))
+    torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ranks[0], prefill_logits(tiny_llama, [[250]]), rtol=0, atol=1e-5)
 
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
