@@ -1,12 +1,18 @@
 """The token embedding and the LM head. A GGUF embedding stays in its blocks (rows are
 dequantized as they are looked up), and a head tied to it multiplies those blocks. A head
 an FP8 checkpoint stores in FP8 keeps it (--quantization fp8 itself leaves the head and the
-embedding in the model dtype)."""
+embedding in the model dtype).
+
+Tensor parallelism splits the vocabulary (distributed/sharding.py: ceil(vocab / tp) rows a
+rank; GGUF blocks and an FP8 head too): the embedding looks up the ids in its rows, zeros the
+others' and all-reduces; the head's logits for its rows are gathered from every rank."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from ember.distributed.sharding import vocab_rows
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight
 from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks
@@ -24,35 +30,73 @@ def _take_blocks(weight: nn.Parameter, tensor: BlockTensor) -> tuple[GGUFBlocks,
     return GGUFBlocks(tensor), _to_meta(weight)
 
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+class VocabRows(nn.Module):
+    """A [vocab, hidden] weight of which this rank holds rows [start, start + rows)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, own_weight: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.vocab_size, self.tp = vocab_size, tp_size()
+        self.start, rows = vocab_rows(vocab_size, tp_rank(), self.tp)
+        if own_weight:
+            self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+            self.weight.weight_loader = self.load_rows
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"parameter {(self.vocab_size, param.shape[1])}, checkpoint {tuple(loaded.shape)}")
+        held = self._held(param.shape[0])
+        param.data[:held].copy_(loaded.narrow(0, self.start, held))
+        param.data[held:].zero_()  # the last rank's padding
+
+    def _held(self, rows: int) -> int:
+        """Rows of the vocabulary this rank holds; the rest of its `rows` are padding."""
+        return max(0, min(rows, self.vocab_size - self.start))
+
+    def _local_rows(self, tensor: BlockTensor | FP8Tensor, weight: nn.Parameter) -> BlockTensor | FP8Tensor:
+        """This rank's rows of a [vocab, hidden] weight kept quantized, padded."""
+        if self.tp == 1:
+            return tensor
+        if tensor.shape != (self.vocab_size, weight.shape[1]):
+            raise ValueError(f"parameter {(self.vocab_size, weight.shape[1])}, checkpoint {tensor.shape}")
+        return tensor.narrow(0, self.start, self._held(weight.shape[0])).pad_rows(weight.shape[0])
+
+
+class VocabEmbedding(VocabRows):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
         self.blocks: GGUFBlocks | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
-        self.blocks, self.weight = _take_blocks(self.weight, tensor)
+        self.blocks, self.weight = _take_blocks(self.weight, self._local_rows(tensor, self.weight))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return self.blocks.rows(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None:
-            return self.blocks.rows(input_ids, self.weight.dtype)
-        return F.embedding(input_ids, self.weight)
+        if self.tp == 1:
+            return self._lookup(input_ids)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = self._lookup(local.masked_fill(outside, 0))
+        return all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
-class LMHead(nn.Module):
-    """hidden -> vocab logits; shares the embedding's weight when the model ties them."""
+class LMHead(VocabRows):
+    """hidden -> vocab logits; shares the embedding's weight when the model ties them. With
+    tensor parallelism every rank gets the logits of the whole vocabulary."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
-        super().__init__()
+        super().__init__(vocab_size, hidden_size, own_weight=tied_to is None)
         self.tied_to = tied_to
-        if tied_to is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.format: WeightFormat | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
-        self.format, self.weight = _take_blocks(self.weight, tensor)
+        self.format, self.weight = _take_blocks(self.weight, self._local_rows(tensor, self.weight))
 
     def load_fp8(self, tensor: FP8Tensor, shard: None = None) -> None:
+        tensor = self._local_rows(tensor, self.weight)
         if tensor.shape != tuple(self.weight.shape):
             raise ValueError(f"parameter {tuple(self.weight.shape)}, checkpoint {tensor.shape}")
         self.format = FP8Weight(tensor.to(self.weight.device))
@@ -68,8 +112,11 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.format is not None:
-            return self.format.apply(hidden)
-        if self.tied_to is not None and self.tied_to.blocks is not None:
-            return self.tied_to.blocks.apply(hidden)
-        weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        return F.linear(hidden, weight)
+            logits = self.format.apply(hidden)
+        elif self.tied_to is not None and self.tied_to.blocks is not None:
+            logits = self.tied_to.blocks.apply(hidden)
+        else:
+            logits = F.linear(hidden, self.tied_to.weight if self.tied_to is not None else self.weight)
+        if self.tp == 1:
+            return logits
+        return all_gather_last_dim(logits)[..., : self.vocab_size]

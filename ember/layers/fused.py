@@ -5,7 +5,8 @@ blocks on the CPU (whose kernel
 quantizes its input anyway, and where a step's time is mostly calls):
 RMSNorm with the residual add into q|k|v and gate|up, the gated activation into down. One
 kernel each instead of two (kernels/gemv.py, kernels/cpu/quant_gemm.cpp); elsewhere the two
-ops as they are."""
+ops as they are. A row-parallel layer (down) adds its bias after the all-reduce, so the
+kernels take its `fused_bias` and their output goes through its `reduce_output`."""
 
 from __future__ import annotations
 
@@ -43,16 +44,16 @@ def silu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
     if layer.format is None and uses_gemv(gate_up, layer.weight):
         from ember.kernels.gemv import gemv
 
-        return gemv(gate_up, layer.weight, layer.bias, "silu")
+        return layer.reduce_output(gemv(gate_up, layer.weight, layer.fused_bias, "silu"))
     if isinstance(layer.format, FP8Weight) and layer.format.uses_gemv(gate_up):
-        return layer.format.gemv(gate_up, layer.bias, "silu")
+        return layer.reduce_output(layer.format.gemv(gate_up, layer.fused_bias, "silu"))
     if isinstance(layer.format, GGUFBlocks):
-        return layer.format.apply(gate_up, layer.bias, "silu")
+        return layer.reduce_output(layer.format.apply(gate_up, layer.fused_bias, "silu"))
     return layer(silu_and_mul(gate_up))
 
 
 def gelu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
     """layer(gelu_tanh(gate) * up) for gate_up = [gate | up] (Gemma)."""
     if isinstance(layer.format, GGUFBlocks):
-        return layer.format.apply(gate_up, layer.bias, "gelu_tanh")
+        return layer.reduce_output(layer.format.apply(gate_up, layer.fused_bias, "gelu_tanh"))
     return layer(gelu_tanh_and_mul(gate_up))

@@ -7,7 +7,13 @@ dense weight prepacked once for oneDNN (`pack_for_cpu`). On CUDA, one row (a dec
 one sequence) times a weight of a small model goes through ember's GEMV kernel
 (kernels/gemv.py), which is faster than cuBLAS there and can take the op before it
 (layers/fused.py); layers/kernel_paths.py says when, and `EMBER_SMALL_BATCH_GEMV=0` leaves
-every size to cuBLAS."""
+every size to cuBLAS.
+
+Tensor parallelism (ember/distributed/): a merged layer is column-parallel where asked (each
+rank holds its rows of every shard: `MergedLinear.column_parallel`, `QKVLinear` by heads), a
+`RowParallelLinear` holds its columns of the input and all-reduces its output. Their weight
+loaders narrow each checkpoint tensor to the rank's part before copying it; GGUF blocks and
+FP8 weights kept as they are are narrowed alike (columns on whole blocks)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from ember.distributed.sharding import shard_heads, split_evenly
 from ember.layers.kernel_paths import gemv_on_cpu, uses_gemv  # noqa: F401 (tests take gemv_on_cpu from here)
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight, quantize_weight, stack_fp8
@@ -91,14 +99,58 @@ class Linear(nn.Module):
         if self.format is None:
             self.set_format(FP8Weight(quantize_weight(self.weight)))
 
+    @property
+    def fused_bias(self) -> torch.Tensor | None:
+        """The bias the matmul adds (a row-parallel layer adds its own after the reduce)."""
+        return self.bias
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        """The matmul's output made the layer's: itself here (a row-parallel layer sums the ranks')."""
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format is not None:
-            return self.format.apply(x, self.bias)
+            return self.reduce_output(self.format.apply(x, self.fused_bias))
         if uses_gemv(x, self.weight):
             from ember.kernels.gemv import gemv  # triton is imported only on this path
 
-            return gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self.reduce_output(gemv(x, self.weight, self.fused_bias))
+        return self.reduce_output(F.linear(x, self.weight, self.fused_bias))
+
+
+class RowParallelLinear(Linear):
+    """Input columns split among the ranks: each multiplies its columns of x (the output of a
+    column-parallel layer, split alike) and the partial sums are all-reduced; the bias is
+    added once, after the reduce. One rank: a plain Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, what: str = "input features") -> None:
+        self.in_start, local = split_evenly(in_features, tp_rank(), tp_size(), what)
+        super().__init__(local, out_features, bias)
+        self.full_in_features = in_features
+        self.reduces = tp_size() > 1
+        self.weight.weight_loader = self.load_columns
+
+    def load_columns(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        if tuple(loaded.shape) != (param.shape[0], self.full_in_features):
+            raise ValueError(f"parameter {(param.shape[0], self.full_in_features)}, checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(1, self.in_start, param.shape[1]))
+
+    def _keep(self, tensor: Quantized, shard: None) -> None:
+        if self.reduces:
+            if tensor.shape[1] != self.full_in_features:
+                raise ValueError(f"parameter {(self.weight.shape[0], self.full_in_features)}, checkpoint {tensor.shape}")
+            tensor = tensor.narrow(1, self.in_start, self.weight.shape[1])
+        super()._keep(tensor, shard)
+
+    @property
+    def fused_bias(self) -> torch.Tensor | None:
+        return None if self.reduces else self.bias
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        if not self.reduces:
+            return y
+        y = all_reduce(y)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class MergedLinear(Linear):
@@ -108,25 +160,72 @@ class MergedLinear(Linear):
     offsets[i] : offsets[i] + sizes[i].
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 rows: list[tuple[int, int]] | None = None) -> None:
+        """out_sizes: each shard's rows in the checkpoint; rows: the (start, length) of each
+        that this rank holds (column parallelism), None for all of them."""
+        self.full_sizes = list(out_sizes)
+        self.rank_rows = rows if rows is not None else [(0, n) for n in out_sizes]
+        out_sizes = [n for _, n in self.rank_rows]
         super().__init__(in_features, sum(out_sizes), bias)
-        self.out_sizes = list(out_sizes)
+        self.out_sizes = out_sizes
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.weight.weight_loader = self.load_shard
         if self.bias is not None:
             self.bias.weight_loader = self.load_shard
 
+    def _keep(self, tensor: Quantized, shard: int | None) -> None:
+        if self.out_sizes == self.full_sizes:  # one rank
+            return super()._keep(tensor, shard)
+        if shard is None:  # the shards stored merged (Phi-3's GGUF)
+            for i, part in enumerate(self._merged_parts(tensor)):
+                self._keep(part, i)
+            return
+        if tensor.shape[0] != self.full_sizes[shard]:
+            raise ValueError(f"shard {shard} of {self.full_sizes[shard]} rows, checkpoint {tuple(tensor.shape)}")
+        super()._keep(tensor.narrow(0, self.rank_rows[shard][0], self.out_sizes[shard]), shard)
+
+    def _merged_parts(self, merged: torch.Tensor | BlockTensor) -> list[torch.Tensor | BlockTensor]:
+        """A checkpoint tensor holding every shard, one after another, cut into the shards."""
+        if merged.shape[0] != sum(self.full_sizes):
+            raise ValueError(f"merged parameter of {sum(self.full_sizes)} rows, checkpoint {tuple(merged.shape)}")
+        return [merged.narrow(0, sum(self.full_sizes[:i]), n) for i, n in enumerate(self.full_sizes)]
+
+    @classmethod
+    def column_parallel(cls, in_features: int, out_sizes: list[int], bias: bool = False,
+                        what: str = "output rows") -> MergedLinear:
+        """Each shard's rows split evenly among the ranks (gate|up by intermediate rows)."""
+        return cls(in_features, out_sizes, bias, [split_evenly(n, tp_rank(), tp_size(), what) for n in out_sizes])
+
     @property
     def num_shards(self) -> int:
         return len(self.out_sizes)
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """Checkpoint shard `shard`, or all of them stored merged (shard None: Phi-3's q|k|v),
+        narrowed to this rank's rows."""
+        if shard is None:
+            for i, part in enumerate(self._merged_parts(loaded)):
+                self.load_shard(param, part, i)
+            return
         rows = param.data.narrow(0, self.offsets[shard], self.out_sizes[shard])
-        if rows.shape != loaded.shape:
-            raise ValueError(
-                f"shape mismatch for shard {shard}: parameter {tuple(rows.shape)}, checkpoint {tuple(loaded.shape)}"
-            )
-        rows.copy_(loaded)
+        expected = (self.full_sizes[shard],) + tuple(rows.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch for shard {shard}: parameter {expected}, checkpoint {tuple(loaded.shape)}")
+        rows.copy_(loaded.narrow(0, self.rank_rows[shard][0], self.out_sizes[shard]))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.out_sizes, dim=-1)
+
+
+class QKVLinear(MergedLinear):
+    """q|k|v, column-parallel by heads (distributed/sharding.py: KV heads replicated where
+    there are fewer than ranks). num_heads and num_kv_heads are this rank's."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        heads = shard_heads(num_heads, num_kv_heads, tp_rank(), tp_size())
+        q = (heads.q_start * head_dim, heads.num_heads * head_dim)
+        kv = (heads.kv_start * head_dim, heads.num_kv_heads * head_dim)
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, [q, kv, kv])
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.distributed.parallel_state import tp_size
 from ember.layers.activation import silu_and_mul
 from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import Linear
@@ -26,6 +27,9 @@ class FusedMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool) -> None:
         super().__init__()
+        if tp_size() > 1:
+            raise ValueError("tensor parallelism does not split mixtures of experts yet: run the model with "
+                             "tensor_parallel_size 1")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be within 1..num_experts ({num_experts})")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize

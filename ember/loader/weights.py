@@ -176,13 +176,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
                     if not hasattr(owner, "load_fp8"):
                         raise ValueError(f"{type(owner).__name__} takes no FP8 weight: dequantize it in the checkpoint")
                     owner.load_fp8(tensor, shard)
-                elif shard is None and (shards or loader is None):
-                    # a plain parameter, or a merged one stored merged (Phi-3's qkv_proj, gate_up_proj)
+                elif loader is None:  # a plain parameter (replicated on every tensor-parallel rank)
                     if param.shape != tensor.shape:
                         raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
                     param.data.copy_(tensor)
-                else:
-                    loader(param, tensor, shard)
+                else:  # the layer narrows it to this rank's part; shard None: a merged one stored
+                    loader(param, tensor, shard)  # merged (Phi-3's qkv_proj, gate_up_proj)
         except ValueError as e:
             raise ValueError(f"{source}: tensor {name!r} does not fit {pname}: {e}") from None
         if shard is None and shards:

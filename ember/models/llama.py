@@ -19,7 +19,7 @@ from torch import nn
 from ember.layers.attention import AttentionBackend, AttentionMetadata
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.fused import gelu_linear, norm_linear, silu_linear
-from ember.layers.linear import Linear, MergedLinear
+from ember.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from ember.layers.moe import FusedMoE
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import CacheWrite, RotaryEmbedding, apply_rotary, norm_and_rotate
@@ -36,10 +36,11 @@ def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias)
+        # this rank's heads (all of them on one rank)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         if cfg.qk_norm:
             self.q_norm = _norm(cfg, cfg.head_dim)
             self.k_norm = _norm(cfg, cfg.head_dim)
@@ -77,8 +78,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter] * 2)
-        self.down_proj = Linear(inter, cfg.hidden_size)
+        self.gate_up_proj = MergedLinear.column_parallel(cfg.hidden_size, [inter] * 2, what="intermediate_size")
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size")
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ember.layers.linear import Linear
 from ember.layers.quant.fp8 import FP8, FP8Weight
 from ember.loader.fp8_checkpoint import FP8Scheme, checkpoint_scheme, fp8_weights
 from ember.loader.weights import hf_module_names
@@ -260,7 +261,7 @@ def test_quantization_fp8_quantizes_every_linear_layer_but_the_head_and_stays_cl
     exact = LLM(str(dense_dir), **ARGS)
     fp8 = LLM(str(dense_dir), quantization="fp8", **ARGS)
     model = fp8.engine.runner.model
-    linear = [m for m in model.modules() if type(m).__name__ in ("Linear", "MergedLinear")]
+    linear = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linear) == 8 and all(isinstance(m.format, FP8Weight) for m in linear)
     assert not isinstance(model.lm_head.format, FP8Weight) and model.model.embed_tokens.weight.dtype == torch.float32
     head_and_embedding = 2 * 512 * 256 * 4

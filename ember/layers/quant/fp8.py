@@ -114,6 +114,29 @@ class FP8Tensor:
     def blockwise(self) -> bool:
         return self.scale.dim() == 2
 
+    def narrow(self, dim: int, start: int, length: int) -> FP8Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, start + length), a tensor-parallel rank's
+        part, with their scales; block scales need the cut on whole 128 x 128 blocks."""
+        weight = self.weight.narrow(dim, start, length).contiguous()
+        if not self.blockwise:
+            return FP8Tensor(weight, self.scale.narrow(0, start, length).contiguous() if dim == 0 else self.scale)
+        end = start + length
+        if start % BLOCK or (end % BLOCK and end != self.weight.shape[dim]):
+            raise ValueError(f"{'rows' if dim == 0 else 'columns'} [{start}, {end}) of an FP8 weight cut its "
+                             f"{BLOCK} x {BLOCK} scale blocks: load the model with quantization='none' to split it "
+                             "among tensor-parallel ranks")
+        return FP8Tensor(weight, self.scale.narrow(dim, start // BLOCK, _cdiv(length, BLOCK)).contiguous())
+
+    def pad_rows(self, rows: int) -> FP8Tensor:
+        """Zero rows appended up to `rows` (their scales 1)."""
+        n, k = self.weight.shape
+        weight = torch.zeros(rows, k, dtype=FP8, device=self.weight.device)
+        weight[:n] = self.weight
+        scale = torch.ones((_cdiv(rows, BLOCK), self.scale.shape[1]) if self.blockwise else (rows,),
+                           dtype=torch.float32, device=self.scale.device)
+        scale[: self.scale.shape[0]] = self.scale
+        return FP8Tensor(weight, scale)
+
     def to(self, device: torch.device | str) -> FP8Tensor:
         return FP8Tensor(self.weight.to(device), self.scale.to(device))
 

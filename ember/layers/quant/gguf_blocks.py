@@ -42,6 +42,24 @@ class BlockTensor:
     def type_name(self) -> str:
         return KERNEL_TYPES[self.qtype][0]
 
+    def narrow(self, dim: int, start: int, length: int) -> BlockTensor:
+        """Rows [start, start + length) (dim 0), or those columns of every row (dim 1), which
+        must fall on block boundaries: a tensor-parallel rank's part."""
+        if dim == 0:
+            return BlockTensor(self.qtype, (length, self.shape[1]), self.data.narrow(0, start, length))
+        name, values, nbytes = KERNEL_TYPES[self.qtype]
+        if start % values or length % values:
+            raise ValueError(f"columns [{start}, {start + length}) of a {name} weight cut its blocks of {values}: "
+                             "load the model with quantization='none' to split it among tensor-parallel ranks")
+        return BlockTensor(self.qtype, (self.shape[0], length),
+                           self.data.narrow(1, start // values * nbytes, length // values * nbytes).contiguous())
+
+    def pad_rows(self, rows: int) -> BlockTensor:
+        """Zero rows appended up to `rows` (zero blocks decode to zeros in every type)."""
+        data = torch.zeros(rows, self.data.shape[1], dtype=torch.uint8)
+        data[: self.shape[0]] = self.data
+        return BlockTensor(self.qtype, (rows, self.shape[1]), data)
+
     def dequantize(self) -> torch.Tensor:
         from ember.loader.gguf import dequantize
 

@@ -1,0 +1,90 @@
+"""The tensor-parallel group of this process, and the collectives the layers call.
+
+One process per rank; `init_tensor_parallel` joins them over torch.distributed (gloo on
+CPUs, NCCL on GPUs: the caller picks the process's GPU first, torch.cuda.set_device).
+Until then, and after `destroy`, this process is rank 0 of 1 and every collective returns
+its input: a model built without tensor parallelism runs as it always did.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_group: dist.ProcessGroup | None = None
+_rank = 0
+_size = 1
+
+# NVLink multicast (NVLS / symmetric memory) stays off: the machines that run ember lend
+# GPUs whose multicast objects other tenants could exhaust (the device README's KINDS.md)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def init_tensor_parallel(rank: int, world_size: int, backend: str = "gloo", init_method: str = "env://",
+                         timeout_s: float = 600.0) -> None:
+    """Join the group of `world_size` ranks as `rank`. init_method: "tcp://host:port",
+    "file:///path" or "env://" (MASTER_ADDR / MASTER_PORT)."""
+    global _group, _rank, _size
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    if _group is not None or dist.is_initialized():
+        raise ValueError("tensor parallelism is initialized already in this process: call destroy() first")
+    if backend == "nccl":
+        for key, value in NCCL_ENV.items():
+            os.environ.setdefault(key, value)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    _group, _rank, _size = dist.group.WORLD, rank, world_size
+
+
+def destroy() -> None:
+    """Leave the group; this process is rank 0 of 1 again."""
+    global _group, _rank, _size
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _group, _rank, _size = None, 0, 1
+
+
+def tp_rank() -> int:
+    return _rank
+
+
+def tp_size() -> int:
+    """Ranks in the group; 1 when tensor parallelism is not initialized."""
+    return _size
+
+
+def tp_group() -> dist.ProcessGroup | None:
+    return _group
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of x over the ranks, in place; x itself at size 1."""
+    if _size > 1:
+        dist.all_reduce(x, group=_group)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's x side by side along the last dimension, in rank order, on every rank."""
+    if _size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_size)]
+    dist.all_gather(parts, x, group=_group)
+    return torch.cat(parts, dim=-1)
+
+
+def gather_last_dim(x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+    """The ranks' x side by side along the last dimension on rank `dst`; None on the others."""
+    if _size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_size)] if _rank == dst else None
+    dist.gather(x, parts, dst=dst, group=_group)
+    return torch.cat(parts, dim=-1) if parts is not None else None
