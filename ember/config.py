@@ -80,6 +80,9 @@ class EngineConfig:
     # cache (a hit would skip positions that mean pooling reads). vLLM's --runner
     runner: str = "generate"
     pooler_config: PoolerConfig | None = None  # runner="pooling" only; None: PoolerConfig() (last token, normalized)
+    # ranks the model's layers are split over (Megatron: heads, MLP rows, vocabulary), one
+    # worker process each (runner/tensor_parallel.py): gloo on the CPU, NCCL on GPUs 0..N-1
+    tensor_parallel_size: int = 1
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")
@@ -98,6 +101,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-empty string or None; got {value!r:.80}")
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
         _choice("quantization", self.quantization, ("auto", "none", "gguf", "fp8"))
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}")
         _choice("kv_cache_dtype", self.kv_cache_dtype, tuple(_KV_CACHE_DTYPES))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "lpm"))
@@ -143,6 +148,13 @@ class EngineConfig:
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device: use device='cpu'")
+        if self.tensor_parallel_size > 1:
+            from ember.distributed.sharding import shard_heads
+
+            if model_config.moe_layers is not None:
+                raise ValueError(f"{model_config.architecture}: tensor parallelism does not split mixtures of "
+                                 "experts yet: use tensor_parallel_size 1 (or --data-parallel-size for replicas)")
+            shard_heads(model_config.num_heads, model_config.num_kv_heads, 0, self.tensor_parallel_size)
         quantization = _quantization(self.quantization, files, device)
         if model_config.moe_layers is not None and quantization == "fp8":
             raise ValueError(f"{model_config.architecture}: quantization='fp8' does not cover the experts' stacked "

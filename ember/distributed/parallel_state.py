@@ -88,3 +88,12 @@ def gather_last_dim(x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
     parts = [torch.empty_like(x) for _ in range(_size)] if _rank == dst else None
     dist.gather(x, parts, dst=dst, group=_group)
     return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of the ranks' `value` (the KV pool every rank can hold), on every rank."""
+    if _size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group)
+    return int(t.item())

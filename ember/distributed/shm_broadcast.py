@@ -1,4 +1,4 @@
-"""One writer, N readers, on one host: each message is written once into shared memory and
+"""One writer, N readers (its child processes), on one host: each message is written once into shared memory and
 read by every reader (the step plan a scheduler sends to its tensor-parallel workers), instead
 of one pipe or RPC per reader per step.
 
@@ -21,12 +21,11 @@ import pickle
 import struct
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 _HEADER = struct.Struct("<QQQ")  # sequence number, part length, parts after this one
 _MAX_SLEEP_S = 1e-3
-_CREATED: set[str] = set()  # segments this process created (and so owns)
 
 
 class ShmBroadcast:
@@ -44,13 +43,10 @@ class ShmBroadcast:
         if _name is None:
             self.shm = shared_memory.SharedMemory(create=True, size=slots * self.stride)
             self.shm.buf[:slots * self.stride] = bytes(slots * self.stride)
-            _CREATED.add(self.shm.name)
         else:
+            # readers are the writer's child processes, which share its resource tracker: the
+            # segment stays registered once, and the writer's close() unlinks it
             self.shm = shared_memory.SharedMemory(name=_name)
-            if _name not in _CREATED:
-                # Python < 3.13 registers an attached segment with this process's resource
-                # tracker, which would unlink it when the reader exits: the writer owns it
-                resource_tracker.unregister(self.shm._name, "shared_memory")
         self.buf = self.shm.buf
         self.next_part = 0  # the writer's next part, or this reader's
 
@@ -103,12 +99,14 @@ class ShmBroadcast:
                 return pickle.loads(b"".join(chunks))
 
     def close(self) -> None:
-        """Detach; the writer also frees the memory."""
+        """Detach; the writer also frees the memory. Idempotent."""
+        if self.buf is None:
+            return
         self.buf.release()
+        self.buf = None
         self.shm.close()
         if self.reader is None:
             self.shm.unlink()
-            _CREATED.discard(self.shm.name)
 
 
 def _wait(ready: Callable[[], bool], timeout: float, alive: Callable[[], bool], what: Callable[[], str]) -> None:

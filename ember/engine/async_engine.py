@@ -284,6 +284,7 @@ class AsyncEngine:
             self._wakeup.notify()
         self._thread.join()
         self._input_pool.shutdown(wait=False, cancel_futures=True)
+        self.core.shutdown()
 
     def _in_flight(self) -> int:
         with self._lock:

@@ -55,7 +55,12 @@ class EngineCoreOutput:
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        if config.tensor_parallel_size > 1:
+            from ember.runner.tensor_parallel import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(config)
+        else:
+            self.runner = ModelRunner(config)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.prefix_cache = make_prefix_cache(config.enable_prefix_caching, self.block_pool, config.block_size)
         self.scheduler = Scheduler(self.block_pool, config.block_size, config.max_num_seqs,
@@ -136,6 +141,12 @@ class EngineCore:
         assert not self._failed, "a failed request's output was never handed back"
         assert not self.structured.holds(), "the structured-output manager still holds requests"
         assert not (self.launched or self.scheduler.in_flight), "a launched step was never collected"
+
+    def shutdown(self) -> None:
+        """Stop what the runner started outside this process (tensor-parallel workers)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or self.structured.num_compiling > 0 or bool(self.launched)

@@ -96,6 +96,10 @@ class LLM:
         self.engine.check_idle()
         assert not self.processor.groups, "the output processor still tracks requests"
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process ends)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.inputs.require_tokenizer()
 

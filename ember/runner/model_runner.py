@@ -26,6 +26,8 @@ from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.request import Request
+from ember.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
+from ember.distributed.sharding import shard_heads
 from ember.runner.cuda_graph import DecodeGraphs
 from ember.runner.pooler import Pooler
 from ember.runner.sampler import (LogitBias, PendingLogprobs, Sampler, SamplingRow, TokenLogprobs, to_device,
@@ -115,7 +117,7 @@ class ModelRunner:
         # their table entries point at one block past the pool (BlockPool.null_block)
         self.num_null_blocks = 0 if shared_window(mc.layer_windows) is None else 1
         self.num_blocks = self._num_kv_blocks()
-        shape = (2, mc.num_layers, self.num_blocks + self.num_null_blocks, config.block_size, mc.num_kv_heads,
+        shape = (2, mc.num_layers, self.num_blocks + self.num_null_blocks, config.block_size, self.num_kv_heads,
                  mc.head_dim)
         # zeroed: padded block-table entries and the null block are read (then masked), never NaN
         self.kv_cache = _zeros(shape, config.kv_cache_torch_dtype, self.device)
@@ -158,7 +160,13 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """K and V of one block in every layer, in the cache dtype (fp8: half of bfloat16's)."""
         mc, c = self.config.model_config, self.config
-        return 2 * mc.num_layers * c.block_size * mc.num_kv_heads * mc.head_dim * c.kv_cache_torch_dtype.itemsize
+        return 2 * mc.num_layers * c.block_size * self.num_kv_heads * mc.head_dim * c.kv_cache_torch_dtype.itemsize
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
+        mc = self.config.model_config
+        return shard_heads(mc.num_heads, mc.num_kv_heads, tp_rank(), tp_size()).num_kv_heads
 
     def _num_kv_blocks(self) -> int:
         c = self.config
@@ -176,7 +184,7 @@ class ModelRunner:
             memory = CPU_KV_CACHE_MEMORY
         # never more than every sequence slot at full length could use; the memory holds the null block too
         most = c.max_num_seqs * c.max_blocks_per_seq
-        blocks = min(memory // self.kv_bytes_per_block() - self.num_null_blocks, most)
+        blocks = min_over_ranks(min(memory // self.kv_bytes_per_block() - self.num_null_blocks, most))
         if blocks <= 0:
             raise ValueError(f"no memory left for the KV cache ({memory} bytes): raise kv_cache_memory "
                              "or gpu_memory_utilization")
@@ -192,7 +200,7 @@ class ModelRunner:
         seq = min(tokens, c.max_model_len)
         lens = [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
         per_seq = -(-seq // c.block_size)
-        cache = torch.zeros(2, per_seq * len(lens), c.block_size, mc.num_kv_heads, mc.head_dim,
+        cache = torch.zeros(2, per_seq * len(lens), c.block_size, self.num_kv_heads, mc.head_dim,
                             dtype=c.kv_cache_torch_dtype, device=self.device)
         for attn in self.model.attention_layers():
             attn.k_cache, attn.v_cache = cache[0], cache[1]

@@ -62,6 +62,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="split the model's layers over N worker processes (gloo on the CPU, one GPU each on "
+                             "CUDA); the heads must divide among them")
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority", "lpm"],
                         help="waiting requests go in arrival order, by priority, or longest cached prefix first")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -87,7 +90,8 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
     names = ["revision", "download_dir", "tokenizer", "chat_template", "generation_config", "load_format", "dtype", "quantization", "kv_cache_dtype", "device", "max_model_len", "block_size", "num_kv_blocks",
              "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
-             "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling"]
+             "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling",
+             "tensor_parallel_size"]
     return {"model": model_arg(ns), "runner": runner_arg(ns), "pooler_config": ns.pooler_config} | \
         {n: getattr(ns, n) for n in names}
 

@@ -1,0 +1,207 @@
+"""The engine's runner when tensor_parallel_size > 1: one worker process per rank (rank 0
+included), each a ModelRunner over its shard of the layers (layers/linear.py,
+layers/embedding.py), joined over torch.distributed (gloo on the CPU, NCCL on GPUs 0..N-1).
+
+The scheduler stays in the engine's process. Each step's plan (and its grammar masks) goes
+to every rank once, through the shared-memory broadcast (distributed/shm_broadcast.py);
+every rank runs the same forward and sampling, and rank 0 sends back what it sampled over
+a pipe. A worker that dies, or fails, fails the engine with an error that names it; the
+others are then stopped, so no process outlives the engine (they are daemons too, and a
+worker whose engine is gone stops by itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ember.config import EngineConfig
+from ember.distributed.shm_broadcast import ShmBroadcast
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900.0  # loading a large model's shard, profiling, capturing graphs
+STEP_TIMEOUT_S = 3600.0  # a step longer than this is a hang: the engine fails
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker died or raised: the engine cannot go on."""
+
+
+@dataclass
+class _Launched:
+    """What the engine keeps of a launched step (LaunchedStep's role): its plan."""
+
+    plan: Any
+
+
+@dataclass
+class _Proxy:
+    """The per-request state the engine checks on its runner lives in the workers."""
+
+    generators: dict = field(default_factory=dict)
+    biases: dict = field(default_factory=dict)
+
+
+class TensorParallelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        size = config.tensor_parallel_size
+        if config.device == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} are "
+                             "visible")
+        ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no CUDA or thread state forked
+        self.bus = ShmBroadcast(readers=size, slots=8, slot_bytes=4 << 20)
+        self.results, child = ctx.Pipe(duplex=False)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        threads = max(1, torch.get_num_threads() // size)
+        # the request defaults apply where requests come in, not in the workers (and a
+        # mapping proxy does not pickle)
+        worker_config = dataclasses.replace(config, sampling_defaults={})
+        self.procs = [ctx.Process(target=_worker, name=f"ember-tp{rank}", daemon=True,
+                                  args=(worker_config, rank, size, init_method, self.bus.handle(), child, threads,
+                                        os.getpid()))
+                      for rank in range(size)]
+        self.profile_steps = False
+        self.step_times: dict[str, float] = {}
+        self.pooler = None
+        self._state = _Proxy()
+        self.generators, self.biases = self._state.generators, self._state.biases
+        self.graphs = None
+        self._dead: str | None = None
+        try:
+            for p in self.procs:
+                p.start()
+            child.close()
+            ready = self._receive(READY_TIMEOUT_S, "starting")
+            self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks ready, %d KV blocks each", size, self.num_blocks)
+
+    # -- the runner's interface (EngineCore) -----------------------------------------------
+
+    def launch(self, plan, fill_grammar_masks: Callable[[], dict[str, torch.Tensor]] | None = None) -> _Launched:
+        masks = fill_grammar_masks() if fill_grammar_masks is not None else {}
+        self._send(("launch", plan, masks))
+        return _Launched(plan)
+
+    def collect(self, step: _Launched):
+        self._send(("collect",))
+        return self._receive(STEP_TIMEOUT_S, "running a step")
+
+    def release(self, request_id: str) -> None:
+        self._send(("release", request_id))
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent); no process is left behind."""
+        if self._dead is None:
+            try:
+                self.bus.send(("shutdown",), timeout=5, alive=self._all_alive)
+            except (RuntimeError, TimeoutError):
+                pass
+        for p in self.procs:
+            if p.pid is None:
+                continue  # never started
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.bus.close()
+        self._dead = self._dead or "shut down"
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _all_alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def _send(self, message: tuple) -> None:
+        self._check()
+        try:
+            self.bus.send(message, timeout=STEP_TIMEOUT_S, alive=self._all_alive)
+        except (RuntimeError, TimeoutError) as e:
+            self._fail(f"while sending a step: {e}")
+
+    def _receive(self, timeout: float, doing: str) -> Any:
+        self._check()
+        waited = 0.0
+        while not self.results.poll(0.1):
+            waited += 0.1
+            if not self._all_alive() or waited > timeout:
+                self._fail(f"while {doing}" + (f": no answer in {timeout:.0f} s" if waited > timeout else ""))
+        kind, payload = self.results.recv()
+        if kind == "error":
+            self._fail(f"while {doing}:\n{payload}")
+        return payload
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise WorkerFailed(f"the tensor-parallel workers are gone ({self._dead})")
+
+    def _fail(self, what: str) -> None:
+        gone = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs) if not p.is_alive()]
+        message = f"tensor-parallel worker {', '.join(gone) or 'failed'} {what}"
+        self._dead = message
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+        self.bus.close()
+        raise WorkerFailed(message)
+
+
+def _worker(config: EngineConfig, rank: int, size: int, init_method: str, handle, results, threads: int,
+            engine_pid: int) -> None:
+    """One rank: join the group, build its ModelRunner, then run what the broadcast says."""
+    from ember.distributed.parallel_state import destroy, init_tensor_parallel
+    from ember.runner.model_runner import ModelRunner
+
+    def engine_alive() -> bool:
+        return os.getppid() == engine_pid
+
+    try:
+        torch.set_num_threads(threads)
+        if config.device == "cuda":
+            torch.cuda.set_device(rank)
+        init_tensor_parallel(rank, size, "nccl" if config.device == "cuda" else "gloo", init_method)
+        runner = ModelRunner(config)
+        bus = ShmBroadcast.attach(handle, rank)
+        if rank == 0:
+            results.send(("ready", {"num_blocks": runner.num_blocks, "weight_bytes": runner.weight_bytes}))
+        launched: deque = deque()
+        while True:
+            message = bus.recv(timeout=float("inf"), alive=engine_alive)
+            op = message[0]
+            if op == "launch":
+                _, plan, masks = message
+                launched.append(runner.launch(plan, lambda: masks))
+            elif op == "collect":
+                out = runner.collect(launched.popleft())
+                if rank == 0:
+                    results.send(("output", out))
+            elif op == "release":
+                runner.release(message[1])
+            elif op == "shutdown":
+                break
+        bus.close()
+        destroy()
+    except BaseException:
+        try:
+            results.send(("error", f"rank {rank}: {traceback.format_exc()}"))
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(1)
