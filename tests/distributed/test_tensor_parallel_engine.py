@@ -1,0 +1,127 @@
+"""The engine at tensor_parallel_size > 1 (runner/tensor_parallel.py): one worker process
+per rank over gloo. SmolLM2-135M (9 q / 3 KV heads) at TP=3 gives TP=1's greedy tokens and
+guided choices, offline and through `ember serve`; a worker killed mid-run fails the engine
+with an error that names it and leaves no process behind; a size the heads do not divide
+among, or a mixture of experts, is refused before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ember import LLM, SamplingParams
+from ember.runner.tensor_parallel import WorkerFailed
+from ember.sampling_params import StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+CHOICE = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(
+    choice=("blue", "green", "red")))
+
+
+def _engine_args(**more):
+    return dict(quantization="none", dtype="float32", num_kv_blocks=64) | more
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path):
+    llm = LLM(str(gguf_path), **_engine_args())
+    outs = llm.generate(PROMPTS, GREEDY)
+    return ([o.outputs[0].token_ids for o in outs], llm.generate(["My favourite colour is"], CHOICE)[0].outputs[0].text,
+            outs[0].outputs[0].text)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone(pids: list[int], timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
+def test_three_ranks_give_one_process_tokens_and_choices(gguf_path, reference):
+    llm = LLM(str(gguf_path), **_engine_args(tensor_parallel_size=3))
+    runner = llm.engine.runner
+    pids = [p.pid for p in runner.procs]
+    try:
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        tokens, choice, _ = reference
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
+        assert llm.generate(["My favourite colour is"], CHOICE)[0].outputs[0].text == choice
+        llm.check_idle()  # every finished request's KV blocks are back
+    finally:
+        llm.shutdown()
+    assert _gone(pids)
+
+
+def test_a_killed_worker_fails_the_engine_by_name_and_leaves_no_process(gguf_path):
+    llm = LLM(str(gguf_path), **_engine_args(tensor_parallel_size=3))
+    procs = llm.engine.runner.procs
+    pids = [p.pid for p in procs]
+    try:
+        assert llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerFailed, match=r"tensor-parallel worker rank 1 \(exit code -9\)"):
+            llm.generate(["Hello again"], SamplingParams(max_tokens=8, temperature=0))
+        with pytest.raises(WorkerFailed, match="the tensor-parallel workers are gone"):
+            llm.generate(["and again"], SamplingParams(max_tokens=8, temperature=0))
+    finally:
+        llm.shutdown()
+    assert _gone(pids)
+
+
+def test_sizes_the_heads_do_not_divide_among_and_experts_are_refused_before_any_worker(gguf_path, tmp_path):
+    with pytest.raises(ValueError, match=r"9 attention heads \(3 KV heads\) do not divide among 2 tensor-parallel "
+                                         r"ranks: use a tensor_parallel_size among \[1, 3"):
+        LLM(str(gguf_path), **_engine_args(tensor_parallel_size=2))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128}))
+    with pytest.raises(ValueError, match="tensor parallelism does not split mixtures of experts yet"):
+        LLM(str(tmp_path), load_format="dummy", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1; got 0"):
+        LLM(str(gguf_path), tensor_parallel_size=0)
+
+
+def test_ember_serve_at_three_ranks_answers_and_stops_with_its_workers(gguf_path, tmp_path, reference):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+    from test_openai_server import KEY, MODEL, Server
+
+    s = Server(gguf_path, tmp_path / "tp.log", "--api-key", KEY, "--tensor-parallel-size", "3",
+               "--num-kv-blocks", "64")
+    try:
+        s.wait_ready()
+        workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) ==
+                   s.proc.pid]
+        assert len(workers) >= 3, s.log_tail()
+        answer = s.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+        assert answer.choices[0].text == reference[2]
+    finally:
+        code = s.stop()
+    assert code == 0, s.log_tail()
+    assert _gone(workers)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
