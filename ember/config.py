@@ -83,6 +83,9 @@ class EngineConfig:
     # ranks the model's layers are split over (Megatron: heads, MLP rows, vocabulary), one
     # worker process each (runner/tensor_parallel.py): gloo on the CPU, NCCL on GPUs 0..N-1
     tensor_parallel_size: int = 1
+    # mp: the workers are processes of this machine | ray: Ray actors, on the cluster RAY_ADDRESS
+    # names (or a new local one), placed by a placement group: ranks may span nodes
+    distributed_executor_backend: str = "mp"
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")
@@ -101,6 +104,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-empty string or None; got {value!r:.80}")
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
         _choice("quantization", self.quantization, ("auto", "none", "gguf", "fp8"))
+        _choice("distributed_executor_backend", self.distributed_executor_backend, ("mp", "ray"))
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}")
         _choice("kv_cache_dtype", self.kv_cache_dtype, tuple(_KV_CACHE_DTYPES))

@@ -201,7 +201,7 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
     ember = report["results"]["ember"] = bench_ember(llm, requests).to_dict() | {"startup_s": startup_s}
     ember["preemptions"] = llm.engine.scheduler.num_preemptions - preempted
     ember["memory_gib"] = {"weights": runner.weight_bytes / 2**30, "peak_activations": runner.activation_bytes / 2**30,
-                           "kv_cache": runner.kv_cache.nbytes / 2**30, "kv_blocks": runner.num_blocks}
+                           "kv_cache": runner.kv_cache_bytes / 2**30, "kv_blocks": runner.num_blocks}
     if runner.graphs is not None:
         ember["cuda_graphs"] = {"count": len(runner.graphs.sizes), "capture_s": runner.graphs.capture_seconds,
                                 "pool_gib": runner.graphs.pool_bytes / 2**30}

@@ -55,7 +55,11 @@ class EngineCoreOutput:
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1 and config.distributed_executor_backend == "ray":
+            from ember.runner.ray_workers import RayTensorParallelRunner
+
+            self.runner = RayTensorParallelRunner(config)
+        elif config.tensor_parallel_size > 1:
             from ember.runner.tensor_parallel import TensorParallelRunner
 
             self.runner = TensorParallelRunner(config)

@@ -163,6 +163,10 @@ class ModelRunner:
         return 2 * mc.num_layers * c.block_size * self.num_kv_heads * mc.head_dim * c.kv_cache_torch_dtype.itemsize
 
     @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.nbytes
+
+    @property
     def num_kv_heads(self) -> int:
         """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
         mc = self.config.model_config

@@ -67,11 +67,8 @@ class TensorParallelRunner:
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         threads = max(1, torch.get_num_threads() // size)
-        # the request defaults apply where requests come in, not in the workers (and a
-        # mapping proxy does not pickle)
-        worker_config = dataclasses.replace(config, sampling_defaults={})
         self.procs = [ctx.Process(target=_worker, name=f"ember-tp{rank}", daemon=True,
-                                  args=(worker_config, rank, size, init_method, self.bus.handle(), child, threads,
+                                  args=(worker_config(config), rank, size, init_method, self.bus.handle(), child, threads,
                                         os.getpid()))
                       for rank in range(size)]
         self.profile_steps = False
@@ -86,7 +83,9 @@ class TensorParallelRunner:
                 p.start()
             child.close()
             ready = self._receive(READY_TIMEOUT_S, "starting")
+            # rank 0's (each rank holds about a tensor_parallel_size-th of the weights and the KV heads)
             self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
+            self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
         except BaseException:
             self.shutdown()
             raise
@@ -104,7 +103,8 @@ class TensorParallelRunner:
         return self._receive(STEP_TIMEOUT_S, "running a step")
 
     def release(self, request_id: str) -> None:
-        self._send(("release", request_id))
+        if self._dead is None:  # dead workers hold nothing: the engine's cleanup after a failure goes on
+            self._send(("release", request_id))
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent); no process is left behind."""
@@ -152,6 +152,8 @@ class TensorParallelRunner:
             raise WorkerFailed(f"the tensor-parallel workers are gone ({self._dead})")
 
     def _fail(self, what: str) -> None:
+        for p in self.procs:  # the others end too once a collective loses a rank: name them all
+            p.join(2)
         gone = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs) if not p.is_alive()]
         message = f"tensor-parallel worker {', '.join(gone) or 'failed'} {what}"
         self._dead = message
@@ -164,41 +166,72 @@ class TensorParallelRunner:
         raise WorkerFailed(message)
 
 
+def worker_config(config: EngineConfig) -> EngineConfig:
+    """The config a worker gets: the request defaults apply where requests come in, not in
+    the workers (and their mapping proxy does not pickle)."""
+    return dataclasses.replace(config, sampling_defaults={})
+
+
+class Worker:
+    """One rank: its place in the group and its ModelRunner over its shard. `handle` runs
+    one of the engine's messages; the same class runs in a process of its own (`_worker`,
+    below) or as a Ray actor (runner/ray_workers.py)."""
+
+    def __init__(self, config: EngineConfig, rank: int, size: int, init_method: str, threads: int,
+                 gpu: int) -> None:
+        from ember.distributed.parallel_state import init_tensor_parallel
+        from ember.runner.model_runner import ModelRunner
+
+        self.rank = rank
+        torch.set_num_threads(threads)
+        if config.device == "cuda":
+            torch.cuda.set_device(gpu)
+        init_tensor_parallel(rank, size, "nccl" if config.device == "cuda" else "gloo", init_method)
+        self.runner = ModelRunner(config)
+        self.launched: deque = deque()
+
+    def sizes(self) -> dict[str, int]:
+        r = self.runner
+        return {"num_blocks": r.num_blocks, "weight_bytes": r.weight_bytes, "activation_bytes": r.activation_bytes,
+                "kv_cache_bytes": r.kv_cache_bytes}
+
+    def handle(self, message: tuple) -> Any:
+        """Rank 0's step output for ("collect",) (every rank computes it, the engine reads
+        rank 0's); None otherwise."""
+        op = message[0]
+        if op == "launch":
+            _, plan, masks = message
+            self.launched.append(self.runner.launch(plan, lambda: masks))
+        elif op == "collect":
+            out = self.runner.collect(self.launched.popleft())
+            return out if self.rank == 0 else None
+        elif op == "release":
+            self.runner.release(message[1])
+        return None
+
+    def close(self) -> None:
+        from ember.distributed.parallel_state import destroy
+
+        destroy()
+
+
 def _worker(config: EngineConfig, rank: int, size: int, init_method: str, handle, results, threads: int,
             engine_pid: int) -> None:
-    """One rank: join the group, build its ModelRunner, then run what the broadcast says."""
-    from ember.distributed.parallel_state import destroy, init_tensor_parallel
-    from ember.runner.model_runner import ModelRunner
-
+    """One rank in a process of its own: a Worker fed by the shared-memory broadcast."""
     def engine_alive() -> bool:
         return os.getppid() == engine_pid
 
     try:
-        torch.set_num_threads(threads)
-        if config.device == "cuda":
-            torch.cuda.set_device(rank)
-        init_tensor_parallel(rank, size, "nccl" if config.device == "cuda" else "gloo", init_method)
-        runner = ModelRunner(config)
+        worker = Worker(config, rank, size, init_method, threads, gpu=rank)
         bus = ShmBroadcast.attach(handle, rank)
         if rank == 0:
-            results.send(("ready", {"num_blocks": runner.num_blocks, "weight_bytes": runner.weight_bytes}))
-        launched: deque = deque()
-        while True:
-            message = bus.recv(timeout=float("inf"), alive=engine_alive)
-            op = message[0]
-            if op == "launch":
-                _, plan, masks = message
-                launched.append(runner.launch(plan, lambda: masks))
-            elif op == "collect":
-                out = runner.collect(launched.popleft())
-                if rank == 0:
-                    results.send(("output", out))
-            elif op == "release":
-                runner.release(message[1])
-            elif op == "shutdown":
-                break
+            results.send(("ready", worker.sizes()))
+        while (message := bus.recv(timeout=float("inf"), alive=engine_alive))[0] != "shutdown":
+            out = worker.handle(message)
+            if out is not None:
+                results.send(("output", out))
         bus.close()
-        destroy()
+        worker.close()
     except BaseException:
         try:
             results.send(("error", f"rank {rank}: {traceback.format_exc()}"))

@@ -65,6 +65,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                         help="split the model's layers over N worker processes (gloo on the CPU, one GPU each on "
                              "CUDA); the heads must divide among them")
+    parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=d.distributed_executor_backend,
+                        help="mp: the tensor-parallel workers are processes of this machine; ray: Ray actors on the "
+                             "cluster RAY_ADDRESS names (or a new local one), ranks possibly on several nodes")
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority", "lpm"],
                         help="waiting requests go in arrival order, by priority, or longest cached prefix first")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -91,7 +94,7 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
              "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
              "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling",
-             "tensor_parallel_size"]
+             "tensor_parallel_size", "distributed_executor_backend"]
     return {"model": model_arg(ns), "runner": runner_arg(ns), "pooler_config": ns.pooler_config} | \
         {n: getattr(ns, n) for n in names}
 
