@@ -2,8 +2,10 @@
 its shard through load_model as LLM does and running one prefill of a fixed batch, give the
 logits of one process without it, on every rank: a tiny random Llama saved by transformers
 (8 q / 2 KV heads, vocabulary 322: padded at TP=4) at TP=2 and TP=4 (each KV head held by two
-ranks), the same in FP8 and a tiny Phi-3 (q|k|v and gate|up stored merged) at TP=2, and SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3, dequantized and in its
-Q4_1 blocks. A split that does not fit and mixtures of experts are refused by name."""
+ranks), in FP8 at TP=2 and one row through the GEMV kernels at TP=2; a tiny Phi-3 (q|k|v and
+gate|up stored merged) at TP=2; SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3,
+dequantized and in its Q4_1 blocks. A split that does not fit and mixtures of experts are
+refused with the fix, and a rank that fails fails the run at once, with no process left."""
 
 from __future__ import annotations
 
@@ -109,6 +111,7 @@ def run_task(world: int, tmp_path: Path, task: Callable, args: tuple) -> list:
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
+    finished = False
     try:
         done: set[int] = set()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -125,9 +128,10 @@ def run_task(world: int, tmp_path: Path, task: Callable, args: tuple) -> list:
             if error is not None:
                 raise RuntimeError(f"rank {rank} of {world} failed:\n{error}")
             done.add(rank)
+        finished = True
     finally:
-        for p in procs:
-            p.join(timeout=5)
+        for p in procs:  # after a failure the others may wait in a collective for good: end them
+            p.join(timeout=5 if finished else 0)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -308,6 +312,19 @@ def test_rows_and_vocabulary_split():
                                          r"use a tensor_parallel_size among \[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96\]"):
         split_evenly(96, 0, 5, "intermediate_size")
     assert [vocab_rows(322, r, 4) for r in range(4)] == [(0, 81), (81, 81), (162, 81), (243, 81)]  # 2 rows padding
+
+
+def _rank_1_fails() -> None:
+    if parallel_state.tp_rank() == 1:
+        raise ValueError("rank 1 broke")
+    time.sleep(600)  # rank 0 would wait for good
+
+
+def test_a_failing_rank_ends_the_run_at_once_and_leaves_no_process(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed:.*ValueError: rank 1 broke"):
+        run_task(2, tmp_path, _rank_1_fails, ())
+    assert time.monotonic() - start < 60 and mp.active_children() == []
 
 
 def _collectives() -> dict[str, torch.Tensor | None]:
