@@ -22,6 +22,8 @@ from ember.runner.tensor_parallel import READY_TIMEOUT_S, TensorParallelRunner, 
 
 logger = logging.getLogger(__name__)
 
+PLACEMENT_TIMEOUT_S = 120  # for the cluster to find room for every rank
+
 
 def _free_address() -> tuple[str, int]:
     import ray
@@ -49,9 +51,9 @@ class RayTensorParallelRunner(TensorParallelRunner):
         self.profile_steps, self.step_times, self.pooler, self.graphs = False, {}, None, None
         self.generators, self.biases = {}, {}
         try:
-            if not self.group.wait(timeout_seconds=120):
-                raise ValueError(f"the Ray cluster cannot place {size} workers of {self.group.bundle_specs[0]}: "
-                                 f"it has {ray.available_resources()}")
+            if not self.group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
+                raise ValueError(f"the Ray cluster cannot place {size} workers of {self.group.bundle_specs[0]} "
+                                 f"within {PLACEMENT_TIMEOUT_S} s: it has {_free(ray.available_resources())} free")
 
             def on(rank: int) -> PlacementGroupSchedulingStrategy:
                 return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
@@ -125,3 +127,7 @@ def _failed(ref) -> bool:
     except ray.exceptions.RayError:
         return True
 
+
+
+def _free(resources: dict[str, float]) -> dict[str, float]:
+    return {k: resources.get(k, 0.0) for k in ("CPU", "GPU")}
