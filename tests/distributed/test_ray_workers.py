@@ -6,7 +6,6 @@ gets a temp dir of its own and is stopped by its handle (never `ray stop`)."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest
