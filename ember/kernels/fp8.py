@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.paged import FP8_MAX
+from ember.kernels.tiles import grouped_tile
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # block-scaled weights: 128 x 128 (DeepSeek-V3, Qwen3-FP8); activation groups: 128
@@ -74,15 +75,7 @@ def _fp8_matmul_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, stride_
                        stride_ws, stride_y, K: tl.constexpr, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # grouped launch order: GROUP_M row tiles share each column tile of w while it is in L2
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.tiles import grouped_tile
+
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -134,15 +136,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padd
                      num_pairs, N, K, stride_a, stride_we, stride_wn, stride_c, rows_per_a,
                      GATED: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles_m = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    # grouped launch order: GROUP_M row blocks share each column tile of the weight while it is in L2
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
