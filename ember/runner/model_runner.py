@@ -28,6 +28,7 @@ from ember.loader.model_files import load_model, locate_model
 from ember.request import Request
 from ember.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
 from ember.distributed.sharding import shard_heads
+from ember.models.config import ModelConfig
 from ember.runner.cuda_graph import DecodeGraphs
 from ember.runner.pooler import Pooler
 from ember.runner.sampler import (LogitBias, PendingLogprobs, Sampler, SamplingRow, TokenLogprobs, to_device,
@@ -77,6 +78,11 @@ class _Rows:
     start: int
     stop: int
     offset: int  # row - position
+
+
+def rank_kv_heads(mc: ModelConfig) -> int:
+    """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
+    return shard_heads(mc.num_heads, mc.num_kv_heads, tp_rank(), tp_size()).num_kv_heads
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -160,7 +166,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """K and V of one block in every layer, in the cache dtype (fp8: half of bfloat16's)."""
         mc, c = self.config.model_config, self.config
-        return 2 * mc.num_layers * c.block_size * self.num_kv_heads * mc.head_dim * c.kv_cache_torch_dtype.itemsize
+        return 2 * mc.num_layers * c.block_size * rank_kv_heads(mc) * mc.head_dim * c.kv_cache_torch_dtype.itemsize
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -168,9 +174,7 @@ class ModelRunner:
 
     @property
     def num_kv_heads(self) -> int:
-        """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
-        mc = self.config.model_config
-        return shard_heads(mc.num_heads, mc.num_kv_heads, tp_rank(), tp_size()).num_kv_heads
+        return rank_kv_heads(self.config.model_config)
 
     def _num_kv_blocks(self) -> int:
         c = self.config
