@@ -49,7 +49,7 @@ class RayTensorParallelRunner(TensorParallelRunner):
         self.actors: list = []
         self._pending: list = []  # the object refs of the messages sent since the last collect
         self.profile_steps, self.step_times, self.pooler, self.graphs = False, {}, None, None
-        self.generators, self.biases = {}, {}
+        self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
         try:
             if not self.group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
                 raise ValueError(f"the Ray cluster cannot place {size} workers of {self.group.bundle_specs[0]} "

@@ -20,7 +20,7 @@ import socket
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,14 +45,6 @@ class _Launched:
     plan: Any
 
 
-@dataclass
-class _Proxy:
-    """The per-request state the engine checks on its runner lives in the workers."""
-
-    generators: dict = field(default_factory=dict)
-    biases: dict = field(default_factory=dict)
-
-
 class TensorParallelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -67,16 +59,13 @@ class TensorParallelRunner:
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         threads = max(1, torch.get_num_threads() // size)
-        self.procs = [ctx.Process(target=_worker, name=f"ember-tp{rank}", daemon=True,
-                                  args=(worker_config(config), rank, size, init_method, self.bus.handle(), child, threads,
-                                        os.getpid()))
+        args = (worker_config(config), size, init_method, self.bus.handle(), child, threads, os.getpid())
+        self.procs = [ctx.Process(target=_worker, name=f"ember-tp{rank}", daemon=True, args=(rank, *args))
                       for rank in range(size)]
         self.profile_steps = False
         self.step_times: dict[str, float] = {}
-        self.pooler = None
-        self._state = _Proxy()
-        self.generators, self.biases = self._state.generators, self._state.biases
-        self.graphs = None
+        self.pooler, self.graphs = None, None
+        self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
         self._dead: str | None = None
         try:
             for p in self.procs:
@@ -215,7 +204,7 @@ class Worker:
         destroy()
 
 
-def _worker(config: EngineConfig, rank: int, size: int, init_method: str, handle, results, threads: int,
+def _worker(rank: int, config: EngineConfig, size: int, init_method: str, handle, results, threads: int,
             engine_pid: int) -> None:
     """One rank in a process of its own: a Worker fed by the shared-memory broadcast."""
     def engine_alive() -> bool:
