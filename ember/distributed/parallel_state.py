@@ -9,6 +9,7 @@ its input: a model built without tensor parallelism runs as it always did.
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -97,3 +98,10 @@ def min_over_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group)
     return int(t.item())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a group's init address or a local server)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

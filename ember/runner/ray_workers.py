@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any
 
 from ember.config import EngineConfig
@@ -28,9 +27,9 @@ PLACEMENT_TIMEOUT_S = 120  # for the cluster to find room for every rank
 def _free_address() -> tuple[str, int]:
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    from ember.distributed.parallel_state import free_port
+
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 class RayTensorParallelRunner(TensorParallelRunner):

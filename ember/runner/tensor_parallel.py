@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from ember.config import EngineConfig
+from ember.distributed.parallel_state import free_port
 from ember.distributed.shm_broadcast import ShmBroadcast
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,7 @@ class TensorParallelRunner:
         ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no CUDA or thread state forked
         self.bus = ShmBroadcast(readers=size, slots=8, slot_bytes=4 << 20)
         self.results, child = ctx.Pipe(duplex=False)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, torch.get_num_threads() // size)
         args = (worker_config(config), size, init_method, self.bus.handle(), child, threads, os.getpid())
         self.procs = [ctx.Process(target=_worker, name=f"ember-tp{rank}", daemon=True, args=(rank, *args))

@@ -16,12 +16,13 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+
+from ember.distributed.parallel_state import free_port
 
 logger = logging.getLogger("ember.server")
 
@@ -56,12 +57,6 @@ def replica_env(index: int, size: int, device: str) -> dict[str, str]:
     else:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -116,7 +111,7 @@ def run_data_parallel(argv: list[str], size: int, device: str, host: str, port: 
         if torch.cuda.device_count() < size:
             raise ValueError(f"--data-parallel-size {size} needs {size} GPUs, and {torch.cuda.device_count()} are "
                              "visible: lower it, or run on the CPU (--device cpu)")
-    ports = [_free_port() for _ in range(size)]
+    ports = [free_port() for _ in range(size)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs: list[subprocess.Popen] = []
     try:
