@@ -11,6 +11,7 @@ from types import MappingProxyType
 
 import torch
 
+from ember.defaults import TUNING_KNOBS, USAGES, log_settings, scheduling_defaults
 from ember.models.config import ModelConfig
 from ember.pooling import PoolerConfig
 
@@ -21,11 +22,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CPU_KV_CACHE_MEMORY = 1 << 30  # default KV pool on the CPU: 1 GiB (vLLM's CPU backend uses 4)
-# default token budget a step: 2048 on CUDA; on the CPU 512 (llama.cpp's ubatch), as a step
-# is compute-bound there: SmolLM2-135M fp32 on 2 AVX2 cores takes ~2 s for 512 prompt tokens,
-# 8-28 s for 2048. An abort, a new request or a decode step waits at most one step.
-CUDA_MAX_NUM_BATCHED_TOKENS = 2048
-CPU_MAX_NUM_BATCHED_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -63,8 +59,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the pool size (vLLM's num_gpu_blocks_override)
     kv_cache_memory: int | None = None  # bytes for the KV pool
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # per-step token budget; default 2048 on CUDA, 512 on the CPU
+    # seats and per-step token budget; None: the defaults for the device and usage_context
+    # (defaults.py: e.g. 512 and 16384 offline on a large GPU, 256 and 512 on the CPU)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    usage_context: str = "offline"  # offline (LLM, ember bench) | serve (ember serve): picks the defaults above
+    # knob -> where the caller took its value ("flag", "config file"); logged at start
+    setting_sources: dict[str, str] = field(default_factory=dict)
     scheduling_policy: str = "fcfs"  # fcfs | priority | lpm (longest cached prefix first)
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -84,8 +85,10 @@ class EngineConfig:
     # worker process each (runner/tensor_parallel.py): gloo on the CPU, NCCL on GPUs 0..N-1
     tensor_parallel_size: int = 1
     # mp: the workers are processes of this machine | ray: Ray actors, on the cluster RAY_ADDRESS
-    # names (or a new local one), placed by a placement group: ranks may span nodes
-    distributed_executor_backend: str = "mp"
+    # names (or a new local one), placed by a placement group: ranks may span nodes | None: mp
+    # when tensor_parallel_size > 1, else the model runs in the engine's process (named at
+    # size 1, mp or ray still runs the one rank as a worker, as vLLM's executors do)
+    distributed_executor_backend: str | None = None
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")
@@ -104,7 +107,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-empty string or None; got {value!r:.80}")
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
         _choice("quantization", self.quantization, ("auto", "none", "gguf", "fp8"))
-        _choice("distributed_executor_backend", self.distributed_executor_backend, ("mp", "ray"))
+        if self.distributed_executor_backend is not None:
+            _choice("distributed_executor_backend", self.distributed_executor_backend, ("mp", "ray"))
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}")
         _choice("kv_cache_dtype", self.kv_cache_dtype, tuple(_KV_CACHE_DTYPES))
@@ -118,8 +122,8 @@ class EngineConfig:
                                  "(--runner pooling) too")
             if not isinstance(self.pooler_config, PoolerConfig):
                 object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
-        _positive("max_num_seqs", self.max_num_seqs)
-        for name in ("block_size", "max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
+        _choice("usage_context", self.usage_context, USAGES)
+        for name in ("max_num_seqs", "block_size", "max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.async_scheduling not in (None, True, False):
@@ -178,13 +182,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU with fp8 (compute capability "
                              f">= 8.9: Ada, Hopper); this one is {torch.cuda.get_device_capability()}: "
                              "use kv_cache_dtype='auto'")
-        budget = self.max_num_batched_tokens or (CUDA_MAX_NUM_BATCHED_TOKENS if device == "cuda"
-                                                 else CPU_MAX_NUM_BATCHED_TOKENS)
+        defaults = scheduling_defaults(device, self.usage_context)
         async_scheduling = self.async_scheduling if self.async_scheduling is not None else device == "cuda"
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
-        return dataclasses.replace(
+        resolved = dataclasses.replace(
             self,
             model=str(files.path),
             tokenizer=tokenizer,
@@ -197,7 +200,8 @@ class EngineConfig:
             kv_cache_dtype="float16" if self.kv_cache_dtype == "auto" and device == "cpu" and quantization == "gguf"
             else self.kv_cache_dtype,
             max_model_len=max_model_len,
-            max_num_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs or defaults.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or defaults.max_num_batched_tokens,
             block_size=self.block_size or (128 if device == "cuda" else 16),
             attention_backend=backend,
             async_scheduling=async_scheduling,
@@ -206,6 +210,15 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching and self.runner == "generate",
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
+        log_settings(vars(resolved), self._sources(), defaults)
+        return resolved
+
+    def _sources(self) -> dict[str, str]:
+        """Each tuning knob the caller set: where its value came from (an argument, unless
+        setting_sources says "flag" or "config file")."""
+        unset = EngineConfig()
+        return {name: self.setting_sources.get(name, "argument") for name in TUNING_KNOBS
+                if getattr(self, name) != getattr(unset, name)}
 
 
 def cpu_computes_bfloat16() -> bool:

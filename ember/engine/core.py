@@ -55,11 +55,11 @@ class EngineCoreOutput:
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        if config.tensor_parallel_size > 1 and config.distributed_executor_backend == "ray":
+        if config.distributed_executor_backend == "ray":
             from ember.runner.ray_workers import RayTensorParallelRunner
 
             self.runner = RayTensorParallelRunner(config)
-        elif config.tensor_parallel_size > 1:
+        elif config.tensor_parallel_size > 1 or config.distributed_executor_backend == "mp":
             from ember.runner.tensor_parallel import TensorParallelRunner
 
             self.runner = TensorParallelRunner(config)

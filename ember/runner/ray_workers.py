@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from ember.config import EngineConfig
+from ember.distributed.plan_diff import PlanEncoder
 from ember.runner.tensor_parallel import READY_TIMEOUT_S, TensorParallelRunner, Worker, WorkerFailed, worker_config
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ def _free_address() -> tuple[str, int]:
 
 
 class RayTensorParallelRunner(TensorParallelRunner):
+    masks_follow = False  # an actor's call cannot wait for the next one: the masks go with the plan
+
     def __init__(self, config: EngineConfig) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -49,6 +52,7 @@ class RayTensorParallelRunner(TensorParallelRunner):
         self._pending: list = []  # the object refs of the messages sent since the last collect
         self.profile_steps, self.step_times, self.pooler, self.graphs = False, {}, None, None
         self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
+        self.plans = PlanEncoder()
         try:
             if not self.group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
                 raise ValueError(f"the Ray cluster cannot place {size} workers of {self.group.bundle_specs[0]} "
@@ -93,10 +97,6 @@ class RayTensorParallelRunner(TensorParallelRunner):
                           f"(a Ray actor) while {doing}: {type(e).__name__}: {str(e)[:2000]}")
             self._stop()
             raise WorkerFailed(self._dead) from None
-
-    def release(self, request_id: str) -> None:
-        if self._dead is None:
-            self._send(("release", request_id))
 
     def shutdown(self) -> None:
         self._stop()

@@ -2,10 +2,12 @@
 included), each a ModelRunner over its shard of the layers (layers/linear.py,
 layers/embedding.py), joined over torch.distributed (gloo on the CPU, NCCL on GPUs 0..N-1).
 
-The scheduler stays in the engine's process. Each step's plan (and its grammar masks) goes
-to every rank once, through the shared-memory broadcast (distributed/shm_broadcast.py);
-every rank runs the same forward and sampling, and rank 0 sends back what it sampled over
-a pipe. A worker that dies, or fails, fails the engine with an error that names it; the
+The scheduler stays in the engine's process. Each step's plan goes to every rank once,
+through the shared-memory broadcast (distributed/shm_broadcast.py), as a diff of what the
+workers hold (distributed/plan_diff.py); its grammar masks follow in a second message, so
+the engine fills them while the ranks prepare and queue the forward (on Ray they travel
+with the plan). Every rank runs the same forward and sampling, and rank 0 sends back what
+it sampled over a pipe. A worker that dies, or fails, fails the engine with an error that names it; the
 others are then stopped, so no process outlives the engine (they are daemons too, and a
 worker whose engine is gone stops by itself).
 """
@@ -26,6 +28,7 @@ import torch
 
 from ember.config import EngineConfig
 from ember.distributed.parallel_state import free_port
+from ember.distributed.plan_diff import PlanDecoder, PlanEncoder
 from ember.distributed.shm_broadcast import ShmBroadcast
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ class _Launched:
 
 
 class TensorParallelRunner:
+    masks_follow = True  # the grammar masks come as the message after the plan (see Worker.handle)
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         size = config.tensor_parallel_size
@@ -64,6 +69,7 @@ class TensorParallelRunner:
         self.step_times: dict[str, float] = {}
         self.pooler, self.graphs = None, None
         self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
+        self.plans = PlanEncoder()
         self._dead: str | None = None
         try:
             for p in self.procs:
@@ -81,8 +87,13 @@ class TensorParallelRunner:
     # -- the runner's interface (EngineCore) -----------------------------------------------
 
     def launch(self, plan, fill_grammar_masks: Callable[[], dict[str, torch.Tensor]] | None = None) -> _Launched:
-        masks = fill_grammar_masks() if fill_grammar_masks is not None else {}
-        self._send(("launch", plan, masks))
+        diff = self.plans.encode(plan)
+        fill = fill_grammar_masks or dict
+        if self.masks_follow:
+            self._send(("launch", diff, None))
+            self._send(("masks", fill()))
+        else:
+            self._send(("launch", diff, fill()))
         return _Launched(plan)
 
     def collect(self, step: _Launched):
@@ -90,6 +101,7 @@ class TensorParallelRunner:
         return self._receive(STEP_TIMEOUT_S, "running a step")
 
     def release(self, request_id: str) -> None:
+        self.plans.forget(request_id)
         if self._dead is None:  # dead workers hold nothing: the engine's cleanup after a failure goes on
             self._send(("release", request_id))
 
@@ -175,6 +187,7 @@ class Worker:
             torch.cuda.set_device(gpu)
         init_tensor_parallel(rank, size, "nccl" if config.device == "cuda" else "gloo", init_method)
         self.runner = ModelRunner(config)
+        self.plans = PlanDecoder()
         self.launched: deque = deque()
 
     def sizes(self) -> dict[str, int]:
@@ -182,17 +195,27 @@ class Worker:
         return {"num_blocks": r.num_blocks, "weight_bytes": r.weight_bytes, "activation_bytes": r.activation_bytes,
                 "kv_cache_bytes": r.kv_cache_bytes}
 
-    def handle(self, message: tuple) -> Any:
+    def handle(self, message: tuple, next_message: Callable[[], tuple] | None = None) -> Any:
         """Rank 0's step output for ("collect",) (every rank computes it, the engine reads
-        rank 0's); None otherwise."""
+        rank 0's); None otherwise. A launch whose masks are None reads them with
+        `next_message()`, as late as the runner asks for them (or once it has launched)."""
         op = message[0]
         if op == "launch":
-            _, plan, masks = message
-            self.launched.append(self.runner.launch(plan, lambda: masks))
+            _, diff, masks = message
+            follow = [] if masks is None else [masks]
+
+            def fill() -> dict[str, torch.Tensor]:
+                if not follow:
+                    follow.append(next_message()[1])
+                return follow[0]
+
+            self.launched.append(self.runner.launch(self.plans.decode(diff), fill))
+            fill()  # a step that samples nothing never asked: the masks message is read all the same
         elif op == "collect":
             out = self.runner.collect(self.launched.popleft())
             return out if self.rank == 0 else None
         elif op == "release":
+            self.plans.forget(message[1])
             self.runner.release(message[1])
         return None
 
@@ -213,8 +236,11 @@ def _worker(rank: int, config: EngineConfig, size: int, init_method: str, handle
         bus = ShmBroadcast.attach(handle, rank)
         if rank == 0:
             results.send(("ready", worker.sizes()))
-        while (message := bus.recv(timeout=float("inf"), alive=engine_alive))[0] != "shutdown":
-            out = worker.handle(message)
+        def next_message() -> tuple:
+            return bus.recv(timeout=float("inf"), alive=engine_alive)
+
+        while (message := next_message())[0] != "shutdown":
+            out = worker.handle(message, next_message)
             if out is not None:
                 results.send(("output", out))
         bus.close()

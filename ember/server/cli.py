@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ember.config import EngineConfig
+from ember.defaults import TUNING_KNOBS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "CUDA); the heads must divide among them")
     parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=d.distributed_executor_backend,
                         help="mp: the tensor-parallel workers are processes of this machine; ray: Ray actors on the "
-                             "cluster RAY_ADDRESS names (or a new local one), ranks possibly on several nodes")
+                             "cluster RAY_ADDRESS names (or a new local one), ranks possibly on several nodes. "
+                             "Default: mp when --tensor-parallel-size > 1, else the engine's own process")
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority", "lpm"],
                         help="waiting requests go in arrival order, by priority, or longest cached prefix first")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -95,8 +97,10 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
              "scheduling_policy", "enable_prefix_caching",
              "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling",
              "tensor_parallel_size", "distributed_executor_backend"]
-    return {"model": model_arg(ns), "runner": runner_arg(ns), "pooler_config": ns.pooler_config} | \
-        {n: getattr(ns, n) for n in names}
+    from_file = getattr(ns, "from_config_file", {})
+    sources = {n: "config file" if n in from_file else "flag" for n in TUNING_KNOBS}
+    return {"model": model_arg(ns), "runner": runner_arg(ns), "pooler_config": ns.pooler_config,
+            "setting_sources": sources} | {n: getattr(ns, n) for n in names}
 
 
 def runner_arg(ns: argparse.Namespace) -> str:
@@ -212,7 +216,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     if ns.allowed_origins is not None:
         cors = CORSOptions(tuple(ns.allowed_origins), tuple(ns.allowed_methods), tuple(ns.allowed_headers),
                            ns.allow_credentials)
-    code = run_server(EngineConfig(**engine_args(ns)), host=ns.host, port=ns.port, api_key=ns.api_key,
+    code = run_server(EngineConfig(**engine_args(ns), usage_context="serve"), host=ns.host, port=ns.port, api_key=ns.api_key,
                       served_model_names=[ns.served_model_name] if ns.served_model_name else None,
                       max_waiting_requests=ns.max_waiting_requests, shutdown_timeout=ns.shutdown_timeout,
                       log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public,
@@ -372,12 +376,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = build_parser()
     ns = parser.parse_args(argv)
+    from_file = {}
     if getattr(ns, "config", None):  # the file's values become defaults: parse again so the flags win
         from_file = apply_config_file(ns.config_parser, ns.config)
         ns = parser.parse_args(argv)
         if ns.model_flag is not None and ns.model == from_file.get("model"):
             ns.model = None  # --model on the command line overrides the file's model
     vars(ns).pop("config_parser", None)  # the subcommand's parser, for the file: not a setting
+    ns.from_config_file = {k: v for k, v in from_file.items() if getattr(ns, k, None) == v}  # not overridden
     return ns
 
 
