@@ -64,7 +64,8 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     usage_context: str = "offline"  # offline (LLM, ember bench) | serve (ember serve): picks the defaults above
-    # knob -> where the caller took its value ("flag", "config file"); logged at start
+    # knob -> where the caller took its value ("flag", "config file"); logged at start. After
+    # resolve(): the knobs the caller set, and only those (the others took the defaults)
     setting_sources: dict[str, str] = field(default_factory=dict)
     scheduling_policy: str = "fcfs"  # fcfs | priority | lpm (longest cached prefix first)
     enable_prefix_caching: bool = True
@@ -211,7 +212,7 @@ class EngineConfig:
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
         log_settings(vars(resolved), self._sources(), defaults)
-        return resolved
+        return dataclasses.replace(resolved, setting_sources=self._sources())
 
     def _sources(self) -> dict[str, str]:
         """Each tuning knob the caller set: where its value came from (an argument, unless

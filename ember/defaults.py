@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 USAGES = ("offline", "serve")
 LARGE_GPU_BYTES = 70 << 30  # H100 80 GB, H200, B200: room for 512 seats' KV at 8B shapes
+# a defaulted seat count is lowered to the sequences whose whole context the KV pool holds
+# (seats_that_fit), but not below this: with long max_model_len most requests are far shorter
+SEATS_FLOOR = 256
 # the knobs a tuner turns (ember tune, the seeds): logged at start with their source
 TUNING_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "block_size", "kv_cache_dtype",
                 "scheduling_policy", "async_scheduling", "enable_prefix_caching")
@@ -45,6 +48,14 @@ def scheduling_defaults(device: str, usage: str) -> SchedulingDefaults:
         return SchedulingDefaults(512, 16384, f"offline on {gpu}") if large else \
             SchedulingDefaults(256, 8192, f"offline on {gpu}")
     return SchedulingDefaults(256, 2048, f"serving on {gpu}")
+
+
+def seats_that_fit(max_num_seqs: int, kv_tokens: int, max_model_len: int) -> int:
+    """The seats to run with when max_num_seqs is the default: no more than the KV pool holds
+    at max_model_len each, as more only buy preemptions once the sequences grow (Llama-8B
+    shape 512 x 1000/1000 on an H200: 426 seats run without any, 512 preempt 80 times and
+    lose 9 %), and not below SEATS_FLOOR (or the default, if lower)."""
+    return min(max_num_seqs, max(min(SEATS_FLOOR, max_num_seqs), kv_tokens // max_model_len))
 
 
 def log_settings(values: Mapping[str, object], sources: Mapping[str, str], defaults: SchedulingDefaults) -> None:

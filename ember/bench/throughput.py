@@ -172,7 +172,8 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
 
     import logging
 
-    logging.getLogger("ember.runner").setLevel(logging.INFO)  # the memory breakdown and graph capture time
+    for name in ("ember.runner", "ember.defaults"):  # the memory breakdown, graph capture time, the settings
+        logging.getLogger(name).setLevel(logging.INFO)
     start = time.perf_counter()
     llm = LLM(**engine_kwargs)
     startup_s = time.perf_counter() - start  # load, memory profile, KV pool, CUDA graphs: ready to serve

@@ -173,6 +173,7 @@ class AsyncEngine:
         self.log_requests = log_requests
         self.tokenizer = load_engine_tokenizer(self.config)
         self.core = EngineCore(self.config, self.tokenizer)
+        self.config = self.core.config  # the seats the KV pool allows, where max_num_seqs was the default
         self.inputs = InputProcessor(self.config, self.tokenizer, self.core.check_request)
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

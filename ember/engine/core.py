@@ -18,6 +18,7 @@ engine's own failure.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -65,6 +66,8 @@ class EngineCore:
             self.runner = TensorParallelRunner(config)
         else:
             self.runner = ModelRunner(config)
+        if self.runner.max_num_seqs != config.max_num_seqs:  # a defaulted seat count the KV pool lowered
+            self.config = config = dataclasses.replace(config, max_num_seqs=self.runner.max_num_seqs)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.prefix_cache = make_prefix_cache(config.enable_prefix_caching, self.block_pool, config.block_size)
         self.scheduler = Scheduler(self.block_pool, config.block_size, config.max_num_seqs,

@@ -32,6 +32,7 @@ class LLM:
         self.config = EngineConfig(model=model, dtype=dtype, load_format=load_format, **engine_args).resolve()
         self.tokenizer: Tokenizer | None = load_engine_tokenizer(self.config)
         self.engine = EngineCore(self.config, self.tokenizer)
+        self.config = self.engine.config  # the seats the KV pool allows, where max_num_seqs was the default
         self.inputs = InputProcessor(self.config, self.tokenizer, self.engine.check_request)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

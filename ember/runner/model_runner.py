@@ -10,6 +10,7 @@ launched step's sampled ids, never through the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from ember.config import CPU_KV_CACHE_MEMORY, EngineConfig
+from ember.defaults import seats_that_fit
 from ember.layers.attention import AttentionMetadata
 from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
@@ -123,6 +125,12 @@ class ModelRunner:
         # their table entries point at one block past the pool (BlockPool.null_block)
         self.num_null_blocks = 0 if shared_window(mc.layer_windows) is None else 1
         self.num_blocks = self._num_kv_blocks()
+        if "max_num_seqs" not in config.setting_sources:
+            seats = seats_that_fit(config.max_num_seqs, self.num_blocks * config.block_size, config.max_model_len)
+            if seats < config.max_num_seqs:
+                logger.info("max_num_seqs %d, not the default %d: the KV pool holds %d sequences of max_model_len "
+                            "%d", seats, config.max_num_seqs, seats, config.max_model_len)
+                self.config = config = dataclasses.replace(config, max_num_seqs=seats)
         shape = (2, mc.num_layers, self.num_blocks + self.num_null_blocks, config.block_size, self.num_kv_heads,
                  mc.head_dim)
         # zeroed: padded block-table entries and the null block are read (then masked), never NaN
@@ -167,6 +175,10 @@ class ModelRunner:
         """K and V of one block in every layer, in the cache dtype (fp8: half of bfloat16's)."""
         mc, c = self.config.model_config, self.config
         return 2 * mc.num_layers * c.block_size * rank_kv_heads(mc) * mc.head_dim * c.kv_cache_torch_dtype.itemsize
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
 
     @property
     def kv_cache_bytes(self) -> int:

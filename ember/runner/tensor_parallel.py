@@ -79,6 +79,7 @@ class TensorParallelRunner:
             # rank 0's (each rank holds about a tensor_parallel_size-th of the weights and the KV heads)
             self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
             self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
+            self.max_num_seqs = ready["max_num_seqs"]
         except BaseException:
             self.shutdown()
             raise
@@ -193,7 +194,7 @@ class Worker:
     def sizes(self) -> dict[str, int]:
         r = self.runner
         return {"num_blocks": r.num_blocks, "weight_bytes": r.weight_bytes, "activation_bytes": r.activation_bytes,
-                "kv_cache_bytes": r.kv_cache_bytes}
+                "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs}
 
     def handle(self, message: tuple, next_message: Callable[[], tuple] | None = None) -> Any:
         """Rank 0's step output for ("collect",) (every rank computes it, the engine reads

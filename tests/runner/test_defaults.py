@@ -53,3 +53,29 @@ def test_a_large_gpu_batches_offline_and_keeps_serving_steps_short():
     offline, serve = scheduling_defaults("cuda", "offline"), scheduling_defaults("cuda", "serve")
     assert (offline.max_num_seqs, offline.max_num_batched_tokens) == (512, 16384)
     assert (serve.max_num_seqs, serve.max_num_batched_tokens) == (256, 2048)
+
+
+def test_a_defaulted_seat_count_is_what_the_kv_pool_holds_at_max_model_len(gguf_path):
+    from ember import LLM
+    from ember.defaults import seats_that_fit
+
+    assert seats_that_fit(512, 6827 * 128, 2048) == 426  # Llama-8B shape on an H200: no preemption
+    assert seats_that_fit(512, 8192 * 128, 2048) == 512
+    assert seats_that_fit(512, 6827 * 128, 131072) == 256  # long contexts: most requests are far shorter
+    assert seats_that_fit(64, 1000, 1000) == 64  # a default below the floor stays
+    # the CPU's default (256) is the floor: 40 blocks of 16 at max_model_len 128 hold 5, and 256 stay
+    fitted = LLM(str(gguf_path), num_kv_blocks=40, max_model_len=128, max_num_batched_tokens=128)
+    assert (fitted.config.max_num_seqs, fitted.engine.scheduler.max_num_seqs) == (256, 256)
+
+
+@pytest.mark.gpu
+def test_a_large_gpu_offline_runs_the_seats_its_kv_pool_holds():
+    from ember import LLM
+
+    llm = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", max_model_len=3072)
+    kv_tokens = llm.engine.runner.num_blocks * llm.config.block_size
+    assert 256 < llm.engine.scheduler.max_num_seqs == llm.config.max_num_seqs == kv_tokens // 3072 < 512
+    assert llm.engine.runner.graphs.max_batch == llm.config.max_num_seqs
+    del llm
+    by_hand = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", max_model_len=3072, max_num_seqs=512)
+    assert by_hand.engine.scheduler.max_num_seqs == 512
