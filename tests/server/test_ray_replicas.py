@@ -6,6 +6,7 @@ left. A cluster too small for the replicas asked for is refused with a clear err
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -101,3 +102,13 @@ def test_replicas_the_cluster_cannot_place_are_refused(two_nodes, monkeypatch, o
     [new] = [g for i, g in _replica_groups().items() if i not in before]
     assert new["state"] == "REMOVED" and len(new["bundles"]) == 4
     assert ray.available_resources().get("CPU") == 3.0
+
+
+def test_a_replica_that_cannot_start_ends_the_command_with_its_error(gguf_path, tmp_path, two_nodes, one_thread):
+    s = Server(gguf_path, tmp_path / "dp.log", *RAY_ARGS, "--max-model-len", "99999999")
+    assert s.proc.wait(300) == 2
+    log = s.log_tail()
+    assert "ember: error: max_model_len=99999999 is longer than the model's context (8192)" in log  # the replica's
+    assert re.search(r"^ember: error: data-parallel replica [01] \(http://[\d.]+:\d+\) exited with code 2 before it "
+                     r"was ready: its log above says why$", log, re.MULTILINE), log
+    _wait_released([], 3.0)
