@@ -1,11 +1,12 @@
 """`ember serve --data-parallel-size 2 --data-parallel-backend ray` on a simulated two-node Ray
 cluster (the `two_nodes` fixture: two raylets on this machine). Through the real `openai`
 client the answers equal the offline engine's; the replicas run on different nodes and both
-serve; after SIGTERM, or when the command is killed, no replica, actor or placement group is
-left. A cluster too small for the replicas asked for is refused with a clear error."""
+serve; a replica whose actor dies is out of rotation; after SIGTERM, or when the command is
+killed, no replica, actor or placement group is left. A cluster too small for the replicas asked for is refused with a clear error."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -76,13 +77,26 @@ def test_two_replicas_on_two_nodes_answer_as_one_engine_and_stop_cleanly(gguf_pa
     assert _replica_groups()[group["placement_group_id"]]["state"] == "REMOVED"
 
 
-def test_a_killed_command_leaves_no_replica_behind(gguf_path, tmp_path, two_nodes, one_thread):
+def test_a_dead_replica_is_out_and_a_killed_command_leaves_none_behind(gguf_path, tmp_path, two_nodes, one_thread):
     s = Server(gguf_path, tmp_path / "dp.log", *RAY_ARGS)
     try:
         s.wait_ready(600)
         workers = httpx.get(f"{s.url}/router/stats", timeout=10).json()["workers"]
         pids = [p for w in workers for p in (w["pid"], w["actor_pid"])]
         assert len(pids) == 4 and all(_alive(p) for p in pids)
+        os.kill(workers[0]["actor_pid"], signal.SIGKILL)  # a replica's actor dies: its server goes with it
+        deadline = time.monotonic() + 30
+        while _alive(workers[0]["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(workers[0]["pid"])
+        deadline = time.monotonic() + 30  # the router's health check (every 5 s) takes it out
+        while httpx.get(f"{s.url}/router/stats", timeout=10).json()["workers"][0]["healthy"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        r = s.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2  # the other replica answers
+        stats = httpx.get(f"{s.url}/router/stats", timeout=10).json()["workers"]
+        assert [(w["healthy"], w["routed"]) for w in stats] == [(False, 0), (True, 1)]
         s.proc.send_signal(signal.SIGKILL)
         s.proc.wait(30)
         _wait_released(pids, 3.0)  # Ray ends the actors whose owner died; their servers die with them
