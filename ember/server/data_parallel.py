@@ -7,7 +7,8 @@ cores / N threads (OMP_NUM_THREADS, unless set), on CUDA one GPU of those visibl
 router sends each request to the replica whose prefix cache holds most of it (else the least
 loaded), takes a replica that dies out of rotation, and answers 503 once none is left. When
 the router stops, the replicas stop; a replica that fails to start stops the others and
-ends the command with its exit code.
+ends the command with its exit code. With --data-parallel-backend ray the same replicas run
+as Ray actors over a cluster's nodes (ray_replicas.py).
 """
 
 from __future__ import annotations
@@ -75,15 +76,16 @@ def wait_ready(procs: list[subprocess.Popen], urls: list[str], timeout: float, f
     while waiting:
         for i in sorted(waiting):
             if procs[i].poll() is not None:
-                raise RuntimeError(f"data-parallel replica {first + i} ({urls[i]}) exited with code {procs[i].returncode} "
-                                   "before it was ready: its log above says why")
+                raise RuntimeError(f"data-parallel replica {first + i} ({urls[i]}) exited with code "
+                                   f"{procs[i].returncode} before it was ready: its log above says why")
             try:
                 if httpx.get(f"{urls[i]}/health", timeout=2).status_code == 200:
                     waiting.discard(i)
             except httpx.HTTPError:
                 pass
         if waiting and time.monotonic() > deadline:
-            raise RuntimeError(f"data-parallel replicas {sorted(first + i for i in waiting)} were not ready after {timeout:.0f} s")
+            raise RuntimeError(f"data-parallel replicas {sorted(first + i for i in waiting)} were not ready after "
+                               f"{timeout:.0f} s")
         if waiting:
             time.sleep(0.5)
 

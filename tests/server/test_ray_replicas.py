@@ -2,7 +2,8 @@
 cluster (the `two_nodes` fixture: two raylets on this machine). Through the real `openai`
 client the answers equal the offline engine's; the replicas run on different nodes and both
 serve; a replica whose actor dies is out of rotation; after SIGTERM, or when the command is
-killed, no replica, actor or placement group is left. A cluster too small for the replicas asked for is refused with a clear error."""
+killed, no replica, actor or placement group is left. A cluster too small for the replicas
+asked for is refused with a clear error, and a replica that cannot start ends the command."""
 
 from __future__ import annotations
 
