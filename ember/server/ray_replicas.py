@@ -70,11 +70,12 @@ def run_ray_replicas(argv: list[str], size: int, device: str, tensor_parallel_si
 
     connected = ray.is_initialized()  # by the caller: it stays connected
     if not connected:
-        ray.init(address=os.environ.get("RAY_ADDRESS"))  # the replicas' logs come to this process's
+        ray.init(address=os.environ.get("RAY_ADDRESS"))  # log_to_driver: the replicas' logs come here
     threads = int(replica_env(0, size, "cpu")["OMP_NUM_THREADS"])  # OMP_NUM_THREADS, else this host's cores / N
     bundle = {"CPU": threads} | ({"GPU": tensor_parallel_size} if device == "cuda" else {})
     group = placement_group([bundle] * size, strategy="SPREAD")
     actors: list = []
+    ready = False
     try:
         if not group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
             raise ValueError(f"the Ray cluster cannot place {size} data-parallel replicas of {bundle} within "
@@ -91,24 +92,27 @@ def run_ray_replicas(argv: list[str], size: int, device: str, tensor_parallel_si
             raise e.cause if isinstance(e.cause, RuntimeError) else RuntimeError(str(e)) from None
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"a data-parallel replica's Ray actor died before it was ready: {e}") from None
+        ready = True
         urls = tuple(r.pop("url") for r in replicas)
         logger.info("data parallel on Ray: %d replicas ready at %s; the router listens on %s:%d", size,
                     ", ".join(urls), host, port)
         run_router(RouterConfig(urls, worker_info=dict(zip(urls, replicas))), host, port, log_level)
         return 0
     finally:
-        _stop(actors)
+        _stop(actors, graceful=ready)
         remove_placement_group(group)
         if not connected:
             ray.shutdown()
 
 
-def _stop(actors: list) -> None:
-    """Each replica drains and exits, then its actor goes."""
+def _stop(actors: list, graceful: bool) -> None:
+    """The actors go; `graceful`: each replica drains and exits first (a replica still starting
+    would take its stop call only once its start returns: its server dies with its actor)."""
     import ray
 
     try:
-        ray.get([a.stop.remote() for a in actors], timeout=STOP_TIMEOUT_S)
+        if graceful:
+            ray.get([a.stop.remote() for a in actors], timeout=STOP_TIMEOUT_S)
     except (ray.exceptions.RayError, TimeoutError) as e:
         logger.warning("data-parallel replicas did not all stop cleanly (%s): their actors are killed", e)
     for a in actors:
