@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,33 @@ def gguf_path() -> Path:
     from ember.loader.default_model import fetch_default_model
 
     return fetch_default_model()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def two_nodes(monkeypatch_module):
+    """A simulated two-node Ray cluster on this machine (two raylets: 2 CPUs and 1), joined by
+    this process and, through RAY_ADDRESS, by the processes it starts. It gets a temp dir of its
+    own and is stopped by its handle (never `ray stop`: that ends every Ray process here)."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    monkeypatch_module.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch_module.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: socket paths
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=1)
+    monkeypatch_module.setenv("RAY_ADDRESS", cluster.address)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 # the default model dequantized, in float32: HF transformers' numbers on any CPU (the

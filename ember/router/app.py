@@ -51,6 +51,7 @@ class RouterConfig:
     health_check_interval: float = 5.0  # seconds between GET /health of every worker
     health_check_timeout: float = 5.0
     connect_timeout: float = 5.0
+    worker_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # by URL: shown in /router/stats
 
 
 class WorkerFailed(Exception):
@@ -255,6 +256,7 @@ class Router:
     def stats(self) -> dict[str, Any]:
         return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
                              "cache_routed": w.cache_routed, "tree_chars": w.tree.size}
+                            | self.config.worker_info.get(w.url, {})
                             for w in self.policy.workers]}
 
 

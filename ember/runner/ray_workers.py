@@ -56,7 +56,7 @@ class RayTensorParallelRunner(TensorParallelRunner):
         try:
             if not self.group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
                 raise ValueError(f"the Ray cluster cannot place {size} workers of {self.group.bundle_specs[0]} "
-                                 f"within {PLACEMENT_TIMEOUT_S} s: it has {_free(ray.available_resources())} free")
+                                 f"within {PLACEMENT_TIMEOUT_S} s: it has {free_resources()} free")
 
             def on(rank: int) -> PlacementGroupSchedulingStrategy:
                 return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
@@ -129,5 +129,9 @@ def _failed(ref) -> bool:
 
 
 
-def _free(resources: dict[str, float]) -> dict[str, float]:
+def free_resources() -> dict[str, float]:
+    """The CPUs and GPUs the Ray cluster has free now (for the errors of a group it cannot place)."""
+    import ray
+
+    resources = ray.available_resources()
     return {k: resources.get(k, 0.0) for k in ("CPU", "GPU")}

@@ -227,6 +227,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
 def _serve_data_parallel(ns: argparse.Namespace) -> int:
     from ember.server.data_parallel import run_data_parallel
+    from ember.server.ray_replicas import run_ray_replicas
 
     if ns.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
@@ -236,6 +237,9 @@ def _serve_data_parallel(ns: argparse.Namespace) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if ns.data_parallel_backend == "ray":
+        return run_ray_replicas(ns.argv, ns.data_parallel_size, device, ns.tensor_parallel_size, ns.host, ns.port,
+                                ns.uvicorn_log_level)
     return run_data_parallel(ns.argv, ns.data_parallel_size, device, ns.host, ns.port, ns.uvicorn_log_level)
 
 
@@ -297,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="N replicas of this server (each its own process: cores / N threads on the CPU, one "
                             "GPU each on CUDA) behind ember's cache-aware router on --host/--port")
+    serve.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
+                       help="mp: the replicas are processes on this machine; ray: Ray actors spread over the nodes "
+                            "of the cluster RAY_ADDRESS names (else a new local one), one bundle each "
+                            "(OMP_NUM_THREADS or cores / N CPUs; tensor-parallel-size GPUs on CUDA)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health, /version and the "
                             "OpenAPI docs (and /metrics with --metrics-public)")

@@ -7,7 +7,8 @@ cores / N threads (OMP_NUM_THREADS, unless set), on CUDA one GPU of those visibl
 router sends each request to the replica whose prefix cache holds most of it (else the least
 loaded), takes a replica that dies out of rotation, and answers 503 once none is left. When
 the router stops, the replicas stop; a replica that fails to start stops the others and
-ends the command with its exit code.
+ends the command with its exit code. With --data-parallel-backend ray the same replicas run
+as Ray actors over a cluster's nodes (ray_replicas.py).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from ember.distributed.parallel_state import free_port
 
 logger = logging.getLogger("ember.server")
 
-_OWN_FLAGS = ("--data-parallel-size", "--host", "--port")  # the parent's, not the replicas'
+_OWN_FLAGS = ("--data-parallel-size", "--data-parallel-backend", "--host", "--port")  # the parent's
 
 
-def replica_argv(argv: list[str], port: int) -> list[str]:
+def replica_argv(argv: list[str], port: int, host: str = "127.0.0.1") -> list[str]:
     """`serve`'s command line for one replica: the user's flags without the parent's own
-    (`--flag value` or `--flag=value`), then the replica's port and size 1 (which also
+    (`--flag value` or `--flag=value`), then the replica's address and size 1 (which also
     overrides a --config file's data-parallel-size)."""
     out: list[str] = []
     skip = False
@@ -44,7 +45,7 @@ def replica_argv(argv: list[str], port: int) -> list[str]:
             skip = "=" not in arg
             continue
         out.append(arg)
-    return out + ["--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "1"]
+    return out + ["--host", host, "--port", str(port), "--data-parallel-size", "1"]
 
 
 def replica_env(index: int, size: int, device: str) -> dict[str, str]:
@@ -59,7 +60,7 @@ def replica_env(index: int, size: int, device: str) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In a replica before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG),
     so a killed parent leaves no replica behind."""
     try:
@@ -68,26 +69,29 @@ def _die_with_parent() -> None:
         pass
 
 
-def _wait_ready(procs: list[subprocess.Popen], urls: list[str], timeout: float) -> None:
+def wait_ready(procs: list[subprocess.Popen], urls: list[str], timeout: float, first: int = 0) -> None:
+    """Until every replica answers GET /health with 200 (replica `first + i` is procs[i] at urls[i])."""
     deadline = time.monotonic() + timeout
     waiting = set(range(len(procs)))
     while waiting:
         for i in sorted(waiting):
             if procs[i].poll() is not None:
-                raise RuntimeError(f"data-parallel replica {i} ({urls[i]}) exited with code {procs[i].returncode} "
-                                   "before it was ready: its log above says why")
+                raise RuntimeError(f"data-parallel replica {first + i} ({urls[i]}) exited with code "
+                                   f"{procs[i].returncode} before it was ready: its log above says why")
             try:
                 if httpx.get(f"{urls[i]}/health", timeout=2).status_code == 200:
                     waiting.discard(i)
             except httpx.HTTPError:
                 pass
         if waiting and time.monotonic() > deadline:
-            raise RuntimeError(f"data-parallel replicas {sorted(waiting)} were not ready after {timeout:.0f} s")
+            raise RuntimeError(f"data-parallel replicas {sorted(first + i for i in waiting)} were not ready after "
+                               f"{timeout:.0f} s")
         if waiting:
             time.sleep(0.5)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (the replicas drain), then SIGKILL what is left after 30 s."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -117,11 +121,11 @@ def run_data_parallel(argv: list[str], size: int, device: str, host: str, port: 
     try:
         for i, replica_port in enumerate(ports):
             procs.append(subprocess.Popen([sys.executable, "-m", "ember.server.cli", *replica_argv(argv, replica_port)],
-                                          env=replica_env(i, size, device), preexec_fn=_die_with_parent))
-        _wait_ready(procs, urls, ready_timeout)
+                                          env=replica_env(i, size, device), preexec_fn=die_with_parent))
+        wait_ready(procs, urls, ready_timeout)
         logger.info("data parallel: %d replicas ready at %s; the router listens on %s:%d", size, ", ".join(urls),
                     host, port)
         run_router(RouterConfig(tuple(urls)), host, port, log_level)
         return 0
     finally:
-        _stop(procs)
+        stop_processes(procs)

@@ -6,8 +6,6 @@ gets a temp dir of its own and is stopped by its handle (never `ray stop`)."""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 
 from ember import LLM, SamplingParams
@@ -20,28 +18,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 ARGS = dict(quantization="none", dtype="float32", num_kv_blocks=64)
-
-
-@pytest.fixture(scope="module")
-def two_nodes(monkeypatch_module):
-    from ray.cluster_utils import Cluster
-
-    monkeypatch_module.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    monkeypatch_module.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: socket paths
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def test_three_ranks_over_two_ray_nodes_give_one_process_tokens(gguf_path, two_nodes):

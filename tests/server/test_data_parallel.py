@@ -27,6 +27,8 @@ def test_a_replica_gets_the_flags_but_the_parents_own():
                                          "127.0.0.1", "--port", "41234", "--data-parallel-size", "1"]
     assert replica_argv(["serve", "m", "--port=1", "--data-parallel-size", "3"], 5) == \
         ["serve", "m", "--host", "127.0.0.1", "--port", "5", "--data-parallel-size", "1"]
+    assert replica_argv(["serve", "m", "--data-parallel-backend", "ray", "--data-parallel-size=2"], 7, "10.0.0.2") == \
+        ["serve", "m", "--host", "10.0.0.2", "--port", "7", "--data-parallel-size", "1"]
 
 
 def test_a_replica_gets_its_gpu_or_its_share_of_the_threads(monkeypatch):
