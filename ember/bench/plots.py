@@ -52,6 +52,7 @@ def plot_tune(report: dict[str, Any], path: str | Path):
     (ember.bench.tune's JSON). Line labels: the setting's label, plus " p50" for the dashed
     median lines."""
     fig, (thr, ttft, tpot) = _figure(3, 17, 5)
+    unit = "conversations/s" if report["workload"] == "shared-prefix" else "req/s"
     colours = [f"C{i % 10}" for i in range(len(report["settings"]))]
     best = report.get("best")
     for colour, setting in zip(colours, report["settings"]):
@@ -72,14 +73,14 @@ def plot_tune(report: dict[str, Any], path: str | Path):
         knee = best["knee"]
         for ax, y in ((thr, knee["output_throughput"]), (ttft, knee["ttft_p99_ms"]), (tpot, knee["tpot_p99_ms"])):
             ax.scatter([knee["rate"]], [y], marker="*", s=320, color="gold", edgecolors="black", zorder=4,
-                       label=f"chosen: {best['label']} @ {knee['rate']:g} req/s")
+                       label=f"chosen: {best['label']} @ {knee['rate']:g} {unit}")
     slo = report["slo"]
     ttft.axhline(slo["ttft_p99_ms"], color="red", linestyle=":", label=f"SLO p99 {slo['ttft_p99_ms']:g} ms")
     tpot.axhline(slo["tpot_p99_ms"], color="red", linestyle=":", label=f"SLO p99 {slo['tpot_p99_ms']:g} ms")
     for ax, title, unit in ((thr, "Output throughput", "tok/s"), (ttft, "TTFT p99 (p50 dashed)", "ms"),
                             (tpot, "TPOT p99 (p50 dashed)", "ms")):
         ax.set_title(title)
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel(f"rate ({unit})")
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
     handles, labels = thr.get_legend_handles_labels()

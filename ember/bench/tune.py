@@ -389,8 +389,12 @@ def write_csv(report: dict[str, Any], path: Path) -> None:
                                  *(p[name] for name in fields), meets(Point(**p), slo)])
 
 
+def rate_unit(workload: str) -> str:
+    return "conversations/s" if workload == "shared-prefix" else "req/s"
+
+
 def format_report(report: dict[str, Any]) -> str:
-    slo = report["slo"]
+    slo, unit = report["slo"], rate_unit(report["workload"])
     lines = [f"ember tune: SLO p99 TTFT <= {slo['ttft_p99_ms']:g} ms, p99 TPOT <= {slo['tpot_p99_ms']:g} ms; "
              f"{len(report['settings'])} settings in {report['elapsed_s']:.0f} s "
              f"(budget {report['budget_minutes']:g} min)"]
@@ -398,11 +402,11 @@ def format_report(report: dict[str, Any]) -> str:
         k = s["knee"]
         rates = ", ".join(f"{p['rate']:g}" for p in s["points"])
         lines.append(f"  {s['label']:<40} rates [{rates}] -> "
-                     + (f"knee {k['rate']:g} req/s, {k['output_throughput']:.1f} tok/s" if k else "no rate meets the SLOs")
+                     + (f"knee {k['rate']:g} {unit}, {k['output_throughput']:.1f} tok/s" if k else "no rate meets the SLOs")
                      + (f"  ({s['note']})" if s["note"] else ""))
     lines += [f"  note: {n}" for n in report["notes"]]
     best = report["best"]
-    lines.append(f"best: {best['label']} at {best['knee']['rate']:g} req/s -> {best['config']}" if best
+    lines.append(f"best: {best['label']} at {best['knee']['rate']:g} {unit} -> {best['config']}" if best
                  else "no setting meets the SLOs at its lowest rate: loosen the SLOs or give lower --request-rates")
     return "\n".join(lines)
 
@@ -472,7 +476,7 @@ def run_tune(ns: argparse.Namespace) -> dict[str, Any]:
         best = report["best"]
         path.write_text(config_yaml(
             tuner.config_for(best["values"]),
-            f"ember tune: {best['label']}: {best['knee']['rate']:g} req/s within p99 TTFT "
+            f"ember tune: {best['label']}: {best['knee']['rate']:g} {rate_unit(ns.workload)} within p99 TTFT "
             f"{ns.slo_ttft_p99:g} ms, p99 TPOT {ns.slo_tpot_p99:g} ms ({ns.workload} workload, {report['date']})\n"
             f"ember serve --config {path.name}"))
         best["config"] = str(path)
