@@ -185,10 +185,11 @@ class _Server:
         self.url = f"http://127.0.0.1:{(port := free_port())}"
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = log.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ember.server.cli", "serve", "--config", str(config), "--host", "127.0.0.1",
              "--port", str(port), "--shutdown-timeout", "1", "--uvicorn-log-level", "warning"],
-            stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            stdout=self._log_file, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
             preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout: float) -> None:
@@ -215,6 +216,7 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._log_file.close()
 
 
 def _label(values: dict[str, Any], start: dict[str, Any]) -> str:
@@ -275,6 +277,9 @@ class _Tuner:
             for rate in rates:
                 point = Point.from_summary(rate, self._bench(server.url, rate))
                 run.points.append(point)
+                print(f"[{self.budget.elapsed():4.0f} s] {run.label} @ {rate:g}: p99 TTFT {point.ttft_p99_ms:.0f} ms, "
+                      f"p99 TPOT {point.tpot_p99_ms:.1f} ms, {point.output_throughput:.0f} tok/s"
+                      + ("" if meets(point, self.slo) else ": misses the SLOs"), flush=True)
                 if not meets(point, self.slo):
                     break
         except TimeoutError as e:
@@ -406,8 +411,12 @@ def format_report(report: dict[str, Any]) -> str:
                      + (f"  ({s['note']})" if s["note"] else ""))
     lines += [f"  note: {n}" for n in report["notes"]]
     best = report["best"]
-    lines.append(f"best: {best['label']} at {best['knee']['rate']:g} {unit} -> {best['config']}" if best
-                 else "no setting meets the SLOs at its lowest rate: loosen the SLOs or give lower --request-rates")
+    if best:
+        lines.append(f"best: {best['label']} at {best['knee']['rate']:g} {unit} -> {best['config']}")
+    elif any(s["points"] for s in report["settings"]):
+        lines.append("no setting meets the SLOs at its lowest rate: loosen the SLOs or give lower --request-rates")
+    else:
+        lines.append("nothing was measured within the budget: raise --budget-minutes")
     return "\n".join(lines)
 
 

@@ -162,6 +162,7 @@ def test_the_written_config_starts_a_server_that_answers_as_the_engine(tuned, gg
     import yaml
 
     from ember import LLM, SamplingParams
+    from ember.bench.serve import _arrival_gaps
     from ember.distributed.parallel_state import free_port
     from ember.server.cli import main
 
@@ -209,6 +210,16 @@ def test_the_written_config_starts_a_server_that_answers_as_the_engine(tuned, gg
         assert len(per_request["ttft_ms"]) == len(per_request["tpot_ms"]) == results["completed"] == 3
         assert np.median(per_request["ttft_ms"]) == pytest.approx(results["median_ttft_ms"], rel=1e-12)
         assert np.percentile(per_request["tpot_ms"], 99) == pytest.approx(results["p99_tpot_ms"], rel=1e-12)
+
+        # shared-prefix conversations start --request-rate apart (Poisson, from --seed): the
+        # run lasts at least until the last one starts
+        main(["bench", "serve", "--base-url", url, "--tokenizer", str(gguf_path), "--dataset", "shared-prefix",
+              "--num-prompts", "3", "--num-turns", "2", "--shared-prefix-len", "16", "--turn-input-len", "4",
+              "--random-output-len", "2", "--ignore-eos", "--request-rate", "1.5", "--seed", "7",
+              "--output-json", str(out_json)])
+        last_start = sum(_arrival_gaps(3, 1.5, 1.0, 7))
+        assert last_start > 1.0
+        assert json.loads(out_json.read_text())["results"]["duration_s"] >= last_start
     finally:
         proc.terminate()
         proc.wait(30)
