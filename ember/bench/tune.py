@@ -296,7 +296,7 @@ class _Tuner:
             raise RuntimeError(f"no request completed at the starting setting: {s['errors']}")
         units = self.ns.num_prompts if self.ns.workload == "shared-prefix" else s["completed"] + s["failed"]
         saturated_rate = units / s["duration_s"]
-        others = sum(len(v) - 1 for v in self.sweep.values())
+        others = sum(value != self.start[knob] for knob, values in self.sweep.items() for value in values)
         rungs = plan_rungs(self.budget.left(), startup_s, s["duration_s"], saturated_rate, units, others)
         self.calibration = {"saturated_request_rate": saturated_rate, "duration_s": s["duration_s"],
                             "output_throughput": s["output_throughput"], "rungs": rungs}
@@ -304,14 +304,15 @@ class _Tuner:
         return ladder(saturated_rate, rungs)
 
     def tune(self, start: dict[str, Any], sweep: dict[str, list[Any]], rates: list[float] | None) -> None:
-        self.sweep = sweep
+        self.sweep, self.start = sweep, start
         self.units = self.ns.num_prompts
         current = SettingRun("defaults", None, dict(start))
         rates = self.measure(current, rates)
         if not current.points:
             self.notes.append(f"the starting setting measured nothing: {current.note}")
             return
-        for knob, values in sweep.items():
+        knobs = list(sweep)
+        for i, (knob, values) in enumerate(sweep.items()):
             candidates = [current]
             for value in values:
                 if value == current.values[knob]:
@@ -320,7 +321,8 @@ class _Tuner:
                 label = _label(values_now, start)
                 first_point = max(self.units / rates[0], (self.calibration or {}).get("duration_s", 0.0))
                 if self.budget.left() < (current.startup_s or 0.0) + first_point:
-                    self.notes.append(f"the budget ran out before {label}")
+                    later = f"; not swept: {', '.join(knobs[i + 1:])}" if knobs[i + 1:] else ""
+                    self.notes.append(f"the budget ran out before {label}{later}")
                     return
                 run = SettingRun(label, knob, values_now)
                 self.measure(run, rates)
@@ -406,7 +408,7 @@ def format_report(report: dict[str, Any]) -> str:
     for s in report["settings"]:
         k = s["knee"]
         rates = ", ".join(f"{p['rate']:g}" for p in s["points"])
-        lines.append(f"  {s['label']:<40} rates [{rates}] -> "
+        lines.append(f"  {s['label']:<48} rates [{rates}] -> "
                      + (f"knee {k['rate']:g} {unit}, {k['output_throughput']:.1f} tok/s" if k else "no rate meets the SLOs")
                      + (f"  ({s['note']})" if s["note"] else ""))
     lines += [f"  note: {n}" for n in report["notes"]]
