@@ -211,6 +211,16 @@ def test_the_written_config_starts_a_server_that_answers_as_the_engine(tuned, gg
         assert np.median(per_request["ttft_ms"]) == pytest.approx(results["median_ttft_ms"], rel=1e-12)
         assert np.percentile(per_request["tpot_ms"], 99) == pytest.approx(results["p99_tpot_ms"], rel=1e-12)
 
+        # a workload file: its prompts and lengths exactly
+        workload = tmp_path / "w.jsonl"
+        workload.write_text('{"prompt": [1, 2, 3, 4, 5], "max_tokens": 3}\n{"prompt": "Once upon a time", "max_tokens": 2}\n')
+        main(["bench", "serve", "--base-url", url, "--tokenizer", str(gguf_path), "--dataset", str(workload),
+              "--ignore-eos", "--output-json", str(out_json)])
+        results = json.loads(out_json.read_text())["results"]
+        tok = llm.get_tokenizer()
+        assert (results["completed"], results["total_input_tokens"], results["total_output_tokens"]) == \
+            (2, 5 + len(tok.encode("Once upon a time", add_special_tokens=False)), 5)
+
         # shared-prefix conversations start --request-rate apart (Poisson, from --seed): the
         # run lasts at least until the last one starts
         main(["bench", "serve", "--base-url", url, "--tokenizer", str(gguf_path), "--dataset", "shared-prefix",
