@@ -10,10 +10,18 @@ Each returns its Figure (for tests that read the plotted data back), already sav
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def require_matplotlib() -> None:
+    """Called before a run whose results are to be plotted, so that a missing matplotlib
+    is found before the run, not after it."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError("the plots need matplotlib: pip install matplotlib (or ember's bench extra)")
 
 
 def _figure(ncols: int, width: float, height: float):

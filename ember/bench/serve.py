@@ -307,6 +307,10 @@ def run_serve_bench(ns: argparse.Namespace) -> dict[str, Any]:
 
         ns.tokenizer = str(fetch_default_model())
     tok = load_tokenizer(ns.tokenizer)
+    if ns.plot:
+        from ember.bench.plots import require_matplotlib
+
+        require_matplotlib()
     model = ns.model or _server_model(ns.base_url, ns.api_key)
     results, duration = run_workload(ns, tok, model)
     summary = summarize(results, duration)

@@ -451,12 +451,13 @@ def run_tune(ns: argparse.Namespace) -> dict[str, Any]:
     """Tune, write the files, print the summary; the report (results.json's content)."""
     budget = _Budget(ns.budget_minutes)
     import torch
-    from matplotlib.figure import Figure  # noqa: F401  (missing matplotlib fails here, not after the run)
 
+    from ember.bench.plots import plot_tune, require_matplotlib
     from ember.config import EngineConfig, cpu_computes_bfloat16
     from ember.loader.tokenizer import load_tokenizer
     from ember.server.cli import engine_args
 
+    require_matplotlib()
     if ns.slo_ttft_p99 <= 0 or ns.slo_tpot_p99 <= 0 or ns.budget_minutes <= 0:
         raise ValueError("--slo-ttft-p99, --slo-tpot-p99 and --budget-minutes must be > 0")
     if ns.workload not in ("random", "shared-prefix") and not Path(ns.workload).is_file():
@@ -493,8 +494,6 @@ def run_tune(ns: argparse.Namespace) -> dict[str, Any]:
         best["config"] = str(path)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     write_csv(report, out / "results.csv")
-    from ember.bench.plots import plot_tune
-
     plot_tune(report, out / "tune.png")
     print(format_report(report))
     return report
