@@ -85,11 +85,11 @@ def plot_tune(report: dict[str, Any], path: str | Path):
     slo = report["slo"]
     ttft.axhline(slo["ttft_p99_ms"], color="red", linestyle=":", label=f"SLO p99 {slo['ttft_p99_ms']:g} ms")
     tpot.axhline(slo["tpot_p99_ms"], color="red", linestyle=":", label=f"SLO p99 {slo['tpot_p99_ms']:g} ms")
-    for ax, title, unit in ((thr, "Output throughput", "tok/s"), (ttft, "TTFT p99 (p50 dashed)", "ms"),
-                            (tpot, "TPOT p99 (p50 dashed)", "ms")):
+    for ax, title, y_unit in ((thr, "Output throughput", "tok/s"), (ttft, "TTFT p99 (p50 dashed)", "ms"),
+                              (tpot, "TPOT p99 (p50 dashed)", "ms")):
         ax.set_title(title)
         ax.set_xlabel(f"rate ({unit})")
-        ax.set_ylabel(unit)
+        ax.set_ylabel(y_unit)
         ax.grid(alpha=0.3)
     handles, labels = thr.get_legend_handles_labels()
     thr.legend(handles, labels, fontsize="small")

@@ -252,6 +252,8 @@ def test_the_plots_hold_the_measured_points(tuned, tmp_path):
     fig = plot_tune(report, tmp_path / "again.png")
     assert (tmp_path / "again.png").read_bytes() == (out / "tune.png").read_bytes()  # the file is this figure
     throughput, ttft, tpot = fig.axes
+    assert [(ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes] == \
+        [("rate (req/s)", "tok/s"), ("rate (req/s)", "ms"), ("rate (req/s)", "ms")]
     for s in report["settings"]:
         rates = [p["rate"] for p in s["points"]]
         for ax, key, label in ((throughput, "output_throughput", s["label"]), (ttft, "ttft_p99_ms", s["label"]),
