@@ -14,7 +14,12 @@ every server sees exactly the same prompt:
   sequence; turn k's prompt is the system prompt, every earlier user message and answer
   (the answer's text re-tokenized, as a chat client would send it), and a new user
   message of `--turn-input-len` ids. TTFT is also reported for the first turn alone and
-  for the later ones, which a prefix cache can serve from the history.
+  for the later ones, which a prefix cache can serve from the history. `--request-rate`
+  spaces the conversations' starts.
+- `--dataset FILE.jsonl`: one request a line, `{"prompt": "text" or [ids], "max_tokens": N}`
+  (text is tokenized with `--tokenizer`).
+
+`--plot FILE.png` draws the run's TTFT and TPOT distributions (ember/bench/plots.py).
 """
 
 from __future__ import annotations
@@ -46,13 +51,8 @@ class RequestResult:
     error: str = ""
 
 
-def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
-    parser.add_argument("--endpoint", default="/v1/completions")
-    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="a .gguf or HF dir whose vocabulary the random prompts use (default: ember's default model)")
-    parser.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The sizes of the random and shared-prefix workloads (`ember bench serve`, `ember tune`)."""
     parser.add_argument("--num-prompts", type=int, default=16, help="requests, or conversations for shared-prefix")
     parser.add_argument("--shared-prefix-len", type=int, default=2048, help="shared-prefix: system prompt tokens")
     parser.add_argument("--num-turns", type=int, default=5, help="shared-prefix: turns per conversation")
@@ -60,6 +60,17 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-input-len", type=int, default=64)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
+
+
+def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a .gguf or HF dir whose vocabulary the random prompts use (default: ember's default model)")
+    parser.add_argument("--dataset", default="random", metavar="random|shared-prefix|FILE.jsonl",
+                        help='FILE.jsonl: one request a line, {"prompt": "text" or [token ids], "max_tokens": N}')
+    add_workload_args(parser)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
     parser.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson arrivals; gamma shape otherwise")
     parser.add_argument("--max-concurrency", type=int, default=None)
@@ -70,6 +81,8 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--label", default=None, help="a name for this run in the report")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="the TTFT and TPOT distributions (CDFs) of this run, as a PNG")
 
 
 async def _send(client, url: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
@@ -150,8 +163,11 @@ async def _run_conversations(ns: argparse.Namespace, conversations: list[list[Ra
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     extra = json.loads(ns.extra_body) if ns.extra_body else {}
 
+    gaps = _arrival_gaps(len(conversations), ns.request_rate, ns.burstiness, ns.seed)
+
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=None)) as client:
-        async def converse(turns: list[RandomRequest]) -> list[RequestResult]:
+        async def converse(turns: list[RandomRequest], delay: float) -> list[RequestResult]:
+            await asyncio.sleep(delay)
             history, results = list(system), []
             for k, turn in enumerate(turns):
                 prompt = history + turn.prompt_token_ids
@@ -165,7 +181,8 @@ async def _run_conversations(ns: argparse.Namespace, conversations: list[list[Ra
             return results
 
         start = time.perf_counter()
-        per_conversation = await asyncio.gather(*(converse(c) for c in conversations))
+        starts = np.cumsum(gaps).tolist()
+        per_conversation = await asyncio.gather(*(converse(c, t) for c, t in zip(conversations, starts)))
         return [r for rs in per_conversation for r in rs], time.perf_counter() - start
 
 
@@ -177,6 +194,49 @@ def shared_prefix_requests(ns: argparse.Namespace, vocab_size: int, special_ids)
     return system, [turns[i * ns.num_turns:(i + 1) * ns.num_turns] for i in range(ns.num_prompts)]
 
 
+def file_requests(path: str, encode) -> list[RandomRequest]:
+    """`--dataset FILE.jsonl`: each line `{"prompt": "text" or [ids], "max_tokens": N}`."""
+    requests = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            prompt, max_tokens = item["prompt"], item["max_tokens"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} line {n}: expected {{\"prompt\": text or [ids], \"max_tokens\": N}}: {e}") from e
+        ids = encode(prompt) if isinstance(prompt, str) else prompt
+        if not ids or not all(isinstance(i, int) for i in ids) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"{path} line {n}: the prompt must be non-empty text or token ids, max_tokens >= 1")
+        requests.append(RandomRequest(ids, max_tokens))
+    if not requests:
+        raise ValueError(f"{path} holds no request")
+    return requests
+
+
+def run_workload(ns: argparse.Namespace, tok, model: str,
+                 timeout: float | None = None) -> tuple[list[RequestResult], float]:
+    """Send `ns.dataset`'s requests to `ns.base_url`; the per-request results and the wall
+    time (TimeoutError after `timeout` s)."""
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    if ns.dataset == "shared-prefix":
+        system, conversations = shared_prefix_requests(ns, tok.vocab_size, tok.all_special_ids)
+        return asyncio.run(asyncio.wait_for(_run_conversations(ns, conversations, system, model, encode), timeout))
+    if ns.dataset == "random":
+        requests = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
+                                   tok.vocab_size, tok.all_special_ids, ns.seed)
+    elif Path(ns.dataset).is_file():
+        requests = file_requests(ns.dataset, encode)
+    else:
+        raise ValueError(f"--dataset {ns.dataset!r}: give random, shared-prefix or an existing .jsonl file")
+    return asyncio.run(asyncio.wait_for(_run(ns, requests, model), timeout))
+
+
+def tpots(results: list[RequestResult]) -> list[float]:
+    """Each successful request's time per output token after the first (s)."""
+    return [(r.latency - r.ttft) / (r.output_len - 1) for r in results if r.ok and r.output_len > 1]
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ms = 1000.0
@@ -186,7 +246,6 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         return {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
                 f"std_{name}_ms": float(v.std()), f"p99_{name}_ms": float(np.percentile(v, 99))}
 
-    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_len for r in ok)
     by_turn = {}
@@ -200,7 +259,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "duration_s": duration, "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
-        **stats("ttft", [r.ttft for r in ok]), **stats("tpot", tpots),
+        **stats("ttft", [r.ttft for r in ok]), **stats("tpot", tpots(ok)),
         **stats("itl", [x for r in ok for x in r.itl]), **stats("e2el", [r.latency for r in ok]),
     }
 
@@ -248,20 +307,23 @@ def run_serve_bench(ns: argparse.Namespace) -> dict[str, Any]:
 
         ns.tokenizer = str(fetch_default_model())
     tok = load_tokenizer(ns.tokenizer)
+    if ns.plot:
+        from ember.bench.plots import require_matplotlib
+
+        require_matplotlib()
     model = ns.model or _server_model(ns.base_url, ns.api_key)
-    if ns.dataset == "shared-prefix":
-        system, conversations = shared_prefix_requests(ns, tok.vocab_size, tok.all_special_ids)
-        results, duration = asyncio.run(_run_conversations(
-            ns, conversations, system, model, lambda text: tok.encode(text, add_special_tokens=False)))
-    else:
-        requests = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
-                                   tok.vocab_size, tok.all_special_ids, ns.seed)
-        results, duration = asyncio.run(_run(ns, requests, model))
+    results, duration = run_workload(ns, tok, model)
     summary = summarize(results, duration)
     label = ns.label or f"{model} @ {ns.base_url}"
     report = {"config": {k: v for k, v in vars(ns).items() if k != "func"}, "label": label,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info("client"),
               "results": summary}
+    if ns.plot:  # the plotted values go in the JSON too
+        from ember.bench.plots import plot_latency_distribution
+
+        ok = [r for r in results if r.ok]
+        report["per_request"] = {"ttft_ms": [r.ttft * 1000 for r in ok], "tpot_ms": [t * 1000 for t in tpots(ok)]}
+        plot_latency_distribution(report["per_request"]["ttft_ms"], report["per_request"]["tpot_ms"], ns.plot, label)
     print(format_summary(label, summary))
     if ns.output_json:
         Path(ns.output_json).parent.mkdir(parents=True, exist_ok=True)

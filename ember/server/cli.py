@@ -1,4 +1,4 @@
-"""The `ember` command: generate, chat, serve, bench."""
+"""The `ember` command: generate, chat, serve, bench, tune."""
 
 from __future__ import annotations
 
@@ -274,6 +274,13 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     run_serve_bench(ns)
 
 
+def cmd_tune(ns: argparse.Namespace) -> None:
+    from ember.bench.tune import run_tune
+
+    if run_tune(ns)["best"] is None:
+        sys.exit(1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import ember
 
@@ -375,6 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench_args(serve_bench)
     serve_bench.set_defaults(func=cmd_bench_serve)
+
+    tune = sub.add_parser("tune", help="the serving config with the highest request rate within latency SLOs: "
+                          "sweeps, plots, a --config file")
+    add_engine_args(tune)
+    from ember.bench.tune import add_tune_args
+
+    add_tune_args(tune)
+    tune.set_defaults(func=cmd_tune)
     return parser
 
 
