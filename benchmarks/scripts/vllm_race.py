@@ -13,7 +13,7 @@ Sampling as ember's bench: temperature 1.0, top_p 1.0, ignore_eos, max_tokens = 
 request's output length; only the generate call is timed, after a tiny warm-up. Dummy
 weights; `--weights fp8` is vLLM's online per-tensor quantization of them; `--kv-cache-dtype
 fp8` its fp8 cache. One RESULT line (JSON) a workload. Run on the device with vLLM staged
-(/work/shared/peers/vllm-gpu/stage; h200_fp8.sh vllm, h200_moe.sh):
+(/work/shared/peers/vllm-gpu/stage; h200.sh race-llama, race-latency, race-fp8, race-moe):
 
     python3 benchmarks/scripts/vllm_race.py --config llama-3.1-8b [throughput] [latency]
         [--weights bf16|fp8] [--kv-cache-dtype auto|fp8]"""

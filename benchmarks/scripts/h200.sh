@@ -1,0 +1,227 @@
+#!/bin/bash
+# The H200 runs of BENCHMARKS.md, one mode a device call (each fits the 10-minute limit of a
+# call), run from the repo root on the device. Logs and JSON land under $OUT (the device tool's
+# folder; /tmp/out elsewhere); the filtered lines go to stdout.
+#
+#   benchmarks/scripts/h200.sh MODE [ARGS]
+#
+#   env                 the GPU, its clocks, and the torch / triton / transformers versions
+#   smoke               the GPU kernel tests (stop at the first failure) and one small profiled engine run
+#   tests               the GPU tests: kernels, the families and dense models against HF, CUDA graphs
+#                       against eager, the runner
+#   race-nano [KV]      nano-vllm protocol at the Qwen3-0.6B shape (256 requests, in/out U[100, 1024]):
+#                       vLLM (its peer bench.py, `qwen`), then ember plain and with --profile-steps;
+#                       KV = auto | fp8, ember's --kv-cache-dtype (default auto)
+#   race-llama [KV]     Llama-3.1-8B shape, 512 x 1000/1000 and one request 128/512: vLLM (vllm_race.py
+#                       --kv-cache-dtype KV), then ember (the one request also with --profile-steps)
+#   race-latency        one request 128/512 at the Qwen3-0.6B shape: vLLM (vllm_race.py), then ember
+#   hf                  ember and HF transformers `generate` on the same 256 x 512/256 prompts (the ratio)
+#   all                 tests, nano, hf, one request at both shapes, Llama-8B 512 x 1000/1000: ember only
+#   race-fp8            FP8 weights and an fp8 KV cache at the Llama-3.1-8B shape: vLLM (vllm_race.py
+#                       --weights fp8 --kv-cache-dtype fp8), then ember with fp8 and with bf16 weights
+#   check-fp8           the GPU tests of the FP8 kernels, the GEMV and the engine with FP8 weights
+#   kernels-fp8         fp8_gemm_bench.py --sweep at the Llama-8B shapes, M = 1 .. 2048 (its last line
+#                       says what FP8_GEMV_MAX_ROWS in ember/layers/kernel_paths.py should be)
+#   check-moe           the GPU tests of the MoE kernels and families, moe_tune.py (writes
+#                       ember/kernels/moe_configs.json, copied to $OUT), one request at each MoE shape
+#   race-moe SHAPE      vLLM (vllm_race.py --config SHAPE), then ember: 512 x 1000/1000, one request
+#                       128/512, and where the decode step goes at batch 1 and 512 (profile_gpu_steps.py);
+#                       SHAPE: qwen3-30b-a3b | mixtral-8x7b
+#   families            the GPU tests of the Gemma / GeGLU paths, then the Gemma-2-9B and Phi-4 shapes at
+#                       512 x 1000/1000 (no peer)
+#   sweep-decode [fp8]  decode_sweep.py over a bf16 (default) or fp8 cache, then the nano protocol at the
+#                       default config and at the sweep's best (EMBER_DECODE_CONFIG), and Llama-8B at the best
+#
+# vLLM, the peer: stage it here first (/work/shared/peers/vllm-gpu/stage), copy its parts into /root/st
+# in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
+# .vllm-s5) in the race call. Without it the race modes run ember alone and say so. vLLM's fp8
+# path also imports compressed-tensors and loguru: add their wheels to the stage for race-fp8.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p "$J"
+Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
+B="python3 -m ember.server.cli bench throughput --load-format dummy --seed 0"
+NANO="--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384"
+LAT="--num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048"
+TP="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
+HF="--num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 16384 --compare hf --hf-batch-size 256"
+P="python3 benchmarks/scripts/profile_gpu_steps.py"
+S=${VLLM_STAGE:-.vllm-s5}
+NO_VLLM=${NO_VLLM:-0}
+
+# show: the lines of a bench log that matter (a filter that finds none is no failure)
+show() { grep -E "^==|Throughput|Start-up|Roofline|Per step|KV|preempt|ember/hf|Error|error" | grep -v "^\s*$" || true; }
+
+# bench NAME SECONDS ARGS...: one `ember bench throughput` run; JSON in $J/NAME.json, the whole log in
+# $J/NAME.log, the lines that matter on stdout.
+bench() {
+  local name=$1 secs=$2; shift 2
+  echo "== ember $name: $*" | tee -a "$J/$name.log"
+  timeout "$secs" $B "$@" --output-json "$J/$name.json" 2>&1 | tee -a "$J/$name.log" | show
+}
+
+# profiled NAME SECONDS ARGS...: the same run with --profile-steps (a device sync after each phase).
+profiled() {
+  local name=$1 secs=$2; shift 2
+  echo "== ember $name, --profile-steps" | tee -a "$J/$name.log"
+  timeout "$secs" $B "$@" --profile-steps 2>&1 | tee -a "$J/$name.log" | grep -E "Throughput|Per step" || true
+}
+
+gpu_tests() {  # gpu_tests SECONDS PYTEST-ARGS...
+  local secs=$1; shift
+  timeout "$secs" python3 -m pytest -m gpu -q -s -rf --tb=short "$@" 2>&1 \
+    | grep -E "agreement|agrees|invariance|graph|weights:|mean \|diff\||passed|failed|Error|^E |FAILED|\.py:[0-9]+" \
+    | tail -40 | tee -a "$J/gpu_tests.log"
+}
+
+have_vllm() {
+  if [ "$NO_VLLM" = 1 ]; then return 1; fi
+  if [ ! -x "$S/run-on-device" ]; then
+    echo "vLLM is not staged here ($S/run-on-device): ember alone (see the head of this script)"
+    return 1
+  fi
+  # puts the last part beside the others and installs vLLM into /tmp/vllm-site; runs no workload
+  "$S/run-on-device" none >/dev/null || { echo "vLLM did not install from $S: ember alone"; return 1; }
+}
+
+# vllm_race TAG SECONDS ARGS...: vLLM 0.24 on the requests ember's bench draws (vllm_race.py), first in the call.
+vllm_race() {
+  local tag=$1 secs=$2; shift 2
+  have_vllm || return 0
+  echo "== vLLM $tag: vllm_race.py $*"
+  VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm-site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+    timeout "$secs" python3 benchmarks/scripts/vllm_race.py "$@" 2>&1 | grep -E "^RESULT|Error|error:" \
+    | tee "$J/vllm_$tag.log"
+}
+
+mode_env() {
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+}
+
+mode_smoke() {
+  mode_env
+  python3 -m pytest -m gpu -q -x tests/kernels 2>&1 | tail -15
+  python3 -m ember.server.cli bench throughput $Q --load-format dummy --num-prompts 32 \
+    --input-len 256 --output-len 128 --max-model-len 1024 --max-num-seqs 32 --profile-steps 2>&1 | tail -25
+}
+
+mode_tests() {
+  gpu_tests 540 tests/kernels tests/models/test_cuda_vs_hf.py tests/models/test_cuda_families.py tests/runner
+}
+
+mode_race_nano() {
+  local kv=${1:-auto}
+  if have_vllm; then
+    echo "== vLLM nano-vllm protocol (the peer's bench.py qwen)"
+    timeout 300 "$S/run-on-device" qwen | tee "$J/vllm_nano.log"
+  fi
+  bench "nano_$kv" 120 $Q $NANO --kv-cache-dtype "$kv"
+  profiled "nano_$kv" 120 $Q $NANO --kv-cache-dtype "$kv"
+}
+
+mode_race_llama() {
+  local kv=${1:-auto}
+  vllm_race "llama_$kv" 400 --config llama-3.1-8b throughput latency --kv-cache-dtype "$kv"
+  bench "llama_$kv" 240 $L $TP --kv-cache-dtype "$kv"
+  bench "llama_latency_$kv" 90 $L $LAT --kv-cache-dtype "$kv"
+  profiled "llama_latency_$kv" 90 $L $LAT --kv-cache-dtype "$kv"
+}
+
+mode_race_latency() {
+  vllm_race qwen_latency 200 --config qwen3-0.6b latency
+  bench qwen_latency 60 $Q $LAT
+  profiled qwen_latency 60 $Q $LAT
+}
+
+mode_hf() {
+  bench hf 240 $Q $HF
+}
+
+mode_all() {
+  NO_VLLM=1
+  mode_env
+  gpu_tests 200 tests/kernels tests/models/test_cuda_vs_hf.py tests/runner/test_cuda_graph.py
+  mode_race_nano auto
+  mode_hf
+  mode_race_latency
+  bench llama_latency_auto 90 $L $LAT
+  bench llama_auto 240 $L $TP
+}
+
+mode_race_fp8() {
+  vllm_race fp8 300 throughput latency --weights fp8 --kv-cache-dtype fp8
+  for w in fp8 bf16; do
+    local q; q=$([ $w = fp8 ] && echo "--quantization fp8" || echo "--quantization none")
+    bench "llama_${w}_weights_fp8_kv" 200 $L $TP --kv-cache-dtype fp8 $q
+    bench "llama_latency_${w}_weights_fp8_kv" 60 $L $LAT --kv-cache-dtype fp8 $q
+  done
+}
+
+mode_check_fp8() {
+  gpu_tests 540 tests/kernels/test_fp8_kernels.py tests/kernels/test_gemv.py tests/models/test_cuda_fp8.py
+}
+
+mode_kernels_fp8() {
+  (cd benchmarks/scripts && timeout 540 python3 fp8_gemm_bench.py --sweep) 2>&1 | tee "$J/fp8_gemm_bench.log"
+}
+
+mode_check_moe() {
+  gpu_tests 300 tests/kernels/test_moe_kernels.py tests/models/test_cuda_families.py -k "moe or mixtral"
+  timeout 280 python3 benchmarks/scripts/moe_tune.py 2>&1 | grep -E "TUNED|wrote|Error" | tee "$J/moe_tune.log"
+  cp ember/kernels/moe_configs.json "$J/" 2>/dev/null
+  for s in qwen3-30b-a3b mixtral-8x7b; do
+    bench "${s}_latency" 90 benchmarks/configs/$s $LAT
+  done
+}
+
+mode_race_moe() {
+  local shape=${1:-}
+  local c=benchmarks/configs/$shape
+  [ -n "$shape" ] && [ -d "$c" ] || { echo "race-moe SHAPE: no shape '$shape' under benchmarks/configs"; exit 2; }
+  vllm_race "$shape" "${VLLM_TIMEOUT:-300}" --config "$shape" throughput latency
+  bench "$shape" 200 $c $TP
+  bench "${shape}_latency" 60 $c $LAT
+  timeout 90 $P $c --num-prompts 1 --input-len 128 --output-len 160 --skip 40 --steps 60 2>&1 | tail -30 \
+    > "$J/profile_${shape}_1.log"
+  timeout 120 $P $c --num-prompts 512 --input-len 1000 --output-len 80 --skip 45 --steps 20 --top 20 2>&1 \
+    | tail -28 > "$J/profile_${shape}_512.log"
+}
+
+mode_families() {
+  gpu_tests 200 tests/kernels/test_fused_ops.py tests/models/test_cuda_families.py -k "gemma or gelu"
+  for m in gemma-2-9b phi-4; do
+    bench "$m" 260 benchmarks/configs/$m $TP
+  done
+}
+
+mode_sweep_decode() {
+  local dt=${1:-bf16} kv=auto
+  [ "$dt" = fp8 ] && kv=fp8
+  python3 benchmarks/scripts/decode_sweep.py "$dt" 2>&1 | grep -v Error | tee "$J/sweep_$dt.log"
+  local best; best=$(grep BEST_QWEN "$J/sweep_$dt.log" | cut -d= -f2)
+  bench "nano_${kv}_default_config" 120 $Q $NANO --kv-cache-dtype $kv
+  EMBER_DECODE_CONFIG=$best bench "nano_${kv}_config_$best" 120 $Q $NANO --kv-cache-dtype $kv
+  EMBER_DECODE_CONFIG=$best bench "llama_${kv}_config_$best" 240 $L $TP --kv-cache-dtype $kv
+}
+
+mode=${1:-}
+[ $# -gt 0 ] && shift
+case "$mode" in
+  env) mode_env ;;
+  smoke) mode_smoke ;;
+  tests) mode_env; mode_tests ;;
+  race-nano) mode_env; mode_race_nano "$@" ;;
+  race-llama) mode_env; mode_race_llama "$@" ;;
+  race-latency) mode_env; mode_race_latency ;;
+  hf) mode_env; mode_hf ;;
+  all) mode_all ;;
+  race-fp8) mode_env; mode_race_fp8 ;;
+  check-fp8) mode_env; mode_check_fp8 ;;
+  kernels-fp8) mode_env; mode_kernels_fp8 ;;
+  check-moe) mode_env; mode_check_moe ;;
+  race-moe) mode_env; mode_race_moe "$@" ;;
+  families) mode_env; mode_families ;;
+  sweep-decode) mode_env; mode_sweep_decode "$@" ;;
+  *) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
+esac

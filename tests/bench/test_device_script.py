@@ -1,0 +1,134 @@
+"""benchmarks/scripts/h200.sh, the device script of the H200 races, run here with python3, nvidia-smi
+and the staged vLLM runner replaced by stubs that record their arguments: each mode must run the
+commands the recorded numbers came from (the script cannot run on this machine for real)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "scripts" / "h200.sh"
+BENCH = "python3 -m ember.server.cli bench throughput --load-format dummy --seed 0"
+TP = ("--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 "
+      "--max-num-batched-tokens 16384")
+LAT = "--num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048"
+NANO = ("--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 --max-model-len 2048 "
+        "--max-num-seqs 256 --max-num-batched-tokens 16384")
+
+
+def run_mode(tmp_path: Path, *args: str, staged: bool = True) -> tuple[list[str], subprocess.CompletedProcess]:
+    """Runs a mode with stubs first on PATH; returns the commands they saw, one line each."""
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stub = f'#!/bin/bash\necho "$(basename "$0") $* [decode_config=${{EMBER_DECODE_CONFIG:-}}]" >> {log}\n'
+    (bin_dir / "python3").write_text(stub + 'case "$*" in *decode_sweep*) echo BEST_QWEN=64,2,5;; esac\n')
+    (bin_dir / "nvidia-smi").write_text(stub)
+    stage = tmp_path / "stage"
+    stage.mkdir(exist_ok=True)
+    if staged:
+        (stage / "run-on-device").write_text(stub)
+    for f in [*bin_dir.iterdir(), *stage.iterdir()]:
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), VLLM_STAGE=str(stage))
+    done = subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return [c for c in calls if not c.startswith(("nvidia-smi", "python3 -c"))], done
+
+
+def test_the_script_parses_and_every_listed_mode_has_a_branch():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    text = SCRIPT.read_text()
+    head = text.split("set -u", 1)[0]
+    listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
+              and "/" not in line.split()[1]]
+    assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
+                      "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "sweep-decode"]
+    for mode in listed:
+        assert f"\n  {mode}) " in text, mode
+
+
+def test_race_moe_runs_vllm_first_then_ember_on_the_same_workloads(tmp_path):
+    calls, done = run_mode(tmp_path, "race-moe", "mixtral-8x7b")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    c = "benchmarks/configs/mixtral-8x7b"
+    assert calls == [
+        "run-on-device none [decode_config=]",
+        "python3 benchmarks/scripts/vllm_race.py --config mixtral-8x7b throughput latency [decode_config=]",
+        f"python3 {BENCH[8:]} {c} {TP} --output-json {out}/mixtral-8x7b.json [decode_config=]",
+        f"python3 {BENCH[8:]} {c} {LAT} --output-json {out}/mixtral-8x7b_latency.json [decode_config=]",
+        f"python3 benchmarks/scripts/profile_gpu_steps.py {c} --num-prompts 1 --input-len 128 --output-len 160 "
+        "--skip 40 --steps 60 [decode_config=]",
+        f"python3 benchmarks/scripts/profile_gpu_steps.py {c} --num-prompts 512 --input-len 1000 --output-len 80 "
+        "--skip 45 --steps 20 --top 20 [decode_config=]",
+    ]
+
+
+def test_race_moe_refuses_an_unknown_shape(tmp_path):
+    calls, done = run_mode(tmp_path, "race-moe", "no-such-shape")
+    assert done.returncode == 2
+    assert "no shape 'no-such-shape' under benchmarks/configs" in done.stdout
+    assert calls == []
+
+
+def test_without_vllm_staged_a_race_runs_ember_alone(tmp_path):
+    calls, done = run_mode(tmp_path, "race-nano", "fp8", staged=False)
+    assert done.returncode == 0, done.stderr
+    assert "vLLM is not staged here" in done.stdout
+    out = tmp_path / "out"
+    assert calls == [
+        f"python3 {BENCH[8:]} benchmarks/configs/qwen3-0.6b {NANO} --kv-cache-dtype fp8 --output-json "
+        f"{out}/nano_fp8.json [decode_config=]",
+        f"python3 {BENCH[8:]} benchmarks/configs/qwen3-0.6b {NANO} --kv-cache-dtype fp8 --profile-steps "
+        "[decode_config=]",
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_sweep_decode_runs_the_best_config_it_found(tmp_path, dtype):
+    calls, done = run_mode(tmp_path, "sweep-decode", dtype)
+    assert done.returncode == 0, done.stderr
+    kv = "fp8" if dtype == "fp8" else "auto"
+    out = tmp_path / "out"
+    assert calls == [
+        f"python3 benchmarks/scripts/decode_sweep.py {dtype} [decode_config=]",
+        f"python3 {BENCH[8:]} benchmarks/configs/qwen3-0.6b {NANO} --kv-cache-dtype {kv} --output-json "
+        f"{out}/nano_{kv}_default_config.json [decode_config=]",
+        f"python3 {BENCH[8:]} benchmarks/configs/qwen3-0.6b {NANO} --kv-cache-dtype {kv} --output-json "
+        f"{out}/nano_{kv}_config_64,2,5.json [decode_config=64,2,5]",
+        f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {TP} --kv-cache-dtype {kv} --output-json "
+        f"{out}/llama_{kv}_config_64,2,5.json [decode_config=64,2,5]",
+    ]
+
+
+def test_race_llama_and_race_fp8_give_both_engines_the_same_cache_and_weights(tmp_path):
+    calls, done = run_mode(tmp_path, "race-llama", "fp8")
+    assert done.returncode == 0, done.stderr
+    out, c = tmp_path / "out", "benchmarks/configs/llama-3.1-8b"
+    assert calls == [
+        "run-on-device none [decode_config=]",
+        "python3 benchmarks/scripts/vllm_race.py --config llama-3.1-8b throughput latency --kv-cache-dtype fp8 "
+        "[decode_config=]",
+        f"python3 {BENCH[8:]} {c} {TP} --kv-cache-dtype fp8 --output-json {out}/llama_fp8.json [decode_config=]",
+        f"python3 {BENCH[8:]} {c} {LAT} --kv-cache-dtype fp8 --output-json {out}/llama_latency_fp8.json "
+        "[decode_config=]",
+        f"python3 {BENCH[8:]} {c} {LAT} --kv-cache-dtype fp8 --profile-steps [decode_config=]",
+    ]
+    (tmp_path / "calls.log").unlink()
+    calls, done = run_mode(tmp_path, "race-fp8")
+    assert done.returncode == 0, done.stderr
+    assert calls[:2] == [
+        "run-on-device none [decode_config=]",
+        "python3 benchmarks/scripts/vllm_race.py throughput latency --weights fp8 --kv-cache-dtype fp8 "
+        "[decode_config=]",
+    ]
+    assert calls[2:] == [
+        f"python3 {BENCH[8:]} {c} {args} --kv-cache-dtype fp8 --quantization {q} --output-json {out}/{name}.json "
+        "[decode_config=]"
+        for q, w in (("fp8", "fp8"), ("none", "bf16"))
+        for args, name in ((TP, f"llama_{w}_weights_fp8_kv"), (LAT, f"llama_latency_{w}_weights_fp8_kv"))
+    ]
