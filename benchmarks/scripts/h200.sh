@@ -31,6 +31,10 @@
 #                       512 x 1000/1000 (no peer)
 #   sweep-decode [fp8]  decode_sweep.py over a bf16 (default) or fp8 cache, then the nano protocol at the
 #                       default config and at the sweep's best (EMBER_DECODE_CONFIG), and Llama-8B at the best
+#   defaults            ember at its defaults (no seat or budget flag) and at other flags, in one call: the
+#                       nano protocol (defaults, 256 / 16384, 1024 / 16384) and Llama-8B 512 x 1000/1000
+#                       (defaults, 384 / 16384, 448 / 16384, 512 / 16384; the defaults again with the rank in
+#                       a worker process, --distributed-executor-backend mp); then the defaults' GPU tests
 #
 # vLLM, the peer: stage it here first (/work/shared/peers/vllm-gpu/stage), copy its parts into /root/st
 # in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
@@ -46,6 +50,7 @@ LAT="--num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048"
 TP="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
 HF="--num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 16384 --compare hf --hf-batch-size 256"
 P="python3 benchmarks/scripts/profile_gpu_steps.py"
+KNOBS="--max-num-seqs %s --max-num-batched-tokens %s"  # the defaults mode's flags (seats, budget)
 S=${VLLM_STAGE:-.vllm-s5}
 NO_VLLM=${NO_VLLM:-0}
 
@@ -205,6 +210,21 @@ mode_sweep_decode() {
   EMBER_DECODE_CONFIG=$best bench "llama_${kv}_config_$best" 240 $L $TP --kv-cache-dtype $kv
 }
 
+mode_defaults() {
+  local base=${NANO% --max-num-seqs*} flags
+  for f in "" "256 16384" "1024 16384"; do
+    flags=""; [ -n "$f" ] && flags=$(printf -- "$KNOBS" $f)
+    f=${f:-defaults}; bench "nano_${f// /_}" 120 $Q $base $flags
+  done
+  base=${TP% --max-num-seqs*}
+  for f in "" "384 16384" "448 16384" "512 16384"; do
+    flags=""; [ -n "$f" ] && flags=$(printf -- "$KNOBS" $f)
+    f=${f:-defaults}; bench "llama_${f// /_}" 150 $L $base $flags
+  done
+  bench llama_mp 150 $L $base --distributed-executor-backend mp
+  gpu_tests 120 tests/runner/test_defaults.py
+}
+
 mode=${1:-}
 [ $# -gt 0 ] && shift
 case "$mode" in
@@ -223,5 +243,6 @@ case "$mode" in
   race-moe) mode_env; mode_race_moe "$@" ;;
   families) mode_env; mode_families ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
+  defaults) mode_env; mode_defaults ;;
   *) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -180,7 +180,7 @@ class _Server:
 
     def __init__(self, config: Path, log: Path) -> None:
         from ember.distributed.parallel_state import free_port
-        from ember.server.data_parallel import _die_with_parent
+        from ember.server.data_parallel import die_with_parent
 
         self.url = f"http://127.0.0.1:{(port := free_port())}"
         self.log = log
@@ -190,7 +190,7 @@ class _Server:
             [sys.executable, "-m", "ember.server.cli", "serve", "--config", str(config), "--host", "127.0.0.1",
              "--port", str(port), "--shutdown-timeout", "1", "--uvicorn-log-level", "warning"],
             stdout=self._log_file, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent)
+            preexec_fn=die_with_parent)
 
     def wait_ready(self, timeout: float) -> None:
         import httpx
@@ -467,7 +467,7 @@ def run_tune(ns: argparse.Namespace) -> dict[str, Any]:
         rates = sorted(float(r) for r in ns.request_rates.split(","))
         if not rates or rates[0] <= 0:
             raise ValueError(f"--request-rates {ns.request_rates!r}: give positive rates, e.g. 1,2,4")
-    resolved = EngineConfig(**engine_args(ns)).resolve()
+    resolved = EngineConfig(**engine_args(ns), usage_context="serve").resolve()  # the servers it starts
     flags = engine_flags(ns)
     start = {k: getattr(resolved, k) for k in KNOBS}
     if ns.sweep:

@@ -46,7 +46,8 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
     listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
-                      "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "sweep-decode"]
+                      "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "sweep-decode",
+                      "defaults"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -131,4 +132,24 @@ def test_race_llama_and_race_fp8_give_both_engines_the_same_cache_and_weights(tm
         "[decode_config=]"
         for q, w in (("fp8", "fp8"), ("none", "bf16"))
         for args, name in ((TP, f"llama_{w}_weights_fp8_kv"), (LAT, f"llama_latency_{w}_weights_fp8_kv"))
+    ]
+
+
+def test_defaults_runs_ember_without_seat_or_budget_flags_beside_the_candidates(tmp_path):
+    calls, done = run_mode(tmp_path, "defaults")
+    assert done.returncode == 0, done.stderr
+    out, q, l = tmp_path / "out", "benchmarks/configs/qwen3-0.6b", "benchmarks/configs/llama-3.1-8b"
+    nano, tp = NANO.split(" --max-num-seqs")[0], TP.split(" --max-num-seqs")[0]
+    knobs = "--max-num-seqs {} --max-num-batched-tokens {}".format
+    bench = f"python3 {BENCH[8:]}"
+    assert calls == [
+        f"{bench} {q} {nano} --output-json {out}/nano_defaults.json [decode_config=]",
+        f"{bench} {q} {nano} {knobs(256, 16384)} --output-json {out}/nano_256_16384.json [decode_config=]",
+        f"{bench} {q} {nano} {knobs(1024, 16384)} --output-json {out}/nano_1024_16384.json [decode_config=]",
+        f"{bench} {l} {tp} --output-json {out}/llama_defaults.json [decode_config=]",
+        f"{bench} {l} {tp} {knobs(384, 16384)} --output-json {out}/llama_384_16384.json [decode_config=]",
+        f"{bench} {l} {tp} {knobs(448, 16384)} --output-json {out}/llama_448_16384.json [decode_config=]",
+        f"{bench} {l} {tp} {knobs(512, 16384)} --output-json {out}/llama_512_16384.json [decode_config=]",
+        f"{bench} {l} {tp} --distributed-executor-backend mp --output-json {out}/llama_mp.json [decode_config=]",
+        "python3 -m pytest -m gpu -q -s -rf --tb=short tests/runner/test_defaults.py [decode_config=]",
     ]
