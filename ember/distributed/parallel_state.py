@@ -95,7 +95,9 @@ def min_over_ranks(value: int) -> int:
     """The smallest of the ranks' `value` (the KV pool every rank can hold), on every rank."""
     if _size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    # NCCL reduces device tensors only
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend(_group) == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group)
     return int(t.item())
 
