@@ -78,7 +78,7 @@ def test_the_defaults_are_read_and_logged(model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="ember.config"):
         config = EngineConfig(model=str(model_dir), **TINY_ARGS).resolve()
     assert dict(config.sampling_defaults) == DEFAULTS
-    assert caplog.messages == [f"default sampling params from generation_config.json: {DEFAULTS} "
+    assert [r.getMessage() for r in caplog.records if r.name == "ember.config"] == [f"default sampling params from generation_config.json: {DEFAULTS} "
                                "(--generation-config vllm turns them off)"]
 
 
