@@ -18,8 +18,9 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import time
 import traceback
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,8 @@ class TensorParallelRunner:
         self.procs = [ctx.Process(target=_worker, name=f"ember-tp{rank}", daemon=True, args=(rank, *args))
                       for rank in range(size)]
         self.profile_steps = False
-        self.step_times: dict[str, float] = {}
+        # --profile-steps: the engine's side of a step (the ranks' own phases stay in their processes)
+        self.step_times: defaultdict[str, float] = defaultdict(float)
         self.pooler, self.graphs = None, None
         self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
         self.plans = PlanEncoder()
@@ -88,6 +90,7 @@ class TensorParallelRunner:
     # -- the runner's interface (EngineCore) -----------------------------------------------
 
     def launch(self, plan, fill_grammar_masks: Callable[[], dict[str, torch.Tensor]] | None = None) -> _Launched:
+        start = time.perf_counter()
         diff = self.plans.encode(plan)
         fill = fill_grammar_masks or dict
         if self.masks_follow:
@@ -95,11 +98,18 @@ class TensorParallelRunner:
             self._send(("masks", fill()))
         else:
             self._send(("launch", diff, fill()))
+        if self.profile_steps:
+            self.step_times["send"] += time.perf_counter() - start
+            self.step_times["steps"] += 1
         return _Launched(plan)
 
     def collect(self, step: _Launched):
+        start = time.perf_counter()
         self._send(("collect",))
-        return self._receive(STEP_TIMEOUT_S, "running a step")
+        out = self._receive(STEP_TIMEOUT_S, "running a step")
+        if self.profile_steps:
+            self.step_times["wait"] += time.perf_counter() - start  # the ranks' forward and sampling
+        return out
 
     def release(self, request_id: str) -> None:
         self.plans.forget(request_id)

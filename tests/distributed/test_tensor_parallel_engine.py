@@ -62,6 +62,12 @@ def test_three_ranks_give_one_process_tokens_and_a_killed_worker_fails_the_engin
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
         assert llm.generate(["My favourite colour is"], CHOICE)[0].outputs[0].text == choice
         llm.check_idle()  # every finished request's KV blocks are back
+        runner = llm.engine.runner
+        runner.profile_steps = True  # --profile-steps: the engine's side of each step
+        assert llm.generate(["Once upon a time"], GREEDY)[0].outputs[0].token_ids == tokens[2]
+        runner.profile_steps = False
+        assert sorted(runner.step_times) == ["schedule", "send", "steps", "update", "wait"]
+        assert runner.step_times["steps"] == 24 and runner.step_times["wait"] > 0
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(WorkerFailed, match=r"^tensor-parallel worker (rank \d \(exit code -?\d+\)(, )?)+ while "
                                                r"(running|sending) a step") as failed:
