@@ -72,9 +72,7 @@ class RayTensorParallelRunner(TensorParallelRunner):
         except BaseException:
             self.shutdown()
             raise
-        self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
-        self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
-        self.max_num_seqs = ready["max_num_seqs"]
+        self._take_sizes(ready)
         logger.info("tensor parallel on Ray: %d actors ready, %d KV blocks each", size, self.num_blocks)
 
     def _send(self, message: tuple) -> None:

@@ -43,6 +43,16 @@ class WorkerFailed(RuntimeError):
 
 
 @dataclass
+class RankGraphs:
+    """Rank 0's decode CUDA graphs (runner/cuda_graph.py), as the engine's process sees them."""
+
+    sizes: list[int]
+    max_batch: int
+    capture_seconds: float
+    pool_bytes: int
+
+
+@dataclass
 class _Launched:
     """What the engine keeps of a launched step (LaunchedStep's role): its plan."""
 
@@ -77,11 +87,7 @@ class TensorParallelRunner:
             for p in self.procs:
                 p.start()
             child.close()
-            ready = self._receive(READY_TIMEOUT_S, "starting")
-            # rank 0's (each rank holds about a tensor_parallel_size-th of the weights and the KV heads)
-            self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
-            self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
-            self.max_num_seqs = ready["max_num_seqs"]
+            self._take_sizes(self._receive(READY_TIMEOUT_S, "starting"))
         except BaseException:
             self.shutdown()
             raise
@@ -134,6 +140,14 @@ class TensorParallelRunner:
         self._dead = self._dead or "shut down"
 
     # -- plumbing ----------------------------------------------------------------------------
+
+    def _take_sizes(self, ready: dict[str, Any]) -> None:
+        """Rank 0's sizes (Worker.sizes; each rank holds about a tensor_parallel_size-th of the
+        weights and the KV heads)."""
+        self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
+        self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
+        self.max_num_seqs = ready["max_num_seqs"]
+        self.graphs = RankGraphs(**ready["graphs"]) if ready["graphs"] is not None else None
 
     def _all_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -201,10 +215,12 @@ class Worker:
         self.plans = PlanDecoder()
         self.launched: deque = deque()
 
-    def sizes(self) -> dict[str, int]:
-        r = self.runner
+    def sizes(self) -> dict[str, Any]:
+        r, g = self.runner, self.runner.graphs
+        graphs = None if g is None else {"sizes": list(g.sizes), "max_batch": g.max_batch,
+                                         "capture_seconds": g.capture_seconds, "pool_bytes": g.pool_bytes}
         return {"num_blocks": r.num_blocks, "weight_bytes": r.weight_bytes, "activation_bytes": r.activation_bytes,
-                "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs}
+                "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs, "graphs": graphs}
 
     def handle(self, message: tuple, next_message: Callable[[], tuple] | None = None) -> Any:
         """Rank 0's step output for ("collect",) (every rank computes it, the engine reads
