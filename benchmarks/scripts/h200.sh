@@ -48,6 +48,8 @@
 # in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
 # .vllm-s5) in the race call. Without it the race modes run ember alone and say so. vLLM's fp8
 # path also imports compressed-tensors and loguru: add their wheels to the stage for race-fp8.
+# race-tp and tp-70b: the copy calls on nvidia-h200-x2 too (a call of another kind is another machine),
+# then the mode in one call, carrying the last part; the NCCL variables are set by the mode.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p "$J"
@@ -94,7 +96,7 @@ profiled() {
 gpu_tests() {  # gpu_tests SECONDS PYTEST-ARGS...
   local secs; secs=$(cap "GPU tests" "$1") || return 0; shift
   timeout "$secs" python3 -m pytest -m gpu -q -s -rf --tb=short "$@" 2>&1 \
-    | grep -E "agreement|agrees|invariance|graph|weights:|mean \|diff\||passed|failed|Error|^E |FAILED|\.py:[0-9]+" \
+    | grep -E "agreement|agrees|invariance|graph|weights:|mean \|diff\||KV blocks|identical|passed|failed|Error|^E |FAILED|\.py:[0-9]+" \
     | tail -40 | tee -a "$J/gpu_tests.log"
 }
 
@@ -255,7 +257,7 @@ multicast_off() {
 mode_race_tp() {
   multicast_off
   local base=${TP% --max-num-seqs*}  # ember at its defaults: no seat or budget flag
-  gpu_tests 150 tests/distributed/test_tensor_parallel_gpu.py
+  gpu_tests 180 tests/distributed/test_tensor_parallel_gpu.py
   vllm_race llama_tp2 240 --config llama-3.1-8b --tensor-parallel-size 2 throughput latency
   bench llama_latency_tp2 60 $L $LAT --tensor-parallel-size 2
   bench llama_latency_tp1 45 $L $LAT

@@ -35,6 +35,8 @@ _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(1000, 128000) for _ in range(n)] for n in (24, 97, 256, 511)]
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)  # each position's token and the top-1
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+# the pool is capped at max_num_seqs (512) x max_model_len tokens: 4M, clear of the ~1.9M TP=2 holds
+MAX_MODEL_LEN = 8192
 ENGINES = {  # run in this order, one at a time
     "tp1": dict(tensor_parallel_size=1, distributed_executor_backend="mp"),
     "tp2_eager": dict(tensor_parallel_size=2, enforce_eager=True),
@@ -75,7 +77,7 @@ def runs():
     llm = None
     try:
         for name, args in ENGINES.items():
-            llm = LLM(CONFIG, load_format="dummy", dtype="bfloat16", seed=0, max_model_len=4096,
+            llm = LLM(CONFIG, load_format="dummy", dtype="bfloat16", seed=0, max_model_len=MAX_MODEL_LEN,
                       enable_prefix_caching=False, **args)
             measured[name] = _measure(llm, scores=name != "tp2_eager")
             if name != "tp2":
