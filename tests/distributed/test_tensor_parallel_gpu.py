@@ -89,13 +89,15 @@ def runs():
 
 
 def test_two_ranks_give_one_ranks_prompt_logprobs_within_bf16_rounding(runs):
-    # TP=2 forms each o/down projection as two bf16 partial sums added by the all-reduce (one
-    # more bf16 rounding, u = 2^-8 relative, of each of the 64 row-parallel outputs) and may take
-    # other GEMM tiles for the halved widths; nothing else differs (the embedding's all-reduce
-    # adds zeros, the LM head's gather is exact). Those roundings move the final hidden state by
-    # ~1 % and a logit (|logit| up to ~8, one bf16 step there 0.03) by a few hundredths: mean
-    # |diff| 0.05 nats and max 0.5 leave ~3x room over that estimate and are far below what a
-    # wrong split gives (a mis-sharded head or a missing all-reduce moves every logprob by > 1).
+    # The bound: TP=2 forms each o/down projection as two bf16 partial sums added by the
+    # all-reduce (one more bf16 rounding, u = 2^-8 relative, of each of the 64 row-parallel
+    # outputs) and may take other GEMM tiles for the halved widths; nothing else differs (the
+    # embedding's all-reduce adds zeros, the LM head's gather is exact). The same prompts through
+    # ember on the CPU (bf16, gloo, these dummy weights at reduced shapes) gave mean |diff| 0.020 /
+    # 0.026 nats and max 0.08 / 0.10 at hidden 2048 with 16 / 32 layers, 0.027 and 0.10 at hidden
+    # 4096 with 8: ~0.04 and ~0.15 expected here. Mean < 0.1 and max < 0.5 leave 2.5-3x room and
+    # stay far below what a wrong split gives (a mis-sharded head or a lost all-reduce moves
+    # logprobs by whole nats).
     tp1, tp2 = runs[0]["tp1"], runs[0]["tp2"]
     agree = total = 0
     worst = 0.0
@@ -104,14 +106,15 @@ def test_two_ranks_give_one_ranks_prompt_logprobs_within_bf16_rounding(runs):
         mean_lp = torch.tensor(want).abs().mean()
         print(f"TP=2 vs TP=1 prompt {len(PROMPTS[i]):4d}: max |diff| {diff.max():.4f}, mean |diff| "
               f"{diff.mean():.4f} nats (mean |logprob| {mean_lp:.2f})")
-        assert diff.mean() < 0.05 and diff.max() < 0.5
+        assert diff.mean() < 0.1 and diff.max() < 0.5
         worst = max(worst, diff.max().item())
         agree += sum(a == b for a, b in zip(tp1.top1[i], tp2.top1[i]))
         total += len(tp1.top1[i])
     # random weights put the top two logits ~0.26 apart on average (the gap between the largest
-    # two of 128k draws), one bf16 step at the top is 0.03: a few % of positions may flip
+    # two of 128k draws) and one bf16 step at the top is 0.03, so near-ties flip: 90-95 % agreed
+    # on the CPU at the reduced shapes above
     print(f"TP=2 vs TP=1: greedy next-token agreement {agree}/{total} = {agree / total:.3f}; max |diff| {worst:.4f}")
-    assert agree / total >= 0.85
+    assert agree / total >= 0.8
     same = sum(a == b for a, b in zip(tp1.greedy, tp2.greedy))
     print(f"TP=2 vs TP=1: {same}/{len(PROMPTS)} free-running greedy sequences of 32 identical (not asserted: "
           "one flipped near-tie changes the rest)")
