@@ -35,11 +35,21 @@
 #                       nano protocol (defaults, 256 / 16384, 1024 / 16384) and Llama-8B 512 x 1000/1000
 #                       (defaults, 384 / 16384, 448 / 16384, 512 / 16384; the defaults again with the rank in
 #                       a worker process, --distributed-executor-backend mp); then the defaults' GPU tests
+#   race-tp             on nvidia-h200-x2 (two GPUs), NVLink multicast off: the two-GPU tests
+#                       (tests/distributed/test_tensor_parallel_gpu.py), vLLM at TP=2 (vllm_race.py
+#                       --tensor-parallel-size 2), then ember at the Llama-3.1-8B shape at its defaults, one
+#                       request 128/512 and 512 x 1000/1000 at TP=2 and TP=1, and the TP=2 one request with
+#                       --profile-steps; each run's timeout is cut to what is left of the call (CALL_S, 570 s)
+#   tp-70b              on nvidia-h200-x2: ember at the Llama-3.1-70B shape (141 GB of bf16 weights: two GPUs)
+#                       at TP=2, one request 128/512 and 128 x 1000/1000, then vLLM at TP=2 on both in the
+#                       time left of the call
 #
 # vLLM, the peer: stage it here first (/work/shared/peers/vllm-gpu/stage), copy its parts into /root/st
 # in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
 # .vllm-s5) in the race call. Without it the race modes run ember alone and say so. vLLM's fp8
 # path also imports compressed-tensors and loguru: add their wheels to the stage for race-fp8.
+# race-tp and tp-70b: the copy calls on nvidia-h200-x2 too (a call of another kind is another machine),
+# then the mode in one call, carrying the last part; the NCCL variables are set by the mode.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p "$J"
@@ -47,12 +57,23 @@ Q=benchmarks/configs/qwen3-0.6b; L=benchmarks/configs/llama-3.1-8b
 B="python3 -m ember.server.cli bench throughput --load-format dummy --seed 0"
 NANO="--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 16384"
 LAT="--num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048"
+TP128="--num-prompts 128 --input-len 1000 --output-len 1000 --max-model-len 2048"  # what a 70B call holds
 TP="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
 HF="--num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 16384 --compare hf --hf-batch-size 256"
 P="python3 benchmarks/scripts/profile_gpu_steps.py"
 KNOBS="--max-num-seqs %s --max-num-batched-tokens %s"  # the defaults mode's flags (seats, budget)
 S=${VLLM_STAGE:-.vllm-s5}
 NO_VLLM=${NO_VLLM:-0}
+DEADLINE=""  # set by a mode that must end within one call: the $SECONDS by which every run has ended
+
+# cap NAME SECONDS: a run's timeout, cut to what is left before DEADLINE; fails (and says so) when
+# less than 10 s are left
+cap() {
+  local s=$2
+  if [ -n "$DEADLINE" ] && [ $((DEADLINE - SECONDS)) -lt "$s" ]; then s=$((DEADLINE - SECONDS)); fi
+  if [ "$s" -lt 10 ]; then echo "== $1: skipped, the call's time is spent" >&2; return 1; fi
+  echo "$s"
+}
 
 # show: the lines of a bench log that matter (a filter that finds none is no failure)
 show() { grep -E "^==|Throughput|Start-up|Roofline|Per step|KV|preempt|ember/hf|Error|error" | grep -v "^\s*$" || true; }
@@ -60,22 +81,22 @@ show() { grep -E "^==|Throughput|Start-up|Roofline|Per step|KV|preempt|ember/hf|
 # bench NAME SECONDS ARGS...: one `ember bench throughput` run; JSON in $J/NAME.json, the whole log in
 # $J/NAME.log, the lines that matter on stdout.
 bench() {
-  local name=$1 secs=$2; shift 2
+  local name=$1 secs; secs=$(cap "ember $name" "$2") || return 0; shift 2
   echo "== ember $name: $*" | tee -a "$J/$name.log"
   timeout "$secs" $B "$@" --output-json "$J/$name.json" 2>&1 | tee -a "$J/$name.log" | show
 }
 
 # profiled NAME SECONDS ARGS...: the same run with --profile-steps (a device sync after each phase).
 profiled() {
-  local name=$1 secs=$2; shift 2
+  local name=$1 secs; secs=$(cap "ember $name, --profile-steps" "$2") || return 0; shift 2
   echo "== ember $name, --profile-steps" | tee -a "$J/$name.log"
   timeout "$secs" $B "$@" --profile-steps 2>&1 | tee -a "$J/$name.log" | grep -E "Throughput|Per step" || true
 }
 
 gpu_tests() {  # gpu_tests SECONDS PYTEST-ARGS...
-  local secs=$1; shift
+  local secs; secs=$(cap "GPU tests" "$1") || return 0; shift
   timeout "$secs" python3 -m pytest -m gpu -q -s -rf --tb=short "$@" 2>&1 \
-    | grep -E "agreement|agrees|invariance|graph|weights:|mean \|diff\||passed|failed|Error|^E |FAILED|\.py:[0-9]+" \
+    | grep -E "agreement|agrees|invariance|graph|weights:|mean \|diff\||KV blocks|identical|passed|failed|Error|^E |FAILED|\.py:[0-9]+" \
     | tail -40 | tee -a "$J/gpu_tests.log"
 }
 
@@ -91,8 +112,10 @@ have_vllm() {
 
 # vllm_race TAG SECONDS ARGS...: vLLM 0.24 on the requests ember's bench draws (vllm_race.py), first in the call.
 vllm_race() {
-  local tag=$1 secs=$2; shift 2
+  local tag=$1 secs; shift
+  cap "vLLM $tag" "$1" >/dev/null || return 0
   have_vllm || return 0
+  secs=$(cap "vLLM $tag" "$1") || return 0; shift  # what is left once it is installed
   echo "== vLLM $tag: vllm_race.py $*"
   VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm-site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     timeout "$secs" python3 benchmarks/scripts/vllm_race.py "$@" 2>&1 | grep -E "^RESULT|Error|error:" \
@@ -225,6 +248,32 @@ mode_defaults() {
   gpu_tests 120 tests/runner/test_defaults.py
 }
 
+# two GPUs over NCCL: NVLink multicast stays off (the device README's KINDS.md says why), in vLLM's
+# symmetric-memory all-reduce too
+multicast_off() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+}
+
+mode_race_tp() {
+  multicast_off
+  local base=${TP% --max-num-seqs*}  # ember at its defaults: no seat or budget flag
+  gpu_tests 180 tests/distributed/test_tensor_parallel_gpu.py
+  vllm_race llama_tp2 240 --config llama-3.1-8b --tensor-parallel-size 2 throughput latency
+  bench llama_latency_tp2 60 $L $LAT --tensor-parallel-size 2
+  bench llama_latency_tp1 45 $L $LAT
+  bench llama_tp2 100 $L $base --tensor-parallel-size 2
+  profiled llama_latency_tp2 60 $L $LAT --tensor-parallel-size 2
+  bench llama_tp1 100 $L $base
+}
+
+mode_tp_70b() {
+  multicast_off
+  local c=benchmarks/configs/llama-3.1-70b
+  bench llama70b_latency_tp2 120 $c $LAT --tensor-parallel-size 2
+  bench llama70b_128_tp2 200 $c $TP128 --tensor-parallel-size 2
+  vllm_race llama70b_tp2 400 --config llama-3.1-70b --tensor-parallel-size 2 throughput128 latency
+}
+
 mode=${1:-}
 [ $# -gt 0 ] && shift
 case "$mode" in
@@ -244,5 +293,7 @@ case "$mode" in
   families) mode_env; mode_families ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
   defaults) mode_env; mode_defaults ;;
+  race-tp) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_tp ;;
+  tp-70b) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_70b ;;
   *) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -211,7 +211,9 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
         steps = times.pop("steps", 0) or 1
         ember["profile_ms_per_step"] = {k: 1e3 * v / (steps if k != "steps" else 1) for k, v in times.items()}
         ember["profile_steps"] = steps
-        ember["profile_note"] = ("async scheduling: CPU time of each phase, no device syncs (forward and sample "
+        ember["profile_note"] = ("tensor parallel: the engine's side; send = the plan to the ranks, wait = their "
+                                 "forward and sampling" if cfg.tensor_parallel_size > 1 else
+                                 "async scheduling: CPU time of each phase, no device syncs (forward and sample "
                                  "are launch times); wait = the CPU waiting for sampled ids"
                                  if cfg.async_scheduling else "a device sync ends each phase")
     if cfg.device == "cuda":

@@ -29,6 +29,7 @@ from ember.loader.tokenizer import Tokenizer
 from ember.request import Request, RequestStatus
 from ember.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput, PromptLogprobs
 from ember.runner.sampler import TokenLogprobs
+from ember.runner.tensor_parallel import WorkerFailed
 from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -179,7 +180,8 @@ class EngineCore:
             if not outputs:  # only grammars still compiling: wait for one, not spin
                 self.structured.wait(GRAMMAR_WAIT_S)
             return outputs
-        self.launched.append(self.runner.launch(plan, lambda: self.structured.bitmasks(plan)))
+        self.launched.append(self._dropping_on_failure(self.runner.launch, plan,
+                                                       lambda: self.structured.bitmasks(plan)))
         self.scheduler.launched(plan)  # its tokens count as computed, the sampled ones as pending
         for request_id, message in self.structured.take_failures().items():  # a mask that failed
             self.fail_request(request_id, message)
@@ -197,7 +199,18 @@ class EngineCore:
     def _collect(self) -> list[EngineCoreOutput]:
         """Wait for the oldest launched step and apply its tokens."""
         launched = self.launched.popleft()
-        return self._timed("update", self._apply, launched.plan, self.runner.collect(launched))
+        result = self._dropping_on_failure(self.runner.collect, launched)
+        return self._timed("update", self._apply, launched.plan, result)
+
+    def _dropping_on_failure(self, runner_call, *args):
+        """runner_call(*args); when the tensor-parallel workers are gone, the steps in flight
+        cannot be collected either: they are dropped, so the error raised is the one that names
+        the worker, not a later collect's (LLM.generate collects in its cleanup)."""
+        try:
+            return runner_call(*args)
+        except WorkerFailed:
+            self.launched.clear()
+            raise
 
     def _apply(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """A step's tokens: append, stop checks, forks, grammars; release what finished.

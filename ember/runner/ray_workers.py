@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import defaultdict
 from typing import Any
 
 from ember.config import EngineConfig
@@ -50,7 +51,7 @@ class RayTensorParallelRunner(TensorParallelRunner):
         self._dead: str | None = None
         self.actors: list = []
         self._pending: list = []  # the object refs of the messages sent since the last collect
-        self.profile_steps, self.step_times, self.pooler, self.graphs = False, {}, None, None
+        self.profile_steps, self.step_times, self.pooler, self.graphs = False, defaultdict(float), None, None
         self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
         self.plans = PlanEncoder()
         try:
@@ -71,9 +72,7 @@ class RayTensorParallelRunner(TensorParallelRunner):
         except BaseException:
             self.shutdown()
             raise
-        self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
-        self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
-        self.max_num_seqs = ready["max_num_seqs"]
+        self._take_sizes(ready)
         logger.info("tensor parallel on Ray: %d actors ready, %d KV blocks each", size, self.num_blocks)
 
     def _send(self, message: tuple) -> None:

@@ -18,8 +18,9 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import time
 import traceback
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,16 @@ STEP_TIMEOUT_S = 3600.0  # a step longer than this is a hang: the engine fails
 
 class WorkerFailed(RuntimeError):
     """A tensor-parallel worker died or raised: the engine cannot go on."""
+
+
+@dataclass
+class RankGraphs:
+    """Rank 0's decode CUDA graphs (runner/cuda_graph.py), as the engine's process sees them."""
+
+    sizes: list[int]
+    max_batch: int
+    capture_seconds: float
+    pool_bytes: int
 
 
 @dataclass
@@ -66,7 +77,8 @@ class TensorParallelRunner:
         self.procs = [ctx.Process(target=_worker, name=f"ember-tp{rank}", daemon=True, args=(rank, *args))
                       for rank in range(size)]
         self.profile_steps = False
-        self.step_times: dict[str, float] = {}
+        # --profile-steps: the engine's side of a step (the ranks' own phases stay in their processes)
+        self.step_times: defaultdict[str, float] = defaultdict(float)
         self.pooler, self.graphs = None, None
         self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
         self.plans = PlanEncoder()
@@ -75,11 +87,7 @@ class TensorParallelRunner:
             for p in self.procs:
                 p.start()
             child.close()
-            ready = self._receive(READY_TIMEOUT_S, "starting")
-            # rank 0's (each rank holds about a tensor_parallel_size-th of the weights and the KV heads)
-            self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
-            self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
-            self.max_num_seqs = ready["max_num_seqs"]
+            self._take_sizes(self._receive(READY_TIMEOUT_S, "starting"))
         except BaseException:
             self.shutdown()
             raise
@@ -88,6 +96,7 @@ class TensorParallelRunner:
     # -- the runner's interface (EngineCore) -----------------------------------------------
 
     def launch(self, plan, fill_grammar_masks: Callable[[], dict[str, torch.Tensor]] | None = None) -> _Launched:
+        start = time.perf_counter()
         diff = self.plans.encode(plan)
         fill = fill_grammar_masks or dict
         if self.masks_follow:
@@ -95,11 +104,18 @@ class TensorParallelRunner:
             self._send(("masks", fill()))
         else:
             self._send(("launch", diff, fill()))
+        if self.profile_steps:
+            self.step_times["send"] += time.perf_counter() - start
+            self.step_times["steps"] += 1
         return _Launched(plan)
 
     def collect(self, step: _Launched):
+        start = time.perf_counter()
         self._send(("collect",))
-        return self._receive(STEP_TIMEOUT_S, "running a step")
+        out = self._receive(STEP_TIMEOUT_S, "running a step")
+        if self.profile_steps:
+            self.step_times["wait"] += time.perf_counter() - start  # the ranks' forward and sampling
+        return out
 
     def release(self, request_id: str) -> None:
         self.plans.forget(request_id)
@@ -124,6 +140,14 @@ class TensorParallelRunner:
         self._dead = self._dead or "shut down"
 
     # -- plumbing ----------------------------------------------------------------------------
+
+    def _take_sizes(self, ready: dict[str, Any]) -> None:
+        """Rank 0's sizes (Worker.sizes; each rank holds about a tensor_parallel_size-th of the
+        weights and the KV heads)."""
+        self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
+        self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
+        self.max_num_seqs = ready["max_num_seqs"]
+        self.graphs = RankGraphs(**ready["graphs"]) if ready["graphs"] is not None else None
 
     def _all_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -191,10 +215,12 @@ class Worker:
         self.plans = PlanDecoder()
         self.launched: deque = deque()
 
-    def sizes(self) -> dict[str, int]:
-        r = self.runner
+    def sizes(self) -> dict[str, Any]:
+        r, g = self.runner, self.runner.graphs
+        graphs = None if g is None else {"sizes": list(g.sizes), "max_batch": g.max_batch,
+                                         "capture_seconds": g.capture_seconds, "pool_bytes": g.pool_bytes}
         return {"num_blocks": r.num_blocks, "weight_bytes": r.weight_bytes, "activation_bytes": r.activation_bytes,
-                "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs}
+                "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs, "graphs": graphs}
 
     def handle(self, message: tuple, next_message: Callable[[], tuple] | None = None) -> Any:
         """Rank 0's step output for ("collect",) (every rank computes it, the engine reads

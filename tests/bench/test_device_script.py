@@ -18,12 +18,15 @@ NANO = ("--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 
         "--max-num-seqs 256 --max-num-batched-tokens 16384")
 
 
-def run_mode(tmp_path: Path, *args: str, staged: bool = True) -> tuple[list[str], subprocess.CompletedProcess]:
-    """Runs a mode with stubs first on PATH; returns the commands they saw, one line each."""
+def run_mode(tmp_path: Path, *args: str, staged: bool = True, record_env: tuple[str, ...] = (),
+             extra_env: dict[str, str] | None = None) -> tuple[list[str], subprocess.CompletedProcess]:
+    """Runs a mode with stubs first on PATH; returns the commands they saw, one line each
+    (with the values of the variables in record_env, as the stubs saw them)."""
     log = tmp_path / "calls.log"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    stub = f'#!/bin/bash\necho "$(basename "$0") $* [decode_config=${{EMBER_DECODE_CONFIG:-}}]" >> {log}\n'
+    seen = " [" + " ".join(f"{v}=${{{v}:-}}" for v in record_env) + "]" if record_env else ""
+    stub = f'#!/bin/bash\necho "$(basename "$0") $* [decode_config=${{EMBER_DECODE_CONFIG:-}}]{seen}" >> {log}\n'
     (bin_dir / "python3").write_text(stub + 'case "$*" in *decode_sweep*) echo BEST_QWEN=64,2,5;; esac\n')
     (bin_dir / "nvidia-smi").write_text(stub)
     stage = tmp_path / "stage"
@@ -32,7 +35,8 @@ def run_mode(tmp_path: Path, *args: str, staged: bool = True) -> tuple[list[str]
         (stage / "run-on-device").write_text(stub)
     for f in [*bin_dir.iterdir(), *stage.iterdir()]:
         f.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), VLLM_STAGE=str(stage))
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), VLLM_STAGE=str(stage),
+               **(extra_env or {}))
     done = subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
     calls = log.read_text().splitlines() if log.exists() else []
@@ -47,7 +51,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
                       "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "sweep-decode",
-                      "defaults"]
+                      "defaults", "race-tp", "tp-70b"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -153,3 +157,52 @@ def test_defaults_runs_ember_without_seat_or_budget_flags_beside_the_candidates(
         f"{bench} {l} {tp} --distributed-executor-backend mp --output-json {out}/llama_mp.json [decode_config=]",
         "python3 -m pytest -m gpu -q -s -rf --tb=short tests/runner/test_defaults.py [decode_config=]",
     ]
+
+
+MULTICAST_OFF = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+                     VLLM_ALLREDUCE_USE_SYMM_MEM="0")  # NVLink multicast stays off, vLLM's included
+OFF = " ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items())
+
+
+def test_race_tp_runs_the_two_gpu_tests_then_vllm_then_ember_at_both_sizes_with_multicast_off(tmp_path):
+    calls, done = run_mode(tmp_path, "race-tp", record_env=tuple(MULTICAST_OFF))
+    assert done.returncode == 0, done.stderr
+    out, l = tmp_path / "out", "benchmarks/configs/llama-3.1-8b"
+    tp = TP.split(" --max-num-seqs")[0]  # ember at its defaults
+    bench = f"python3 {BENCH[8:]}"
+    env = f"[decode_config=] [{OFF}]"
+    assert calls == [
+        f"python3 -m pytest -m gpu -q -s -rf --tb=short tests/distributed/test_tensor_parallel_gpu.py {env}",
+        f"run-on-device none {env}",
+        f"python3 benchmarks/scripts/vllm_race.py --config llama-3.1-8b --tensor-parallel-size 2 throughput latency "
+        f"{env}",
+        f"{bench} {l} {LAT} --tensor-parallel-size 2 --output-json {out}/llama_latency_tp2.json {env}",
+        f"{bench} {l} {LAT} --output-json {out}/llama_latency_tp1.json {env}",
+        f"{bench} {l} {tp} --tensor-parallel-size 2 --output-json {out}/llama_tp2.json {env}",
+        f"{bench} {l} {LAT} --tensor-parallel-size 2 --profile-steps {env}",
+        f"{bench} {l} {tp} --output-json {out}/llama_tp1.json {env}",
+    ]
+
+
+def test_tp_70b_runs_ember_at_two_ranks_then_vllm_on_the_same_workloads(tmp_path):
+    calls, done = run_mode(tmp_path, "tp-70b", record_env=tuple(MULTICAST_OFF))
+    assert done.returncode == 0, done.stderr
+    out, c = tmp_path / "out", "benchmarks/configs/llama-3.1-70b"
+    tp128 = "--num-prompts 128 --input-len 1000 --output-len 1000 --max-model-len 2048"
+    env = f"[decode_config=] [{OFF}]"
+    assert calls == [
+        f"python3 {BENCH[8:]} {c} {LAT} --tensor-parallel-size 2 --output-json {out}/llama70b_latency_tp2.json {env}",
+        f"python3 {BENCH[8:]} {c} {tp128} --tensor-parallel-size 2 --output-json {out}/llama70b_128_tp2.json {env}",
+        f"run-on-device none {env}",
+        f"python3 benchmarks/scripts/vllm_race.py --config llama-3.1-70b --tensor-parallel-size 2 throughput128 "
+        f"latency {env}",
+    ]
+
+
+@pytest.mark.parametrize("mode", ["race-tp", "tp-70b"])
+def test_a_two_gpu_mode_skips_what_the_call_has_no_time_left_for(tmp_path, mode):
+    calls, done = run_mode(tmp_path, mode, extra_env={"CALL_S": "0"})
+    assert done.returncode == 0, done.stderr
+    assert calls == []
+    skipped = [line for line in done.stderr.splitlines() if line.endswith("skipped, the call's time is spent")]
+    assert len(skipped) == (7 if mode == "race-tp" else 3), done.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -62,6 +63,12 @@ def test_three_ranks_give_one_process_tokens_and_a_killed_worker_fails_the_engin
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
         assert llm.generate(["My favourite colour is"], CHOICE)[0].outputs[0].text == choice
         llm.check_idle()  # every finished request's KV blocks are back
+        runner = llm.engine.runner
+        runner.profile_steps = True  # --profile-steps: the engine's side of each step
+        assert llm.generate(["Once upon a time"], GREEDY)[0].outputs[0].token_ids == tokens[2]
+        runner.profile_steps = False
+        assert sorted(runner.step_times) == ["schedule", "send", "steps", "update", "wait"]
+        assert runner.step_times["steps"] == 24 and runner.step_times["wait"] > 0
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(WorkerFailed, match=r"^tensor-parallel worker (rank \d \(exit code -?\d+\)(, )?)+ while "
                                                r"(running|sending) a step") as failed:
@@ -72,6 +79,34 @@ def test_three_ranks_give_one_process_tokens_and_a_killed_worker_fails_the_engin
     finally:
         llm.shutdown()
     assert _gone(pids)  # the other two were stopped with it
+
+
+def kill_mid_run(llm, prompt, rank: int, after_steps: int = 3) -> WorkerFailed:
+    """Stream one long request, SIGKILL the worker of `rank` once `after_steps` outputs came
+    back, and return the error the stream then raises."""
+    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+    with pytest.raises(WorkerFailed) as failed:
+        for i, _ in enumerate(llm.stream(prompt, params)):
+            if i + 1 == after_steps:
+                os.kill(llm.engine.runner.procs[rank].pid, signal.SIGKILL)
+    return failed.value
+
+
+def test_a_worker_killed_mid_run_with_steps_in_flight_fails_with_the_error_that_names_it(gguf_path):
+    # async scheduling (the GPU's default) keeps a step in flight: the cleanup's collect of it must
+    # not replace the error that names the rank with a later one
+    llm = LLM(str(gguf_path), **_engine_args(tensor_parallel_size=3, async_scheduling=True))
+    pids = [p.pid for p in llm.engine.runner.procs]
+    try:
+        assert llm.engine.max_in_flight == 1
+        error = kill_mid_run(llm, PROMPTS[2], rank=2)
+        assert re.match(r"tensor-parallel worker (rank \d \(exit code -?\d+\)(, )?)+ while (running|sending) a step",
+                        str(error)), error
+        assert "rank 2 (exit code -9)" in str(error)
+        assert not llm.engine.launched  # the steps in flight went with the workers
+    finally:
+        llm.shutdown()
+    assert _gone(pids)
 
 
 def test_sizes_the_heads_do_not_divide_among_and_experts_are_refused_before_any_worker(gguf_path, tmp_path):
