@@ -211,8 +211,9 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching and self.runner == "generate",
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
-        log_settings(vars(resolved), self._sources(), defaults)
-        return dataclasses.replace(resolved, setting_sources=self._sources())
+        sources = self._sources()
+        log_settings(vars(resolved), sources, defaults)
+        return dataclasses.replace(resolved, setting_sources=sources)
 
     def _sources(self) -> dict[str, str]:
         """Each tuning knob the caller set: where its value came from (an argument, unless
