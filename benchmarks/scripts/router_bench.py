@@ -12,36 +12,17 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
+from ember.distributed.parallel_state import free_port
+from ember.server.data_parallel import wait_ready
+
 CLI = [sys.executable, "-m", "ember.server.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} was not ready in {timeout} s")
 
 
 def prefix_counters(url: str) -> tuple[float, float]:
@@ -62,14 +43,13 @@ def run_policy(policy: str, ns: argparse.Namespace, logs: Path) -> dict:
                                            *ns.serve_args.split()],
                                           stdout=(logs / f"{policy}-replica{i}.log").open("w"),
                                           stderr=subprocess.STDOUT, env=os.environ | {"OMP_NUM_THREADS": "1"}))
-        for url, proc in zip(urls, procs):
-            wait_ready(url, proc)
+        wait_ready(procs, urls, timeout=300)
         port = free_port()
         router = f"http://127.0.0.1:{port}"
         procs.append(subprocess.Popen([*CLI, "router", "--port", str(port), "--policy", policy,
                                        *[a for u in urls for a in ("--worker", u)]],
                                       stdout=(logs / f"{policy}-router.log").open("w"), stderr=subprocess.STDOUT))
-        wait_ready(router, procs[-1])
+        wait_ready(procs[-1:], [router], timeout=300)
         out = logs / f"{policy}.json"
         subprocess.run([*CLI, "bench", "serve", "--base-url", router, "--dataset", "shared-prefix",
                         "--num-prompts", str(ns.conversations), "--num-turns", str(ns.turns),
