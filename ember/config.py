@@ -90,6 +90,10 @@ class EngineConfig:
     # when tensor_parallel_size > 1, else the model runs in the engine's process (named at
     # size 1, mp or ray still runs the one rank as a worker, as vLLM's executors do)
     distributed_executor_backend: str | None = None
+    # tensor parallelism on GPUs of one host: a decode step's all-reduces (up to 8 MiB) go
+    # through the GPUs' mapped memory in one kernel (distributed/peer_all_reduce.py); True
+    # leaves them all to NCCL (vLLM's flag)
+    disable_custom_all_reduce: bool = False
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")

@@ -35,11 +35,15 @@
 #                       nano protocol (defaults, 256 / 16384, 1024 / 16384) and Llama-8B 512 x 1000/1000
 #                       (defaults, 384 / 16384, 448 / 16384, 512 / 16384; the defaults again with the rank in
 #                       a worker process, --distributed-executor-backend mp); then the defaults' GPU tests
-#   race-tp             on nvidia-h200-x2 (two GPUs), NVLink multicast off: the two-GPU tests
-#                       (tests/distributed/test_tensor_parallel_gpu.py), vLLM at TP=2 (vllm_race.py
-#                       --tensor-parallel-size 2), then ember at the Llama-3.1-8B shape at its defaults, one
-#                       request 128/512 and 512 x 1000/1000 at TP=2 and TP=1, and the TP=2 one request with
-#                       --profile-steps; each run's timeout is cut to what is left of the call (CALL_S, 570 s)
+#   tp-check            on nvidia-h200-x2 (two GPUs), NVLink multicast off: the two-GPU tests
+#                       (tests/distributed/test_peer_all_reduce_gpu.py, test_tensor_parallel_gpu.py), one
+#                       all-reduce's time, NCCL against the peer all-reduce (all_reduce_bench.py), then ember
+#                       at the Llama-3.1-8B shape, one request 128/512 at TP=2 (peer all-reduce, then NCCL
+#                       alone: --disable-custom-all-reduce) and TP=1, and TP=2 with --profile-steps
+#   race-tp             on nvidia-h200-x2: vLLM at TP=2 (vllm_race.py --tensor-parallel-size 2), then ember
+#                       at the Llama-3.1-8B shape at its defaults, one request 128/512 at TP=2, 512 x
+#                       1000/1000 at TP=2 and TP=1, and at TP=2 with NCCL alone; each run's timeout is cut
+#                       to what is left of the call (CALL_S, 570 s)
 #   tp-70b              on nvidia-h200-x2: ember at the Llama-3.1-70B shape (141 GB of bf16 weights: two GPUs)
 #                       at TP=2, one request 128/512 and 128 x 1000/1000, then vLLM at TP=2 on both in the
 #                       time left of the call
@@ -49,7 +53,8 @@
 # .vllm-s5) in the race call. Without it the race modes run ember alone and say so. vLLM's fp8
 # path also imports compressed-tensors and loguru: add their wheels to the stage for race-fp8.
 # race-tp and tp-70b: the copy calls on nvidia-h200-x2 too (a call of another kind is another machine),
-# then the mode in one call, carrying the last part; the NCCL variables are set by the mode.
+# then the mode in one call, carrying the last part; the NCCL variables are set by the mode. tp-check
+# needs no vLLM: run it first, while the copies wait.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; J=$OUT; mkdir -p "$J"
@@ -254,16 +259,29 @@ multicast_off() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 }
 
+mode_tp_check() {
+  multicast_off
+  gpu_tests 270 tests/distributed/test_peer_all_reduce_gpu.py tests/distributed/test_tensor_parallel_gpu.py
+  local secs
+  if secs=$(cap "all-reduce bench" 60); then
+    echo "== all-reduce, NCCL against peer memory"
+    timeout "$secs" python3 benchmarks/scripts/all_reduce_bench.py --ranks 2 --output-json "$J/all_reduce.json" 2>&1 \
+      | grep -vi "warning" | tee "$J/all_reduce.log"
+  fi
+  bench llama_latency_tp2 60 $L $LAT --tensor-parallel-size 2
+  bench llama_latency_tp2_nccl 60 $L $LAT --tensor-parallel-size 2 --disable-custom-all-reduce
+  bench llama_latency_tp1 45 $L $LAT
+  profiled llama_latency_tp2 60 $L $LAT --tensor-parallel-size 2
+}
+
 mode_race_tp() {
   multicast_off
   local base=${TP% --max-num-seqs*}  # ember at its defaults: no seat or budget flag
-  gpu_tests 180 tests/distributed/test_tensor_parallel_gpu.py
   vllm_race llama_tp2 240 --config llama-3.1-8b --tensor-parallel-size 2 throughput latency
   bench llama_latency_tp2 60 $L $LAT --tensor-parallel-size 2
-  bench llama_latency_tp1 45 $L $LAT
   bench llama_tp2 100 $L $base --tensor-parallel-size 2
-  profiled llama_latency_tp2 60 $L $LAT --tensor-parallel-size 2
   bench llama_tp1 100 $L $base
+  bench llama_tp2_nccl 100 $L $base --tensor-parallel-size 2 --disable-custom-all-reduce
 }
 
 mode_tp_70b() {
@@ -293,6 +311,7 @@ case "$mode" in
   families) mode_env; mode_families ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
   defaults) mode_env; mode_defaults ;;
+  tp-check) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_check ;;
   race-tp) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_tp ;;
   tp-70b) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_70b ;;
   *) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;

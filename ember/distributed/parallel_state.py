@@ -18,6 +18,7 @@ import torch.distributed as dist
 _group: dist.ProcessGroup | None = None
 _rank = 0
 _size = 1
+_peer = None  # PeerAllReduce: the small all-reduces, where the ranks' GPUs map each other's memory
 
 # NVLink multicast (NVLS / symmetric memory) stays off: the machines that run ember lend
 # GPUs whose multicast objects other tenants could exhaust (the device README's KINDS.md)
@@ -45,7 +46,8 @@ def init_tensor_parallel(rank: int, world_size: int, backend: str = "gloo", init
 
 def destroy() -> None:
     """Leave the group; this process is rank 0 of 1 again."""
-    global _group, _rank, _size
+    global _group, _rank, _size, _peer
+    _peer = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _group, _rank, _size = None, 0, 1
@@ -64,9 +66,30 @@ def tp_group() -> dist.ProcessGroup | None:
     return _group
 
 
+def enable_peer_all_reduce(dtype: torch.dtype) -> str | None:
+    """Send the group's all-reduces of `dtype` that fit a decode step through the GPUs'
+    mapped memory (peer_all_reduce.py) rather than NCCL. A collective. Returns why it stays
+    with NCCL alone (ranks on several hosts, no peer access, not an NCCL group), or None."""
+    global _peer
+    from ember.distributed.peer_all_reduce import PeerAllReduce, why_not_peer
+
+    if _size == 1 or dist.get_backend(_group) != "nccl":
+        return "not a group of GPUs"
+    if (reason := why_not_peer(_group)) is not None:
+        return reason
+    try:
+        _peer = PeerAllReduce(_group, dtype, torch.device("cuda", torch.cuda.current_device()))
+    except Exception as e:
+        raise RuntimeError(f"rank {_rank}: the peer all-reduce's buffer failed ({e}); "
+                           "--disable-custom-all-reduce leaves every all-reduce to NCCL") from e
+    return None
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the ranks, in place; x itself at size 1."""
     if _size > 1:
+        if _peer is not None and _peer.fits(x):
+            return _peer(x)
         dist.all_reduce(x, group=_group)
     return x
 

@@ -91,7 +91,8 @@ class TensorParallelRunner:
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks ready, %d KV blocks each", size, self.num_blocks)
+        logger.info("tensor parallel: %d ranks ready, %d KV blocks each; all-reduce: %s", size, self.num_blocks,
+                    self.all_reduce)
 
     # -- the runner's interface (EngineCore) -----------------------------------------------
 
@@ -146,7 +147,7 @@ class TensorParallelRunner:
         weights and the KV heads)."""
         self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
         self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
-        self.max_num_seqs = ready["max_num_seqs"]
+        self.max_num_seqs, self.all_reduce = ready["max_num_seqs"], ready["all_reduce"]
         self.graphs = RankGraphs(**ready["graphs"]) if ready["graphs"] is not None else None
 
     def _all_alive(self) -> bool:
@@ -203,7 +204,7 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int, size: int, init_method: str, threads: int,
                  gpu: int) -> None:
-        from ember.distributed.parallel_state import init_tensor_parallel
+        from ember.distributed.parallel_state import enable_peer_all_reduce, init_tensor_parallel
         from ember.runner.model_runner import ModelRunner
 
         self.rank = rank
@@ -211,6 +212,17 @@ class Worker:
         if config.device == "cuda":
             torch.cuda.set_device(gpu)
         init_tensor_parallel(rank, size, "nccl" if config.device == "cuda" else "gloo", init_method)
+        # which all-reduce the layers' sums take (before the memory profile: the buffer is the GPU's)
+        if size == 1:
+            self.all_reduce = "none (one rank)"
+        elif config.device != "cuda":
+            self.all_reduce = "gloo"
+        elif config.disable_custom_all_reduce:
+            self.all_reduce = "NCCL (--disable-custom-all-reduce)"
+        elif (why := enable_peer_all_reduce(config.torch_dtype)) is not None:
+            self.all_reduce = f"NCCL ({why})"
+        else:
+            self.all_reduce = "peer memory up to 8 MiB, NCCL above"
         self.runner = ModelRunner(config)
         self.plans = PlanDecoder()
         self.launched: deque = deque()
@@ -220,7 +232,8 @@ class Worker:
         graphs = None if g is None else {"sizes": list(g.sizes), "max_batch": g.max_batch,
                                          "capture_seconds": g.capture_seconds, "pool_bytes": g.pool_bytes}
         return {"num_blocks": r.num_blocks, "weight_bytes": r.weight_bytes, "activation_bytes": r.activation_bytes,
-                "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs, "graphs": graphs}
+                "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs, "graphs": graphs,
+                "all_reduce": self.all_reduce}
 
     def handle(self, message: tuple, next_message: Callable[[], tuple] | None = None) -> Any:
         """Rank 0's step output for ("collect",) (every rank computes it, the engine reads

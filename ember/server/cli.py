@@ -70,6 +70,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="mp: the tensor-parallel workers are processes of this machine; ray: Ray actors on the "
                              "cluster RAY_ADDRESS names (or a new local one), ranks possibly on several nodes. "
                              "Default: mp when --tensor-parallel-size > 1, else the engine's own process")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="tensor parallelism on GPUs: every all-reduce through NCCL (default: a decode step's "
+                             "small ones in one kernel over the GPUs' mapped memory, where they share a host)")
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority", "lpm"],
                         help="waiting requests go in arrival order, by priority, or longest cached prefix first")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -96,7 +99,7 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
              "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
              "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling",
-             "tensor_parallel_size", "distributed_executor_backend"]
+             "tensor_parallel_size", "distributed_executor_backend", "disable_custom_all_reduce"]
     from_file = getattr(ns, "from_config_file", {})
     sources = {n: "config file" if n in from_file else "flag" for n in TUNING_KNOBS}
     return {"model": model_arg(ns), "runner": runner_arg(ns), "pooler_config": ns.pooler_config,

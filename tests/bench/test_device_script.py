@@ -51,7 +51,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
                       "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "sweep-decode",
-                      "defaults", "race-tp", "tp-70b"]
+                      "defaults", "tp-check", "race-tp", "tp-70b"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -164,7 +164,25 @@ MULTICAST_OFF = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
 OFF = " ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items())
 
 
-def test_race_tp_runs_the_two_gpu_tests_then_vllm_then_ember_at_both_sizes_with_multicast_off(tmp_path):
+def test_tp_check_runs_the_two_gpu_tests_the_all_reduce_bench_and_one_request_with_multicast_off(tmp_path):
+    calls, done = run_mode(tmp_path, "tp-check", record_env=tuple(MULTICAST_OFF))
+    assert done.returncode == 0, done.stderr
+    out, l = tmp_path / "out", "benchmarks/configs/llama-3.1-8b"
+    bench = f"python3 {BENCH[8:]}"
+    env = f"[decode_config=] [{OFF}]"
+    assert calls == [
+        "python3 -m pytest -m gpu -q -s -rf --tb=short tests/distributed/test_peer_all_reduce_gpu.py "
+        f"tests/distributed/test_tensor_parallel_gpu.py {env}",
+        f"python3 benchmarks/scripts/all_reduce_bench.py --ranks 2 --output-json {out}/all_reduce.json {env}",
+        f"{bench} {l} {LAT} --tensor-parallel-size 2 --output-json {out}/llama_latency_tp2.json {env}",
+        f"{bench} {l} {LAT} --tensor-parallel-size 2 --disable-custom-all-reduce --output-json "
+        f"{out}/llama_latency_tp2_nccl.json {env}",
+        f"{bench} {l} {LAT} --output-json {out}/llama_latency_tp1.json {env}",
+        f"{bench} {l} {LAT} --tensor-parallel-size 2 --profile-steps {env}",
+    ]
+
+
+def test_race_tp_runs_vllm_then_ember_at_both_sizes_with_multicast_off(tmp_path):
     calls, done = run_mode(tmp_path, "race-tp", record_env=tuple(MULTICAST_OFF))
     assert done.returncode == 0, done.stderr
     out, l = tmp_path / "out", "benchmarks/configs/llama-3.1-8b"
@@ -172,15 +190,14 @@ def test_race_tp_runs_the_two_gpu_tests_then_vllm_then_ember_at_both_sizes_with_
     bench = f"python3 {BENCH[8:]}"
     env = f"[decode_config=] [{OFF}]"
     assert calls == [
-        f"python3 -m pytest -m gpu -q -s -rf --tb=short tests/distributed/test_tensor_parallel_gpu.py {env}",
         f"run-on-device none {env}",
         f"python3 benchmarks/scripts/vllm_race.py --config llama-3.1-8b --tensor-parallel-size 2 throughput latency "
         f"{env}",
         f"{bench} {l} {LAT} --tensor-parallel-size 2 --output-json {out}/llama_latency_tp2.json {env}",
-        f"{bench} {l} {LAT} --output-json {out}/llama_latency_tp1.json {env}",
         f"{bench} {l} {tp} --tensor-parallel-size 2 --output-json {out}/llama_tp2.json {env}",
-        f"{bench} {l} {LAT} --tensor-parallel-size 2 --profile-steps {env}",
         f"{bench} {l} {tp} --output-json {out}/llama_tp1.json {env}",
+        f"{bench} {l} {tp} --tensor-parallel-size 2 --disable-custom-all-reduce --output-json {out}/llama_tp2_nccl.json "
+        f"{env}",
     ]
 
 
@@ -199,10 +216,10 @@ def test_tp_70b_runs_ember_at_two_ranks_then_vllm_on_the_same_workloads(tmp_path
     ]
 
 
-@pytest.mark.parametrize("mode", ["race-tp", "tp-70b"])
+@pytest.mark.parametrize("mode", ["tp-check", "race-tp", "tp-70b"])
 def test_a_two_gpu_mode_skips_what_the_call_has_no_time_left_for(tmp_path, mode):
     calls, done = run_mode(tmp_path, mode, extra_env={"CALL_S": "0"})
     assert done.returncode == 0, done.stderr
     assert calls == []
     skipped = [line for line in done.stderr.splitlines() if line.endswith("skipped, the call's time is spent")]
-    assert len(skipped) == (7 if mode == "race-tp" else 3), done.stderr
+    assert len(skipped) == {"tp-check": 6, "race-tp": 5, "tp-70b": 3}[mode], done.stderr

@@ -79,11 +79,13 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def _rank_main(rank: int, world: int, init_method: str, out_dir: str, reports: mp.Queue, task: Callable,
-               args: tuple) -> None:
+               args: tuple, backend: str) -> None:
     """One rank: join the group, run task(*args), save what it returns; report None or the traceback."""
     try:
         torch.set_num_threads(1)
-        parallel_state.init_tensor_parallel(rank, world, "gloo", init_method, timeout_s=JOIN_TIMEOUT_S)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        parallel_state.init_tensor_parallel(rank, world, backend, init_method, timeout_s=JOIN_TIMEOUT_S)
         torch.save(task(*args), Path(out_dir) / f"rank{rank}.pt")
         reports.put((rank, None))
     except BaseException:
@@ -98,16 +100,16 @@ def run_ranks(world: int, model_path: str, tmp_path: Path, quantization: str = "
     return run_task(world, tmp_path, prefill_logits, (model_path, PROMPTS, quantization, load_format))
 
 
-def run_task(world: int, tmp_path: Path, task: Callable, args: tuple) -> list:
-    """What task(*args) returns on each of `world` ranks. The first rank to fail (an exception,
-    or an exit without a report) fails the call with its error, and every process is ended:
-    none is left behind."""
+def run_task(world: int, tmp_path: Path, task: Callable, args: tuple, backend: str = "gloo") -> list:
+    """What task(*args) returns on each of `world` ranks (over NCCL: rank r on GPU r). The first
+    rank to fail (an exception, or an exit without a report) fails the call with its error, and
+    every process is ended: none is left behind."""
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     out = tmp_path / f"{task.__name__}-{world}"
     out.mkdir()
     init = f"file://{out / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(out), reports, task, args),
+    procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(out), reports, task, args, backend),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -331,7 +333,8 @@ def _collectives() -> dict[str, torch.Tensor | None]:
     rank = parallel_state.tp_rank()
     y = torch.arange(4.0).view(2, 2) + 10 * rank
     return {"sum": parallel_state.all_reduce(y.clone()), "all": parallel_state.all_gather_last_dim(y),
-            "to_0": parallel_state.gather_last_dim(y), "size": torch.tensor(parallel_state.tp_size())}
+            "to_0": parallel_state.gather_last_dim(y), "size": torch.tensor(parallel_state.tp_size()),
+            "peer": parallel_state.enable_peer_all_reduce(torch.float32)}
 
 
 def test_collectives_over_three_ranks(tmp_path):
@@ -339,7 +342,7 @@ def test_collectives_over_three_ranks(tmp_path):
     y = [torch.arange(4.0).view(2, 2) + 10 * r for r in range(3)]
     for r, got in enumerate(ranks):
         assert torch.equal(got["sum"], y[0] + y[1] + y[2]) and torch.equal(got["all"], torch.cat(y, -1))
-        assert got["size"].item() == 3
+        assert got["size"].item() == 3 and got["peer"] == "not a group of GPUs"
         assert torch.equal(got["to_0"], torch.cat(y, -1)) if r == 0 else got["to_0"] is None
 
 

@@ -64,6 +64,7 @@ def test_three_ranks_give_one_process_tokens_and_a_killed_worker_fails_the_engin
         assert llm.generate(["My favourite colour is"], CHOICE)[0].outputs[0].text == choice
         llm.check_idle()  # every finished request's KV blocks are back
         runner = llm.engine.runner
+        assert runner.all_reduce == "gloo"
         runner.profile_steps = True  # --profile-steps: the engine's side of each step
         assert llm.generate(["Once upon a time"], GREEDY)[0].outputs[0].token_ids == tokens[2]
         runner.profile_steps = False
@@ -130,12 +131,13 @@ def test_ember_serve_at_three_ranks_answers_and_stops_with_its_workers(gguf_path
     from test_openai_server import KEY, MODEL, Server
 
     s = Server(gguf_path, tmp_path / "tp.log", "--api-key", KEY, "--tensor-parallel-size", "3",
-               "--num-kv-blocks", "64")
+               "--num-kv-blocks", "64", "--disable-custom-all-reduce")
     try:
         s.wait_ready()
         workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) ==
                    s.proc.pid]
         assert len(workers) >= 3, s.log_tail()
+        assert "3 ranks ready, 64 KV blocks each; all-reduce: gloo" in (tmp_path / "tp.log").read_text()
         answer = s.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
         assert answer.choices[0].text == reference[2]
     finally:

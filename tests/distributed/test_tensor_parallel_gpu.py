@@ -6,6 +6,8 @@ same weights and differ only in how the sums are formed:
 - teacher-forced numerics: the prompt logprobs at TP=2 are TP=1's within a bfloat16 bound,
   and the greedy next token agrees at most positions;
 - CUDA graphs per rank: greedy decoding with graphs gives eager's token ids exactly;
+- the peer all-reduce (distributed/peer_all_reduce.py) gives NCCL's logprobs and tokens
+  exactly (`--disable-custom-all-reduce` runs NCCL alone);
 - the KV pool: each rank holds half the KV heads and half the weights, so TP=2's pool has
   about twice TP=1's blocks at the same gpu_memory_utilization;
 - a worker killed mid-run fails the engine with an error naming its rank, and leaves no
@@ -39,6 +41,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 MAX_MODEL_LEN = 8192
 ENGINES = {  # run in this order, one at a time
     "tp1": dict(tensor_parallel_size=1, distributed_executor_backend="mp"),
+    "tp2_nccl": dict(tensor_parallel_size=2, disable_custom_all_reduce=True),
     "tp2_eager": dict(tensor_parallel_size=2, enforce_eager=True),
     "tp2": dict(tensor_parallel_size=2),
 }
@@ -51,6 +54,7 @@ class Measured:
     greedy: list[list[int]]  # 32 greedy tokens per prompt, the prompts batched (4: a graph size, no padding)
     num_blocks: int
     graphs: RankGraphs | None  # rank 0's decode graphs
+    all_reduce: str  # which all-reduce the ranks' sums took
 
 
 def _measure(llm: LLM, scores: bool) -> Measured:
@@ -64,7 +68,7 @@ def _measure(llm: LLM, scores: bool) -> Measured:
     greedy = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
     llm.check_idle()
     runner = llm.engine.runner
-    return Measured(logprobs, top1, greedy, runner.num_blocks, runner.graphs)
+    return Measured(logprobs, top1, greedy, runner.num_blocks, runner.graphs, runner.all_reduce)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +136,17 @@ def test_cuda_graphs_on_each_rank_give_eagers_tokens(runs):
     # the replay runs eager's kernels at eager's shapes, and NCCL's sum of two ranks is a + b,
     # the same whichever algorithm or protocol it picks in or out of a graph
     assert measured["tp2"].greedy == measured["tp2_eager"].greedy
+
+
+def test_the_peer_all_reduce_gives_nccls_logprobs_and_tokens_exactly(runs):
+    measured = runs[0]
+    assert measured["tp1"].all_reduce == "none (one rank)"
+    assert measured["tp2_nccl"].all_reduce == "NCCL (--disable-custom-all-reduce)"
+    assert measured["tp2"].all_reduce == "peer memory up to 8 MiB, NCCL above"
+    # two addends: a + b rounded once to bfloat16, whichever kernel adds them (the prompts' all-
+    # reduces, up to 511 x 4096 x 2 bytes, and every decode step's take the peer path)
+    peer, nccl = measured["tp2"], measured["tp2_nccl"]
+    assert peer.logprobs == nccl.logprobs and peer.top1 == nccl.top1 and peer.greedy == nccl.greedy
 
 
 def test_each_rank_holds_half_the_kv_heads_so_two_ranks_hold_twice_the_blocks(runs):
