@@ -1,8 +1,8 @@
 """Small-batch linear layers on the GPU: cuBLAS (F.linear) against ember's GEMV kernel
 (kernels/gemv.py) and its fused prologues, at the Qwen3-0.6B and Llama-3.1-8B decode
-shapes, 1 / 2 / 4 rows. Each case is timed inside a CUDA graph of back-to-back calls (as a
+shapes, 1 / 2 / 4 rows (--tp2: the Llama-3.1-8B shapes one rank of two holds). Each case is timed inside a CUDA graph of back-to-back calls (as a
 decode graph replays them) that cycle over enough weight copies to defeat the 50 MB L2.
-`python3 benchmarks/scripts/gemv_bench.py [--sweep]`"""
+`python3 benchmarks/scripts/gemv_bench.py [--sweep] [--tp2]`"""
 
 import sys
 
@@ -18,6 +18,10 @@ SHAPES = {  # name: (N, K) of weight [N, K]
     "0.6b lm_head": (151936, 1024),
     "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
     "8b lm_head": (128256, 4096),
+}
+TP2_SHAPES = {  # a rank of two: column-parallel layers keep half the rows, row-parallel half the columns
+    "8b/2 qkv": (3072, 4096), "8b/2 o": (4096, 2048), "8b/2 gate_up": (14336, 4096), "8b/2 down": (4096, 7168),
+    "8b/2 lm_head": (64128, 4096),
 }
 
 
@@ -59,12 +63,12 @@ def sweep_configs(run, copies: int) -> list[tuple[float, int, int, int]]:
     return sorted(rows)
 
 
-def main(sweep: bool) -> None:
+def main(sweep: bool, shapes: dict[str, tuple[int, int]]) -> None:
     torch.manual_seed(0)
     dt = torch.bfloat16
     print(f"{'shape':14s} M  {'cuBLAS':>8s} {'gemv':>8s} {'TB/s':>5s}/{'TB/s':>5s}  norm+lin fused / unfused   "
           f"silu+lin fused / unfused  (us)")
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         nbytes = n * k * 2
         copies = max(1, -(-400_000_000 // nbytes))
         ws = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5 for _ in range(copies)]
@@ -91,9 +95,14 @@ def main(sweep: bool) -> None:
                 rows = sweep_configs(lambda i, config: gemv(x, ws[i], config=config), copies)
                 print(f"    default {gemv_config(m, n, k)}; best: " + ", ".join(
                     f"{bn},{bk},{w}: {t:.1f}" for t, bn, bk, w in rows[:4]), flush=True)
+                if "qkv" in name:  # decode runs it with the norm prologue
+                    rows = sweep_configs(lambda i, config: gemv(x, ws[i], prologue="norm", residual=res,
+                                                                norm_weight=nw, config=config), copies)
+                    print("    with the norm prologue, best: " + ", ".join(
+                        f"{bn},{bk},{w}: {t:.1f}" for t, bn, bk, w in rows[:4]), flush=True)
         del ws
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main("--sweep" in sys.argv)
+    main("--sweep" in sys.argv, TP2_SHAPES if "--tp2" in sys.argv else SHAPES)
