@@ -1,8 +1,8 @@
 """A decode step's small all-reduces in one kernel over the GPUs' mapped memory.
 
 At the Llama-3.1-8B shape a decode step makes 64 all-reduces (after attention and after the
-MLP, in each layer) of a few KiB each, and NCCL's ring spends about 10 us on each however
-small. torch's symmetric memory maps every rank's buffer into every rank's address space,
+MLP, in each layer) of a few KiB each, and NCCL's has a latency of its own however small the
+message (benchmarks/scripts/all_reduce_bench.py times both). torch's symmetric memory maps every rank's buffer into every rank's address space,
 and its one-shot all-reduce is one kernel: each rank copies its input into its own buffer,
 waits at a barrier, reads every rank's buffer over NVLink and sums, and waits at a second
 barrier (so no rank overwrites its buffer while a peer still reads it). Messages above the

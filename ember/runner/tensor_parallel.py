@@ -205,6 +205,7 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int, size: int, init_method: str, threads: int,
                  gpu: int) -> None:
         from ember.distributed.parallel_state import enable_peer_all_reduce, init_tensor_parallel
+        from ember.distributed.peer_all_reduce import MAX_BYTES as PEER_MAX_BYTES
         from ember.runner.model_runner import ModelRunner
 
         self.rank = rank
@@ -222,7 +223,7 @@ class Worker:
         elif (why := enable_peer_all_reduce(config.torch_dtype)) is not None:
             self.all_reduce = f"NCCL ({why})"
         else:
-            self.all_reduce = "peer memory up to 8 MiB, NCCL above"
+            self.all_reduce = f"peer memory up to {PEER_MAX_BYTES >> 20} MiB, NCCL above"
         self.runner = ModelRunner(config)
         self.plans = PlanDecoder()
         self.launched: deque = deque()
