@@ -1,7 +1,7 @@
 """Small-batch linear layers on the GPU: cuBLAS (F.linear) against ember's GEMV kernel
 (kernels/gemv.py) and its fused prologues, at the Qwen3-0.6B and Llama-3.1-8B decode
-shapes, 1 / 2 / 4 rows (--tp2: the Llama-3.1-8B shapes one rank of two holds). Each case is timed inside a CUDA graph of back-to-back calls (as a
-decode graph replays them) that cycle over enough weight copies to defeat the 50 MB L2.
+shapes, 1 / 2 / 4 rows (--tp2: the Llama-3.1-8B shapes one rank of two holds). Each case is
+timed inside a CUDA graph of back-to-back calls (as a decode graph replays them) that cycle over enough weight copies to defeat the 50 MB L2.
 `python3 benchmarks/scripts/gemv_bench.py [--sweep] [--tp2]`"""
 
 import sys
@@ -63,6 +63,10 @@ def sweep_configs(run, copies: int) -> list[tuple[float, int, int, int]]:
     return sorted(rows)
 
 
+def _best(rows: list[tuple[float, int, int, int]]) -> str:
+    return ", ".join(f"{bn},{bk},{w}: {t:.1f}" for t, bn, bk, w in rows[:4])
+
+
 def main(sweep: bool, shapes: dict[str, tuple[int, int]]) -> None:
     torch.manual_seed(0)
     dt = torch.bfloat16
@@ -93,13 +97,11 @@ def main(sweep: bool, shapes: dict[str, tuple[int, int]]) -> None:
             print(line, flush=True)
             if sweep and m == 1:
                 rows = sweep_configs(lambda i, config: gemv(x, ws[i], config=config), copies)
-                print(f"    default {gemv_config(m, n, k)}; best: " + ", ".join(
-                    f"{bn},{bk},{w}: {t:.1f}" for t, bn, bk, w in rows[:4]), flush=True)
+                print(f"    default {gemv_config(m, n, k)}; best: {_best(rows)}", flush=True)
                 if "qkv" in name:  # decode runs it with the norm prologue
                     rows = sweep_configs(lambda i, config: gemv(x, ws[i], prologue="norm", residual=res,
                                                                 norm_weight=nw, config=config), copies)
-                    print("    with the norm prologue, best: " + ", ".join(
-                        f"{bn},{bk},{w}: {t:.1f}" for t, bn, bk, w in rows[:4]), flush=True)
+                    print(f"    with the norm prologue, best: {_best(rows)}", flush=True)
         del ws
         torch.cuda.empty_cache()
 
