@@ -1,7 +1,8 @@
 """Small-batch linear layers on the GPU: cuBLAS (F.linear) against ember's GEMV kernel
 (kernels/gemv.py) and its fused prologues, at the Qwen3-0.6B and Llama-3.1-8B decode
 shapes, 1 / 2 / 4 rows (--tp2: the Llama-3.1-8B shapes one rank of two holds). Each case is
-timed inside a CUDA graph of back-to-back calls (as a decode graph replays them) that cycle over enough weight copies to defeat the 50 MB L2.
+timed inside a CUDA graph of back-to-back calls (as a decode graph replays them) that cycle
+over enough weight copies to defeat the 50 MB L2.
 `python3 benchmarks/scripts/gemv_bench.py [--sweep] [--tp2]`"""
 
 import sys
