@@ -243,7 +243,8 @@ def _serve_data_parallel(ns: argparse.Namespace) -> int:
     if ns.data_parallel_backend == "ray":
         return run_ray_replicas(ns.argv, ns.data_parallel_size, device, ns.tensor_parallel_size, ns.host, ns.port,
                                 ns.uvicorn_log_level)
-    return run_data_parallel(ns.argv, ns.data_parallel_size, device, ns.host, ns.port, ns.uvicorn_log_level)
+    return run_data_parallel(ns.argv, ns.data_parallel_size, device, ns.host, ns.port, ns.uvicorn_log_level,
+                             ns.tensor_parallel_size)
 
 
 def _auto_tool_parser(ns: argparse.Namespace) -> str | None:

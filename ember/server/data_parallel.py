@@ -3,7 +3,8 @@ with its share of the machine, behind ember's cache-aware router (ember/router) 
 address the user asked for.
 
 A replica is `ember serve` with the same flags on a free localhost port: on the CPU it gets
-cores / N threads (OMP_NUM_THREADS, unless set), on CUDA one GPU of those visible. The
+cores / N threads (OMP_NUM_THREADS, unless set), on CUDA its tensor_parallel_size GPUs of those
+visible (replica i the i-th run of them: at DP=2 x TP=2, GPUs 0,1 and 2,3). The
 router sends each request to the replica whose prefix cache holds most of it (else the least
 loaded), takes a replica that dies out of rotation, and answers 503 once none is left. When
 the router stops, the replicas stop; a replica that fails to start stops the others and
@@ -48,13 +49,14 @@ def replica_argv(argv: list[str], port: int, host: str = "127.0.0.1") -> list[st
     return out + ["--host", host, "--port", str(port), "--data-parallel-size", "1"]
 
 
-def replica_env(index: int, size: int, device: str) -> dict[str, str]:
-    """The environment of replica `index` of `size`: its GPU, or its share of the CPU's threads."""
+def replica_env(index: int, size: int, device: str, gpus_per_replica: int = 1) -> dict[str, str]:
+    """The environment of replica `index` of `size`: its GPUs (`gpus_per_replica` of those
+    visible, the index-th run of them), or its share of the CPU's threads."""
     env = dict(os.environ)
     if device == "cuda":
         visible = env.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(size)]
-        env["CUDA_VISIBLE_DEVICES"] = ids[index]
+        ids = visible.split(",") if visible else [str(i) for i in range(size * gpus_per_replica)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[index * gpus_per_replica:(index + 1) * gpus_per_replica])
     else:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
     return env
@@ -104,24 +106,28 @@ def stop_processes(procs: list[subprocess.Popen]) -> None:
 
 
 def run_data_parallel(argv: list[str], size: int, device: str, host: str, port: int, log_level: str,
-                      ready_timeout: float = 900.0) -> int:
-    """Start `size` replicas of `ember serve argv...`, then the router on host:port until it
-    stops; returns the exit code."""
+                      tensor_parallel_size: int = 1, ready_timeout: float = 900.0) -> int:
+    """Start `size` replicas of `ember serve argv...` (each with `tensor_parallel_size` ranks
+    of its own), then the router on host:port until it stops; returns the exit code."""
     from ember.router.app import RouterConfig, run_router
 
     if device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < size:
-            raise ValueError(f"--data-parallel-size {size} needs {size} GPUs, and {torch.cuda.device_count()} are "
-                             "visible: lower it, or run on the CPU (--device cpu)")
+        gpus = size * tensor_parallel_size
+        if torch.cuda.device_count() < gpus:
+            need = f"--data-parallel-size {size}" + (f" x --tensor-parallel-size {tensor_parallel_size}"
+                                                      if tensor_parallel_size > 1 else "")
+            raise ValueError(f"{need} needs {gpus} GPUs, and {torch.cuda.device_count()} are visible: lower "
+                             f"{'them' if tensor_parallel_size > 1 else 'it'}, or run on the CPU (--device cpu)")
     ports = [free_port() for _ in range(size)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs: list[subprocess.Popen] = []
     try:
         for i, replica_port in enumerate(ports):
             procs.append(subprocess.Popen([sys.executable, "-m", "ember.server.cli", *replica_argv(argv, replica_port)],
-                                          env=replica_env(i, size, device), preexec_fn=die_with_parent))
+                                          env=replica_env(i, size, device, tensor_parallel_size),
+                                          preexec_fn=die_with_parent))
         wait_ready(procs, urls, ready_timeout)
         logger.info("data parallel: %d replicas ready at %s; the router listens on %s:%d", size, ", ".join(urls),
                     host, port)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from ember import LLM, SamplingParams
-from ember.server.data_parallel import replica_argv, replica_env
+from ember.server.data_parallel import replica_argv, replica_env, run_data_parallel
 from test_openai_server import KEY, MODEL, Server
 
 pytestmark = pytest.mark.slow
@@ -40,8 +41,23 @@ def test_a_replica_gets_its_gpu_or_its_share_of_the_threads(monkeypatch):
     assert replica_env(1, 2, "cuda")["CUDA_VISIBLE_DEVICES"] == "1"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     assert replica_env(1, 2, "cuda")["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    # with tensor parallelism each replica gets its own run of GPUs for its ranks
+    assert [replica_env(i, 2, "cuda", 2)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["0,1", "2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3,4,5,6,7")
+    assert [replica_env(i, 3, "cuda", 2)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["1,3", "4,5", "6,7"]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert replica_env(0, 2, "cpu")["OMP_NUM_THREADS"] == "3"
+
+
+def test_too_few_gpus_for_the_replicas_and_their_ranks_is_refused_before_any_starts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(ValueError) as e:
+        run_data_parallel(["serve", "m"], 2, "cuda", "127.0.0.1", 0, "warning", tensor_parallel_size=2)
+    assert str(e.value) == ("--data-parallel-size 2 x --tensor-parallel-size 2 needs 4 GPUs, and 3 are visible: "
+                            "lower them, or run on the CPU (--device cpu)")
+    with pytest.raises(ValueError, match=r"^--data-parallel-size 4 needs 4 GPUs, and 3 are visible: lower it,"):
+        run_data_parallel(["serve", "m"], 4, "cuda", "127.0.0.1", 0, "warning")
 
 
 def _children(pid: int) -> list[int]:
