@@ -47,6 +47,18 @@
 #   tp-70b              on nvidia-h200-x2: ember at the Llama-3.1-70B shape (141 GB of bf16 weights: two GPUs)
 #                       at TP=2, one request 128/512 and 128 x 1000/1000, then vLLM at TP=2 on both in the
 #                       time left of the call
+#   serve               `ember serve` on CUDA: tests/server/test_serve_gpu.py (on two GPUs also
+#                       --data-parallel-size 2), then served throughput at the Llama-3.1-8B shape, 256 x
+#                       512/256 sent at once through `ember bench serve`, and the offline engine on the same
+#                       workload at the server's seats and budget (what serving adds)
+#
+# serve: the device has none of the server's packages and no GGUF reader, so two things are made
+# here and carried: the served model (SERVED_MODEL, default .serve-model:
+# `python3 benchmarks/scripts/served_model.py .serve-model`) and the wheels (SERVE_WHEELS, default
+# .whl: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux2014_x86_64 -d .whl` fastapi starlette uvicorn pydantic pydantic_core typing-inspection
+# annotated-types annotated-doc typing_extensions opentelemetry-api openai httpx2 httpcore2 truststore
+# anyio idna h11 distro jiter sniffio partial-json-parser gguf, at the versions of .venv).
 #
 # vLLM, the peer: stage it here first (/work/shared/peers/vllm-gpu/stage), copy its parts into /root/st
 # in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
@@ -101,7 +113,7 @@ profiled() {
 gpu_tests() {  # gpu_tests SECONDS PYTEST-ARGS...
   local secs; secs=$(cap "GPU tests" "$1") || return 0; shift
   timeout "$secs" python3 -m pytest -m gpu -q -s -rf --tb=short "$@" 2>&1 \
-    | grep -E "agreement|agrees|invariance|graph|weights:|mean \|diff\||KV blocks|identical|passed|failed|Error|^E |FAILED|\.py:[0-9]+" \
+    | grep -E "agreement|agrees|invariance|graph|weights:|mean \|diff\||KV blocks|identical|passed|failed|skipped|Error|^E |FAILED|\.py:[0-9]+" \
     | tail -40 | tee -a "$J/gpu_tests.log"
 }
 
@@ -259,6 +271,51 @@ multicast_off() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 }
 
+SERVE_ARGS="--load-format dummy --dtype bfloat16 --seed 0 --max-model-len 2048"
+SERVED_LOAD="--dataset random --num-prompts 256 --random-input-len 512 --random-output-len 256 --ignore-eos --seed 0"
+
+# serve_kit: install the carried server wheels (PYTHONPATH), or say what is missing and fail
+serve_kit() {
+  local whl=${SERVE_WHEELS:-.whl} m=${SERVED_MODEL:-.serve-model}
+  if ! ls "$whl"/*.whl >/dev/null 2>&1 || [ ! -f "$m/tokenizer.json" ]; then
+    echo "== serve needs $whl/*.whl and $m/ carried (see the head of this script)"
+    return 1
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$whl"/*.whl || return 1
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+  python3 -c "import fastapi, uvicorn, openai, pydantic, partial_json_parser, gguf" || return 1
+}
+
+# served NAME SECONDS MODEL ARGS...: `ember serve MODEL ARGS` in the background, `ember bench serve`
+# ($SERVED_LOAD) against it once it answers /health, then SIGTERM; JSON in $J/NAME.json
+served() {
+  local name=$1 secs m=$3 port=8123 waited=0 pid; secs=$(cap "ember $name" "$2") || return 0; shift 3
+  echo "== ember $name: serve $m $*" | tee -a "$J/$name.log"
+  python3 -m ember.server.cli serve "$m" --port $port "$@" >"$J/$name.server.log" 2>&1 &
+  pid=$!
+  until python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
+      2>/dev/null; do
+    sleep 2; waited=$((waited + 2))
+    if [ $waited -ge $((secs / 2)) ] || ! kill -0 $pid 2>/dev/null; then
+      echo "== ember $name: the server did not answer within $waited s"; tail -20 "$J/$name.server.log"
+      kill $pid 2>/dev/null; return 1
+    fi
+  done
+  timeout $((secs - waited)) python3 -m ember.server.cli bench serve --base-url http://127.0.0.1:$port \
+    --tokenizer "$m" $SERVED_LOAD --output-json "$J/$name.json" 2>&1 | tee -a "$J/$name.log" | tail -25
+  kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
+}
+
+mode_serve() {
+  local m=${SERVED_MODEL:-.serve-model}
+  serve_kit || return 0
+  EMBER_SERVED_MODEL=$m gpu_tests 330 tests/server/test_serve_gpu.py
+  served served_256 150 "$m" $SERVE_ARGS
+  bench offline_256 90 "$m" --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 2048 \
+    --max-num-seqs 256 --max-num-batched-tokens 2048
+}
+
 mode_tp_check() {
   multicast_off
   gpu_tests 270 tests/distributed/test_peer_all_reduce_gpu.py tests/distributed/test_tensor_parallel_gpu.py
@@ -314,5 +371,6 @@ case "$mode" in
   tp-check) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_check ;;
   race-tp) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_tp ;;
   tp-70b) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_70b ;;
+  serve) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve ;;
   *) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -51,7 +51,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
                       "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "sweep-decode",
-                      "defaults", "tp-check", "race-tp", "tp-70b"]
+                      "defaults", "tp-check", "race-tp", "tp-70b", "serve"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -214,6 +214,40 @@ def test_tp_70b_runs_ember_at_two_ranks_then_vllm_on_the_same_workloads(tmp_path
         f"python3 benchmarks/scripts/vllm_race.py --config llama-3.1-70b --tensor-parallel-size 2 throughput128 "
         f"latency {env}",
     ]
+
+
+def test_serve_installs_the_carried_wheels_then_tests_serves_and_runs_offline_the_same_load(tmp_path):
+    wheels, model = tmp_path / "whl", tmp_path / "served"
+    wheels.mkdir()
+    (wheels / "fastapi-0-py3-none-any.whl").write_text("")
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    calls, done = run_mode(tmp_path, "serve", record_env=("EMBER_SERVED_MODEL",),
+                           extra_env={"SERVE_WHEELS": str(wheels), "SERVED_MODEL": str(model)})
+    assert done.returncode == 0, done.stderr
+    out, env = tmp_path / "out", "[decode_config=]"
+    assert calls == [
+        "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+        f"{wheels}/fastapi-0-py3-none-any.whl {env} [EMBER_SERVED_MODEL=]",
+        f"python3 -m pytest -m gpu -q -s -rf --tb=short tests/server/test_serve_gpu.py {env} "
+        f"[EMBER_SERVED_MODEL={model}]",
+        f"python3 -m ember.server.cli serve {model} --port 8123 --load-format dummy --dtype bfloat16 --seed 0 "
+        f"--max-model-len 2048 {env} [EMBER_SERVED_MODEL=]",
+        "python3 -m ember.server.cli bench serve --base-url http://127.0.0.1:8123 "
+        f"--tokenizer {model} --dataset random --num-prompts 256 --random-input-len 512 --random-output-len 256 "
+        f"--ignore-eos --seed 0 --output-json {out}/served_256.json {env} [EMBER_SERVED_MODEL=]",
+        f"python3 {BENCH[8:]} {model} --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 2048 "
+        f"--max-num-seqs 256 --max-num-batched-tokens 2048 --output-json {out}/offline_256.json {env} "
+        "[EMBER_SERVED_MODEL=]",
+    ]
+
+
+def test_serve_without_its_carried_kit_says_what_is_missing_and_runs_nothing(tmp_path):
+    calls, done = run_mode(tmp_path, "serve", extra_env={"SERVE_WHEELS": str(tmp_path / "none"),
+                                                         "SERVED_MODEL": str(tmp_path / "none")})
+    assert done.returncode == 0, done.stderr
+    assert f"== serve needs {tmp_path}/none/*.whl and {tmp_path}/none/ carried" in done.stdout
+    assert calls == []
 
 
 @pytest.mark.parametrize("mode", ["tp-check", "race-tp", "tp-70b"])
