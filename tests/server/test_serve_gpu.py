@@ -1,4 +1,4 @@
-"""`ember serve` on CUDA (`-m gpu`; h200.sh serve on one GPU, tp-check on two): a real server at
+"""`ember serve` on CUDA (`-m gpu`; `h200.sh serve`, on one GPU or two): a real server at
 the Llama-3.1-8B shape in bfloat16 (dummy weights drawn from seed 0) with SmolLM2's
 tokenizer and chat template (benchmarks/scripts/served_model.py writes the directory; the
 device gets it carried as .serve-model, or from EMBER_SERVED_MODEL), driven by the `openai`
