@@ -271,7 +271,7 @@ multicast_off() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 }
 
-SERVE_ARGS="--load-format dummy --dtype bfloat16 --seed 0 --max-model-len 2048"
+SERVED_FLAGS="--load-format dummy --dtype bfloat16 --seed 0 --max-model-len 2048"
 SERVED_LOAD="--dataset random --num-prompts 256 --random-input-len 512 --random-output-len 256 --ignore-eos --seed 0"
 
 # serve_kit: install the carried server wheels (PYTHONPATH), or say what is missing and fail
@@ -311,7 +311,7 @@ mode_serve() {
   local m=${SERVED_MODEL:-.serve-model}
   serve_kit || return 0
   EMBER_SERVED_MODEL=$m gpu_tests 330 tests/server/test_serve_gpu.py
-  served served_256 150 "$m" $SERVE_ARGS
+  served served_256 150 "$m" $SERVED_FLAGS
   bench offline_256 90 "$m" --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 2048 \
     --max-num-seqs 256 --max-num-batched-tokens 2048
 }
