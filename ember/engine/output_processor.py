@@ -45,8 +45,12 @@ class _Group:
     def finished(self) -> bool:
         if self.error is not None:
             return True
-        n = self.request.sampling_params.n
-        return len(self.samples) == n and all(s.finish_reason is not None for s in self.samples.values())
+        if len(self.samples) != self.request.sampling_params.n:
+            return False
+        for s in self.samples.values():  # a loop, not all(): this runs for every request every step
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 @dataclass
@@ -88,10 +92,12 @@ class OutputProcessor:
                 if sample is not None:
                     sample.finish_reason = "error"
                 result.failed.append((req.request_id, group.error))
-        result.outputs = [self._make_output(g) for g in touched.values() if g.finished or not finished_only]
         for g in touched.values():
-            if g.finished:
+            finished = g.finished
+            if finished:
                 del self.groups[g.request.request_id]
+            if finished or not finished_only:
+                result.outputs.append(self._make_output(g, finished))
         return result
 
     def _process_one(self, group: _Group, out: EngineCoreOutput, result: ProcessedOutputs) -> None:
@@ -171,7 +177,7 @@ class OutputProcessor:
     def _decode(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
-    def _make_output(self, group: _Group) -> RequestOutput:
+    def _make_output(self, group: _Group, finished: bool) -> RequestOutput:
         req = group.request
         completions = [
             CompletionOutput(index=i, text=s.text, token_ids=list(s.request.output_token_ids),
@@ -180,7 +186,7 @@ class OutputProcessor:
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason)
             for i, s in sorted(group.samples.items())
         ]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, group.finished,
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
                              prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None,
                              num_cached_tokens=req.num_cached_tokens or 0, error=group.error,
                              embedding=group.embedding)
