@@ -58,7 +58,7 @@
 # .whl: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 -d .whl` fastapi starlette uvicorn pydantic pydantic_core typing-inspection
 # annotated-types annotated-doc typing_extensions opentelemetry-api openai httpx2 httpcore2 truststore
-# anyio idna h11 distro jiter sniffio partial-json-parser gguf, at the versions of .venv).
+# anyio idna h11 httptools uvloop distro jiter sniffio partial-json-parser gguf, at the versions of .venv).
 #
 # vLLM, the peer: stage it here first (/work/shared/peers/vllm-gpu/stage), copy its parts into /root/st
 # in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
@@ -284,7 +284,7 @@ serve_kit() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$whl"/*.whl || return 1
   export PYTHONPATH=/tmp/site:$PYTHONPATH
-  python3 -c "import fastapi, uvicorn, openai, pydantic, partial_json_parser, gguf" || return 1
+  python3 -c "import fastapi, uvicorn, httptools, openai, pydantic, partial_json_parser, gguf" || return 1
 }
 
 # served NAME SECONDS MODEL ARGS...: `ember serve MODEL ARGS` in the background, `ember bench serve`
