@@ -71,6 +71,33 @@ def test_rms_norm_per_head_on_a_strided_view(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_rope_and_activation_give_a_row_the_same_bits_in_calls_of_any_size(dtype):
+    """Batch invariance of the per-row kernels: rows of 1, 7, 16 and 33 from a batch of 512,
+    at any offset, come out as in the one call over all 512."""
+    g = torch.Generator().manual_seed(4)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
+    rotary = RotaryEmbedding(64, 4096, 10000.0, None)
+    x = torch.randn(512, 576, generator=g).to(dtype)
+    gate_up = torch.randn(512, 2 * 1536, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (512,), generator=g)
+    qk = torch.randn(512, 12, 64, generator=g).to(dtype)
+
+    def rope(rows):
+        q, k = qk[rows, :9].clone(), qk[rows, 9:].clone()
+        return torch.cat(apply_rotary(q, k, rotary.lookup(positions[rows]))[:2], dim=1)
+
+    whole = (norm(x), silu_and_mul(gate_up), rope(slice(0, 512)))
+    for size in (1, 7, 16, 33):
+        for start in (0, 3, 479):
+            rows = slice(start, start + size)
+            assert torch.equal(norm(x[rows]), whole[0][rows])
+            assert torch.equal(silu_and_mul(gate_up[rows]), whole[1][rows])
+            assert torch.equal(rope(rows), whole[2][rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     x = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
     with cpu_kernels.disabled():
@@ -117,6 +144,12 @@ def plain_decode(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=
                              softcap)[:, 0]
 
 
+def decode(q, k_cache, v_cache, tables, lens, scale, window=0, softcap=0.0):
+    """paged_attention with one query row a sequence."""
+    starts = torch.arange(len(lens) + 1, dtype=torch.int32)
+    return cpu_kernels.ops().paged_attention(q, k_cache, v_cache, tables, starts, lens, scale, window, softcap)
+
+
 def decode_case(dtype, heads, kv_heads, dim, seed, lens):
     """Shuffled block tables (16-token blocks), q a strided view of a fused qkv row."""
     g = torch.Generator().manual_seed(seed)
@@ -133,14 +166,14 @@ def decode_case(dtype, heads, kv_heads, dim, seed, lens):
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 1, 40)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_paged_decode_attention_matches_plain_torch(dtype, heads, kv_heads, dim, seed):
+def test_paged_attention_decode_matches_plain_torch(dtype, heads, kv_heads, dim, seed):
     """Shuffled block tables, lengths on and off block boundaries (1, 16, 17, ...), q a
     strided view of a fused qkv row, padded table columns pointing at garbage blocks."""
     q, k_cache, v_cache, tables, lens = decode_case(dtype, heads, kv_heads, dim, seed,
                                                     [1, 16, 17, 100, 47, 160][: 4 + seed * 2])
     batch = len(lens)
     scale = 1 / math.sqrt(dim)
-    got = cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    got = decode(q, k_cache, v_cache, tables, lens, scale)
     want = plain_decode(q, k_cache, v_cache, tables, lens, scale)
     assert got.dtype == dtype and got.shape == (batch, heads, dim)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
@@ -152,13 +185,13 @@ def test_paged_decode_attention_matches_plain_torch(dtype, heads, kv_heads, dim,
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (6, 1, 40)])
-def test_paged_decode_attention_reads_a_half_cache_under_float32_queries(cache_dtype, heads, kv_heads, dim):
+def test_paged_attention_reads_a_half_cache_under_float32_queries(cache_dtype, heads, kv_heads, dim):
     """The GGUF-block path's float16 cache (llama.cpp's default type): the float32 math on
     the cache's values as they are stored."""
     q, k_cache, v_cache, tables, lens = decode_case(torch.float32, heads, kv_heads, dim, 3, [1, 16, 17, 100, 47])
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     scale = 1 / math.sqrt(dim)
-    got = cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, 0, 0.0)
+    got = decode(q, k_cache, v_cache, tables, lens, scale)
     want = plain_decode(q, k_cache.float(), v_cache.float(), tables, lens, scale)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -198,7 +231,7 @@ WINDOW_SOFTCAP = [(1, None), (16, None), (17, 30.0), (5, None), (1000, 5.0), (No
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (6, 1, 40)])
 @pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)
-def test_paged_decode_attention_with_window_and_softcap(dtype, heads, kv_heads, dim, window, softcap):
+def test_paged_attention_with_window_and_softcap(dtype, heads, kv_heads, dim, window, softcap):
     """Against the plain-torch matmuls with the window's mask and the cap. The keys before a
     window are NaN in the cache: the kernel must not read them (reading only the window is
     what makes it fast)."""
@@ -211,8 +244,7 @@ def test_paged_decode_attention_with_window_and_softcap(dtype, heads, kv_heads, 
             for t in range(max(0, n - window)):
                 k_cache[tables[b, t // block_size], t % block_size] = float("nan")
                 v_cache[tables[b, t // block_size], t % block_size] = float("nan")
-    got = cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window or 0,
-                                                   softcap or 0.0)
+    got = decode(q, k_cache, v_cache, tables, lens, scale, window or 0, softcap or 0.0)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(got.float(), want, **tol)
     if window == 1:  # the query sees its own key only: its value row, whatever the scores
@@ -220,20 +252,99 @@ def test_paged_decode_attention_with_window_and_softcap(dtype, heads, kv_heads, 
         assert torch.equal(got, last.repeat_interleave(heads // kv_heads, 1))
 
 
-def test_paged_decode_attention_refuses_bad_layouts():
+def test_paged_attention_refuses_bad_layouts():
     ops = cpu_kernels.ops()
     cache = torch.zeros(4, 16, 2, 8)
     q = torch.zeros(1, 4, 8)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    starts = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="int32"):
-        ops.paged_decode_attention(q, cache, cache, tables.long(), lens, 1.0)
-    with pytest.raises(RuntimeError, match="the caches must be in q's dtype, or float16 / bfloat16 with a float32 q"):
-        ops.paged_decode_attention(q.bfloat16(), cache, cache, tables, lens, 1.0)
+        ops.paged_attention(q, cache, cache, tables.long(), starts, lens, 1.0)
+    with pytest.raises(RuntimeError, match="both alike"):
+        ops.paged_attention(q, cache, cache.bfloat16(), tables, starts, lens, 1.0)
     with pytest.raises(RuntimeError, match="head shapes"):
-        ops.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, tables, lens, 1.0)
+        ops.paged_attention(torch.zeros(1, 3, 8), cache, cache, tables, starts, lens, 1.0)
     with pytest.raises(RuntimeError, match="contiguous"):
-        ops.paged_decode_attention(q, cache.transpose(1, 2), cache, tables, lens, 1.0)
+        ops.paged_attention(q, cache.transpose(1, 2), cache, tables, starts, lens, 1.0)
     with pytest.raises(RuntimeError, match="window"):
-        ops.paged_decode_attention(q, cache, cache, tables, lens, 1.0, -1)
+        ops.paged_attention(q, cache, cache, tables, starts, lens, 1.0, -1)
     with pytest.raises(RuntimeError, match="softcap"):
-        ops.paged_decode_attention(q, cache, cache, tables, lens, 1.0, 0, -2.0)
+        ops.paged_attention(q, cache, cache, tables, starts, lens, 1.0, 0, -2.0)
+    with pytest.raises(RuntimeError, match="from 0 to the number of tokens"):
+        ops.paged_attention(q, cache, cache, tables, torch.tensor([0, 2], dtype=torch.int32), lens, 1.0)
+    with pytest.raises(RuntimeError, match="its length its block table"):
+        ops.paged_attention(q, cache, cache, tables, starts, torch.tensor([17], dtype=torch.int32), 1.0)
+
+
+def invariance_case(cache_dtype, q_dtype, heads, kv_heads, dim, context=300, block_size=16, seed=0):
+    """Two sequences' K/V in shuffled blocks of one cache (A: `context` tokens, B: 70), and
+    queries for every position of both."""
+    g = torch.Generator().manual_seed(seed)
+    lens = {"a": context, "b": 70}
+    tables = {}
+    perm = torch.randperm(64, generator=g).tolist()
+    for name, n in lens.items():
+        tables[name] = [perm.pop() for _ in range(-(-n // block_size))]
+    values = torch.randn(2, 64, block_size, kv_heads, dim, generator=g)
+    if cache_dtype == torch.float8_e4m3fn:
+        values = values.clamp(-8, 8)
+    k_cache, v_cache = (values[i].to(cache_dtype) for i in range(2))
+    q = {name: torch.randn(n, heads, dim, generator=g).to(q_dtype) for name, n in lens.items()}
+    return q, k_cache, v_cache, tables, lens
+
+
+def attend_rows(q, k_cache, v_cache, tables, parts, scale, window=0, softcap=0.0, scales=(None, None)):
+    """One paged_attention call over `parts`: (sequence, first query position, rows), each the
+    sequence's positions [first, first + rows) as new tokens. Returns each part's output rows."""
+    width = max(len(t) for t in tables.values())
+    queries = torch.cat([q[name][first:first + n] for name, first, n in parts])
+    starts = torch.tensor([0] + [n for _, _, n in parts], dtype=torch.int32).cumsum(0).to(torch.int32)
+    lens = torch.tensor([first + n for _, first, n in parts], dtype=torch.int32)
+    table = torch.tensor([tables[name] + [0] * (width - len(tables[name])) for name, _, _ in parts], dtype=torch.int32)
+    out = cpu_kernels.ops().paged_attention(queries, k_cache, v_cache, table, starts, lens, scale, window, softcap,
+                                            *scales)
+    return out.split([n for _, _, n in parts])
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn, torch.float32)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 40), (4, 4, 128)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (0, 20.0)])
+def test_paged_attention_gives_a_row_the_same_bits_however_its_step_is_cut(cache_dtype, q_dtype, heads, kv_heads,
+                                                                          dim, window, softcap):
+    """Batch invariance: the rows of A's last 40 positions, computed as decode rows (one a
+    call), in prefill chunks of 1, 7, 16, 33 and 40 rows (each chunk over the rest as cached
+    context), beside B's decode and B's whole prompt, and in one call of A's whole prompt, are
+    the same bits every time. Decode rows and prefill tiles take the two score paths (lanes,
+    transposed keys): they must agree bit for bit too. And all of it near plain torch."""
+    q, k_cache, v_cache, tables, lens = invariance_case(cache_dtype, q_dtype, heads, kv_heads, dim)
+    scale = 1 / math.sqrt(dim)
+    scales = (torch.tensor([0.5]), torch.tensor([2.0])) if cache_dtype == torch.float8_e4m3fn else (None, None)
+    run = lambda parts: attend_rows(q, k_cache, v_cache, tables, parts, scale, window, softcap, scales)  # noqa: E731
+    n = lens["a"]
+    (whole,) = run([("a", 0, n)])
+    want = whole[n - 40:]
+    decoded = torch.cat([run([("a", p, 1)])[0] for p in range(n - 40, n)])
+    assert torch.equal(decoded, want)
+    for size in (1, 7, 16, 33, 40):
+        rows = []
+        for first in range(n - 40, n, size):
+            rows.append(run([("a", first, min(size, n - first))])[0])
+        assert torch.equal(torch.cat(rows), want), size
+    beside = run([("b", 69, 1), ("a", n - 40, 40), ("b", 0, 70)])
+    assert torch.equal(beside[1], want)
+    assert torch.equal(beside[2], run([("b", 0, 70)])[0])
+    # near plain torch over the cache's values as read back
+    block = k_cache.shape[1]
+    table = torch.tensor([tables["a"]], dtype=torch.int32)
+    keys, vals = (context_blocks(c, table, n)[0, :n].float() * (1.0 if s is None else float(s))
+                  for c, s in ((k_cache, scales[0]), (v_cache, scales[1])))
+    positions = torch.arange(n)
+    mask = positions[None, :] <= positions[n - 40:, None]
+    if window:
+        mask &= positions[None, :] > positions[n - 40:, None] - window
+    ref = _matmul_attention(q["a"][n - 40:].float()[None], keys[None], vals[None], mask[None, None], scale,
+                            softcap or None)[0]
+    tol = {"rtol": 1e-5, "atol": 1e-5} if q_dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(want.float(), ref, **tol)
+    assert block == 16

@@ -35,7 +35,7 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 def _objects() -> list[tuple[Path, str, list[str]]]:
     """(source, object name, flags beyond FLAGS) for each object the library links."""
-    objects = [(_HERE / "paged_decode.cpp", "paged_decode", ["-ffast-math"]),
+    objects = [(_HERE / "paged_attention.cpp", "paged_attention", ["-ffp-contract=off"]),
                (_HERE / "fused.cpp", "fused", ["-ffast-math"]),
                (_HERE / "quant_gemm.cpp", "quant_gemm", ["-DEMBER_QUANT_X86"] if _X86 else []),
                (_HERE / "quant_repack.cpp", "quant_repack", []),
@@ -123,6 +123,18 @@ def _build() -> Path:
         os.replace(Path(tmp) / lib.name, lib)
     logger.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - start, lib)
     return lib
+
+
+def quant_isas() -> list[str]:
+    """The instruction sets the block kernels have rows for that this CPU runs, by the flags
+    Linux lists (`ops().quant_isa(name)` forces one; the last is what runs by default)."""
+    flags = set(_cpu_flags().partition(":")[2].split())
+    isas = ["scalar"]
+    if _X86 and {"avx2", "fma", "f16c"} <= flags:
+        isas.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+            isas.append("avx512_vnni")
+    return isas
 
 
 def _cpu_flags() -> str:

@@ -1,10 +1,12 @@
 """Plain-torch paged attention: runs anywhere and is the oracle for the other backends.
-On the CPU its decode rows go to a C++ kernel that reads the paged cache in place
-(`ember/kernels/cpu`), where that kernel could be built.
+On the CPU every row goes to one C++ kernel that reads the paged cache in place
+(`ember/kernels/cpu/paged_attention.cpp`) where that kernel could be built: decode,
+prefill and a chunk over its cached prefix alike, in one order of arithmetic per row, so
+a row's output does not depend on how its step was batched or its prompt cut.
 
-Per step it plans once (which cache slots each sequence reads, which keys each query
-may see) and every layer reuses the plan. Sequences with one new token (decode) run as
-one padded batch; so do those with a few new tokens (up to SHORT_CHUNK: tokens that
+Plain torch plans once a step (which cache slots each sequence reads, which keys each
+query may see) and every layer reuses the plan. Sequences with one new token (decode) run
+as one padded batch; so do those with a few new tokens (up to SHORT_CHUNK: tokens that
 structured output's jump-forward appended, the tail of a chunked prompt); each sequence
 with more (prefill, chunked prefill over a cached prefix) runs on its own.
 
@@ -83,6 +85,10 @@ class TorchReferenceBackend(AttentionBackend):
                 logit_softcap: float | None = None) -> torch.Tensor:
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        if _cpu_kernel_ok(q):
+            return cpu_kernels.ops().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                                     meta.seq_lens, scale, sliding_window or 0, logit_softcap or 0.0,
+                                                     k_scale, v_scale)
         key = (self.name, sliding_window)  # layers with another window see other keys: their own plan
         groups = meta.plans.get(key)
         if groups is None:
@@ -101,9 +107,6 @@ class TorchReferenceBackend(AttentionBackend):
                 logit_softcap: float | None) -> torch.Tensor:
         """q rows of B sequences: [B * n, H, D] -> [B * n, H, D]."""
         batch, n, length = g.tables.shape[0], g.mask.shape[2], g.mask.shape[3]
-        if g.lens is not None and _in_place_decode_ok(q, k_cache):
-            return cpu_kernels.ops().paged_decode_attention(q, k_cache, v_cache, g.tables, g.lens, scale,
-                                                            sliding_window or 0, logit_softcap or 0.0)
         keys = dequantize_kv(context_blocks(k_cache, g.tables, length), kv_scales[0])  # [B, L, Hkv, D]
         values = dequantize_kv(context_blocks(v_cache, g.tables, length), kv_scales[1])
         if logit_softcap is not None or (n == 1 and q.dtype != torch.float32):
@@ -120,12 +123,9 @@ class TorchReferenceBackend(AttentionBackend):
         return o.transpose(1, 2).reshape(q.shape).to(q.dtype)
 
 
-def _in_place_decode_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The C++ decode kernel reads a cache in the model dtype, or in float16 / bfloat16 under
-    float32 queries (not an fp8 cache), with or without a sliding window and a soft cap (0
-    there: none)."""
-    same = k_cache.dtype == q.dtype or (q.dtype == torch.float32 and k_cache.dtype in (torch.float16, torch.bfloat16))
-    return same and cpu_kernels.for_tensor(q) is not None
+def _cpu_kernel_ok(q: torch.Tensor) -> bool:
+    """The C++ kernel takes every cache dtype under float32, bfloat16 or float16 queries."""
+    return cpu_kernels.for_tensor(q) is not None
 
 
 def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
