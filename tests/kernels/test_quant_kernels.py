@@ -5,7 +5,6 @@ Every instruction set this CPU runs is tested, the plain rows always, at ragged 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
+from ember.kernels.cpu import quant_isas  # noqa: E402
 from ember.layers.linear import Linear, MergedLinear  # noqa: E402
 from ember.layers.quant.gguf_blocks import KERNEL_TYPES, BlockTensor, GGUFBlocks  # noqa: E402
 from ember.layers.quant.split import Dense, Split  # noqa: E402
@@ -25,21 +25,6 @@ TYPES = [T(q) for q in KERNEL_TYPES]
 SHAPES = [(1, 37, 512), (3, 16, 256), (4, 64, 768), (5, 33, 512), (17, 48, 256), (2, 19, 96), (6, 5, 160)]
 
 
-def _cpu_flags() -> set[str]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
-def available_isas() -> list[str]:
-    flags = _cpu_flags()
-    isas = ["scalar"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        isas.append("avx2")
-        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-            isas.append("avx512_vnni")
-    return isas
-
-
 @pytest.fixture(scope="module")
 def ops():
     ops = cpu_kernels.ops()
@@ -48,7 +33,7 @@ def ops():
     ops.quant_isa("best")
 
 
-@pytest.fixture(params=available_isas())
+@pytest.fixture(params=quant_isas())
 def isa(request, ops):
     ops.quant_isa(request.param)
     yield request.param
@@ -126,7 +111,7 @@ def test_matmul_equals_dequantize_then_matmul(ops, isa, qtype, m, n, k):
 
 
 def test_the_dispatch_picks_the_best_this_cpu_has(ops):
-    best = available_isas()[-1]
+    best = quant_isas()[-1]
     assert ops.quant_isa("best") == best
     assert ops.quant_isa("") == best
     if best != "avx512_vnni":
@@ -254,3 +239,23 @@ def test_fused_prologue_refuses_what_it_cannot_take(ops):
         ops.quant_linear(torch.randn(1, 64), raw, int(T.Q4_0), 8, None, "norm", torch.ones(32), 1e-5, None)
     with pytest.raises(RuntimeError, match="a gated activation takes"):
         ops.quant_linear(torch.randn(1, 127), raw, int(T.Q4_0), 8, None, "silu", None, 0.0, None)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("prologue", ["none", "norm", "silu"])
+def test_a_row_gets_the_same_bits_in_calls_of_any_size(ops, isa, qtype, prologue):
+    """Batch invariance: rows computed in calls of 1, 7, 16, 33 and 512 rows, at any offset in
+    the batch (a tile of 4 rows, its tail of 1 to 3), are those of one call over all 512, bit
+    for bit, with each prologue fused in; and so are the activations' int8 rows."""
+    k, n = 512, 48
+    g = torch.Generator().manual_seed(int(qtype))
+    tiles = ops.quant_repack(torch.from_numpy(random_blocks(qtype, n, k, seed=int(qtype))), int(qtype))
+    x = torch.randn(512, 2 * k if prologue == "silu" else k, generator=g)
+    weight = torch.rand(k, generator=g) + 0.5 if prologue == "norm" else None
+    run = lambda rows: ops.quant_linear(rows.contiguous(), tiles, int(qtype), n, None, prologue, weight, 1e-5,  # noqa: E731
+                                        None)
+    whole = run(x)
+    for size in (1, 7, 16, 33):
+        for start in (0, 5, 470):
+            assert torch.equal(run(x[start:start + size]), whole[start:start + size]), (size, start)
+    assert torch.equal(ops.quantize_rows(x[3:10, :k].contiguous())[0], ops.quantize_rows(x[:, :k].contiguous())[0][3:10])
