@@ -8,8 +8,9 @@ the loader fills them one checkpoint tensor (shard) at a time.
 
 On CUDA (and for tests through Triton's interpreter) the routing and the experts run as
 kernels/moe.py's fused kernels, which CUDA graphs capture. The torch path (the CPU) groups
-the (token, expert) pairs by expert and runs one gate|up and one down matmul per expert
-that received a token, then adds each output, times its routing weight, into its token's row.
+the (token, expert) pairs by expert and runs gate|up and down matmuls per expert that
+received a token, on blocks of batch_invariant.ROWS rows, then adds each token's k outputs, times
+their routing weights, in slot order: a token's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from ember.distributed.parallel_state import tp_size
 from ember.layers.activation import silu_and_mul
+from ember.layers.batch_invariant import in_row_blocks
 from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import Linear
 
@@ -57,39 +59,42 @@ class FusedMoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
         if cuda_paths(x):
             from ember.kernels.moe import fused_experts, route_topk
 
-            weights, ids = route_topk(logits, self.top_k, self.renormalize)
+            weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
             return fused_experts(x.contiguous(), self.w13, self.w2, weights, ids)
-        weights, ids = self.route(logits)
+        weights, ids = self.route(in_row_blocks(self.gate, x))
         return grouped_experts(x, self.w13, self.w2, weights.to(x.dtype), ids)
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor) -> torch.Tensor:
-    """sum over k of weights[t, k] * expert ids[t, k] (x[t]), one matmul pair per active expert."""
+    """sum over k, in slot order, of weights[t, k] * expert ids[t, k] (x[t]): the (token, slot)
+    pairs grouped by expert, each expert's rows in calls of batch_invariant.ROWS (a dense
+    matmul's kernel follows its row count: fixed-size calls keep a token's bits its own)."""
     top_k = ids.shape[1]
-    if x.shape[0] == 1:  # one token (single-stream decode): its k experts directly, no sorting
-        out = torch.zeros_like(x)
-        for slot, expert in enumerate(ids[0].tolist()):
-            out += weights[0, slot] * (silu_and_mul(x @ w13[expert].t()) @ w2[expert].t())
-        return out
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
-    tokens = order // top_k
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    xs = x[tokens]
+    xs = x[order // top_k]
     ys = torch.empty_like(xs)
     start = 0
     for expert, n in enumerate(counts):
         if n:
-            rows = slice(start, start + n)
-            ys[rows] = silu_and_mul(xs[rows] @ w13[expert].t()) @ w2[expert].t()
+            ys[start:start + n] = _expert(xs[start:start + n], w13[expert], w2[expert])
             start += n
-    out = torch.zeros_like(x)
-    return out.index_add_(0, tokens, ys * weights.flatten()[order].unsqueeze(1))
+    per_slot = torch.empty_like(ys)
+    per_slot[order] = ys  # back in (token, slot) order
+    per_slot = per_slot.view(x.shape[0], top_k, -1) * weights.unsqueeze(-1)
+    out = per_slot[:, 0].clone()
+    for slot in range(1, top_k):
+        out += per_slot[:, slot]
+    return out
+
+
+def _expert(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return in_row_blocks(lambda rows: silu_and_mul(rows @ w13.t()) @ w2.t(), xs)
 
 
 def _copy(rows: torch.Tensor, loaded: torch.Tensor, shard: int) -> None:

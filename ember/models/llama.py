@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from ember.layers.attention import AttentionBackend, AttentionMetadata
+from ember.layers.batch_invariant import in_row_blocks
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.fused import gelu_linear, norm_linear, silu_linear
+from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from ember.layers.moe import FusedMoE
 from ember.layers.norm import RMSNorm
@@ -102,7 +104,8 @@ class SharedExpertMoE(FusedMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(self.shared_expert.gate_up_proj(x))
-        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        gate = self.shared_expert_gate(x) if cuda_paths(x) else in_row_blocks(self.shared_expert_gate, x)
+        return super().forward(x) + torch.sigmoid(gate) * shared
 
 
 def _sparse_mlp(cfg: ModelConfig) -> FusedMoE:
