@@ -311,3 +311,18 @@ def test_generation_ends_at_the_end_of_turn_token(converted: Converted, engines)
     else:
         out = from_gguf.generate(PROMPTS[:1], params)[0]
     assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == ([end], "stop")
+
+
+def test_q8_0_blocks_give_a_prompt_the_same_bits_however_it_is_batched(converted: Converted, gguf_convert) -> None:
+    """The family as the CPU runs GGUF blocks by default (Q8_0 here: every 2-D weight in the
+    int8 kernels, a float16 cache): batch invariance (tests/invariance.py), windows and soft-caps
+    included."""
+    from invariance import assert_batch_invariant, prompts_with_a_shared_prefix
+    from ember.layers.linear import Linear
+    from ember.layers.quant.gguf_blocks import GGUFBlocks
+
+    path = gguf_convert(converted.hf_dir, "q8_0")
+    llm = assert_batch_invariant(path, prompts_with_a_shared_prefix(converted.variant.config["vocab_size"]))
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(m.format, GGUFBlocks) for m in layers)
+    assert (llm.config.quantization, llm.config.kv_cache_dtype) == ("gguf", "float16")

@@ -127,6 +127,24 @@ def test_q8_0_experts_are_dequantized_into_the_stacked_weights(tmp_path_factory,
     assert len(out[0].outputs[0].token_ids) == 8
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_q8_0_moe_gives_a_prompt_the_same_bits_however_it_is_batched(name, tmp_path_factory, gguf_convert,
+                                                                   spm_tokenizer_dir, bpe_tokenizer_dir):
+    """A mixture of experts as GGUF blocks (Q8_0; the stacked experts dequantized, the router
+    and Qwen2-MoE's shared-expert gate float32 as the converter keeps them): batch invariance
+    (tests/invariance.py), so each expert's rows and each token's sum over its experts must not
+    depend on what else the step routes (layers/moe.py)."""
+    from invariance import assert_batch_invariant, prompts_with_a_shared_prefix
+
+    config, _ = GGUF_MOE[name]
+    path = tmp_path_factory.mktemp(f"{name}_q8_0")
+    save_for_conversion(config, path, spm_tokenizer_dir if name == "mixtral" else bpe_tokenizer_dir)
+    gguf = gguf_convert(path, "q8_0")
+    assert open_gguf(gguf).tensor_info("blk.0.ffn_down_exps.weight").qtype_name == "Q8_0"
+    assert_batch_invariant(gguf, prompts_with_a_shared_prefix(min(config["vocab_size"], 2000)))
+
+
 # -- the config from llama.cpp's keys, where the converter's files do not show each rule -------
 
 def _qwen_md(arch: str, **keys) -> dict:
