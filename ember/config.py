@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -26,8 +27,8 @@ CPU_KV_CACHE_MEMORY = 1 << 30  # default KV pool on the CPU: 1 GiB (vLLM's CPU b
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # a .gguf file, an HF directory, or a Hugging Face Hub id (org/name, org/name-GGUF:Q4_K_M);
-    # None: the default SmolLM2 GGUF. resolve() makes it a local path.
+    # a .gguf file, an HF directory (a str or any os.PathLike), or a Hugging Face Hub id
+    # (org/name, org/name-GGUF:Q4_K_M); None: the default SmolLM2 GGUF. resolve() makes it a local path.
     model: str | None = None
     revision: str | None = None  # hub ids: a branch, tag or commit hash (default: main)
     download_dir: str | None = None  # hub ids: the cache folder (default: huggingface_hub's, HF_HUB_CACHE)
@@ -94,6 +95,11 @@ class EngineConfig:
     # through the GPUs' mapped memory in one kernel (distributed/peer_all_reduce.py); True
     # leaves them all to NCCL (vLLM's flag)
     disable_custom_all_reduce: bool = False
+    # batch invariance everywhere (layers/batch_invariant.py): on CUDA every linear layer on one
+    # Triton matmul whose order of arithmetic is the same at any row count, and decode rows
+    # through the prefill attention kernel; on the CPU dense layers in fixed blocks of rows. The
+    # CPU's GGUF blocks are invariant without it. Costs speed (benchmarks/BENCHMARKS.md)
+    deterministic: bool = False
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")
@@ -106,10 +112,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _choice("load_format", self.load_format, ("auto", "gguf", "safetensors", "pt", "dummy"))
         _choice("generation_config", self.generation_config, ("auto", "vllm"))
+        paths = ("model", "download_dir", "tokenizer", "chat_template")
+        for name in paths:  # a pathlib.Path, as users pass them, is its string
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         for name in ("model", "revision", "download_dir", "tokenizer", "chat_template"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
-                raise ValueError(f"{name} must be a non-empty string or None; got {value!r:.80}")
+                kind = "a non-empty string, a path or None" if name in paths else "a non-empty string or None"
+                raise ValueError(f"{name} must be {kind}; got {value!r:.80}")
         _choice("dtype", self.dtype, ("auto", *_DTYPES))
         _choice("quantization", self.quantization, ("auto", "none", "gguf", "fp8"))
         if self.distributed_executor_backend is not None:
@@ -172,6 +183,8 @@ class EngineConfig:
         if model_config.moe_layers is not None and quantization == "fp8":
             raise ValueError(f"{model_config.architecture}: quantization='fp8' does not cover the experts' stacked "
                              "weights yet: use quantization='none' (or 'auto')")
+        if self.deterministic and device == "cuda":
+            _check_deterministic(model_config, quantization, self.tensor_parallel_size)
         dtype = self.dtype if self.dtype != "auto" else _auto_dtype(device, quantization)
         if device == "cpu" and dtype == "bfloat16" and not cpu_computes_bfloat16():
             logger.warning("dtype=bfloat16 on a CPU without native bfloat16 (AVX512_BF16 or AMX): every op "
@@ -225,6 +238,19 @@ class EngineConfig:
         unset = EngineConfig()
         return {name: self.setting_sources.get(name, "argument") for name in TUNING_KNOBS
                 if getattr(self, name) != getattr(unset, name)}
+
+
+def _check_deterministic(mc: ModelConfig, quantization: str, tensor_parallel_size: int) -> None:
+    """What deterministic mode covers on CUDA: one GPU, dense layers in the model dtype."""
+    if mc.moe_layers is not None:
+        raise ValueError(f"{mc.architecture}: deterministic mode does not cover the mixture-of-experts kernels on "
+                         "CUDA yet: leave deterministic off (the CPU runs mixtures of experts batch-invariant)")
+    if quantization == "fp8":
+        raise ValueError("deterministic mode runs the linear layers in the model dtype: use quantization='none' "
+                         "with deterministic=True, or leave deterministic off for FP8")
+    if tensor_parallel_size > 1:
+        raise ValueError("deterministic mode runs on one GPU (an all-reduce's order follows its size): use "
+                         "tensor_parallel_size 1, or --data-parallel-size for more GPUs")
 
 
 def cpu_computes_bfloat16() -> bool:

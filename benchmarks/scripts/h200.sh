@@ -47,6 +47,12 @@
 #   tp-70b              on nvidia-h200-x2: ember at the Llama-3.1-70B shape (141 GB of bf16 weights: two GPUs)
 #                       at TP=2, one request 128/512 and 128 x 1000/1000, then vLLM at TP=2 on both in the
 #                       time left of the call
+#   deterministic       --deterministic (batch invariance): its GPU tests (the invariant matmul's configs at
+#                       the Llama-8B shapes, the engine's cases), then the Llama-3.1-8B shape 512 x 1000/1000
+#                       and one request 128/512 at the defaults and with --deterministic, then the nano
+#                       protocol both ways, in the time left of the call
+#   gpu-suite           every GPU test in one pytest run (`pytest -m gpu tests`): no test may leave memory
+#                       behind for the next
 #   serve               `ember serve` on CUDA: tests/server/test_serve_gpu.py (on two GPUs also
 #                       --data-parallel-size 2), then served throughput at the Llama-3.1-8B shape, 256 x
 #                       512/256 sent at once through `ember bench serve`, and the offline engine on the same
@@ -349,6 +355,23 @@ mode_tp_70b() {
   vllm_race llama70b_tp2 400 --config llama-3.1-70b --tensor-parallel-size 2 throughput128 latency
 }
 
+mode_deterministic() {
+  gpu_tests 200 tests/kernels/test_matmul.py tests/models/test_cuda_deterministic.py
+  bench llama_default 120 $L $TP
+  bench llama_deterministic 200 $L $TP --deterministic
+  bench llama_latency_default 60 $L $LAT
+  bench llama_latency_deterministic 60 $L $LAT --deterministic
+  bench nano_default 90 $Q $NANO
+  bench nano_deterministic 120 $Q $NANO --deterministic
+}
+
+mode_gpu_suite() {
+  local secs; secs=$(cap "GPU suite" 560) || return 0
+  timeout "$secs" python3 -m pytest -m gpu -q -rfs --tb=short --durations=15 --continue-on-collection-errors tests 2>&1 \
+    | tee "$J/gpu_suite.log" \
+    | grep -E "passed|failed|skipped|Error|^E |FAILED|SKIPPED|s call|s setup" | tail -60
+}
+
 mode=${1:-}
 [ $# -gt 0 ] && shift
 case "$mode" in
@@ -372,5 +395,7 @@ case "$mode" in
   race-tp) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_tp ;;
   tp-70b) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_70b ;;
   serve) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve ;;
+  deterministic) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_deterministic ;;
+  gpu-suite) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpu_suite ;;
   *) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
 esac

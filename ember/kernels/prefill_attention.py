@@ -10,6 +10,10 @@ Sequence b, with n = q_len new tokens and P = seq_len - n cached ones:
 
 Program (m, h, b) takes query rows [m * BLOCK_M, (m + 1) * BLOCK_M) of sequence b for head
 h and walks keys up to its last row's position; rows past n load nothing and store nothing.
+With `pack_gqa`, program (m, g, b) takes rows of KV head g's GROUP query heads instead, token
+by token (row r: token r // GROUP, head g * GROUP + r % GROUP), so each key tile is read once
+for the group: what a decode row needs (deterministic mode sends decode rows here), at no cost
+to a prefill. A row's arithmetic is the same in either layout (a tile's rows do not mix).
 
 With a sliding window W (paged.layer_options) the row at position p sees keys
 p - W < k <= p, so a program's walk starts at the tile holding its first row's first
@@ -42,33 +46,43 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
                     v_scale_ptr, scale_log2, window, softcap, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
                     stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, DOT_FP16: tl.constexpr,
-                    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
+                    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PACK_GQA: tl.constexpr):
     mb = tl.program_id(0)
-    h = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - q_len
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < q_len
-    q_pos = prefix + rows
-    kvh = h // GROUP
+    r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PACK_GQA:  # program (mb, kv head): rows (token, head) of the KV head's GROUP heads, token-major
+        kvh = tl.program_id(1)
+        tok = r // GROUP
+        head = kvh * GROUP + r % GROUP
+        first_tok = mb * BLOCK_M // GROUP
+        tile_toks = (mb * BLOCK_M + BLOCK_M - 1) // GROUP - first_tok + 1
+    else:  # program (mb, head): BLOCK_M tokens of one head
+        head = tl.program_id(1)
+        kvh = head // GROUP
+        tok = r
+        first_tok = mb * BLOCK_M
+        tile_toks = BLOCK_M
+    rmask = tok < q_len
+    q_pos = prefix + tok
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None],
-                other=0.0)
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=rmask[:, None], other=0.0)
     if FP8:  # the cache holds K / k_scale and V / v_scale (see paged.py)
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     q = queries_for_dot(q, DOT_FP16)
     # keys up to the block's last query position; nothing for a block past the new tokens
-    rows_here = tl.maximum(tl.minimum(q_len - mb * BLOCK_M, BLOCK_M), 0)
-    end = tl.minimum(prefix + mb * BLOCK_M + rows_here, rows_here * seq_len)
+    toks_here = tl.maximum(tl.minimum(q_len - first_tok, tile_toks), 0)
+    end = tl.minimum(prefix + first_tok + toks_here, toks_here * seq_len)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     if SLIDING:  # from the tile holding the block's first row's first visible key f (see the top)
-        first = tl.maximum(prefix + mb * BLOCK_M - window + 1, 0)
+        first = tl.maximum(prefix + first_tok - window + 1, 0)
         lo = first // BLOCK_N * BLOCK_N
     else:
         lo = 0
@@ -97,7 +111,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if FP8:
         out = out * tl.load(v_scale_ptr)
-    tl.store(o_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+    tl.store(o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
@@ -105,11 +119,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                       out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                      sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, logit_softcap: float | None = None,
+                      pack_gqa: bool = False) -> torch.Tensor:
     """q [T, H, D] flattened new tokens, caches [num_blocks, block_size, Hkv, D] holding
     every sequence's context (new tokens included) in q's dtype or fp8 (then k_scale /
     v_scale: [1] float32, None: 1.0), block_tables [B, W] int32, query_start_loc [B + 1]
     int32, seq_lens [B] int32; sliding_window / logit_softcap as in layers/attention/base.py.
+    pack_gqa: a program takes the rows of all the query heads of one KV head (see the top).
     Returns [T, H, D]."""
     tokens, heads, dim = q.shape
     num_blocks, page, kv_heads, cdim = k_cache.shape
@@ -134,10 +150,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty_like(q) if out is None else out
     if tokens == 0:
         return out
-    grid = (triton.cdiv(max_query_len, block_m), heads, batch)
+    group = heads // kv_heads
+    grid = (triton.cdiv(max_query_len * group, block_m), kv_heads, batch) if pack_gqa else \
+        (triton.cdiv(max_query_len, block_m), heads, batch)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
                           scale * LOG2E, window, softcap, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                           block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                          GROUP=heads // kv_heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
-                          DOT_FP16=dot_in_fp16(q, k_cache), **options)
+                          GROUP=group, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
+                          DOT_FP16=dot_in_fp16(q, k_cache), PACK_GQA=pack_gqa, **options)
     return out

@@ -13,6 +13,7 @@ from torch import nn
 
 from ember.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from ember.distributed.sharding import vocab_rows
+from ember.layers.batch_invariant import invariant_linear
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight
 from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks
@@ -87,6 +88,8 @@ class LMHead(VocabRows):
     """hidden -> vocab logits; shares the embedding's weight when the model ties them. With
     tensor parallelism every rank gets the logits of the whole vocabulary."""
 
+    batch_invariant = False  # deterministic mode (layers/batch_invariant.py) sets it on the instance
+
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
         super().__init__(vocab_size, hidden_size, own_weight=tied_to is None)
         self.tied_to = tied_to
@@ -111,12 +114,14 @@ class LMHead(VocabRows):
             self.weight = _to_meta(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.format is not None:
-            logits = self.format.apply(hidden)
-        elif self.tied_to is not None and self.tied_to.blocks is not None:
-            logits = self.tied_to.blocks.apply(hidden)
+        fmt = self.format if self.format is not None else self.tied_to.blocks if self.tied_to is not None else None
+        weight = self.tied_to.weight if self.tied_to is not None else self.weight
+        if self.batch_invariant:
+            logits = invariant_linear(hidden, weight, fmt, None)
+        elif fmt is not None:
+            logits = fmt.apply(hidden)
         else:
-            logits = F.linear(hidden, self.tied_to.weight if self.tied_to is not None else self.weight)
+            logits = F.linear(hidden, weight)
         if self.tp == 1:
             return logits
         return all_gather_last_dim(logits)[..., : self.vocab_size]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ember.layers.activation import gelu_tanh_and_mul, silu_and_mul
-from ember.layers.linear import Linear, uses_gemv
+from ember.layers.linear import Linear
 from ember.layers.norm import RMSNorm
 from ember.layers.quant.fp8 import FP8Weight
 from ember.layers.quant.gguf_blocks import GGUFBlocks
@@ -23,7 +23,7 @@ def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(norm(x + residual)), x + residual); residual None (the first layer): x alone.
     The fused kernel returns the sum as a new tensor, the unfused norm updates `residual`."""
-    if layer.format is None and uses_gemv(x, layer.weight) and norm.weight.dtype == x.dtype:
+    if layer.takes_gemv(x) and norm.weight.dtype == x.dtype:
         from ember.kernels.gemv import gemv
 
         return gemv(x, layer.weight, layer.bias, "norm", residual, norm.weight, norm.eps)
@@ -41,7 +41,7 @@ def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
 
 def silu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
     """layer(silu(gate) * up) for gate_up = [gate | up]."""
-    if layer.format is None and uses_gemv(gate_up, layer.weight):
+    if layer.takes_gemv(gate_up):
         from ember.kernels.gemv import gemv
 
         return layer.reduce_output(gemv(gate_up, layer.weight, layer.fused_bias, "silu"))

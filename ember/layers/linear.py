@@ -23,6 +23,7 @@ from torch import nn
 
 from ember.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from ember.distributed.sharding import shard_heads, split_evenly
+from ember.layers.batch_invariant import invariant_linear
 from ember.layers.kernel_paths import gemv_on_cpu, uses_gemv  # noqa: F401 (tests take gemv_on_cpu from here)
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight, quantize_weight, stack_fp8
@@ -47,6 +48,8 @@ def _stack(parts: list[Quantized]) -> Quantized | None:
 
 
 class Linear(nn.Module):
+    batch_invariant = False  # deterministic mode (layers/batch_invariant.py) sets it on the instance
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -108,7 +111,13 @@ class Linear(nn.Module):
         """The matmul's output made the layer's: itself here (a row-parallel layer sums the ranks')."""
         return y
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """x runs as ember's GEMV kernel (kernel_paths.uses_gemv), never in deterministic mode."""
+        return self.format is None and not self.batch_invariant and uses_gemv(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return self.reduce_output(invariant_linear(x, self.weight, self.format, self.fused_bias))
         if self.format is not None:
             return self.reduce_output(self.format.apply(x, self.fused_bias))
         if uses_gemv(x, self.weight):

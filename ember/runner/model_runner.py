@@ -11,6 +11,7 @@ launched step's sampled ids, never through the CPU."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import time
@@ -24,6 +25,7 @@ import torch
 from ember.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from ember.defaults import seats_that_fit
 from ember.layers.attention import AttentionMetadata
+from ember.layers.batch_invariant import make_batch_invariant
 from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
@@ -118,6 +120,8 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "pack_for_cpu"):
                     module.pack_for_cpu()
+        if config.deterministic:
+            make_batch_invariant(self.model)
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0
@@ -197,6 +201,11 @@ class ModelRunner:
         elif self.device.type == "cuda":
             # the pool gets utilization x total minus what is already used (weights, other
             # processes, the CUDA context) minus the profiled peak of one full-budget forward
+            # an earlier engine of this process that is gone but not yet collected (a cycle)
+            # still holds its weights and cache, and torch's allocator keeps freed memory:
+            # both count as used below unless released first (as vLLM does before profiling)
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             memory = int(c.gpu_memory_utilization * total - (total - free) - self.activation_bytes
                          - self.graph_reserve)

@@ -73,6 +73,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
                         help="tensor parallelism on GPUs: every all-reduce through NCCL (default: a decode step's "
                              "small ones in one kernel over the GPUs' mapped memory, where they share a host)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch invariance on every path: a request's output does not depend on its batch, "
+                             "chunking or prefix-cache hits (on CUDA one Triton matmul for every batch size and "
+                             "decode through the prefill attention kernel: slower; the CPU's GGUF path is so "
+                             "already)")
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority", "lpm"],
                         help="waiting requests go in arrival order, by priority, or longest cached prefix first")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -99,7 +104,7 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
              "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed", "enforce_eager",
              "scheduling_policy", "enable_prefix_caching",
              "structured_outputs_backend", "structured_outputs_jump_forward", "async_scheduling",
-             "tensor_parallel_size", "distributed_executor_backend", "disable_custom_all_reduce"]
+             "tensor_parallel_size", "distributed_executor_backend", "disable_custom_all_reduce", "deterministic"]
     from_file = getattr(ns, "from_config_file", {})
     sources = {n: "config file" if n in from_file else "flag" for n in TUNING_KNOBS}
     return {"model": model_arg(ns), "runner": runner_arg(ns), "pooler_config": ns.pooler_config,

@@ -51,7 +51,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
                       "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "sweep-decode",
-                      "defaults", "tp-check", "race-tp", "tp-70b", "serve"]
+                      "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -257,3 +257,28 @@ def test_a_two_gpu_mode_skips_what_the_call_has_no_time_left_for(tmp_path, mode)
     assert calls == []
     skipped = [line for line in done.stderr.splitlines() if line.endswith("skipped, the call's time is spent")]
     assert len(skipped) == {"tp-check": 6, "race-tp": 5, "tp-70b": 3}[mode], done.stderr
+
+
+def test_deterministic_runs_its_gpu_tests_then_each_workload_at_the_defaults_and_deterministic(tmp_path):
+    calls, done = run_mode(tmp_path, "deterministic")
+    assert done.returncode == 0, done.stderr
+    out, q, l = tmp_path / "out", "benchmarks/configs/qwen3-0.6b", "benchmarks/configs/llama-3.1-8b"
+    bench = f"python3 {BENCH[8:]}"
+    env = "[decode_config=]"
+    assert calls == [
+        f"python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_matmul.py "
+        f"tests/models/test_cuda_deterministic.py {env}",
+        f"{bench} {l} {TP} --output-json {out}/llama_default.json {env}",
+        f"{bench} {l} {TP} --deterministic --output-json {out}/llama_deterministic.json {env}",
+        f"{bench} {l} {LAT} --output-json {out}/llama_latency_default.json {env}",
+        f"{bench} {l} {LAT} --deterministic --output-json {out}/llama_latency_deterministic.json {env}",
+        f"{bench} {q} {NANO} --output-json {out}/nano_default.json {env}",
+        f"{bench} {q} {NANO} --deterministic --output-json {out}/nano_deterministic.json {env}",
+    ]
+
+
+def test_gpu_suite_runs_every_gpu_test_in_one_pytest(tmp_path):
+    calls, done = run_mode(tmp_path, "gpu-suite")
+    assert done.returncode == 0, done.stderr
+    assert calls == ["python3 -m pytest -m gpu -q -rfs --tb=short --durations=15 --continue-on-collection-errors tests "
+                     "[decode_config=]"]

@@ -178,14 +178,25 @@ def test_kv_write_checks_layouts():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_prefill_matches_reference(device, seed):
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["by-head", "gqa-packed"])
+def test_prefill_matches_reference(device, seed, pack_gqa):
+    """Both layouts (pack_gqa: a program takes a KV head's query heads, as deterministic mode
+    runs every row); the packed one must also give the same bits to a row as a decode row,
+    alone, as in its prefill (batch invariance: the mode's reason)."""
     case = _random_case(device, seed, decode=False)
     want = case.reference()
     kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
     block = 64 if device == "cuda" else 16
-    got = prefill_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.query_start_loc,
-                            case.meta.seq_lens, max(case.new), case.scale, block_m=block, block_n=block)
+    run = lambda q, starts, lens, tables, longest: prefill_attention(  # noqa: E731
+        q, case.k_cache, case.v_cache, tables, starts, lens, longest, case.scale, block_m=block, block_n=block,
+        pack_gqa=pack_gqa)
+    got = run(case.q, case.meta.query_start_loc, case.meta.seq_lens, case.meta.block_tables, max(case.new))
     torch.testing.assert_close(got.float(), want, **_tol(device))
+    if pack_gqa:  # the last new token of each sequence as a lone decode row
+        ends = case.meta.query_start_loc[1:].long() - 1
+        one = torch.arange(len(case.new) + 1, dtype=torch.int32, device=case.q.device)
+        alone = run(case.q[ends].contiguous(), one, case.meta.seq_lens, case.meta.block_tables, 1)
+        assert torch.equal(alone, got[ends])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -59,6 +59,9 @@ class AttentionBackend(ABC):
     """Stateless: the cache tensors of one layer are passed in with each call."""
 
     name: str
+    # deterministic mode (layers/batch_invariant.py): a row's output may not depend on the
+    # other rows of its step; a backend that is not so by construction changes kernels
+    batch_invariant = False
 
     @abstractmethod
     def forward(

@@ -1,6 +1,9 @@
 """Triton paged attention for CUDA: the KV-write kernel (unless the RoPE kernel wrote K/V),
 then flash-decoding when every sequence has one new token, else the varlen prefill/extend
-kernel (which also takes the decode rows of a mixed step). Reads only device tensors and
+kernel (which also takes the decode rows of a mixed step). In deterministic mode
+(`batch_invariant`) every step takes the prefill kernel: flash-decoding splits a row's keys
+by the batch size, and a decode row must get the bits the same token gets in a prefill
+(after preemption, or as part of another request's cached prefix). Reads only device tensors and
 the host query lengths, so a decode step can be captured in a CUDA graph. An fp8 cache:
 see kernels/paged.py. A layer's sliding window and soft cap go to the kernels as
 arguments (constant per layer, so a graph captures them with the layer's launch)."""
@@ -37,7 +40,8 @@ class TritonBackend(AttentionBackend):
         if plan is None:
             max_q = max(meta.query_lens_cpu)
             batch = meta.seq_lens.shape[0]  # a graph's padded batch: the split count is fixed by it
-            plan = meta.plans[self.name] = _Plan(max_q == 1, max_q, self._num_splits(batch, num_kv_heads))
+            plan = meta.plans[self.name] = _Plan(max_q == 1 and not self.batch_invariant, max_q,
+                                                 self._num_splits(batch, num_kv_heads))
         return plan
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -52,4 +56,4 @@ class TritonBackend(AttentionBackend):
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, plan.num_splits,
                                 **options)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                             plan.max_query_len, scale, **options)
+                             plan.max_query_len, scale, pack_gqa=self.batch_invariant, **options)
