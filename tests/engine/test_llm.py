@@ -532,6 +532,19 @@ def test_n_seeded_samples_are_reproducible(llm):
     assert a.outputs[0].token_ids != a.outputs[1].token_ids
 
 
+def test_a_pathlib_path_is_a_model(gguf_path, llm):
+    """LLM(Path(...)), as users pass paths: the same model as its string; a bad type is named."""
+    import pathlib
+
+    from_path = LLM(pathlib.Path(gguf_path), tokenizer=pathlib.Path(gguf_path), num_kv_blocks=8, quantization="none",
+                    dtype="float32")  # as the session `llm`
+    assert (from_path.config.model, from_path.config.tokenizer) == (str(gguf_path), str(gguf_path))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert from_path.generate("Hi", params)[0].outputs[0].token_ids == llm.generate("Hi", params)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="model must be a non-empty string, a path or None; got 42"):
+        EngineConfig(model=42)
+
+
 def test_unknown_engine_arg(gguf_path):
     with pytest.raises(TypeError, match="foo"):
         LLM(str(gguf_path), foo=1)
