@@ -24,11 +24,23 @@ from pathlib import Path
 VERSION = "0.3.36"
 
 
-def tool(name: str, env: str) -> Path:
-    """The path `env` names, else the peers' build folder
-    (`cmake --build $EMBER_PEERS/llama.cpp-0.3.36/build --target NAME`); it may not exist."""
+def build_dir(cpu_flags: str | None = None) -> Path:
+    """Where ../shared/peers/llama-cpp builds llama.cpp on this CPU (its BUILD rule, which
+    `peers/llama-cpp build` prints as .../bin): build/, or build-noamx/ on a CPU whose flags
+    list amx_tile, where a native build crashes on every prompt batch. `cpu_flags`: a flags
+    line as /proc/cpuinfo's (default: this CPU's)."""
+    if cpu_flags is None:
+        info = Path("/proc/cpuinfo")
+        text = info.read_text() if info.exists() else ""
+        cpu_flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
     peers = Path(os.environ.get("EMBER_PEERS") or Path.home() / ".cache" / "ember-peers")
-    return Path(os.environ.get(env) or peers / f"llama.cpp-{VERSION}" / "build" / "bin" / name)
+    return peers / f"llama.cpp-{VERSION}" / ("build-noamx" if "amx_tile" in cpu_flags.split() else "build")
+
+
+def tool(name: str, env: str) -> Path:
+    """The path `env` names, else the tool in the peers' build for this CPU (build_dir); it
+    may not exist."""
+    return Path(os.environ.get(env) or build_dir() / "bin" / name)
 
 
 @dataclass(frozen=True)
