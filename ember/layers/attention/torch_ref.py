@@ -73,7 +73,6 @@ class _Group:
     tokens: torch.Tensor | slice  # which rows of q this group answers
     tables: torch.Tensor  # [B, max_blocks] the sequences' block tables
     mask: torch.Tensor  # [B, 1, n, L] True where a query may see a key
-    lens: torch.Tensor | None = None  # [B] int32 context lengths, for one-token (decode) groups
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -162,7 +161,7 @@ def _plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None) 
             idx = torch.tensor(decode, device=device)
             rows, tables, lens = meta.query_start_loc[idx].long(), meta.block_tables[idx], meta.seq_lens[idx]
         valid = _visible(torch.arange(longest, device=device)[None, :], lens[:, None] - 1, sliding_window)  # [B, L]
-        groups.append(_Group(rows, tables.contiguous(), valid[:, None, None, :], lens.contiguous()))
+        groups.append(_Group(rows, tables.contiguous(), valid[:, None, None, :]))
     starts = meta.query_start_loc.tolist()
     short = [i for i, n in enumerate(meta.query_lens_cpu) if 1 < n <= SHORT_CHUNK]
     if short:
