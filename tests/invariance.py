@@ -16,11 +16,22 @@ def prompts_with_a_shared_prefix(vocab: int, count: int = 4, prefix: int = 40, s
     return [shared + ids(101 * (k + 1), suffix + 3 * k) for k in range(count)]
 
 
-def outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+def results(outs) -> list[tuple[list[int], list[float]]]:
+    """Each output's tokens and their logprobs (asked with logprobs=0), as floats: equal only
+    if the logits' bits are."""
     return [(list(o.outputs[0].token_ids),
              [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
+
+
+def outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    return results(llm.generate([{"prompt_token_ids": p} for p in prompts], params))
+
+
+def assert_same(got, want, case: str) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g[0] == w[0], f"{case}: prompt {i}'s tokens differ"
+        assert g[1] == w[1], f"{case}: prompt {i}'s logprobs differ (same tokens, other logits)"
 
 
 def assert_batch_invariant(model: Path, prompts: list[list[int]], max_tokens: int = 16, block_size: int = 8,
@@ -44,7 +55,5 @@ def assert_batch_invariant(model: Path, prompts: list[list[int]], max_tokens: in
     cases["preempted in a small pool"] = outputs(small, prompts, max_tokens)
     assert small.engine.scheduler.num_preemptions > 0
     for case, got in cases.items():
-        for i, (g, w) in enumerate(zip(got, alone, strict=True)):
-            assert g[0] == w[0], f"{case}: prompt {i}'s tokens differ"
-            assert g[1] == w[1], f"{case}: prompt {i}'s logprobs differ"
+        assert_same(got, alone, case)
     return reference

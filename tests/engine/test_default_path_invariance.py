@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from invariance import assert_same, results
 
 pytestmark = pytest.mark.slow
 
@@ -43,21 +44,8 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
 
 
-def results(outs) -> list[tuple[list[int], list[float]]]:
-    """Each output's tokens and their logprobs, as floats: equal only if the logits' bits are."""
-    return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
-                                                                              o.outputs[0].token_ids)])
-            for o in outs]
-
-
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams | None = None):
     return results(llm.generate([{"prompt_token_ids": p} for p in prompts], params or greedy()))
-
-
-def assert_same(got, want, what: str) -> None:
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g[0] == w[0], f"{what}: prompt {i}'s tokens differ"
-        assert g[1] == w[1], f"{what}: prompt {i}'s logprobs differ (same tokens, other logits)"
 
 
 @pytest.fixture(scope="module")

@@ -226,7 +226,7 @@ struct Args {
   const char* v;
   int64_t cache_item;                      // bytes an element of the cache
   bool cache_as_is;                        // float32 rows of `padded` values: read in place
-  int64_t block_size, kv_heads, heads, dim, padded;
+  int64_t block_size, kv_heads, heads, dim;
   const int32_t* tables;
   int64_t max_blocks;
   const int32_t* starts;
@@ -341,12 +341,13 @@ void attend(const Args& a, const Item& it) {
   const int64_t lo_key = first(0), hi = pos(rows - 1);
   const int64_t lo = lo_key / kLanes * kLanes, end = hi / kLanes * kLanes + kLanes;  // whole groups of 16
   const int64_t span = end - lo;
-  thread_local std::vector<float> qf, scores, converted, acc, zeros;
+  thread_local std::vector<float> qf, scores, converted, acc, zeros, inv_totals;
   thread_local std::vector<const float*> key_rows;
   qf.resize(vectors * padded);
   scores.resize(vectors * span);
   converted.resize(std::min(kKeyChunk, span) * padded);
   acc.assign(vectors * padded, 0.f);
+  inv_totals.resize(vectors);
   zeros.assign(padded, 0.f);
   key_rows.resize(kKeyChunk);
   for (int64_t vi = 0; vi < vectors; ++vi) {
@@ -393,7 +394,6 @@ void attend(const Args& a, const Item& it) {
         scores_by_rows<NC>(qf.data() + vi * padded, key_rows.data(), c1 - c0, scores.data() + vi * span + (c0 - lo));
     }
   }
-  std::vector<float> inv_totals(vectors);
   for (int64_t vi = 0; vi < vectors; ++vi) {  // softmax numerators in place, and their sums
     const int64_t r = vi / group, f = first(r), p = pos(r);
     float* s = scores.data() + vi * span;
@@ -451,8 +451,7 @@ void run(const Args& a, int64_t seqs) {
   // that the threads taking them from the pool's counter finish together
   std::vector<Item> items;
   std::vector<int64_t> cost;
-  int64_t work = 0;
-  const int64_t group = a.heads / a.kv_heads;
+  int64_t work = 0;  // (key, query head) pairs
   for (int64_t b = 0; b < seqs; ++b) {
     const int64_t nq = a.starts[b + 1] - a.starts[b];
     for (int64_t r1 = nq; r1 > 0; r1 -= kTileRows) {
@@ -461,8 +460,8 @@ void run(const Args& a, int64_t seqs) {
       for (int64_t h = 0; h < a.kv_heads; ++h) {
         items.push_back({b, h, r0, r1});
         cost.push_back(keys * (r1 - r0));
+        work += cost.back() * (a.heads / a.kv_heads);
       }
-      work += keys * (r1 - r0) * group * a.kv_heads;
     }
   }
   std::vector<int64_t> order(items.size());
@@ -523,7 +522,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   a.kv_heads = k_cache.size(2);
   a.heads = q.size(1);
   a.dim = q.size(2);
-  a.padded = nc * kLanes;
   a.tables = block_tables.data_ptr<int32_t>();
   a.max_blocks = block_tables.size(1);
   a.starts = starts;
