@@ -160,6 +160,12 @@ class EngineConfig:
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
+    def __getstate__(self) -> dict:  # to the engine core's process: a mappingproxy does not pickle
+        return {**self.__dict__, "sampling_defaults": dict(self.sampling_defaults)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, sampling_defaults=MappingProxyType(state["sampling_defaults"]))
+
     def resolve(self) -> EngineConfig:
         """Fill every 'auto' and None from the model and the machine."""
         from ember.loader.model_files import locate_model, locate_tokenizer

@@ -1,17 +1,21 @@
-"""AsyncEngine: the engine loop on its own thread, behind an asyncio front.
+"""AsyncEngine: the engine client behind an asyncio front, its outputs processed on a thread.
 
-    event loop thread                          engine thread
+    event loop thread                          output thread
     ─────────────────                          ─────────────
     await prepare(fn): tokenize, template,
       validate, on the input pool (threads)
     submit(req) / add_request()        ──┐
-      (InputProcessor; errors raise here)│ _new, _aborts (lock + condition)
-    abort(request_id)                  ──┤
-                                         └──>  take adds and aborts
-                                               EngineCore.step()
+      (InputProcessor; errors raise here)│ client.send(ADD / ABORT) ──> the engine core
+    abort(request_id)                  ──┘   (its own process, or run by client.get_step)
+                                               client.get_step(): one step's new tokens
                                                OutputProcessor: text, stop strings
     RequestStream (deque + Event) <── call_soon_threadsafe(put) ── one output per request
                                                                    that changed
+
+With `core_process=True` (what `ember serve` runs) the core is in its own process
+(core_client.MPCoreClient, core_process.py): scheduling, the model's launches and sampling
+never wait for this interpreter. Otherwise (InprocCoreClient) the output thread runs the
+core's steps itself, as one process.
 
 The event loop never runs per-request work that grows with the input: `prepare` runs it
 on a small thread pool (INPUT_THREADS), so a 1 MB prompt or a deep JSON schema does not
@@ -23,10 +27,11 @@ refused); EngineCore does the same for a request's own work inside a step. Anyth
 that raises kills the loop: every stream fails with EngineDeadError, new requests are
 refused, and `on_dead` tells the owner (the server exits non-zero so a supervisor restarts it).
 
-The engine thread owns EngineCore and OutputProcessor: nothing else touches them. It
-sleeps on a condition while it has nothing to do. After every pass it publishes an
-`EngineStats` snapshot (one attribute assignment, so any thread may read it), and after
-every step hands `IterationStats` to its stat loggers (Prometheus, the log line).
+The output thread owns the OutputProcessor (and, in one process, the core): nothing else
+touches them. With every step comes the core's `EngineStats` snapshot (one attribute
+assignment, so any thread may read it), and after every step the thread hands
+`IterationStats` to its stat loggers (Prometheus, the log line): one set of numbers, kept
+in this process, whichever process the core runs in.
 
 A RequestStream yields cumulative RequestOutputs; when the consumer falls behind, the
 outputs waiting in its queue collapse into the newest (each one holds all text so far).
@@ -49,7 +54,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ember.config import EngineConfig
-from ember.engine.core import EngineCore, EngineCoreOutput
+from ember.engine.core import EngineCoreOutput
+from ember.engine.core_client import ABORT, ADD, FAIL, FINISH, CoreStep, InprocCoreClient, MPCoreClient, core_pid
 from ember.engine.input_processor import InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
@@ -163,40 +169,63 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
                  stat_loggers: list[StatLogger] | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None, log_requests: bool = False) -> None:
-        """`on_dead(error)` is called on the engine thread if the loop dies; `log_requests`:
-        log each submitted request's id, prompt length and sampling parameters at INFO."""
+                 on_dead: Callable[[BaseException], None] | None = None, log_requests: bool = False,
+                 core_process: bool = False) -> None:
+        """`on_dead(error)` is called on the output thread if the engine dies; `log_requests`:
+        log each submitted request's id, prompt length and sampling parameters at INFO;
+        `core_process`: run the engine core in its own process."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 (or None: no limit); got {max_waiting_requests}")
         self.config = config if config.model_config is not None else config.resolve()
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
         self.tokenizer = load_engine_tokenizer(self.config)
-        self.core = EngineCore(self.config, self.tokenizer)
-        self.config = self.core.config  # the seats the KV pool allows, where max_num_seqs was the default
-        self.inputs = InputProcessor(self.config, self.tokenizer, self.core.check_request)
+        self.client = (MPCoreClient if core_process else InprocCoreClient)(self.config, self.tokenizer)
+        self.config = self.client.config  # the seats the KV pool allows, where max_num_seqs was the default
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.client.check_request)
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.stat_loggers = list(stat_loggers or [])
-        # the engine thread's own: each request as added, and when each sample's last token came
+        # the output thread's own: each request as added, when each sample's last token came,
+        # and how many tokens each request got
         self._requests: dict[str, Request] = {}
         self._token_times: dict[str, dict[int, float]] = {}
+        self._generated: dict[str, int] = {}
         # shared between the threads, under _lock
         self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._new: list[Request] = []
+        self._new: list[Request] = []  # sent to the core, not yet known to the output processor
         self._aborts: list[str] = []
         self._streams: dict[str, RequestStream] = {}
+        self._num_sent = 0  # ADDs sent; the core's CoreStep.num_added says how many it took
+        self._num_taken = 0
         self._accepting = True
         self._stop = False
         self._stop_error: BaseException | None = None  # what streams left at stop() get
-        self.error: BaseException | None = None  # what killed the engine loop, if anything
+        self.error: BaseException | None = None  # what killed the engine, if anything
         self.on_dead = on_dead
         self._input_pool = cf.ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="ember-input")
-        self._ended: list[FinishedRequestStats] = []  # aborted or refused on the engine thread, for the stats
-        self.stats = EngineStats(num_kv_blocks=self.core.block_pool.num_blocks)
+        self._ended: list[FinishedRequestStats] = []  # aborted, for the stats
+        self.stats = EngineStats(num_kv_blocks=self.client.num_kv_blocks)
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def core(self):
+        """The EngineCore, when it runs in this process (tests reach into it there)."""
+        return self.client.core
+
+    @property
+    def core_pid(self) -> int:
+        """The process the engine core runs in (this one, without core_process)."""
+        return core_pid(self.client)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.client.num_kv_blocks
+
+    def warm_up(self) -> None:
+        """Prepare the grammar backend now, not on the first constrained request."""
+        self.client.warm_up()
 
     # -- the asyncio side -----------------------------------------------------------------
 
@@ -230,14 +259,15 @@ class AsyncEngine:
                        else EngineDeadError(f"the engine loop died: {self.error!r}"))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            waiting = self.stats.num_waiting + len(self._new)
+            waiting = self.stats.num_waiting + self._num_sent - self._num_taken
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise EngineOverloadedError(f"{waiting} requests are waiting already "
                                             f"(max_waiting_requests={self.max_waiting_requests}): retry later")
             stream = RequestStream(self, req, loop)
             self._streams[request_id] = stream
             self._new.append(req)
-            self._wakeup.notify()
+            self._num_sent += 1
+            self.client.send((ADD, req))  # under the lock: the core sees ADDs in _new's order
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, %s", request_id, req.num_prompt_tokens, req.sampling_params)
         return stream
@@ -251,21 +281,22 @@ class AsyncEngine:
                 yield out
 
     def current_stats(self) -> EngineStats:
-        """The last snapshot, with requests not yet handed to the scheduler counted as waiting."""
+        """The last snapshot, with requests the core has not taken yet counted as waiting."""
         with self._lock:
-            stats, pending = self.stats, len(self._new)
+            stats, pending = self.stats, self._num_sent - self._num_taken
         return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending) if pending else stats
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from any thread; its blocks are freed on the engine's next pass."""
+        """Abort a request from any thread; the core frees its blocks on its next pass."""
         with self._lock:
             self._aborts.append(request_id)
-            self._wakeup.notify()
+            if not self._stop:
+                self.client.send((ABORT, request_id))
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop accepting; let in-flight requests finish for up to `timeout` s, then fail
         what is left (EngineStoppedError: its client is told the server is shutting down)
-        and stop the engine thread."""
+        and stop the engine."""
         with self._lock:
             self._accepting = False
         deadline = time.monotonic() + timeout
@@ -276,90 +307,77 @@ class AsyncEngine:
         await asyncio.to_thread(self.stop, left)
 
     def stop(self, error: BaseException | None = None) -> None:
-        """Abort everything and join the engine thread (blocking). Streams still open end
-        (or, given `error`, raise it)."""
+        """Abort everything, join the output thread and stop the core (blocking). Streams
+        still open end (or, given `error`, raise it)."""
         with self._lock:
             self._accepting = False
             self._stop = True
             self._stop_error = error
-            self._wakeup.notify()
+        self.client.wake()
         self._thread.join()
         self._input_pool.shutdown(wait=False, cancel_futures=True)
-        self.core.shutdown()
+        self.client.shutdown()
 
     def _in_flight(self) -> int:
         with self._lock:
             return len(self._streams)
 
-    # -- the engine thread ----------------------------------------------------------------
+    # -- the output thread ----------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            while True:
-                with self._lock:
-                    while not (self._new or self._aborts or self._stop or self.core.has_unfinished_requests()):
-                        self._wakeup.wait()
-                    new, self._new = self._new, []
-                    aborts, self._aborts = self._aborts, []
-                    stop = self._stop
-                    if new:  # they still wait, until the step's stats say otherwise
-                        self.stats = dataclasses.replace(self.stats, num_waiting=self.stats.num_waiting + len(new))
-                for req in new:
-                    self._add(req)
-                for request_id in aborts:
-                    self._abort(request_id)
-                if self._ended:
-                    self._record(IterationStats(finished=self._ended))
-                    self._ended = []
-                if stop:
-                    break
-                if self.core.has_unfinished_requests():
-                    self._step()
-                else:
-                    self._publish_stats()
-        except BaseException as e:  # the loop died: fail every stream, refuse new requests
+            while not self._stop:
+                step = self.client.get_step()
+                self._take_new_and_aborts()
+                if step is not None:
+                    self._on_step(step)
+        except BaseException as e:  # the engine died: fail every stream, refuse new requests
             logger.exception("the engine loop died")
             self.error = e
             if self.on_dead is not None:  # the owner first: a client that sees its stream fail finds it told
                 self.on_dead(e)
             self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
             return
+        self._take_new_and_aborts()
         self._fail_all(self._stop_error)  # stopped: end (or fail) whatever is left
-        self.core.finish_in_flight()  # a launched step's tokens were for those requests
-        self._publish_stats()
 
-    def _add(self, req: Request) -> None:
-        """Hand one request to the core; if the core refuses it, its stream alone fails."""
-        try:
-            self.core.add_request(req)
+    def _take_new_and_aborts(self) -> None:
+        """Track the requests sent since the last pass; end the streams of those aborted."""
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        for req in new:
             self._processor.add_request(req)
-        except Exception as e:
-            if not isinstance(e, ValueError):
-                logger.exception("request %s could not be added", req.request_id)
-                e = RequestFailedError(f"the request could not be added to the engine ({type(e).__name__})")
-            self.core.abort_request(req.request_id)
-            self._processor.abort(req.request_id)
-            self._ended.append(_finished_stats(req, "error"))
-            self._end_stream(req.request_id, e)
-            return
-        self._requests[req.request_id] = req
-        logger.debug("added %s (%d prompt tokens)", req.request_id, req.num_prompt_tokens)
+            self._requests[req.request_id] = req
+        for request_id in aborts:
+            self._processor.abort(request_id)
+            req = self._requests.pop(request_id, None)
+            if req is not None:
+                self._ended.append(_finished_stats(req, "abort", self._generated.pop(request_id, 0)))
+            self._token_times.pop(request_id, None)
+            self._end_stream(request_id, _END)
+            logger.debug("aborted %s", request_id)
+        if self._ended:
+            self._record(IterationStats(finished=self._ended))
+            self._ended = []
 
-    def _step(self) -> None:
+    def _on_step(self, step: CoreStep) -> None:
         before = self.stats
-        core_outputs = self.core.step()
+        with self._lock:
+            self.stats, self._num_taken = step.stats, step.num_added  # before the outputs: fresh numbers
+        if not step.outputs:
+            return
         now = time.monotonic()
-        done = self._processor.process(core_outputs)
+        done = self._processor.process(step.outputs)
         for request_id, stop in done.stopped:
-            self.core.finish_request(request_id, stop)
+            self.client.send((FINISH, request_id, stop))
         for request_id, message in done.failed:
-            self.core.fail_request(request_id, message)
+            self.client.send((FAIL, request_id, message))
         outputs = done.outputs
-        self._publish_stats()  # before the outputs: a client that hears back sees fresh numbers
-        iteration = self._iteration_stats(core_outputs, outputs, now)
-        iteration.num_preemptions = self.stats.num_preemptions - before.num_preemptions
-        iteration.prefix_cache_queries = self.stats.prefix_cache_queries - before.prefix_cache_queries
-        iteration.prefix_cache_hits = self.stats.prefix_cache_hits - before.prefix_cache_hits
+        iteration = self._iteration_stats(step.outputs, outputs, now)
+        iteration.num_preemptions = step.stats.num_preemptions - before.num_preemptions
+        iteration.prefix_cache_queries = step.stats.prefix_cache_queries - before.prefix_cache_queries
+        iteration.prefix_cache_hits = step.stats.prefix_cache_hits - before.prefix_cache_hits
         self._record(iteration)
         deliveries = []
         with self._lock:
@@ -383,39 +401,35 @@ class AsyncEngine:
         for o in core_outputs:
             if not o.new_token_ids:
                 continue
-            req = o.request
+            root = o.parent_id if o.parent_id is not None else o.request_id
+            req = self._requests.get(root)
+            if req is None:
+                continue
             it.num_generation_tokens += len(o.new_token_ids)
-            times = self._token_times.setdefault(req.parent.request_id if req.parent else req.request_id, {})
-            last = times.get(req.index)
+            self._generated[root] = self._generated.get(root, 0) + len(o.new_token_ids)
+            times = self._token_times.setdefault(root, {})
+            last = times.get(o.index)
             if last is not None:
                 it.inter_token_latencies.append(now - last)
-            elif req.parent is None:  # the request's first token (its forks share the prompt)
+            elif not times:  # the request's first token (its forks share the prompt)
                 it.num_prompt_tokens += req.num_prompt_tokens
                 it.time_to_first_tokens.append(now - req.arrival_time)
-            times[req.index] = now
+            times[o.index] = now
+        ends = {o.parent_id if o.parent_id is not None else o.request_id: o for o in core_outputs if o.finished}
         for out in outputs:
             if not out.finished:
                 continue
             self._token_times.pop(out.request_id, None)
+            self._generated.pop(out.request_id, None)
             req = self._requests.pop(out.request_id, None)
             if req is None:
                 continue
             reason = "error" if out.error is not None else out.outputs[0].finish_reason or "abort"
-            it.finished.append(_finished_stats(req, reason, sum(len(c.token_ids) for c in out.outputs), now))
+            end = ends.get(out.request_id)
+            it.finished.append(_finished_stats(req, reason, sum(len(c.token_ids) for c in out.outputs), now,
+                                               end.scheduled_time if end else None,
+                                               end.first_token_time if end else None))
         return it
-
-    def _abort(self, request_id: str) -> None:
-        try:
-            self.core.abort_request(request_id)
-            self._processor.abort(request_id)
-        except Exception:  # the request is gone from the streams below either way
-            logger.exception("request %s: aborting it failed", request_id)
-        req = self._requests.pop(request_id, None)
-        if req is not None:
-            self._ended.append(_finished_stats(req, "abort"))
-        self._token_times.pop(request_id, None)
-        self._end_stream(request_id, _END)
-        logger.debug("aborted %s", request_id)
 
     def _end_stream(self, request_id: str, item) -> None:
         with self._lock:
@@ -427,11 +441,12 @@ class AsyncEngine:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
-            try:
-                self.core.abort_request(stream.request_id)
-                self._processor.abort(stream.request_id)
-            except Exception:
-                pass
+            self._processor.abort(stream.request_id)
+            if self.error is None:
+                try:
+                    self.client.send((ABORT, stream.request_id))
+                except Exception:
+                    pass
             self._send(stream, error if error is not None else _END)
 
     @staticmethod
@@ -450,28 +465,15 @@ class AsyncEngine:
     def _send(stream: RequestStream, item) -> None:
         AsyncEngine._send_all([(stream, item)])
 
-    def _publish_stats(self) -> None:
-        sched, pool = self.core.scheduler, self.core.block_pool
-        self.stats = EngineStats(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + self.core.structured.num_compiling,  # and those whose grammar compiles
-            num_kv_blocks=pool.num_blocks,
-            num_kv_blocks_in_use=pool.num_in_use,
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=sched.prefix_cache_queries,
-            prefix_cache_hits=sched.prefix_cache_hits,
-        )
 
-
-def _finished_stats(req: Request, reason: str, num_generation_tokens: int | None = None,
-                    now: float | None = None) -> FinishedRequestStats:
-    """A request's numbers at its end; without a final output (aborted, or refused on the
-    engine thread) its generation tokens are those of its first sample."""
+def _finished_stats(req: Request, reason: str, num_generation_tokens: int, now: float | None = None,
+                    scheduled_time: float | None = None, first_token_time: float | None = None
+                    ) -> FinishedRequestStats:
+    """A request's numbers at its end (the core's times where its final output gave them)."""
     now = time.monotonic() if now is None else now
-    scheduled = req.first_scheduled_time or now
-    first_token = req.first_token_time or now
+    scheduled = scheduled_time or now
+    first_token = first_token_time or now
     return FinishedRequestStats(
-        finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
-        num_generation_tokens=len(req.output_token_ids) if num_generation_tokens is None else num_generation_tokens,
+        finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens, num_generation_tokens=num_generation_tokens,
         e2e_latency=now - req.arrival_time, queue_time=scheduled - req.arrival_time,
         prefill_time=first_token - scheduled, decode_time=now - first_token)

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ember.config import EngineConfig
+from ember.engine.stats import EngineStats
 from ember.loader.tokenizer import Tokenizer
 from ember.request import Request, RequestStatus
 from ember.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput, PromptLogprobs
@@ -42,16 +43,37 @@ logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # how long an otherwise idle step waits for a grammar to compile
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
-    """What one step did for one request."""
+    """What one step did for one request: plain data (it crosses the process boundary), only
+    what is new since the last output."""
 
-    request: Request
+    request_id: str  # the sample's own id (a forked sample's is "<id>#<index>")
     new_token_ids: list[int]  # the sampled token, then any that jump-forward appended
     finished: bool
     logprobs: list[TokenLogprobs] | None = None  # one per new token
     prompt_logprobs: PromptLogprobs | None = None
     pooled: list[float] | None = None  # runner="pooling": the prompt's vector (the request ends with it)
+    parent_id: str | None = None  # a forked sample's request as added
+    index: int = 0  # which of the request's n samples
+    finish_reason: str | None = None  # with finished
+    stop_reason: int | str | None = None
+    error: str | None = None  # finish_reason "error": what its client is told
+    num_cached_tokens: int | None = None  # its prefix-cache hit at first admission
+    scheduled_time: float | None = None  # with finished: when it was first scheduled (time.monotonic())
+    first_token_time: float | None = None  # with finished
+
+
+def core_output(req: Request, new_token_ids: list[int], finished: bool | None = None, **fields) -> EngineCoreOutput:
+    """`req`'s output of this step (finished: as its status says, unless given)."""
+    finished = req.status.is_finished if finished is None else finished
+    out = EngineCoreOutput(req.request_id, new_token_ids, finished,
+                           parent_id=req.parent.request_id if req.parent is not None else None, index=req.index,
+                           num_cached_tokens=req.num_cached_tokens, **fields)
+    if finished:
+        out.finish_reason, out.stop_reason, out.error = req.finish_reason, req.stop_reason, req.error
+        out.scheduled_time, out.first_token_time = req.first_scheduled_time, req.first_token_time
+    return out
 
 
 class EngineCore:
@@ -121,7 +143,7 @@ class EngineCore:
         if not req.status.is_finished:
             req.finish("error", status=RequestStatus.FAILED)
         req.error = message
-        return EngineCoreOutput(req, [], True)
+        return core_output(req, [], True)
 
     def finish_request(self, request_id: str, stop_reason: str) -> None:
         """End a request that its stop string ended (found on the text, outside the core)."""
@@ -155,6 +177,15 @@ class EngineCore:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state (what /metrics and the log line show)."""
+        sched, pool = self.scheduler, self.block_pool
+        return EngineStats(num_running=len(sched.running),
+                           num_waiting=len(sched.waiting) + self.structured.num_compiling,  # and those compiling
+                           num_kv_blocks=pool.num_blocks, num_kv_blocks_in_use=pool.num_in_use,
+                           num_preemptions=sched.num_preemptions, prefix_cache_queries=sched.prefix_cache_queries,
+                           prefix_cache_hits=sched.prefix_cache_hits)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or self.structured.num_compiling > 0 or bool(self.launched)
@@ -228,7 +259,7 @@ class EngineCore:
         for request_id, message in result.failed.items():
             self.fail_request(request_id, message)
         return pooled + [self._output(req, result, new_tokens[req.request_id]) for req in stepped] + [
-            EngineCoreOutput(c.request, [], False, prompt_logprobs=result.prompt_logprobs[c.request.request_id])
+            core_output(c.request, [], False, prompt_logprobs=result.prompt_logprobs[c.request.request_id])
             for c in plan.chunks if c.request.request_id in result.prompt_logprobs and not c.samples
             and not c.request.status.is_finished]
 
@@ -240,7 +271,7 @@ class EngineCore:
             if req is not None:
                 self.scheduler.finish(req, "stop")
                 self._release(request_id)
-                outputs.append(EngineCoreOutput(req, [], True, pooled=vector))
+                outputs.append(core_output(req, [], True, pooled=vector))
         return outputs
 
     def _timed(self, phase: str, fn, *args):
@@ -263,7 +294,7 @@ class EngineCore:
                 req.append_token(token)
             self.scheduler.add_request(req)
             if forced:
-                outputs.append(EngineCoreOutput(req, forced, False))
+                outputs.append(core_output(req, forced, False))
         outputs += [self._failed_output(req, message) for req, message in failed]
         return outputs
 
@@ -288,9 +319,8 @@ class EngineCore:
 
     def _output(self, req: Request, result: ModelRunnerOutput, new_tokens: list[int]) -> EngineCoreOutput:
         logprobs = result.logprobs.get(req.request_id) if new_tokens else None
-        return EngineCoreOutput(req, new_tokens, req.status.is_finished,
-                                [logprobs] if logprobs is not None else None,
-                                result.prompt_logprobs.get(req.request_id))
+        return core_output(req, new_tokens, logprobs=[logprobs] if logprobs is not None else None,
+                           prompt_logprobs=result.prompt_logprobs.get(req.request_id))
 
 
 def _needs_tokens_first(plan: SchedulerOutput) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.engine.core import EngineCore
+from ember.engine.core_client import ABORT, ADD, FAIL, FINISH, InprocCoreClient, MPCoreClient
 from ember.engine.input_processor import Conversation, InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
 from ember.loader.tokenizer import Tokenizer
@@ -25,15 +25,17 @@ __all__ = ["LLM", "PromptType", "Conversation"]
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", load_format: str = "auto",
-                 **engine_args: Any) -> None:
-        """`model`: a .gguf file, an HF directory or a Hugging Face Hub id; `engine_args`:
+                 core_process: bool = False, **engine_args: Any) -> None:
+        """`model`: a .gguf file, an HF directory or a Hugging Face Hub id; `core_process`: run
+        the engine core in its own process (detokenizing then overlaps the steps); `engine_args`:
         the other EngineConfig fields (revision, download_dir, tokenizer, chat_template,
         generation_config, max_model_len, ...)."""
         self.config = EngineConfig(model=model, dtype=dtype, load_format=load_format, **engine_args).resolve()
         self.tokenizer: Tokenizer | None = load_engine_tokenizer(self.config)
-        self.engine = EngineCore(self.config, self.tokenizer)
-        self.config = self.engine.config  # the seats the KV pool allows, where max_num_seqs was the default
-        self.inputs = InputProcessor(self.config, self.tokenizer, self.engine.check_request)
+        self.client = (MPCoreClient if core_process else InprocCoreClient)(self.config, self.tokenizer)
+        self.engine = getattr(self.client, "core", None)  # the EngineCore, when it runs in this process
+        self.config = self.client.config  # the seats the KV pool allows, where max_num_seqs was the default
+        self.inputs = InputProcessor(self.config, self.tokenizer, self.client.check_request)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -98,8 +100,9 @@ class LLM:
         assert not self.processor.groups, "the output processor still tracks requests"
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (they also stop when this process ends)."""
-        self.engine.shutdown()
+        """Stop the core's process and the tensor-parallel workers, if any (they also stop
+        when this process ends)."""
+        self.client.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.inputs.require_tokenizer()
@@ -127,25 +130,31 @@ class LLM:
     def _drive(self, requests: list[Request], finished_only: bool = False) -> Iterator[RequestOutput]:
         """Run the engine until these requests finish, yielding every output on the way (or
         only the finished ones)."""
-        added = []
+        pending: set[str] = set()
         try:
             for req in requests:
-                self.engine.add_request(req)
                 self.processor.add_request(req)
-                added.append(req.request_id)
-            while self.engine.has_unfinished_requests():
-                done = self.processor.process(self.engine.step(), finished_only)
+                pending.add(req.request_id)
+                self.client.send((ADD, req))
+            while pending:
+                step = self.client.get_step()
+                if step is None:
+                    continue
+                done = self.processor.process(step.outputs, finished_only)
                 for request_id, stop in done.stopped:
-                    self.engine.finish_request(request_id, stop)
+                    self.client.send((FINISH, request_id, stop))
                 for request_id, message in done.failed:
-                    self.engine.fail_request(request_id, message)
+                    self.client.send((FAIL, request_id, message))
+                for out in done.outputs:
+                    if out.finished:
+                        pending.discard(out.request_id)
                 yield from done.outputs
         finally:  # an error or Ctrl-C leaves nothing behind in the engine
-            for request_id in added:
-                self.engine.abort_request(request_id)
+            for request_id in pending:
+                self.client.send((ABORT, request_id))
                 self.processor.abort(request_id)
             if not self.processor.groups:  # no other stream is served: a step still in flight was ours
-                self.engine.finish_in_flight()
+                self.client.settle()
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:

@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Sample:
-    """One of a request's n completions."""
+    """One of a request's n completions, as far as the core's outputs told."""
 
-    request: Request
+    request: Request  # the request as added (all its samples share prompt and parameters)
     detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -40,6 +41,7 @@ class _Group:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # a sample failed: the request ends with this message
     embedding: list[float] | None = None  # runner="pooling"
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -78,20 +80,19 @@ class OutputProcessor:
         touched: dict[str, _Group] = {}
         result = ProcessedOutputs([], [], [])
         for out in outputs:
-            req = out.request
-            group = self.groups.get(req.parent.request_id if req.parent is not None else req.request_id)
+            group = self.groups.get(out.parent_id if out.parent_id is not None else out.request_id)
             if group is None:
                 continue  # its request ended already (a failed sample ended the group)
             touched[group.request.request_id] = group
             try:
                 self._process_one(group, out, result)
             except Exception as e:
-                logger.exception("request %s: its output could not be processed", req.request_id)
+                logger.exception("request %s: its output could not be processed", out.request_id)
                 group.error = f"its output could not be processed ({type(e).__name__})"
-                sample = group.samples.get(req.index)
+                sample = group.samples.get(out.index)
                 if sample is not None:
                     sample.finish_reason = "error"
-                result.failed.append((req.request_id, group.error))
+                result.failed.append((out.request_id, group.error))
         for g in touched.values():
             finished = g.finished
             if finished:
@@ -101,29 +102,32 @@ class OutputProcessor:
         return result
 
     def _process_one(self, group: _Group, out: EngineCoreOutput, result: ProcessedOutputs) -> None:
-        req = out.request
+        if out.num_cached_tokens is not None:
+            group.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self._add_prompt_logprobs(group, out.prompt_logprobs.first_position, out.prompt_logprobs.tokens)
         if out.pooled is not None:
             group.embedding = out.pooled
         if not out.new_token_ids and not out.finished:
             return
-        sample = group.samples.get(req.index) or self._new_sample(group, req)
+        sample = group.samples.get(out.index) or self._new_sample(group, out.index)
         if sample.finish_reason is not None:
             return
+        sample.token_ids += out.new_token_ids
         if out.logprobs is not None:
             self._add_logprobs(sample, out.logprobs)
         if self._add_text(sample, out):
-            result.stopped.append((req.request_id, sample.stop_reason))
+            result.stopped.append((out.request_id, sample.stop_reason))
         elif out.finished and sample.finish_reason is None:
-            sample.finish_reason, sample.stop_reason = req.finish_reason, req.stop_reason
-            if req.error is not None:
-                group.error = req.error
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            if out.error is not None:
+                group.error = out.error
 
     def abort(self, request_id: str) -> None:
         self.groups.pop(request_id, None)
 
-    def _new_sample(self, group: _Group, req: Request) -> _Sample:
+    def _new_sample(self, group: _Group, index: int) -> _Sample:
+        req = group.request
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params.skip_special_tokens,
@@ -131,7 +135,7 @@ class OutputProcessor:
         sample = _Sample(req, detok)
         if req.sampling_params.logprobs is not None:
             sample.logprobs, sample.cumulative_logprob = [], 0.0
-        group.samples[req.index] = sample
+        group.samples[index] = sample
         return sample
 
     def _add_text(self, sample: _Sample, out: EngineCoreOutput) -> bool:
@@ -140,14 +144,14 @@ class OutputProcessor:
             return False
         req, params = sample.request, sample.request.sampling_params
         new_ids = out.new_token_ids
-        if (out.finished and req.finish_reason == "stop" and not params.include_stop_str_in_output and new_ids
+        if (out.finished and out.finish_reason == "stop" and not params.include_stop_str_in_output and new_ids
                 and (new_ids[-1] in req.eos_token_ids or new_ids[-1] in params.stop_token_ids)):
             new_ids = new_ids[:-1]  # as vLLM: an EOS or stop token's own text is left out
         searched = len(sample.text)
         sample.text += sample.detokenizer.add(new_ids)
         if out.finished:
             sample.text += sample.detokenizer.flush()  # a tail that ends mid-character
-        if not params.stop or len(req.output_token_ids) < params.min_tokens:
+        if not params.stop or len(sample.token_ids) < params.min_tokens:
             return False
         for stop in params.stop:  # only a stop string that ends in the new text
             at = sample.text.find(stop, max(0, searched - len(stop) + 1))
@@ -180,7 +184,7 @@ class OutputProcessor:
     def _make_output(self, group: _Group, finished: bool) -> RequestOutput:
         req = group.request
         completions = [
-            CompletionOutput(index=i, text=s.text, token_ids=list(s.request.output_token_ids),
+            CompletionOutput(index=i, text=s.text, token_ids=list(s.token_ids),
                              cumulative_logprob=s.cumulative_logprob,
                              logprobs=list(s.logprobs) if s.logprobs is not None else None,
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason)
@@ -188,5 +192,5 @@ class OutputProcessor:
         ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
                              prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None,
-                             num_cached_tokens=req.num_cached_tokens or 0, error=group.error,
+                             num_cached_tokens=group.num_cached_tokens, error=group.error,
                              embedding=group.embedding)

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from ember.request import Request, RequestStatus
 from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import NullPrefixCache, PrefixCache
-from ember.scheduler.sliding_window import make_window_blocks
+from ember.scheduler.sliding_window import FullContextBlocks, make_window_blocks
 
 POLICIES = ("fcfs", "priority", "lpm")
 LPM_MAX_PASSED_OVER = 32
@@ -141,21 +141,7 @@ class Scheduler:
     def check_request(self, req: Request) -> None:
         """Refuse a request this engine can never serve (ValueError). Reads only fixed sizes,
         so any thread may call it: the async front checks here before the engine loop sees it."""
-        if req.sampling_params.n > self.max_num_seqs:
-            raise ValueError(f"n={req.sampling_params.n} is more than max_num_seqs={self.max_num_seqs}: "
-                             "lower n or raise max_num_seqs")
-        check_prompt_length(req.num_prompt_tokens, self.max_model_len)
-        # the last sampled token never gets KV, so the longest sequence holds one less (and a
-        # prompt scored with max_tokens=0 holds the whole prompt)
-        max_tokens = self.max_model_len if req.max_tokens is None else max(req.max_tokens, 1)
-        longest = min(req.num_prompt_tokens + max_tokens, self.max_model_len) - 1
-        need = self.window.most_held(longest)
-        if need > self.pool.num_blocks:
-            raise ValueError(
-                f"request {req.request_id!r} may grow to {longest + 1} tokens, whose KV needs "
-                f"{need} blocks, but the whole pool has {self.pool.num_blocks}: "
-                "lower max_tokens or give the KV cache more memory (num_kv_blocks / kv_cache_memory)"
-            )
+        check_request_fits(req, self.max_num_seqs, self.max_model_len, self.window, self.pool.num_blocks)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -452,6 +438,27 @@ class Scheduler:
         for req in ended:
             self.finish(req, reason, status=status)
         return ended
+
+
+def check_request_fits(req: Request, max_num_seqs: int, max_model_len: int, window: FullContextBlocks,
+                       num_blocks: int) -> None:
+    """ValueError for a request that an engine of these sizes can never serve: too many
+    samples, a prompt with no room for output, or a sequence whose KV outgrows the whole pool."""
+    if req.sampling_params.n > max_num_seqs:
+        raise ValueError(f"n={req.sampling_params.n} is more than max_num_seqs={max_num_seqs}: "
+                         "lower n or raise max_num_seqs")
+    check_prompt_length(req.num_prompt_tokens, max_model_len)
+    # the last sampled token never gets KV, so the longest sequence holds one less (and a
+    # prompt scored with max_tokens=0 holds the whole prompt)
+    max_tokens = max_model_len if req.max_tokens is None else max(req.max_tokens, 1)
+    longest = min(req.num_prompt_tokens + max_tokens, max_model_len) - 1
+    need = window.most_held(longest)
+    if need > num_blocks:
+        raise ValueError(
+            f"request {req.request_id!r} may grow to {longest + 1} tokens, whose KV needs "
+            f"{need} blocks, but the whole pool has {num_blocks}: "
+            "lower max_tokens or give the KV cache more memory (num_kv_blocks / kv_cache_memory)"
+        )
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:

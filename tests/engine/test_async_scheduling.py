@@ -129,7 +129,7 @@ def test_a_decode_step_is_launched_while_the_previous_one_is_in_flight(async_llm
     assert len(core.launched) == 1 and [r.num_pending_tokens for r in reqs] == [1, 1, 1]
     for n in range(1, 6):
         outs = core.step()  # launches decode n (its input ids gathered on the device), collects step n
-        assert [o.request for o in outs] == reqs and all(len(o.new_token_ids) == 1 for o in outs)
+        assert [o.request_id for o in outs] == [r.request_id for r in reqs] and all(len(o.new_token_ids) == 1 for o in outs)
         assert [len(r.output_token_ids) for r in reqs] == [n] * 3
         assert len(core.launched) == 1 and [r.num_pending_tokens for r in reqs] == [1, 1, 1]
     outs = core.step()  # max_tokens is reached with the pending token: nothing more is launched
