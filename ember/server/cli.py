@@ -212,7 +212,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     from ember.server.openai_api import run_server
 
     from ember.server.limits import RequestLimits
-    from ember.server.openai_api import CORSOptions
+    from ember.server.serving import CORSOptions
 
     logging.getLogger("ember").setLevel(logging.INFO)
     if ns.data_parallel_size != 1:
@@ -229,7 +229,8 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                       max_waiting_requests=ns.max_waiting_requests, shutdown_timeout=ns.shutdown_timeout,
                       log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public,
                       cors=cors, log_requests=ns.enable_log_requests,
-                      tool_call_parser=_auto_tool_parser(ns), reasoning_parser=ns.reasoning_parser)
+                      tool_call_parser=_auto_tool_parser(ns), reasoning_parser=ns.reasoning_parser,
+                      core_process=not ns.no_core_process)
     sys.exit(code)
 
 
@@ -358,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "deepseek_r1")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.add_argument("--no-core-process", action="store_true",
+                       help="run the engine core on a thread of the API server's process (one process) instead "
+                            "of its own process: scheduling and the model's launches then share the "
+                            "interpreter with HTTP, tokenizing and streaming")
     serve.add_argument("--enable-log-requests", action="store_true",
                        help="log each request's id, prompt length and sampling parameters (INFO)")
     serve.add_argument("--allowed-origins", type=_json_list, default=None,

@@ -23,8 +23,7 @@ from pydantic import BaseModel, Field
 from ember.pooling import pooling_sampling_params
 from ember.server import protocol as p
 from ember.server.limits import RequestLimits
-from ember.server.openai_api import (_ERRORS, APIError, ServerState, _final_outputs, _prepare, _submit,
-                                     _until_disconnected)
+from ember.server.serving import ERRORS, APIError, ServerState, final_outputs, prepare, submit, until_disconnected
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 EMBEDDING_ROUTES = ("/v1/embeddings",)
@@ -82,7 +81,7 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 
 
 def add_embeddings_route(app: FastAPI, state: ServerState, limits: RequestLimits) -> None:
-    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         engine = state.ready_engine()
         model = state.check_model(body.model)
@@ -96,8 +95,8 @@ def add_embeddings_route(app: FastAPI, state: ServerState, limits: RequestLimits
             return [engine.inputs.make_request(f"{request_id}-{i}", prompt, pooling_sampling_params())
                     for i, prompt in enumerate(body.prompts(limits))]
 
-        streams = _submit(engine, await _prepare(engine, make))
-        finals = await _until_disconnected(raw, _final_outputs(streams), streams)
+        streams = submit(engine, await prepare(engine, make))
+        finals = await until_disconnected(raw, final_outputs(streams), streams)
         tokens = sum(len(out.prompt_token_ids) for out in finals)
         data = [EmbeddingData(index=i, embedding=encode(out.embedding, body.encoding_format))
                 for i, out in enumerate(finals)]

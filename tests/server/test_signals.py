@@ -78,15 +78,17 @@ def test_requests_past_the_shutdown_timeout_get_an_error_then_exit_0(gguf_path, 
 
 
 def test_a_dead_engine_loop_fails_its_clients_and_exits_non_zero(gguf_path, tmp_path):
-    """The engine loop dies (a fault injected into EngineCore.step): the client in flight
-    gets a 503 in OpenAI's shape, /health says so, and the process exits 1 for its supervisor."""
+    """The engine loop dies (a fault injected into EngineCore.step, so the core runs in the
+    server's process: --no-core-process): the client in flight gets a 503 in OpenAI's shape,
+    /health says so, and the process exits 1 for its supervisor. (A killed core process:
+    tests/server/test_core_process_server.py.)"""
     script = ("import sys, ember.engine.core as core\n"
               "def boom(self):\n"
               "    raise RuntimeError('injected')\n"
               "core.EngineCore.step = boom\n"
               "from ember.server.cli import main\n"
               "main(sys.argv[1:])\n")
-    s = Server(gguf_path, tmp_path / "server.log")
+    s = Server(gguf_path, tmp_path / "server.log", "--no-core-process")
     s.proc.kill()  # the same command line, with the fault
     s.proc.wait()
     cmd = [sys.executable, "-c", script, *s.proc.args[3:]]

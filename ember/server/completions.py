@@ -1,0 +1,88 @@
+"""POST /v1/completions: one engine request per prompt (n samples each), streamed or not,
+with echo and prompt logprobs (scoring.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ember.engine.async_engine import RequestStream
+from ember.outputs import RequestOutput
+from ember.request import Request as EngineRequest
+from ember.sampling_params import SamplingParams
+from ember.server import protocol as p
+from ember.server import scoring
+from ember.server.serving import (STREAMED_ERRORS, ServerState, all_samples, choice_finish_reason, final_outputs, merge,
+                                  prepare, submit, until_disconnected, usage_info)
+from ember.server.streaming import Sent, completion_logprobs, new_logprobs, new_text, sse, sse_data
+
+
+def add_completion_routes(app: FastAPI, state: ServerState) -> None:
+    limits = state.config.limits
+
+    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=STREAMED_ERRORS)
+    async def completions(body: p.CompletionRequest, raw: Request) -> Response:
+        engine = state.ready_engine()
+        model = state.check_model(body.model)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+
+        def make() -> tuple[SamplingParams, list[EngineRequest]]:
+            params = body.to_sampling_params(limits, engine.config.sampling_defaults)
+            if body.echo:
+                engine.inputs.require_tokenizer()  # to write token-id prompts back as text
+            return params, [engine.inputs.make_request(f"{request_id}-{i}", prompt, params, body.priority)
+                            for i, prompt in enumerate(body.prompts(limits))]
+
+        params, requests = await prepare(engine, make)
+        streams = submit(engine, requests)
+        if body.stream:
+            return sse(completion_chunks(streams, request_id, model, params, body.include_usage), streams)
+        finals = await until_disconnected(raw, final_outputs(streams), streams)
+        choices = [p.CompletionChoice(index=i * params.n + c.index, text=c.text,
+                                      logprobs=completion_logprobs(c.logprobs, params, 0)
+                                      if c.logprobs is not None else None,
+                                      finish_reason=choice_finish_reason(c), stop_reason=c.stop_reason,
+                                      prompt_logprobs=scoring.prompt_logprobs(final, body.prompt_logprobs))
+                   for i, final in enumerate(finals) for c in all_samples(final, params)]
+        if body.echo:
+            for choice in choices:
+                scoring.echo(choice, finals[choice.index // params.n], body.logprobs, engine.inputs.tokenizer)
+        response = p.CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info(finals))
+        return JSONResponse(response.model_dump())
+
+
+async def completion_chunks(streams: list[RequestStream], request_id: str, model: str, params: SamplingParams,
+                             include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[p.CompletionChoice], usage: p.UsageInfo | None = None) -> str:
+        return sse_data(p.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                          usage=usage))
+
+    sent = [[Sent() for _ in range(params.n)] for _ in streams]
+    last: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge(streams):
+        last[i] = out
+        for c in out.outputs:
+            s = sent[i][c.index]
+            if s.done:
+                continue
+            offset = s.text
+            text, logprobs = new_text(c, s, params), new_logprobs(c, s)
+            s.done = c.finished
+            if text or logprobs or s.done:
+                yield chunk([p.CompletionChoice(
+                    index=i * params.n + c.index, text=text,
+                    logprobs=completion_logprobs(logprobs, params, offset) if logprobs is not None else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+    for i, per_prompt in enumerate(sent):
+        for j, s in enumerate(per_prompt):
+            if not s.done:
+                yield chunk([p.CompletionChoice(index=i * params.n + j, text="", finish_reason="abort")])
+    if include_usage:
+        yield chunk([], usage_info([o for o in last if o is not None]))
+    yield "data: [DONE]\n\n"
