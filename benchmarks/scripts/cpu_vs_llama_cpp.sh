@@ -3,7 +3,8 @@
 # file given (default: the default model, and its Q4_K_M made by llama.cpp's llama-quantize
 # where tests/models/llama_cpp_reference.py made it):
 #   llama-bench pp512 / tg128  vs  ember bench throughput: a 512-token prefill, one request 128/128
-#   16 concurrent, 68 in / 128 out, the same `ember bench serve` client: llama-server vs ember serve
+#   16 concurrent, 68 in / 128 out, the same `ember bench serve` client: llama-server vs ember serve (its
+#   core in its own process, then --no-core-process), and ember offline on the same 16 requests' shape
 # Prints the CPU's model and flags first (results differ between CPUs: record them).
 set -u
 cd "$(dirname "$0")/../.."
@@ -29,10 +30,16 @@ for M in $FILES; do
     --extra-body '{"cache_prompt": false}' --output-json $OUT/$name-llama-server.json | grep -E "Output token|Mean TTFT" \
     | sed 's/^/llama-server: /'
   kill $LP; wait $LP 2>/dev/null
-  .venv/bin/ember serve $M --port 8082 --uvicorn-log-level warning > $OUT/ember.log 2>&1 &
-  EP=$!
-  for i in $(seq 180); do curl -sf http://127.0.0.1:8082/health >/dev/null && break; sleep 1; done
-  .venv/bin/ember bench serve --base-url http://127.0.0.1:8082 --label ember $SERVE --output-json $OUT/$name-ember.json \
-    | grep -E "Output token|Mean TTFT" | sed 's/^/ember serve: /'
-  kill -TERM $EP; wait $EP
+  for mode in core-process no-core-process; do  # the engine core in its own process (the default), then not
+    flag=""; [ $mode = no-core-process ] && flag=--no-core-process
+    .venv/bin/ember serve $M --port 8082 --uvicorn-log-level warning $flag > $OUT/ember-$mode.log 2>&1 &
+    EP=$!
+    for i in $(seq 180); do curl -sf http://127.0.0.1:8082/health >/dev/null && break; sleep 1; done
+    .venv/bin/ember bench serve --base-url http://127.0.0.1:8082 --label ember $SERVE \
+      --output-json $OUT/$name-ember-$mode.json | grep -E "Output token|Mean TTFT" | sed "s/^/ember serve ($mode): /"
+    kill -TERM $EP; wait $EP
+  done
+  # what serving keeps of the engine: the same 16 x 68/128 offline
+  .venv/bin/ember bench throughput $M --num-prompts 16 --input-len 68 --output-len 128 --no-enable-prefix-caching \
+    --output-json $OUT/$name-16x68-128.json | grep Throughput | sed 's/^/ember offline 16 x 68\/128: /'
 done

@@ -57,6 +57,14 @@
 #                       --data-parallel-size 2), then served throughput at the Llama-3.1-8B shape, 256 x
 #                       512/256 sent at once through `ember bench serve`, and the offline engine on the same
 #                       workload at the server's seats and budget (what serving adds)
+#   serve-race          `vllm serve` then `ember serve` (each at its defaults) on the Llama-3.1-8B shape,
+#                       driven by vLLM's client (`vllm bench serve`): 256 x 512/256 at once, 512 x 1000/200
+#                       at 16 requests/s, prefix_repetition at 32/s, one request 128/512, with each
+#                       process's CPU per output token (serve_race.py); then ember offline on the burst
+#                       (RACE_WORKLOADS: a subset)
+#   serve-sweep [FLAGS...]  ember serve alone on the burst and the 16/s workload (SWEEP_WORKLOADS) at each
+#                       seat/budget pair
+#                       ("S B" strings; default: the serving defaults, 512/8192, 1024/8192, 256/8192, 512/4096)
 #
 # serve: the device has none of the server's packages and no GGUF reader, so two things are made
 # here and carried: the served model (SERVED_MODEL, default .serve-model:
@@ -64,7 +72,7 @@
 # .whl: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 -d .whl` fastapi starlette uvicorn pydantic pydantic_core typing-inspection
 # annotated-types annotated-doc typing_extensions opentelemetry-api openai httpx2 httpcore2 truststore
-# anyio idna h11 httptools uvloop distro jiter sniffio partial-json-parser gguf, at the versions of .venv).
+# anyio idna h11 httptools uvloop distro jiter sniffio partial-json-parser gguf pyzmq, at the versions of .venv).
 #
 # vLLM, the peer: stage it here first (/work/shared/peers/vllm-gpu/stage), copy its parts into /root/st
 # in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
@@ -130,7 +138,9 @@ have_vllm() {
     return 1
   fi
   # puts the last part beside the others and installs vLLM into /tmp/vllm-site; runs no workload
-  "$S/run-on-device" none >/dev/null || { echo "vLLM did not install from $S: ember alone"; return 1; }
+  # (its exit status is bench.py's, which has no workload "none": the installed package decides)
+  "$S/run-on-device" none >/dev/null
+  [ -d /tmp/vllm-site/vllm ] || { echo "vLLM did not install from $S: ember alone"; return 1; }
 }
 
 # vllm_race TAG SECONDS ARGS...: vLLM 0.24 on the requests ember's bench draws (vllm_race.py), first in the call.
@@ -290,7 +300,7 @@ serve_kit() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$whl"/*.whl || return 1
   export PYTHONPATH=/tmp/site:$PYTHONPATH
-  python3 -c "import fastapi, uvicorn, httptools, openai, pydantic, partial_json_parser, gguf" || return 1
+  python3 -c "import fastapi, uvicorn, httptools, openai, pydantic, partial_json_parser, gguf, zmq" || return 1
 }
 
 # served NAME SECONDS MODEL ARGS...: `ember serve MODEL ARGS` in the background, `ember bench serve`
@@ -320,6 +330,33 @@ mode_serve() {
   served served_256 150 "$m" $SERVED_FLAGS
   bench offline_256 90 "$m" --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 2048 \
     --max-num-seqs 256 --max-num-batched-tokens 2048
+}
+
+mode_serve_race() {
+  local m=${SERVED_MODEL:-.serve-model} secs
+  serve_kit || return 0
+  have_vllm || return 0
+  local w=${RACE_WORKLOADS:-burst,rate16,prefix,one}
+  secs=$(cap "serve race" 470) || return 0
+  timeout "$secs" python3 benchmarks/scripts/serve_race.py "$m" --out "$J" --workloads "$w" --deadline $((secs - 10)) \
+    2>&1 | tee "$J/serve_race.log" | grep -E "^RESULT|^==|Error"
+  case ",$w," in *,burst,*)
+    bench offline_burst 80 "$m" --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 2048 ;;
+  esac
+}
+
+mode_serve_sweep() {
+  local m=${SERVED_MODEL:-.serve-model} secs f flags
+  serve_kit || return 0
+  have_vllm || return 0  # its client
+  [ $# -gt 0 ] || set -- "" "512 8192" "1024 8192" "256 8192" "512 4096"
+  for f in "$@"; do
+    flags=""; [ -n "$f" ] && flags=$(printf -- "$KNOBS" $f)
+    secs=$(cap "sweep $f" 110) || return 0
+    timeout "$secs" python3 benchmarks/scripts/serve_race.py "$m" --out "$J" --servers ember \
+      --workloads "${SWEEP_WORKLOADS:-burst,rate16}" \
+      --ember-flags "$flags" --tag "${f:-defaults}" --deadline $((secs - 5)) 2>&1 | grep -E "^RESULT|^==|Error"
+  done
 }
 
 mode_tp_check() {
@@ -395,6 +432,8 @@ case "$mode" in
   race-tp) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_tp ;;
   tp-70b) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_70b ;;
   serve) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve ;;
+  serve-race) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve_race ;;
+  serve-sweep) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve_sweep "$@" ;;
   deterministic) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_deterministic ;;
   gpu-suite) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpu_suite ;;
   *) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
