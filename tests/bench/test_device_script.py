@@ -51,7 +51,8 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
                       "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "sweep-decode",
-                      "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve"]
+                      "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
+                      "serve-race", "serve-sweep"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -240,6 +241,40 @@ def test_serve_installs_the_carried_wheels_then_tests_serves_and_runs_offline_th
         f"--max-num-seqs 256 --max-num-batched-tokens 2048 --output-json {out}/offline_256.json {env} "
         "[EMBER_SERVED_MODEL=]",
     ]
+
+
+def _serve_kit(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    wheels, model = tmp_path / "whl", tmp_path / "served"
+    wheels.mkdir()
+    (wheels / "pyzmq-0-py3-none-any.whl").write_text("")
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    return model, {"SERVE_WHEELS": str(wheels), "SERVED_MODEL": str(model)}
+
+
+def test_serve_race_races_both_servers_under_vllms_client_then_runs_ember_offline_on_the_burst(tmp_path):
+    model, kit = _serve_kit(tmp_path)
+    calls, done = run_mode(tmp_path, "serve-race", extra_env=kit)
+    assert done.returncode == 0, done.stderr
+    out, env = tmp_path / "out", "[decode_config=]"
+    assert calls[1:] == [
+        f"run-on-device none {env}",
+        f"python3 benchmarks/scripts/serve_race.py {model} --out {out} --workloads burst,rate16,prefix,one "
+        f"--deadline 460 {env}",
+        f"python3 {BENCH[8:]} {model} --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 2048 "
+        f"--output-json {out}/offline_burst.json {env}",
+    ]
+    calls, done = run_mode(tmp_path, "serve-race", extra_env=kit | {"RACE_WORKLOADS": "prefix,one"})
+    assert calls[-1].startswith("python3 benchmarks/scripts/serve_race.py") and "prefix,one" in calls[-1]
+
+
+def test_serve_sweep_runs_ember_alone_at_each_seat_and_budget_pair(tmp_path):
+    model, kit = _serve_kit(tmp_path)
+    calls, done = run_mode(tmp_path, "serve-sweep", "", "512 8192", extra_env=kit)
+    assert done.returncode == 0, done.stderr
+    sweep = [c for c in calls if "serve_race.py" in c]
+    assert [c.split("--ember-flags ")[1].split(" --tag")[0] for c in sweep] == ["", "--max-num-seqs 512 --max-num-batched-tokens 8192"]
+    assert all("--servers ember --workloads burst,rate16" in c for c in sweep)
 
 
 def test_serve_without_its_carried_kit_says_what_is_missing_and_runs_nothing(tmp_path):
