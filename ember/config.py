@@ -169,7 +169,7 @@ class EngineConfig:
     def resolve(self) -> EngineConfig:
         """Fill every 'auto' and None from the model and the machine."""
         from ember.loader.model_files import locate_model, locate_tokenizer
-        from ember.loader.tokenizer import load_chat_template
+        from ember.loader.tokenizer_files import load_chat_template
 
         files = locate_model(self.model, self.load_format, self.revision, self.download_dir)
         model_config = files.model_config()

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.getcwd())
-from ember.distributed.parallel_state import NCCL_ENV, free_port  # noqa: E402
+from ember.distributed.env import NCCL_ENV  # noqa: E402
+from ember.distributed.parallel_state import free_port  # noqa: E402
 from ember.distributed.peer_all_reduce import MAX_BYTES, PeerAllReduce  # noqa: E402
 
 SIZES_KIB = [8, 32, 128, 512, 2048, 8192, 32768]

@@ -10,7 +10,7 @@ import torch
 
 from ember.bench.throughput import BENCH_SCHEMA
 from ember.loader.default_model import fetch_default_model
-from ember.loader.tokenizer import load_tokenizer
+from ember.loader.tokenizer_files import load_tokenizer
 from ember.runner.sampler import SamplingRow, apply_grammar_masks
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.structured.registry import make_backend

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ember.bench.throughput import RandomRequest, ThroughputResult
+from ember.bench.results import RandomRequest, ThroughputResult
 
 
 def load_hf_model(model: str, dtype: str, device: str = "cpu", random_weights: bool = False) -> torch.nn.Module:

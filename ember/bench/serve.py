@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ember.bench.throughput import RandomRequest, machine_info, random_requests
+from ember.bench.results import RandomRequest
+from ember.bench.throughput import machine_info, random_requests
 
 
 @dataclass
@@ -307,7 +308,7 @@ def _server_model(base_url: str, api_key: str | None) -> str:
 
 
 def run_serve_bench(ns: argparse.Namespace) -> dict[str, Any]:
-    from ember.loader.tokenizer import load_tokenizer
+    from ember.loader.tokenizer_files import load_tokenizer
 
     if ns.tokenizer is None:
         from ember.loader.default_model import fetch_default_model

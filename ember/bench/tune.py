@@ -365,7 +365,7 @@ def config_yaml(flags: dict[str, Any], comment: str) -> str:
 def engine_flags(ns: argparse.Namespace) -> dict[str, Any]:
     """The engine flags `ns` sets to other than their defaults, as a `--config` file's keys
     (the model made absolute where it is a local path)."""
-    from ember.server.cli import add_engine_args, model_arg
+    from ember.engine_args import add_engine_args, model_arg
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -454,8 +454,8 @@ def run_tune(ns: argparse.Namespace) -> dict[str, Any]:
 
     from ember.bench.plots import plot_tune, require_matplotlib
     from ember.config import EngineConfig, cpu_computes_bfloat16
-    from ember.loader.tokenizer import load_tokenizer
-    from ember.server.cli import engine_args
+    from ember.loader.tokenizer_files import load_tokenizer
+    from ember.engine_args import engine_args
 
     require_matplotlib()
     if ns.slo_ttft_p99 <= 0 or ns.slo_tpot_p99 <= 0 or ns.budget_minutes <= 0:

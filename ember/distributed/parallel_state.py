@@ -8,21 +8,18 @@ its input: a model built without tensor parallelism runs as it always did.
 
 from __future__ import annotations
 
-import os
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ember.distributed.env import multicast_off
+
 _group: dist.ProcessGroup | None = None
 _rank = 0
 _size = 1
 _peer = None  # PeerAllReduce: the small all-reduces, where the ranks' GPUs map each other's memory
-
-# NVLink multicast (NVLS / symmetric memory) stays off: the machines that run ember lend
-# GPUs whose multicast objects other tenants could exhaust (the device README's KINDS.md)
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def init_tensor_parallel(rank: int, world_size: int, backend: str = "gloo", init_method: str = "env://",
@@ -37,8 +34,7 @@ def init_tensor_parallel(rank: int, world_size: int, backend: str = "gloo", init
     if _group is not None or dist.is_initialized():
         raise ValueError("tensor parallelism is initialized already in this process: call destroy() first")
     if backend == "nccl":
-        for key, value in NCCL_ENV.items():
-            os.environ.setdefault(key, value)
+        multicast_off()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     _group, _rank, _size = dist.group.WORLD, rank, world_size

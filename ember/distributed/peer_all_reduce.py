@@ -9,19 +9,18 @@ barrier (so no rank overwrites its buffer while a peer still reads it). Messages
 buffer (a prefill chunk's) go to NCCL, whose ring moves large ones at the links' bandwidth.
 
 Peer loads only: NVLink multicast (the `multimem` operations) stays unused, as the machines
-ember runs on require (parallel_state.NCCL_ENV). torch's CUDA backend of symmetric memory
+ember runs on require (distributed/env.py). torch's CUDA backend of symmetric memory
 is asked for by name; its NVSHMEM backend is not needed for this.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 
-from ember.distributed.parallel_state import NCCL_ENV
+from ember.distributed.env import multicast_off
 
 MAX_BYTES = 8 << 20  # a decode step of 512 sequences at hidden size 8192 in bfloat16
 
@@ -34,8 +33,7 @@ class PeerAllReduce:
                  max_bytes: int = MAX_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        for key, value in NCCL_ENV.items():  # whatever the group's backend: no multicast objects
-            os.environ.setdefault(key, value)
+        multicast_off()  # whatever the group's backend: no multicast objects
         if hasattr(symm_mem, "set_backend") and symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")
         self.dtype = dtype

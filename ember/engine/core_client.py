@@ -29,10 +29,11 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore, EngineCoreOutput
+from ember.engine.core_process import (ABORT, ADD, FAIL, FINISH, SHUTDOWN, CoreService, CoreStep, run_core_process,
+                                       output_row, stats_row)
 from ember.engine.stats import EngineStats
 from ember.loader.tokenizer import Tokenizer
 from ember.request import Request
@@ -43,73 +44,16 @@ from ember.structured.registry import make_backend
 
 logger = logging.getLogger(__name__)
 
-# the client's messages: (ADD, Request), (ABORT, request_id), (FINISH, request_id, stop string),
-# (FAIL, request_id, message), (SHUTDOWN,)
-ADD, ABORT, FINISH, FAIL, SHUTDOWN = range(5)
+# the message kinds and wire rows are the core process's (core_process.py); its clients speak them
+__all__ = ["ABORT", "ADD", "FAIL", "FINISH", "SHUTDOWN", "CoreDeadError", "CoreStep", "InprocCoreClient", "MPCoreClient",
+           "RequestChecker", "core_pid", "output_row", "stats_row"]
+
 START_TIMEOUT_S = 600.0  # loading a model (and compiling kernels) before the core reports ready
 POLL_MS = 100  # how long get_step waits for the core before it gives the caller a turn
 
 
 class CoreDeadError(RuntimeError):
     """The engine core stopped working (its loop raised, or its process died)."""
-
-
-@dataclass(slots=True)
-class CoreStep:
-    """What the core did since the last CoreStep: outputs of one step (and of requests it
-    refused or that failed), its state after it, and how many ADDs it has taken in all."""
-
-    outputs: list[EngineCoreOutput]
-    stats: EngineStats
-    num_added: int
-
-
-class CoreService:
-    """The core's side of the boundary: apply the client's messages, run a step."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
-        self.num_added = 0
-
-    def apply(self, messages: list[tuple]) -> tuple[list[EngineCoreOutput], bool]:
-        """Apply messages in order; returns the outputs of requests that could not be added
-        (each fails alone) and whether SHUTDOWN came."""
-        outputs: list[EngineCoreOutput] = []
-        for message in messages:
-            kind = message[0]
-            if kind == ADD:
-                self.num_added += 1
-                outputs += self._add(message[1])
-            elif kind == SHUTDOWN:
-                return outputs, True
-            else:
-                try:
-                    if kind == ABORT:
-                        self.core.abort_request(message[1])
-                    elif kind == FINISH:
-                        self.core.finish_request(message[1], message[2])
-                    elif kind == FAIL:
-                        self.core.fail_request(message[1], message[2])
-                except Exception:
-                    logger.exception("request %s: message %d failed", message[1], kind)
-        return outputs, False
-
-    def _add(self, req: Request) -> list[EngineCoreOutput]:
-        try:
-            self.core.add_request(req)
-            return []
-        except Exception as e:
-            message = str(e) if isinstance(e, ValueError) else \
-                f"the request could not be added to the engine ({type(e).__name__})"
-            if not isinstance(e, ValueError):
-                logger.exception("request %s could not be added", req.request_id)
-            self.core.abort_request(req.request_id)
-            return [EngineCoreOutput(req.request_id, [], True, finish_reason="error", error=message)]
-
-    def step(self, outputs: list[EngineCoreOutput]) -> CoreStep:
-        if self.core.has_unfinished_requests():
-            outputs = outputs + self.core.step()
-        return CoreStep(outputs, self.core.stats(), self.num_added)
 
 
 class InprocCoreClient:
@@ -199,8 +143,6 @@ class MPCoreClient:
         self._input.bind(input_address)
         self._output.bind(output_address)
         self._send_lock = threading.Lock()
-        from ember.engine.core_process import run_core_process
-
         spawn = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
         self.process = spawn.Process(target=run_core_process, args=(config, input_address, output_address),
                                      name="ember-core", daemon=False)  # it starts TP workers of its own
@@ -288,18 +230,6 @@ def _stop_process(process, context, directory: str) -> None:
         process.join(5)
     context.destroy(linger=0)
     shutil.rmtree(directory, ignore_errors=True)
-
-
-def output_row(o: EngineCoreOutput) -> tuple:
-    """An output as a plain tuple, EngineCoreOutput's fields in order (pickle's fast path)."""
-    return (o.request_id, o.new_token_ids, o.finished, o.logprobs, o.prompt_logprobs, o.pooled, o.parent_id,
-            o.index, o.finish_reason, o.stop_reason, o.error, o.num_cached_tokens, o.scheduled_time,
-            o.first_token_time)
-
-
-def stats_row(s: EngineStats) -> tuple:
-    return (s.num_running, s.num_waiting, s.num_kv_blocks, s.num_kv_blocks_in_use, s.num_preemptions,
-            s.prefix_cache_queries, s.prefix_cache_hits)
 
 
 def core_pid(client: InprocCoreClient | MPCoreClient) -> int:

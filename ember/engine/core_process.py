@@ -1,5 +1,6 @@
-"""The engine core's own process (started by MPCoreClient): the scheduler, the runner,
-grammar masks and sampling, off the API server's interpreter.
+"""The engine core's side of the boundary: CoreService (apply the client's messages, run a
+step), the wire rows, and the core's own process (started by MPCoreClient): the scheduler,
+the runner, grammar masks and sampling, off the API server's interpreter.
 
 It loads the model, says ("ready", config, num_kv_blocks), then loops: take every message
 the client sent, run a step if anything is unfinished, send one message with the step's
@@ -16,9 +17,89 @@ import os
 import pickle
 import signal
 
+from dataclasses import dataclass
+
 from ember.config import EngineConfig
+from ember.engine.core import EngineCore, EngineCoreOutput
+from ember.engine.stats import EngineStats
+from ember.request import Request
 
 logger = logging.getLogger("ember.core")
+
+# the client's messages: (ADD, Request), (ABORT, request_id), (FINISH, request_id, stop string),
+# (FAIL, request_id, message), (SHUTDOWN,)
+ADD, ABORT, FINISH, FAIL, SHUTDOWN = range(5)
+
+@dataclass(slots=True)
+class CoreStep:
+    """What the core did since the last CoreStep: outputs of one step (and of requests it
+    refused or that failed), its state after it, and how many ADDs it has taken in all."""
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+    num_added: int
+
+
+class CoreService:
+    """The core's side of the boundary: apply the client's messages, run a step."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.num_added = 0
+
+    def apply(self, messages: list[tuple]) -> tuple[list[EngineCoreOutput], bool]:
+        """Apply messages in order; returns the outputs of requests that could not be added
+        (each fails alone) and whether SHUTDOWN came."""
+        outputs: list[EngineCoreOutput] = []
+        for message in messages:
+            kind = message[0]
+            if kind == ADD:
+                self.num_added += 1
+                outputs += self._add(message[1])
+            elif kind == SHUTDOWN:
+                return outputs, True
+            else:
+                try:
+                    if kind == ABORT:
+                        self.core.abort_request(message[1])
+                    elif kind == FINISH:
+                        self.core.finish_request(message[1], message[2])
+                    elif kind == FAIL:
+                        self.core.fail_request(message[1], message[2])
+                except Exception:
+                    logger.exception("request %s: message %d failed", message[1], kind)
+        return outputs, False
+
+    def _add(self, req: Request) -> list[EngineCoreOutput]:
+        try:
+            self.core.add_request(req)
+            return []
+        except Exception as e:
+            message = str(e) if isinstance(e, ValueError) else \
+                f"the request could not be added to the engine ({type(e).__name__})"
+            if not isinstance(e, ValueError):
+                logger.exception("request %s could not be added", req.request_id)
+            self.core.abort_request(req.request_id)
+            return [EngineCoreOutput(req.request_id, [], True, finish_reason="error", error=message)]
+
+    def step(self, outputs: list[EngineCoreOutput]) -> CoreStep:
+        if self.core.has_unfinished_requests():
+            outputs = outputs + self.core.step()
+        return CoreStep(outputs, self.core.stats(), self.num_added)
+
+
+def output_row(o: EngineCoreOutput) -> tuple:
+    """An output as a plain tuple, EngineCoreOutput's fields in order (pickle's fast path)."""
+    return (o.request_id, o.new_token_ids, o.finished, o.logprobs, o.prompt_logprobs, o.pooled, o.parent_id,
+            o.index, o.finish_reason, o.stop_reason, o.error, o.num_cached_tokens, o.scheduled_time,
+            o.first_token_time)
+
+
+def stats_row(s: EngineStats) -> tuple:
+    return (s.num_running, s.num_waiting, s.num_kv_blocks, s.num_kv_blocks_in_use, s.num_preemptions,
+            s.prefix_cache_queries, s.prefix_cache_hits)
+
+
 
 
 def run_core_process(config: EngineConfig, input_address: str, output_address: str) -> None:
@@ -42,8 +123,6 @@ def run_core_process(config: EngineConfig, input_address: str, output_address: s
         outbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
 
     try:
-        from ember.engine.core import EngineCore
-        from ember.engine.core_client import CoreService
         from ember.engine.input_processor import load_engine_tokenizer
 
         core = EngineCore(config, load_engine_tokenizer(config))
@@ -80,8 +159,6 @@ class _ParentGone(Exception):
 
 
 def _serve(core, service, inbox, send, zmq) -> None:
-    from ember.engine.core_client import output_row, stats_row
-
     parent = multiprocessing.parent_process().sentinel
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)

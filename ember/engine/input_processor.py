@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Union
 
 from ember.config import EngineConfig
-from ember.loader.tokenizer import Tokenizer, has_hf_tokenizer, load_tokenizer
+from ember.loader.tokenizer import Tokenizer
+from ember.loader.tokenizer_files import has_hf_tokenizer, load_tokenizer
 from ember.request import Request
 from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import check_prompt_length

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ember.kernels import cpu as cpu_kernels
-from ember.models.config import RopeScaling
+from ember.layers.rope_scaling import RopeScaling
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None,

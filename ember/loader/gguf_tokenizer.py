@@ -33,7 +33,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 
-from ember.loader.tokenizer import Tokenizer, _bos_eos_processor
+from ember.loader.tokenizer import Tokenizer, bos_eos_processor
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "GGUF") -> To
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
-        backend.post_processor = _bos_eos_processor(
+        backend.post_processor = bos_eos_processor(
             (tokens[bos], bos) if add_bos else None, (tokens[eos], eos) if add_eos else None
         )
     return Tokenizer(

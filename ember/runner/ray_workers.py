@@ -18,7 +18,7 @@ from collections import defaultdict
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.distributed.plan_diff import PlanEncoder
+from ember.runner.plan_diff import PlanEncoder
 from ember.runner.tensor_parallel import READY_TIMEOUT_S, TensorParallelRunner, Worker, WorkerFailed, worker_config
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ layers/embedding.py), joined over torch.distributed (gloo on the CPU, NCCL on GP
 
 The scheduler stays in the engine's process. Each step's plan goes to every rank once,
 through the shared-memory broadcast (distributed/shm_broadcast.py), as a diff of what the
-workers hold (distributed/plan_diff.py); its grammar masks follow in a second message, so
+workers hold (runner/plan_diff.py); its grammar masks follow in a second message, so
 the engine fills them while the ranks prepare and queue the forward (on Ray they travel
 with the plan). Every rank runs the same forward and sampling, and rank 0 sends back what
 it sampled over a pipe. A worker that dies, or fails, fails the engine with an error that names it; the
@@ -29,7 +29,7 @@ import torch
 
 from ember.config import EngineConfig
 from ember.distributed.parallel_state import free_port
-from ember.distributed.plan_diff import PlanDecoder, PlanEncoder
+from ember.runner.plan_diff import PlanDecoder, PlanEncoder
 from ember.distributed.shm_broadcast import ShmBroadcast
 
 logger = logging.getLogger(__name__)

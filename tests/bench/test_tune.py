@@ -97,7 +97,7 @@ def test_a_missing_workload_file_is_refused_before_anything_starts(capsys):
 
 def test_a_workload_file_gives_token_ids_and_lengths(gguf_path, tmp_path):
     from ember.bench.serve import file_requests
-    from ember.loader.tokenizer import load_tokenizer
+    from ember.loader.tokenizer_files import load_tokenizer
 
     tok = load_tokenizer(gguf_path)
     path = tmp_path / "w.jsonl"

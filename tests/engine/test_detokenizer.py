@@ -8,7 +8,8 @@ import pytest
 
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.loader.default_model import fetch_default_model
-from ember.loader.tokenizer import Tokenizer, load_tokenizer
+from ember.loader.tokenizer import Tokenizer
+from ember.loader.tokenizer_files import load_tokenizer
 
 TEXTS = [
     "Hello world",

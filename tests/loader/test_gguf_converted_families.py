@@ -36,7 +36,8 @@ from ember import LLM, SamplingParams
 from ember.layers.rotary import rope_inv_freq
 from ember.loader.dummy import iter_dummy_weights
 from ember.loader.gguf import open_gguf
-from ember.loader.tokenizer import Tokenizer, load_tokenizer
+from ember.loader.tokenizer import Tokenizer
+from ember.loader.tokenizer_files import load_tokenizer
 from ember.models.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,8 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from ember.loader.gguf_tokenizer import BPE_PRE_TOKENIZERS, bpe_pre_tokenizer, bpe_split, tokenizer_from_metadata
-from ember.loader.tokenizer import Tokenizer, load_tokenizer
+from ember.loader.tokenizer import Tokenizer
+from ember.loader.tokenizer_files import load_tokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
 

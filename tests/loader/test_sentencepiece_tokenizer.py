@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.loader.tokenizer import load_tokenizer
+from ember.loader.tokenizer_files import load_tokenizer
 
 spm = pytest.importorskip("sentencepiece")
 transformers = pytest.importorskip("transformers")

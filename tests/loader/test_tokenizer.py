@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from ember.loader.default_model import fetch_default_model
-from ember.loader.tokenizer import Tokenizer, load_tokenizer
+from ember.loader.tokenizer import Tokenizer
+from ember.loader.tokenizer_files import load_tokenizer
 
 TEXTS = [
     "Hello world",

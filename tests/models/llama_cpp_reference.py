@@ -57,7 +57,7 @@ def quantized_file(source: Path, qtype: str, folder: Path) -> Path:
 
 def main() -> None:
     from ember.loader.default_model import cache_dir, fetch_default_model
-    from ember.loader.tokenizer import load_tokenizer
+    from ember.loader.tokenizer_files import load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantize", nargs="*", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q5_0"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember.loader.tokenizer import load_tokenizer
+from ember.loader.tokenizer_files import load_tokenizer
 from ember.structured.registry import make_backend
 
 VOCAB = 49152  # SmolLM2's logits width

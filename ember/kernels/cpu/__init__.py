@@ -90,7 +90,7 @@ def _load():
 def _build() -> Path:
     from torch.utils import cpp_extension
 
-    from ember.loader.default_model import cache_dir
+    from ember.paths import cache_dir
 
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     key = hashlib.sha256()

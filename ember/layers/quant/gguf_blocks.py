@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.layers.quant import WeightFormat
+from ember.layers.quant.ggml import dequantize
 
 # ggml type id -> (name, values per block, bytes per block): the types the kernels multiply
 KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
@@ -61,8 +62,6 @@ class BlockTensor:
         return BlockTensor(self.qtype, (rows, self.shape[1]), data)
 
     def dequantize(self) -> torch.Tensor:
-        from ember.loader.gguf import dequantize
-
         return dequantize(self.data.numpy(), self.qtype, self.shape)
 
 

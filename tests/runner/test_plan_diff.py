@@ -1,4 +1,4 @@
-"""The plan diff (distributed/plan_diff.py): the tensor-parallel workers' mirrors of the
+"""The plan diff (runner/plan_diff.py): the tensor-parallel workers' mirrors of the
 running requests, fed each step only what changed, hold exactly what the engine's requests
 hold when the runner reads them. Checked on every step of a real engine (the default model)
 through preemption, prefix-cache hits, n > 1 forks and async scheduling's pending tokens;
@@ -12,7 +12,7 @@ import pickle
 import pytest
 
 from ember import LLM, SamplingParams
-from ember.distributed.plan_diff import PlanDecoder, PlanEncoder
+from ember.runner.plan_diff import PlanDecoder, PlanEncoder
 from ember.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
