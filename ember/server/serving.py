@@ -161,16 +161,15 @@ class ServerState:
             if self.on_fatal is not None:
                 loop.call_soon_threadsafe(self.on_fatal)
             return
-        self.engine = engine
-        if self.stopping:  # SIGTERM came while it loaded
-            engine.stop()
-            return
         # what is alive now (the model, torch, the app) lives as long as the server: out of the
         # garbage collector's sight, a full collection while a request parses takes ms, not 100
         gc.freeze()
         logger.info("ready: %s (%d KV blocks of %d tokens, max_model_len %d); the engine core runs in process %d",
                     self.config.model_name, engine.num_kv_blocks, engine.config.block_size,
                     engine.config.max_model_len, engine.core_pid)
+        self.engine = engine  # /health says 200 from here, with the line above in the log
+        if self.stopping:  # SIGTERM came while it loaded
+            engine.stop()
 
 
 async def prepare(engine: AsyncEngine, fn, *args):
