@@ -55,7 +55,7 @@ from typing import Any, TypeVar
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCoreOutput
-from ember.engine.core_client import ABORT, ADD, FAIL, FINISH, CoreStep, InprocCoreClient, MPCoreClient, core_pid
+from ember.engine.core_client import ABORT, ADD, CoreStep, InprocCoreClient, MPCoreClient, send_text_verdicts
 from ember.engine.input_processor import InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
@@ -217,7 +217,7 @@ class AsyncEngine:
     @property
     def core_pid(self) -> int:
         """The process the engine core runs in (this one, without core_process)."""
-        return core_pid(self.client)
+        return self.client.pid
 
     @property
     def num_kv_blocks(self) -> int:
@@ -369,10 +369,7 @@ class AsyncEngine:
             return
         now = time.monotonic()
         done = self._processor.process(step.outputs)
-        for request_id, stop in done.stopped:
-            self.client.send((FINISH, request_id, stop))
-        for request_id, message in done.failed:
-            self.client.send((FAIL, request_id, message))
+        send_text_verdicts(self.client, done)
         outputs = done.outputs
         iteration = self._iteration_stats(step.outputs, outputs, now)
         iteration.num_preemptions = step.stats.num_preemptions - before.num_preemptions

@@ -36,7 +36,6 @@ from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler, SchedulerOutput
 from ember.scheduler.sliding_window import shared_window
 from ember.structured.manager import StructuredOutputManager
-from ember.structured.registry import make_backend
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +96,7 @@ class EngineCore:
                                    config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy,
                                    self.prefix_cache, config.attention_parity_len,
                                    shared_window(config.model_config.layer_windows))
-        vocab_size = config.model_config.vocab_size  # the logits' width: what the bitmask covers
-        self.structured = StructuredOutputManager(
-            lambda: make_backend(config.structured_outputs_backend, tokenizer, vocab_size), tokenizer, vocab_size,
-            config.max_model_len, config.structured_outputs_jump_forward)
+        self.structured = StructuredOutputManager.for_config(config, tokenizer)
         self.launched: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back
         self.max_in_flight = 1 if config.async_scheduling else 0  # launched steps left running after step()

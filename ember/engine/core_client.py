@@ -32,6 +32,7 @@ import weakref
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore, EngineCoreOutput
+from ember.engine.output_processor import ProcessedOutputs
 from ember.engine.core_process import (ABORT, ADD, FAIL, FINISH, SHUTDOWN, CoreService, CoreStep, run_core_process,
                                        output_row, stats_row)
 from ember.engine.stats import EngineStats
@@ -40,13 +41,12 @@ from ember.request import Request
 from ember.scheduler.scheduler import check_request_fits
 from ember.scheduler.sliding_window import make_window_blocks, shared_window
 from ember.structured.manager import StructuredOutputManager
-from ember.structured.registry import make_backend
 
 logger = logging.getLogger(__name__)
 
 # the message kinds and wire rows are the core process's (core_process.py); its clients speak them
 __all__ = ["ABORT", "ADD", "FAIL", "FINISH", "SHUTDOWN", "CoreDeadError", "CoreStep", "InprocCoreClient", "MPCoreClient",
-           "RequestChecker", "core_pid", "output_row", "stats_row"]
+           "RequestChecker", "output_row", "send_text_verdicts", "stats_row"]
 
 START_TIMEOUT_S = 600.0  # loading a model (and compiling kernels) before the core reports ready
 POLL_MS = 100  # how long get_step waits for the core before it gives the caller a turn
@@ -63,6 +63,7 @@ class InprocCoreClient:
         self.core = EngineCore(config, tokenizer)
         self.config = self.core.config
         self.num_kv_blocks = self.core.block_pool.num_blocks
+        self.pid = os.getpid()  # the process the core runs in
         self._service = CoreService(self.core)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -115,10 +116,7 @@ class RequestChecker:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, tokenizer: Tokenizer | None) -> None:
         self.config, self.num_kv_blocks = config, num_kv_blocks
         self.window = make_window_blocks(config.block_size, shared_window(config.model_config.layer_windows))
-        vocab_size = config.model_config.vocab_size
-        self.structured = StructuredOutputManager(
-            lambda: make_backend(config.structured_outputs_backend, tokenizer, vocab_size), tokenizer, vocab_size,
-            config.max_model_len, config.structured_outputs_jump_forward)
+        self.structured = StructuredOutputManager.for_config(config, tokenizer)
 
     def __call__(self, req: Request) -> None:
         check_request_fits(req, self.config.max_num_seqs, self.config.max_model_len, self.window,
@@ -157,6 +155,7 @@ class MPCoreClient:
             self.shutdown()
             raise
         self.config, self.num_kv_blocks = ready
+        self.pid = self.process.pid  # the process the core runs in
         self._checker = RequestChecker(self.config, self.num_kv_blocks, tokenizer)
 
     def _wait_ready(self) -> tuple[EngineConfig, int]:
@@ -232,6 +231,10 @@ def _stop_process(process, context, directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def core_pid(client: InprocCoreClient | MPCoreClient) -> int:
-    """The process the core runs in."""
-    return client.process.pid if isinstance(client, MPCoreClient) else os.getpid()
+def send_text_verdicts(client: InprocCoreClient | MPCoreClient, done: ProcessedOutputs) -> None:
+    """Tell the core what the output processor decided on the text: the requests a stop string
+    ended (FINISH) and those whose text failed (FAIL)."""
+    for request_id, stop in done.stopped:
+        client.send((FINISH, request_id, stop))
+    for request_id, message in done.failed:
+        client.send((FAIL, request_id, message))

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.engine.core_client import ABORT, ADD, FAIL, FINISH, InprocCoreClient, MPCoreClient
+from ember.engine.core_client import ABORT, ADD, InprocCoreClient, MPCoreClient, send_text_verdicts
 from ember.engine.input_processor import Conversation, InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
 from ember.loader.tokenizer import Tokenizer
@@ -141,10 +141,7 @@ class LLM:
                 if step is None:
                     continue
                 done = self.processor.process(step.outputs, finished_only)
-                for request_id, stop in done.stopped:
-                    self.client.send((FINISH, request_id, stop))
-                for request_id, message in done.failed:
-                    self.client.send((FAIL, request_id, message))
+                send_text_verdicts(self.client, done)
                 for out in done.outputs:
                     if out.finished:
                         pending.discard(out.request_id)

@@ -64,11 +64,13 @@ from typing import NamedTuple
 
 import torch
 
+from ember.config import EngineConfig
 from ember.loader.tokenizer import Tokenizer
 from ember.request import Request
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.scheduler.scheduler import SchedulerOutput
 from ember.structured.base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_words
+from ember.structured.registry import make_backend
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +187,13 @@ class StructuredOutputManager:
         self._reasoning: set[str] = set()  # gated requests whose output has not ended its reasoning yet
         self._failures: dict[str, str] = {}  # of those, the ones not reported yet (take_failures)
         self.num_forced_tokens = 0  # appended by jump-forward, since start
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, tokenizer: Tokenizer | None) -> StructuredOutputManager:
+        """The manager of an engine of `config`: its backend, and masks as wide as the logits."""
+        vocab_size = config.model_config.vocab_size  # the logits' width: what the bitmask covers
+        return cls(lambda: make_backend(config.structured_outputs_backend, tokenizer, vocab_size), tokenizer,
+                   vocab_size, config.max_model_len, config.structured_outputs_jump_forward)
 
     @property
     def backend(self) -> GrammarBackend:

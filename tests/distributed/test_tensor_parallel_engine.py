@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from ember import LLM, SamplingParams
 from ember.runner.tensor_parallel import WorkerFailed
 from ember.sampling_params import StructuredOutputsParams
+from processes import alive, descendants, gone
 
 pytestmark = pytest.mark.slow
 
@@ -39,26 +39,11 @@ def reference(gguf_path):
             outs[0].outputs[0].text)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _gone(pids: list[int], timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(_alive(p) for p in pids)
-
-
 def test_three_ranks_give_one_process_tokens_and_a_killed_worker_fails_the_engine_by_name(gguf_path, reference):
     llm = LLM(str(gguf_path), **_engine_args(tensor_parallel_size=3))
     pids = [p.pid for p in llm.engine.runner.procs]
     try:
-        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        assert len(pids) == 3 and all(alive(p) for p in pids)
         tokens, choice, _ = reference
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
         assert llm.generate(["My favourite colour is"], CHOICE)[0].outputs[0].text == choice
@@ -79,7 +64,7 @@ def test_three_ranks_give_one_process_tokens_and_a_killed_worker_fails_the_engin
             llm.generate(["and again"], SamplingParams(max_tokens=8, temperature=0))
     finally:
         llm.shutdown()
-    assert _gone(pids)  # the other two were stopped with it
+    assert gone(pids)  # the other two were stopped with it
 
 
 def kill_mid_run(llm, prompt, rank: int, after_steps: int = 3) -> WorkerFailed:
@@ -107,7 +92,7 @@ def test_a_worker_killed_mid_run_with_steps_in_flight_fails_with_the_error_that_
         assert not llm.engine.launched  # the steps in flight went with the workers
     finally:
         llm.shutdown()
-    assert _gone(pids)
+    assert gone(pids)
 
 
 def test_sizes_the_heads_do_not_divide_among_and_experts_are_refused_before_any_worker(gguf_path, tmp_path):
@@ -134,7 +119,7 @@ def test_ember_serve_at_three_ranks_answers_and_stops_with_its_workers(gguf_path
                "--num-kv-blocks", "64", "--disable-custom-all-reduce")
     try:
         s.wait_ready()
-        workers = _descendants(s.proc.pid)  # the engine core's process, and its rank workers below it
+        workers = descendants(s.proc.pid)  # the engine core's process, and its rank workers below it
         assert len(workers) >= 4, s.log_tail()
         assert "3 ranks ready, 64 KV blocks each; all-reduce: gloo" in (tmp_path / "tp.log").read_text()
         answer = s.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
@@ -142,17 +127,4 @@ def test_ember_serve_at_three_ranks_answers_and_stops_with_its_workers(gguf_path
     finally:
         code = s.stop()
     assert code == 0, s.log_tail()
-    assert _gone(workers)
-
-
-def _descendants(pid: int) -> list[int]:
-    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == pid]
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return -1
+    assert gone(workers)

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from processes import alive, children, gone, parent_pid
 from test_openai_server import MODEL, Server, running
 
 httpx = pytest.importorskip("httpx")
@@ -40,34 +41,6 @@ def core_pid(server: Server) -> int:
     found = re.search(r"the engine core runs in process (\d+)", server.log.read_text())
     assert found, server.log_tail()
     return int(found.group(1))
-
-
-def parent_pid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pid: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        assert time.monotonic() < deadline, f"process {pid} is still alive after {timeout} s"
-        time.sleep(0.1)
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        return []
 
 
 def make_server(gguf_path, tmp_path_factory, *args: str) -> Server:
@@ -243,7 +216,7 @@ def test_a_killed_api_process_takes_its_core_process_with_it(gguf_path, tmp_path
     pid = core_pid(s)
     s.proc.kill()
     s.proc.wait()
-    wait_gone(pid, 15)
+    assert gone([pid], 15), f"process {pid} is still alive"
     assert "the API server process is gone: the engine core stops" in s.log.read_text()
 
 
@@ -268,7 +241,6 @@ def test_sigterm_stops_both_processes_and_leaves_none_behind(gguf_path, tmp_path
     busy.join(60)
     assert answer and answer[0].usage.completion_tokens == 60  # drained, not cut off
     assert s.proc.wait(60) == 0, s.log_tail()
-    for child in started:
-        wait_gone(child, 5)
+    assert gone(started, 5), [p for p in started if alive(p)]
     log = s.log.read_text()
     assert "Traceback" not in log and "killing it" not in log, log

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.server.data_parallel import replica_argv, replica_env, run_data_parallel
+from processes import alive, children
 from test_openai_server import KEY, MODEL, Server
 
 pytestmark = pytest.mark.slow
@@ -60,27 +60,6 @@ def test_too_few_gpus_for_the_replicas_and_their_ranks_is_refused_before_any_sta
         run_data_parallel(["serve", "m"], 4, "cuda", "127.0.0.1", 0, "warning")
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.fixture(scope="module")
 def reference(gguf_path):
     return LLM(str(gguf_path), quantization="none", dtype="float32", num_kv_blocks=128)
@@ -96,7 +75,7 @@ def test_two_replicas_answer_as_one_engine_and_stop_cleanly(gguf_path, tmp_path,
     s = Server(gguf_path, tmp_path / "dp.log", "--api-key", KEY, "--data-parallel-size", "2", "--num-kv-blocks", "128")
     try:
         s.wait_ready()
-        replicas = _children(s.proc.pid)
+        replicas = children(s.proc.pid)
         assert len(replicas) == 2, s.log_tail()
         client = s.client()
         questions = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?"]
@@ -110,23 +89,23 @@ def test_two_replicas_answer_as_one_engine_and_stop_cleanly(gguf_path, tmp_path,
         code = s.stop()
     assert code == 0, s.log_tail()
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in replicas) and time.monotonic() < deadline:
+    while any(alive(p) for p in replicas) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in replicas)
+    assert not any(alive(p) for p in replicas)
 
 
 def test_a_killed_parent_leaves_no_replica_behind(gguf_path, tmp_path):
     s = Server(gguf_path, tmp_path / "dp.log", "--data-parallel-size", "2", "--num-kv-blocks", "64")
     try:
         s.wait_ready()
-        replicas = _children(s.proc.pid)
+        replicas = children(s.proc.pid)
         assert len(replicas) == 2, s.log_tail()
         s.proc.send_signal(signal.SIGKILL)
         s.proc.wait(30)
         deadline = time.monotonic() + 60
-        while any(_alive(p) for p in replicas) and time.monotonic() < deadline:
+        while any(alive(p) for p in replicas) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_alive(p) for p in replicas), [p for p in replicas if _alive(p)]
+        assert not any(alive(p) for p in replicas), [p for p in replicas if alive(p)]
     finally:
         s.stop()
 
