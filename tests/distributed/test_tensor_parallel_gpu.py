@@ -27,7 +27,8 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.runner.tensor_parallel import RankGraphs, WorkerFailed
-from test_tensor_parallel_engine import _alive, _gone, kill_mid_run  # pytest puts this folder on sys.path
+from processes import alive, gone
+from test_tensor_parallel_engine import kill_mid_run  # pytest puts this folder on sys.path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -160,7 +161,7 @@ def test_each_rank_holds_half_the_kv_heads_so_two_ranks_hold_twice_the_blocks(ru
 def test_a_worker_killed_mid_run_fails_the_engine_by_rank_and_leaves_no_process(runs):
     llm = runs[1]
     pids = [p.pid for p in llm.engine.runner.procs]
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert len(pids) == 2 and all(alive(p) for p in pids)
     assert llm.engine.max_in_flight == 1  # async scheduling: a step is in flight when the worker dies
     error = kill_mid_run(llm, {"prompt_token_ids": PROMPTS[0]}, rank=1)
     assert re.match(r"tensor-parallel worker (rank \d \(exit code -?\d+\)(, )?)+ while (running|sending) a step",
@@ -169,4 +170,4 @@ def test_a_worker_killed_mid_run_fails_the_engine_by_rank_and_leaves_no_process(
     with pytest.raises(WorkerFailed, match="the tensor-parallel workers are gone"):
         llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY)
     llm.shutdown()
-    assert _gone(pids)
+    assert gone(pids)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from ember import LLM, SamplingParams
-from test_data_parallel import _alive
+from processes import alive
 from test_openai_server import KEY, MODEL, Server
 
 ray = pytest.importorskip("ray")
@@ -36,10 +36,10 @@ def _wait_released(pids: list[int], cpus: float) -> None:
     """Until none of `pids` runs and the cluster has `cpus` CPUs free again (no actor or group holds one)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids) and ray.available_resources().get("CPU") == cpus:
+        if not any(alive(p) for p in pids) and ray.available_resources().get("CPU") == cpus:
             break
         time.sleep(0.2)
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids if alive(p)] == []
     assert ray.available_resources().get("CPU") == cpus
 
 
@@ -70,7 +70,7 @@ def test_two_replicas_on_two_nodes_answer_as_one_engine_and_stop_cleanly(gguf_pa
         [group] = [g for g in _replica_groups().values() if g["state"] == "CREATED"]
         assert sorted(group["bundles_to_node_id"].values()) == sorted(nodes)
         pids = [p for w in workers for p in (w["pid"], w["actor_pid"])]
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
     finally:
         code = s.stop()
     assert code == 0, s.log_tail()
@@ -84,12 +84,12 @@ def test_a_dead_replica_is_out_and_a_killed_command_leaves_none_behind(gguf_path
         s.wait_ready(600)
         workers = httpx.get(f"{s.url}/router/stats", timeout=10).json()["workers"]
         pids = [p for w in workers for p in (w["pid"], w["actor_pid"])]
-        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        assert len(pids) == 4 and all(alive(p) for p in pids)
         os.kill(workers[0]["actor_pid"], signal.SIGKILL)  # a replica's actor dies: its server goes with it
         deadline = time.monotonic() + 30
-        while _alive(workers[0]["pid"]) and time.monotonic() < deadline:
+        while alive(workers[0]["pid"]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(workers[0]["pid"])
+        assert not alive(workers[0]["pid"])
         deadline = time.monotonic() + 30  # the router's health check (every 5 s) takes it out
         while httpx.get(f"{s.url}/router/stats", timeout=10).json()["workers"][0]["healthy"]:
             assert time.monotonic() < deadline

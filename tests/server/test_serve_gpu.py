@@ -27,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from ember import LLM, SamplingParams  # noqa: E402
-from test_data_parallel import _children  # noqa: E402
+from processes import children  # noqa: E402
 from test_openai_server import KEY, MODEL, Server  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -125,7 +125,7 @@ def test_two_replicas_take_a_gpu_each_and_answer_as_one_gpu(one_gpu, served_mode
     s = Server(served_model, tmp_path / "dp.log", *ARGS, "--data-parallel-size", "2")
     try:
         s.wait_ready(timeout=600)
-        assert len(_children(s.proc.pid)) == 2, s.log_tail()
+        assert len(children(s.proc.pid)) == 2, s.log_tail()
         free = [torch.cuda.mem_get_info(i) for i in range(2)]
         assert all(f < 0.3 * total for f, total in free), f"each replica fills its own GPU: {free}"
         assert _answers(s.client()) == one_gpu["answers"]
