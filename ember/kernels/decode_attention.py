@@ -36,8 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, layer_options, load_kv_tile,
-                                 queries_for_dot, soft_cap)
+from ember.kernels.paged import (
+    LOG2E,
+    dot_in_fp16,
+    is_fp8,
+    kv_scale_arg,
+    layer_options,
+    load_kv_tile,
+    queries_for_dot,
+    soft_cap,
+)
 
 # BLOCK_N, num_warps, num_stages of the split kernel by cache dtype, from
 # benchmarks/scripts/decode_sweep.py on the H200: bfloat16 3.99 / 4.37 TB/s of KV at the

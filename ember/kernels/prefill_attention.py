@@ -33,22 +33,29 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.paged import (LOG2E, dot_in_fp16, is_fp8, kv_scale_arg, layer_options, load_kv_tile,
-                                 queries_for_dot, soft_cap)
-
+from ember.kernels.paged import (
+    LOG2E,
+    dot_in_fp16,
+    is_fp8,
+    kv_scale_arg,
+    layer_options,
+    load_kv_tile,
+    queries_for_dot,
+    soft_cap,
+)
 
 
 # the block-table width changes from step to step outside CUDA graphs: not specialized
 # on (a width of 1 or a multiple of 16 would each compile another kernel mid-serving);
 # nor the window (paged.layer_options)
-@triton.jit(do_not_specialize=["stride_tb", "window"])
+@triton.jit(do_not_specialize=["stride_tb", "window", "first_seq"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, k_scale_ptr,
-                    v_scale_ptr, scale_log2, window, softcap, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
+                    v_scale_ptr, scale_log2, window, softcap, first_seq, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
                     stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, DOT_FP16: tl.constexpr,
                     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PACK_GQA: tl.constexpr):
     mb = tl.program_id(0)
-    b = tl.program_id(2)
+    b = tl.program_id(2) + first_seq
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
@@ -120,13 +127,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                       sliding_window: int | None = None, logit_softcap: float | None = None,
-                      pack_gqa: bool = False) -> torch.Tensor:
+                      pack_gqa: bool = False, first_seq: int = 0) -> torch.Tensor:
     """q [T, H, D] flattened new tokens, caches [num_blocks, block_size, Hkv, D] holding
     every sequence's context (new tokens included) in q's dtype or fp8 (then k_scale /
     v_scale: [1] float32, None: 1.0), block_tables [B, W] int32, query_start_loc [B + 1]
     int32, seq_lens [B] int32; sliding_window / logit_softcap as in layers/attention/base.py.
     pack_gqa: a program takes the rows of all the query heads of one KV head (see the top).
-    Returns [T, H, D]."""
+    first_seq: attend sequences first_seq .. B-1 only (their rows of `out`; a mixed step's
+    leading decode rows go to flash-decoding), by an offset rather than sliced tensors, whose
+    unaligned pointers would compile another kernel variant mid-serving. Returns [T, H, D]."""
     tokens, heads, dim = q.shape
     num_blocks, page, kv_heads, cdim = k_cache.shape
     batch = seq_lens.shape[0]
@@ -150,12 +159,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty_like(q) if out is None else out
     if tokens == 0:
         return out
+    if not 0 <= first_seq < batch:
+        raise ValueError(f"first_seq must be in [0, {batch}); got {first_seq}")
     group = heads // kv_heads
-    grid = (triton.cdiv(max_query_len * group, block_m), kv_heads, batch) if pack_gqa else \
-        (triton.cdiv(max_query_len, block_m), heads, batch)
+    grid = (triton.cdiv(max_query_len * group, block_m), kv_heads, batch - first_seq) if pack_gqa else \
+        (triton.cdiv(max_query_len, block_m), heads, batch - first_seq)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
-                          scale * LOG2E, window, softcap, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                          scale * LOG2E, window, softcap, first_seq, q.stride(0), q.stride(1), out.stride(0),
+                          out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                           GROUP=group, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
                           DOT_FP16=dot_in_fp16(q, k_cache), PACK_GQA=pack_gqa, **options)
     return out

@@ -14,12 +14,12 @@ import torch
 triton = pytest.importorskip("triton")
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
-
 from ember.kernels.decode_attention import _decode_split_kernel, decode_attention, num_decode_splits  # noqa: E402
 from ember.kernels.kv_write import kv_write  # noqa: E402
 from ember.kernels.prefill_attention import prefill_attention  # noqa: E402
 from ember.layers.attention import AttentionMetadata, get_attention_backend  # noqa: E402
 from ember.layers.attention.torch_ref import FP8, FP8_MAX, quantize_kv, write_kv  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def plain_torch_reference():
@@ -247,13 +247,21 @@ def test_decode_padding_rows_give_zeros(device):
     assert torch.all(got[0] == 0) and not got.isnan().any()
 
 
+# a mixed step's sequences (cached, new tokens) and how many leading decode rows go to
+# flash-decoding: none when the decodes come last (the prefill kernel takes them all)
+MIXED_STEPS = [pytest.param(([0, 37, 5, 60], [20, 9, 1, 1]), 0, id="decodes-last"),
+               pytest.param(([5, 60, 0, 37, 44], [1, 1, 20, 9, 1]), 2, id="decodes-first")]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_triton_backend_matches_reference_on_a_mixed_step(device):
+@pytest.mark.parametrize("lens, decode_rows", MIXED_STEPS)
+def test_triton_backend_matches_reference_on_a_mixed_step(device, lens, decode_rows):
     """The backend itself: a step mixing prefills, a prefix-cached extend and decodes."""
-    case = Case([0, 37, 5, 60], [20, 9, 1, 1], 4, 2, 32, 8, device, seed=3)
+    case = Case(*lens, 4, 2, 32, 8, device, seed=3)
     want = case.reference()
-    got = get_attention_backend("triton").forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta,
-                                                  case.scale)
+    backend = get_attention_backend("triton")
+    got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert backend.plan(case.meta, 2).decode_rows == decode_rows
     torch.testing.assert_close(got.float(), want, **_tol(device))
 
 
@@ -335,11 +343,14 @@ def test_decode_fp8_stays_near_the_unquantized_cache(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fp8_scales", FP8_SCALES)
-def test_triton_backend_fp8_matches_reference_on_a_mixed_step(device, fp8_scales):
-    case = Case([0, 37, 5, 60], [20, 9, 1, 1], 4, 2, 32, 8, device, seed=3, fp8_scales=fp8_scales)
+@pytest.mark.parametrize("lens, decode_rows", MIXED_STEPS)
+def test_triton_backend_fp8_matches_reference_on_a_mixed_step(device, fp8_scales, lens, decode_rows):
+    case = Case(*lens, 4, 2, 32, 8, device, seed=3, fp8_scales=fp8_scales)
     want = case.reference()
-    got = get_attention_backend("triton").forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta,
-                                                  case.scale, case.k_scale, case.v_scale)
+    backend = get_attention_backend("triton")
+    got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, case.k_scale,
+                          case.v_scale)
+    assert backend.plan(case.meta, 2).decode_rows == decode_rows
     torch.testing.assert_close(got.float(), want, **_tol(device))
 
 
@@ -477,7 +488,8 @@ def test_decode_window_and_softcap_match_reference(device, window, softcap, page
 @pytest.mark.parametrize("dtype", [None, pytest.param(torch.bfloat16, id="bfloat16-queries")])
 def test_triton_backend_window_and_softcap_over_scaled_fp8(device, dtype):
     """Through the backend over an fp8 cache with scales (k_scale folds into the score, before
-    the cap): a mixed step (the prefill kernel) with a global layer and a windowed one in the
+    the cap): a mixed step (its leading decode row to flash-decoding, the rest to the prefill
+    kernel) with a global layer and a windowed one in the
     same step, as Gemma alternates them, then a decode step. bfloat16 queries take the float16
     dots (DOT_FP16), on the interpreter too."""
     if dtype is not None and device == "cuda":
@@ -485,7 +497,7 @@ def test_triton_backend_window_and_softcap_over_scaled_fp8(device, dtype):
     tol = _tol("cuda") if dtype == torch.bfloat16 else _tol(device)
     window, cap = 11, 5.0
     backend = get_attention_backend("triton")
-    case = Case([0, 37, 5, 60], [20, 9, 1, 1], 4, 2, 16, 8, device, seed=23, fp8_scales=(0.5, 3.0), dtype=dtype)
+    case = Case([5, 0, 37, 60], [1, 20, 9, 1], 4, 2, 16, 8, device, seed=23, fp8_scales=(0.5, 3.0), dtype=dtype)
     want_global, want = case.reference(), case.reference(window, cap)
     if dtype is None:  # a global layer first: it reads the whole context
         got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale,

@@ -1,6 +1,9 @@
 """Triton paged attention for CUDA: the KV-write kernel (unless the RoPE kernel wrote K/V),
 then flash-decoding when every sequence has one new token, else the varlen prefill/extend
-kernel (which also takes the decode rows of a mixed step). In deterministic mode
+kernel. A mixed step whose first sequences decode (the scheduler puts running requests
+first) sends those rows to flash-decoding too and only the rest to the prefill kernel:
+there a decode row would fill one row of a 64-row tile and read its context once per query
+head, not once per KV head. In deterministic mode
 (`batch_invariant`) every step takes the prefill kernel: flash-decoding splits a row's keys
 by the batch size, and a decode row must get the bits the same token gets in a prefill
 (after preemption, or as part of another request's cached prefix). Reads only device tensors and
@@ -22,6 +25,16 @@ class _Plan:
     decode: bool
     max_query_len: int
     num_splits: int
+    decode_rows: int = 0  # a mixed step: its leading sequences of one new token each, for flash-decoding
+    decode_splits: int = 1
+
+
+def leading_decodes(query_lens: list[int]) -> int:
+    """How many of the step's first sequences have one new token."""
+    n = 0
+    while n < len(query_lens) and query_lens[n] == 1:
+        n += 1
+    return n
 
 
 class TritonBackend(AttentionBackend):
@@ -40,8 +53,10 @@ class TritonBackend(AttentionBackend):
         if plan is None:
             max_q = max(meta.query_lens_cpu)
             batch = meta.seq_lens.shape[0]  # a graph's padded batch: the split count is fixed by it
+            rows = 0 if max_q == 1 or self.batch_invariant else leading_decodes(meta.query_lens_cpu)
             plan = meta.plans[self.name] = _Plan(max_q == 1 and not self.batch_invariant, max_q,
-                                                 self._num_splits(batch, num_kv_heads))
+                                                 self._num_splits(batch, num_kv_heads), rows,
+                                                 self._num_splits(rows, num_kv_heads) if rows else 1)
         return plan
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -55,5 +70,12 @@ class TritonBackend(AttentionBackend):
         if plan.decode:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, plan.num_splits,
                                 **options)
+        if not plan.decode_rows:
+            return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                 plan.max_query_len, scale, pack_gqa=self.batch_invariant, **options)
+        n = plan.decode_rows  # they are tokens 0 .. n-1
+        out = torch.empty_like(q)
+        self._decode(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, plan.decode_splits,
+                     out=out[:n], **options)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                             plan.max_query_len, scale, pack_gqa=self.batch_invariant, **options)
+                             plan.max_query_len, scale, out=out, first_seq=n, **options)
