@@ -4,15 +4,17 @@ flags + model + hardware become the numbers every part uses. Frozen; never mutat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
 
-from ember.defaults import TUNING_KNOBS, USAGES, log_settings, scheduling_defaults
+from ember.defaults import USAGES, log_settings, scheduling_defaults
 from ember.models.config import ModelConfig
 from ember.pooling import PoolerConfig
 
@@ -20,86 +22,120 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --kv-cache-dtype: auto stores K/V in the model dtype; fp8 (= fp8_e4m3) in float8_e4m3fn
-_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, **_DTYPES}
 CPU_KV_CACHE_MEMORY = 1 << 30  # default KV pool on the CPU: 1 GiB (vLLM's CPU backend uses 4)
+
+
+def flag(default: Any, help: str, *, flags: tuple[str, ...] = (), action: str | None = None,
+         metavar: str | None = None, knob: bool = False) -> Any:
+    """An EngineConfig field that is also a command-line flag (engine_args.py derives the
+    parser, the YAML keys and the argument list from these): `help` is its --help text,
+    `flags` its option strings (default: --the-field-name), `action` an argparse action
+    that the type alone does not give, `knob` a tuning knob (logged at start with where its
+    value came from, and one that `ember tune` may sweep). A Literal type is its choices."""
+    return field(default=default, metadata=dict(help=help, flags=flags, action=action, metavar=metavar, knob=knob))
+
+
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "float16", "bfloat16", "float32"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # a .gguf file, an HF directory (a str or any os.PathLike), or a Hugging Face Hub id
-    # (org/name, org/name-GGUF:Q4_K_M); None: the default SmolLM2 GGUF. resolve() makes it a local path.
-    model: str | None = None
-    revision: str | None = None  # hub ids: a branch, tag or commit hash (default: main)
-    download_dir: str | None = None  # hub ids: the cache folder (default: huggingface_hub's, HF_HUB_CACHE)
-    tokenizer: str | None = None  # a directory, .gguf or hub id; None: the model's own
-    chat_template: str | None = None  # a file or the Jinja text itself; None: the tokenizer's. resolve(): the text
-    # auto: sampling fields that generation_config.json sets are the defaults of requests that
-    # leave them unset (vLLM's default); vllm: ember's own defaults (SamplingParams)
-    generation_config: str = "auto"
-    load_format: str = "auto"  # auto | gguf | safetensors | pt (pytorch_model*.bin) | dummy
-    # auto: bfloat16 on CUDA; on the CPU float32 for GGUF blocks (the kernels take float32
-    # activations, as llama.cpp's do), else bfloat16 where the CPU computes it natively
-    # (AVX512_BF16, AMX) and float32 elsewhere | float32 | bfloat16 | float16
-    dtype: str = "auto"
-    # auto: weights as the checkpoint holds them, where a kernel multiplies them (GGUF blocks
-    # on the CPU, an FP8 checkpoint on CUDA), else dequantized to dtype | none: every weight
-    # dequantized to dtype | fp8: every linear layer in FP8 (an FP8 checkpoint's own scales;
-    # a dense checkpoint or dummy weights quantized per output row at load; the LM head and
-    # the embedding stay in dtype). resolve() names what runs: gguf | fp8 | none
-    quantization: str = "auto"
-    # auto: = dtype, but float16 with GGUF blocks on the CPU (llama.cpp's default cache type: a
-    # batch's decode reads as many KV bytes as weight bytes there) | float32 | float16 |
-    # bfloat16 | fp8 | fp8_e4m3 (per-layer scales, 1.0 by default)
-    kv_cache_dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda
-    max_model_len: int | None = None  # default: the model's context length
-    # tokens a KV block; None: 128 on CUDA (an attention tile is then one block: one block-table
-    # read a tile, 16-20 % faster decode over fp8 on the H200), 16 on the CPU
-    block_size: int | None = None
-    num_kv_blocks: int | None = None  # overrides the pool size (vLLM's num_gpu_blocks_override)
-    kv_cache_memory: int | None = None  # bytes for the KV pool
-    gpu_memory_utilization: float = 0.9
-    # seats and per-step token budget; None: the defaults for the device and usage_context
-    # (defaults.py: e.g. 512 and 16384 offline on a large GPU, 256 and 512 on the CPU)
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
+    """Fields made with `flag` are the engine's flags (vLLM's names); the rest are set by the
+    caller (usage_context, setting_sources) or by resolve()."""
+
+    model: str | None = flag(
+        None, "a .gguf file, an HF model directory, or a Hugging Face Hub id: org/name, or org/name-GGUF:Q4_K_M "
+        "for one quant of a GGUF repo (default: SmolLM2-135M-Instruct Q4_1)")  # resolve(): a local path
+    revision: str | None = flag(None, "hub ids: the branch, tag or commit hash to fetch (default: main)")
+    download_dir: str | None = flag(
+        None, "hub ids: the cache folder to fetch into (default: huggingface_hub's, HF_HUB_CACHE)")
+    tokenizer: str | None = flag(None, "the tokenizer: a directory, a .gguf file or a hub id (default: the model's)")
+    chat_template: str | None = flag(  # resolve(): the text
+        None, "the chat template: a file, or the Jinja text itself (default: the tokenizer's)")
+    generation_config: Literal["auto", "vllm"] = flag(
+        "auto", "auto: the sampling defaults in the model's generation_config.json apply to requests that leave "
+        "them unset (vLLM's default); vllm: ignore them (ember's own defaults, SamplingParams)")
+    load_format: Literal["auto", "gguf", "safetensors", "pt", "dummy"] = flag(
+        "auto", "pt: pytorch_model*.bin files (auto takes them where a directory has no safetensors); dummy: "
+        "random weights at the model's shapes")
+    dtype: Dtype = flag(
+        "auto", "auto: bfloat16 on CUDA; on the CPU float32 for GGUF blocks (the kernels take float32 "
+        "activations, as llama.cpp's do), else bfloat16 where the CPU computes it natively (AVX512_BF16, AMX), "
+        "float32 elsewhere")
+    # resolve() names what runs: gguf | fp8 | none
+    quantization: Literal["auto", "none", "gguf", "fp8"] = flag(
+        "auto", "auto: a GGUF file's quantized weights stay in their blocks on the CPU (int8 kernels, as "
+        "llama.cpp), an FP8 checkpoint's stay in FP8 on CUDA; none: dequantize every weight to --dtype; fp8: "
+        "every linear layer in FP8 (an FP8 checkpoint's own scales; a bf16 checkpoint or dummy weights quantized "
+        "per output row at load; the LM head and embedding stay in --dtype)")
+    device: Literal["auto", "cpu", "cuda"] = flag("auto", "auto: CUDA where torch sees a GPU, else the CPU")
+    max_model_len: int | None = flag(None, "the longest prompt + output in tokens (default: the model's context)")
+    num_kv_blocks: int | None = flag(None, "the KV pool's size in blocks (vLLM's num_gpu_blocks_override)")
+    kv_cache_memory: int | None = flag(None, "bytes for the KV pool (default: what --gpu-memory-utilization "
+                                             "leaves on CUDA, 1 GiB on the CPU)")
+    max_num_seqs: int | None = flag(
+        None, "seats: the most sequences a step runs (default: per device and use, defaults.py, e.g. 512 offline "
+        "on a large GPU, 256 serving; lowered to what the KV pool holds)", knob=True)
+    max_num_batched_tokens: int | None = flag(
+        None, "the token budget of a step: prefill chunks and decodes together (default: per device and use, "
+        "defaults.py, e.g. 16384 offline on a large GPU, 2048 serving, 512 on the CPU)", knob=True)
+    gpu_memory_utilization: float = flag(
+        0.9, "the share of the GPU's memory for weights, activations, CUDA graphs and the KV pool", knob=True)
+    block_size: int | None = flag(
+        None, "tokens a KV block (default: 128 on CUDA, where an attention tile is then one block: one "
+        "block-table read a tile, 16-20 %% faster decode over fp8 on the H200; 16 on the CPU)", knob=True)
+    kv_cache_dtype: KVCacheDtype = flag(
+        "auto", "KV cache storage: auto (the model dtype; float16 with GGUF blocks on the CPU, llama.cpp's "
+        "default cache type: a batch's decode reads as many KV bytes as weight bytes there), float32, float16, "
+        "bfloat16, or fp8 (= fp8_e4m3; per-layer scales, 1.0 unless the checkpoint has them): half the bytes a "
+        "token, twice the blocks", knob=True)
+    scheduling_policy: Literal["fcfs", "priority", "lpm"] = flag(
+        "fcfs", "waiting requests go in arrival order, by priority, or longest cached prefix first", knob=True)
+    async_scheduling: bool | None = flag(
+        None, "schedule and prepare the next step while the device runs this one (vLLM's flag; default: on for "
+        "CUDA, off on the CPU, where torch runs synchronously and there is nothing to overlap)", knob=True)
+    enable_prefix_caching: bool = flag(True, "reuse the KV of earlier requests' common prefixes", knob=True)
     usage_context: str = "offline"  # offline (LLM, ember bench) | serve (ember serve): picks the defaults above
     # knob -> where the caller took its value ("flag", "config file"); logged at start. After
     # resolve(): the knobs the caller set, and only those (the others took the defaults)
     setting_sources: dict[str, str] = field(default_factory=dict)
-    scheduling_policy: str = "fcfs"  # fcfs | priority | lpm (longest cached prefix first)
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    enforce_eager: bool = False
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
-    structured_outputs_backend: str = "xgrammar"  # xgrammar | guidance
-    structured_outputs_jump_forward: bool = True  # append grammar-forced tokens without a forward each
-    # schedule and prepare step N+1 while step N runs on the device (vLLM's flag);
-    # None: on for CUDA, off on the CPU (where torch runs synchronously: nothing to overlap)
-    async_scheduling: bool | None = None
-    # generate: sample tokens | pooling: each request's prompt becomes one pooled vector of
-    # its final hidden states (embeddings), as `pooler_config` says; no sampling, no prefix
-    # cache (a hit would skip positions that mean pooling reads). vLLM's --runner
-    runner: str = "generate"
-    pooler_config: PoolerConfig | None = None  # runner="pooling" only; None: PoolerConfig() (last token, normalized)
-    # ranks the model's layers are split over (Megatron: heads, MLP rows, vocabulary), one
-    # worker process each (runner/tensor_parallel.py): gloo on the CPU, NCCL on GPUs 0..N-1
-    tensor_parallel_size: int = 1
-    # mp: the workers are processes of this machine | ray: Ray actors, on the cluster RAY_ADDRESS
-    # names (or a new local one), placed by a placement group: ranks may span nodes | None: mp
-    # when tensor_parallel_size > 1, else the model runs in the engine's process (named at
-    # size 1, mp or ray still runs the one rank as a worker, as vLLM's executors do)
-    distributed_executor_backend: str | None = None
-    # tensor parallelism on GPUs of one host: a decode step's all-reduces (up to 8 MiB) go
-    # through the GPUs' mapped memory in one kernel (distributed/peer_all_reduce.py); True
-    # leaves them all to NCCL (vLLM's flag)
-    disable_custom_all_reduce: bool = False
-    # batch invariance everywhere (layers/batch_invariant.py): on CUDA every linear layer on one
-    # Triton matmul whose order of arithmetic is the same at any row count, and decode rows
-    # through the prefill attention kernel; on the CPU dense layers in fixed blocks of rows. The
-    # CPU's GGUF blocks are invariant without it. Costs speed (benchmarks/BENCHMARKS.md)
-    deterministic: bool = False
+    seed: int = flag(0, "the seed of dummy weights and of requests that bring none")
+    enforce_eager: bool = flag(False, "CUDA: no CUDA graphs (every decode step launches its kernels)")
+    attention_backend: Literal["auto", "torch", "triton"] = flag(
+        "auto", "auto: triton on CUDA, torch (with the C++ kernels) on the CPU")
+    structured_outputs_backend: Literal["xgrammar", "guidance"] = flag(
+        "xgrammar", "the grammar backend for structured output (guidance is llguidance)")
+    structured_outputs_jump_forward: bool = flag(
+        True, "structured output: sample every token, even those the grammar forces (default: append forced "
+        "tokens without a forward each)", flags=("--no-jump-forward",), action="store_false")
+    # pooling: no sampling, no prefix cache (a hit would skip positions that mean pooling reads)
+    runner: Literal["generate", "pooling"] = flag(
+        "generate", "generate: complete text (default); pooling: embeddings (/v1/embeddings, LLM.embed) from the "
+        "final hidden states, as --pooler-config says")
+    pooler_config: PoolerConfig | None = flag(  # a JSON string or dict from callers, a PoolerConfig after init
+        None, 'with --runner pooling: \'{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true | false}\' '
+        "(default: the last token, L2-normalized)", metavar="JSON")
+    # Megatron splits (heads, MLP rows, vocabulary), one worker process a rank (runner/tensor_parallel.py)
+    tensor_parallel_size: int = flag(
+        1, "split the model's layers over N worker processes (gloo on the CPU, one GPU each on CUDA); the heads "
+        "must divide among them", flags=("--tensor-parallel-size", "-tp"))
+    # size 1 with mp or ray still runs the one rank as a worker, as vLLM's executors do
+    distributed_executor_backend: Literal["mp", "ray"] | None = flag(
+        None, "mp: the tensor-parallel workers are processes of this machine; ray: Ray actors on the cluster "
+        "RAY_ADDRESS names (or a new local one), placed by a placement group, ranks possibly on several nodes. "
+        "Default: mp when --tensor-parallel-size > 1, else the engine's own process")
+    disable_custom_all_reduce: bool = flag(
+        False, "tensor parallelism on GPUs: every all-reduce through NCCL (default: a decode step's small ones, up "
+        "to 8 MiB, in one kernel over the GPUs' mapped memory, distributed/peer_all_reduce.py, where they share "
+        "a host)")
+    # layers/batch_invariant.py; costs speed (benchmarks/BENCHMARKS.md)
+    deterministic: bool = flag(
+        False, "batch invariance on every path: a request's output does not depend on its batch, chunking or "
+        "prefix-cache hits (on CUDA one Triton matmul for every batch size and decode through the prefill "
+        "attention kernel: slower; on the CPU dense layers in fixed blocks of rows; the CPU's GGUF path is so "
+        "already)")
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")
@@ -110,8 +146,6 @@ class EngineConfig:
     attention_parity_len: int | None = None
 
     def __post_init__(self) -> None:
-        _choice("load_format", self.load_format, ("auto", "gguf", "safetensors", "pt", "dummy"))
-        _choice("generation_config", self.generation_config, ("auto", "vllm"))
         paths = ("model", "download_dir", "tokenizer", "chat_template")
         for name in paths:  # a pathlib.Path, as users pass them, is its string
             if isinstance(getattr(self, name), os.PathLike):
@@ -121,17 +155,11 @@ class EngineConfig:
             if value is not None and not (isinstance(value, str) and value):
                 kind = "a non-empty string, a path or None" if name in paths else "a non-empty string or None"
                 raise ValueError(f"{name} must be {kind}; got {value!r:.80}")
-        _choice("dtype", self.dtype, ("auto", *_DTYPES))
-        _choice("quantization", self.quantization, ("auto", "none", "gguf", "fp8"))
-        if self.distributed_executor_backend is not None:
-            _choice("distributed_executor_backend", self.distributed_executor_backend, ("mp", "ray"))
+        for name, (_, choices, optional) in flag_types().items():
+            if choices is not None and not (optional and getattr(self, name) is None):
+                _choice(name, getattr(self, name), choices)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}")
-        _choice("kv_cache_dtype", self.kv_cache_dtype, tuple(_KV_CACHE_DTYPES))
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "lpm"))
-        _choice("structured_outputs_backend", self.structured_outputs_backend, ("xgrammar", "guidance"))
-        _choice("runner", self.runner, ("generate", "pooling"))
         if self.pooler_config is not None:
             if self.runner != "pooling":
                 raise ValueError("pooler_config applies to runner='pooling' only: pass runner='pooling' "
@@ -139,8 +167,8 @@ class EngineConfig:
             if not isinstance(self.pooler_config, PoolerConfig):
                 object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         _choice("usage_context", self.usage_context, USAGES)
-        for name in ("max_num_seqs", "block_size", "max_model_len", "num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
-            if getattr(self, name) is not None:
+        for name, (kind, _, optional) in flag_types().items():  # sizes and counts: None is the default
+            if kind is int and optional and getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None (auto); got {self.async_scheduling!r}")
@@ -235,7 +263,7 @@ class EngineConfig:
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
         sources = self._sources()
-        log_settings(vars(resolved), sources, defaults)
+        log_settings(TUNING_KNOBS, vars(resolved), sources, defaults)
         return dataclasses.replace(resolved, setting_sources=sources)
 
     def _sources(self) -> dict[str, str]:
@@ -244,6 +272,30 @@ class EngineConfig:
         unset = EngineConfig()
         return {name: self.setting_sources.get(name, "argument") for name in TUNING_KNOBS
                 if getattr(self, name) != getattr(unset, name)}
+
+
+def flag_fields() -> list[dataclasses.Field]:
+    """EngineConfig's flags (the fields made with `flag`), in field order."""
+    return [f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata]
+
+
+@functools.cache
+def flag_types() -> dict[str, tuple[type, tuple[str, ...] | None, bool]]:
+    """Each flag's (value type, choices or None, whether None is allowed), from its annotation."""
+    hints = get_type_hints(EngineConfig)
+    types = {}
+    for f in flag_fields():
+        hint = hints[f.name]
+        args = get_args(hint) if get_origin(hint) is not Literal else (hint,)
+        optional = type(None) in args
+        value = next((a for a in args if a is not type(None)), hint)
+        choices = get_args(value) if get_origin(value) is Literal else None
+        types[f.name] = (str if choices else value, choices, optional)
+    return types
+
+
+# the knobs a tuner turns: logged at start with where each value came from
+TUNING_KNOBS = tuple(f.name for f in flag_fields() if f.metadata["knob"])
 
 
 def _check_deterministic(mc: ModelConfig, quantization: str, tensor_parallel_size: int) -> None:

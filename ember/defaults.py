@@ -1,5 +1,5 @@
 """The scheduling knobs' defaults per device and use (vLLM's usage contexts), and the start
-log that says where each tuning knob's value came from.
+log that says where each tuning knob's value came from (the knobs: config.TUNING_KNOBS).
 
 Offline batches (`LLM`, `ember bench throughput`) want throughput: many seats and a large
 token budget, so prefills go in big steps. A server wants a step short enough that the
@@ -11,7 +11,7 @@ The GPU values are from the sweep in benchmarks/BENCHMARKS.md ("defaults that fi
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +23,6 @@ LARGE_GPU_BYTES = 70 << 30  # H100 80 GB, H200, B200: room for 512 seats' KV at 
 # a defaulted seat count is lowered to the sequences whose whole context the KV pool holds
 # (seats_that_fit), but not below this: with long max_model_len most requests are far shorter
 SEATS_FLOOR = 256
-# the knobs a tuner turns (ember tune, the seeds): logged at start with their source
-TUNING_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "block_size", "kv_cache_dtype",
-                "scheduling_policy", "async_scheduling", "enable_prefix_caching")
 
 
 @dataclass(frozen=True)
@@ -58,11 +55,12 @@ def seats_that_fit(max_num_seqs: int, kv_tokens: int, max_model_len: int) -> int
     return min(max_num_seqs, max(min(SEATS_FLOOR, max_num_seqs), kv_tokens // max_model_len))
 
 
-def log_settings(values: Mapping[str, object], sources: Mapping[str, str], defaults: SchedulingDefaults) -> None:
+def log_settings(knobs: Sequence[str], values: Mapping[str, object], sources: Mapping[str, str],
+                 defaults: SchedulingDefaults) -> None:
     """One line: each tuning knob's value and where it came from (a flag, the config file, an
     argument, or the default, with the device and use it is the default for)."""
     parts = []
-    for name in TUNING_KNOBS:
+    for name in knobs:
         source = sources.get(name, "default")
         if source == "default" and name in ("max_num_seqs", "max_num_batched_tokens"):
             source = f"default for {defaults.why}"
