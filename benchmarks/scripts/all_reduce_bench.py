@@ -19,12 +19,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.getcwd())
-from ember.distributed.env import NCCL_ENV  # noqa: E402
 from ember.distributed.parallel_state import free_port  # noqa: E402
 from ember.distributed.peer_all_reduce import MAX_BYTES, PeerAllReduce  # noqa: E402
 
 SIZES_KIB = [8, 32, 128, 512, 2048, 8192, 32768]
 IN_GRAPH, REPLAYS = 32, 50
+# NVLink multicast off: the device's GPUs are lent, and other tenants could exhaust its
+# multicast objects (the device README's KINDS.md)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _time(reduce, x: torch.Tensor) -> float:

@@ -281,8 +281,8 @@ mode_defaults() {
   gpu_tests 120 tests/runner/test_defaults.py
 }
 
-# two GPUs over NCCL: NVLink multicast stays off (the device README's KINDS.md says why), in vLLM's
-# symmetric-memory all-reduce too
+# NVLink multicast stays off on the lent GPUs (the device README's KINDS.md says why), in NCCL,
+# torch's symmetric memory and vLLM's symmetric-memory all-reduce
 multicast_off() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 }
@@ -411,6 +411,7 @@ mode_gpu_suite() {
 
 mode=${1:-}
 [ $# -gt 0 ] && shift
+multicast_off  # every mode: the product leaves NVLink multicast to the user; a lent GPU must not use it
 case "$mode" in
   env) mode_env ;;
   smoke) mode_smoke ;;

@@ -14,8 +14,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ember.distributed.env import multicast_off
-
 _group: dist.ProcessGroup | None = None
 _rank = 0
 _size = 1
@@ -33,8 +31,6 @@ def init_tensor_parallel(rank: int, world_size: int, backend: str = "gloo", init
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     if _group is not None or dist.is_initialized():
         raise ValueError("tensor parallelism is initialized already in this process: call destroy() first")
-    if backend == "nccl":
-        multicast_off()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     _group, _rank, _size = dist.group.WORLD, rank, world_size

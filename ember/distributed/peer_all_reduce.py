@@ -8,9 +8,10 @@ waits at a barrier, reads every rank's buffer over NVLink and sums, and waits at
 barrier (so no rank overwrites its buffer while a peer still reads it). Messages above the
 buffer (a prefill chunk's) go to NCCL, whose ring moves large ones at the links' bandwidth.
 
-Peer loads only: NVLink multicast (the `multimem` operations) stays unused, as the machines
-ember runs on require (distributed/env.py). torch's CUDA backend of symmetric memory
-is asked for by name; its NVSHMEM backend is not needed for this.
+Peer loads only: it needs no NVLink multicast (the `multimem` operations), so it runs where
+multicast is turned off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, as the
+device scripts do on GPUs that are lent). torch's CUDA backend of symmetric memory is asked
+for by name; its NVSHMEM backend is not needed for this.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import socket
 
 import torch
 import torch.distributed as dist
-
-from ember.distributed.env import multicast_off
 
 MAX_BYTES = 8 << 20  # a decode step of 512 sequences at hidden size 8192 in bfloat16
 
@@ -33,7 +32,6 @@ class PeerAllReduce:
                  max_bytes: int = MAX_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        multicast_off()  # whatever the group's backend: no multicast objects
         if hasattr(symm_mem, "set_backend") and symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")
         self.dtype = dtype
