@@ -168,14 +168,13 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
                device: str, attention_backend: str, seed: int = 0, quantization: str = "none") -> nn.Module:
     from ember.layers.attention import get_attention_backend
     from ember.loader.weights import load_weights
-    from ember.models.registry import get_model_class
+    from ember.models.llama import LlamaForCausalLM  # every family: ModelConfig says how they differ
 
-    model_class = get_model_class(cfg.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are made in the run dtype, on the device
     try:
         with torch.device(device):
-            model = model_class(cfg, max_positions, get_attention_backend(attention_backend))
+            model = LlamaForCausalLM(cfg, max_positions, get_attention_backend(attention_backend))
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, files.weights(cfg, seed, device, dtype, quantization), source=str(files.path))

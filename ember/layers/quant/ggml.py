@@ -100,16 +100,17 @@ def _f32(b: torch.Tensor) -> torch.Tensor:
     return b.view(torch.float32).clone()
 
 
-# qtype value -> (block_size, type_size, decoder). Values from ggml.h, which fixes them.
+# qtype value -> its decoder (the block and type sizes are gguf-py's GGML_QUANT_SIZES). Values
+# from ggml.h, which fixes them.
 _DECODERS = {
-    0: (1, 4, _f32),  # F32
-    1: (1, 2, _f16_values),  # F16
-    2: (32, 18, _q4_0),  # Q4_0
-    3: (32, 20, _q4_1),  # Q4_1
-    6: (32, 22, _q5_0),  # Q5_0
-    7: (32, 24, _q5_1),  # Q5_1
-    8: (32, 34, _q8_0),  # Q8_0
-    30: (1, 2, _bf16),  # BF16
+    0: _f32,  # F32
+    1: _f16_values,  # F16
+    2: _q4_0,  # Q4_0
+    3: _q4_1,  # Q4_1
+    6: _q5_0,  # Q5_0
+    7: _q5_1,  # Q5_1
+    8: _q8_0,  # Q8_0
+    30: _bf16,  # BF16
 }
 
 
@@ -154,7 +155,7 @@ def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType | int, shape: t
     data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
 
     if int(qt) in _DECODERS:
-        _, _, decode = _DECODERS[int(qt)]
+        decode = _DECODERS[int(qt)]
         with warnings.catch_warnings():  # the memory map is read-only; the decoders only read it
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             blocks = torch.from_numpy(data).view(-1, type_size)
