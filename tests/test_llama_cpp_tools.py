@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from llama_cpp_tools import VERSION, build_dir, tool
 
 PEER_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "llama-cpp"

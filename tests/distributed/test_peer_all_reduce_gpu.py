@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_tensor_parallel import run_task  # pytest puts this folder on sys.path
 
 from ember.distributed import parallel_state
 from ember.distributed.peer_all_reduce import MAX_BYTES, PeerAllReduce
-from test_tensor_parallel import run_task  # pytest puts this folder on sys.path
 
 pytestmark = [pytest.mark.gpu]
 

@@ -13,11 +13,11 @@ import signal
 from pathlib import Path
 
 import pytest
+from processes import alive, descendants, gone
 
 from ember import LLM, SamplingParams
 from ember.runner.tensor_parallel import WorkerFailed
 from ember.sampling_params import StructuredOutputsParams
-from processes import alive, descendants, gone
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_ember_serve_at_three_ranks_answers_and_stops_with_its_workers(gguf_path
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-    from test_openai_server import KEY, MODEL, Server
+    from servers import KEY, MODEL, Server
 
     s = Server(gguf_path, tmp_path / "tp.log", "--api-key", KEY, "--tensor-parallel-size", "3",
                "--num-kv-blocks", "64", "--disable-custom-all-reduce")

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from processes import alive, gone
+from test_tensor_parallel_engine import kill_mid_run  # pytest puts this folder on sys.path
 
 from ember import LLM, SamplingParams
 from ember.runner.tensor_parallel import RankGraphs, WorkerFailed
-from processes import alive, gone
-from test_tensor_parallel_engine import kill_mid_run  # pytest puts this folder on sys.path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

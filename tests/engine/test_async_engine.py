@@ -12,6 +12,7 @@ import asyncio
 import time
 
 import pytest
+from sampling import greedy
 
 from ember import EngineConfig, SamplingParams
 from ember.engine.async_engine import AsyncEngine, EngineStoppedError
@@ -20,10 +21,6 @@ pytestmark = pytest.mark.slow
 
 FRANCE = "The capital of France is"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,"]
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from sampling import greedy
 
 from ember import EngineConfig, SamplingParams, StructuredOutputsParams
 from ember.engine.async_engine import AsyncEngine
@@ -44,10 +45,6 @@ FORTY = [
     "The ocean covers about seventy percent of the surface of the Earth and holds most of its water. Scientists "
     "usually divide it into five large basins: the Pacific, the Atlantic, the Indian, the",
 ]
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
 
 
 def seeded(max_tokens: int, seed: int, **kw) -> SamplingParams:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sampling import greedy
 
-from ember import LLM, SamplingParams
+from ember import LLM
 from ember.request import Request
 
 pytestmark = pytest.mark.slow  # loads the real model three times (session + 2 small pools)
@@ -57,10 +58,6 @@ FORTY = [
     "The ocean covers about seventy percent of the surface of the Earth and holds most of its "
     "water. Scientists usually divide it into five large basins: the Pacific, the Atlantic, the Indian, the",
 ]
-
-
-def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +107,8 @@ def alone(llm):
     """Each of PROMPTS generated on its own: the reference."""
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
-    return ids, [llm.generate({"prompt_token_ids": p}, greedy())[0].outputs[0].token_ids for p in ids]
+    return ids, [llm.generate({"prompt_token_ids": p}, greedy(MAX_TOKENS, ignore_eos=True))[0].outputs[0].token_ids
+                 for p in ids]
 
 
 def test_prompts_have_different_lengths(alone):
@@ -123,7 +121,7 @@ def test_prompts_have_different_lengths(alone):
 
 def test_together_equals_alone(llm, alone, forward_logits):
     ids, want = alone
-    got = token_ids(llm.generate([{"prompt_token_ids": p} for p in ids], greedy()))
+    got = token_ids(llm.generate([{"prompt_token_ids": p} for p in ids], greedy(MAX_TOKENS, ignore_eos=True)))
     assert_same(llm, ids, got, want, forward_logits)
 
 
@@ -144,12 +142,14 @@ def test_chunked_prefill_equals_one_step_prefill(llm, chunked_llm, one_step_llm,
     nothing else."""
     assert one_step_llm.config.max_num_batched_tokens == 2048 > len(long_prompt)
     assert chunked_llm.config.max_num_batched_tokens == 128
-    one_step = one_step_llm.generate({"prompt_token_ids": long_prompt}, greedy())[0].outputs[0].token_ids
+    one_step = one_step_llm.generate({"prompt_token_ids": long_prompt},
+                                     greedy(MAX_TOKENS, ignore_eos=True))[0].outputs[0].token_ids
 
     ids, want = alone
     engine = chunked_llm.engine
-    short = [Request("short-a", ids[1], greedy()), Request("short-b", ids[3], greedy())]
-    long = Request("long", long_prompt, greedy())
+    short = [Request("short-a", ids[1], greedy(MAX_TOKENS, ignore_eos=True)),
+             Request("short-b", ids[3], greedy(MAX_TOKENS, ignore_eos=True))]
+    long = Request("long", long_prompt, greedy(MAX_TOKENS, ignore_eos=True))
     for r in [*short, long]:  # FCFS: the short ones first, so the long one's chunks share steps
         engine.add_request(r)
     plans = []  # every step's plan as [(request id, tokens, samples)], seen through a spy
@@ -190,7 +190,7 @@ def test_a_tiny_pool_preempts_and_every_request_matches_the_big_pool(llm, tiny_l
     ids = [tok.encode(p) for p in FORTY]
     assert all(36 <= len(p) <= 44 for p in ids), [len(p) for p in ids]
     # 6 x 3 blocks of prompt > 12: only 4 fit at first; each grows to 5 blocks (80 tokens)
-    params = greedy(40)
+    params = greedy(40, ignore_eos=True)
     want = token_ids(llm.generate([{"prompt_token_ids": p} for p in ids], params))
 
     before = tiny_llm.engine.scheduler.num_preemptions
@@ -205,7 +205,7 @@ def test_a_tiny_pool_preempts_and_every_request_matches_the_big_pool(llm, tiny_l
 def test_abort_everything_mid_flight_then_serve_the_same_output(llm, alone):
     ids, want = alone
     engine = llm.engine
-    reqs = [Request(f"to-abort-{i}", ids[i], greedy(50)) for i in (2, 4, 5)]
+    reqs = [Request(f"to-abort-{i}", ids[i], greedy(50, ignore_eos=True)) for i in (2, 4, 5)]
     for r in reqs:
         engine.add_request(r)
     for _ in range(3):
@@ -217,4 +217,4 @@ def test_abort_everything_mid_flight_then_serve_the_same_output(llm, alone):
     assert all(r.finish_reason == "abort" and r.block_ids == [] for r in reqs)
     llm.check_idle()
     # the engine serves on, with the same output (8 tokens: enough to see the KV is sound)
-    assert token_ids(llm.generate({"prompt_token_ids": ids[4]}, greedy(8))) == [want[4][:8]]
+    assert token_ids(llm.generate({"prompt_token_ids": ids[4]}, greedy(8, ignore_eos=True))) == [want[4][:8]]

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from invariance import assert_same, results
+from sampling import greedy
 
 from ember import LLM, SamplingParams
-from invariance import assert_same, results
 
 pytestmark = pytest.mark.slow
 
@@ -40,12 +41,9 @@ HELD_OUT = [
 MAX_TOKENS = 24
 
 
-def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-
-
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams | None = None):
-    return results(llm.generate([{"prompt_token_ids": p} for p in prompts], params or greedy()))
+    return results(llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                params or greedy(MAX_TOKENS, ignore_eos=True, logprobs=0)))
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +94,13 @@ def alone(engines, system_prompts, held_out):
 def test_a_prefix_cache_hit_gives_the_uncached_answer(engines, system_prompts, alone):
     llm = engines["default"]
     warm = system_prompts[0][:1500] + llm.get_tokenizer().encode(" Question: what is a press?")
-    run(llm, [warm], greedy(4))  # someone else's request a minute earlier
-    outs = [llm.generate({"prompt_token_ids": p}, greedy())[0] for p in system_prompts]
+    run(llm, [warm], greedy(4, ignore_eos=True, logprobs=0))  # someone else's request a minute earlier
+    outs = [llm.generate({"prompt_token_ids": p}, greedy(MAX_TOKENS, ignore_eos=True, logprobs=0))[0]
+            for p in system_prompts]
     assert [o.num_cached_tokens for o in outs] == [1488] * 6  # the system prompt's whole 16-token blocks
     assert_same(results(outs), alone["system"], "after a prefix-cache hit")
-    outs = llm.generate([{"prompt_token_ids": p} for p in system_prompts], greedy())  # all six at once
+    outs = llm.generate([{"prompt_token_ids": p} for p in system_prompts],  # all six at once
+                        greedy(MAX_TOKENS, ignore_eos=True, logprobs=0))
     assert all(o.num_cached_tokens >= 1488 for o in outs)
     assert_same(results(outs), alone["system"], "six at once on a shared cached prefix")
 

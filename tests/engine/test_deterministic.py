@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from invariance import assert_batch_invariant
 
 from ember.config import _check_deterministic
 from ember.models.config import ModelConfig
 from ember.server.cli import add_engine_args, engine_args
-from invariance import assert_batch_invariant
 
 pytestmark = pytest.mark.slow
 

@@ -20,13 +20,12 @@ import types
 
 import pytest
 import torch
+from test_batch_invariance import FORTY, PARAGRAPH, PROMPTS
+from test_prefix_cache_e2e import QUESTIONS, SYSTEM, expected_cached, kv_tokens
 
 from ember import EngineConfig, SamplingParams
 from ember.config import CPU_KV_CACHE_MEMORY
 from ember.runner.model_runner import ModelRunner
-
-from test_batch_invariance import FORTY, PARAGRAPH, PROMPTS
-from test_prefix_cache_e2e import QUESTIONS, SYSTEM, expected_cached, kv_tokens
 
 pytestmark = pytest.mark.slow  # two more engines on the real model
 

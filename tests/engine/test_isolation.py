@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from sampling import greedy
 
 from ember import EngineConfig, SamplingParams, StructuredOutputsParams
 from ember.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
@@ -19,10 +20,6 @@ pytestmark = pytest.mark.slow
 
 FRANCE = "The capital of France is"
 OTHER = "Once upon a time"
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
 
 
 @pytest.fixture(scope="module")

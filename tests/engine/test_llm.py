@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sampling import greedy
 
-from ember import EngineConfig, LLM, SamplingParams
+from ember import LLM, EngineConfig, SamplingParams
 from ember.outputs import RequestOutput
 
 EOS = 2  # <|im_end|>
@@ -39,10 +40,6 @@ YES_NO = [{"role": "user", "content": "Reply with one word: yes or no?"}]
 YES_NO_OUT = [10539, 30, EOS]  # "Yes." <|im_end|>
 TWO_PLUS_TWO = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
 TWO_PLUS_TWO_OUT = [34, 1232, 216, 34, 446, 216, 36, EOS]  # "2 + 2 = 4" <|im_end|>
-
-
-def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
 
 
 # ---- engines and the idle check ----------------------------------------------------------

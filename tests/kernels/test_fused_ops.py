@@ -9,7 +9,6 @@ import torch
 pytest.importorskip("triton")
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
-
 from ember.kernels.activation import gelu_tanh_and_mul as fused_gelu_tanh_and_mul  # noqa: E402
 from ember.kernels.activation import silu_and_mul as fused_silu_and_mul  # noqa: E402
 from ember.kernels.kv_write import kv_write  # noqa: E402
@@ -18,6 +17,7 @@ from ember.kernels.rotary import qk_norm_rope_inplace, rope_inplace  # noqa: E40
 from ember.layers.activation import gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from ember.layers.norm import RMSNorm  # noqa: E402
 from ember.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def plain_torch_reference():

@@ -11,8 +11,14 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from ember.kernels.moe import (align_experts, fused_experts, heuristic_config, max_padded_rows, moe_configs,  # noqa: E402
-                               route_topk)  # noqa: E402
+from ember.kernels.moe import (  # noqa: E402
+    align_experts,
+    fused_experts,
+    heuristic_config,
+    max_padded_rows,
+    moe_configs,
+    route_topk,  # noqa: E402
+)
 from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
 from ember.layers.moe import FusedMoE, grouped_experts  # noqa: E402
 

@@ -5,7 +5,6 @@ Every instruction set this CPU runs is tested, the plain rows always, at ragged 
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch

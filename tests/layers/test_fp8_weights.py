@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.layers.linear import Linear, MergedLinear
-from ember.layers.quant.fp8 import (AMAX_FLOOR, FP8, FP8Tensor, FP8Weight, quantize_rows, quantize_weight,
-                                    stack_fp8)
+from ember.layers.quant.fp8 import AMAX_FLOOR, FP8, FP8Tensor, FP8Weight, quantize_rows, quantize_weight, stack_fp8
 from ember.layers.quant.split import Dense, Split
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_model_files import TINY, TINY_ARGS, tiny_cfg, write_hf_dir
 
 from ember import LLM, SamplingParams
 from ember.loader.dummy import iter_dummy_weights
-from test_model_files import TINY, TINY_ARGS, tiny_cfg, write_hf_dir
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [7, 1, 2]]
 

@@ -4,7 +4,6 @@ Q/K un-permutation (checked against HF transformers' own GGUF loading) and bad f
 from __future__ import annotations
 
 import math
-
 import warnings
 from pathlib import Path
 

@@ -319,6 +319,7 @@ def test_q8_0_blocks_give_a_prompt_the_same_bits_however_it_is_batched(converted
     int8 kernels, a float16 cache): batch invariance (tests/invariance.py), windows and soft-caps
     included."""
     from invariance import assert_batch_invariant, prompts_with_a_shared_prefix
+
     from ember.layers.linear import Linear
     from ember.layers.quant.gguf_blocks import GGUFBlocks
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ember import LLM, EngineConfig, SamplingParams
-from ember.loader.hub import choose_weight_files, parse_hub_id, pick_gguf, resolve_hub_tokenizer
-from ember.loader.model_files import locate_model
-from ember.loader.dummy import iter_dummy_weights
 from hub_server import COMMIT, HubStandIn
 from test_checkpoint_files import sharded_dir
 from test_model_files import TINY_ARGS, tiny_cfg, write_hf_dir
+
+from ember import LLM, EngineConfig, SamplingParams
+from ember.loader.dummy import iter_dummy_weights
+from ember.loader.hub import choose_weight_files, parse_hub_id, pick_gguf, resolve_hub_tokenizer
+from ember.loader.model_files import locate_model
 
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40

@@ -76,9 +76,10 @@ def test_llama_kind_adds_bos(tmp_path: Path) -> None:
 
 
 def test_a_model_dir_with_tokenizer_model_only(tmp_path: Path) -> None:
+    from test_model_files import write_hf_dir
+
     from ember import EngineConfig
     from ember.engine.input_processor import load_engine_tokenizer
-    from test_model_files import write_hf_dir
 
     model = write_hf_dir(tmp_path / "model")
     train(tmp_path / "tok", "unigram")

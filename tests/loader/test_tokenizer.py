@@ -234,9 +234,10 @@ def test_template_file_precedence(tok: Tokenizer, tmp_path: Path) -> None:
 
 
 def test_chat_template_override_from_a_file_or_text(tok: Tokenizer, tmp_path: Path) -> None:
+    from test_model_files import write_hf_dir
+
     from ember import EngineConfig
     from ember.engine.input_processor import load_engine_tokenizer
-    from test_model_files import write_hf_dir
 
     model = write_hf_dir(tmp_path / "model")
     tok.backend.save(str(model / "tokenizer.json"))
@@ -256,9 +257,10 @@ def test_chat_template_override_from_a_file_or_text(tok: Tokenizer, tmp_path: Pa
 
 def test_tokenizer_override(tok: Tokenizer, tmp_path: Path) -> None:
     """A model without a tokenizer takes one from a directory given as its tokenizer."""
+    from test_model_files import write_hf_dir
+
     from ember import EngineConfig
     from ember.engine.input_processor import load_engine_tokenizer
-    from test_model_files import write_hf_dir
 
     model = write_hf_dir(tmp_path / "model")
     other = _write_hf_dir(tok, tmp_path / "tok", {"chat_template": "other"})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from invariance import assert_batch_invariant, outputs, prompts_with_a_shared_prefix
 
 pytestmark = pytest.mark.gpu

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_families import LLAMA, save_tiny_model
 
 from ember import LLM
 from ember.pooling import PoolerConfig
-from test_families import LLAMA, save_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from test_families import BASE, MAX_TOKENS, PROMPTS, assert_logits_match, build, hf_greedy
 
 from ember import SamplingParams
 from ember.layers.moe import FusedMoE
@@ -17,7 +18,6 @@ from ember.loader.dummy import iter_dummy_weights
 from ember.loader.model_files import load_model, locate_model
 from ember.loader.weights import load_weights
 from ember.models.config import ModelConfig
-from test_families import BASE, MAX_TOKENS, PROMPTS, assert_logits_match, build, hf_greedy
 
 MOE = {
     "mixtral": BASE | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "rope_theta": 10000.0,

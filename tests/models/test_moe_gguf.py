@@ -13,14 +13,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_families import PROMPTS, assert_logits_match, save_tiny_model
+from test_moe import MOE, assert_greedy_matches_hf
 
 from ember import LLM, SamplingParams
 from ember.loader.gguf import open_gguf
 from ember.loader.gguf_experts import split_experts
 from ember.loader.model_files import ModelFiles
 from ember.models.config import ModelConfig
-from test_families import PROMPTS, assert_logits_match, save_tiny_model
-from test_moe import MOE, assert_greedy_matches_hf
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402

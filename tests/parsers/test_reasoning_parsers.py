@@ -10,7 +10,6 @@ import functools
 import pytest
 
 from ember import SamplingParams
-
 from ember.outputs import CompletionOutput
 from ember.parsers import get_tool_parser
 from ember.parsers.forced import NamedCall

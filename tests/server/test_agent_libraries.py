@@ -11,10 +11,9 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
+from servers import KEY, MODEL
 
-from test_openai_server import KEY, MODEL, client, server, still_serving  # noqa: F401 (fixtures)
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("still_serving")]
 
 ASK = "What is the weather like in Paris today?"
 

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from servers import MODEL, post, serving
+from test_tool_calls_server import ASK, TOOLS, WEATHER, reassembled
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.parsers import get_tool_parser
-from test_openai_server import MODEL, _post, serving, still_serving  # noqa: F401 (fixtures)
-from test_tool_calls_server import ASK, TOOLS, WEATHER, reassembled
 
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("still_serving")]
 
 TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 HISTORY = [
@@ -57,7 +57,7 @@ def test_llm_chat_renders_the_tools(hermes_llm):
 
 
 def test_a_tool_result_round_trip_renders_the_call_and_the_result(server, client, hermes_llm):
-    r = _post(server, "/tokenize", {"messages": HISTORY, "tools": TOOLS}).json()
+    r = post(server, "/tokenize", {"messages": HISTORY, "tools": TOOLS}).json()
     rendered = hermes_llm.chat(HISTORY, SamplingParams(temperature=0, max_tokens=1), tools=TOOLS)[0]
     assert r["tokens"] == rendered.prompt_token_ids
     assert rendered.prompt.endswith(
@@ -81,8 +81,8 @@ def test_auto_reads_the_text_with_the_parser_and_prose_stays_content(client, her
 
 
 def test_tool_choice_none_renders_the_tools_and_answers_in_text(server, client):
-    with_tools = _post(server, "/tokenize", {"messages": ASK, "tools": TOOLS}).json()["count"]
-    without = _post(server, "/tokenize", {"messages": ASK}).json()["count"]
+    with_tools = post(server, "/tokenize", {"messages": ASK, "tools": TOOLS}).json()["count"]
+    without = post(server, "/tokenize", {"messages": ASK}).json()["count"]
     out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", temperature=0,
                                          max_tokens=8)
     assert out.usage.prompt_tokens == with_tools > without + 100

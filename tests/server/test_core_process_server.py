@@ -19,9 +19,8 @@ import threading
 import time
 
 import pytest
-
 from processes import alive, children, gone, parent_pid
-from test_openai_server import MODEL, Server, running
+from servers import MODEL, Server, running
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")

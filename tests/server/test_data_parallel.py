@@ -12,11 +12,11 @@ import time
 import httpx
 import pytest
 import torch
+from processes import alive, children
+from servers import KEY, MODEL, Server
 
 from ember import LLM, SamplingParams
 from ember.server.data_parallel import replica_argv, replica_env, run_data_parallel
-from processes import alive, children
-from test_openai_server import KEY, MODEL, Server
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from servers import KEY, MODEL, Server, assert_openai_error, post
 
 from ember import LLM
-from test_openai_server import KEY, MODEL, Server, _post, assert_openai_error
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from test_families import LLAMA, save_tiny_model  # noqa: E402
@@ -94,7 +94,7 @@ def test_token_id_inputs_equal_the_offline_embeddings(servers, offline):
 
 def test_the_response_has_openais_shape(servers):
     server, _ = servers
-    r = _post(server, "/v1/embeddings", {"model": MODEL, "input": [1, 2, 3], "encoding_format": "base64"})
+    r = post(server, "/v1/embeddings", {"model": MODEL, "input": [1, 2, 3], "encoding_format": "base64"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert list(body) == ["object", "data", "model", "usage"]
@@ -113,7 +113,7 @@ def test_the_response_has_openais_shape(servers):
 ])
 def test_bad_embedding_requests_get_400(servers, body, words, param):
     server, _ = servers
-    error = assert_openai_error(_post(server, "/v1/embeddings", {"model": MODEL} | body), 400, *words)
+    error = assert_openai_error(post(server, "/v1/embeddings", {"model": MODEL} | body), 400, *words)
     if param is not None:
         assert error["param"] == param
     server.wait_idle()
@@ -122,16 +122,16 @@ def test_bad_embedding_requests_get_400(servers, body, words, param):
 def test_each_runner_refuses_the_others_routes(servers):
     pooling, generating = servers
     for path in ("/v1/chat/completions", "/v1/completions"):
-        assert_openai_error(_post(pooling, path, {"model": MODEL, "prompt": "hi"}), 400,
+        assert_openai_error(post(pooling, path, {"model": MODEL, "prompt": "hi"}), 400,
                             f"this server computes embeddings (--runner pooling): {path} needs a server "
                             "started without --runner pooling")
-    assert_openai_error(_post(generating, "/v1/embeddings", {"model": MODEL, "input": "hi"}), 400,
+    assert_openai_error(post(generating, "/v1/embeddings", {"model": MODEL, "input": "hi"}), 400,
                         "this server generates text: /v1/embeddings needs a server started with --runner "
                         "pooling (or --task embed)")
     with pytest.raises(openai.BadRequestError, match="--runner pooling"):
         generating.client().embeddings.create(model=MODEL, input="hi")
-    r = _post(generating, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+    r = post(generating, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
     assert r.status_code == 200, r.text  # the generating server still generates
-    unauthorized = _post(pooling, "/v1/completions", {"model": MODEL, "prompt": "hi"},
+    unauthorized = post(pooling, "/v1/completions", {"model": MODEL, "prompt": "hi"},
                          headers={"Authorization": "Bearer wrong"})
     assert unauthorized.status_code == 401  # the key is checked first

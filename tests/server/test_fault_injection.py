@@ -18,10 +18,10 @@ import time
 from contextlib import contextmanager
 
 import pytest
+from servers import KEY, MODEL, Server, assert_openai_error
 
 from ember import SamplingParams
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
-from test_openai_server import KEY, MODEL, Server, assert_openai_error
 
 httpx = pytest.importorskip("httpx")
 

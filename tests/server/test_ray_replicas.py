@@ -14,10 +14,10 @@ import time
 
 import httpx
 import pytest
+from processes import alive
+from servers import KEY, MODEL, Server
 
 from ember import LLM, SamplingParams
-from processes import alive
-from test_openai_server import KEY, MODEL, Server
 
 ray = pytest.importorskip("ray")
 

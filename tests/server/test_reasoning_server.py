@@ -7,18 +7,18 @@ on the chat route and the Responses API."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
+
+import pytest
+from servers import MODEL, serving
 
 from ember import SamplingParams, StructuredOutputsParams
 from ember.parsers.forced import parameters_schema
 from ember.parsers.reasoning import get_reasoning_parser
-from test_openai_server import MODEL, serving, still_serving  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("still_serving")]
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 

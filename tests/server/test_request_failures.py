@@ -13,11 +13,11 @@ import threading
 import time
 
 import pytest
+from servers import assert_openai_error
 
 from ember import EngineConfig, SamplingParams
 from ember.engine.async_engine import AsyncEngine
 from ember.server.openai_api import ServerConfig, build_app
-from test_openai_server import assert_openai_error
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")

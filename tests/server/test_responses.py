@@ -9,13 +9,11 @@ import json
 
 import jsonschema
 import pytest
-
-from test_openai_server import (KEY, MODEL, _post, assert_openai_error, client, server,  # noqa: F401 (fixtures)
-                                still_serving)
+from servers import MODEL, assert_openai_error, post
 
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("still_serving")]
 
 QUESTION = "What is the capital of France?"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
@@ -97,7 +95,7 @@ def test_a_tool_result_round_trip_renders_as_the_chat_history(client, server):
     messages = [items[0], {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
-    tokens = _post(server, "/tokenize", {"model": MODEL, "messages": messages, "tools": [
+    tokens = post(server, "/tokenize", {"model": MODEL, "messages": messages, "tools": [
         {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]}).json()
     assert out.usage.input_tokens == tokens["count"]
     text, _ = chat_text(client, messages, max_tokens=12)
@@ -120,5 +118,5 @@ def test_json_schema_text_format(client):
     ({"input": "x", "tools": [WEATHER]}, None, ["--enable-auto-tool-choice"]),  # auto needs a tool-call parser
 ])
 def test_refusals(server, body, param, words):
-    error = assert_openai_error(_post(server, "/v1/responses", {"model": MODEL, **body}), 400, *words)
+    error = assert_openai_error(post(server, "/v1/responses", {"model": MODEL, **body}), 400, *words)
     assert error["type"] == "invalid_request_error" and (param is None or error["param"] == param)

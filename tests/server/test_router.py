@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
+from servers import KEY, MODEL, Server, assert_openai_error, free_port
 
 from ember.router.policy import CacheAwarePolicy, NoHealthyWorker, PolicyConfig, PrefixTree
-from test_openai_server import KEY, MODEL, Server, _free_port, assert_openai_error
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -206,7 +206,7 @@ class RouterProcess:
     """`ember router` in a subprocess, in front of `workers`."""
 
     def __init__(self, workers: list, log, *args: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "ember.server.cli", "router", "--port", str(self.port),

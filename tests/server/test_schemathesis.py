@@ -14,10 +14,14 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import (content_type_conformance, negative_data_rejection,  # noqa: E402
-                                 not_a_server_error, response_schema_conformance, status_code_conformance)
-
-from test_openai_server import KEY, Server, running  # noqa: E402
+from schemathesis.checks import (  # noqa: E402
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from servers import KEY, Server, running  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from servers import FRANCE, KEY, MODEL, Server, assert_openai_error, post, running
 
 from ember import SamplingParams
-from test_openai_server import FRANCE, KEY, MODEL, Server, _post, assert_openai_error, running
 
 openai = pytest.importorskip("openai")
 
@@ -160,25 +160,25 @@ def assert_prompt_logprobs_equal(got: list, ref_entries: list, ids: list[int], t
 
 def test_prompt_logprobs_on_completions(server, llm):
     ref = scored(llm, FRANCE, 2)
-    body = _post(server, "/v1/completions", {"model": MODEL, "prompt": FRANCE, "max_tokens": 2, "temperature": 0,
+    body = post(server, "/v1/completions", {"model": MODEL, "prompt": FRANCE, "max_tokens": 2, "temperature": 0,
                                               "prompt_logprobs": 2}).json()
     choice = body["choices"][0]
     assert choice["text"] == " Paris." and choice["logprobs"] is None
     assert_prompt_logprobs_equal(choice["prompt_logprobs"], ref.prompt_logprobs, ref.prompt_token_ids, 2)
     assert choice["prompt_logprobs"][1]["3575"]["decoded_token"] == " capital"
     # 0: the prompt token alone
-    body = _post(server, "/v1/completions", {"model": MODEL, "prompt": FRANCE, "max_tokens": 1, "temperature": 0,
+    body = post(server, "/v1/completions", {"model": MODEL, "prompt": FRANCE, "max_tokens": 1, "temperature": 0,
                                               "prompt_logprobs": 0}).json()
     assert [list(e) if e else e for e in body["choices"][0]["prompt_logprobs"]] == \
         [None, ["3575"], ["282"], ["4649"], ["314"]]
     # not asked for: null
-    body = _post(server, "/v1/completions", {"model": MODEL, "prompt": FRANCE, "max_tokens": 1}).json()
+    body = post(server, "/v1/completions", {"model": MODEL, "prompt": FRANCE, "max_tokens": 1}).json()
     assert body["choices"][0]["prompt_logprobs"] is None
 
 
 def test_prompt_logprobs_on_chat(server, llm):
     ref = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1))[0]
-    body = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
+    body = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
                                                    "temperature": 0, "prompt_logprobs": 1}).json()
     choice = body["choices"][0]
     assert choice["message"]["content"] == ref.outputs[0].text
@@ -204,7 +204,7 @@ def test_tokenizer_info_is_the_default_models(server, llm):
     }
     assert info["chat_template"].startswith("{% for message in messages %}")
     # what lm-eval's remote tokenizer does with it: the special tokens' ids through /tokenize
-    ids = [_post(server, "/tokenize", {"prompt": info[k], "add_special_tokens": False}).json()["tokens"]
+    ids = [post(server, "/tokenize", {"prompt": info[k], "add_special_tokens": False}).json()["tokens"]
            for k in ("eos_token", "bos_token")]
     assert ids == [[2], [1]]
 
@@ -234,7 +234,7 @@ def server_get(server: Server, path: str) -> dict:
     ("/v1/chat/completions", {"messages": CHAT, "best_of": 2}, "best_of", ["unknown field"]),
 ])
 def test_refused_with_400_naming_the_field(server, route, body, param, words):
-    error = assert_openai_error(_post(server, route, {"model": MODEL, **body}), 400, *words)
+    error = assert_openai_error(post(server, route, {"model": MODEL, **body}), 400, *words)
     assert error["param"] == param
 
 

@@ -26,9 +26,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from ember import LLM, SamplingParams  # noqa: E402
 from processes import children  # noqa: E402
-from test_openai_server import KEY, MODEL, Server  # noqa: E402
+from servers import KEY, MODEL, Server  # noqa: E402
+
+from ember import LLM, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -9,10 +9,10 @@ import sys
 
 import httpx
 import pytest
+from servers import KEY, MODEL, Server, post, running
 
 import ember
 from ember.server.cli import engine_args, parse_args
-from test_openai_server import KEY, MODEL, Server, _post, running
 
 ORIGIN = "http://app.example"
 
@@ -120,7 +120,7 @@ def test_responses_carry_the_allowed_origin_and_the_key_still_guards(configured)
 
 def test_enable_log_requests_logs_id_prompt_length_and_params(configured):
     body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 3, "temperature": 0}
-    r = _post(configured, "/v1/completions", body)
+    r = post(configured, "/v1/completions", body)
     assert r.status_code == 200, r.text
     request_id = r.json()["id"]
     lines = [line for line in configured.log.read_text().splitlines() if f"request {request_id}-0:" in line]

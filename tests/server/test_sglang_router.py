@@ -15,9 +15,9 @@ import time
 import httpx
 import openai
 import pytest
+from servers import MODEL, Server, free_port
 
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
-from test_openai_server import MODEL, Server, _free_port
 
 pytest.importorskip("sglang_router")
 
@@ -42,9 +42,9 @@ def test_sglangs_fields_at_embers_behaviour_are_taken_and_no_stop_trim_is_honour
 def sglang_router(gguf_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("sglang-router")
     workers = [Server(gguf_path, logs / f"worker{i}.log") for i in range(2)]
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *[w.url for w in workers],
-           "--port", str(port), "--policy", "cache_aware", "--prometheus-port", str(_free_port()),
+           "--port", str(port), "--policy", "cache_aware", "--prometheus-port", str(free_port()),
            "--log-level", "warn"]
     router = None
     try:

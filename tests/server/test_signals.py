@@ -12,8 +12,7 @@ import threading
 import time
 
 import pytest
-
-from test_openai_server import MODEL, Server, assert_openai_error
+from servers import MODEL, Server, assert_openai_error
 
 httpx = pytest.importorskip("httpx")
 

@@ -10,9 +10,9 @@ import re
 
 import jsonschema
 import pytest
+from servers import MODEL, assert_openai_error, post
 
 from ember import SamplingParams, StructuredOutputsParams
-from test_openai_server import KEY, MODEL, _post, assert_openai_error, client, server  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 
@@ -83,7 +83,7 @@ def test_completions_with_the_vllm_and_legacy_fields(client, extra, check):
 ])
 def test_a_bad_constraint_gets_400_with_the_compilers_message_and_the_server_keeps_serving(server, client, body,
                                                                                            words, param):
-    error = assert_openai_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": ASK, **body}),
+    error = assert_openai_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": ASK, **body}),
                                 400, *words)
     assert error["type"] == "invalid_request_error" and error["param"] == param
     out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0)

@@ -12,15 +12,14 @@ import json
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
+from servers import MODEL, assert_openai_error, post
 
 from ember import SamplingParams, StructuredOutputsParams
 from ember.parsers.forced import RequiredCalls, required_schema
-from test_openai_server import (KEY, MODEL, _post, assert_openai_error, client, server,  # noqa: F401 (fixtures)
-                                still_serving)
 
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("still_serving")]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -125,7 +124,7 @@ AUTO = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-pa
 
 @pytest.mark.parametrize("extra", [{"tool_choice": "auto"}, {}])
 def test_auto_without_a_tool_call_parser_is_400_with_vllms_message(server, extra):
-    error = assert_openai_error(_post(server, "/v1/chat/completions",
+    error = assert_openai_error(post(server, "/v1/chat/completions",
                                       {"model": MODEL, "messages": ASK, "tools": TOOLS, **extra}), 400)
     assert error["message"] == AUTO and error["param"] == "tool_choice"
 
@@ -144,7 +143,7 @@ def test_auto_without_a_tool_call_parser_is_400_with_vllms_message(server, extra
     ({"functions": [WEATHER["function"]]}, "unknown field", "functions"),
 ])
 def test_bad_tool_fields_get_400(server, body, words, param):
-    error = assert_openai_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": ASK, **body}),
+    error = assert_openai_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": ASK, **body}),
                                 400, words)
     assert error["param"] == param
 
@@ -157,7 +156,7 @@ def test_a_tool_result_round_trip_keeps_the_call_and_the_result_in_the_prompt(se
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
-    tokens = _post(server, "/tokenize", {"messages": history, "tools": TOOLS}).json()["tokens"]
+    tokens = post(server, "/tokenize", {"messages": history, "tools": TOOLS}).json()["tokens"]
     want = llm.inputs.chat_prompt(history, tools=TOOLS)
     assert tokens == want["prompt_token_ids"]
     assert want["prompt"].endswith('<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n{"temperature": 21}<|im_end|>\n'

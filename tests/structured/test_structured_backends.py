@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ember.runner.sampler import SamplingRow, apply_grammar_masks, unpack_bitmask
-from ember.sampling_params import SamplingParams, StructuredOutputsParams as S
+from ember.sampling_params import SamplingParams
+from ember.sampling_params import StructuredOutputsParams as S
 from ember.structured.base import UnavailableBackend, bitmask_words
 from ember.structured.registry import make_backend
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ember.request import Request
-from ember.sampling_params import SamplingParams, StructuredOutputsParams as S
+from ember.sampling_params import SamplingParams
+from ember.sampling_params import StructuredOutputsParams as S
 from ember.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from ember.structured import manager as manager_module
 from ember.structured.base import CompiledGrammar, GrammarMatcher, bitmask_words

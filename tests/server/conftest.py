@@ -1,0 +1,38 @@
+"""The main server (servers.py), for the modules that do not start their own: `server`, a
+module's `ember serve` on the default model with the API key, and `client`, the official
+`openai` client on it. `still_serving` is not autouse: a module opts in with
+`pytestmark = pytest.mark.usefixtures("still_serving")`.
+
+servers.py is imported inside the fixtures, not here: it skips without openai, httpx,
+fastapi or uvicorn, and a skip at import here would skip (or, for a file named on the
+command line, fail) every module in this directory, those that need none of them too."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def server(gguf_path, tmp_path_factory):
+    from servers import serving
+
+    yield from serving(gguf_path, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture
+def still_serving(request):
+    """After every test that used the main server: it still answers, and holds no block."""
+    yield
+    if "server" in request.fixturenames:
+        from servers import FRANCE, MODEL
+
+        server = request.getfixturevalue("server")
+        if server.proc.poll() is None:
+            out = server.client().completions.create(model=MODEL, prompt=FRANCE, max_tokens=2, temperature=0)
+            assert out.choices[0].text == " Paris."
+            server.wait_idle()
