@@ -1,4 +1,5 @@
-# ember: `make serve` (the OpenAI-compatible server), `make test`, `make demo`; each sets up first.
+# ember: `make serve` (the OpenAI-compatible server), `make test` (ruff, then pytest), `make demo`; each sets up
+# first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -22,6 +23,7 @@ serve: setup
 	$(VENV)/bin/ember serve $(SERVE_ARGS)
 
 test: setup
+	$(VENV)/bin/ruff check ember tests benchmarks
 	$(PY) -m pytest -q
 
 demo: setup

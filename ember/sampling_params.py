@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
 MAX_SCHEMA_DEPTH = 64  # nested lists / objects in a JSON schema: its compile time grows with the depth
 
 

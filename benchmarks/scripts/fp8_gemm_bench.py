@@ -23,7 +23,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
 from gemv_bench import SHAPES, sweep_configs, time_us
 
 from ember.kernels.fp8 import fp8_matmul, quantize_groups
@@ -102,7 +101,6 @@ def main(sweep: bool) -> None:
                 rows = sweep_configs(lambda i, config: gemv(x, w8[i], weight_scale=ws[i], config=config), copies8)
                 print(f"    fp8 GEMV default {gemv_config(1, n, k)}; best: " + ", ".join(
                     f"{bn},{bk},{w}: {t:.1f}" for t, bn, bk, w in rows[:4]), flush=True)
-        del w16, per_row, w8, ws, wsb
         torch.cuda.empty_cache()
     best = max([m for m, wins in gemv_wins.items() if wins and all(gemv_wins.get(r, False) for r in ROWS if r < m)],
                default=0)

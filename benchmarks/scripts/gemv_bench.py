@@ -103,7 +103,6 @@ def main(sweep: bool, shapes: dict[str, tuple[int, int]]) -> None:
                     rows = sweep_configs(lambda i, config: gemv(x, ws[i], prologue="norm", residual=res,
                                                                 norm_weight=nw, config=config), copies)
                     print(f"    with the norm prologue, best: {_best(rows)}", flush=True)
-        del ws
         torch.cuda.empty_cache()
 
 

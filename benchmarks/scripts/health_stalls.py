@@ -14,8 +14,8 @@ import time
 import httpx
 
 sys.path.insert(0, "tests/server")
-from test_fault_injection import _POLLER as POLL, HOSTILE, MODEL  # noqa: E402
-
+from test_fault_injection import _POLLER as POLL  # noqa: E402
+from test_fault_injection import HOSTILE, MODEL
 
 url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8011"
 for name, (path, body), _, _ in HOSTILE:

@@ -34,7 +34,6 @@ import numpy as np
 
 from ember.bench.results import RandomRequest, ThroughputResult
 
-
 # -- flags --------------------------------------------------------------------------------
 
 
@@ -145,9 +144,9 @@ def _engine_label(cfg: Any) -> str:
 
 def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Run the benchmark the flags describe; print the report, write it if asked, return it."""
-    from ember import LLM
-
     import logging
+
+    from ember import LLM
 
     for name in ("ember.runner", "ember.defaults"):  # the memory breakdown, graph capture time, the settings
         logging.getLogger(name).setLevel(logging.INFO)

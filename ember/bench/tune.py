@@ -454,8 +454,8 @@ def run_tune(ns: argparse.Namespace) -> dict[str, Any]:
 
     from ember.bench.plots import plot_tune, require_matplotlib
     from ember.config import EngineConfig, cpu_computes_bfloat16
-    from ember.loader.tokenizer_files import load_tokenizer
     from ember.engine_args import engine_args
+    from ember.loader.tokenizer_files import load_tokenizer
 
     require_matplotlib()
     if ns.slo_ttft_p99 <= 0 or ns.slo_tpot_p99 <= 0 or ns.budget_minutes <= 0:

@@ -32,9 +32,19 @@ import weakref
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore, EngineCoreOutput
+from ember.engine.core_process import (
+    ABORT,
+    ADD,
+    FAIL,
+    FINISH,
+    SHUTDOWN,
+    CoreService,
+    CoreStep,
+    output_row,
+    run_core_process,
+    stats_row,
+)
 from ember.engine.output_processor import ProcessedOutputs
-from ember.engine.core_process import (ABORT, ADD, FAIL, FINISH, SHUTDOWN, CoreService, CoreStep, run_core_process,
-                                       output_row, stats_row)
 from ember.engine.stats import EngineStats
 from ember.loader.tokenizer import Tokenizer
 from ember.request import Request

@@ -16,7 +16,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-
 from dataclasses import dataclass
 
 from ember.config import EngineConfig

@@ -35,7 +35,6 @@ from ember.loader.gguf_reader import CorruptGGUF, read_gguf
 from ember.loader.weights import hf_weight_shapes
 from ember.models.config import ModelConfig
 
-
 GGUF_MAGIC = b"GGUF"
 
 logger = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ Built from GGUF metadata or from an HF config.json; layers never read raw config
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 from ember.layers.rope_scaling import RopeScaling

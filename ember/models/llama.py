@@ -27,7 +27,6 @@ from ember.layers.norm import RMSNorm
 from ember.layers.rotary import CacheWrite, RotaryEmbedding, apply_rotary, norm_and_rotate
 from ember.models.config import ModelConfig
 
-
 Rope = torch.Tensor  # [T, rotary_dim]: cos | sin of this step's positions
 
 

@@ -14,8 +14,15 @@ the <think> splitters (`--reasoning-parser`).
 from __future__ import annotations
 
 from ember.parsers import hermes, llama3_json, mistral, pythonic  # noqa: F401 (they register themselves)
-from ember.parsers.base import (TOOL_PARSERS, ExtractedToolCalls, FunctionCall, ToolCallDelta, ToolCallStream,
-                                ToolParser, registered)
+from ember.parsers.base import (
+    TOOL_PARSERS,
+    ExtractedToolCalls,
+    FunctionCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    registered,
+)
 
 __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "FunctionCall", "ToolCallDelta", "ToolCallStream", "ToolParser",
            "get_tool_parser"]

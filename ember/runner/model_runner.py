@@ -24,19 +24,27 @@ import torch
 
 from ember.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from ember.defaults import seats_that_fit
+from ember.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
+from ember.distributed.sharding import shard_heads
 from ember.layers.attention import AttentionMetadata
 from ember.layers.batch_invariant import make_batch_invariant
 from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
-from ember.request import Request
-from ember.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
-from ember.distributed.sharding import shard_heads
 from ember.models.config import ModelConfig
+from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs
 from ember.runner.pooler import Pooler
-from ember.runner.sampler import (LogitBias, PendingLogprobs, Sampler, SamplingRow, TokenLogprobs, to_device,
-                                  to_host, token_logprobs)
+from ember.runner.sampler import (
+    LogitBias,
+    PendingLogprobs,
+    Sampler,
+    SamplingRow,
+    TokenLogprobs,
+    to_device,
+    to_host,
+    token_logprobs,
+)
 from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import SchedulerOutput
 from ember.scheduler.sliding_window import shared_window

@@ -29,8 +29,8 @@ import torch
 
 from ember.config import EngineConfig
 from ember.distributed.parallel_state import free_port
-from ember.runner.plan_diff import PlanDecoder, PlanEncoder
 from ember.distributed.shm_broadcast import ShmBroadcast
+from ember.runner.plan_diff import PlanDecoder, PlanEncoder
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,17 @@ from ember.sampling_params import SamplingParams
 from ember.server import protocol as p
 from ember.server import scoring
 from ember.server.responses import ResponseBuilder, ResponsesRequest
-from ember.server.serving import (STREAMED_ERRORS, ServerConfig, ServerState, all_samples, final_outputs, prepare,
-                                  submit, until_disconnected, usage_info)
+from ember.server.serving import (
+    STREAMED_ERRORS,
+    ServerConfig,
+    ServerState,
+    all_samples,
+    final_outputs,
+    prepare,
+    submit,
+    until_disconnected,
+    usage_info,
+)
 from ember.server.streaming import Sent, chat_logprobs, new_logprobs, new_text, sse, sse_lines
 from ember.server.tool_calls import ToolPlan, plan_tools
 

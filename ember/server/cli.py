@@ -96,9 +96,8 @@ def cmd_chat(ns: argparse.Namespace) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
-    from ember.server.openai_api import run_server
-
     from ember.server.limits import RequestLimits
+    from ember.server.openai_api import run_server
     from ember.server.serving import CORSOptions
 
     logging.getLogger("ember").setLevel(logging.INFO)

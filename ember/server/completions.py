@@ -16,8 +16,18 @@ from ember.request import Request as EngineRequest
 from ember.sampling_params import SamplingParams
 from ember.server import protocol as p
 from ember.server import scoring
-from ember.server.serving import (STREAMED_ERRORS, ServerState, all_samples, choice_finish_reason, final_outputs, merge,
-                                  prepare, submit, until_disconnected, usage_info)
+from ember.server.serving import (
+    STREAMED_ERRORS,
+    ServerState,
+    all_samples,
+    choice_finish_reason,
+    final_outputs,
+    merge,
+    prepare,
+    submit,
+    until_disconnected,
+    usage_info,
+)
 from ember.server.streaming import Sent, completion_logprobs, new_logprobs, new_text, sse, sse_data
 
 

@@ -21,8 +21,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ember.config import EngineConfig
-from ember.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineStoppedError,
-                                       RequestFailedError, RequestStream)
+from ember.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStoppedError,
+    RequestFailedError,
+    RequestStream,
+)
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.request import Request as EngineRequest
 from ember.sampling_params import SamplingParams

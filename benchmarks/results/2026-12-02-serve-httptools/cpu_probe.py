@@ -1,6 +1,12 @@
 """the CPU numbers of the entry: served tok/s with a tiny model (benchmarks/scripts/served_model.py, then 2 layers, hidden 64) on the CPU, and each server thread's CPU during the run; toggle httptools / uvloop by (un)installing them"""
-import json, os, subprocess, sys, time
+import json
+import os
+import subprocess
+import sys
+import time
+
 import httpx
+
 name = sys.argv[1]; extra = sys.argv[2:]
 PY = "/work/main/.venv/bin/python"; port = 8199
 tree = os.environ.get("TREE", "/work/main")

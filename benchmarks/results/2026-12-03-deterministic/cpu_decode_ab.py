@@ -1,12 +1,14 @@
 """Decode tok/s of the default model at its defaults (CPU), decode steps alone (the prompts
 prefilled first, then 100 steps timed): `python3 cpu_decode_ab.py TREE`, TREE the repo whose
 ember is imported (a worktree of the commit before, then this one, alternating)."""
-import sys, time
+import sys
+import time
+
 sys.path.insert(0, sys.argv[1])
-import ember
 from ember import LLM, SamplingParams
-from ember.request import Request
 from ember.loader.default_model import default_model_path
+from ember.request import Request
+
 llm = LLM(str(default_model_path()))
 tok = llm.get_tokenizer()
 ids = tok.encode("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined a screw press. " * 200)

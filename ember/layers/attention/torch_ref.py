@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from ember.kernels import cpu as cpu_kernels
 from ember.layers.attention.base import AttentionBackend, AttentionMetadata
 
-
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
