@@ -34,6 +34,7 @@ from ember.loader.gguf_experts import is_stacked_experts, split_experts
 from ember.loader.gguf_reader import CorruptGGUF, read_gguf
 from ember.loader.weights import hf_weight_shapes
 from ember.models.config import ModelConfig
+from ember.models.families import BY_GGUF_ARCHITECTURE
 
 GGUF_MAGIC = b"GGUF"
 
@@ -245,7 +246,8 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     output.weight, so no lm_head.weight comes out.
     """
     names = gguf_to_hf_names(f.architecture, hf_weight_shapes(cfg), cfg.num_layers)
-    unpermute = f.architecture == "llama"
+    family = BY_GGUF_ARCHITECTURE.get(f.architecture)
+    unpermute = family is not None and family.gguf_rope_permuted
     no_kernel: dict[str, list[str]] = {}
     for gguf_name in f.tensor_names:
         if gguf_name in consumed:

@@ -15,6 +15,7 @@ from torch import nn
 from ember.layers.quant.fp8 import FP8Tensor
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.models.config import ModelConfig
+from ember.models.families import FAMILIES
 
 # checkpoint projection -> (merged ember module, shard index)
 PACKED = {
@@ -43,7 +44,7 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    fused = cfg.architecture == "phi3"  # Phi-3 checkpoints store q|k|v and gate|up merged
+    fused = FAMILIES[cfg.architecture].fused_projections  # q|k|v and gate|up stored merged
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         # the order is the dummy weights' draw order: a dense layer's stays as it was
@@ -80,7 +81,7 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _expert_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
     """A sparse layer's router and per-expert tensors, as its HF checkpoint names them."""
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    mixtral = cfg.architecture == "mixtral"
+    mixtral = FAMILIES[cfg.architecture].moe == "mixtral"
     p = layer + ("block_sparse_moe." if mixtral else "mlp.")
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (cfg.num_experts, h)}

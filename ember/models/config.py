@@ -12,54 +12,21 @@ from pathlib import Path
 from typing import Any
 
 from ember.layers.rope_scaling import RopeScaling
+from ember.models.families import (
+    BY_GGUF_ARCHITECTURE,
+    BY_GGUF_EXPERTS,
+    BY_HF_ARCHITECTURE,
+    BY_HF_MODEL_TYPE,
+    FAMILIES,
+    VISION_LANGUAGE_ARCHITECTURES,
+    VISION_LANGUAGE_MODEL_TYPES,
+    Family,
+)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe",
-                           "qwen2_moe")
-
-# HF `architectures[0]` -> ember's family name
-_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Gemma3ForConditionalGeneration": "gemma3",  # served as text: its language model alone
-}
-# HF `model_type` -> family, for a config.json without `architectures`
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                   "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3",
-                   "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
-                   "qwen2_moe": "qwen2_moe"}
-# vision-language checkpoints (by `architectures`, or `model_type`): the language model's
-# config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
-_VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
-_VISION_LANGUAGE_MODEL_TYPES = ("gemma3",)
-_GEMMA = ("gemma2", "gemma3")
-# What transformers' Gemma3TextConfig fills where a config.json is silent (as transformers
-# 5.24 has them): Google's Gemma 3 4B/12B/27B text_configs state little more than their
-# sizes. The RoPE bases: _DEFAULT_THETA, and from_hf_config's local one.
-_GEMMA3_TEXT_DEFAULTS = {
-    "vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
-    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
-    "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-    "final_logit_softcapping": None, "attn_logit_softcapping": None,
-}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+GGUF_ARCHITECTURES = tuple(BY_GGUF_ARCHITECTURE)
 # the sizes no default stands in for (Gemma3TextConfig's are Gemma 2 2B's, no Gemma 3's)
 _TEXT_CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers")
-# the RoPE base where a config names none: the global one (the sliding layers' is 10000 in both)
-_DEFAULT_THETA = {"gemma3": 1_000_000.0}
-
-# llama.cpp's architecture names where they differ from ember's families (a Mixtral GGUF says
-# "llama", with experts), and the names ember reads from a GGUF's general.architecture
-_GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
-GGUF_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES if a not in ("mixtral", *_GGUF_FAMILIES.values())) \
-    + tuple(_GGUF_FAMILIES)
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -168,17 +135,16 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_config(config: dict[str, Any]) -> ModelConfig:
-        family, multimodal = _family(config)
+        fam, multimodal = _family(config)
         if multimodal:
             config = _language_model_config(config)
-        if family == "gemma3":
-            config = _GEMMA3_TEXT_DEFAULTS | config
-        gemma = family in _GEMMA
+        config = fam.hf_config_defaults | config
+        family, gemma = fam.name, fam.gemma
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         global_rope, local_rope = _rope_parameters(config)
         rope_theta = float(config.get("rope_theta") or global_rope.get("rope_theta")
-                           or _DEFAULT_THETA.get(family, 10000.0))
+                           or fam.rope_theta)
         # transformers 5 keeps the factor among the RoPE parameters, earlier ones beside them
         rotary_factor = float(config.get("partial_rotary_factor") or global_rope.get("partial_rotary_factor") or 1.0)
         act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
@@ -186,8 +152,9 @@ class ModelConfig:
             raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not a causal LM")
         num_layers = config["num_hidden_layers"]
         local_theta = None
-        if family == "gemma3":
-            local_theta = float(config.get("rope_local_base_freq") or (local_rope or {}).get("rope_theta") or 10000.0)
+        if fam.local_rope_theta is not None:
+            local_theta = float(config.get("rope_local_base_freq") or (local_rope or {}).get("rope_theta")
+                                or fam.local_rope_theta)
         return ModelConfig(
             architecture=family,
             vocab_size=config["vocab_size"],
@@ -201,9 +168,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
-            attention_bias=family == "qwen2" or bool(config.get("attention_bias", False))
-            or (family == "qwen2_moe" and bool(config.get("qkv_bias", True))),
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
+            attention_bias=_qkv_bias(config, fam),
+            qk_norm=fam.qk_norm,
             rope_scaling=_rope_scaling(global_rope, config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=_first(config.get("eos_token_id")),
@@ -214,12 +180,12 @@ class ModelConfig:
             query_pre_attn_scalar=config.get("query_pre_attn_scalar") if gemma else None,
             attn_logit_softcap=config.get("attn_logit_softcapping") if gemma else None,
             final_logit_softcap=config.get("final_logit_softcapping") if gemma else None,
-            layer_windows=_layer_windows(config, family, num_layers),
+            layer_windows=_layer_windows(config, fam, num_layers),
             local_rope_theta=local_theta,
             local_rope_scaling=_rope_scaling(local_rope, config) if local_rope else None,
             rotary_dim=int(head_dim * rotary_factor),
             multimodal=multimodal,
-            **_moe_options(config, family, num_layers),
+            **_moe_options(config, fam, num_layers),
         )
 
     @staticmethod
@@ -242,6 +208,7 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported GGUF architecture {arch!r}; ember runs {', '.join(GGUF_ARCHITECTURES)}"
             )
+        fam = BY_GGUF_ARCHITECTURE[arch]
 
         def get(key: str, default: Any = None) -> Any:
             value = md.get(f"{arch}.{key}", default)
@@ -260,9 +227,9 @@ class ModelConfig:
         layers = get("block_count")
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
         context = get("context_length")
-        gemma = arch in _GEMMA
+        gemma = fam.gemma
         rotary_dim = md.get(f"{arch}.rope.dimension_count") or head_dim
-        if arch == "llama" and rotary_dim != head_dim:
+        if fam.gguf_rope_permuted and rotary_dim != head_dim:
             # llama.cpp's converter permutes whole heads for its adjacent-pair RoPE; the loader
             # undoes that for whole-head RoPE only
             raise ValueError(f"a llama GGUF with RoPE on {rotary_dim} of each head's {head_dim} dims "
@@ -272,16 +239,17 @@ class ModelConfig:
         moe = _gguf_moe_options(md, arch, layers, ff)
         query_scalar = None
         if gemma:  # llama.cpp's rule: the 27B models (by layer count) scale by hidden / heads, others by head_dim
-            query_scalar = hidden // heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim
+            query_scalar = hidden // heads if layers == fam.gguf_hidden_query_scale_layers else head_dim
         rope_scaling = _gguf_rope_scaling(md, arch, tensor_names, vector)
         # the sliding layers' own RoPE base, as llama.cpp reads it: Gemma 3's defaults to 10000,
         # Gemma 2's to the global one (and keeps the global scaling)
         local_theta = md.get(f"{arch}.rope.freq_base_swa") if gemma else None
-        if arch == "gemma3" and local_theta is None:
-            local_theta = 10000.0
+        if local_theta is None:
+            local_theta = fam.local_rope_theta
         # soft-caps: Gemma 2's default to llama.cpp's 50 and 30 where the keys lack; Gemma 3 caps
         # only where a key says so (0: none)
-        final_cap = md.get(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None) if gemma else None
+        attn_cap, final_cap = fam.gguf_softcaps
+        final_cap = md.get(f"{arch}.final_logit_softcapping", final_cap) if gemma else None
         return ModelConfig(
             architecture=moe.pop("family", arch),
             vocab_size=vocab,
@@ -292,10 +260,10 @@ class ModelConfig:
             num_kv_heads=get("attention.head_count_kv", heads),
             head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 1e6 if arch == "gemma3" else 10000.0)),
+            rope_theta=float(get("rope.freq_base", fam.rope_theta)),
             max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
+            attention_bias=(fam.qkv_bias_key is None and fam.qkv_bias_default) or "blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             rope_scaling=rope_scaling,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
@@ -305,11 +273,13 @@ class ModelConfig:
             sandwich_norms=gemma,
             embed_scale=hidden ** 0.5 if gemma else None,
             query_pre_attn_scalar=query_scalar,
-            attn_logit_softcap=md.get(f"{arch}.attn_logit_softcapping", 50.0) if arch == "gemma2" else None,
+            attn_logit_softcap=md.get(f"{arch}.attn_logit_softcapping", attn_cap) if attn_cap is not None else None,
             final_logit_softcap=final_cap or None,
             layer_windows=_gguf_layer_windows(md, arch, layers),
             local_rope_theta=None if local_theta is None else float(local_theta),
-            local_rope_scaling=rope_scaling if arch == "gemma2" and local_theta is not None else None,
+            # Gemma 2's sliding layers keep the global scaling, Gemma 3's have their own base
+            local_rope_scaling=rope_scaling if gemma and fam.local_rope_theta is None and local_theta is not None
+            else None,
             rotary_dim=rotary_dim,
             **moe,
         )
@@ -319,27 +289,33 @@ def _first(value: Any) -> Any:
     return value[0] if isinstance(value, list) else value
 
 
-def _family(config: dict[str, Any]) -> tuple[str, bool]:
+def _family(config: dict[str, Any]) -> tuple[Family, bool]:
     """(ember's family, whether the checkpoint is a vision-language one) of a config.json,
     by its `architectures`, or failing that its `model_type`."""
     archs = config.get("architectures") or []
     if archs:
-        family = _HF_ARCHITECTURES.get(archs[0])
+        family = BY_HF_ARCHITECTURE.get(archs[0])
         if family is None:
             raise ValueError(
                 f"unsupported architecture {archs[0]!r} (model_type {config.get('model_type')!r}); ember runs "
-                f"{', '.join(_HF_ARCHITECTURES)}. A model is run only under an architecture ember knows: "
+                f"{', '.join(BY_HF_ARCHITECTURE)}. A model is run only under an architecture ember knows: "
                 "running it as another could give wrong tokens"
             )
-        return family, archs[0] in _VISION_LANGUAGE_ARCHITECTURES
+        return family, archs[0] in VISION_LANGUAGE_ARCHITECTURES
     model_type = config.get("model_type", "")
-    family = _HF_MODEL_TYPES.get(model_type)
+    family = BY_HF_MODEL_TYPE.get(model_type)
     if family is None:
         raise ValueError(
             f"unsupported model_type {config.get('model_type')!r} and no `architectures` in config.json; "
-            f"ember runs {', '.join(_HF_ARCHITECTURES)}"
+            f"ember runs {', '.join(BY_HF_ARCHITECTURE)}"
         )
-    return family, model_type in _VISION_LANGUAGE_MODEL_TYPES
+    return family, model_type in VISION_LANGUAGE_MODEL_TYPES
+
+
+def _qkv_bias(config: dict[str, Any], fam: Family) -> bool:
+    if fam.qkv_bias_key is None:
+        return fam.qkv_bias_default
+    return bool(config.get("attention_bias", False)) or bool(config.get(fam.qkv_bias_key, fam.qkv_bias_default))
 
 
 # what a vision-language config.json may carry beside its text_config, for the language model
@@ -415,17 +391,17 @@ def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling |
         raise ValueError(f"rope_scaling {rope!r} is incomplete or malformed for type {kind!r} ({e})") from None
 
 
-def _moe_options(config: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+def _moe_options(config: dict[str, Any], fam: Family, num_layers: int) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields. Mixtral: every layer sparse, its experts of
     intermediate_size, top-k renormalized. Qwen3-MoE: layer i sparse unless it is among
     mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step (those keep a dense
     MLP of intermediate_size); experts of moe_intermediate_size; renormalized per norm_topk_prob.
     Qwen2-MoE: Qwen3-MoE's rule, and a shared expert."""
-    if family == "mixtral":
+    if fam.moe == "mixtral":
         return {"moe_layers": (True,) * num_layers, "num_experts": config["num_local_experts"],
                 "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True}
-    if family in ("qwen3_moe", "qwen2_moe"):
+    if fam.moe == "qwen":
         dense, step = set(config.get("mlp_only_layers") or ()), config.get("decoder_sparse_step", 1)
         experts = config["num_experts"]
         sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
@@ -434,14 +410,8 @@ def _moe_options(config: dict[str, Any], family: str, num_layers: int) -> dict[s
                 "moe_intermediate_size": config["moe_intermediate_size"],
                 "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
                 "shared_expert_intermediate_size": config["shared_expert_intermediate_size"]
-                if family == "qwen2_moe" else 0}
+                if fam.shared_expert else 0}
     return {}
-
-
-# llama.cpp's top-k renormalization (build_moe_ffn's norm_w) per architecture: its graphs fix
-# it (llama: Mixtral's; qwen3moe: Qwen3-MoE's norm_topk_prob of the released models; qwen2moe:
-# never) and its converter writes no key for it. expert_weights_norm, where a file has it, wins.
-_GGUF_TOPK_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 
 
 def _gguf_moe_options(md: dict[str, Any], arch: str, num_layers: int, ff: int) -> dict[str, Any]:
@@ -452,12 +422,12 @@ def _gguf_moe_options(md: dict[str, Any], arch: str, num_layers: int, ff: int) -
     leading_dense_block_count (the first layers' MLP dense; 0 where it lacks, as the converter
     writes these architectures: llama.cpp's graphs for them have no dense layer)."""
     experts = md.get(f"{arch}.expert_count") or 0
-    family = _GGUF_FAMILIES.get(arch, arch)
+    fam = BY_GGUF_EXPERTS.get(arch)
     if not experts:
-        if arch in _GGUF_FAMILIES:
+        if BY_GGUF_ARCHITECTURE[arch].moe:
             raise ValueError(f"GGUF metadata lacks {arch}.expert_count: the file is incomplete")
         return {}
-    if arch not in _GGUF_TOPK_NORM:
+    if fam is None:
         raise ValueError(f"this {arch} GGUF is a mixture of {experts} experts, which ember reads from GGUF "
                          "architectures llama (Mixtral), qwen3moe and qwen2moe only: pass the model's HF directory")
     gating = md.get(f"{arch}.expert_gating_func")
@@ -470,22 +440,22 @@ def _gguf_moe_options(md: dict[str, Any], arch: str, num_layers: int, ff: int) -
     if not used:
         raise ValueError(f"GGUF metadata lacks {arch}.expert_used_count: the file is incomplete")
     dense = int(md.get(f"{arch}.leading_dense_block_count", 0))
-    inter = md.get(f"{arch}.expert_feed_forward_length") or (ff if arch == "llama" else ff // used)
-    shared = (md.get(f"{arch}.expert_shared_feed_forward_length") or ff) if arch == "qwen2moe" else 0
-    return {"family": "mixtral" if arch == "llama" else family,
+    inter = md.get(f"{arch}.expert_feed_forward_length") or (ff if fam.moe == "mixtral" else ff // used)
+    shared = (md.get(f"{arch}.expert_shared_feed_forward_length") or ff) if fam.shared_expert else 0
+    return {"family": fam.name,
             "moe_layers": tuple(i >= dense for i in range(num_layers)), "num_experts": experts,
             "num_experts_per_tok": used, "moe_intermediate_size": inter,
-            "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", _GGUF_TOPK_NORM[arch])),
+            "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", fam.gguf_topk_norm)),
             "shared_expert_intermediate_size": shared}
 
 
-def _layer_windows(config: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...] | None:
+def _layer_windows(config: dict[str, Any], fam: Family, num_layers: int) -> tuple[int | None, ...] | None:
     """Each layer's sliding window: from `layer_types` where config.json lists them, else
     each family's rule (Gemma 2: every other layer, from the first; Gemma 3: all but every
     sixth; Qwen2/3 with use_sliding_window: layers from max_window_layers on; Mistral, Phi-3:
     every layer)."""
     window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not config.get("use_sliding_window", False):
+    if fam.qwen_windows and not config.get("use_sliding_window", False):
         window = None
     if not window:
         return None
@@ -498,12 +468,11 @@ def _layer_windows(config: dict[str, Any], family: str, num_layers: int) -> tupl
                 f"layers; got {types!r}"
             )
         sliding = [t == "sliding_attention" for t in types]
-    elif family == "gemma2":
-        sliding = [i % 2 == 0 for i in range(num_layers)]
-    elif family == "gemma3":
-        pattern = config.get("sliding_window_pattern", 6)
+    elif fam.sliding_pattern is not None:
+        pattern = config.get(fam.sliding_pattern_key, fam.sliding_pattern) if fam.sliding_pattern_key \
+            else fam.sliding_pattern
         sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-    elif family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
+    elif fam.qwen_windows:
         first = config.get("max_window_layers", num_layers)
         sliding = [i >= first for i in range(num_layers)]
     else:
@@ -517,13 +486,14 @@ def _gguf_layer_windows(md: dict[str, Any], arch: str, num_layers: int) -> tuple
     (Gemma 2's 4096 where the key lacks), and for Gemma which layers slide:
     `attention.sliding_window_pattern`, one flag per layer or n (each n-th layer global; 2
     for Gemma 2 and 6 for Gemma 3 where the key lacks; 0: every layer slides)."""
-    window = md.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+    fam = BY_GGUF_ARCHITECTURE[arch]
+    window = md.get(f"{arch}.attention.sliding_window", fam.gguf_default_window)
     if not window:
         return None
-    if arch not in _GEMMA:
-        return _layer_windows({"sliding_window": window}, _GGUF_FAMILIES.get(arch, arch), num_layers)
+    if fam.sliding_pattern is None:
+        return _layer_windows({"sliding_window": window}, fam, num_layers)
     key = f"{arch}.attention.sliding_window_pattern"
-    pattern = md.get(key, 2 if arch == "gemma2" else 6)
+    pattern = md.get(key, fam.sliding_pattern)
     if isinstance(pattern, list):
         if len(pattern) != num_layers:
             raise ValueError(f"GGUF metadata {key} has {len(pattern)} flags for {num_layers} layers: the file is "

@@ -1,0 +1,98 @@
+"""The model families ember runs, one row each: what sets a family apart from Llama, for
+every reader of a checkpoint (ModelConfig from a config.json or from GGUF metadata, the HF
+weight names, the GGUF loader). A family that differs only in these is one new row; a
+difference no field here covers is a new field, read where it matters. Every family runs on
+models/llama.py's layers: ModelConfig's fields say how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # ModelConfig.architecture
+    hf_architectures: tuple[str, ...]  # config.json `architectures[0]`
+    hf_model_types: tuple[str, ...]  # config.json `model_type`, for a file without `architectures`
+    # llama.cpp's general.architecture for it; None: its GGUFs say another's (a Mixtral GGUF
+    # says "llama", with experts)
+    gguf_architecture: str | None
+    # Gemma: norms apply (1 + w), a norm on each sublayer's output too, embeddings times
+    # sqrt(hidden), tied embeddings by default, GeGLU, the query scalar and soft caps read
+    gemma: bool = False
+    qk_norm: bool = False  # HF: per-head RMSNorm on q and k (GGUF: where the file has the tensors)
+    # q/k/v biases: the config.json key that says so and its default (None: always, Qwen2)
+    qkv_bias_key: str | None = "attention_bias"
+    qkv_bias_default: bool = False
+    rope_theta: float = 10000.0  # where a config.json or GGUF names no RoPE base
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base, by default
+    # which layers slide: every n-th layer attends globally (Gemma: config.json's
+    # sliding_window_pattern or llama.cpp's key, else this); Qwen: sliding_window applies only
+    # with use_sliding_window, from max_window_layers on; else every layer slides
+    sliding_pattern: int | None = None
+    sliding_pattern_key: str | None = None  # the config.json key that may set it (Gemma 2's is fixed)
+    qwen_windows: bool = False
+    gguf_default_window: int | None = None  # llama.cpp's window where a Gemma 2 GGUF has no key
+    # llama.cpp's soft caps where a Gemma 2 GGUF has no key (attention, final); Gemma 3: none
+    gguf_softcaps: tuple[float | None, float | None] = (None, None)
+    # llama.cpp scales queries by hidden / heads for this layer count (the 27B models), else head_dim
+    gguf_hidden_query_scale_layers: int | None = None
+    # experts: "mixtral" (every layer sparse, w1/w2/w3 under block_sparse_moe) or "qwen"
+    # (mlp_only_layers, decoder_sparse_step, gate/up/down_proj under mlp)
+    moe: str | None = None
+    shared_expert: bool = False  # Qwen2-MoE: a gated shared expert beside the routed ones
+    # GGUF: llama.cpp's top-k renormalization (build_moe_ffn's norm_w): its graphs fix it and
+    # its converter writes no key (expert_weights_norm, where a file has it, wins); and the
+    # architecture whose files with experts are this family (a Mixtral GGUF says "llama")
+    gguf_topk_norm: bool = True
+    gguf_experts_of: str | None = None
+    fused_projections: bool = False  # Phi-3: checkpoints store q|k|v and gate|up merged
+    # llama.cpp's converter permutes Q and K rows for its adjacent-pair RoPE (the GGUF loader
+    # undoes it, for whole-head RoPE only)
+    gguf_rope_permuted: bool = False
+    # what transformers' config class fills where a config.json is silent (Gemma 3's text_config)
+    hf_config_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+# What transformers' Gemma3TextConfig fills where a config.json is silent (as transformers
+# 5.24 has them): Google's Gemma 3 4B/12B/27B text_configs state little more than their
+# sizes.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
+    "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+}
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", ("LlamaForCausalLM",), ("llama",), "llama", gguf_rope_permuted=True),
+    Family("mistral", ("MistralForCausalLM",), ("mistral",), "mistral"),
+    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "qwen2", qkv_bias_key=None, qkv_bias_default=True,
+           qwen_windows=True),
+    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", qk_norm=True, qwen_windows=True),
+    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "gemma2", gemma=True, sliding_pattern=2,
+           gguf_default_window=4096, gguf_softcaps=(50.0, 30.0), gguf_hidden_query_scale_layers=46),
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"), "gemma3",
+           gemma=True, qk_norm=True, rope_theta=1_000_000.0, local_rope_theta=10000.0, sliding_pattern=6,
+           sliding_pattern_key="sliding_window_pattern",
+           gguf_hidden_query_scale_layers=62, hf_config_defaults=_GEMMA3_TEXT_DEFAULTS),
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), "phi3", fused_projections=True),
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), None, moe="mixtral", gguf_experts_of="llama"),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", qk_norm=True, qwen_windows=True,
+           moe="qwen"),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), "qwen2moe", qkv_bias_key="qkv_bias",
+           qkv_bias_default=True, qwen_windows=True, moe="qwen", shared_expert=True, gguf_topk_norm=False),
+)}
+
+# config.json `architectures[0]` / `model_type` -> family
+BY_HF_ARCHITECTURE = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
+BY_HF_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
+# llama.cpp's general.architecture -> family, and -> the family of its files with experts
+BY_GGUF_ARCHITECTURE = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
+BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES.values() if f.moe}
+# vision-language checkpoints (by `architectures`, or `model_type`): the language model's
+# config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
+VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+VISION_LANGUAGE_MODEL_TYPES = ("gemma3",)
