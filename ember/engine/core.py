@@ -92,12 +92,10 @@ class EngineCore:
             self.config = config = dataclasses.replace(config, max_num_seqs=self.runner.max_num_seqs)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.prefix_cache = make_prefix_cache(config.enable_prefix_caching, self.block_pool, config.block_size)
-        self.scheduler = Scheduler(self.block_pool, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len, config.scheduling_policy,
-                                   self.prefix_cache, config.attention_parity_len,
+        self.scheduler = Scheduler(self.block_pool, config, self.prefix_cache,
                                    shared_window(config.model_config.layer_windows))
         self.structured = StructuredOutputManager.for_config(config, tokenizer)
-        self.launched: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
+        self.in_flight: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back
         self.max_in_flight = 1 if config.async_scheduling else 0  # launched steps left running after step()
 
@@ -166,7 +164,7 @@ class EngineCore:
         assert self.runner.pooler is None or not self.runner.pooler.partial, "a request's pooling state outlived it"
         assert not self._failed, "a failed request's output was never handed back"
         assert not self.structured.holds(), "the structured-output manager still holds requests"
-        assert not (self.launched or self.scheduler.in_flight), "a launched step was never collected"
+        assert not (self.in_flight or self.scheduler.in_flight), "a launched step was never collected"
 
     def shutdown(self) -> None:
         """Stop what the runner started outside this process (tensor-parallel workers)."""
@@ -184,7 +182,7 @@ class EngineCore:
                            prefix_cache_hits=sched.prefix_cache_hits)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished() or self.structured.num_compiling > 0 or bool(self.launched)
+        return (self.scheduler.has_unfinished() or self.structured.num_compiling > 0 or bool(self.in_flight)
                 or bool(self._failed))
 
     def step(self) -> list[EngineCoreOutput]:
@@ -198,34 +196,34 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         outputs = self._admit_compiled()
-        if self.launched and _needs_tokens_first(self.launched[-1].plan):
+        if self.in_flight and _needs_tokens_first(self.in_flight[-1].plan):
             outputs += self._collect()
         plan = self._timed("schedule", self.scheduler.schedule)
         if plan.is_empty:
-            if self.launched:
+            if self.in_flight:
                 return outputs + self._collect()
             if not outputs:  # only grammars still compiling: wait for one, not spin
                 self.structured.wait(GRAMMAR_WAIT_S)
             return outputs
-        self.launched.append(self._dropping_on_failure(self.runner.launch, plan,
+        self.in_flight.append(self._dropping_on_failure(self.runner.launch, plan,
                                                        lambda: self.structured.bitmasks(plan)))
-        self.scheduler.launched(plan)  # its tokens count as computed, the sampled ones as pending
+        self.scheduler.mark_launched(plan)  # its tokens count as computed, the sampled ones as pending
         for request_id, message in self.structured.take_failures().items():  # a mask that failed
             self.fail_request(request_id, message)
-        while len(self.launched) > self.max_in_flight:
+        while len(self.in_flight) > self.max_in_flight:
             outputs += self._collect()  # with async scheduling: the previous step, while this one runs
         return outputs
 
     def finish_in_flight(self) -> list[EngineCoreOutput]:
         """Collect the launched steps still in flight (their outputs are returned)."""
         outputs = []
-        while self.launched:
+        while self.in_flight:
             outputs += self._collect()
         return outputs
 
     def _collect(self) -> list[EngineCoreOutput]:
         """Wait for the oldest launched step and apply its tokens."""
-        launched = self.launched.popleft()
+        launched = self.in_flight.popleft()
         result = self._dropping_on_failure(self.runner.collect, launched)
         return self._timed("update", self._apply, launched.plan, result)
 
@@ -236,7 +234,7 @@ class EngineCore:
         try:
             return runner_call(*args)
         except WorkerFailed:
-            self.launched.clear()
+            self.in_flight.clear()
             raise
 
     def _apply(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:

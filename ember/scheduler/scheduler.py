@@ -17,7 +17,7 @@ goes back to the front of the waiting queue.
 A request with n > 1 samples its n first tokens from one prefill, then forks: each
 sample shares the prompt's full blocks and gets a copy of the partial last one.
 
-A step's life: `schedule()` plans it, `launched(plan)` counts its tokens as computed once
+A step's life: `schedule()` plans it, `mark_launched(plan)` counts its tokens as computed once
 the runner has queued it (each token it samples is a placeholder, `num_pending_tokens`),
 `update(plan, sampled)` puts the sampled ids in their place and applies the stop rules.
 With async scheduling the next `schedule()` runs between the two, while the device
@@ -58,12 +58,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ember.config import EngineConfig
 from ember.request import Request, RequestStatus
 from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import NullPrefixCache, PrefixCache
 from ember.scheduler.sliding_window import FullContextBlocks, make_window_blocks
 
-POLICIES = ("fcfs", "priority", "lpm")
 LPM_MAX_PASSED_OVER = 32
 LPM_MAX_QUEUE = 128  # a longer queue is taken in arrival order: lpm looks up every waiting request
 
@@ -73,7 +73,7 @@ class ScheduledChunk:
     request: Request
     num_new_tokens: int
     # True when this chunk reaches the end of the request's tokens: a token is sampled.
-    # Fixed when the chunk is made: launched() advances the counters it is read from.
+    # Fixed when the chunk is made: mark_launched() advances the counters it is read from.
     samples: bool = field(init=False)
     start: int = field(init=False)  # the position of its first token
 
@@ -101,25 +101,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_pool: BlockPool, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
-                 prefix_cache: PrefixCache | None = None, attention_parity_len: int | None = None,
+    def __init__(self, block_pool: BlockPool, config: EngineConfig, prefix_cache: PrefixCache | None = None,
                  sliding_window: int | None = None) -> None:
-        """`attention_parity_len` (the CPU's): shrink prefill chunks deep in a long context,
-        see `_chunk`. `sliding_window`: the largest window when every layer has one
+        """`config`: the block size, seats, token budget, max_model_len, policy and (the CPU's)
+        `attention_parity_len`: shrink prefill chunks deep in a long context, see `_chunk`.
+        `sliding_window`: the largest window when every layer has one
         (`sliding_window.shared_window`), else None."""
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-        self.policy = policy
+        self.policy = config.scheduling_policy  # one of EngineConfig's (fcfs, priority, lpm)
         self.pool = block_pool
         self.prefix_cache = prefix_cache or NullPrefixCache()
-        self.block_size = block_size
-        self.window = make_window_blocks(block_size, sliding_window)
+        self.block_size = config.block_size
+        self.window = make_window_blocks(config.block_size, sliding_window)
         self.null_block = block_pool.null_block
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.attention_parity_len = attention_parity_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.attention_parity_len = config.attention_parity_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -152,7 +149,7 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(block_copies=self._pending_copies)
+        plan = SchedulerOutput(block_copies=self._pending_copies)
         self._pending_copies = []
         budget = self.max_num_batched_tokens
         for req in self._by_policy(self.running):
@@ -163,13 +160,13 @@ class Scheduler:
             if req.num_pending_tokens and self._ends_on_pending_token(req):
                 continue
             n = self._chunk(req, budget)
-            if not self._reserve(req, n, out):
-                if out.short_of_blocks:
+            if not self._reserve(req, n, plan):
+                if plan.short_of_blocks:
                     break
                 continue
-            out.chunks.append(ScheduledChunk(req, n))
+            plan.chunks.append(ScheduledChunk(req, n))
             budget -= n
-        while self.waiting and budget > 0 and not (out.preempted or out.short_of_blocks):
+        while self.waiting and budget > 0 and not (plan.preempted or plan.short_of_blocks):
             req = self._next_waiting()
             if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
                 break
@@ -185,9 +182,9 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, n))
+            plan.chunks.append(ScheduledChunk(req, n))
             budget -= n
-        return out
+        return plan
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens the request gets this step: all it lacks, within the budget; with
@@ -287,17 +284,17 @@ class Scheduler:
         requests are walked in that order, so the victim is never one already planned."""
         return [r for r in self._by_policy(self.running) if r.request_id not in scheduled][-1]
 
-    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+    def _reserve(self, req: Request, n: int, plan: SchedulerOutput) -> bool:
         """Make room for `n` more tokens of a running request, preempting the newest running
         requests if needed. False when `req` itself had to be preempted, or when a step is
         in flight (no preemption then: `short_of_blocks`)."""
         while self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available:
             if self.in_flight:
-                out.short_of_blocks = True
+                plan.short_of_blocks = True
                 return False
-            victim = self._victim({c.request.request_id for c in out.chunks})
+            victim = self._victim({c.request.request_id for c in plan.chunks})
             self._preempt(victim)
-            out.preempted.append(victim)
+            plan.preempted.append(victim)
             if victim is req:
                 return False
         self._grow(req, n)
@@ -317,30 +314,30 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def launched(self, out: SchedulerOutput) -> None:
+    def mark_launched(self, plan: SchedulerOutput) -> None:
         """The runner has queued this step: its tokens count as computed, each token it
         samples is pending until `update`, and the blocks it fills enter the prefix cache."""
-        out.launched = True
-        self.in_flight.append(out)
-        for chunk in out.chunks:
+        plan.launched = True
+        self.in_flight.append(plan)
+        for chunk in plan.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_new_tokens
             req.num_pending_tokens += chunk.samples
             req.num_steps_in_flight += 1
             self._cache_full_blocks(req, req.num_known_tokens)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> tuple[list[Request], list[Request]]:
+    def update(self, plan: SchedulerOutput, sampled: dict[str, list[int]]) -> tuple[list[Request], list[Request]]:
         """Apply a launched step's sampled tokens (launching it first if the caller did not:
         a synchronous step): append them, fork n > 1 requests, apply stop rules, cache the
         filled blocks. A request that left while the step ran drops its token. Returns
         (requests that got tokens, incl. new forks; those that finished, their blocks freed
         or, if a later launched step still computes for them, freed when it is collected)."""
-        if not out.launched:
-            self.launched(out)
-        assert self.in_flight[0] is out, "steps are updated in launch order"
+        if not plan.launched:
+            self.mark_launched(plan)
+        assert self.in_flight[0] is plan, "steps are updated in launch order"
         self.in_flight.popleft()
         stepped, finished = [], []
-        for chunk in out.chunks:
+        for chunk in plan.chunks:
             req = chunk.request
             req.num_steps_in_flight -= 1
             req.num_pending_tokens -= chunk.samples
@@ -368,7 +365,7 @@ class Scheduler:
                 if reason is not None:
                     self.finish(r, *reason)
                     finished.append(r)
-        self.pool.free(out.free_when_collected)
+        self.pool.free(plan.free_when_collected)
         return stepped, finished
 
     def _ends_on_pending_token(self, req: Request) -> bool:

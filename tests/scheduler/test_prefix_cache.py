@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ember.scheduler.scheduler as scheduler_module
+from ember.config import EngineConfig
 from ember.request import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler.block_pool import BlockPool
@@ -254,7 +255,9 @@ def test_a_request_holding_a_nodes_tail_swaps_only_that_part_for_the_trees_copy(
 def make(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
          policy: str = "fcfs") -> Scheduler:
     pool = BlockPool(num_blocks)
-    return Scheduler(pool, block_size, max_num_seqs, budget, 256, policy, RadixPrefixCache(pool, block_size))
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                          max_model_len=256, scheduling_policy=policy)
+    return Scheduler(pool, config, RadixPrefixCache(pool, block_size))
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 3, **params) -> Request:
@@ -404,8 +407,8 @@ def test_random_shared_prefix_workload_leaks_nothing_and_reads_only_its_own_kv(s
     num_blocks = pool_tokens // block_size
     pool = BlockPool(num_blocks)
     cache = RadixPrefixCache(pool, block_size)
-    s = Scheduler(pool, block_size, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64,
-                  policy=policy, prefix_cache=cache)
+    s = Scheduler(pool, EngineConfig(block_size=block_size, max_num_seqs=6, max_num_batched_tokens=24,
+                                     max_model_len=64, scheduling_policy=policy), prefix_cache=cache)
     kv: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}
     histories: list[list[int]] = []
     to_abort: dict[str, int] = {}

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
+from ember.config import EngineConfig
 from ember.request import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler.block_pool import BlockPool
@@ -28,7 +29,9 @@ TOKEN = 7  # a plain sampled token: not EOS, not a stop id
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int = 256) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks), block_size, max_num_seqs, max_num_batched_tokens, max_model_len)
+    return Scheduler(BlockPool(num_blocks), EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                                                         max_num_batched_tokens=max_num_batched_tokens,
+                                                         max_model_len=max_model_len))
 
 
 def make_request(rid: str, num_prompt: int, max_tokens: int | None = 4, **params) -> Request:
@@ -177,7 +180,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_samples_on_the_last():
 def test_with_an_attention_parity_len_chunks_shrink_as_the_context_grows():
     """CPU: a chunk starting at context c gets at most budget * L / (L + c) tokens (L = 16
     here), so each step costs about as much as the first; decodes are never cut."""
-    s = Scheduler(BlockPool(64), 4, 8, max_num_batched_tokens=16, max_model_len=256, attention_parity_len=16)
+    s = Scheduler(BlockPool(64), EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256,
+                                              attention_parity_len=16))
     a, b = make_request("a", 60, max_tokens=2), make_request("b", 3, max_tokens=3)
     s.add_request(a)
     chunks = []
@@ -397,7 +401,8 @@ def test_under_sustained_pressure_requests_are_preempted_again_and_all_finish():
 
 
 def test_priority_preemption_never_takes_a_request_already_in_the_plan():
-    s = Scheduler(BlockPool(4), 4, 8, 64, 64, policy="priority")
+    s = Scheduler(BlockPool(4), EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                                             scheduling_policy="priority"))
     low = Request("low", [100] * 6, SamplingParams(temperature=0, max_tokens=8), priority=5)
     s.add_request(low)
     step(s)  # low: blocks [0, 1], 7 tokens

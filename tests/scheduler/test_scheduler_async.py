@@ -1,6 +1,6 @@
 """The Scheduler's async-scheduling bookkeeping on its own, no model, exact block ids.
 
-The engine drives it as schedule(N+1) -> launched(N+1) -> update(N): a request's token
+The engine drives it as schedule(N+1) -> mark_launched(N+1) -> update(N): a request's token
 sampled by a launched step is pending (counted in num_tokens, not yet in
 output_token_ids) until its step is updated. Block ids are exact: the pool's free queue
 is FIFO and a request's blocks are freed last-first (see test_block_pool.py).
@@ -8,10 +8,12 @@ is FIFO and a request's blocks are freed last-first (see test_block_pool.py).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
+from ember.config import EngineConfig
 from ember.request import Request, RequestStatus
 from ember.sampling_params import SamplingParams
 from ember.scheduler.block_pool import BlockPool
@@ -19,11 +21,12 @@ from ember.scheduler.scheduler import Scheduler, SchedulerOutput
 
 EOS = 2
 T = 7  # a plain sampled token
+CONFIG = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, max_model_len: int = 64) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks), block_size, max_num_seqs=8, max_num_batched_tokens=64,
-                     max_model_len=max_model_len)
+    return Scheduler(BlockPool(num_blocks), EngineConfig(block_size=block_size, max_num_seqs=8,
+                                                         max_num_batched_tokens=64, max_model_len=max_model_len))
 
 
 def make_request(rid: str, num_prompt: int, max_tokens: int) -> Request:
@@ -37,7 +40,7 @@ def plan_of(out: SchedulerOutput) -> list[tuple[str, int, bool]]:
 
 def schedule_and_launch(s: Scheduler) -> SchedulerOutput:
     out = s.schedule()
-    s.launched(out)
+    s.mark_launched(out)
     return out
 
 
@@ -135,7 +138,7 @@ def test_a_block_is_cached_once_its_tokens_are_known_and_a_launched_step_compute
     from ember.scheduler.prefix_cache import RadixPrefixCache
 
     pool = BlockPool(16)
-    s = Scheduler(pool, 4, 8, 64, 64, prefix_cache=RadixPrefixCache(pool, 4))
+    s = Scheduler(pool, CONFIG, prefix_cache=RadixPrefixCache(pool, 4))
     a = make_request("a", 3, max_tokens=8)
     s.add_request(a)
     p1 = schedule_and_launch(s)
@@ -157,13 +160,13 @@ def test_a_block_the_prefix_cache_swaps_out_is_freed_once_the_launched_step_that
     from ember.scheduler.prefix_cache import RadixPrefixCache
 
     pool = BlockPool(16)
-    s = Scheduler(pool, 4, 8, 64, 64, prefix_cache=RadixPrefixCache(pool, 4))
+    s = Scheduler(pool, CONFIG, prefix_cache=RadixPrefixCache(pool, 4))
     a, b = make_request("a", 5, max_tokens=8), make_request("b", 5, max_tokens=8)  # the same prompt
     s.add_request(a)
     s.add_request(b)
     p1 = s.schedule()  # both prefilled in one step: blocks 0 and 2 get the same KV
     assert (a.block_ids, b.block_ids) == ([0, 1], [2, 3])
-    s.launched(p1)  # block 0 enters the cache; b takes it for its copy, which step 1 still writes
+    s.mark_launched(p1)  # block 0 enters the cache; b takes it for its copy, which step 1 still writes
     assert (a.block_ids, b.block_ids) == ([0, 1], [0, 3])
     assert pool.ref_counts[0] == 2 and pool.ref_counts[2] == 1 and p1.free_when_collected == [2]
     p2 = schedule_and_launch(s)
@@ -184,7 +187,8 @@ def drive(async_: bool, arrivals: dict[int, list[Request]], token, budget: int =
     from ember.scheduler.prefix_cache import RadixPrefixCache
 
     pool = BlockPool(64)
-    s = Scheduler(pool, 4, 8, budget, 64, prefix_cache=RadixPrefixCache(pool, 4))
+    config = dataclasses.replace(CONFIG, max_num_batched_tokens=budget)
+    s = Scheduler(pool, config, prefix_cache=RadixPrefixCache(pool, 4))
     plans, launched, k = [], [], 0
     while k <= max(arrivals) or s.has_unfinished() or launched:
         for r in arrivals.get(k, []):
@@ -193,7 +197,7 @@ def drive(async_: bool, arrivals: dict[int, list[Request]], token, budget: int =
         out = s.schedule()
         if not out.is_empty:
             plans.append([(c.request.request_id, c.num_new_tokens, list(c.request.block_ids)) for c in out.chunks])
-            s.launched(out)
+            s.mark_launched(out)
             launched.append(out)
         while len(launched) > (1 if async_ else 0) or (launched and out.is_empty):
             done = launched.pop(0)

@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from ember.config import EngineConfig
 from ember.request import Request
 from ember.sampling_params import SamplingParams
 from ember.scheduler.block_pool import BlockPool
@@ -29,8 +30,9 @@ def make(num_blocks: int, window: int | None, block_size: int = 4, budget: int =
          prefix_caching: bool = False, max_num_seqs: int = 8) -> Scheduler:
     pool = BlockPool(num_blocks)
     cache = RadixPrefixCache(pool, block_size) if prefix_caching else None
-    return Scheduler(pool, block_size, max_num_seqs, budget, max_model_len, prefix_cache=cache,
-                     sliding_window=window)
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                          max_model_len=max_model_len)
+    return Scheduler(pool, config, prefix_cache=cache, sliding_window=window)
 
 
 def request(rid: str, prompt: list[int] | int, max_tokens: int, **params) -> Request:
@@ -287,7 +289,7 @@ def test_with_a_step_in_flight_blocks_go_back_only_past_every_launched_query(see
             s.update(done, {c.request.request_id: [T] for c in done.chunks if c.samples})
         out = s.schedule()
         if not out.is_empty:
-            s.launched(out)
+            s.mark_launched(out)
             launched.append(out)
         while len(launched) > 1 or (launched and out.is_empty):
             done = launched.pop(0)
