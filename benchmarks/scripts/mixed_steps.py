@@ -32,7 +32,7 @@ def tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 def kinds(core) -> tuple[int, int]:
     """(decode rows, prefill tokens) of the step launched last."""
-    plan = core.launched[-1].plan if core.launched else None
+    plan = core.in_flight[-1].plan if core.in_flight else None
     if plan is None:
         return 0, 0
     decodes = sum(1 for c in plan.chunks if c.num_new_tokens == 1)
@@ -135,7 +135,7 @@ def mode_load(llm: LLM, ns: argparse.Namespace) -> None:
         if prev_kind is not None:
             steps[prev_kind].append(t - prev)
         d, p = kinds(core)
-        prev, prev_kind = t, ("decode" if p == 0 else "prefill" if d == 0 else "mixed") if core.launched else None
+        prev, prev_kind = t, ("decode" if p == 0 else "prefill" if d == 0 else "mixed") if core.in_flight else None
         for o in outs:
             if o.new_token_ids:
                 first.setdefault(o.request_id, t)

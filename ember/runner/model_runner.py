@@ -267,7 +267,7 @@ class ModelRunner:
     def launch(self, plan: SchedulerOutput,
                fill_grammar_masks: Callable[[], dict[str, torch.Tensor]] | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling; read the requests' counters as the plan
-        left them (before `Scheduler.launched`). `fill_grammar_masks()` gives request id ->
+        left them (before `Scheduler.mark_launched`). `fill_grammar_masks()` gives request id ->
         its allowed-token bits (structured output), applied to its row's logits before
         sampling; all n samples of a forking request share it. It is called once the forward
         and the LM head are queued, so on CUDA the CPU fills the masks while the GPU computes.

@@ -226,7 +226,7 @@ class Worker:
             self.all_reduce = f"peer memory up to {PEER_MAX_BYTES >> 20} MiB, NCCL above"
         self.runner = ModelRunner(config)
         self.plans = PlanDecoder()
-        self.launched: deque = deque()
+        self.in_flight: deque = deque()
 
     def sizes(self) -> dict[str, Any]:
         r, g = self.runner, self.runner.graphs
@@ -250,10 +250,10 @@ class Worker:
                     follow.append(next_message()[1])
                 return follow[0]
 
-            self.launched.append(self.runner.launch(self.plans.decode(diff), fill))
+            self.in_flight.append(self.runner.launch(self.plans.decode(diff), fill))
             fill()  # a step that samples nothing never asked: the masks message is read all the same
         elif op == "collect":
-            out = self.runner.collect(self.launched.popleft())
+            out = self.runner.collect(self.in_flight.popleft())
             return out if self.rank == 0 else None
         elif op == "release":
             self.plans.forget(message[1])

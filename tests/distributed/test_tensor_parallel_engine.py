@@ -89,7 +89,7 @@ def test_a_worker_killed_mid_run_with_steps_in_flight_fails_with_the_error_that_
         assert re.match(r"tensor-parallel worker (rank \d \(exit code -?\d+\)(, )?)+ while (running|sending) a step",
                         str(error)), error
         assert "rank 2 (exit code -9)" in str(error)
-        assert not llm.engine.launched  # the steps in flight went with the workers
+        assert not llm.engine.in_flight  # the steps in flight went with the workers
     finally:
         llm.shutdown()
     assert gone(pids)

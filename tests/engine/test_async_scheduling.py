@@ -123,14 +123,14 @@ def test_a_decode_step_is_launched_while_the_previous_one_is_in_flight(async_llm
     for r in reqs:
         core.add_request(r)
     assert core.step() == []  # the prefill is launched, nothing is collected yet
-    assert len(core.launched) == 1 and [r.num_pending_tokens for r in reqs] == [1, 1, 1]
+    assert len(core.in_flight) == 1 and [r.num_pending_tokens for r in reqs] == [1, 1, 1]
     for n in range(1, 6):
         outs = core.step()  # launches decode n (its input ids gathered on the device), collects step n
         assert [o.request_id for o in outs] == [r.request_id for r in reqs] and all(len(o.new_token_ids) == 1 for o in outs)
         assert [len(r.output_token_ids) for r in reqs] == [n] * 3
-        assert len(core.launched) == 1 and [r.num_pending_tokens for r in reqs] == [1, 1, 1]
+        assert len(core.in_flight) == 1 and [r.num_pending_tokens for r in reqs] == [1, 1, 1]
     outs = core.step()  # max_tokens is reached with the pending token: nothing more is launched
-    assert all(o.finished for o in outs) and not core.launched and not core.has_unfinished_requests()
+    assert all(o.finished for o in outs) and not core.in_flight and not core.has_unfinished_requests()
     want = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], greedy(6, ignore_eos=True))
     assert [r.output_token_ids for r in reqs] == [o.outputs[0].token_ids for o in want]
 
@@ -313,7 +313,7 @@ def test_an_error_or_a_stream_closed_early_leaves_nothing_behind(llm, async_llm,
     want = llm.generate(FRANCE, greedy(5))[0].outputs[0].token_ids
     gen = async_llm.stream(FRANCE, greedy(12, ignore_eos=True))
     assert next(gen).outputs[0].token_ids == want[:1]
-    assert async_llm.engine.launched  # a step is in flight when the stream is closed
+    assert async_llm.engine.in_flight  # a step is in flight when the stream is closed
     gen.close()
     async_llm.check_idle()
 
