@@ -68,3 +68,12 @@ def test_the_tuning_knobs_are_the_fields_marked_knob():
                             "kv_cache_dtype", "scheduling_policy", "async_scheduling", "enable_prefix_caching")
     unset = {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in flag_fields()}
     assert unset == {"usage_context", "setting_sources", "model_config", "sampling_defaults", "attention_parity_len"}
+
+
+def test_the_dtype_choices_are_the_dtypes_config_maps():
+    from typing import get_args
+
+    from ember.config import _DTYPES, _KV_CACHE_DTYPES, Dtype, KVCacheDtype
+
+    assert set(get_args(Dtype)) == {"auto", *_DTYPES}
+    assert set(get_args(KVCacheDtype)) == set(_KV_CACHE_DTYPES)
