@@ -102,7 +102,10 @@ class EngineConfig:
     # resolve(): the knobs the caller set, and only those (the others took the defaults)
     setting_sources: dict[str, str] = field(default_factory=dict)
     seed: int = flag(0, "the seed of dummy weights and of requests that bring none")
-    enforce_eager: bool = flag(False, "CUDA: no CUDA graphs (every decode step launches its kernels)")
+    enforce_eager: bool = flag(False, "CUDA: no CUDA graphs (every step launches its kernels)")
+    mixed_graph_max_tokens: int = flag(
+        512, "CUDA: mixed and prefill steps of up to this many tokens replay piecewise CUDA graphs (attention "
+        "eager between them; one GPU); 0: such steps run eager", metavar="N")
     attention_backend: Literal["auto", "torch", "triton"] = flag(
         "auto", "auto: triton on CUDA, torch (with the C++ kernels) on the CPU")
     structured_outputs_backend: Literal["xgrammar", "guidance"] = flag(
@@ -160,6 +163,9 @@ class EngineConfig:
                 _choice(name, getattr(self, name), choices)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}")
+        if self.mixed_graph_max_tokens < 0:
+            raise ValueError(f"mixed_graph_max_tokens must be >= 0 (0: mixed steps run eager); got "
+                             f"{self.mixed_graph_max_tokens}")
         if self.pooler_config is not None:
             if self.runner != "pooling":
                 raise ValueError("pooler_config applies to runner='pooling' only: pass runner='pooling' "

@@ -8,6 +8,8 @@ mixed step (one new request: the cached prefix + its own --suffix-len tokens) ar
 a device sync on each side (no step left in flight), and the mixed step's kernels are listed
 from torch.profiler, in µs per step.
 
+--mixed-graph-max-tokens 0 runs mixed steps eager (the A/B of piecewise graphs).
+
 load: --num-requests requests over --num-prefixes shared prefixes, Poisson arrivals at --rate
 per second of wall time, fed to the engine core between its steps (as a server would); TTFT
 and TPOT from the step timestamps, and the mean step time of decode-only and mixed steps.
@@ -171,9 +173,11 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--mixed-graph-max-tokens", type=int, default=None, help="0: mixed steps eager")
     ns = ap.parse_args()
     budget = {k: v for k, v in (("max_num_batched_tokens", ns.max_num_batched_tokens),
-                                ("max_num_seqs", ns.max_num_seqs)) if v is not None}
+                                ("max_num_seqs", ns.max_num_seqs),
+                                ("mixed_graph_max_tokens", ns.mixed_graph_max_tokens)) if v is not None}
     llm = LLM(ns.model, load_format="dummy", seed=0, max_model_len=ns.max_model_len, usage_context="serve", **budget)
     for mode in ns.modes:
         llm.engine.max_in_flight = 1 if mode == "load" else 0  # async scheduling: the load only

@@ -182,6 +182,10 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
     if runner.graphs is not None:
         ember["cuda_graphs"] = {"count": len(runner.graphs.sizes), "capture_s": runner.graphs.capture_seconds,
                                 "pool_gib": runner.graphs.pool_bytes / 2**30}
+    if runner.piecewise is not None:
+        ember["piecewise_graphs"] = {"token_counts": runner.piecewise.sizes,
+                                     "capture_s": runner.piecewise.capture_seconds,
+                                     "pool_gib": runner.piecewise.pool_bytes / 2**30}
     if runner.profile_steps:
         times = dict(runner.step_times)
         steps = times.pop("steps", 0) or 1

@@ -33,7 +33,7 @@ from ember.layers.quant.unquantized import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.models.config import ModelConfig
 from ember.request import Request
-from ember.runner.cuda_graph import DecodeGraphs
+from ember.runner.cuda_graph import DecodeGraphs, PiecewiseGraphs
 from ember.runner.pooler import Pooler
 from ember.runner.sampler import (
     LogitBias,
@@ -165,13 +165,18 @@ class ModelRunner:
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq, self.device)
             self.graphs.capture()
+        self.piecewise: PiecewiseGraphs | None = None
+        if use_graphs and config.mixed_graph_max_tokens > 0 and config.tensor_parallel_size == 1:
+            tokens = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
+            self.piecewise = PiecewiseGraphs(self.model, tokens, config.torch_dtype, self.device, self.graphs.pool)
+            self.piecewise.capture()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             logger.info("memory (GiB): total %.2f x utilization %.2f = %.2f; weights %.2f, peak activations %.2f, "
                         "CUDA graphs %.2f (reserved %.2f), KV cache %.2f (%s) = %d blocks of %d tokens (%d tokens); "
                         "free now %.2f", total / 2**30, config.gpu_memory_utilization,
                         config.gpu_memory_utilization * total / 2**30, self.weight_bytes / 2**30,
-                        self.activation_bytes / 2**30, (self.graphs.pool_bytes if self.graphs else 0) / 2**30,
+                        self.activation_bytes / 2**30, self.graph_pool_bytes / 2**30,
                         self.graph_reserve / 2**30, self.kv_cache.nbytes / 2**30, _dtype_name(self.kv_cache.dtype),
                         self.num_blocks, config.block_size, self.num_blocks * config.block_size, free / 2**30)
         else:
@@ -263,6 +268,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    @property
+    def graph_pool_bytes(self) -> int:
+        return sum(g.pool_bytes for g in (self.graphs, self.piecewise) if g is not None)
+
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput,
                fill_grammar_masks: Callable[[], dict[str, torch.Tensor]] | None = None) -> LaunchedStep:
@@ -279,6 +288,8 @@ class ModelRunner:
         clock("prepare")
         if self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        elif self.piecewise is not None and len(input_ids) <= self.piecewise.max_tokens:
+            hidden = self.piecewise.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         clock("forward")

@@ -51,7 +51,8 @@ class RayTensorParallelRunner(TensorParallelRunner):
         self._dead: str | None = None
         self.actors: list = []
         self._pending: list = []  # the object refs of the messages sent since the last collect
-        self.profile_steps, self.step_times, self.pooler, self.graphs = False, defaultdict(float), None, None
+        self.profile_steps, self.step_times, self.pooler = False, defaultdict(float), None
+        self.graphs = self.piecewise = None
         self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
         self.plans = PlanEncoder()
         try:

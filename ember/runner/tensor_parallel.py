@@ -79,7 +79,7 @@ class TensorParallelRunner:
         self.profile_steps = False
         # --profile-steps: the engine's side of a step (the ranks' own phases stay in their processes)
         self.step_times: defaultdict[str, float] = defaultdict(float)
-        self.pooler, self.graphs = None, None
+        self.pooler, self.graphs, self.piecewise = None, None, None
         self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
         self.plans = PlanEncoder()
         self._dead: str | None = None
