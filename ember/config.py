@@ -71,18 +71,23 @@ class EngineConfig:
         "every linear layer in FP8 (an FP8 checkpoint's own scales; a bf16 checkpoint or dummy weights quantized "
         "per output row at load; the LM head and embedding stay in --dtype)")
     device: Literal["auto", "cpu", "cuda"] = flag("auto", "auto: CUDA where torch sees a GPU, else the CPU")
-    max_model_len: int | None = flag(None, "the longest prompt + output in tokens (default: the model's context)")
+    max_model_len: int | None = flag(
+        None, "the longest prompt + output in tokens (default: the model's context)",
+        flags=("--max-model-len", "--context-length"))
     num_kv_blocks: int | None = flag(None, "the KV pool's size in blocks (vLLM's num_gpu_blocks_override)")
     kv_cache_memory: int | None = flag(None, "bytes for the KV pool (default: what --gpu-memory-utilization "
                                              "leaves on CUDA, 1 GiB on the CPU)")
     max_num_seqs: int | None = flag(
         None, "seats: the most sequences a step runs (default: per device and use, defaults.py, e.g. 512 offline "
-        "on a large GPU, 256 serving; lowered to what the KV pool holds)", knob=True)
+        "on a large GPU, 256 serving; lowered to what the KV pool holds)", knob=True,
+        flags=("--max-num-seqs", "--max-running-requests"))
     max_num_batched_tokens: int | None = flag(
         None, "the token budget of a step: prefill chunks and decodes together (default: per device and use, "
-        "defaults.py, e.g. 16384 offline on a large GPU, 2048 serving, 512 on the CPU)", knob=True)
+        "defaults.py, e.g. 16384 offline on a large GPU, 2048 serving, 512 on the CPU)", knob=True,
+        flags=("--max-num-batched-tokens", "--chunked-prefill-size"))
     gpu_memory_utilization: float = flag(
-        0.9, "the share of the GPU's memory for weights, activations, CUDA graphs and the KV pool", knob=True)
+        0.9, "the share of the GPU's memory for weights, activations, CUDA graphs and the KV pool", knob=True,
+        flags=("--gpu-memory-utilization", "--mem-fraction-static"))
     block_size: int | None = flag(
         None, "tokens a KV block (default: 128 on CUDA, where an attention tile is then one block: one "
         "block-table read a tile, 16-20 %% faster decode over fp8 on the H200; 16 on the CPU)", knob=True)
@@ -92,7 +97,8 @@ class EngineConfig:
         "bfloat16, or fp8 (= fp8_e4m3; per-layer scales, 1.0 unless the checkpoint has them): half the bytes a "
         "token, twice the blocks", knob=True)
     scheduling_policy: Literal["fcfs", "priority", "lpm"] = flag(
-        "fcfs", "waiting requests go in arrival order, by priority, or longest cached prefix first", knob=True)
+        "fcfs", "waiting requests go in arrival order, by priority, or longest cached prefix first", knob=True,
+        flags=("--scheduling-policy", "--schedule-policy"))
     async_scheduling: bool | None = flag(
         None, "schedule and prepare the next step while the device runs this one (vLLM's flag; default: on for "
         "CUDA, off on the CPU, where torch runs synchronously and there is nothing to overlap)", knob=True)
@@ -101,15 +107,19 @@ class EngineConfig:
     # knob -> where the caller took its value ("flag", "config file"); logged at start. After
     # resolve(): the knobs the caller set, and only those (the others took the defaults)
     setting_sources: dict[str, str] = field(default_factory=dict)
-    seed: int = flag(0, "the seed of dummy weights and of requests that bring none")
-    enforce_eager: bool = flag(False, "CUDA: no CUDA graphs (every step launches its kernels)")
+    seed: int = flag(0, "the seed of dummy weights and of requests that bring none", flags=("--seed", "--random-seed"))
+    enforce_eager: bool = flag(
+        False, "CUDA: no CUDA graphs (every step launches its kernels)",
+        flags=("--enforce-eager", "--disable-cuda-graph"))
     mixed_graph_max_tokens: int = flag(
         512, "CUDA: mixed and prefill steps of up to this many tokens replay piecewise CUDA graphs (attention "
         "eager between them; one GPU); 0: such steps run eager", metavar="N")
     attention_backend: Literal["auto", "torch", "triton"] = flag(
         "auto", "auto: triton on CUDA, torch (with the C++ kernels) on the CPU")
-    structured_outputs_backend: Literal["xgrammar", "guidance"] = flag(
-        "xgrammar", "the grammar backend for structured output (guidance is llguidance)")
+    structured_outputs_backend: Literal["xgrammar", "guidance", "llguidance"] = flag(
+        "xgrammar", "the grammar backend for structured output (guidance and llguidance, SGLang's name, are "
+        "llguidance)",
+        flags=("--structured-outputs-backend", "--grammar-backend"))
     structured_outputs_jump_forward: bool = flag(
         True, "structured output: sample every token, even those the grammar forces (default: append forced "
         "tokens without a forward each)", flags=("--no-jump-forward",), action="store_false")
@@ -123,7 +133,7 @@ class EngineConfig:
     # Megatron splits (heads, MLP rows, vocabulary), one worker process a rank (runner/tensor_parallel.py)
     tensor_parallel_size: int = flag(
         1, "split the model's layers over N worker processes (gloo on the CPU, one GPU each on CUDA); the heads "
-        "must divide among them", flags=("--tensor-parallel-size", "-tp"))
+        "must divide among them", flags=("--tensor-parallel-size", "-tp", "--tp-size", "--tp"))
     # size 1 with mp or ray still runs the one rank as a worker, as vLLM's executors do
     distributed_executor_backend: Literal["mp", "ray"] | None = flag(
         None, "mp: the tensor-parallel workers are processes of this machine; ray: Ray actors on the cluster "

@@ -19,8 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags under vLLM's names; defaults come from EngineConfig."""
     fields = {f.name: f for f in flag_fields()}
     parser.add_argument("model", nargs="?", default=None, help=fields["model"].metadata["help"])
-    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                        help="the model, as the positional argument (give one or the other, or the same in both)")
+    parser.add_argument("--model", "--model-path", dest="model_flag", default=None, metavar="MODEL",
+                        help="the model, as the positional argument (give one or the other, or the same in both; "
+                             "--model-path is SGLang's name)")
     parser.add_argument("--config", default=None, metavar="FILE.yaml",
                         help="flags from a YAML file (keys: flag names, with dashes or underscores); flags given "
                              "on the command line override it")

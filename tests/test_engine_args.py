@@ -23,7 +23,7 @@ def test_every_flag_field_is_on_the_command_line_with_its_default_and_choices():
     actions = {a.dest: a for a in parser()._actions}
     for f in flag_fields():
         if f.name == "model":  # the positional argument
-            assert actions["model"].option_strings == [] and actions["model_flag"].option_strings == ["--model"]
+            assert actions["model"].option_strings == [] and actions["model_flag"].option_strings == ["--model", "--model-path"]
             continue
         action = actions[f.name]
         kind, choices, _ = flag_types()[f.name]
@@ -33,7 +33,7 @@ def test_every_flag_field_is_on_the_command_line_with_its_default_and_choices():
             continue
         assert action.default == f.default, f.name
         assert (tuple(action.choices) if action.choices else None) == choices, f.name
-    assert actions["tensor_parallel_size"].option_strings == ["--tensor-parallel-size", "-tp"]
+    assert actions["tensor_parallel_size"].option_strings == ["--tensor-parallel-size", "-tp", "--tp-size", "--tp"]
     assert actions["structured_outputs_jump_forward"].option_strings == ["--no-jump-forward"]
 
 

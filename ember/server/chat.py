@@ -48,7 +48,8 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         params, requests, tools = await prepare(engine, make)
         streams = submit(engine, requests)
         if body.stream:
-            chunks = chat_chunks(streams[0], request_id, model, params, body.include_usage, tools)
+            usage = body.include_usage or config.force_include_usage
+            chunks = chat_chunks(streams[0], request_id, model, params, usage, tools)
             return sse(sse_lines(chunks), streams)
         final = (await until_disconnected(raw, final_outputs(streams), streams))[0]
         return JSONResponse(chat_answer(final, params, tools, body, request_id, model).model_dump())
@@ -80,7 +81,7 @@ def chat_requests(engine: AsyncEngine, config: ServerConfig, body: p.ChatComplet
     tools = plan_tools(body, config.tool_call_parser, config.reasoning_parser)
     params = tools.sampling_params(body.to_sampling_params(config.limits, engine.config.sampling_defaults))
     prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt, tools=tools.tools,
-                                       **body.template_kwargs())
+                                       **(config.default_chat_template_kwargs | body.template_kwargs()))
     params, tools = tools.gate_reasoning(params, prompt["prompt"], engine.inputs.require_tokenizer())
     return params, [engine.inputs.make_request(request_id, prompt, params, body.priority)], tools
 

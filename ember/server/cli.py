@@ -96,27 +96,35 @@ def cmd_chat(ns: argparse.Namespace) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
+    from ember.server.launch_flags import launch_settings
     from ember.server.limits import RequestLimits
     from ember.server.openai_api import run_server
     from ember.server.serving import CORSOptions
 
     logging.getLogger("ember").setLevel(logging.INFO)
+    launch = launch_settings(ns)  # a refused flag fails here, before a model loads
     if ns.data_parallel_size != 1:
+        if launch.uvicorn:
+            raise ValueError(f"--{next(iter(launch.uvicorn)).replace('_', '-')} is for one server: with "
+                             "--data-parallel-size the router is what clients reach; put TLS or a path prefix in "
+                             "front of it")
         sys.exit(_serve_data_parallel(ns))
     limits = RequestLimits(max_n=ns.max_n, max_prompts=ns.max_prompts_per_request, max_logit_bias=ns.max_logit_bias,
                            max_stop=ns.max_stop_strings, max_choices=ns.max_choices,
-                           max_body_bytes=ns.max_request_body_bytes)
+                           max_body_bytes=ns.max_request_body_bytes, max_logprobs=ns.max_logprobs)
     cors = None
     if ns.allowed_origins is not None:
         cors = CORSOptions(tuple(ns.allowed_origins), tuple(ns.allowed_methods), tuple(ns.allowed_headers),
                            ns.allow_credentials)
-    code = run_server(EngineConfig(**engine_args(ns), usage_context="serve"), host=ns.host, port=ns.port, api_key=ns.api_key,
-                      served_model_names=[ns.served_model_name] if ns.served_model_name else None,
+    code = run_server(EngineConfig(**engine_args(ns), usage_context="serve"), host=ns.host, port=ns.port,
+                      api_keys=launch.api_keys, served_model_names=launch.served_model_names,
                       max_waiting_requests=ns.max_waiting_requests, shutdown_timeout=ns.shutdown_timeout,
                       log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public,
                       cors=cors, log_requests=ns.enable_log_requests,
                       tool_call_parser=_auto_tool_parser(ns), reasoning_parser=ns.reasoning_parser,
-                      core_process=not ns.no_core_process)
+                      core_process=not ns.no_core_process, uvicorn_options=launch.uvicorn,
+                      force_include_usage=launch.force_include_usage,
+                      default_chat_template_kwargs=launch.default_chat_template_kwargs, log_stats=launch.log_stats)
     sys.exit(code)
 
 
@@ -201,19 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--data-parallel-size", type=int, default=1,
+    serve.add_argument("--data-parallel-size", "--dp-size", "--dp", type=int, default=1,
                        help="N replicas of this server (each its own process: cores / N threads on the CPU, one "
                             "GPU each on CUDA) behind ember's cache-aware router on --host/--port")
     serve.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
                        help="mp: the replicas are processes on this machine; ray: Ray actors spread over the nodes "
                             "of the cluster RAY_ADDRESS names (else a new local one), one bundle each "
                             "(OMP_NUM_THREADS or cores / N CPUs; tensor-parallel-size GPUs on CUDA)")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every route but /health, /version and the "
-                            "OpenAPI docs (and /metrics with --metrics-public)")
+    from ember.server.launch_flags import add_launch_flags
+
+    add_launch_flags(serve)  # the API keys, model names, TLS, and vLLM's and SGLang's flags
     serve.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients pass (default: the MODEL argument as given)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="at most this many requests wait: one more gets 503 + Retry-After (default: no limit)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -243,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="the text between <think> and </think> goes to message.reasoning_content: qwen3, "
                             "deepseek_r1")
-    serve.add_argument("--uvicorn-log-level", default="info",
+    serve.add_argument("--uvicorn-log-level", "--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.add_argument("--no-core-process", action="store_true",
                        help="run the engine core on a thread of the API server's process (one process) instead "

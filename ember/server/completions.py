@@ -50,7 +50,8 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
         params, requests = await prepare(engine, make)
         streams = submit(engine, requests)
         if body.stream:
-            return sse(completion_chunks(streams, request_id, model, params, body.include_usage), streams)
+            usage = body.include_usage or state.config.force_include_usage
+            return sse(completion_chunks(streams, request_id, model, params, usage), streams)
         finals = await until_disconnected(raw, final_outputs(streams), streams)
         choices = [p.CompletionChoice(index=i * params.n + c.index, text=c.text,
                                       logprobs=completion_logprobs(c.logprobs, params, 0)

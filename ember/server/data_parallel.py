@@ -28,7 +28,7 @@ from ember.distributed.parallel_state import free_port
 
 logger = logging.getLogger("ember.server")
 
-_OWN_FLAGS = ("--data-parallel-size", "--data-parallel-backend", "--host", "--port")  # the parent's
+_OWN_FLAGS = ("--data-parallel-size", "--dp-size", "--dp", "--data-parallel-backend", "--host", "--port")  # the parent's
 
 
 def replica_argv(argv: list[str], port: int, host: str = "127.0.0.1") -> list[str]:

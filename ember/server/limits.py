@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_STOP_CHARS = 1024  # one stop string: streaming holds back len(longest stop) - 1 characters
+MAX_LOGPROBS = 20  # top alternatives one token may ask for (OpenAI's top_logprobs limit; vLLM's --max-logprobs)
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,13 @@ class RequestLimits:
     # on 2 cores, and /health must answer within 100 ms meanwhile; 1 MiB holds a 128k-token
     # prompt as text or 8k-token prompts as ids by the dozen (raise it for more)
     max_body_bytes: int = 1 << 20
+    max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs / prompt_logprobs (0: none may be asked)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+            least = 0 if name == "max_logprobs" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be at most {MAX_LOGPROBS} (OpenAI's limit); got {self.max_logprobs}")
 

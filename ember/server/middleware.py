@@ -26,15 +26,17 @@ class APIKeyMiddleware:
     """401 without `Authorization: Bearer <key>` on every route but `open_paths` (llama-server's
     rule: anything that takes input or tells about the served model needs the key)."""
 
-    def __init__(self, app, api_key: str, open_paths: frozenset[str] | set[str]) -> None:
+    def __init__(self, app, api_keys: tuple[str, ...], open_paths: frozenset[str] | set[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths and scope["method"] != "OPTIONS":
+        # behind --root-path the ASGI path carries the prefix (the spec's rule): the route is what follows it
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] == "http" and path not in self.open_paths and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            if not any([secrets.compare_digest(given, key) for key in self.expected]):  # each compared: no early out
                 error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                  code="invalid_api_key")
                 await error.response()(scope, receive, send)

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     it loads one from `config.engine` in the background once the server starts."""
     state = ServerState(config, engine)
     metrics = ServerMetrics(config.model_name, lambda: state.engine.current_stats() if state.engine else None)
-    state.stat_loggers = [LoggingStatLogger(), metrics.stat_logger]
+    state.stat_loggers = [LoggingStatLogger(), metrics.stat_logger] if config.log_stats else [metrics.stat_logger]
     limits = config.limits
     if engine is not None:
         engine.stat_loggers.extend(state.stat_loggers)
@@ -85,8 +86,8 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
 
     app.add_middleware(RunnerRoutes, runner=config.engine.runner)
     app.add_middleware(BodyMiddleware, max_bytes=limits.max_body_bytes)
-    if config.api_key:  # added last, so it runs first: no body is read for a client without the key
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
+    if config.api_keys:  # added last, so it runs first: no body is read for a client without the key
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys,
                            open_paths=OPEN_PATHS | ({"/metrics"} if config.metrics_public else set()))
     if config.cors is not None:  # outermost: a preflight carries no API key
         cors = config.cors
@@ -150,24 +151,28 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               served_model_names: list[str] | None = None, max_waiting_requests: int | None = None,
-               shutdown_timeout: float = 30.0, log_level: str = "info", limits: p.RequestLimits | None = None,
-               metrics_public: bool = False, cors: CORSOptions | None = None, log_requests: bool = False,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-               core_process: bool = True) -> int:
+def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+               api_keys: Sequence[str] = (), served_model_names: Sequence[str] = (),
+               max_waiting_requests: int | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
+               limits: p.RequestLimits | None = None, metrics_public: bool = False, cors: CORSOptions | None = None,
+               log_requests: bool = False, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               core_process: bool = True, uvicorn_options: Mapping[str, Any] | None = None,
+               force_include_usage: bool = False, default_chat_template_kwargs: Mapping[str, Any] | None = None,
+               log_stats: bool = True) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit code: 0 after a graceful stop, 1 if
-    the model failed to load or the engine loop died (a supervisor should restart it)."""
-    names = tuple(served_model_names or [default_model_name(engine_config.model)])
+    the model failed to load or the engine loop died (a supervisor should restart it).
+    `uvicorn_options`: uvicorn.Config's root_path and ssl_* (launch_flags.py)."""
+    names = tuple(served_model_names) or (default_model_name(engine_config.model),)
     resolved = engine_config.resolve()  # a bad model path or flag fails here, before listening
-    config = ServerConfig(resolved, names, api_key, max_waiting_requests, shutdown_timeout,
+    config = ServerConfig(resolved, names, tuple(api_keys), max_waiting_requests, shutdown_timeout,
                           limits or p.RequestLimits(), metrics_public, cors, log_requests, tool_call_parser,
-                          reasoning_parser, core_process)
+                          reasoning_parser, core_process, force_include_usage,
+                          dict(default_chat_template_kwargs or {}), log_stats)
     app = build_app(config)
     state: ServerState = app.state.ember
     # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                    timeout_graceful_shutdown=5), state)
+                                    timeout_graceful_shutdown=5, **(uvicorn_options or {})), state)
 
     def fatal() -> None:
         server.should_exit = True

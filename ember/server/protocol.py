@@ -31,9 +31,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema, model_serializer
 
 from ember.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
-from ember.server.limits import MAX_STOP_CHARS, RequestLimits
+from ember.server.limits import MAX_LOGPROBS, MAX_STOP_CHARS, RequestLimits
 
-MAX_LOGPROBS = 20  # top alternatives one token may ask for (OpenAI's top_logprobs limit)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})
@@ -200,8 +199,9 @@ class _SamplingRequest(_Strict):
         if self.n > limits.max_n:
             raise InvalidRequest(f"n must be at most {limits.max_n}; got {self.n}", "n")
         bias = self._logit_bias(limits)
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]; got {logprobs}", "logprobs")
+        if logprobs is not None and not 0 <= logprobs <= limits.max_logprobs:
+            raise InvalidRequest(f"logprobs must be in [0, {limits.max_logprobs}] (--max-logprobs); got {logprobs}",
+                                 "logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else strings(self.stop, "stop") if self.stop is not None \
             else []
         if len(stop) > limits.max_stop:
@@ -218,6 +218,9 @@ class _SamplingRequest(_Strict):
         structured = self._structured_outputs(limits)
         if prompt_logprobs is None:
             prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None and prompt_logprobs > limits.max_logprobs:
+            raise InvalidRequest(f"prompt_logprobs must be in [0, {limits.max_logprobs}] (--max-logprobs); got "
+                                 f"{prompt_logprobs}", "prompt_logprobs")
         if prompt_logprobs is not None and self.stream:
             raise InvalidRequest("prompt logprobs (prompt_logprobs, or echo with logprobs) are not supported with "
                                  "stream: send the request with stream false", "prompt_logprobs")

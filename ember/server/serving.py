@@ -53,7 +53,7 @@ class CORSOptions:
 class ServerConfig:
     engine: EngineConfig  # resolved
     served_model_names: tuple[str, ...]
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens the routes (--api-key); none: no key needed
     max_waiting_requests: int | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     limits: p.RequestLimits = p.RequestLimits()
@@ -63,6 +63,9 @@ class ServerConfig:
     tool_call_parser: str | None = None  # reads tool_choice "auto" outputs (--enable-auto-tool-choice)
     reasoning_parser: str | None = None  # splits off <think> reasoning (--reasoning-parser)
     core_process: bool = True  # the engine core in its own process (--no-core-process: a thread of this one)
+    force_include_usage: bool = False  # every stream ends with a usage chunk (--enable-force-include-usage)
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under a request's own
+    log_stats: bool = True  # the periodic stats line (--disable-log-stats: off)
 
     @property
     def model_name(self) -> str:
@@ -149,8 +152,11 @@ class ServerState:
         return self.engine
 
     def check_model(self, model: str | None) -> str:
-        if model is None or model in self.config.served_model_names:
+        """The name a response carries: the served name the request gave (as vLLM), else the first."""
+        if model is None:
             return self.config.model_name
+        if model in self.config.served_model_names:
+            return model
         raise APIError(404, f"The model `{model}` does not exist. This server serves: "
                        f"{', '.join(self.config.served_model_names)}", param="model", code="model_not_found")
 

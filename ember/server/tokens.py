@@ -25,7 +25,8 @@ def add_token_routes(app: FastAPI, state: ServerState) -> None:
                 raise p.InvalidRequest("give exactly one of prompt and messages", "prompt")
             if body.messages is not None:
                 return engine.inputs.chat_prompt(p.conversation(body.messages), body.add_generation_prompt,
-                                                 tools=checked_tools(body.tools))["prompt_token_ids"]
+                                                 tools=checked_tools(body.tools),
+                                                 **config.default_chat_template_kwargs)["prompt_token_ids"]
             if body.tools is not None:
                 raise p.InvalidRequest("tools are rendered with messages: give messages, not prompt", "tools")
             return engine.inputs.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -1,4 +1,5 @@
-"""Grammar backends by name: `--structured-outputs-backend xgrammar|guidance`. Each is
+"""Grammar backends by name: `--structured-outputs-backend xgrammar|guidance` (llguidance,
+SGLang's `--grammar-backend` name, is guidance). Each is
 imported on first use, so the engine needs neither package unless a request asks."""
 
 from __future__ import annotations
@@ -6,8 +7,8 @@ from __future__ import annotations
 from ember.loader.tokenizer import Tokenizer
 from ember.structured.base import GrammarBackend, UnavailableBackend
 
-BACKENDS = ("xgrammar", "guidance")
-_PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+BACKENDS = ("xgrammar", "guidance", "llguidance")
+_PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance", "llguidance": "llguidance"}
 
 
 def make_backend(name: str, tokenizer: Tokenizer | None, vocab_size: int) -> GrammarBackend:

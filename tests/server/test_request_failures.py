@@ -42,7 +42,7 @@ def served(gguf_path):
         return generator(req, i)
 
     engine.core.runner._generator = doomed
-    config = ServerConfig(engine.config, ("smol",), api_key=KEY, metrics_public=True)
+    config = ServerConfig(engine.config, ("smol",), api_keys=(KEY,), metrics_public=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
