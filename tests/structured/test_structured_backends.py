@@ -112,7 +112,7 @@ def test_without_a_tokenizer_the_null_backend_refuses_at_the_boundary():
     assert isinstance(backend, UnavailableBackend)
     with pytest.raises(ValueError, match="structured output is not available: the model has no tokenizer"):
         backend.validate(S(regex="a"))
-    with pytest.raises(ValueError, match="structured_outputs_backend must be one of xgrammar, guidance; got 'outlines'"):
+    with pytest.raises(ValueError, match="structured_outputs_backend must be one of xgrammar, guidance, llguidance; got 'outlines'"):
         make_backend("outlines", None, VOCAB)
 
 
