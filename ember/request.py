@@ -31,6 +31,7 @@ class Request:
     prompt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first under the "priority" policy (vLLM's convention)
+    cache_salt: str | None = None  # the prefix cache shares blocks only among requests of one salt
     parent: Request | None = None  # set on the samples 1..n-1 forked from a request with n > 1
     index: int = 0  # which of the parent's n samples this is
     arrival_time: float = field(default_factory=time.monotonic)
@@ -96,7 +97,7 @@ class Request:
             params.seed += index
         child = Request(self.child_id(index), self.prompt_token_ids, params, prompt=self.prompt,
                         eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
-                        priority=self.priority, parent=self, index=index)
+                        priority=self.priority, cache_salt=self.cache_salt, parent=self, index=index)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_blocks_in_cache = self.num_blocks_in_cache
         child.num_cached_tokens = self.num_cached_tokens

@@ -131,6 +131,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never generated: their tokens, with a leading space or not
+    bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized (by the input processor, if not given)
 
     def __post_init__(self) -> None:
         """Every field's type and range: a value that passes can become a tensor or an
@@ -177,6 +180,20 @@ class SamplingParams:
             self.logit_bias, "a dict of token id (integer >= 0) -> finite bias")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+        _check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple))
+                                                  and self.allowed_token_ids
+                                                  and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+               "allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids (integers >= 0)")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        _check(isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w.strip()
+                                                                 for w in self.bad_words),
+               "bad_words", self.bad_words, "a list of words (non-blank strings)")
+        self.bad_words = list(self.bad_words)
+        _check(self.bad_words_token_ids is None or (isinstance(self.bad_words_token_ids, (list, tuple)) and all(
+            isinstance(ids, (list, tuple)) and ids and all(_is_int(t) and t >= 0 for t in ids)
+            for ids in self.bad_words_token_ids)), "bad_words_token_ids", self.bad_words_token_ids,
+            "None or a list of non-empty lists of token ids")
 
     @property
     def greedy(self) -> bool:

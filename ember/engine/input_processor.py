@@ -23,7 +23,9 @@ from ember.request import Request
 from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import check_prompt_length
 
-PromptType = Union[str, dict[str, Any]]  # "text" or {"prompt_token_ids": [...]} (+ optional "prompt")
+# "text" or {"prompt_token_ids": [...]} (+ optional "prompt"), or {"prompt": "text"}; a dict may
+# carry a "cache_salt": the prefix cache then shares blocks only among prompts of that salt
+PromptType = Union[str, dict[str, Any]]
 Conversation = list[dict[str, Any]]
 
 logger = logging.getLogger(__name__)
@@ -60,9 +62,15 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams; got {type(params).__name__}")
         text, ids = self.tokenize_prompt(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise ValueError("cache_salt must be a non-empty string")
         self.check_prompt(ids)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_params(params)
-        req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, priority=priority)
+        req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, priority=priority,
+                      cache_salt=salt)
         if self._check_request is not None:
             self._check_request(req)
         return req
@@ -88,16 +96,20 @@ class InputProcessor:
                              f"(max_model_len) of at most {tok.max_chars_per_token} characters can hold: shorten it")
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> dict[str, Any]:
-        """Render one conversation with the chat template: {"prompt", "prompt_token_ids"}."""
+    def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    add_special_tokens: bool = False, **template_kwargs: Any) -> dict[str, Any]:
+        """Render one conversation with the chat template (or `chat_template`, a template's
+        source): {"prompt", "prompt_token_ids"}. `continue_final_message`: the last message is
+        left open, for the answer to continue; `add_special_tokens`: a BOS (and the like) on top
+        of what the template wrote."""
         if not messages:
             raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
         tok = self.require_tokenizer()
         text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, chat_template=chat_template,
                                        **template_kwargs)
-        # the template already wrote any BOS: add no special tokens on top
-        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=add_special_tokens)}
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -119,6 +131,22 @@ class InputProcessor:
             raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size})")
         if any(not 0 <= int(t) < self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size})")
+        if params.allowed_token_ids is not None and any(not 0 <= t < self.vocab_size for t in params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for ids in params.bad_words_token_ids or () for t in ids):
+            raise ValueError(f"bad_words_token_ids must be token ids in [0, {self.vocab_size})")
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it would start the text and as it would follow a space (a
+        byte-level BPE spells the two differently), each form once."""
+        tok = self.require_tokenizer()
+        forms: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tok.encode(text, add_special_tokens=False)
+                if ids and ids not in forms:
+                    forms.append(ids)
+        return forms
 
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -11,6 +11,7 @@ metadata (llama.cpp's key names; gguf_tokenizer.py) or from an HF model director
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -111,19 +112,26 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` into prompt text with the model's Jinja chat template, with the
-        variables HF templates expect (`messages`, `add_generation_prompt`, `bos_token`,
-        `eos_token`, `tools`, and any extra keyword)."""
+        """Render `messages` into prompt text with the model's Jinja chat template (or
+        `chat_template`, another template's source), with the variables HF templates expect
+        (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools`, and any extra
+        keyword). `continue_final_message`: the text ends with the last message's content, so
+        that the answer continues it (as transformers cuts it)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: pass add_generation_prompt=False")
         variables = {
             "bos_token": self._token_text(self._bos_token_id) or "",
             "eos_token": self._token_text(self._eos_token_id) or "",
             **kwargs,
         }
-        return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
-        )
+        template = self._compiled_template if chat_template is None else _compiled(chat_template)
+        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                               **variables)
+        return _open_final_message(text, messages) if continue_final_message else text
 
     @cached_property
     def _compiled_template(self) -> Any:
@@ -132,7 +140,28 @@ class Tokenizer:
                 "this model has no chat template, so chat messages cannot be turned into a "
                 "prompt: pass a plain text prompt instead (completions, not chat)"
             )
-        return _jinja_env().from_string(self._chat_template)
+        return _compiled(self._chat_template)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str) -> Any:
+    return _jinja_env().from_string(source)
+
+
+def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """`text` cut right after the last message's content (where the template writes it with
+    its spaces, or stripped), so that what follows continues that message."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text content to continue")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's content "
+                         "as it is, so it cannot be continued")
+    kept = final.lstrip()
+    if text[at:at + len(kept)] == kept:  # the template keeps trailing spaces
+        return text[:at + len(kept)]
+    return text[:at + len(final.strip())]
 
 
 def _generation_tag() -> type:

@@ -1,6 +1,6 @@
 """Batched sampling with per-request parameters, one row of logits per sampled token.
 
-Order: logit_bias and min_tokens, then penalties (repetition over prompt and output,
+Order: logit_bias and min_tokens, allowed_token_ids and bad words, then penalties (repetition over prompt and output,
 frequency and presence over the output), then the grammar's mask (structured output:
 forbidden tokens get -inf), then greedy argmax or temperature, top-k, top-p, min-p and a
 draw. Logprobs are those of the raw logits. (vLLM masks before the penalties; as every
@@ -116,6 +116,7 @@ def _plain(r: SamplingRow) -> bool:
     """A row that needs only temperature (or argmax): no seed, filters, penalties, grammar or logprobs."""
     p = r.params
     return (r.generator is None and r.allowed is None and not p.logit_bias and len(r.output_ids) >= p.min_tokens
+            and p.allowed_token_ids is None and not p.bad_words_token_ids
             and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 and p.logprobs is None and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
@@ -137,6 +138,7 @@ class Sampler:
         logits = logits.float()
         raw = logits
         logits = _apply_bias_and_min_tokens(logits, rows)
+        logits = _apply_allowed_and_bad_words(logits, rows)
         logits = _apply_penalties(logits, rows)
         logits = apply_grammar_masks(logits, rows)
         invalid = _invalid_grammar_rows(logits, rows)
@@ -229,12 +231,40 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) ->
     return logits
 
 
+def banned_words_next(r: SamplingRow) -> list[int]:
+    """The tokens that would complete one of the row's bad words now: a one-token word's
+    always, a longer word's last where the output so far ends with the rest of it."""
+    out = r.output_ids
+    return [ids[-1] for ids in r.params.bad_words_token_ids or ()
+            if len(ids) == 1 or (len(out) >= len(ids) - 1 and list(out[len(out) - len(ids) + 1:]) == ids[:-1])]
+
+
+def _apply_allowed_and_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """allowed_token_ids: every other token gets -inf; bad words: the token that would
+    complete one gets -inf."""
+    allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    banned = [(i, ids) for i, r in enumerate(rows) if r.params.bad_words_token_ids
+              for ids in [banned_words_next(r)] if ids]
+    if not (allowed or banned):
+        return logits
+    logits = logits.clone()
+    for i, ids in allowed:
+        keep = to_device(ids, logits.device, torch.int64)
+        kept = logits[i, keep]
+        logits[i] = float("-inf")
+        logits[i, keep] = kept
+    for i, ids in banned:
+        logits[i, ids] = float("-inf")
+    return logits
+
+
 def _invalid_grammar_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
     """[rows] bool: a constrained row with a NaN or no token left after its mask (None if
     no row is constrained). Sampling it would emit a token the grammar forbids."""
-    if all(r.allowed is None for r in rows):
+    if all(r.allowed is None and r.params.allowed_token_ids is None for r in rows):
         return None
-    constrained = to_device([r.allowed is not None for r in rows], logits.device, torch.bool)
+    constrained = to_device([r.allowed is not None or r.params.allowed_token_ids is not None for r in rows],
+                            logits.device, torch.bool)
     bad = logits.isnan().any(dim=-1) | ~(logits > float("-inf")).any(dim=-1)
     return bad & constrained
 

@@ -22,6 +22,8 @@ Rules that keep the accounting exact (`BlockPool`: free + in use + evictable == 
   root, so the nodes below an idle node are idle too and leaves go first.
 - `match` returns holes as null blocks: a windowed request takes a hit as far as its
   window's blocks are all there (`FullContextBlocks.usable_hit`).
+- Requests with a cache_salt share blocks only among themselves: each salt has its own
+  tree (`salted`), dropped once eviction empties it.
 - A request that computed a block the tree already holds (two requests with one prefix in
   flight at once) swaps its copy for the tree's block, which holds the same KV; one that
   computed a block where the tree has a hole fills the hole.
@@ -49,16 +51,17 @@ class PrefixCache(ABC):
     """What the scheduler asks of a prefix cache."""
 
     @abstractmethod
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> MatchResult:
+    def match(self, token_ids: Sequence[int], max_blocks: int, salt: str | None = None) -> MatchResult:
         """The longest cached prefix of `token_ids`, at most `max_blocks` blocks. Marks it
-        recently used; the caller takes references on the blocks it keeps."""
+        recently used; the caller takes references on the blocks it keeps. Every method
+        takes a `salt` (a request's cache_salt): blocks are shared only within one salt."""
 
     @abstractmethod
-    def peek(self, token_ids: Sequence[int]) -> int:
+    def peek(self, token_ids: Sequence[int], salt: str | None = None) -> int:
         """How many leading tokens are cached; changes nothing (for the lpm policy)."""
 
     @abstractmethod
-    def insert(self, token_ids: Sequence[int], block_ids: list[int]) -> None:
+    def insert(self, token_ids: Sequence[int], block_ids: list[int], salt: str | None = None) -> None:
         """Cache the full blocks `block_ids` computed for `token_ids` (len(token_ids) ==
         len(block_ids) * block_size). Where the tree already holds a block for the same
         tokens, `block_ids` is updated in place to it (the caller's copy is freed)."""
@@ -67,7 +70,7 @@ class PrefixCache(ABC):
     def evict(self, num_blocks: int) -> None:
         """Free at least `num_blocks` evictable blocks, least recently used leaves first."""
 
-    def split(self, token_ids: Sequence[int], num_blocks: int) -> None:
+    def split(self, token_ids: Sequence[int], num_blocks: int, salt: str | None = None) -> None:
         """Cut the cached path of `token_ids` after its first `num_blocks` blocks: a request
         lets go of the blocks before that point and keeps those after (sliding window)."""
 
@@ -78,13 +81,13 @@ class PrefixCache(ABC):
 class NullPrefixCache(PrefixCache):
     """Prefix caching off: nothing is ever cached or matched."""
 
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> MatchResult:
+    def match(self, token_ids: Sequence[int], max_blocks: int, salt: str | None = None) -> MatchResult:
         return MatchResult([], 0)
 
-    def peek(self, token_ids: Sequence[int]) -> int:
+    def peek(self, token_ids: Sequence[int], salt: str | None = None) -> int:
         return 0
 
-    def insert(self, token_ids: Sequence[int], block_ids: list[int]) -> None:
+    def insert(self, token_ids: Sequence[int], block_ids: list[int], salt: str | None = None) -> None:
         pass
 
     def evict(self, num_blocks: int) -> None:
@@ -105,26 +108,35 @@ class RadixPrefixCache(PrefixCache):
         self.pool = pool
         self.block_size = block_size
         self.root = RadixNode((), [])
+        self.salted: dict[str, RadixNode] = {}  # each cache_salt's own tree
         self._clock = 0
         pool.evictor = self
 
     # -- lookups --------------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> MatchResult:
+    def _root(self, salt: str | None) -> RadixNode:
+        if salt is None:
+            return self.root
+        if salt not in self.salted:
+            self.salted[salt] = RadixNode((), [])
+        return self.salted[salt]
+
+    def match(self, token_ids: Sequence[int], max_blocks: int, salt: str | None = None) -> MatchResult:
         blocks: list[int] = []
-        for child, num_blocks in self._walk(token_ids, max_blocks):
+        for child, num_blocks in self._walk(token_ids, max_blocks, salt):
             if num_blocks < len(child.block_ids):
                 child = self._split(child, num_blocks)
             self._touch(child)
             blocks += child.block_ids
         return MatchResult(blocks, len(blocks) * self.block_size)
 
-    def peek(self, token_ids: Sequence[int]) -> int:
-        return sum(n for _, n in self._walk(token_ids, len(token_ids) // self.block_size)) * self.block_size
+    def peek(self, token_ids: Sequence[int], salt: str | None = None) -> int:
+        return sum(n for _, n in self._walk(token_ids, len(token_ids) // self.block_size, salt)) * self.block_size
 
-    def _walk(self, token_ids: Sequence[int], max_blocks: int):
+    def _walk(self, token_ids: Sequence[int], max_blocks: int, salt: str | None):
         """Yield (node, number of its leading blocks that match) along the matching path."""
-        bs, node, i = self.block_size, self.root, 0
+        bs, i = self.block_size, 0
+        node = self.root if salt is None else self.salted.get(salt, _EMPTY)
         while i < max_blocks:
             child = node.children.get(tuple(token_ids[i * bs:(i + 1) * bs]))
             if child is None:
@@ -141,12 +153,12 @@ class RadixPrefixCache(PrefixCache):
 
     # -- changes --------------------------------------------------------------------------
 
-    def split(self, token_ids: Sequence[int], num_blocks: int) -> None:
-        for child, n in self._walk(token_ids, num_blocks):
+    def split(self, token_ids: Sequence[int], num_blocks: int, salt: str | None = None) -> None:
+        for child, n in self._walk(token_ids, num_blocks, salt):
             if n < len(child.block_ids):
                 self._split(child, n)
 
-    def insert(self, token_ids: Sequence[int], block_ids: list[int]) -> None:
+    def insert(self, token_ids: Sequence[int], block_ids: list[int], salt: str | None = None) -> None:
         """Leading null entries of `block_ids` are blocks the caller gave back (its window
         passed them): the tree keeps what it holds there, or a hole for their tokens."""
         bs, null = self.block_size, self.pool.null_block
@@ -154,8 +166,8 @@ class RadixPrefixCache(PrefixCache):
         own = next((j for j, b in enumerate(block_ids) if b != null), len(block_ids))  # the caller's from here
         if own == len(block_ids):
             return
-        node, i = self.root, 0
-        for child, n in self._walk(token_ids, len(block_ids)):
+        node, i = self._root(salt), 0
+        for child, n in self._walk(token_ids, len(block_ids), salt):
             if n < len(child.block_ids):
                 child = self._split(child, n)
             if i < own < i + n:  # the caller holds only this node's tail: cut there
@@ -219,14 +231,15 @@ class RadixPrefixCache(PrefixCache):
                 node.block_ids = [self.pool.null_block] * k
             else:
                 del parent.children[node.token_ids[:self.block_size]]
-                while parent is not self.root and not parent.children and not self._live(parent):
+                while parent.parent is not None and not parent.children and not self._live(parent):
                     del parent.parent.children[parent.token_ids[:self.block_size]]  # a hole with nothing below
                     parent = parent.parent
-            while parent is not self.root:
+            while parent.parent is not None:  # up to its tree's root
                 idle_below[parent] -= 1
                 if self._idle(parent) and not idle_below[parent]:
                     heapq.heappush(candidates, (parent.last_access, id(parent), parent))
                 parent = parent.parent
+        self.salted = {salt: root for salt, root in self.salted.items() if root.children}  # emptied salts go
 
     def _live(self, node: RadixNode) -> bool:
         return node.block_ids[0] != self.pool.null_block
@@ -251,7 +264,7 @@ class RadixPrefixCache(PrefixCache):
         node.last_access = self._clock
 
     def _nodes(self) -> list[RadixNode]:
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [n for root in (self.root, *self.salted.values()) for n in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)
@@ -280,6 +293,9 @@ class RadixPrefixCache(PrefixCache):
                 assert self.pool.cached[b] and b not in seen, f"block {b} is cached twice or not marked"
                 seen.add(b)
         assert len(seen) == sum(self.pool.cached), "the pool marks blocks cached that the tree lacks"
+
+
+_EMPTY = RadixNode((), [])  # the root of a salt nothing is cached under (never written to)
 
 
 def make_prefix_cache(enabled: bool, pool: BlockPool, block_size: int) -> PrefixCache:

@@ -4,9 +4,11 @@ streamed or not."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,13 +25,14 @@ from ember.server.serving import (
     ServerConfig,
     ServerState,
     all_samples,
+    engine_prompt,
     final_outputs,
     prepare,
     submit,
     until_disconnected,
     usage_info,
 )
-from ember.server.streaming import Sent, chat_logprobs, new_logprobs, new_text, sse, sse_lines
+from ember.server.streaming import Sent, chat_logprobs, new_logprobs, new_text, new_token_ids, sse, sse_lines
 from ember.server.tool_calls import ToolPlan, plan_tools
 
 
@@ -40,7 +43,7 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request) -> Response:
         engine = state.ready_engine()
         model = state.check_model(body.model)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{body.engine_request_id or uuid.uuid4().hex}"
 
         def make() -> tuple[SamplingParams, list[EngineRequest], ToolPlan]:
             return chat_requests(engine, config, body, request_id)
@@ -49,7 +52,8 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         streams = submit(engine, requests)
         if body.stream:
             usage = body.include_usage or config.force_include_usage
-            chunks = chat_chunks(streams[0], request_id, model, params, usage, tools)
+            chunks = chat_chunks(streams[0], request_id, model, params, usage, tools, body.continuous_usage,
+                                 body.return_token_ids)
             return sse(sse_lines(chunks), streams)
         final = (await until_disconnected(raw, final_outputs(streams), streams))[0]
         return JSONResponse(chat_answer(final, params, tools, body, request_id, model).model_dump())
@@ -80,10 +84,28 @@ def chat_requests(engine: AsyncEngine, config: ServerConfig, body: p.ChatComplet
     input pool: the template and the tools' grammar grow with the input)."""
     tools = plan_tools(body, config.tool_call_parser, config.reasoning_parser)
     params = tools.sampling_params(body.to_sampling_params(config.limits, engine.config.sampling_defaults))
-    prompt = engine.inputs.chat_prompt(body.conversation(), body.add_generation_prompt, tools=tools.tools,
-                                       **(config.default_chat_template_kwargs | body.template_kwargs()))
-    params, tools = tools.gate_reasoning(params, prompt["prompt"], engine.inputs.require_tokenizer())
+    tokenizer = engine.inputs.require_tokenizer()
+    if body.chat_template is not None and not config.trust_request_chat_template:
+        raise p.InvalidRequest("chat_template: this server takes no chat template from a request; start it with "
+                               "--trust-request-chat-template to allow it", "chat_template")
+    kwargs = config.default_chat_template_kwargs | body.template_kwargs(body.chat_template or tokenizer.chat_template)
+    conversation = body.conversation()
+    prompt = engine.inputs.chat_prompt(conversation, body.add_generation_prompt, tools=tools.tools,
+                                       continue_final_message=body.continue_final_message,
+                                       chat_template=body.chat_template, add_special_tokens=body.add_special_tokens,
+                                       **kwargs)
+    params, tools = tools.gate_reasoning(params, prompt["prompt"], tokenizer)
+    tools = dataclasses.replace(tools, echo=body.echoed(conversation),
+                                as_ids=_as_ids(body, config), include_reasoning=body.include_reasoning)
+    prompt = engine_prompt(engine, prompt, truncate=body.truncate_prompt_tokens, cache_salt=body.cache_salt)
     return params, [engine.inputs.make_request(request_id, prompt, params, body.priority)], tools
+
+
+def _as_ids(body: p.ChatCompletionRequest | p.CompletionRequest, config: ServerConfig) -> bool:
+    """Whether logprobs name tokens "token_id:ID": the request's return_tokens_as_token_ids,
+    else the server's --return-tokens-as-token-ids."""
+    given = body.return_tokens_as_token_ids
+    return config.return_tokens_as_token_ids if given is None else given
 
 
 def chat_answer(final: RequestOutput, params: SamplingParams, tools: ToolPlan, body: p.ChatCompletionRequest,
@@ -93,41 +115,58 @@ def chat_answer(final: RequestOutput, params: SamplingParams, tools: ToolPlan, b
         message, finish_reason = tools.message(c)
         choices.append(p.ChatCompletionChoice(
             index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
-            logprobs=chat_logprobs(c.logprobs, params) if c.logprobs is not None else None,
-            prompt_logprobs=scoring.prompt_logprobs(final, body.prompt_logprobs)))
-    return p.ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info([final]))
+            logprobs=chat_logprobs(c.logprobs, params, tools.as_ids) if c.logprobs is not None else None,
+            prompt_logprobs=scoring.prompt_logprobs(final, body.prompt_logprobs),
+            token_ids=list(c.token_ids) if body.return_token_ids else None))
+    return p.ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info([final]),
+                                    prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids else None)
 
 
 async def chat_chunks(stream: RequestStream, request_id: str, model: str, params: SamplingParams,
-                       include_usage: bool, tools: ToolPlan) -> AsyncIterator[p.ChatCompletionChunk]:
+                       include_usage: bool, tools: ToolPlan, continuous_usage: bool = False,
+                       token_ids: bool = False) -> AsyncIterator[p.ChatCompletionChunk]:
+    """`continuous_usage`: every chunk carries the usage so far; `token_ids`: the prompt's
+    token ids in the first chunk and each choice's new ones in its chunks (return_token_ids)."""
     created = int(time.time())
+    prompt_tokens = len(stream.prompt_token_ids)
+    usage_now = p.UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens) if continuous_usage else None
 
-    def chunk(choices: list[p.ChatCompletionStreamChoice], usage: p.UsageInfo | None = None) -> p.ChatCompletionChunk:
-        return p.ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+    def chunk(choices: list[p.ChatCompletionStreamChoice], usage: p.UsageInfo | None = None,
+              **fields: Any) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
+                                     usage=usage or usage_now, **fields)
 
     sent = [Sent() for _ in range(params.n)]
     choice_streams = [tools.stream() for _ in range(params.n)]
-    for i in range(params.n):  # the role first, as OpenAI does
-        yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
+    for i in range(params.n):  # the role first, as OpenAI does (and vLLM's echo after it)
+        yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))],
+                    prompt_token_ids=list(stream.prompt_token_ids) if token_ids and i == 0 else None)
+        if tools.echo:
+            yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(content=tools.echo))])
     last: RequestOutput | None = None
     async for out in stream:
         last = out
+        if continuous_usage:
+            usage_now = usage_info([out])
         for c in out.outputs:
             s = sent[c.index]
             if s.done:
                 continue
             text, logprobs = new_text(c, s, params), new_logprobs(c, s)
+            ids = new_token_ids(c, s) if token_ids else None
             s.done = c.finished
             deltas = choice_streams[c.index].deltas(c.text[:s.text], text, s.done)
-            if deltas or logprobs or s.done:
+            if deltas or logprobs or s.done or ids:
                 deltas = deltas or [p.DeltaMessage(content="")]
-                for j, delta in enumerate(deltas):  # logprobs with the first, finish_reason with the last
+                for j, delta in enumerate(deltas):  # logprobs and token ids with the first, finish_reason with the last
                     closing = j == len(deltas) - 1
                     yield chunk([p.ChatCompletionStreamChoice(
                         index=c.index, delta=delta,
-                        logprobs=chat_logprobs(logprobs, params) if logprobs is not None and j == 0 else None,
+                        logprobs=chat_logprobs(logprobs, params, tools.as_ids) if logprobs is not None and j == 0
+                        else None,
                         finish_reason=choice_streams[c.index].finish_reason(c) if s.done and closing else None,
-                        stop_reason=c.stop_reason if closing else None)])
+                        stop_reason=c.stop_reason if closing else None,
+                        token_ids=(ids if j == 0 else []) if ids is not None else None)])
     for i, s in enumerate(sent):  # aborted (server shutting down) before the end
         if not s.done:
             yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(), finish_reason="abort")])

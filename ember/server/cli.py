@@ -124,7 +124,9 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                       tool_call_parser=_auto_tool_parser(ns), reasoning_parser=ns.reasoning_parser,
                       core_process=not ns.no_core_process, uvicorn_options=launch.uvicorn,
                       force_include_usage=launch.force_include_usage,
-                      default_chat_template_kwargs=launch.default_chat_template_kwargs, log_stats=launch.log_stats)
+                      default_chat_template_kwargs=launch.default_chat_template_kwargs, log_stats=launch.log_stats,
+                      return_tokens_as_token_ids=launch.return_tokens_as_token_ids,
+                      trust_request_chat_template=launch.trust_request_chat_template)
     sys.exit(code)
 
 

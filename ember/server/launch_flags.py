@@ -72,7 +72,10 @@ def add_launch_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
                        help="vLLM's: refused unless {} (ember reads config.json as it is)")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
-                       help="vLLM's: refused (logprobs carry each token's text and bytes)")
+                       help="logprobs name their tokens 'token_id:ID' (a request's return_tokens_as_token_ids "
+                            "overrides it)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="a chat request may bring its own chat_template (Jinja, run sandboxed)")
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class LaunchSettings:
     max_logprobs: int = MAX_LOGPROBS
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     log_stats: bool = True
+    return_tokens_as_token_ids: bool = False
+    trust_request_chat_template: bool = False
 
 
 def launch_settings(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> LaunchSettings:
@@ -104,9 +109,6 @@ def launch_settings(ns: argparse.Namespace, environ: dict[str, str] | None = Non
     if ns.hf_overrides:
         raise ValueError(f"--hf-overrides {json.dumps(ns.hf_overrides)} is not supported: ember reads the model's "
                          "config.json as it is; edit a copy of the model directory instead")
-    if ns.return_tokens_as_token_ids:
-        raise ValueError("--return-tokens-as-token-ids is not supported: logprobs carry each token's text and its "
-                         "bytes; the ids are in prompt_token_ids / token_ids of the engine's own outputs")
     if not 0 <= ns.max_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (OpenAI's top_logprobs limit); got "
                          f"{ns.max_logprobs}")
@@ -135,4 +137,5 @@ def launch_settings(ns: argparse.Namespace, environ: dict[str, str] | None = Non
         raise ValueError(f"--default-chat-template-kwargs may not set {', '.join(reserved)}: ember passes them from "
                          "each request")
     return LaunchSettings(keys, tuple(ns.served_model_names or ()), uvicorn, ns.enable_force_include_usage,
-                          ns.max_logprobs, dict(ns.default_chat_template_kwargs or {}), not ns.disable_log_stats)
+                          ns.max_logprobs, dict(ns.default_chat_template_kwargs or {}), not ns.disable_log_stats,
+                          ns.return_tokens_as_token_ids, ns.trust_request_chat_template)

@@ -158,7 +158,8 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
                log_requests: bool = False, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                core_process: bool = True, uvicorn_options: Mapping[str, Any] | None = None,
                force_include_usage: bool = False, default_chat_template_kwargs: Mapping[str, Any] | None = None,
-               log_stats: bool = True) -> int:
+               log_stats: bool = True, return_tokens_as_token_ids: bool = False,
+               trust_request_chat_template: bool = False) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit code: 0 after a graceful stop, 1 if
     the model failed to load or the engine loop died (a supervisor should restart it).
     `uvicorn_options`: uvicorn.Config's root_path and ssl_* (launch_flags.py)."""
@@ -167,7 +168,8 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     config = ServerConfig(resolved, names, tuple(api_keys), max_waiting_requests, shutdown_timeout,
                           limits or p.RequestLimits(), metrics_public, cors, log_requests, tool_call_parser,
                           reasoning_parser, core_process, force_include_usage,
-                          dict(default_chat_template_kwargs or {}), log_stats)
+                          dict(default_chat_template_kwargs or {}), log_stats, return_tokens_as_token_ids,
+                          trust_request_chat_template)
     app = build_app(config)
     state: ServerState = app.state.ember
     # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left

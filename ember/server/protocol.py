@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema, model_serializer
 
 from ember.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
+from ember.server import field_policy
 from ember.server.limits import MAX_LOGPROBS, MAX_STOP_CHARS, RequestLimits
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -117,6 +118,14 @@ def token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
+def strings_dicts(value: Any, name: str) -> list[dict[str, str]]:
+    """A list of objects of strings (a chat template's documents)."""
+    if not isinstance(value, list) or not all(isinstance(d, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in d.items()) for d in value):
+        raise InvalidRequest(f"{name} must be a list of objects of strings", name)
+    return value
+
+
 def strings(value: Any, name: str) -> list[str]:
     if not isinstance(value, list) or not all(set(map(type, value[i:i + _SLICE])) <= {str}
                                               for i in range(0, len(value), _SLICE)):
@@ -129,6 +138,8 @@ def strings(value: Any, name: str) -> list[str]:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
+    include_obfuscation: bool | None = None  # OpenAI's: no effect (field_policy.py)
 
 
 class JsonSchemaFormat(_Strict):
@@ -143,8 +154,12 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural_tag format, refused by name
+    structures: Any = None
+    triggers: Any = None
+    format: Any = None
 
 
 class _SamplingRequest(_Strict):
@@ -184,14 +199,76 @@ class _SamplingRequest(_Strict):
     # no_stop_trim is include_stop_str_in_output; return_hidden_states only at its default
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    regex: str | None = None  # SGLang's guided_regex
+    ebnf: str | None = None  # SGLang's guided_grammar
+    rid: str | None = None  # SGLang's request_id
+    # vLLM's extras
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id carries it
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64[1])  # keep the last k (-1: max_model_len)
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the response
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:ID" (default: the server flag)
+    best_of: int | None = Field(default=None, ge=1, le=INT64[1])  # only as n: ember samples n, keeps n
+    allowed_token_ids: Bulk(list[Annotated[int, Field(ge=0, le=INT64[1])]] | None) = None  # only these are sampled
+    bad_words: Bulk(list[str] | None) = None  # never generated
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # prefix cache shared within a salt
+    # OpenAI's fields that change nothing here, and fields refused by name: field_policy.py
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prediction: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    verbosity: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
+    kv_transfer_params: Any = None
+    spaces_between_special_tokens: Any = None
+    thinking_token_budget: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: the usage so far in every chunk."""
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+
+    @property
+    def engine_request_id(self) -> str | None:
+        """The id the client gave the request (vLLM's request_id, SGLang's rid), if any."""
+        return self.request_id if self.request_id is not None else self.rid
+
+    def check_policy_fields(self) -> None:
+        """The fields field_policy.py rules on: refused by name, or logged as having no effect."""
+        given = {name: getattr(self, name) for name in self.model_fields_set if name in field_policy.RULED}
+        if self.stream_options is not None and "include_obfuscation" in self.stream_options.model_fields_set:
+            given["include_obfuscation"] = self.stream_options.include_obfuscation
+        problem = field_policy.refused(given)
+        if problem is not None:
+            raise InvalidRequest(problem[1], problem[0])
+        if self.request_id is not None and self.rid is not None:
+            raise InvalidRequest("give request_id or rid, not both", "rid")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest(f"best_of {self.best_of} is not supported: ember keeps every completion it samples; "
+                                 f"ask for n={self.best_of} and choose among them", "best_of")
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
                          defaults: Mapping[str, float | int], prompt_logprobs: int | None = None) -> SamplingParams:
         """`prompt_logprobs`: what the engine computes for the prompt, if more than the field asks."""
+        self.check_policy_fields()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
         if self.return_hidden_states:
@@ -224,6 +301,10 @@ class _SamplingRequest(_Strict):
         if prompt_logprobs is not None and self.stream:
             raise InvalidRequest("prompt logprobs (prompt_logprobs, or echo with logprobs) are not supported with "
                                  "stream: send the request with stream false", "prompt_logprobs")
+        allowed = None if self.allowed_token_ids is None else token_ids(self.allowed_token_ids, "allowed_token_ids")
+        if allowed == []:
+            raise InvalidRequest("allowed_token_ids must name at least one token", "allowed_token_ids")
+        bad_words = self._bad_words(limits)
 
         try:
             return SamplingParams(
@@ -247,12 +328,24 @@ class _SamplingRequest(_Strict):
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=bias,
                 structured_outputs=structured,
+                allowed_token_ids=allowed,
+                bad_words=bad_words,
             )
         except ValueError as e:  # "SamplingParams.top_p must be ..." names the field
             message = str(e)
             param = message.split(" ", 1)[0].removeprefix("SamplingParams.") if message.startswith(
                 "SamplingParams.") else None
             raise InvalidRequest(message, param) from None
+
+    def _bad_words(self, limits: RequestLimits) -> list[str]:
+        if self.bad_words is None:
+            return []
+        words = strings(self.bad_words, "bad_words")
+        if len(words) > limits.max_stop:
+            raise InvalidRequest(f"bad_words may have at most {limits.max_stop} words; got {len(words)}", "bad_words")
+        if any(len(w) > MAX_STOP_CHARS for w in words):
+            raise InvalidRequest(f"a bad word may be at most {MAX_STOP_CHARS} characters long", "bad_words")
+        return words
 
     def _logit_bias(self, limits: RequestLimits) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -276,6 +369,10 @@ class _SamplingRequest(_Strict):
         """The one output constraint the request gives, from whichever field gives it."""
         given: list[tuple[str, dict[str, Any]]] = []
         fmt = self.response_format
+        if fmt is not None and (fmt.type == "structural_tag" or fmt.model_fields_set & {"structures", "triggers",
+                                                                                         "format"}):
+            raise InvalidRequest("response_format of type structural_tag is not supported: give a json_schema, "
+                                 "or a regex or grammar in structured_outputs", "response_format")
         if fmt is not None and fmt.type == "json_object":
             given.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.type == "json_schema":
@@ -291,6 +388,10 @@ class _SamplingRequest(_Strict):
             value = getattr(self, f"guided_{name}")
             if value is not None:
                 given.append((f"guided_{name}", {name: value}))
+        for field_name, name in (("regex", "regex"), ("ebnf", "grammar")):  # SGLang's
+            value = getattr(self, field_name)
+            if value is not None:
+                given.append((field_name, {name: value}))
         if not given:
             return None
         if len(given) > 1:
@@ -399,20 +500,29 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Bulk(list[ChatTool] | None) = None  # checked by ember.server.tool_calls
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None  # OpenAI's: the template's reasoning_effort, where it has that variable
+    # vLLM's
+    continue_final_message: bool = False  # the last message is left open and the answer continues it
+    echo: bool = False  # the answer starts with the last message's content where that is the answer's role
+    add_special_tokens: bool = False  # special tokens (a BOS) added on top of the template's text
+    documents: Bulk(list[dict[str, str]] | None) = None  # the template's documents (RAG templates)
+    chat_template: str | None = None  # this request's template (with --trust-request-chat-template)
+    include_reasoning: bool = True  # false: no reasoning_content in the answer (with --reasoning-parser)
     # SGLang's, as its router sends them: accepted at the values that are ember's behaviour
     # (reasoning is separated, and streamed, wherever --reasoning-parser is set)
-    continue_final_message: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
     def to_sampling_params(self, limits: RequestLimits = RequestLimits(),
                            defaults: Mapping[str, float | int] = NO_DEFAULTS) -> SamplingParams:
         """`defaults`: the model's sampling defaults (EngineConfig.sampling_defaults)."""
-        for name, supported in (("continue_final_message", False), ("separate_reasoning", True),
-                                ("stream_reasoning", True)):
+        for name, supported in (("separate_reasoning", True), ("stream_reasoning", True)):
             if getattr(self, name) != supported:
                 raise InvalidRequest(f"{name} {str(not supported).lower()} is not supported: ember runs as "
                                      f"{name} {str(supported).lower()}", name)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest("continue_final_message continues the last message: send add_generation_prompt "
+                                 "false with it", "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -422,13 +532,34 @@ class ChatCompletionRequest(_SamplingRequest):
     def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
 
-    def template_kwargs(self) -> dict[str, Any]:
-        kwargs = self.chat_template_kwargs or {}
+    def template_kwargs(self, template: str | None = None) -> dict[str, Any]:
+        """The template's variables beyond messages and tools: chat_template_kwargs, documents,
+        and reasoning_effort, which `template` (the source) must read, or it is refused."""
+        kwargs = dict(self.chat_template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if reserved:
             raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: give them as request "
                                  "fields", "chat_template_kwargs")
+        for name in ("documents", "reasoning_effort"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name in kwargs:
+                raise InvalidRequest(f"{name} is given twice: as a field and in chat_template_kwargs", name)
+            kwargs[name] = strings_dicts(value, name) if name == "documents" else value
+        if self.reasoning_effort is not None and "reasoning_effort" not in (template or ""):
+            raise InvalidRequest("reasoning_effort is not supported by this model: its chat template has no "
+                                 "reasoning_effort variable", "reasoning_effort")
         return kwargs
+
+    def echoed(self, conversation: list[dict[str, Any]]) -> str:
+        """What vLLM's echo puts before the answer: the last message's content where that
+        message has the answer's role (assistant, or the last role without a generation prompt)."""
+        if not self.echo or not conversation:
+            return ""
+        role = "assistant" if self.add_generation_prompt else conversation[-1]["role"]
+        last = conversation[-1]
+        return last["content"] if last["role"] == role and isinstance(last.get("content"), str) else ""
 
 
 class CompletionRequest(_SamplingRequest):
@@ -437,6 +568,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: false tokenizes text prompts without a BOS
 
     def to_sampling_params(self, limits: RequestLimits = RequestLimits(),
                            defaults: Mapping[str, float | int] = NO_DEFAULTS) -> SamplingParams:
@@ -543,22 +675,36 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatCompletionChoice(BaseModel):
+class _TokenIds(BaseModel):
+    """Serialized with vLLM's token-id fields only where the request asked (return_token_ids)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for name in ("token_ids", "prompt_token_ids"):
+            if name in data and data[name] is None:
+                del data[name]
+        return data
+
+
+class ChatCompletionChoice(_TokenIds):
     index: int
     message: ChatMessageOut
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
     prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class _NoNulls(BaseModel):
@@ -590,21 +736,23 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(_TokenIds):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
+    token_ids: list[int] | None = None  # with return_token_ids: the tokens new in this chunk
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_TokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunk
 
 
 class CompletionLogprobs(BaseModel):
@@ -614,13 +762,15 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIds):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: in a prompt's first chunk)
+    token_ids: list[int] | None = None  # with return_token_ids (streamed: the tokens new in the chunk)
 
 
 class CompletionResponse(BaseModel):

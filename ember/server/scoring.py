@@ -23,7 +23,9 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
-def _text(lp: Logprob | None, token_id: int, tokenizer: Tokenizer | None) -> str:
+def _text(lp: Logprob | None, token_id: int, tokenizer: Tokenizer | None, as_ids: bool = False) -> str:
+    if as_ids:  # vLLM's return_tokens_as_token_ids
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([token_id]) if tokenizer is not None else f"<{token_id}>"
@@ -34,7 +36,8 @@ def prompt_text(out: RequestOutput, tokenizer: Tokenizer) -> str:
     return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
 
 
-def echo(choice: p.CompletionChoice, out: RequestOutput, top: int | None, tokenizer: Tokenizer) -> None:
+def echo(choice: p.CompletionChoice, out: RequestOutput, top: int | None, tokenizer: Tokenizer,
+         as_ids: bool = False) -> None:
     """Put the prompt before `choice`'s completion: in its text and, when it has logprobs
     (`top` alternatives per token), as the first entries of each list; the completion's
     text offsets move past the prompt."""
@@ -47,13 +50,13 @@ def echo(choice: p.CompletionChoice, out: RequestOutput, top: int | None, tokeni
     offset = 0
     for token_id, entry in zip(out.prompt_token_ids, entries):
         lp = entry.get(token_id) if entry is not None else None
-        text = _text(lp, token_id, tokenizer)
+        text = _text(lp, token_id, tokenizer, as_ids)
         head.tokens.append(text)
         head.text_offset.append(offset)
         offset += len(text)
         head.token_logprobs.append(_finite(lp.logprob) if lp is not None else None)
         head.top_logprobs.append(None if entry is None or not top else
-                                 {_text(t, tid, tokenizer): _finite(t.logprob) for tid, t in ranked(entry, top)})
+                                 {_text(t, tid, tokenizer, as_ids): _finite(t.logprob) for tid, t in ranked(entry, top)})
     tail = choice.logprobs
     choice.logprobs = p.CompletionLogprobs(
         text_offset=head.text_offset + [len(prompt) + o for o in tail.text_offset],

@@ -66,6 +66,8 @@ class ServerConfig:
     force_include_usage: bool = False  # every stream ends with a usage chunk (--enable-force-include-usage)
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under a request's own
     log_stats: bool = True  # the periodic stats line (--disable-log-stats: off)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:ID" unless a request says no
+    trust_request_chat_template: bool = False  # a request may bring its own chat_template
 
     @property
     def model_name(self) -> str:
@@ -314,6 +316,32 @@ def all_samples(out: RequestOutput, params: SamplingParams) -> list[CompletionOu
 
 def choice_finish_reason(c: CompletionOutput) -> str:
     return c.finish_reason or "abort"
+
+
+def engine_prompt(engine: AsyncEngine, prompt: str | dict[str, Any], add_special_tokens: bool = True,
+                  truncate: int | None = None, cache_salt: str | None = None) -> str | dict[str, Any]:
+    """A prompt with vLLM's add_special_tokens (for text), truncate_prompt_tokens (keep the
+    last k tokens; -1: max_model_len) and cache_salt applied."""
+    if cache_salt is not None:
+        prompt = {"prompt": prompt, "cache_salt": cache_salt} if isinstance(prompt, str) else \
+            {**prompt, "cache_salt": cache_salt}
+    if add_special_tokens and truncate is None:
+        return prompt
+    if isinstance(prompt, str) or "prompt_token_ids" not in prompt:
+        text = prompt if isinstance(prompt, str) else prompt["prompt"]
+        prompt = {"prompt": text, "prompt_token_ids": engine.inputs.encode(text, add_special_tokens),
+                  "cache_salt": cache_salt}
+    if truncate is None:
+        return prompt
+    max_model_len = engine.config.max_model_len
+    if truncate == 0 or truncate > max_model_len:
+        raise p.InvalidRequest(f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, {max_model_len}] "
+                               f"(max_model_len); got {truncate}", "truncate_prompt_tokens")
+    keep = max_model_len if truncate == -1 else truncate
+    ids = prompt["prompt_token_ids"]
+    if len(ids) <= keep:
+        return prompt
+    return {"prompt_token_ids": ids[-keep:], "cache_salt": cache_salt}  # the text is the whole prompt's: dropped
 
 
 def usage_info(outputs: list[RequestOutput]) -> p.UsageInfo:

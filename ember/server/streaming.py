@@ -18,16 +18,21 @@ from ember.server.serving import APIError, engine_error
 
 logger = logging.getLogger("ember.server")
 
-def token_text(lp: Logprob, token_id: int) -> str:
+def token_text(lp: Logprob, token_id: int, as_ids: bool = False) -> str:
+    """How a logprob names its token: its text, or with vLLM's return_tokens_as_token_ids
+    "token_id:ID" (for tokens whose text alone is ambiguous or not valid UTF-8)."""
+    if as_ids:
+        return f"token_id:{token_id}"
     return lp.decoded_token if lp.decoded_token is not None else f"<{token_id}>"
 
 
-def chat_logprobs(entries: list[dict[int, Logprob]], params: SamplingParams) -> p.ChatChoiceLogprobs:
+def chat_logprobs(entries: list[dict[int, Logprob]], params: SamplingParams,
+                  as_ids: bool = False) -> p.ChatChoiceLogprobs:
     content = []
     for entry in entries:
         token_id, lp = next(iter(entry.items()))  # the sampled token comes first
-        text = token_text(lp, token_id)
-        tops = [p.TopLogprob(token=token_text(t, tid), logprob=t.logprob, bytes=list(token_text(t, tid).encode()))
+        text = token_text(lp, token_id, as_ids)
+        tops = [p.TopLogprob(token=(top := token_text(t, tid, as_ids)), logprob=t.logprob, bytes=list(top.encode()))
                 for tid, t in scoring.ranked(entry, params.logprobs or 0)]
         content.append(p.ChatCompletionTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()),
                                                     top_logprobs=tops))
@@ -35,16 +40,16 @@ def chat_logprobs(entries: list[dict[int, Logprob]], params: SamplingParams) -> 
 
 
 def completion_logprobs(entries: list[dict[int, Logprob]], params: SamplingParams,
-                         offset: int) -> p.CompletionLogprobs:
+                         offset: int, as_ids: bool = False) -> p.CompletionLogprobs:
     out = p.CompletionLogprobs()
     for entry in entries:
         token_id, lp = next(iter(entry.items()))
-        text = token_text(lp, token_id)
+        text = token_text(lp, token_id, as_ids)
         out.tokens.append(text)
         out.token_logprobs.append(lp.logprob)
         out.text_offset.append(offset)
         offset += len(text)
-        top = {token_text(t, tid): t.logprob for tid, t in scoring.ranked(entry, params.logprobs or 0)}
+        top = {token_text(t, tid, as_ids): t.logprob for tid, t in scoring.ranked(entry, params.logprobs or 0)}
         out.top_logprobs.append(top if params.logprobs else None)
     return out
 
@@ -77,6 +82,7 @@ class Sent:
 
     text: int = 0
     logprobs: int = 0
+    tokens: int = 0  # token ids (return_token_ids)
     done: bool = False
 
 
@@ -96,6 +102,12 @@ def new_logprobs(c: CompletionOutput, sent: Sent) -> list[dict[int, Logprob]] | 
         return None
     new = c.logprobs[sent.logprobs:]
     sent.logprobs = len(c.logprobs)
+    return new
+
+
+def new_token_ids(c: CompletionOutput, sent: Sent) -> list[int]:
+    new = list(c.token_ids[sent.tokens:])
+    sent.tokens = len(c.token_ids)
     return new
 
 

@@ -76,6 +76,9 @@ class ToolPlan:
     max_calls: int | None = None  # 1 without parallel tool calls
     keep_special_tokens: bool = False  # the parser's markers are special tokens
     reasoning: Callable[[], ReasoningParser] | None = None  # splits off the reasoning first (--reasoning-parser)
+    include_reasoning: bool = True  # false: the reasoning is split off and dropped
+    echo: str = ""  # vLLM's echo: the answer's content starts with it
+    as_ids: bool = False  # logprobs name tokens "token_id:ID" (return_tokens_as_token_ids)
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         changes: dict[str, Any] = {}
@@ -107,17 +110,22 @@ class ToolPlan:
         reasoning, answer = None, c.text
         if self.reasoning is not None:
             reasoning, answer = self.reasoning().split(c.text)
+            reasoning = reasoning if self.include_reasoning else None
         if self.parser is None:
-            return p.ChatMessageOut(content=answer, reasoning_content=reasoning), _finish_reason(c, False)
+            return (p.ChatMessageOut(content=self._echoed(answer), reasoning_content=reasoning),
+                    _finish_reason(c, False))
         result = self.parser().extract(answer or "", self.max_calls)
         calls = [p.ToolCall(id=new_call_id(), function=p.FunctionCallOut(name=call.name, arguments=call.arguments))
                  for call in result.calls]
-        return (p.ChatMessageOut(content=result.content, reasoning_content=reasoning, tool_calls=calls or None),
-                _finish_reason(c, bool(calls)))
+        return (p.ChatMessageOut(content=self._echoed(result.content), reasoning_content=reasoning,
+                                 tool_calls=calls or None), _finish_reason(c, bool(calls)))
+
+    def _echoed(self, content: str | None) -> str | None:
+        return self.echo + (content or "") if self.echo else content
 
     def stream(self) -> ChoiceStream:
         return ChoiceStream(ToolCallStream(self.parser(), self.max_calls) if self.parser is not None else None,
-                            self.reasoning() if self.reasoning is not None else None)
+                            self.reasoning() if self.reasoning is not None else None, self.include_reasoning)
 
 
 NO_TOOLS = ToolPlan()
@@ -127,9 +135,11 @@ class ChoiceStream:
     """One streamed choice's deltas: its new text as content, or through the parsers (the
     reasoning's, then the tool calls')."""
 
-    def __init__(self, calls: ToolCallStream | None, reasoning: ReasoningParser | None = None) -> None:
+    def __init__(self, calls: ToolCallStream | None, reasoning: ReasoningParser | None = None,
+                 include_reasoning: bool = True) -> None:
         self._calls = calls
         self._reasoning = reasoning
+        self._include_reasoning = include_reasoning
         self._sent = [0, 0]  # characters of reasoning and of answer sent (with a reasoning parser)
 
     def deltas(self, text: str, new_text: str, final: bool) -> list[p.DeltaMessage]:
@@ -140,7 +150,7 @@ class ChoiceStream:
             thought, text = split.reasoning[self._sent[0]:], split.content
             new_text = text[self._sent[1]:]
             self._sent = [max(self._sent[0], len(split.reasoning)), max(self._sent[1], len(text))]
-            if thought:
+            if thought and self._include_reasoning:
                 out.append(p.DeltaMessage(reasoning_content=thought))
         if self._calls is None:
             return out + ([p.DeltaMessage(content=new_text)] if new_text else [])

@@ -1,5 +1,5 @@
 """Sampling features end to end on the real model: n > 1 forks sharing prompt blocks,
-logprobs and prompt logprobs against HF, seeded reproducibility."""
+logprobs and prompt logprobs against HF, seeded reproducibility, bad words of several tokens."""
 
 import torch
 
@@ -92,3 +92,14 @@ def test_prompt_logprobs_equal_hf(llm, hf_model):
         assert abs(entry[ids[pos]].logprob - ref[pos - 1, ids[pos]].item()) < 1e-4
         assert entry[ids[pos]].rank == int((ref[pos - 1] > ref[pos - 1, ids[pos]]).sum()) + 1
         assert len(entry) in (2, 3)  # the prompt token plus the top 2 (it may be one of them)
+
+
+def test_a_bad_word_of_several_tokens_is_cut_at_its_last(llm):
+    tok = llm.get_tokenizer()
+    free = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    words = tok.decode(free.token_ids[:2])  # " Paris." as two tokens: ban the pair, not either token
+    params = SamplingParams(temperature=0, max_tokens=8, bad_words=[words])
+    out = llm.generate("The capital of France is", params)[0].outputs[0]
+    assert params.bad_words_token_ids == [tok.encode("Paris.", add_special_tokens=False), free.token_ids[:2]]
+    assert out.token_ids[0] == free.token_ids[0] and out.token_ids[1] != free.token_ids[1]
+    assert out.token_ids[:2] != free.token_ids[:2]

@@ -127,6 +127,20 @@ def test_chat_template_exact(tok: Tokenizer) -> None:
     )
 
 
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>"
+                                            "\n{% endfor %}"], ids=["model's", "trimming"])
+@pytest.mark.parametrize("content", ["The capital of France is", "  spaced out  "])
+def test_continue_final_message_matches_hf(tok: Tokenizer, hf, template: str | None, content: str) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content}]
+    ours = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                   chat_template=template)
+    theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                    continue_final_message=True, chat_template=template)
+    assert ours == theirs and ours.rstrip().endswith(content.strip())
+    with pytest.raises(ValueError, match="pass add_generation_prompt=False"):
+        tok.apply_chat_template(messages, continue_final_message=True)
+
+
 def test_template_helpers_match_hf(tok: Tokenizer, hf) -> None:
     template = (
         "{{ bos_token }}{{ messages | tojson }}|{{ messages[0] | tojson(indent=2) }}|"

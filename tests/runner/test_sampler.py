@@ -185,3 +185,18 @@ def test_constrained_rows_with_nan_or_nothing_allowed_are_flagged_invalid():
     assert out.invalid.tolist() == [False, True, True, False]  # a free NaN row is not the grammar's business
     assert out.token_ids[0] == 2
     assert Sampler(0)(logits(L), [row(SamplingParams(temperature=0))]).invalid is None  # no grammar: no check
+
+
+def test_allowed_token_ids_keep_only_those_and_bad_words_ban_their_last_token():
+    # L's best are 3 (3.0), 11 (2.9), 7 (2.5)
+    only = SamplingParams(temperature=0, allowed_token_ids=[2, 6, 9])
+    assert Sampler(0)(logits(L), [row(only)]).token_ids == [9]  # -0.5 is the best of -1, -2, -0.5
+    drawn = Sampler(0)(logits(*[L] * 64), [row(SamplingParams(temperature=1.0, allowed_token_ids=[2, 6]))] * 64)
+    assert set(drawn.token_ids) == {2, 6}  # 64 draws from e^-1 : e^-2 take both, nothing else
+    bad = SamplingParams(temperature=0, bad_words_token_ids=[[3], [5, 11]])
+    assert Sampler(0)(logits(L), [row(bad)]).token_ids == [11]  # 3 is banned outright
+    assert Sampler(0)(logits(L), [row(bad, output=[4, 5])]).token_ids == [7]  # after 5, 11 would end "5 11"
+    mixed = Sampler(0)(logits(L, L), [row(bad, output=[5]), row(SamplingParams(temperature=0))])
+    assert mixed.token_ids == [7, 3]  # the other row keeps its best
+    nothing = SamplingParams(temperature=0, allowed_token_ids=[3], bad_words_token_ids=[[3]])
+    assert Sampler(0)(logits(L), [row(nothing)]).invalid.tolist() == [True]  # nothing left: never emitted

@@ -462,3 +462,36 @@ def test_random_shared_prefix_workload_leaks_nothing_and_reads_only_its_own_kv(s
     assert pool.num_in_use == 0 and pool.ref_counts == [0] * num_blocks
     assert pool.num_free + pool.num_evictable == num_blocks
     assert s.prefix_cache_hits > 0, "the workload never hit the cache: it tests nothing"
+
+
+def test_a_cache_salt_shares_blocks_only_within_its_salt_and_its_tree_goes_once_evicted():
+    pool, cache = cache_with(num_blocks=6)
+    plain, salted = pool.allocate(2), pool.allocate(2)  # [0, 1] and [2, 3]
+    cache.insert([1, 2, 3, 4], plain)
+    cache.insert([1, 2, 3, 4], salted, salt="tenant-a")
+    assert salted == [2, 3], "the unsalted tree's copy is not swapped in"
+    assert cache.match([1, 2, 3, 4, 5], 2).block_ids == [0, 1]
+    assert cache.match([1, 2, 3, 4, 5], 2, salt="tenant-a").block_ids == [2, 3]
+    assert cache.match([1, 2, 3, 4, 5], 2, salt="tenant-b").block_ids == []
+    assert (cache.peek([1, 2, 3, 4], "tenant-a"), cache.peek([1, 2, 3, 4], "tenant-b")) == (4, 0)
+    assert "tenant-b" not in cache.salted, "a lookup plants no tree"
+    assert tree(cache, cache.salted["tenant-a"]) == [([1, 2, 3, 4], [2, 3], [])]
+    check(pool, cache)
+    pool.free(plain)
+    pool.free(salted)
+    cache.match([1, 2, 3, 4, 5], 2)  # the unsalted path is the most recently used
+    cache.evict(2)
+    assert tree(cache) == [([1, 2, 3, 4], [0, 1], [])] and cache.salted == {}
+    check(pool, cache)
+
+
+def test_requests_of_another_salt_get_no_hit():
+    s = make()
+    s.add_request(request("a", PROMPT))
+    run(s)
+    for rid, salt, hit in (("b", "x", 0), ("c", "x", 8), ("d", None, 8), ("e", "y", 0)):
+        req = request(rid, PROMPT)
+        req.cache_salt = salt
+        s.add_request(req)
+        run(s)
+        assert req.num_cached_tokens == hit, rid

@@ -39,7 +39,7 @@ LINES = [
           max_num_batched_tokens=1024, seed=3, structured_outputs_backend="llguidance", scheduling_policy="lpm",
           enforce_eager=True, enable_prefix_caching=False)),
     ("serve m --tp 2 --tokenizer-mode auto --max-log-len 100 --chat-template-content-format string "
-     "--hf-overrides {}", dict(tensor_parallel_size=2)),
+     "--hf-overrides {} --return-tokens-as-token-ids --trust-request-chat-template", dict(tensor_parallel_size=2)),
 ]
 
 
@@ -51,6 +51,8 @@ def test_the_peers_launch_lines_parse_to_ember_settings(line, fields):
         assert ns.uvicorn_log_level == "warning" and ns.data_parallel_size == 1
     if "--disable-log-stats" in line:
         assert launch.log_stats is False and ns.max_logprobs == 5
+    assert (launch.return_tokens_as_token_ids, launch.trust_request_chat_template) == \
+        (("--trust-request-chat-template" in line,) * 2)
 
 
 @pytest.mark.parametrize("flag,says", [
@@ -58,7 +60,6 @@ def test_the_peers_launch_lines_parse_to_ember_settings(line, fields):
     ("--tokenizer-mode mistral", "--tokenizer-mode mistral is not supported"),
     ("--chat-template-content-format openai", "content-format openai is not supported"),
     ('--hf-overrides {"num_hidden_layers":2}', "--hf-overrides"),
-    ("--return-tokens-as-token-ids", "--return-tokens-as-token-ids is not supported"),
     ("--ssl-keyfile k.pem", "both --ssl-keyfile and --ssl-certfile"),
     ('--default-chat-template-kwargs {"tools":[]}', "may not set tools"),
     ("--max-logprobs 21", r"--max-logprobs must be in \[0, 20\]"),

@@ -46,6 +46,17 @@ def test_the_reasoning_comes_back_as_reasoning_content_streamed_or_not(client, l
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
 
+def test_include_reasoning_false_drops_the_reasoning(client, llm):
+    ref = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=16, extra_body={"include_reasoning": False})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert (choice.message.reasoning_content, choice.message.content, choice.finish_reason) == \
+        (None, None, ref.finish_reason)
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
 # the default model echoes this, </think> included: its output ends a "reasoning" deterministically
 ECHO = [{"role": "user", "content": "Echo: <think>ok</think> done"}]
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",

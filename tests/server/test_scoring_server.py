@@ -228,10 +228,15 @@ def server_get(server: Server, path: str) -> dict:
      ["stream"]),
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "n": 2}, "n", ["max_tokens=0"]),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", ["prompt_logprobs"]),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", ["unknown field"]),
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", ["unknown field"]),
-    ("/v1/chat/completions", {"messages": CHAT, "use_beam_search": True}, "use_beam_search", ["unknown field"]),
-    ("/v1/chat/completions", {"messages": CHAT, "best_of": 2}, "best_of", ["unknown field"]),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", ["beam search is not supported"]),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", ["best_of 2 is not supported", "n=2"]),
+    ("/v1/chat/completions", {"messages": CHAT, "use_beam_search": True}, "use_beam_search",
+     ["use_beam_search is not supported"]),
+    ("/v1/chat/completions", {"messages": CHAT, "best_of": 2}, "best_of", ["best_of 2 is not supported"]),
+    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate", ["unknown field"]),
+    # without --trust-request-chat-template
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages[0].content }}"}, "chat_template",
+     ["--trust-request-chat-template"]),
 ])
 def test_refused_with_400_naming_the_field(server, route, body, param, words):
     error = assert_openai_error(post(server, route, {"model": MODEL, **body}), 400, *words)

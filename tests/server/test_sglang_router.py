@@ -31,8 +31,7 @@ def test_sglangs_fields_at_embers_behaviour_are_taken_and_no_stop_trim_is_honour
     kept = ChatCompletionRequest(messages=ASK, **(sent | {"no_stop_trim": True})).to_sampling_params()
     assert kept.include_stop_str_in_output
     assert CompletionRequest(prompt="x", no_stop_trim=True).to_sampling_params().include_stop_str_in_output
-    for field, value in (("continue_final_message", True), ("separate_reasoning", False),
-                         ("stream_reasoning", False), ("return_hidden_states", True)):
+    for field, value in (("separate_reasoning", False), ("stream_reasoning", False), ("return_hidden_states", True)):
         with pytest.raises(InvalidRequest, match=f"^{field} .*not supported") as e:
             ChatCompletionRequest(messages=ASK, **{field: value}).to_sampling_params()
         assert e.value.param == field

@@ -140,7 +140,7 @@ def test_auto_without_a_tool_call_parser_is_400_with_vllms_message(server, extra
     ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "only assistant messages have tool_calls",
      "messages"),
-    ({"functions": [WEATHER["function"]]}, "unknown field", "functions"),
+    ({"functions": [WEATHER["function"]]}, "functions is not supported: the deprecated functions field", "functions"),
 ])
 def test_bad_tool_fields_get_400(server, body, words, param):
     error = assert_openai_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": ASK, **body}),
