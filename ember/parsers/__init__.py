@@ -1,5 +1,5 @@
-"""Tool-call parsers, used by the server (`--tool-call-parser NAME` with `tool_choice: auto`)
-and offline on `LLM.chat` outputs:
+"""Tool-call parsers, used by the server (for `tool_choice: auto`: `--tool-call-parser NAME`, or
+the one `infer_tool_parser` reads off the chat template) and offline on `LLM.chat` outputs:
 
     from ember.parsers import get_tool_parser
 
@@ -25,9 +25,24 @@ from ember.parsers.base import (
 )
 
 __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "FunctionCall", "ToolCallDelta", "ToolCallStream", "ToolParser",
-           "get_tool_parser"]
+           "get_tool_parser", "infer_tool_parser"]
+
+# what a chat template writes for a call, and the parser that reads it (the first found wins)
+TEMPLATE_MARKERS = (
+    ("[TOOL_CALLS]", "mistral"),  # Mistral's control token
+    ("[func_name1(", "pythonic"),  # Llama 3.2's and 4's pythonic instructions
+    ("<|python_tag|>", "llama3_json"),  # Llama 3.1 / 3.2
+    ("<tool_call>", "hermes"),  # Qwen2.5, Qwen3, Hermes, SmolLM3
+)
+DEFAULT_TOOL_PARSER = "hermes"  # a template that shows no call format: ChatML models mostly write hermes calls
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered under `name`; ValueError naming the choices otherwise."""
     return registered(TOOL_PARSERS, name, "tool call parser")
+
+
+def infer_tool_parser(chat_template: str | None) -> str:
+    """The parser of the calls a model with this chat template writes: the first of
+    TEMPLATE_MARKERS the template contains, else DEFAULT_TOOL_PARSER."""
+    return next((name for marker, name in TEMPLATE_MARKERS if marker in (chat_template or "")), DEFAULT_TOOL_PARSER)

@@ -33,7 +33,7 @@ from ember.server.serving import (
     usage_info,
 )
 from ember.server.streaming import Sent, chat_logprobs, new_logprobs, new_text, new_token_ids, sse, sse_lines
-from ember.server.tool_calls import ToolPlan, plan_tools
+from ember.server.tool_calls import ToolPlan, auto_tool_parser, plan_tools
 
 
 def add_chat_routes(app: FastAPI, state: ServerState) -> None:
@@ -82,13 +82,14 @@ def chat_requests(engine: AsyncEngine, config: ServerConfig, body: p.ChatComplet
                    request_id: str) -> tuple[SamplingParams, list[EngineRequest], ToolPlan]:
     """A chat request's sampling parameters, its engine request and its tool plan (on the
     input pool: the template and the tools' grammar grow with the input)."""
-    tools = plan_tools(body, config.tool_call_parser, config.reasoning_parser)
-    params = tools.sampling_params(body.to_sampling_params(config.limits, engine.config.sampling_defaults))
     tokenizer = engine.inputs.require_tokenizer()
     if body.chat_template is not None and not config.trust_request_chat_template:
         raise p.InvalidRequest("chat_template: this server takes no chat template from a request; start it with "
                                "--trust-request-chat-template to allow it", "chat_template")
-    kwargs = config.default_chat_template_kwargs | body.template_kwargs(body.chat_template or tokenizer.chat_template)
+    template = body.chat_template or tokenizer.chat_template
+    tools = plan_tools(body, auto_tool_parser(config.tool_call_parser, template), config.reasoning_parser)
+    params = tools.sampling_params(body.to_sampling_params(config.limits, engine.config.sampling_defaults))
+    kwargs = config.default_chat_template_kwargs | body.template_kwargs(template)
     conversation = body.conversation()
     prompt = engine.inputs.chat_prompt(conversation, body.add_generation_prompt, tools=tools.tools,
                                        continue_final_message=body.continue_final_message,

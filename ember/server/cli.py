@@ -150,14 +150,13 @@ def _serve_data_parallel(ns: argparse.Namespace) -> int:
 
 
 def _auto_tool_parser(ns: argparse.Namespace) -> str | None:
-    """The parser of tool_choice "auto" outputs: --tool-call-parser, with --enable-auto-tool-choice."""
-    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME: the parser of the model's tool "
-                         "call format")
-    if ns.tool_call_parser is not None and not ns.enable_auto_tool_choice:
-        logging.getLogger("ember.server").warning("--tool-call-parser is used with --enable-auto-tool-choice only: "
-                                                  'tool_choice "auto" is refused')
-        return None
+    """The parser of tool_choice "auto" outputs: --tool-call-parser, "" with --no-auto-tool-choice
+    ("auto" refused), None to read it off the chat template (infer_tool_parser)."""
+    if ns.enable_auto_tool_choice is False:
+        if ns.tool_call_parser is not None:
+            raise ValueError("--tool-call-parser reads tool_choice \"auto\" answers, which --no-auto-tool-choice "
+                             "refuses: give one of the two")
+        return ""
     return ns.tool_call_parser
 
 
@@ -240,12 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="larger request bodies get 413")
     from ember.parsers import TOOL_PARSERS
 
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+    serve.add_argument("--enable-auto-tool-choice", "--auto-tool-choice", action=argparse.BooleanOptionalAction,
+                       default=None,
                        help='tool_choice "auto" (the default with tools): the model may call tools, read from its '
-                            "text by --tool-call-parser")
+                            "text by the --tool-call-parser; on by default (--no-auto-tool-choice refuses it)")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the model's tool call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral, "
-                            "pythonic (Llama 3.2 / 4)")
+                            "pythonic (Llama 3.2 / 4); default: read off the chat template (a call marker it "
+                            "writes; hermes where it writes none)")
     from ember.parsers.reasoning import REASONING_PARSERS
 
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),

@@ -60,7 +60,9 @@ class ServerConfig:
     metrics_public: bool = False  # /metrics without the API key
     cors: CORSOptions | None = None  # None: no CORS headers (browsers refuse other origins)
     log_requests: bool = False  # each request's id, prompt length and sampling parameters at INFO
-    tool_call_parser: str | None = None  # reads tool_choice "auto" outputs (--enable-auto-tool-choice)
+    # reads tool_choice "auto" outputs (--tool-call-parser); None: the one the chat template shows
+    # (parsers.infer_tool_parser); "": "auto" refused (--no-auto-tool-choice)
+    tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # splits off <think> reasoning (--reasoning-parser)
     core_process: bool = True  # the engine core in its own process (--no-core-process: a thread of this one)
     force_include_usage: bool = False  # every stream ends with a usage chunk (--enable-force-include-usage)

@@ -5,22 +5,25 @@
     tool_choice      the template gets   the output is                    read by
     (no tools)       -                   text                             -
     "none"           the tools           text                             -
-    "auto" (default) the tools           text, maybe with calls           --tool-call-parser
+    "auto" (default) the tools           text, maybe with calls           auto_tool_parser
     "required"       the tools           a JSON array of calls            forced.RequiredCalls
     {function: f}    the tools           f's arguments (JSON)             forced.NamedCall
 
 "required" and a named function constrain decoding to the calls' JSON through the
 structured-output backend, so they work with any model and no server flag, as in vLLM;
-"auto" needs `--enable-auto-tool-choice --tool-call-parser NAME` (else 400, with vLLM's
-words). An answer with calls has `content` null (or the text before them, for "auto")
-and `finish_reason` "tool_calls"; a stream sends each call's id and name first, then its
-arguments in pieces that add up to the unstreamed answer's.
+"auto" needs no flag either, as in llama.cpp: its parser is `--tool-call-parser`, else the
+one whose call marker the chat template writes (`infer_tool_parser`: hermes where it
+writes none); `--no-auto-tool-choice` refuses it. An answer with calls has `content` null
+(or the text before them, for "auto") and `finish_reason` "tool_calls"; a stream sends each
+call's id and name first, then its arguments in pieces that add up to the unstreamed
+answer's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,14 +32,29 @@ from pydantic import TypeAdapter, ValidationError
 
 from ember.loader.tokenizer import Tokenizer
 from ember.outputs import CompletionOutput
-from ember.parsers import get_tool_parser
+from ember.parsers import get_tool_parser, infer_tool_parser
 from ember.parsers.base import ToolCallStream, ToolParser, new_call_id
 from ember.parsers.forced import NamedCall, RequiredCalls, parameters_schema, required_schema
 from ember.parsers.reasoning import END, ReasoningParser, get_reasoning_parser
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.server import protocol as p
 
-AUTO_NEEDS_PARSER = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+AUTO_REFUSED = ('"auto" tool choice is off on this server (--no-auto-tool-choice): send tool_choice "none", '
+                '"required" or a named function')
+
+logger = logging.getLogger("ember.server")
+
+
+@functools.lru_cache(maxsize=64)
+def auto_tool_parser(configured: str | None, chat_template: str | None) -> str | None:
+    """The parser of tool_choice "auto" answers: the server's --tool-call-parser, else the one
+    the chat template shows (logged the first time); None where "auto" is off."""
+    if configured is not None:
+        return configured or None
+    name = infer_tool_parser(chat_template)
+    logger.info('tool_choice "auto": the %s tool-call parser, read off the chat template (--tool-call-parser '
+                'overrides it)', name)
+    return name
 
 _TOOLS = TypeAdapter(list[p.ChatTool])
 
@@ -170,8 +188,8 @@ class ChoiceStream:
 
 
 def plan_tools(body: p.ChatCompletionRequest, auto_parser: str | None, reasoning_parser: str | None = None) -> ToolPlan:
-    """What the request's tool fields ask for; `auto_parser`: the server's tool-call parser
-    (--tool-call-parser with --enable-auto-tool-choice), None without one; `reasoning_parser`:
+    """What the request's tool fields ask for; `auto_parser`: the parser of "auto" answers
+    (auto_tool_parser), None where "auto" is off; `reasoning_parser`:
     --reasoning-parser (a constrained output's constraint then starts after the reasoning:
     see gate_reasoning)."""
     plan = _plan_tools(body, auto_parser)
@@ -193,7 +211,7 @@ def _plan_tools(body: p.ChatCompletionRequest, auto_parser: str | None) -> ToolP
         return ToolPlan(tools)
     if choice == "auto":
         if auto_parser is None:
-            raise p.InvalidRequest(AUTO_NEEDS_PARSER, "tool_choice")
+            raise p.InvalidRequest(AUTO_REFUSED, "tool_choice")
         parser = get_tool_parser(auto_parser)
         return ToolPlan(tools, parser=parser, max_calls=max_calls, keep_special_tokens=parser.keeps_special_tokens)
     functions = [tool["function"] for tool in tools]

@@ -1,5 +1,5 @@
-"""tool_choice "auto" on a server started with `--enable-auto-tool-choice --tool-call-parser
-hermes` and a chat template that offers tools (hermes-style ChatML, as Qwen2.5's):
+"""tool_choice "auto" on a server started with no tool flag and a chat template that offers
+tools (hermes-style ChatML, as Qwen2.5's, so the hermes parser is read off it):
 the tools and a tool-result round trip are rendered into the prompt as the offline
 renderer does (`LLM.chat(tools=...)`), the model's text is read by the hermes parser
 (the tiny model answers in prose: it comes back as content), and the other tool
@@ -34,8 +34,7 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def server(gguf_path, tmp_path_factory):
-    yield from serving(gguf_path, tmp_path_factory, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                       "--chat-template", str(TEMPLATE))
+    yield from serving(gguf_path, tmp_path_factory, "--chat-template", str(TEMPLATE))
 
 
 @pytest.fixture(scope="module")

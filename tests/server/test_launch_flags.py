@@ -69,6 +69,32 @@ def test_a_flag_ember_does_not_do_is_refused_by_name(flag, says):
         settings(f"serve m {flag}")
 
 
+def test_auto_tool_choice_is_on_by_default_and_its_parser_read_off_the_template():
+    from ember.parsers import infer_tool_parser
+    from ember.server.cli import _auto_tool_parser
+    from ember.server.tool_calls import auto_tool_parser
+
+    assert [_auto_tool_parser(parse_args(f"serve m {flags}".split())) for flags in
+            ("", "--enable-auto-tool-choice", "--tool-call-parser mistral", "--no-auto-tool-choice",
+             "--no-enable-auto-tool-choice")] == [None, None, "mistral", "", ""]
+    with pytest.raises(ValueError, match="give one of the two"):
+        _auto_tool_parser(parse_args("serve m --no-auto-tool-choice --tool-call-parser hermes".split()))
+    templates = {"{{ '[TOOL_CALLS]' }}": "mistral", "<|python_tag|>{{ x }}": "llama3_json",
+                 "[func_name1(params_name1=params_value1)]": "pythonic", "<tool_call>\n": "hermes",
+                 "{{ messages }}": "hermes", None: "hermes"}
+    assert {t: infer_tool_parser(t) for t in templates} == templates
+    assert (auto_tool_parser(None, "<|python_tag|>"), auto_tool_parser("mistral", "<tool_call>"),
+            auto_tool_parser("", "<tool_call>")) == ("llama3_json", "mistral", None)
+    from ember.server.protocol import ChatCompletionRequest, InvalidRequest
+    from ember.server.tool_calls import plan_tools
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                 tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(InvalidRequest, match="off on this server") as e:
+        plan_tools(body, None)  # what --no-auto-tool-choice gives
+    assert e.value.param == "tool_choice" and plan_tools(body, "hermes").parser is not None
+
+
 def test_api_keys_repeat_and_come_from_the_environment():
     assert settings("serve m --api-key a b --api-key c")[2].api_keys == ("a", "b", "c")
     env = {"VLLM_API_KEY": "from-vllm", "EMBER_API_KEY": "from-ember"}

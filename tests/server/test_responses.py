@@ -64,6 +64,13 @@ def test_stream_adds_up_to_the_answer(client):
         assert stream.get_final_response().output_text == whole.output_text
 
 
+def test_function_tools_with_auto_need_no_server_flag(client):
+    """The default model answers in prose: a message item, as with tool_choice "none"."""
+    kw = dict(model=MODEL, input=QUESTION, tools=[WEATHER], max_output_tokens=12, temperature=0)
+    auto, none = client.responses.create(**kw), client.responses.create(tool_choice="none", **kw)
+    assert [item.type for item in auto.output] == ["message"] and auto.output_text == none.output_text != ""
+
+
 def test_a_named_function_tool_gives_a_function_call(client):
     kw = dict(model=MODEL, input="What is the weather like in Paris today?", tools=[WEATHER],
               tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40, temperature=0)
@@ -115,7 +122,6 @@ def test_json_schema_text_format(client):
     ({"input": "x", "previous_response_id": "resp_123"}, "previous_response_id", ["ember keeps no responses"]),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", ["only function tools are supported"]),
     ({"input": "x", "background": True}, None, ["background"]),
-    ({"input": "x", "tools": [WEATHER]}, None, ["--enable-auto-tool-choice"]),  # auto needs a tool-call parser
 ])
 def test_refusals(server, body, param, words):
     error = assert_openai_error(post(server, "/v1/responses", {"model": MODEL, **body}), 400, *words)

@@ -2,8 +2,9 @@
 model, no tool flags, the official `openai` client): a named function and
 tool_choice "required" constrain decoding to the call's JSON, so any model calls tools;
 the answer's calls equal the offline computation on the same model, streamed deltas add
-up to the unstreamed answer, and what instructor and langchain send works. "auto" without
-a parser is 400 with vLLM's words."""
+up to the unstreamed answer, and what instructor and langchain send works. "auto" (the
+default with tools) needs no flag: the parser is read off the chat template, so the
+openai client's plain tool round trip works on a default server."""
 
 from __future__ import annotations
 
@@ -119,14 +120,27 @@ def test_tool_choice_none_answers_in_text(client, llm):
                                               tools=TOOLS)[0].outputs[0].text
 
 
-AUTO = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+ROUND_TRIP = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
 
 
-@pytest.mark.parametrize("extra", [{"tool_choice": "auto"}, {}])
-def test_auto_without_a_tool_call_parser_is_400_with_vllms_message(server, extra):
-    error = assert_openai_error(post(server, "/v1/chat/completions",
-                                      {"model": MODEL, "messages": ASK, "tools": TOOLS, **extra}), 400)
-    assert error["message"] == AUTO and error["param"] == "tool_choice"
+@pytest.mark.parametrize("messages", [ASK, ROUND_TRIP], ids=["ask", "tool-result"])
+def test_auto_works_on_a_default_server_with_the_parser_the_template_shows(server, client, llm, messages):
+    """The default model's template writes no call marker: hermes reads its answers, which
+    are prose (content), as the offline chat with the same tools renders and answers."""
+    want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), tools=TOOLS)[0].outputs[0].text
+    for extra in ({}, {"tool_choice": "auto"}):
+        choice = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0,
+                                                max_tokens=20, **extra).choices[0]
+        assert (choice.message.content, choice.message.tool_calls) == (want, None)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0,
+                                              max_tokens=20, stream=True)
+    assert reassembled(streamed)[:2] == ([], want)
+    log = server.log.read_text()
+    assert log.count('tool_choice "auto": the hermes tool-call parser, read off the chat template') == 1
 
 
 @pytest.mark.parametrize("body,words,param", [
