@@ -1,5 +1,5 @@
-"""The main server (servers.py), for the modules that do not start their own: `server`, a
-module's `ember serve` on the default model with the API key, and `client`, the official
+"""The main server (servers.py), for the modules that do not start their own: `server`, one
+`ember serve` on the default model with the API key for the whole run, and `client`, the official
 `openai` client on it. `still_serving` is not autouse: a module opts in with
 `pytestmark = pytest.mark.usefixtures("still_serving")`.
 
@@ -12,14 +12,16 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(gguf_path, tmp_path_factory):
+    """One server for the whole run (each start costs seconds): a test leaves it as it found
+    it (no block held, it still answers: `still_serving`), and reads counters as deltas."""
     from servers import serving
 
     yield from serving(gguf_path, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client(server):
     return server.client()
 

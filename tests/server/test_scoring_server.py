@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers import FRANCE, KEY, MODEL, Server, assert_openai_error, post, running
+from servers import FRANCE, KEY, MODEL, Server, assert_openai_error, post
 
 from ember import SamplingParams
 
@@ -27,11 +27,6 @@ pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 LM_EVAL_DATA = Path(__file__).parent.parent / "data" / "lm_eval"
-
-
-@pytest.fixture(scope="module")
-def server(gguf_path, tmp_path_factory):
-    yield from running(Server(gguf_path, tmp_path_factory.mktemp("scoring") / "server.log", "--api-key", KEY))
 
 
 @pytest.fixture(scope="module")
