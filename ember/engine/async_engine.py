@@ -55,7 +55,7 @@ from typing import Any, TypeVar
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCoreOutput
-from ember.engine.core_client import ABORT, ADD, CoreStep, InprocCoreClient, MPCoreClient, send_text_verdicts
+from ember.engine.core_client import ABORT, ADD, CALL, CoreStep, InprocCoreClient, MPCoreClient, send_text_verdicts
 from ember.engine.input_processor import InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
@@ -197,6 +197,8 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._streams: dict[str, RequestStream] = {}
         self._num_sent = 0  # ADDs sent; the core's CoreStep.num_added says how many it took
+        self._calls: dict[int, cf.Future] = {}  # CALLs sent, by id, until the core answers
+        self.sleeping = 0  # the engine core's sleep level, as the last sleep / wake_up left it
         self._num_taken = 0
         self._accepting = True
         self._stop = False
@@ -238,6 +240,22 @@ class AsyncEngine:
         (tokenizing, chat templates, grammar checks) stays off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._input_pool,
                                                                 functools.partial(fn, *args, **kwargs))
+
+    async def call(self, operation: str, *args: Any, timeout: float = 600.0) -> Any:
+        """Run one of the engine core's operations (core_process.CORE_CALLS) between its steps;
+        its result, or ValueError with the core's reason."""
+        with self._lock:
+            if self.error is not None or self._stop:
+                raise EngineStoppedError("the engine is shutting down")
+            call_id = next(self._ids)
+            future: cf.Future = cf.Future()
+            self._calls[call_id] = future
+            self.client.send((CALL, call_id, operation, args))
+        self.client.wake()
+        result = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        if operation in ("sleep", "wake_up"):
+            self.sleeping = args[0] if operation == "sleep" else 0
+        return result
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> RequestStream:
@@ -365,6 +383,10 @@ class AsyncEngine:
         before = self.stats
         with self._lock:
             self.stats, self._num_taken = step.stats, step.num_added  # before the outputs: fresh numbers
+            answered = [(self._calls.pop(call_id), ok, value) for call_id, ok, value in step.results]
+        for future, ok, value in answered:
+            if not future.done():  # (its caller may have given up waiting)
+                future.set_result(value) if ok else future.set_exception(ValueError(value))
         if not step.outputs:
             return
         now = time.monotonic()
@@ -437,6 +459,10 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException | None) -> None:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+        for future in calls:
+            if not future.done():
+                future.set_exception(error if error is not None else EngineStoppedError("the engine stopped"))
         for stream in streams:
             self._processor.abort(stream.request_id)
             if self.error is None:

@@ -98,9 +98,12 @@ class EngineCore:
         self.in_flight: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back
         self.max_in_flight = 1 if config.async_scheduling else 0  # launched steps left running after step()
+        self.sleeping = 0  # the sleep level (0: awake)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; a constrained one waits outside the scheduler until its grammar compiles."""
+        if self.sleeping:
+            raise ValueError("the engine is asleep: wake it up first (POST /wake_up)")
         if request.request_id in self.scheduler.requests or self.structured.is_compiling(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.scheduler.check_request(request)
@@ -180,6 +183,68 @@ class EngineCore:
                            num_kv_blocks=pool.num_blocks, num_kv_blocks_in_use=pool.num_in_use,
                            num_preemptions=sched.num_preemptions, prefix_cache_queries=sched.prefix_cache_queries,
                            prefix_cache_hits=sched.prefix_cache_hits)
+
+    # -- operations (the server's /reset_prefix_cache, /start_profile, /sleep, ...) ------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (vLLM's /reset_prefix_cache); False, changing nothing, while
+        a request runs or waits (it may hold or be about to hit cached blocks)."""
+        if self.has_unfinished_requests():
+            return False
+        if self.block_pool.num_evictable:
+            self.prefix_cache.evict(self.block_pool.num_evictable)
+        return True
+
+    def start_profile(self, folder: str) -> None:
+        """Record the torch profiler (CPU, and CUDA where the model runs there) until stop_profile."""
+        import torch
+
+        if getattr(self, "_profiler", None) is not None:
+            raise ValueError("a profile is already being recorded: POST /stop_profile first")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.runner.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profile_folder = folder
+        self._profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop the profile start_profile began; the path of its Chrome trace."""
+        import os
+        from pathlib import Path
+
+        profiler = getattr(self, "_profiler", None)
+        if profiler is None:
+            raise ValueError("no profile is being recorded: POST /start_profile first")
+        self._profiler = None
+        profiler.stop()
+        folder = Path(self._profile_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"ember-core-{os.getpid()}-{time.time_ns()}.pt.trace.json"
+        profiler.export_chrome_trace(str(path))
+        return str(path)
+
+    def sleep(self, level: int) -> None:
+        """Free the KV pool (level 1) and the weights too (level 2), for an RL loop's trainer to
+        use the memory; wake_up restores them (the weights read from the model's files again)
+        with the prefix cache empty. Only while no request runs or waits."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (the KV pool) or 2 (the KV pool and the weights); got {level}")
+        if self.sleeping:
+            raise ValueError("the engine is asleep already: POST /wake_up first")
+        if not isinstance(self.runner, ModelRunner):
+            raise ValueError("sleep is not supported with tensor parallelism")
+        if self.has_unfinished_requests():
+            raise ValueError("requests are running or waiting: sleep once they are done")
+        self.reset_prefix_cache()
+        self.runner.sleep(level)
+        self.sleeping = level
+
+    def wake_up(self) -> None:
+        if not self.sleeping:
+            raise ValueError("the engine is awake")
+        self.runner.wake_up()
+        self.sleeping = 0
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or self.structured.num_compiling > 0 or bool(self.in_flight)

@@ -35,6 +35,7 @@ from ember.engine.core import EngineCore, EngineCoreOutput
 from ember.engine.core_process import (
     ABORT,
     ADD,
+    CALL,
     FAIL,
     FINISH,
     SHUTDOWN,
@@ -55,7 +56,7 @@ from ember.structured.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 # the message kinds and wire rows are the core process's (core_process.py); its clients speak them
-__all__ = ["ABORT", "ADD", "FAIL", "FINISH", "SHUTDOWN", "CoreDeadError", "CoreStep", "InprocCoreClient", "MPCoreClient",
+__all__ = ["ABORT", "ADD", "CALL", "FAIL", "FINISH", "SHUTDOWN", "CoreDeadError", "CoreStep", "InprocCoreClient", "MPCoreClient",
            "RequestChecker", "output_row", "send_text_verdicts", "stats_row"]
 
 START_TIMEOUT_S = 600.0  # loading a model (and compiling kernels) before the core reports ready
@@ -214,8 +215,8 @@ class MPCoreClient:
             return None
         if message[0] == "dead":
             raise CoreDeadError(f"the engine core failed: {message[1]}")
-        _, rows, stats, num_added = message
-        return CoreStep([EngineCoreOutput(*row) for row in rows], EngineStats(*stats), num_added)
+        _, rows, stats, num_added, results = message
+        return CoreStep([EngineCoreOutput(*row) for row in rows], EngineStats(*stats), num_added, results)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tell the core to stop (it aborts what is left and stops its TP workers), wait for it

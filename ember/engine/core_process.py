@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import pickle
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore, EngineCoreOutput
@@ -26,17 +26,21 @@ from ember.request import Request
 logger = logging.getLogger("ember.core")
 
 # the client's messages: (ADD, Request), (ABORT, request_id), (FINISH, request_id, stop string),
-# (FAIL, request_id, message), (SHUTDOWN,)
-ADD, ABORT, FINISH, FAIL, SHUTDOWN = range(5)
+# (FAIL, request_id, message), (SHUTDOWN,), (CALL, call_id, operation, args): one of CORE_CALLS
+ADD, ABORT, FINISH, FAIL, SHUTDOWN, CALL = range(6)
+CORE_CALLS = frozenset({"reset_prefix_cache", "start_profile", "stop_profile", "sleep", "wake_up"})  # EngineCore's
+
 
 @dataclass(slots=True)
 class CoreStep:
     """What the core did since the last CoreStep: outputs of one step (and of requests it
-    refused or that failed), its state after it, and how many ADDs it has taken in all."""
+    refused or that failed), its state after it, how many ADDs it has taken in all, and the
+    results of the CALLs it took: (call_id, ok, the value or the error's message)."""
 
     outputs: list[EngineCoreOutput]
     stats: EngineStats
     num_added: int
+    results: list[tuple] = field(default_factory=list)
 
 
 class CoreService:
@@ -45,6 +49,7 @@ class CoreService:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.num_added = 0
+        self.results: list[tuple] = []  # of CALLs, for the next CoreStep
 
     def apply(self, messages: list[tuple]) -> tuple[list[EngineCoreOutput], bool]:
         """Apply messages in order; returns the outputs of requests that could not be added
@@ -57,6 +62,8 @@ class CoreService:
                 outputs += self._add(message[1])
             elif kind == SHUTDOWN:
                 return outputs, True
+            elif kind == CALL:
+                self.results.append(self._call(*message[1:]))
             else:
                 try:
                     if kind == ABORT:
@@ -81,10 +88,22 @@ class CoreService:
             self.core.abort_request(req.request_id)
             return [EngineCoreOutput(req.request_id, [], True, finish_reason="error", error=message)]
 
+    def _call(self, call_id: int, operation: str, args: tuple) -> tuple:
+        if operation not in CORE_CALLS:
+            return call_id, False, f"the engine core has no operation {operation!r}"
+        try:
+            return call_id, True, getattr(self.core, operation)(*args)
+        except ValueError as e:  # what the caller asked for cannot be done now: its message says why
+            return call_id, False, str(e)
+        except Exception as e:
+            logger.exception("the engine core's %s failed", operation)
+            return call_id, False, f"{operation} failed in the engine core ({type(e).__name__}; see its log)"
+
     def step(self, outputs: list[EngineCoreOutput]) -> CoreStep:
         if self.core.has_unfinished_requests():
             outputs = outputs + self.core.step()
-        return CoreStep(outputs, self.core.stats(), self.num_added)
+        results, self.results = self.results, []
+        return CoreStep(outputs, self.core.stats(), self.num_added, results)
 
 
 def output_row(o: EngineCoreOutput) -> tuple:
@@ -179,4 +198,4 @@ def _serve(core, service, inbox, send, zmq) -> None:
         if not (messages or busy):
             continue
         step = service.step(outputs)
-        send(("step", [output_row(o) for o in step.outputs], stats_row(step.stats), step.num_added))
+        send(("step", [output_row(o) for o in step.outputs], stats_row(step.stats), step.num_added, step.results))

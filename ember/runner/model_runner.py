@@ -10,6 +10,7 @@ launched step's sampled ids, never through the CPU."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import logging
@@ -105,6 +106,15 @@ _GREEDY = SamplingParams(temperature=0)  # the stand-in row of a request whose o
 GRAPH_POOL_RESERVE = 512 << 20  # kept out of the KV pool for the decode graphs' memory (logged as measured)
 
 
+def _return_freed_heap() -> None:
+    """glibc keeps freed tensors of a few MB (a layer's weight) on its heap: hand the memory
+    back to the system (malloc_trim), for whoever the engine sleeps for."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros; on the CPU from calloc'd pages (numpy's zeros), which the kernel hands out
     zeroed as they are first touched: a 1 GiB pool costs nothing until blocks are used, where
@@ -120,16 +130,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         mc = config.model_config
         files = locate_model(config.model, config.load_format)
-        self.model = load_model(files, mc, config.max_model_len, config.torch_dtype, config.device,
-                                config.attention_backend, config.seed, config.quantization)
+        self.model = self._load_model(files)
         self.weight_bytes = model_weight_bytes(self.model)
         self.file_tensor_bytes = files.tensor_bytes()
-        if self.device.type == "cpu" and cpu_packing_supported(config.torch_dtype):
-            for module in self.model.modules():
-                if hasattr(module, "pack_for_cpu"):
-                    module.pack_for_cpu()
-        if config.deterministic:
-            make_batch_invariant(self.model)
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0
@@ -147,8 +150,7 @@ class ModelRunner:
                  mc.head_dim)
         # zeroed: padded block-table entries and the null block are read (then masked), never NaN
         self.kv_cache = _zeros(shape, config.kv_cache_torch_dtype, self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self._attach_kv_cache()
         self.sampler = Sampler(config.seed)
         self.pooler = Pooler(config.pooler_config) if config.runner == "pooling" else None
         self.pin = self.device.type == "cuda"  # host tensors bound for the device are pinned: copies don't wait
@@ -187,6 +189,46 @@ class ModelRunner:
                         self.weight_bytes / max(1, self.file_tensor_bytes), self.file_tensor_bytes / 2**20,
                         self.kv_cache.nbytes / 2**20, _dtype_name(self.kv_cache.dtype),
                         self.num_blocks, config.block_size, self.num_blocks * config.block_size)
+
+    def _load_model(self, files) -> torch.nn.Module:
+        config = self.config
+        model = load_model(files, config.model_config, config.max_model_len, config.torch_dtype, config.device,
+                           config.attention_backend, config.seed, config.quantization)
+        if self.device.type == "cpu" and cpu_packing_supported(config.torch_dtype):
+            for module in model.modules():
+                if hasattr(module, "pack_for_cpu"):
+                    module.pack_for_cpu()
+        if config.deterministic:
+            make_batch_invariant(model)
+        return model
+
+    def _attach_kv_cache(self) -> None:
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def sleep(self, level: int) -> None:
+        """Free the KV pool (its contents are gone) and, at level 2, the weights (EngineCore.sleep)."""
+        if self.graphs is not None or self.piecewise is not None:
+            raise ValueError("sleep is not supported with CUDA graphs (they hold the KV pool's addresses): start "
+                             "the server with --enforce-eager")
+        self._asleep = (level, tuple(self.kv_cache.shape))
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = None
+        self.kv_cache = None
+        if level == 2:
+            self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        _return_freed_heap()
+
+    def wake_up(self) -> None:
+        level, shape = self._asleep
+        if level == 2:
+            self.model = self._load_model(locate_model(self.config.model, self.config.load_format))
+        self.kv_cache = _zeros(shape, self.config.kv_cache_torch_dtype, self.device)
+        self._attach_kv_cache()
+        del self._asleep
 
     def kv_bytes_per_block(self) -> int:
         """K and V of one block in every layer, in the cache dtype (fp8: half of bfloat16's)."""

@@ -126,7 +126,8 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                       force_include_usage=launch.force_include_usage,
                       default_chat_template_kwargs=launch.default_chat_template_kwargs, log_stats=launch.log_stats,
                       return_tokens_as_token_ids=launch.return_tokens_as_token_ids,
-                      trust_request_chat_template=launch.trust_request_chat_template)
+                      trust_request_chat_template=launch.trust_request_chat_template,
+                      profiler_dir=launch.profiler_dir)
     sys.exit(code)
 
 

@@ -18,6 +18,7 @@ from ember.server.limits import MAX_LOGPROBS
 logger = logging.getLogger("ember.server")
 
 API_KEY_VARIABLES = ("EMBER_API_KEY", "VLLM_API_KEY")  # read, in this order, when no --api-key is given
+PROFILER_DIR_VARIABLES = ("EMBER_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")  # without --profiler-dir
 _TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
 _CONTENT_FORMATS = ("auto", "string", "openai")
 
@@ -74,6 +75,10 @@ def add_launch_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name their tokens 'token_id:ID' (a request's return_tokens_as_token_ids "
                             "overrides it)")
+    serve.add_argument("--profiler-dir", default=None, metavar="DIR",
+                       help="POST /start_profile and /stop_profile record the torch profiler on the engine core and "
+                            f"write its traces here (default: {' or '.join(PROFILER_DIR_VARIABLES)} from the "
+                            "environment, else profiling is off)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="a chat request may bring its own chat_template (Jinja, run sandboxed)")
 
@@ -91,6 +96,7 @@ class LaunchSettings:
     log_stats: bool = True
     return_tokens_as_token_ids: bool = False
     trust_request_chat_template: bool = False
+    profiler_dir: str | None = None
 
 
 def launch_settings(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> LaunchSettings:
@@ -138,4 +144,5 @@ def launch_settings(ns: argparse.Namespace, environ: dict[str, str] | None = Non
                          "each request")
     return LaunchSettings(keys, tuple(ns.served_model_names or ()), uvicorn, ns.enable_force_include_usage,
                           ns.max_logprobs, dict(ns.default_chat_template_kwargs or {}), not ns.disable_log_stats,
-                          ns.return_tokens_as_token_ids, ns.trust_request_chat_template)
+                          ns.return_tokens_as_token_ids, ns.trust_request_chat_template,
+                          ns.profiler_dir or next((environ[v] for v in PROFILER_DIR_VARIABLES if environ.get(v)), None))

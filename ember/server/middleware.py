@@ -19,7 +19,7 @@ from ember.server.serving import APIError, input_error
 logger = logging.getLogger("ember.server")
 
 # open without the API key: liveness, the version, and the API's own description
-OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 class APIKeyMiddleware:

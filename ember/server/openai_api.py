@@ -6,6 +6,7 @@ here from the route families (each its own file, over serving.py's shared parts)
     POST /tokenize   POST /detokenize   GET /tokenizer_info   tokens.py
     POST /v1/embeddings                                  embeddings.py (--runner pooling)
     GET  /v1/models   GET /health (503 until the model is loaded)   GET /version   GET /metrics   here
+    /ping, /reset_prefix_cache, /start_profile, /stop_profile, /sleep, /wake_up   operations.py
 
 Every request is validated at the route (strict pydantic shapes and ranges, RequestLimits,
 SamplingParams, chat template, tokenize, prompt length): bad input is refused with 400
@@ -49,6 +50,7 @@ from ember.server.chat import add_chat_routes
 from ember.server.completions import add_completion_routes
 from ember.server.metrics import ServerMetrics
 from ember.server.middleware import OPEN_PATHS, APIKeyMiddleware, BodyMiddleware, add_error_handlers, document_errors
+from ember.server.operations import add_operation_routes
 from ember.server.serving import ERRORS, CORSOptions, ServerConfig, ServerState
 from ember.server.tokens import add_token_routes
 
@@ -119,6 +121,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     add_token_routes(app, state)
     add_chat_routes(app, state)
     add_completion_routes(app, state)
+    add_operation_routes(app, state, config.profiler_dir)
     document_errors(app)
     return app
 
@@ -159,7 +162,7 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
                core_process: bool = True, uvicorn_options: Mapping[str, Any] | None = None,
                force_include_usage: bool = False, default_chat_template_kwargs: Mapping[str, Any] | None = None,
                log_stats: bool = True, return_tokens_as_token_ids: bool = False,
-               trust_request_chat_template: bool = False) -> int:
+               trust_request_chat_template: bool = False, profiler_dir: str | None = None) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit code: 0 after a graceful stop, 1 if
     the model failed to load or the engine loop died (a supervisor should restart it).
     `uvicorn_options`: uvicorn.Config's root_path and ssl_* (launch_flags.py)."""
@@ -169,7 +172,7 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
                           limits or p.RequestLimits(), metrics_public, cors, log_requests, tool_call_parser,
                           reasoning_parser, core_process, force_include_usage,
                           dict(default_chat_template_kwargs or {}), log_stats, return_tokens_as_token_ids,
-                          trust_request_chat_template)
+                          trust_request_chat_template, profiler_dir)
     app = build_app(config)
     state: ServerState = app.state.ember
     # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left

@@ -70,6 +70,7 @@ class ServerConfig:
     log_stats: bool = True  # the periodic stats line (--disable-log-stats: off)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:ID" unless a request says no
     trust_request_chat_template: bool = False  # a request may bring its own chat_template
+    profiler_dir: str | None = None  # where /stop_profile writes traces (None: profiling off)
 
     @property
     def model_name(self) -> str:
@@ -198,6 +199,8 @@ async def prepare(engine: AsyncEngine, fn, *args):
 
 def submit(engine: AsyncEngine, requests: list[EngineRequest]) -> list[RequestStream]:
     """Queue every request of one HTTP request, or none."""
+    if engine.sleeping:
+        raise APIError(503, "the engine is asleep: POST /wake_up first", "server_error", code="sleeping")
     streams: list[RequestStream] = []
     try:
         for req in requests:
