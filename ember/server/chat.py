@@ -1,10 +1,11 @@
-"""POST /v1/chat/completions and POST /v1/responses (run as the chat completion it
-translates to, responses.py): the chat template, tools and reasoning (tool_calls.py),
-streamed or not."""
+"""POST /v1/chat/completions, and POST /v1/responses and POST /v1/messages (each run as the
+chat completion it translates to: responses.py, messages.py): the chat template, tools and
+reasoning (tool_calls.py), streamed or not."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,9 +20,12 @@ from ember.request import Request as EngineRequest
 from ember.sampling_params import SamplingParams
 from ember.server import protocol as p
 from ember.server import scoring
+from ember.server.messages import CountTokensRequest, MessageBuilder, MessagesRequest, error_body
 from ember.server.responses import ResponseBuilder, ResponsesRequest
 from ember.server.serving import (
+    ERRORS,
     STREAMED_ERRORS,
+    APIError,
     ServerConfig,
     ServerState,
     all_samples,
@@ -33,7 +37,7 @@ from ember.server.serving import (
     usage_info,
 )
 from ember.server.streaming import Sent, chat_logprobs, new_logprobs, new_text, new_token_ids, sse, sse_lines
-from ember.server.tool_calls import ToolPlan, auto_tool_parser, plan_tools
+from ember.server.tool_calls import ToolPlan, auto_tool_parser, checked_tools, plan_tools
 
 
 def add_chat_routes(app: FastAPI, state: ServerState) -> None:
@@ -76,6 +80,48 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
             return sse(answer.events(chunk.model_dump() async for chunk in chunks), streams)
         final = (await until_disconnected(raw, final_outputs(streams), streams))[0]
         return JSONResponse(answer.from_chat(chat_answer(final, params, tools, chat, answer.id, model).model_dump()))
+
+
+def add_messages_routes(app: FastAPI, state: ServerState) -> None:
+    """Anthropic's Messages API, run as the chat completion it translates to (messages.py)."""
+    config = state.config
+
+    @app.post("/v1/messages", responses=STREAMED_ERRORS)
+    async def create_message(body: MessagesRequest, raw: Request) -> Response:
+        engine = state.ready_engine()
+        model = state.check_model(body.model)
+        answer = MessageBuilder(model)
+
+        def make() -> tuple[p.ChatCompletionRequest, SamplingParams, list[EngineRequest], ToolPlan]:
+            chat = p.ChatCompletionRequest.model_validate(body.chat_request())
+            return chat, *chat_requests(engine, config, chat, answer.id)
+
+        chat, params, requests, tools = await prepare(engine, make)
+        streams = submit(engine, requests)
+        if body.stream:
+            chunks = chat_chunks(streams[0], answer.id, model, params, True, tools)
+            events = answer.events((chunk.model_dump() async for chunk in chunks), len(streams[0].prompt_token_ids))
+            return sse(events, streams, anthropic_error_event)
+        final = (await until_disconnected(raw, final_outputs(streams), streams))[0]
+        return JSONResponse(answer.from_chat(chat_answer(final, params, tools, chat, answer.id, model).model_dump()))
+
+    @app.post("/v1/messages/count_tokens", responses=ERRORS)
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        engine = state.ready_engine()
+        state.check_model(body.model)
+
+        def count() -> int:
+            chat = p.ChatCompletionRequest.model_validate(body.chat_request(max_tokens=False))
+            tokenizer = engine.inputs.require_tokenizer()
+            kwargs = config.default_chat_template_kwargs | chat.template_kwargs(tokenizer.chat_template)
+            prompt = engine.inputs.chat_prompt(chat.conversation(), tools=checked_tools(chat.tools), **kwargs)
+            return len(prompt["prompt_token_ids"])
+
+        return {"input_tokens": await prepare(engine, count)}
+
+
+def anthropic_error_event(error: APIError) -> str:
+    return f"event: error\ndata: {json.dumps(error_body(error.status, error.message))}\n\n"
 
 
 def chat_requests(engine: AsyncEngine, config: ServerConfig, body: p.ChatCompletionRequest,

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.server import protocol as p
+from ember.server.messages import error_body
 from ember.server.serving import APIError, input_error
 
 logger = logging.getLogger("ember.server")
@@ -35,11 +36,12 @@ class APIKeyMiddleware:
         # behind --root-path the ASGI path carries the prefix (the spec's rule): the route is what follows it
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if scope["type"] == "http" and path not in self.open_paths and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization") or b"Bearer " + headers.get(b"x-api-key", b"")  # Anthropic's header
             if not any([secrets.compare_digest(given, key) for key in self.expected]):  # each compared: no early out
-                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
-                await error.response()(scope, receive, send)
+                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or "
+                                      "'x-api-key: <key>')", code="invalid_api_key")
+                await shaped(error, path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -88,10 +90,22 @@ class BodyMiddleware:
         await self.app(scope, replay, send)
 
 
+def shaped(error: APIError, path: str) -> JSONResponse:
+    """The error in the shape of the API its route belongs to: Anthropic's for /v1/messages,
+    else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        return JSONResponse(error_body(error.status, error.message), status_code=error.status, headers=error.headers)
+    return error.response()
+
+
+def _route(request: Request) -> str:
+    return request.url.path.removeprefix(request.scope.get("root_path", ""))
+
+
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response()
+        return shaped(e, _route(request))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -108,7 +122,7 @@ def add_error_handlers(app: FastAPI) -> None:
             if err.get("type") == "extra_forbidden":
                 message = "unknown field: ember does not support it"
             parts.append(f"{'.'.join(loc)[:200] or 'body'}: {message}")
-        return APIError(400, "invalid request: " + "; ".join(parts), param=param).response()
+        return shaped(APIError(400, "invalid request: " + "; ".join(parts), param=param), _route(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

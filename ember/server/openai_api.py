@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes in front of one AsyncEngine, assembled
 here from the route families (each its own file, over serving.py's shared parts):
 
-    POST /v1/chat/completions   POST /v1/responses       chat.py (stream or not)
+    POST /v1/chat/completions   POST /v1/responses   POST /v1/messages   chat.py (stream or not)
     POST /v1/completions                                 completions.py (stream or not)
     POST /tokenize   POST /detokenize   GET /tokenizer_info   tokens.py
     POST /v1/embeddings                                  embeddings.py (--runner pooling)
@@ -46,7 +46,7 @@ from ember.config import EngineConfig
 from ember.engine.async_engine import AsyncEngine
 from ember.engine.stats import LoggingStatLogger
 from ember.server import protocol as p
-from ember.server.chat import add_chat_routes
+from ember.server.chat import add_chat_routes, add_messages_routes
 from ember.server.completions import add_completion_routes
 from ember.server.metrics import ServerMetrics
 from ember.server.middleware import OPEN_PATHS, APIKeyMiddleware, BodyMiddleware, add_error_handlers, document_errors
@@ -120,6 +120,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
 
     add_token_routes(app, state)
     add_chat_routes(app, state)
+    add_messages_routes(app, state)
     add_completion_routes(app, state)
     add_operation_routes(app, state, config.profiler_dir)
     document_errors(app)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
@@ -54,7 +54,15 @@ def completion_logprobs(entries: list[dict[int, Logprob]], params: SamplingParam
     return out
 
 
-def sse(chunks: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+def openai_error_event(error: APIError) -> str:
+    info = p.ErrorInfo(message=error.message, type=error.type, code=error.status)
+    return f"data: {p.ErrorResponse(error=info).model_dump_json()}\n\ndata: [DONE]\n\n"
+
+
+def sse(chunks: AsyncIterator[str], streams: list[RequestStream],
+        error_event: Callable[[APIError], str] = openai_error_event) -> StreamingResponse:
+    """`error_event`: how the stream ends when it fails (OpenAI's: an error chunk, then [DONE])."""
+
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
@@ -65,9 +73,7 @@ def sse(chunks: AsyncIterator[str], streams: list[RequestStream]) -> StreamingRe
             else:
                 logger.exception("a stream failed")
                 error = APIError(500, "internal server error (see the server log)", "server_error")
-            info = p.ErrorInfo(message=error.message, type=error.type, code=error.status)
-            yield f"data: {p.ErrorResponse(error=info).model_dump_json()}\n\n"
-            yield "data: [DONE]\n\n"
+            yield error_event(error)
         finally:  # the client went away (cancelled) or we are done: nothing stays in the engine
             for s in streams:
                 s.abort()
