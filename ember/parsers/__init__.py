@@ -13,7 +13,16 @@ the <think> splitters (`--reasoning-parser`).
 
 from __future__ import annotations
 
-from ember.parsers import hermes, llama3_json, mistral, pythonic  # noqa: F401 (they register themselves)
+from ember.parsers import (  # noqa: F401 (they register themselves)
+    deepseek_v31,
+    glm45,
+    hermes,
+    kimi_k2,
+    llama3_json,
+    mistral,
+    pythonic,
+    qwen3_coder,
+)
 from ember.parsers.base import (
     TOOL_PARSERS,
     ExtractedToolCalls,
@@ -29,6 +38,10 @@ __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "FunctionCall", "ToolCallDelta"
 
 # what a chat template writes for a call, and the parser that reads it (the first found wins)
 TEMPLATE_MARKERS = (
+    ("<｜tool▁calls▁begin｜>", "deepseek_v31"),  # DeepSeek-V3.1
+    ("<|tool_calls_section_begin|>", "kimi_k2"),  # Kimi-K2
+    ("<function=", "qwen3_coder"),  # Qwen3-Coder's XML (its template writes <tool_call> too)
+    ("<arg_key>", "glm45"),  # GLM-4.5 / 4.6 (likewise)
     ("[TOOL_CALLS]", "mistral"),  # Mistral's control token
     ("[func_name1(", "pythonic"),  # Llama 3.2's and 4's pythonic instructions
     ("<|python_tag|>", "llama3_json"),  # Llama 3.1 / 3.2

@@ -253,3 +253,62 @@ def json_array_calls(text: str, final: bool) -> list[CallScan] | None:
         else:
             calls.append(_partial_call(item, whole_strings[i]))
     return calls
+
+
+def json_arguments(text: str, done: bool) -> str | None:
+    """A call's arguments written as JSON on their own (not inside a call object): their text,
+    or while `done` is False the prefix that surely begins it; None for a finished text that
+    is not a JSON object."""
+    if not done:
+        return arguments_prefix(partial_json(text))
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return None
+    return arguments_text(value) if isinstance(value, dict) else None
+
+
+def marked_calls(text: str, final: bool, section: str, begin: str, sep: str, end: str,
+                 name_of: Callable[[str], str | None]) -> Scan:
+    """Calls in a section opened by `section`, each `begin` NAME `sep` JSON-ARGUMENTS `end`
+    (DeepSeek's and Kimi's formats); `name_of` reads the name from what sits between `begin`
+    and `sep` (None: not a call). A final text whose calls do not parse is all content."""
+    start = text.find(section)
+    if start < 0:
+        return Scan(content_before(text, section, final))
+    calls: list[CallScan] = []
+    at = text.find(begin, start)
+    while at >= 0:
+        head = at + len(begin)
+        split = text.find(sep, head)
+        name = name_of(text[head:split]) if split >= 0 else None
+        if name is None:
+            if final:
+                return Scan(text)
+            calls.append(CallScan(None, "", False))
+            break
+        body = split + len(sep)
+        close = text.find(end, body)
+        done = final or close >= 0
+        arguments = json_arguments(text[body:close if close >= 0 else len(text)], done)
+        if arguments is None:
+            return Scan(text)
+        calls.append(CallScan(name, arguments, done))
+        at = text.find(begin, close + len(end)) if close >= 0 else -1
+    return Scan(text[:start], tuple(calls))
+
+
+def xml_value(text: str) -> Any:
+    """A parameter written as text in an XML-style call (Qwen3-Coder's, GLM's): its JSON value
+    where it is JSON (a number, an object, true), else the text itself (a string)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def xml_arguments(pairs: list[tuple[str, str]], done: bool) -> str:
+    """The arguments' JSON text from (name, value text) pairs: whole once `done`, else the
+    prefix the finished text begins with (the pairs so far, without the closing brace)."""
+    value = {name: xml_value(raw) for name, raw in pairs}
+    return arguments_text(value) if done else json.dumps(value, ensure_ascii=False)[:-1]

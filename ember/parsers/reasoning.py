@@ -10,6 +10,7 @@ for streams. `--reasoning-parser NAME` on the server; offline:
   `chat_template_kwargs: {"enable_thinking": false}`) the whole text is the answer.
 - deepseek_r1: the template opens <think> in the prompt, so the output may begin inside
   it: everything up to </think> is reasoning; without </think> the whole text is.
+- deepseek_v3 (DeepSeek-V3.1) reads as deepseek_r1, glm45 (GLM-4.5 / 4.6) as qwen3.
 
 A structured-output or tool-call constraint starts after the reasoning
 (StructuredOutputsParams.reasoning_end): the server gives it where `starts_in_reasoning`
@@ -74,8 +75,22 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     always_thinks = True
 
 
+class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
+    """DeepSeek-V3.1's template opens <think> in the prompt when thinking, and closes it there
+    (</think>) when not: deepseek_r1's reading, with starts_in_reasoning telling the two apart."""
+
+    name = "deepseek_v3"
+
+
+class GLM45ReasoningParser(Qwen3ReasoningParser):
+    """GLM-4.5 / 4.6 write <think>...</think> first, as Qwen3 does (an empty pair without thinking)."""
+
+    name = "glm45"
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)}
+    cls.name: cls for cls in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser,
+                              GLM45ReasoningParser)}
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

@@ -1,0 +1,85 @@
+"""Each family's tool-call parser on what that family's own chat template writes for an
+assistant turn with content and two calls (templates/: the models' templates): the reasoning
+parser first where the template writes <think></think>, then the calls and the content,
+whole and streamed; and the parser the server reads off each template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import SandboxedEnvironment
+from test_tool_parsers import streamed
+
+from ember.loader.tokenizer import Tokenizer
+from ember.parsers import ExtractedToolCalls, FunctionCall, get_tool_parser, infer_tool_parser
+from ember.parsers.reasoning import get_reasoning_parser
+
+TEMPLATES = Path(__file__).parent / "templates"
+CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "CET", "hours": 3})]
+MESSAGES = [{"role": "user", "content": "Weather in Paris, and the time?"},
+            {"role": "assistant", "content": "Let me check.",
+             "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+                            for i, (name, args) in enumerate(CALLS)]}]
+# parser: (template, where the assistant's turn starts, where it ends, the reasoning parser)
+FAMILIES = {
+    "deepseek_v31": ("deepseek-ai-DeepSeek-V3.1.jinja", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "deepseek_v3"),
+    "kimi_k2": ("Kimi-K2-Instruct.jinja", "<|im_assistant|>assistant<|im_middle|>", "<|im_end|>", None),
+    "qwen3_coder": ("Qwen3-Coder.jinja", "<|im_start|>assistant\n", "<|im_end|>", None),
+    "glm45": ("GLM-4.6.jinja", "<|assistant|>", None, "glm45"),
+}
+
+
+def rendered(template: str) -> str:
+    source = (TEMPLATES / template).read_text()
+    if template.startswith("Kimi"):  # it appends to a list: transformers' immutable sandbox refuses that
+        env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = lambda value, **kw: json.dumps(value, ensure_ascii=False)
+        return env.from_string(source).render(messages=MESSAGES, add_generation_prompt=False)
+    tok = Tokenizer.__new__(Tokenizer)  # only the template: no vocabulary needed
+    tok._chat_template, tok._bos_token_id, tok._eos_token_id, tok.backend = source, None, None, None
+    tok._token_text = lambda token_id: None
+    return tok.apply_chat_template(MESSAGES, add_generation_prompt=False)
+
+
+def assistant_turn(name: str) -> str:
+    template, start, end, reasoning = FAMILIES[name]
+    text = rendered(template)
+    turn = text[text.rindex(start) + len(start):]
+    turn = turn[:turn.index(end)] if end else turn
+    if reasoning is not None:
+        thought, turn = get_reasoning_parser(reasoning)().split(turn)
+        assert thought is None  # the template writes an empty <think></think>
+    return turn
+
+
+WANT = ExtractedToolCalls("Let me check.", tuple(FunctionCall(n, json.dumps(a)) for n, a in CALLS))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_families_parser_reads_its_templates_calls(name):
+    turn = assistant_turn(name)
+    parser = get_tool_parser(name)()
+    got = parser.extract(turn)
+    assert (got.content.strip(), got.calls) == (WANT.content, WANT.calls)
+    for step in (1, 3, 7):
+        again = streamed(parser, turn, step)
+        assert (again.content.strip(), again.calls) == (WANT.content, WANT.calls), step
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_server_reads_the_parser_off_the_template(name):
+    assert infer_tool_parser((TEMPLATES / FAMILIES[name][0]).read_text()) == name
+
+
+@pytest.mark.parametrize("name,text", [
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>not json<｜tool▁call▁end｜>"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>[1]"
+                "<|tool_call_end|>"),
+    ("qwen3_coder", "<tool_call>\nget_weather(Paris)\n</tool_call>"),
+    ("glm45", "<tool_call>f\n<arg_key>x</arg_value>\n</tool_call>"),
+])
+def test_a_call_that_does_not_parse_leaves_the_text_as_content(name, text):
+    assert get_tool_parser(name)().extract(text) == ExtractedToolCalls(text)
