@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -57,6 +58,10 @@ class EngineConfig:
     generation_config: Literal["auto", "vllm"] = flag(
         "auto", "auto: the sampling defaults in the model's generation_config.json apply to requests that leave "
         "them unset (vLLM's default); vllm: ignore them (ember's own defaults, SamplingParams)")
+    override_generation_config: str | None = flag(
+        None, "a JSON object of sampling defaults over generation_config.json's, for requests that leave them "
+        "unset, e.g. '{\"temperature\": 0.5, \"top_p\": 0.9}' (vLLM's; keys: temperature, top_p, top_k, min_p, "
+        "repetition_penalty, presence_penalty, frequency_penalty)", metavar="JSON")
     load_format: Literal["auto", "gguf", "safetensors", "pt", "dummy"] = flag(
         "auto", "pt: pytorch_model*.bin files (auto takes them where a directory has no safetensors); dummy: "
         "random weights at the model's shapes")
@@ -260,7 +265,7 @@ class EngineConfig:
             model=str(files.path),
             tokenizer=tokenizer,
             chat_template=chat_template,
-            sampling_defaults=_sampling_defaults(files, self.generation_config),
+            sampling_defaults=_sampling_defaults(files, self.generation_config, self.override_generation_config),
             load_format=files.load_format,
             device=device,
             dtype=dtype,
@@ -401,14 +406,17 @@ def _fp8_quantization(asked: str, files, device: str) -> str:
     return "fp8"
 
 
-def _sampling_defaults(files, generation_config: str) -> Mapping[str, float | int]:
-    """generation_config.json's sampling fields, checked once here (a bad value would fail
-    every request that leaves it unset), and logged."""
+OVERRIDABLE_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                        "frequency_penalty")
+
+
+def _sampling_defaults(files, generation_config: str, override: str | Mapping | None = None) -> Mapping[str, float | int]:
+    """generation_config.json's sampling fields (with generation_config "auto") under the
+    override's, checked once here (a bad value would fail every request that leaves it
+    unset), and logged."""
     from ember.sampling_params import SamplingParams
 
-    if generation_config == "vllm":
-        return MappingProxyType({})
-    defaults = files.sampling_defaults()
+    defaults = {} if generation_config == "vllm" else files.sampling_defaults()
     if defaults:
         try:
             SamplingParams(**defaults)
@@ -417,6 +425,21 @@ def _sampling_defaults(files, generation_config: str) -> Mapping[str, float | in
                              "generation_config='vllm' (--generation-config vllm) to ignore it") from None
         logger.info("default sampling params from generation_config.json: %s (--generation-config vllm "
                     "turns them off)", defaults)
+    if override is not None:
+        try:
+            given = json.loads(override) if isinstance(override, str) else dict(override)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"override_generation_config must be a JSON object; {e}") from None
+        unknown = sorted(set(given) - set(OVERRIDABLE_DEFAULTS)) if isinstance(given, dict) else None
+        if unknown is None or unknown:
+            raise ValueError(f"override_generation_config takes an object of {', '.join(OVERRIDABLE_DEFAULTS)}; got "
+                             f"{', '.join(unknown) if unknown else type(given).__name__}")
+        try:
+            SamplingParams(**given)
+        except ValueError as e:
+            raise ValueError(f"override_generation_config: {e}") from None
+        defaults = defaults | given
+        logger.info("default sampling params with --override-generation-config: %s", defaults)
     return MappingProxyType(defaults)
 
 

@@ -82,6 +82,17 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(answer.from_chat(chat_answer(final, params, tools, chat, answer.id, model).model_dump()))
 
 
+def add_stored_response_routes(app: FastAPI) -> None:
+    """GET /v1/responses/{id} and its cancel: ember keeps no responses (store is always false)."""
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], responses=ERRORS)
+    @app.post("/v1/responses/{response_id}/cancel", responses=ERRORS)
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, f"ember keeps no responses, so {response_id[:80]!r} cannot be retrieved (every response "
+                            "is as if store were false): keep what you need from the answer itself",
+                       param="response_id", code="response_not_found")
+
+
 def add_messages_routes(app: FastAPI, state: ServerState) -> None:
     """Anthropic's Messages API, run as the chat completion it translates to (messages.py)."""
     config = state.config

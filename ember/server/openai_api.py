@@ -46,7 +46,7 @@ from ember.config import EngineConfig
 from ember.engine.async_engine import AsyncEngine
 from ember.engine.stats import LoggingStatLogger
 from ember.server import protocol as p
-from ember.server.chat import add_chat_routes, add_messages_routes
+from ember.server.chat import add_chat_routes, add_messages_routes, add_stored_response_routes
 from ember.server.completions import add_completion_routes
 from ember.server.metrics import ServerMetrics
 from ember.server.middleware import OPEN_PATHS, APIKeyMiddleware, BodyMiddleware, add_error_handlers, document_errors
@@ -121,6 +121,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     add_token_routes(app, state)
     add_chat_routes(app, state)
     add_messages_routes(app, state)
+    add_stored_response_routes(app)
     add_completion_routes(app, state)
     add_operation_routes(app, state, config.profiler_dir)
     document_errors(app)

@@ -127,6 +127,24 @@ def test_a_bad_value_is_refused_at_load(tmp_path):
     assert dict(EngineConfig(model=str(path), generation_config="vllm").resolve().sampling_defaults) == {}
 
 
+def test_override_generation_config_goes_over_the_file_from_the_command_line_too(model_dir):
+    from ember.engine_args import engine_args
+    from ember.server.cli import parse_args
+
+    over = '{"temperature": 0.2, "presence_penalty": 0.5}'
+    config = EngineConfig(model=str(model_dir), override_generation_config=over, **TINY_ARGS).resolve()
+    assert dict(config.sampling_defaults) == DEFAULTS | {"temperature": 0.2, "presence_penalty": 0.5}
+    args = engine_args(parse_args(["serve", str(model_dir), "--override-generation-config", over]))
+    assert args["override_generation_config"] == over
+    only = EngineConfig(model=str(model_dir), generation_config="vllm", override_generation_config={"top_k": 5},
+                        **TINY_ARGS).resolve()
+    assert dict(only.sampling_defaults) == {"top_k": 5}  # an LLM(...) caller may give a dict
+    for bad, says in (('{"max_new_tokens": 5}', "takes an object of temperature"), ("[1]", "got list"),
+                      ("{oops", "must be a JSON object"), ('{"top_p": 2}', "SamplingParams.top_p must be in")):
+        with pytest.raises(ValueError, match=says):
+            EngineConfig(model=str(model_dir), override_generation_config=bad).resolve()
+
+
 # ---- the server's requests -----------------------------------------------------------------
 
 def test_unset_request_fields_take_the_defaults():

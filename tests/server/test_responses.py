@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
-from servers import MODEL, assert_openai_error, post
+from servers import KEY, MODEL, assert_openai_error, post
 
 openai = pytest.importorskip("openai")
 
@@ -126,3 +127,11 @@ def test_json_schema_text_format(client):
 def test_refusals(server, body, param, words):
     error = assert_openai_error(post(server, "/v1/responses", {"model": MODEL, **body}), 400, *words)
     assert error["type"] == "invalid_request_error" and (param is None or error["param"] == param)
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/responses/resp_123"), ("DELETE", "/v1/responses/resp_123"),
+                                         ("POST", "/v1/responses/resp_123/cancel")])
+def test_a_stored_response_is_not_found_and_says_why(server, method, path):
+    r = httpx.request(method, f"{server.url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    error = assert_openai_error(r, 404, "ember keeps no responses", "'resp_123'")
+    assert (error["param"], error["code"]) == ("response_id", "response_not_found")
