@@ -134,6 +134,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] = field(default_factory=list)  # never generated: their tokens, with a leading space or not
     bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized (by the input processor, if not given)
+    # reasoning of at most this many output tokens: then thinking_end_token_ids ("</think>") are forced
+    thinking_token_budget: int | None = None
+    thinking_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         """Every field's type and range: a value that passes can become a tensor or an
@@ -190,6 +193,15 @@ class SamplingParams:
                                                                  for w in self.bad_words),
                "bad_words", self.bad_words, "a list of words (non-blank strings)")
         self.bad_words = list(self.bad_words)
+        _check(self.thinking_token_budget is None or (_is_int(self.thinking_token_budget)
+                                                      and self.thinking_token_budget >= 0),
+               "thinking_token_budget", self.thinking_token_budget, "None or an integer >= 0")
+        _check(self.thinking_end_token_ids is None or (isinstance(self.thinking_end_token_ids, (list, tuple))
+                                                       and self.thinking_end_token_ids
+                                                       and all(_is_int(t) and t >= 0 for t in self.thinking_end_token_ids)),
+               "thinking_end_token_ids", self.thinking_end_token_ids, "None or a non-empty list of token ids")
+        _check(self.thinking_token_budget is None or self.thinking_end_token_ids is not None, "thinking_end_token_ids",
+               self.thinking_end_token_ids, "given with thinking_token_budget (the tokens that end the reasoning)")
         _check(self.bad_words_token_ids is None or (isinstance(self.bad_words_token_ids, (list, tuple)) and all(
             isinstance(ids, (list, tuple)) and ids and all(_is_int(t) and t >= 0 for t in ids)
             for ids in self.bad_words_token_ids)), "bad_words_token_ids", self.bad_words_token_ids,

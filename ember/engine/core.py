@@ -387,8 +387,8 @@ def _needs_tokens_first(plan: SchedulerOutput) -> bool:
     step), decided per step: it ran short of KV blocks (the next schedule may preempt,
     which never happens while a step is in flight), or it samples for a request whose next
     step needs this token on the CPU: a grammar advances on it (its mask, forced tokens),
-    penalties, min_tokens and bad words of several tokens read the output so far, and n > 1
-    forks at the first sample.
+    penalties, min_tokens, bad words of several tokens and a thinking budget read the output
+    so far, and n > 1 forks at the first sample.
     Stop strings, aborts, logprobs and seeds need no fallback: a request that leaves while
     a step computes for it just drops that step's token."""
     return plan.short_of_blocks or any(_needs_last_token(c.request) for c in plan.chunks if c.samples)
@@ -398,4 +398,5 @@ def _needs_last_token(req: Request) -> bool:
     p = req.sampling_params
     return (p.structured_outputs is not None or len(req.output_token_ids) < p.min_tokens
             or req.num_samples_to_draw > 1 or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0 or any(len(ids) > 1 for ids in p.bad_words_token_ids or ()))
+            or p.presence_penalty != 0.0 or any(len(ids) > 1 for ids in p.bad_words_token_ids or ())
+            or p.thinking_token_budget is not None)

@@ -135,6 +135,8 @@ class InputProcessor:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {self.vocab_size})")
         if any(not 0 <= t < self.vocab_size for ids in params.bad_words_token_ids or () for t in ids):
             raise ValueError(f"bad_words_token_ids must be token ids in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.thinking_end_token_ids or ()):
+            raise ValueError(f"thinking_end_token_ids must be token ids in [0, {self.vocab_size})")
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as it would start the text and as it would follow a space (a

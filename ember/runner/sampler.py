@@ -116,7 +116,7 @@ def _plain(r: SamplingRow) -> bool:
     """A row that needs only temperature (or argmax): no seed, filters, penalties, grammar or logprobs."""
     p = r.params
     return (r.generator is None and r.allowed is None and not p.logit_bias and len(r.output_ids) >= p.min_tokens
-            and p.allowed_token_ids is None and not p.bad_words_token_ids
+            and p.allowed_token_ids is None and not p.bad_words_token_ids and p.thinking_token_budget is None
             and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 and p.logprobs is None and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
@@ -239,10 +239,30 @@ def banned_words_next(r: SamplingRow) -> list[int]:
             if len(ids) == 1 or (len(out) >= len(ids) - 1 and list(out[len(out) - len(ids) + 1:]) == ids[:-1])]
 
 
+def thinking_end_next(r: SamplingRow) -> int | None:
+    """The token a row's thinking budget forces now: once its output has that many tokens and
+    has not ended the reasoning, the next token of thinking_end_token_ids; else None."""
+    p, out = r.params, r.output_ids
+    if p.thinking_token_budget is None or len(out) < p.thinking_token_budget:
+        return None
+    end = p.thinking_end_token_ids
+    at = -1
+    while True:  # ended already (list.index: a C-speed scan)?
+        try:
+            at = out.index(end[0], at + 1)
+        except ValueError:
+            break
+        if list(out[at:at + len(end)]) == end:
+            return None
+    written = next(k for k in range(len(end) - 1, -1, -1) if k == 0 or list(out[-k:]) == end[:k])
+    return end[written]
+
+
 def _apply_allowed_and_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """allowed_token_ids: every other token gets -inf; bad words: the token that would
-    complete one gets -inf."""
+    complete one gets -inf; a spent thinking budget: only the next token of its end."""
     allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    allowed += [(i, [t]) for i, r in enumerate(rows) for t in [thinking_end_next(r)] if t is not None]
     banned = [(i, ids) for i, r in enumerate(rows) if r.params.bad_words_token_ids
               for ids in [banned_words_next(r)] if ids]
     if not (allowed or banned):

@@ -152,7 +152,7 @@ def chat_requests(engine: AsyncEngine, config: ServerConfig, body: p.ChatComplet
                                        continue_final_message=body.continue_final_message,
                                        chat_template=body.chat_template, add_special_tokens=body.add_special_tokens,
                                        **kwargs)
-    params, tools = tools.gate_reasoning(params, prompt["prompt"], tokenizer)
+    params, tools = tools.gate_reasoning(params, prompt["prompt"], tokenizer, body.thinking_token_budget)
     tools = dataclasses.replace(tools, echo=body.echoed(conversation),
                                 as_ids=_as_ids(body, config), include_reasoning=body.include_reasoning)
     prompt = engine_prompt(engine, prompt, truncate=body.truncate_prompt_tokens, cache_salt=body.cache_salt)

@@ -57,8 +57,8 @@ REFUSED: dict[str, Refusal] = {
     "spaces_between_special_tokens": Refusal(lambda v: v in (None, True), "ember's detokenizer writes special "
                                                                           "tokens as their text, with no spaces "
                                                                           "added between them"),
-    "thinking_token_budget": Refusal(lambda v: v is None, "ember does not end reasoning at a budget: cap the "
-                                                          "whole answer with max_tokens"),
+    "thinking_token_budget": Refusal(lambda v: v is None, "it applies to chat completions, where the reasoning "
+                                                          "parser knows where the reasoning ends"),
     # SGLang's
     "lora_path": Refusal(_off, "ember serves no LoRA adapters"),
     "custom_logit_processor": Refusal(_off, "ember runs no custom logits processors"),

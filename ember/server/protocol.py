@@ -26,7 +26,7 @@ import re
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema, model_serializer
 
@@ -165,6 +165,8 @@ class ResponseFormat(_Strict):
 class _SamplingRequest(_Strict):
     """What chat and completions requests share."""
 
+    honoured: ClassVar[frozenset[str]] = frozenset()  # fields of field_policy's tables this route honours
+
     model: str | None = None
     n: Count = 1
     temperature: float | None = Field(default=None, ge=0)  # OpenAI's default: 1
@@ -252,8 +254,10 @@ class _SamplingRequest(_Strict):
         return self.request_id if self.request_id is not None else self.rid
 
     def check_policy_fields(self) -> None:
-        """The fields field_policy.py rules on: refused by name, or logged as having no effect."""
-        given = {name: getattr(self, name) for name in self.model_fields_set if name in field_policy.RULED}
+        """The fields field_policy.py rules on (but those this route honours): refused by name,
+        or logged as having no effect."""
+        given = {name: getattr(self, name) for name in self.model_fields_set
+                 if name in field_policy.RULED and name not in self.honoured}
         if self.stream_options is not None and "include_obfuscation" in self.stream_options.model_fields_set:
             given["include_obfuscation"] = self.stream_options.include_obfuscation
         problem = field_policy.refused(given)
@@ -508,6 +512,8 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: Bulk(list[dict[str, str]] | None) = None  # the template's documents (RAG templates)
     chat_template: str | None = None  # this request's template (with --trust-request-chat-template)
     include_reasoning: bool = True  # false: no reasoning_content in the answer (with --reasoning-parser)
+    thinking_token_budget: int | None = Field(default=None, ge=0, le=INT64[1])  # then the reasoning is ended
+    honoured: ClassVar[frozenset[str]] = frozenset({"thinking_token_budget"})
     # SGLang's, as its router sends them: accepted at the values that are ember's behaviour
     # (reasoning is separated, and streamed, wherever --reasoning-parser is set)
     separate_reasoning: bool = True

@@ -110,18 +110,27 @@ class ToolPlan:
             changes["skip_special_tokens"] = False
         return dataclasses.replace(params, **changes) if changes else params
 
-    def gate_reasoning(self, params: SamplingParams, prompt: str, tokenizer: Tokenizer) -> tuple[SamplingParams,
-                                                                                                  ToolPlan]:
+    def gate_reasoning(self, params: SamplingParams, prompt: str, tokenizer: Tokenizer,
+                       thinking_token_budget: int | None = None) -> tuple[SamplingParams, ToolPlan]:
         """With a reasoning parser, a constrained output (tool calls, response_format, ...)
-        is constrained only after </think> where the prompt leaves it inside the reasoning;
-        where the prompt closed the reasoning the output is all answer (no split)."""
+        is constrained only after </think> where the prompt leaves it inside the reasoning,
+        and a thinking budget forces </think> once the output has that many tokens; where the
+        prompt closed the reasoning the output is all answer (no split, no budget)."""
         so = params.structured_outputs
-        if self.reasoning is None or so is None:
+        if thinking_token_budget is not None and self.reasoning is None:
+            raise p.InvalidRequest("thinking_token_budget needs to know where the reasoning ends: start the server "
+                                   "with --reasoning-parser", "thinking_token_budget")
+        if self.reasoning is None or (so is None and thinking_token_budget is None):
             return params, self
         if not self.reasoning().starts_in_reasoning(prompt):
             return params, dataclasses.replace(self, reasoning=None)
         end = tokenizer.encode(END, add_special_tokens=False)
-        return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, reasoning_end=end)), self
+        changes: dict[str, Any] = {}
+        if so is not None:
+            changes["structured_outputs"] = dataclasses.replace(so, reasoning_end=end)
+        if thinking_token_budget is not None:
+            changes.update(thinking_token_budget=thinking_token_budget, thinking_end_token_ids=end)
+        return dataclasses.replace(params, **changes), self
 
     def message(self, c: CompletionOutput) -> tuple[p.ChatMessageOut, str]:
         """One finished choice's message and finish_reason."""

@@ -200,3 +200,14 @@ def test_allowed_token_ids_keep_only_those_and_bad_words_ban_their_last_token():
     assert mixed.token_ids == [7, 3]  # the other row keeps its best
     nothing = SamplingParams(temperature=0, allowed_token_ids=[3], bad_words_token_ids=[[3]])
     assert Sampler(0)(logits(L), [row(nothing)]).invalid.tolist() == [True]  # nothing left: never emitted
+
+
+def test_a_spent_thinking_budget_forces_the_end_of_the_reasoning_token_by_token():
+    p = SamplingParams(temperature=0, thinking_token_budget=2, thinking_end_token_ids=[9, 6])
+    assert Sampler(0)(logits(L), [row(p, output=[4])]).token_ids == [3]  # under budget: its own best
+    assert Sampler(0)(logits(L), [row(p, output=[4, 5])]).token_ids == [9]  # spent: the end's first token
+    assert Sampler(0)(logits(L), [row(p, output=[4, 5, 9])]).token_ids == [6]  # then the rest of it
+    assert Sampler(0)(logits(L), [row(p, output=[4, 5, 9, 6])]).token_ids == [3]  # ended: free again
+    assert Sampler(0)(logits(L), [row(p, output=[9, 6, 1, 1])]).token_ids == [3]  # it ended on its own
+    with pytest.raises(ValueError, match="thinking_end_token_ids"):
+        SamplingParams(thinking_token_budget=2)

@@ -382,6 +382,7 @@ CHAT_FIELDS = SHARED_FIELDS | {
     "documents": ["x", [1], [{"title": 1}]],
     "chat_template": [1, "{{ messages[0].content }}"],  # without --trust-request-chat-template
     "include_reasoning": BOOL,
+    "thinking_token_budget": INTEGER + [-1, 10],  # 10: the default server has no reasoning parser
     "stream_reasoning": BOOL + [False],
 }
 FIELD_CASES = [("/v1/completions", f, v) for f, vs in COMPLETION_FIELDS.items() for v in vs] + \

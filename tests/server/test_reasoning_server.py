@@ -57,6 +57,22 @@ def test_include_reasoning_false_drops_the_reasoning(client, llm):
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
 
+def test_a_thinking_budget_ends_the_reasoning_after_that_many_tokens(client, llm):
+    end = llm.get_tokenizer().encode("</think>", add_special_tokens=False)
+    free = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    budget = SamplingParams(temperature=0, max_tokens=16, thinking_token_budget=3, thinking_end_token_ids=end)
+    ref = llm.chat(ASK, budget)[0].outputs[0]
+    assert ref.token_ids[:3] == free.token_ids[:3] and ref.token_ids[3:3 + len(end)] == end  # forced at the budget
+    reasoning, answer = get_reasoning_parser("deepseek_r1")().split(ref.text)
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=16, extra_body={"thinking_token_budget": 3})
+    message = client.chat.completions.create(**kw).choices[0].message
+    assert (message.reasoning_content, message.content) == (reasoning, answer)
+    assert reasoning == llm.get_tokenizer().decode(free.token_ids[:3]).strip()
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks) == reasoning
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer
+
+
 # the default model echoes this, </think> included: its output ends a "reasoning" deterministically
 ECHO = [{"role": "user", "content": "Echo: <think>ok</think> done"}]
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
