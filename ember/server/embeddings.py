@@ -26,7 +26,8 @@ from ember.server.limits import RequestLimits
 from ember.server.serving import ERRORS, APIError, ServerState, final_outputs, prepare, submit, until_disconnected
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-EMBEDDING_ROUTES = ("/v1/embeddings",)
+EMBEDDING_ROUTES = ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/pooling",
+                    "/classify")  # retrieval.py's too
 
 
 class EmbeddingRequest(p._Strict):

@@ -5,6 +5,7 @@ here from the route families (each its own file, over serving.py's shared parts)
     POST /v1/completions                                 completions.py (stream or not)
     POST /tokenize   POST /detokenize   GET /tokenizer_info   tokens.py
     POST /v1/embeddings                                  embeddings.py (--runner pooling)
+    POST /score, /rerank, /v2/rerank, /pooling, /classify   retrieval.py (--runner pooling)
     GET  /v1/models   GET /health (503 until the model is loaded)   GET /version   GET /metrics   here
     /ping, /reset_prefix_cache, /start_profile, /stop_profile, /sleep, /wake_up   operations.py
 
@@ -51,6 +52,7 @@ from ember.server.completions import add_completion_routes
 from ember.server.metrics import ServerMetrics
 from ember.server.middleware import OPEN_PATHS, APIKeyMiddleware, BodyMiddleware, add_error_handlers, document_errors
 from ember.server.operations import add_operation_routes
+from ember.server.retrieval import add_retrieval_routes
 from ember.server.serving import ERRORS, CORSOptions, ServerConfig, ServerState
 from ember.server.tokens import add_token_routes
 
@@ -98,6 +100,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
                            allow_credentials=cors.allow_credentials)
     add_error_handlers(app)
     add_embeddings_route(app, state, limits)
+    add_retrieval_routes(app, state, limits)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "Ready (an empty body)"}, **ERRORS})
     async def health() -> Response:

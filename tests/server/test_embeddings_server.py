@@ -135,3 +135,55 @@ def test_each_runner_refuses_the_others_routes(servers):
     unauthorized = post(pooling, "/v1/completions", {"model": MODEL, "prompt": "hi"},
                          headers={"Authorization": "Bearer wrong"})
     assert unauthorized.status_code == 401  # the key is checked first
+
+
+# ---- the retrieval routes (server/retrieval.py) --------------------------------------------------
+
+
+def cosines(offline, query: str, texts: list[str]) -> list[float]:
+    q, docs = vectors(offline.embed([query])), vectors(offline.embed(texts))
+    return [float(x) for x in (docs @ q[0]) / (np.linalg.norm(docs, axis=1) * np.linalg.norm(q[0]))]
+
+
+def test_score_is_the_cosine_of_the_offline_embeddings(servers, offline):
+    server, _ = servers
+    want = cosines(offline, TEXTS[0], TEXTS)
+    for path in ("/score", "/v1/score"):
+        r = post(server, path, {"model": MODEL, "text_1": TEXTS[0], "text_2": TEXTS})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert [d["index"] for d in got["data"]] == [0, 1, 2] and {d["object"] for d in got["data"]} == {"score"}
+        np.testing.assert_allclose([d["score"] for d in got["data"]], want, atol=1e-5, rtol=0)
+        assert got["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)  # a text against itself
+    pairs = post(server, "/score", {"model": MODEL, "text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()["data"]
+    np.testing.assert_allclose([d["score"] for d in pairs], [cosines(offline, TEXTS[0], [TEXTS[1]])[0],
+                                                             cosines(offline, TEXTS[1], [TEXTS[2]])[0]], atol=1e-5)
+    assert_openai_error(post(server, "/score", {"model": MODEL, "text_1": TEXTS[:2], "text_2": TEXTS}), 400,
+                        "text_1 has 2 texts and text_2 3")
+
+
+def test_rerank_orders_the_documents_by_their_score(servers, offline):
+    server, _ = servers
+    query, docs = "Where is Paris?", TEXTS
+    want = cosines(offline, query, docs)
+    order = sorted(range(3), key=lambda i: -want[i])
+    for path in ("/rerank", "/v1/rerank"):
+        got = post(server, path, {"model": MODEL, "query": query, "documents": docs, "top_n": 2}).json()
+        assert [r["index"] for r in got["results"]] == order[:2]
+        np.testing.assert_allclose([r["relevance_score"] for r in got["results"]], [want[i] for i in order[:2]],
+                                   atol=1e-5)
+        assert got["results"][0]["document"] == {"text": docs[order[0]]} and got["usage"]["total_tokens"] > 0
+    v2 = post(server, "/v2/rerank", {"model": MODEL, "query": query, "documents": docs,
+                                      "return_documents": False}).json()
+    assert [r["index"] for r in v2["results"]] == order and "document" not in v2["results"][0]
+
+
+def test_pooling_gives_the_vectors_and_classify_says_what_it_needs(servers, offline):
+    server, generating = servers
+    got = post(server, "/pooling", {"model": MODEL, "input": TEXTS[:2]}).json()
+    np.testing.assert_allclose([d["data"] for d in got["data"]], vectors(offline.embed(TEXTS[:2])), atol=1e-6)
+    assert [d["object"] for d in got["data"]] == ["pooling", "pooling"]
+    assert_openai_error(post(server, "/classify", {"model": MODEL, "input": "hi"}), 400,
+                        "needs a sequence-classification model")
+    for path in ("/score", "/rerank", "/v2/rerank", "/pooling"):  # the generating server has no pooled vectors
+        assert_openai_error(post(generating, path, {"model": MODEL}), 400, "needs a server started with --runner pooling")
