@@ -25,6 +25,13 @@ NO_EFFECT: dict[str, str] = {
     "prompt_cache_retention": "ember's prefix cache keeps blocks until their space is needed",
     "prediction": "a predicted output only speeds up OpenAI's decoding; ember decodes as usual",
     "include_obfuscation": "ember's stream chunks carry no obfuscation padding",
+    # Anthropic's (the Messages API)
+    "cache_control": "ember's prefix cache is automatic: every prompt's blocks are cached",
+    "speed": "ember serves every request at one speed",
+    "inference_geo": "ember runs where it is started",
+    "diagnostics": "ember reports no prompt-cache diagnostics",
+    "user_profile_id": "ember keeps no per-user records",
+    "workspace_id": "ember has no workspaces",
 }
 
 

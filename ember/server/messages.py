@@ -26,6 +26,7 @@ from typing import Any, Literal, Union
 
 from pydantic import Field
 
+from ember.server import field_policy
 from ember.server.protocol import INT64, InvalidRequest, _Strict
 
 # the HTTP status -> Anthropic's error type
@@ -97,6 +98,8 @@ class MessagesRequest(_Strict):
                                  "as thinking blocks with --reasoning-parser)", "thinking")
         if self.container is not None:
             raise InvalidRequest("container is not supported: ember runs no code execution", "container")
+        field_policy.refused({name: getattr(self, name) for name in self.model_fields_set
+                              if name in field_policy.NO_EFFECT})  # logs each the first time
         chat: dict[str, Any] = {"messages": self.chat_messages(), "stream": self.stream}
         if self.thinking is not None and self.thinking.type == "disabled":  # the templates that can switch it off
             chat["chat_template_kwargs"] = {"enable_thinking": False}

@@ -119,7 +119,7 @@ def test_errors_come_in_anthropics_shape(claude, server):
     assert e.value.body["error"]["type"] == "authentication_error"
 
 
-def test_output_config_format_is_structured_output_and_fields_without_effect_change_nothing(claude, llm):
+def test_output_config_format_is_structured_output_and_fields_without_effect_change_nothing(claude, llm, server):
     schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
               "required": ["capital"], "additionalProperties": False}
     want = offline(llm, ASK, 40, structured_outputs=StructuredOutputsParams(json=schema)).outputs[0].text
@@ -128,6 +128,8 @@ def test_output_config_format_is_structured_output_and_fields_without_effect_cha
                                  cache_control={"type": "ephemeral"}, metadata={"user_id": "u1"}, speed="standard",
                                  service_tier="auto", thinking={"type": "disabled"})
     assert out.content[0].text == want and set(json.loads(want)) == {"capital"}
+    log = server.log.read_text()
+    assert all(log.count(f"request field {name}: accepted, no effect") == 1 for name in ("cache_control", "speed"))
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=MODEL, max_tokens=8, messages=ASK, output_config={"effort": "low"})
     assert "no reasoning_effort variable" in e.value.body["error"]["message"]
