@@ -681,36 +681,29 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class _TokenIds(BaseModel):
-    """Serialized with vLLM's token-id fields only where the request asked (return_token_ids)."""
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        for name in ("token_ids", "prompt_token_ids"):
-            if name in data and data[name] is None:
-                del data[name]
-        return data
+def _asked(description: str) -> Any:
+    """vLLM's token-id fields: in a response only where the request asked (return_token_ids)."""
+    return Field(default=None, exclude_if=lambda value: value is None, description=description)
 
 
-class ChatCompletionChoice(_TokenIds):
+class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
     prompt_logprobs: PromptLogprobs | None = None
-    token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = _asked("the choice's token ids (return_token_ids)")
 
 
-class ChatCompletionResponse(_TokenIds):
+class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
-    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = _asked("the prompt's token ids (return_token_ids)")
 
 
 class _NoNulls(BaseModel):
@@ -742,23 +735,23 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionStreamChoice(_TokenIds):
+class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
-    token_ids: list[int] | None = None  # with return_token_ids: the tokens new in this chunk
+    token_ids: list[int] | None = _asked("the tokens new in this chunk (return_token_ids)")
 
 
-class ChatCompletionChunk(_TokenIds):
+class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunk
+    prompt_token_ids: list[int] | None = _asked("the prompt's token ids, in the first chunk (return_token_ids)")
 
 
 class CompletionLogprobs(BaseModel):
@@ -768,15 +761,15 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(_TokenIds):
+class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
     prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: in a prompt's first chunk)
-    token_ids: list[int] | None = None  # with return_token_ids (streamed: the tokens new in the chunk)
+    prompt_token_ids: list[int] | None = _asked("the prompt's token ids (streamed: in its first chunk)")
+    token_ids: list[int] | None = _asked("the choice's token ids (streamed: those new in the chunk)")
 
 
 class CompletionResponse(BaseModel):
