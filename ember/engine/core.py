@@ -202,7 +202,7 @@ class EngineCore:
         if getattr(self, "_profiler", None) is not None:
             raise ValueError("a profile is already being recorded: POST /stop_profile first")
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.runner.device.type == "cuda":
+        if getattr(self.runner, "device", None) is not None and self.runner.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(activities=activities)
         self._profile_folder = folder
