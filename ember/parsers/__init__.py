@@ -16,6 +16,7 @@ from __future__ import annotations
 from ember.parsers import (  # noqa: F401 (they register themselves)
     deepseek_v31,
     glm45,
+    harmony,
     hermes,
     kimi_k2,
     llama3_json,
@@ -38,6 +39,7 @@ __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "FunctionCall", "ToolCallDelta"
 
 # what a chat template writes for a call, and the parser that reads it (the first found wins)
 TEMPLATE_MARKERS = (
+    ("<|channel|>", "openai"),  # gpt-oss's harmony
     ("<｜tool▁calls▁begin｜>", "deepseek_v31"),  # DeepSeek-V3.1
     ("<|tool_calls_section_begin|>", "kimi_k2"),  # Kimi-K2
     ("<function=", "qwen3_coder"),  # Qwen3-Coder's XML (its template writes <tool_call> too)

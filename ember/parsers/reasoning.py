@@ -11,6 +11,7 @@ for streams. `--reasoning-parser NAME` on the server; offline:
 - deepseek_r1: the template opens <think> in the prompt, so the output may begin inside
   it: everything up to </think> is reasoning; without </think> the whole text is.
 - deepseek_v3 (DeepSeek-V3.1) reads as deepseek_r1, glm45 (GLM-4.5 / 4.6) as qwen3.
+- gpt_oss: gpt-oss's harmony channels (analysis is the reasoning; parsers/harmony.py).
 
 A structured-output or tool-call constraint starts after the reasoning
 (StructuredOutputsParams.reasoning_end): the server gives it where `starts_in_reasoning`
@@ -39,6 +40,8 @@ class Split:
 class ReasoningParser:
     name: ClassVar[str] = ""
     always_thinks: ClassVar[bool] = False  # the output begins inside <think> even without the tag
+    end: ClassVar[str | None] = END  # what ends the reasoning; None: no one tag does (a constraint cannot wait for it)
+    keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens: the text must keep them
 
     def scan(self, text: str, final: bool) -> Split:
         """What `text` holds so far; a tail that may begin a tag waits unless `final`. Both
@@ -88,9 +91,34 @@ class GLM45ReasoningParser(Qwen3ReasoningParser):
     name = "glm45"
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss (harmony, parsers/harmony.py): the analysis messages before the first other
+    message are the reasoning; the rest, from that message on, is left as written for the
+    `openai` tool-call parser."""
+
+    name = "gpt_oss"
+    end = None
+    keeps_special_tokens = True
+
+    def scan(self, text: str, final: bool) -> Split:
+        from ember.parsers.harmony import is_harmony, may_become_harmony, messages
+
+        if not is_harmony(text):
+            return Split("", "" if not final and may_become_harmony(text) else text.lstrip())
+        reasoning = []
+        for message in messages(text, final):
+            if message.header is None or message.channel != "analysis":
+                return Split("".join(reasoning), text[message.start:] if message.header is not None or final else "")
+            reasoning.append(message.body)
+        return Split("".join(reasoning), "")
+
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        return True
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     cls.name: cls for cls in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser,
-                              GLM45ReasoningParser)}
+                              GLM45ReasoningParser, GptOssReasoningParser)}
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

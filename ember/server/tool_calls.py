@@ -35,7 +35,7 @@ from ember.outputs import CompletionOutput
 from ember.parsers import get_tool_parser, infer_tool_parser
 from ember.parsers.base import ToolCallStream, ToolParser, new_call_id
 from ember.parsers.forced import NamedCall, RequiredCalls, parameters_schema, required_schema
-from ember.parsers.reasoning import END, ReasoningParser, get_reasoning_parser
+from ember.parsers.reasoning import END, GptOssReasoningParser, ReasoningParser, get_reasoning_parser
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 from ember.server import protocol as p
 
@@ -117,6 +117,11 @@ class ToolPlan:
         and a thinking budget forces </think> once the output has that many tokens; where the
         prompt closed the reasoning the output is all answer (no split, no budget)."""
         so = params.structured_outputs
+        if self.reasoning is not None and self.reasoning.end is None and (so is not None or thinking_token_budget
+                                                                          is not None):
+            name = "thinking_token_budget" if so is None else "response_format"
+            raise p.InvalidRequest(f"{name} needs the end of the reasoning as one tag, which the "
+                                   f"{self.reasoning.name} reasoning parser does not have", name)
         if thinking_token_budget is not None and self.reasoning is None:
             raise p.InvalidRequest("thinking_token_budget needs to know where the reasoning ends: start the server "
                                    "with --reasoning-parser", "thinking_token_budget")
@@ -204,7 +209,16 @@ def plan_tools(body: p.ChatCompletionRequest, auto_parser: str | None, reasoning
     plan = _plan_tools(body, auto_parser)
     if reasoning_parser is None:
         return plan
-    return dataclasses.replace(plan, reasoning=get_reasoning_parser(reasoning_parser))
+    reasoning = get_reasoning_parser(reasoning_parser)
+    if reasoning.end is None and plan.constraint is not None:
+        raise p.InvalidRequest(f"tool_choice {_shown(body.tool_choice)} constrains the answer, which the "
+                               f"{reasoning_parser} reasoning parser cannot tell apart from the reasoning by one tag: "
+                               "send tool_choice auto or none", "tool_choice")
+    plan = dataclasses.replace(plan, reasoning=reasoning,
+                               keep_special_tokens=plan.keep_special_tokens or reasoning.keeps_special_tokens)
+    if reasoning is GptOssReasoningParser and plan.parser is None:  # the answer is harmony too: its content
+        plan = dataclasses.replace(plan, parser=get_tool_parser("openai"), max_calls=0)
+    return plan
 
 
 def _plan_tools(body: p.ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:

@@ -83,3 +83,77 @@ def test_the_server_reads_the_parser_off_the_template(name):
 ])
 def test_a_call_that_does_not_parse_leaves_the_text_as_content(name, text):
     assert get_tool_parser(name)().extract(text) == ExtractedToolCalls(text)
+
+
+# -- gpt-oss (harmony): the reasoning parser and the tool-call parser together ----------------
+
+HARMONY = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+                                                  "parameters": {"type": "object",
+                                                                 "properties": {"city": {"type": "string"}}}}}]
+
+
+def harmony_turn(assistant: dict) -> str:
+    """What gpt-oss writes after its generation prompt (<|start|>assistant), as its template
+    renders that turn."""
+    tok = Tokenizer.__new__(Tokenizer)
+    tok._chat_template, tok._bos_token_id, tok._eos_token_id, tok.backend = \
+        (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text(), None, None, None
+    tok._token_text = lambda token_id: None
+    prompt = tok.apply_chat_template(HARMONY, tools=WEATHER_TOOL)
+    text = tok.apply_chat_template(HARMONY + [assistant], add_generation_prompt=False, tools=WEATHER_TOOL)
+    assert prompt.endswith("<|start|>assistant") and text.startswith(prompt[:-len("<|start|>assistant")])
+    return text[len(prompt):]
+
+
+def streamed_harmony(text: str, step: int, max_calls: int | None = None) -> tuple[str, str, list]:
+    from ember.parsers import ToolCallStream
+    from ember.parsers.reasoning import GptOssReasoningParser
+    from ember.server.tool_calls import ChoiceStream
+
+    stream = ChoiceStream(ToolCallStream(get_tool_parser("openai")(), max_calls), GptOssReasoningParser())
+    reasoning, content, calls = "", "", {}
+    for end in range(step, len(text) + step, step):
+        for delta in stream.deltas(text[:end], "", end >= len(text)):
+            reasoning += delta.reasoning_content or ""
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                name, args = calls.get(call.index, ("", ""))
+                calls[call.index] = (name + (call.function.name or ""), args + (call.function.arguments or ""))
+    return reasoning, content, [calls[i] for i in sorted(calls)]
+
+
+def test_gpt_oss_reasoning_then_its_final_answer():
+    turn = harmony_turn({"role": "assistant", "thinking": "The user asks; answer.", "content": "It is 18 C."})
+    assert turn == ("<|channel|>analysis<|message|>The user asks; answer.<|end|><|start|>assistant<|channel|>final"
+                    "<|message|>It is 18 C.<|return|>")
+    reasoning, rest = get_reasoning_parser("gpt_oss")().split(turn)
+    assert reasoning == "The user asks; answer."
+    assert get_tool_parser("openai")().extract(rest) == ExtractedToolCalls("It is 18 C.")
+    for step in (1, 4, 9):
+        assert streamed_harmony(turn, step) == ("The user asks; answer.", "It is 18 C.", []), step
+
+
+def test_gpt_oss_calls_a_function_in_the_commentary_channel():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turn = harmony_turn({"role": "assistant", "content": "", "tool_calls": [call]})
+    assert "to=functions.get_weather" in turn and turn.endswith("<|call|>")
+    reasoning, rest = get_reasoning_parser("gpt_oss")().split(turn)
+    assert reasoning is None
+    assert get_tool_parser("openai")().extract(rest) == ExtractedToolCalls(
+        None, (FunctionCall("get_weather", '{"city": "Paris"}'),))
+    for step in (1, 5, 11):
+        assert streamed_harmony(turn, step) == ("", "", [("get_weather", '{"city": "Paris"}')]), step
+    assert infer_tool_parser((TEMPLATES / "openai-gpt-oss-120b.jinja").read_text()) == "openai"
+
+
+def test_with_gpt_oss_the_answer_is_read_as_harmony_and_a_constraint_is_refused():
+    from ember.server.protocol import ChatCompletionRequest, InvalidRequest
+    from ember.server.tool_calls import plan_tools
+
+    plain = plan_tools(ChatCompletionRequest(messages=HARMONY), None, "gpt_oss")
+    assert (plain.parser.name, plain.max_calls, plain.keep_special_tokens) == ("openai", 0, True)
+    named = ChatCompletionRequest(messages=HARMONY, tools=WEATHER_TOOL,
+                                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    with pytest.raises(InvalidRequest, match="cannot tell apart from the reasoning"):
+        plan_tools(named, "openai", "gpt_oss")

@@ -123,8 +123,8 @@ def test_without_parallel_calls_only_the_first_call_counts():
 
 
 def test_the_registry_names_each_parser_and_refuses_an_unknown_one():
-    assert sorted(TOOL_PARSERS) == ["deepseek_v31", "glm45", "hermes", "kimi_k2", "llama3_json", "mistral", "pythonic",
-                                    "qwen3_coder"]
+    assert sorted(TOOL_PARSERS) == ["deepseek_v31", "glm45", "hermes", "kimi_k2", "llama3_json", "mistral", "openai",
+                                    "pythonic", "qwen3_coder"]
     with pytest.raises(ValueError, match="unknown tool call parser 'qwen': choose one of deepseek_v31, glm45, hermes"):
         get_tool_parser("qwen")
 
