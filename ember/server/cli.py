@@ -246,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "text by the --tool-call-parser; on by default (--no-auto-tool-choice refuses it)")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the model's tool call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json, mistral, "
-                            "pythonic (Llama 3.2 / 4), deepseek_v31, kimi_k2, qwen3_coder, glm45, openai (gpt-oss); default: read off the chat template (a call marker it "
-                            "writes; hermes where it writes none)")
+                            "pythonic (Llama 3.2 / 4), deepseek_v31, kimi_k2, qwen3_coder, glm45, openai (gpt-oss); "
+                            "default: read off the chat template (a call marker it writes; hermes where it writes "
+                            "none)")
     from ember.parsers.reasoning import REASONING_PARSERS
 
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
