@@ -165,3 +165,24 @@ def test_a_dead_engine_loop_fails_its_streams_and_refuses_new_requests(gguf_path
     asyncio.run(run())
     assert not engine.is_running
     engine.stop()
+
+
+def test_the_cores_operations_run_between_steps_in_process_too(engine):
+    prompt = " ".join(PROMPTS) * 2  # a few full blocks
+
+    async def run():
+        first = await last(engine.add_request(prompt, greedy(3)))
+        assert (await last(engine.add_request(prompt, greedy(3)))).num_cached_tokens > 0
+        assert await engine.call("reset_prefix_cache") is True
+        assert (await last(engine.add_request(prompt, greedy(3)))).num_cached_tokens == 0
+        await engine.call("sleep", 1)
+        assert (engine.sleeping, engine.core.sleeping, engine.core.runner.kv_cache) == (1, 1, None)
+        with pytest.raises(ValueError, match="asleep already"):
+            await engine.call("sleep", 2)
+        await engine.call("wake_up")
+        again = await last(engine.add_request(prompt, greedy(3)))
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids and again.num_cached_tokens == 0
+        with pytest.raises(ValueError, match="has no operation 'shutdown'"):
+            await engine.call("shutdown")
+
+    asyncio.run(run())
