@@ -328,6 +328,13 @@ def _no_worker(policy: CacheAwarePolicy) -> JSONResponse:
                                "retry when one is back")
 
 
+# the workers' POST routes that take one request and answer it (each goes to one worker); the
+# operations routes (/sleep, /reset_prefix_cache, ...) act on one server and are not forwarded
+FORWARDED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+             "/v1/embeddings", "/tokenize", "/detokenize", "/score", "/v1/score", "/rerank", "/v1/rerank",
+             "/v2/rerank", "/pooling")
+
+
 def build_router_app(config: RouterConfig) -> FastAPI:
     router = Router(config)
 
@@ -342,13 +349,14 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="ember router", lifespan=lifespan)
     app.state.router = router
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/completions")
+    def forwarding(path: str):
+        async def forward(request: Request) -> Response:
+            return await router.forward(request, path)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/chat/completions")
+        return forward
+
+    for path in FORWARDED:
+        app.post(path)(forwarding(path))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -85,6 +85,17 @@ def test_two_replicas_answer_as_one_engine_and_stop_cleanly(gguf_path, tmp_path,
         stats = httpx.get(f"{s.url}/router/stats", timeout=10).json()["workers"]
         assert [w["healthy"] for w in stats] == [True, True] and sum(w["routed"] for w in stats) == 3
         assert min(w["routed"] for w in stats) >= 1  # new text spreads over both replicas
+        # the other routes go through the router too
+        tokens = httpx.post(f"{s.url}/tokenize", json={"model": MODEL, "prompt": questions[0]}, timeout=30,
+                            headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+        assert tokens == reference.get_tokenizer().encode(questions[0])
+        anthropic = pytest.importorskip("anthropic")
+        message = anthropic.Anthropic(base_url=s.url, api_key=KEY, max_retries=0).messages.create(
+            model=MODEL, max_tokens=12, messages=[{"role": "user", "content": questions[0]}],
+            extra_body={"temperature": 0})
+        assert message.content[0].text == want[0]
+        assert client.responses.create(model=MODEL, input=questions[1], max_output_tokens=12,
+                                       temperature=0).output_text == want[1]
     finally:
         code = s.stop()
     assert code == 0, s.log_tail()
