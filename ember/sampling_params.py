@@ -23,11 +23,14 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # a constraint's one field
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One constraint on a request's output (vLLM's shape): a JSON schema (dict or JSON
-    text), a regex, a choice among strings, a grammar (EBNF as xgrammar writes it), or
-    any JSON object. Exactly one is given. Backends check the schema/regex/grammar itself.
+    text), a regex, a choice among strings, a grammar (EBNF as xgrammar writes it), any
+    JSON object, or a structural tag. Exactly one is given. Backends check the schema/regex/grammar itself.
 
     `reasoning_end` (a reasoning model's answer): the token ids that end its reasoning (the
     tokenizer's encoding of "</think>"). The output then begins inside the reasoning: every
@@ -41,14 +44,23 @@ class StructuredOutputsParams:
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's structural tag (JSON text): free text until a trigger, then the tag's schema (xgrammar only)
+    structural_tag: str | None = None
     reasoning_end: list[int] | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice, grammar, "
-                             f"json_object; got {', '.join(given) or 'none'}")
+            raise ValueError(f"StructuredOutputsParams takes exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+        if self.structural_tag is not None:
+            try:
+                tag = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else None
+            except (json.JSONDecodeError, RecursionError):
+                tag = None
+            if not isinstance(tag, dict) or _depth(tag) > MAX_SCHEMA_DEPTH:
+                raise ValueError("StructuredOutputsParams.structural_tag must be a JSON object's text, as vLLM's "
+                                 "response_format of type structural_tag")
         if self.json is not None:
             if isinstance(self.json, str):
                 try:
@@ -83,9 +95,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """json | regex | choice | grammar | json_object"""
-        return next(n for n in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(self, n) not in (None, False))
+        """json | regex | choice | grammar | json_object | structural_tag"""
+        return next(n for n in KINDS if getattr(self, n) not in (None, False))
 
     @property
     def schema(self) -> str:

@@ -373,10 +373,17 @@ class _SamplingRequest(_Strict):
         """The one output constraint the request gives, from whichever field gives it."""
         given: list[tuple[str, dict[str, Any]]] = []
         fmt = self.response_format
-        if fmt is not None and (fmt.type == "structural_tag" or fmt.model_fields_set & {"structures", "triggers",
-                                                                                         "format"}):
-            raise InvalidRequest("response_format of type structural_tag is not supported: give a json_schema, "
-                                 "or a regex or grammar in structured_outputs", "response_format")
+        if fmt is not None and fmt.type != "structural_tag" and fmt.model_fields_set & {"structures", "triggers",
+                                                                                          "format"}:
+            raise InvalidRequest("structures, triggers and format belong to a response_format of type "
+                                 "structural_tag", "response_format")
+        if fmt is not None and fmt.type == "structural_tag":
+            tag = {name: getattr(fmt, name) for name in ("structures", "triggers", "format")
+                   if getattr(fmt, name) is not None}
+            if not tag:
+                raise InvalidRequest("a response_format of type structural_tag needs structures and triggers, or a "
+                                     "format", "response_format")
+            given.append(("response_format", {"structural_tag": json.dumps({"type": "structural_tag", **tag})}))
         if fmt is not None and fmt.type == "json_object":
             given.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.type == "json_schema":

@@ -29,6 +29,8 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 def _grammar(params: StructuredOutputsParams) -> str:
     kind = params.kind
+    if kind == "structural_tag":
+        raise ValueError("a structural_tag needs the xgrammar backend (--structured-outputs-backend xgrammar)")
     if kind in ("json", "json_object"):
         return llguidance.LLMatcher.grammar_from_json_schema(params.schema, overrides=_JSON_OPTIONS)
     if kind == "regex":
@@ -42,7 +44,7 @@ def _never_ends(params: StructuredOutputsParams) -> str | None:
     """The boundary's message if the constraint has a rule that can never end, as far as a
     cheap, faithful check can tell (see the module docstring); None otherwise."""
     kind = params.kind
-    if kind == "choice":
+    if kind in ("choice", "structural_tag"):
         return None
     try:
         import xgrammar as xgr

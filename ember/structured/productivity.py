@@ -58,7 +58,7 @@ class Productivity:
 RECURSES = "every expansion of it recurses forever"
 
 _KIND_NAMES = {"json": "json", "json_object": "json object", "regex": "regex", "choice": "choice",
-               "grammar": "grammar"}
+               "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 def never_ends_message(kind: str, verdict: Productivity) -> str:

@@ -42,7 +42,18 @@ def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         return xgr.Grammar.from_regex(params.regex)
     if kind == "choice":
         return xgr.Grammar.from_ebnf(_choice_ebnf(params.choice))
+    if kind == "structural_tag":
+        return _structural_tag(json.loads(params.structural_tag))
     return xgr.Grammar.from_ebnf(params.grammar)
+
+
+def _structural_tag(tag: dict) -> xgr.Grammar:
+    """vLLM's two shapes: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, or
+    {"format": ...} (xgrammar's own structural tag)."""
+    if "structures" in tag:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"]) for s in tag["structures"]]
+        return xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
+    return xgr.Grammar.from_structural_tag(tag)
 
 
 def _checked_grammar(params: StructuredOutputsParams) -> tuple[xgr.Grammar, Productivity]:

@@ -89,3 +89,32 @@ def test_a_bad_constraint_gets_400_with_the_compilers_message_and_the_server_kee
     out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0)
     assert out.choices[0].text == " Paris."
     server.wait_idle()
+
+
+ECHO = [{"role": "user", "content": 'Echo: <function=f>{"a": 12}</function> done'}]
+B_ONLY = {"type": "object", "properties": {"b": {"type": "string", "maxLength": 8}}, "required": ["b"],
+          "additionalProperties": False}
+TAGS = {  # vLLM's legacy shape, and xgrammar's own
+    "structures": {"structures": [{"begin": "<function=f>", "schema": B_ONLY, "end": "</function>"}],
+                   "triggers": ["<function="]},
+    "format": {"format": {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+        {"begin": "<function=f>", "content": {"type": "json_schema", "json_schema": B_ONLY}, "end": "</function>"}]}},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(TAGS))
+def test_a_structural_tag_leaves_the_text_free_until_its_trigger_then_follows_the_schema(client, llm, shape):
+    """The default model echoes the prompt: at <function=f> the tag's schema takes over, so the
+    echoed {"a": 12} cannot come: a "b" string does."""
+    free = llm.chat(ECHO, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    assert free.startswith('Echo: <function=f>{"a": 12}</function>')
+    tag = json.dumps({"type": "structural_tag", **TAGS[shape]})
+    want = offline(llm, ECHO, 30, structural_tag=tag)
+    inside = want.split("<function=f>", 1)[1].split("</function>", 1)[0]
+    assert want.startswith("Echo: <function=f>") and list(json.loads(inside)) == ["b"]
+    r = post_chat(client, messages=ECHO, max_tokens=30, response_format={"type": "structural_tag", **TAGS[shape]})
+    assert r == want
+
+
+def post_chat(client, **body) -> str:
+    return client.chat.completions.create(model=MODEL, temperature=0, **body).choices[0].message.content

@@ -136,3 +136,18 @@ def test_xgrammar_refuses_a_choice_no_token_sequence_can_spell(xgrammar_backend,
         xgrammar_backend.validate(S(choice=(";", "%J\U00078282Æ{")))
     xgrammar_backend.validate(S(choice=("café", "\U0001F600", "\U00100000")))  # spellable
     assert xgrammar_backend._spelled >= set(range(0x20, 0x7F)) and 0xF1 not in xgrammar_backend._spelled
+
+
+def test_a_structural_tag_is_xgrammars_and_checked_at_the_boundary(backend):
+    tag = '{"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], ' \
+          '"triggers": ["<f"]}'
+    if backend.name == "guidance":
+        with pytest.raises(ValueError, match="a structural_tag needs the xgrammar backend"):
+            backend.validate(S(structural_tag=tag))
+    else:
+        backend.validate(S(structural_tag=tag))
+        with pytest.raises(ValueError, match="invalid structural tag for structured output"):
+            backend.validate(S(structural_tag='{"type": "structural_tag", "format": {"type": "nope"}}'))
+    with pytest.raises(ValueError, match="structural_tag must be a JSON object's text"):
+        S(structural_tag="[1]")
+    assert S(structural_tag=tag).key == ("structural_tag", tag)
