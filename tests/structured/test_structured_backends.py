@@ -85,8 +85,8 @@ def test_jump_forward_inside_a_json_object(backend, tok):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({}, "exactly one of json, regex, choice, grammar, json_object; got none"),
-    ({"json": {"type": "object"}, "regex": "a"}, "exactly one of json, regex, choice, grammar, json_object; got json, regex"),
+    ({}, "exactly one of json, regex, choice, grammar, json_object, structural_tag; got none"),
+    ({"json": {"type": "object"}, "regex": "a"}, "exactly one of json, regex, choice, grammar, json_object, structural_tag; got json, regex"),
     ({"json": "{not json"}, "StructuredOutputsParams.json is not valid JSON"),
     ({"json": [1]}, "StructuredOutputsParams.json must be a JSON schema object"),
     ({"choice": []}, "StructuredOutputsParams.choice must be a non-empty list of non-empty strings; got \\[\\]"),
