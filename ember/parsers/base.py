@@ -268,6 +268,30 @@ def json_arguments(text: str, done: bool) -> str | None:
     return arguments_text(value) if isinstance(value, dict) else None
 
 
+def tagged_calls(text: str, final: bool, start_tag: str, end_tag: str,
+                 read: Callable[[str, bool], CallScan | None]) -> Scan:
+    """Calls each in its own `start_tag` ... `end_tag` block, after any content (hermes',
+    Qwen3-Coder's and GLM's formats); `read(body, done)` reads one block's text, None for a
+    finished block that is not a call: a final text with one is all content, a growing one
+    gives it a nameless call (which holds back the calls after it)."""
+    start = text.find(start_tag)
+    if start < 0:
+        return Scan(content_before(text, start_tag, final))
+    calls: list[CallScan] = []
+    at = start
+    while at >= 0:
+        body = at + len(start_tag)
+        end = text.find(end_tag, body)
+        call = read(text[body:end if end >= 0 else len(text)], final or end >= 0)
+        if call is None:
+            if final:
+                return Scan(text)
+            call = CallScan(None, "", True)
+        calls.append(call)
+        at = text.find(start_tag, end + len(end_tag)) if end >= 0 else -1
+    return Scan(text[:start], tuple(calls))
+
+
 def marked_calls(text: str, final: bool, section: str, begin: str, sep: str, end: str,
                  name_of: Callable[[str], str | None]) -> Scan:
     """Calls in a section opened by `section`, each `begin` NAME `sep` JSON-ARGUMENTS `end`

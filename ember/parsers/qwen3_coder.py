@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from ember.parsers.base import CallScan, Scan, ToolParser, content_before, register_tool_parser, xml_arguments
+from ember.parsers.base import CallScan, Scan, ToolParser, register_tool_parser, tagged_calls, xml_arguments
 
 START, END = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
@@ -36,17 +36,4 @@ def _call(block: str, done: bool) -> CallScan | None:
 @register_tool_parser("qwen3_coder")
 class Qwen3CoderToolParser(ToolParser):
     def scan(self, text: str, final: bool) -> Scan:
-        start = text.find(START)
-        if start < 0:
-            return Scan(content_before(text, START, final))
-        calls: list[CallScan] = []
-        at = start
-        while at >= 0:
-            body = at + len(START)
-            end = text.find(END, body)
-            call = _call(text[body:end if end >= 0 else len(text)], done=final or end >= 0)
-            if call is None:
-                return Scan(text) if final else Scan(text[:start], tuple(calls) + (CallScan(None, "", False),))
-            calls.append(call)
-            at = text.find(START, end + len(END)) if end >= 0 else -1
-        return Scan(text[:start], tuple(calls))
+        return tagged_calls(text, final, START, END, _call)
