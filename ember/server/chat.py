@@ -8,7 +8,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,7 +36,16 @@ from ember.server.serving import (
     until_disconnected,
     usage_info,
 )
-from ember.server.streaming import Sent, chat_logprobs, new_logprobs, new_text, new_token_ids, sse, sse_lines
+from ember.server.streaming import (
+    Sent,
+    chat_logprobs,
+    new_logprobs,
+    new_text,
+    new_token_ids,
+    openai_error_event,
+    sse,
+    sse_lines,
+)
 from ember.server.tool_calls import ToolPlan, auto_tool_parser, checked_tools, plan_tools
 
 
@@ -68,18 +77,8 @@ def add_chat_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.ready_engine()
         model = state.check_model(body.model)
         answer = ResponseBuilder(body, model)
-
-        def make() -> tuple[p.ChatCompletionRequest, SamplingParams, list[EngineRequest], ToolPlan]:
-            chat = p.ChatCompletionRequest.model_validate(body.chat_request())
-            return chat, *chat_requests(engine, config, chat, answer.id)
-
-        chat, params, requests, tools = await prepare(engine, make)
-        streams = submit(engine, requests)
-        if body.stream:
-            chunks = chat_chunks(streams[0], answer.id, model, params, True, tools)
-            return sse(answer.events(chunk.model_dump() async for chunk in chunks), streams)
-        final = (await until_disconnected(raw, final_outputs(streams), streams))[0]
-        return JSONResponse(answer.from_chat(chat_answer(final, params, tools, chat, answer.id, model).model_dump()))
+        return await as_chat(engine, config, raw, body.chat_request, answer.id, model, body.stream,
+                             lambda chunks, stream: answer.events(chunks), answer.from_chat)
 
 
 def add_stored_response_routes(app: FastAPI) -> None:
@@ -102,19 +101,9 @@ def add_messages_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.ready_engine()
         model = state.check_model(body.model)
         answer = MessageBuilder(model)
-
-        def make() -> tuple[p.ChatCompletionRequest, SamplingParams, list[EngineRequest], ToolPlan]:
-            chat = p.ChatCompletionRequest.model_validate(body.chat_request())
-            return chat, *chat_requests(engine, config, chat, answer.id)
-
-        chat, params, requests, tools = await prepare(engine, make)
-        streams = submit(engine, requests)
-        if body.stream:
-            chunks = chat_chunks(streams[0], answer.id, model, params, True, tools)
-            events = answer.events((chunk.model_dump() async for chunk in chunks), len(streams[0].prompt_token_ids))
-            return sse(events, streams, anthropic_error_event)
-        final = (await until_disconnected(raw, final_outputs(streams), streams))[0]
-        return JSONResponse(answer.from_chat(chat_answer(final, params, tools, chat, answer.id, model).model_dump()))
+        return await as_chat(engine, config, raw, body.chat_request, answer.id, model, body.stream,
+                             lambda chunks, stream: answer.events(chunks, len(stream.prompt_token_ids)),
+                             answer.from_chat, anthropic_error_event)
 
     @app.post("/v1/messages/count_tokens", responses=ERRORS)
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
@@ -129,6 +118,28 @@ def add_messages_routes(app: FastAPI, state: ServerState) -> None:
             return len(prompt["prompt_token_ids"])
 
         return {"input_tokens": await prepare(engine, count)}
+
+
+async def as_chat(engine: AsyncEngine, config: ServerConfig, raw: Request, chat_body: Callable[[], dict[str, Any]],
+                  answer_id: str, model: str, stream: bool,
+                  events: Callable[[AsyncIterator[dict[str, Any]], RequestStream], AsyncIterator[str]],
+                  answer: Callable[[dict[str, Any]], dict[str, Any]],
+                  error_event: Callable[[APIError], str] = openai_error_event) -> Response:
+    """A request of another API (Responses, Messages) run as the chat completion `chat_body()`
+    gives (on the input pool): its chunks, as dicts, become `events`; its answer, as a dict,
+    becomes `answer`'s."""
+
+    def make() -> tuple[p.ChatCompletionRequest, SamplingParams, list[EngineRequest], ToolPlan]:
+        chat = p.ChatCompletionRequest.model_validate(chat_body())
+        return chat, *chat_requests(engine, config, chat, answer_id)
+
+    chat, params, requests, tools = await prepare(engine, make)
+    streams = submit(engine, requests)
+    if stream:
+        chunks = chat_chunks(streams[0], answer_id, model, params, True, tools)
+        return sse(events((chunk.model_dump() async for chunk in chunks), streams[0]), streams, error_event)
+    final = (await until_disconnected(raw, final_outputs(streams), streams))[0]
+    return JSONResponse(answer(chat_answer(final, params, tools, chat, answer_id, model).model_dump()))
 
 
 def anthropic_error_event(error: APIError) -> str:
