@@ -152,6 +152,8 @@ class ModelRunner:
         self.kv_cache = _zeros(shape, config.kv_cache_torch_dtype, self.device)
         self._attach_kv_cache()
         self.sampler = Sampler(config.seed)
+        if config.runner == "generate":
+            self.sampler.warm_up(mc.vocab_size, config.max_num_seqs, config.torch_dtype, self.device)
         self.pooler = Pooler(config.pooler_config) if config.runner == "pooling" else None
         self.pin = self.device.type == "cuda"  # host tensors bound for the device are pinned: copies don't wait
         self.last_launched: LaunchedStep | None = None  # where a pending input id is gathered from

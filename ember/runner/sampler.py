@@ -155,6 +155,17 @@ class Sampler:
         return SamplerOutput(tokens, token_logprobs(raw[idx], tokens[idx], [rows[i].params.logprobs for i in want]),
                              want, invalid)
 
+    def warm_up(self, vocab_size: int, max_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Build the Gumbel kernel's variants for one row and for `max_rows` rows of logits
+        in `dtype` before serving: on a cold Triton cache the first sampled step built them
+        mid-serving (0.5 s of stall for every request in flight, BENCHMARKS.md)."""
+        if device.type != "cuda":
+            return
+        from ember.kernels.sampling import gumbel_argmax
+
+        for rows in sorted({1, max_rows}):
+            gumbel_argmax(torch.zeros(rows, vocab_size, dtype=dtype, device=device), 1.0, seed=0)
+
     def _race(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
         """argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i: one
         pass over the vocabulary, no cumulative sum or search; greedy rows take the argmax."""

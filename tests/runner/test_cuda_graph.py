@@ -104,3 +104,38 @@ def test_piecewise_replay_matches_eager_on_mixed_steps(deterministic):
                     assert err < 1e-2, (name, err)
     del llm
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_no_kernel_is_built_after_start_up():
+    """Every Triton kernel a plain served step needs (the forward's, flash-decoding's split
+    counts, and the Gumbel sampler at one row and at a full batch) is built before the
+    engine is ready: on a cold Triton cache one built mid-serving stalls every request in
+    flight (0.5 s for the sampler's, BENCHMARKS.md)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import os
+    import tempfile
+
+    import triton
+
+    from ember import LLM, SamplingParams
+
+    built = []
+    with tempfile.TemporaryDirectory() as cache:
+        old = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = cache  # cold: every variant is built, none read from disk
+        try:
+            llm = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", max_model_len=1024, max_num_seqs=32)
+            triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, **_: built.append(fn.name)
+            prompts = [{"prompt_token_ids": list(range(10, 10 + 40 + 13 * i))} for i in range(32)]
+            for temperature in (1.0, 0.0):
+                llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True))
+            llm.generate(prompts[:1], SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True))
+        finally:
+            triton.knobs.runtime.jit_post_compile_hook = None
+            if old is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = old
+    assert built == []
