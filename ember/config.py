@@ -129,9 +129,10 @@ class EngineConfig:
         True, "structured output: sample every token, even those the grammar forces (default: append forced "
         "tokens without a forward each)", flags=("--no-jump-forward",), action="store_false")
     # pooling: no sampling, no prefix cache (a hit would skip positions that mean pooling reads)
-    runner: Literal["generate", "pooling"] = flag(
-        "generate", "generate: complete text (default); pooling: embeddings (/v1/embeddings, LLM.embed) from the "
-        "final hidden states, as --pooler-config says")
+    runner: Literal["auto", "generate", "pooling"] = flag(
+        "auto", "auto (default): pooling for an encoder (BERT, XLM-RoBERTa) or a classification model, else "
+        "generate; generate: complete text; pooling: embeddings (/v1/embeddings, LLM.embed) from the final hidden "
+        "states, as --pooler-config says, and a classification model's scores (/classify, LLM.classify)")
     pooler_config: PoolerConfig | None = flag(  # a JSON string or dict from callers, a PoolerConfig after init
         None, 'with --runner pooling: \'{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true | false}\' '
         "(default: the last token, L2-normalized)", metavar="JSON")
@@ -182,7 +183,7 @@ class EngineConfig:
             raise ValueError(f"mixed_graph_max_tokens must be >= 0 (0: mixed steps run eager); got "
                              f"{self.mixed_graph_max_tokens}")
         if self.pooler_config is not None:
-            if self.runner != "pooling":
+            if self.runner == "generate":
                 raise ValueError("pooler_config applies to runner='pooling' only: pass runner='pooling' "
                                  "(--runner pooling) too")
             if not isinstance(self.pooler_config, PoolerConfig):
@@ -244,6 +245,7 @@ class EngineConfig:
         if device == "cpu" and dtype == "bfloat16" and not cpu_computes_bfloat16():
             logger.warning("dtype=bfloat16 on a CPU without native bfloat16 (AVX512_BF16 or AMX): every op "
                            "converts to and from float32, so this runs slower than dtype=float32")
+        runner = _runner(self.runner, model_config, self.tensor_parallel_size, quantization)
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_context:
             raise ValueError(
@@ -274,13 +276,16 @@ class EngineConfig:
             else self.kv_cache_dtype,
             max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs or defaults.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or defaults.max_num_batched_tokens,
+            # an encoder runs each prompt in one step: the default budget holds the longest
+            max_num_batched_tokens=self.max_num_batched_tokens or max(
+                defaults.max_num_batched_tokens, max_model_len if model_config.bidirectional else 0),
             block_size=self.block_size or (128 if device == "cuda" else 16),
             attention_backend=backend,
             async_scheduling=async_scheduling,
             model_config=model_config,
-            pooler_config=self.pooler_config or (PoolerConfig() if self.runner == "pooling" else None),
-            enable_prefix_caching=self.enable_prefix_caching and self.runner == "generate",
+            runner=runner,
+            pooler_config=_pooler_config(self.pooler_config, runner, model_config, files),
+            enable_prefix_caching=self.enable_prefix_caching and runner == "generate",
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
         sources = self._sources()
@@ -348,6 +353,41 @@ def _auto_dtype(device: str, quantization: str) -> str:
     if quantization == "gguf":
         return "float32"
     return "bfloat16" if cpu_computes_bfloat16() else "float32"
+
+
+def _runner(asked: str, model_config: ModelConfig, tensor_parallel_size: int, quantization: str) -> str:
+    """The runner: `auto` is pooling for an encoder, else generate; an encoder cannot generate."""
+    if not model_config.bidirectional:
+        return "generate" if asked == "auto" else asked
+    what = f"{model_config.architecture} is an encoder"
+    if asked == "generate":
+        raise ValueError(f"{what}: it embeds and classifies, it does not generate text: use runner='pooling' "
+                         "(--runner pooling, or leave it at auto)")
+    if tensor_parallel_size > 1:
+        raise ValueError(f"{what}: tensor parallelism does not split encoders: use tensor_parallel_size 1 "
+                         "(or --data-parallel-size for replicas)")
+    if quantization != "none":
+        raise ValueError(f"{what}: quantization={quantization!r} does not apply to encoders: use 'none'")
+    return "pooling"
+
+
+def _pooler_config(asked: PoolerConfig | None, runner: str, model_config: ModelConfig, files) -> PoolerConfig | None:
+    """How a pooling engine pools: as asked, else as the checkpoint's sentence-transformers
+    files say, else the first token (an encoder) or the last (a decoder), L2-normalized. A
+    classification model pools its first token through its head, unnormalized."""
+    if runner != "pooling":
+        if asked is not None:
+            raise ValueError(f"pooler_config applies to runner='pooling' only, and {model_config.architecture} "
+                             "generates: pass runner='pooling' (--runner pooling) too")
+        return None
+    if model_config.classifier is not None:
+        if asked is not None:
+            raise ValueError(f"{model_config.architecture}: a sequence-classification model pools its first token "
+                             "through its classification head; pooler_config does not apply to it: leave it out")
+        return PoolerConfig("CLS", normalize=False)
+    if asked is not None:
+        return asked
+    return files.pooler_defaults() or PoolerConfig("CLS" if model_config.bidirectional else "LAST")
 
 
 def _quantization(asked: str, files, device: str) -> str:

@@ -45,8 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             options["type"] = kind
         parser.add_argument(*(meta["flags"] or ("--" + name.replace("_", "-"),)), **options)
     parser.add_argument("--runner", default=None, choices=types["runner"][1], help=fields["runner"].metadata["help"])
-    parser.add_argument("--task", default=None, choices=["generate", "embed"],
-                        help="vLLM's older name: --task embed is --runner pooling")
+    parser.add_argument("--task", default=None, choices=["generate", "embed", "classify", "score"],
+                        help="vLLM's older name: --task embed, classify or score is --runner pooling")
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
@@ -58,8 +58,9 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def runner_arg(ns: argparse.Namespace) -> str:
-    """--runner, or --task (its older name: embed is pooling); ValueError if they disagree."""
-    from_task = {"embed": "pooling", "generate": "generate", None: None}[ns.task]
+    """--runner, or --task (its older name: embed, classify and score are pooling); ValueError if they disagree."""
+    from_task = {"embed": "pooling", "classify": "pooling", "score": "pooling", "generate": "generate",
+                 None: None}[ns.task]
     if ns.runner is not None and from_task is not None and ns.runner != from_task:
         raise ValueError(f"--task {ns.task} means --runner {from_task}, but --runner {ns.runner} is given: give one")
     return ns.runner or from_task or EngineConfig.runner

@@ -50,6 +50,40 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # one a label (ModelConfig.label_names): softmax, or sigmoid for one label
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns for one prompt (vLLM's shape: `.outputs.probs`)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns for one pair (vLLM's shape: `.outputs.score`)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """What `LLM.embed` returns for one prompt (vLLM's shape: `.outputs.embedding`)."""
 

@@ -8,6 +8,8 @@ A decoder LM run as an embedding model pools its last token by default (vLLM's d
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -54,3 +56,34 @@ def pooling_sampling_params() -> SamplingParams:
     """What a pooling request carries: it computes its prompt and ends without sampling
     (max_tokens=1 tells the scheduler that no step follows its last prompt chunk)."""
     return SamplingParams(temperature=0, max_tokens=1)
+
+
+def label_probs(logits: Sequence[float]) -> list[float]:
+    """A classification head's logits as probabilities: softmax over the labels, or the
+    sigmoid of a single one (vLLM's default activation, and sentence-transformers' CrossEncoder's)."""
+    if len(logits) == 1:
+        return [1 / (1 + math.exp(-logits[0]))]
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm else 0.0
+
+
+def score_pairs(first: str | Sequence[str], second: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing for scores: one first text against each second, or first[i] against
+    second[i]; ValueError for empty or unequal lists."""
+    one = [first] if isinstance(first, str) else list(first)
+    two = [second] if isinstance(second, str) else list(second)
+    if not one or not two:
+        raise ValueError("text_1 and text_2 must each be a string or a non-empty list")
+    if len(one) == 1:
+        return [(one[0], t) for t in two]
+    if len(one) != len(two):
+        raise ValueError(f"text_1 has {len(one)} texts and text_2 {len(two)}: give one text_1, or as many as text_2")
+    return list(zip(one, two))

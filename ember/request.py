@@ -32,6 +32,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first under the "priority" policy (vLLM's convention)
     cache_salt: str | None = None  # the prefix cache shares blocks only among requests of one salt
+    token_type_ids: list[int] | None = None  # an encoder's segment of each prompt token (a pair's second text: 1)
     parent: Request | None = None  # set on the samples 1..n-1 forked from a request with n > 1
     index: int = 0  # which of the parent's n samples this is
     arrival_time: float = field(default_factory=time.monotonic)

@@ -47,7 +47,7 @@ def test_a_field_made_a_flag_reaches_the_engine_without_another_edit():
                                  "gpu_memory_utilization", "runner")} == {
         "model": "m.gguf", "attention_backend": "torch", "tensor_parallel_size": 2,
         "structured_outputs_jump_forward": False, "enable_prefix_caching": False, "max_num_seqs": 8,
-        "gpu_memory_utilization": 0.5, "runner": "generate"}
+        "gpu_memory_utilization": 0.5, "runner": "auto"}
     assert set(args) == {f.name for f in flag_fields()} | {"setting_sources"}
     config = EngineConfig(**args)
     assert config.attention_backend == "torch" and config.max_num_seqs == 8

@@ -24,7 +24,8 @@ from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import check_prompt_length
 
 # "text" or {"prompt_token_ids": [...]} (+ optional "prompt"), or {"prompt": "text"}; a dict may
-# carry a "cache_salt": the prefix cache then shares blocks only among prompts of that salt
+# carry a "cache_salt" (the prefix cache then shares blocks only among prompts of that salt) and,
+# for an encoder with token types, "token_type_ids"
 PromptType = Union[str, dict[str, Any]]
 Conversation = list[dict[str, Any]]
 
@@ -66,14 +67,46 @@ class InputProcessor:
         if salt is not None and not (isinstance(salt, str) and salt):
             raise ValueError("cache_salt must be a non-empty string")
         self.check_prompt(ids)
+        types = self.token_type_ids(prompt, len(ids))
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_params(params)
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, priority=priority,
-                      cache_salt=salt)
+                      cache_salt=salt, token_type_ids=types)
         if self._check_request is not None:
             self._check_request(req)
         return req
+
+    def token_type_ids(self, prompt: PromptType, num_tokens: int) -> list[int] | None:
+        """A prompt dict's "token_type_ids" (vLLM's TokensPrompt field: an encoder's segment of
+        each token), checked against the prompt and the model's token types."""
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is None:
+            return None
+        kinds = self.config.model_config.type_vocab_size
+        if not self.config.model_config.bidirectional or kinds < 2:
+            raise ValueError("token_type_ids are read by encoder models with token types (BERT) only; this model "
+                             "has none: leave them out")
+        if not isinstance(types, (list, tuple)) or len(types) != num_tokens \
+                or not all(isinstance(t, int) and 0 <= t < kinds for t in types):
+            raise ValueError(f"token_type_ids must be {num_tokens} ints (one a prompt token) in [0, {kinds})")
+        return list(types)
+
+    def pair_prompt(self, first: str, second: str) -> dict[str, Any]:
+        """Two texts as one cross-encoder prompt (Tokenizer.encode_pair), with their segments
+        where the model reads token types."""
+        if not (isinstance(first, str) and isinstance(second, str)):
+            raise ValueError("a scored pair is two texts")
+        tok = self.require_tokenizer()
+        longest = self.config.max_model_len * tok.max_chars_per_token
+        if len(first) + len(second) > longest:
+            raise ValueError(f"the pair has {len(first) + len(second)} characters, more than {self.config.max_model_len} "
+                             "tokens (max_model_len) can hold: shorten it")
+        ids, types = tok.encode_pair(first, second)
+        prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": f"{first}\n{second}"}
+        if self.config.model_config.type_vocab_size > 1:
+            prompt["token_type_ids"] = types
+        return prompt
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

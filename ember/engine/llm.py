@@ -13,8 +13,16 @@ from ember.engine.core_client import ABORT, ADD, InprocCoreClient, MPCoreClient,
 from ember.engine.input_processor import Conversation, InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
 from ember.loader.tokenizer import Tokenizer
-from ember.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from ember.pooling import pooling_sampling_params
+from ember.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from ember.pooling import cosine, label_probs, pooling_sampling_params, score_pairs
 from ember.request import Request
 from ember.sampling_params import SamplingParams
 
@@ -74,15 +82,39 @@ class LLM:
 
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
         """Each prompt's pooled final hidden state (runner="pooling"; see PoolerConfig), in input order."""
-        self._require_runner("pooling")
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        outputs = self._run([self._make_request(p, pooling_sampling_params()) for p in prompts], use_tqdm)
-        for out in outputs:
-            if out.embedding is None:
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        self._require_classifier(False, "LLM.embed")
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids)
-                for out in outputs]
+                for out in self._pool(prompts, use_tqdm)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 use_tqdm: bool = False) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities from a sequence-classification model (softmax
+        over its labels, the sigmoid of one), in input order; the names are
+        `config.model_config.label_names`."""
+        self._require_classifier(True, "LLM.classify")
+        return [ClassificationRequestOutput(out.request_id, ClassificationOutput(label_probs(out.embedding)),
+                                            out.prompt_token_ids) for out in self._pool(prompts, use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool = False) -> list[ScoringRequestOutput]:
+        """How well each pair matches (one text_1 against each text_2, or pairwise): a
+        cross-encoder's (one-label classification model's) probability for the pair read
+        together, else the cosine similarity of the two texts' embeddings."""
+        self._require_runner("pooling")
+        pairs = score_pairs(text_1, text_2)
+        mc = self.config.model_config
+        if mc.classifier is not None:
+            if mc.num_labels != 1:
+                raise ValueError(f"LLM.score needs a cross-encoder of one label; this model has {mc.num_labels} "
+                                 "(use LLM.classify)")
+            outs = self._pool([self.inputs.pair_prompt(a, b) for a, b in pairs], use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(label_probs(o.embedding)[0]), o.prompt_token_ids)
+                    for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        vectors = dict(zip(texts, self._pool(texts, use_tqdm)))
+        return [ScoringRequestOutput(f"score-{i}", ScoringOutput(cosine(vectors[a].embedding, vectors[b].embedding)),
+                                     vectors[a].prompt_token_ids + vectors[b].prompt_token_ids)
+                for i, (a, b) in enumerate(pairs)]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """One prompt's output after every step that changed it, the last one finished."""
@@ -108,6 +140,23 @@ class LLM:
         return self.inputs.require_tokenizer()
 
     # -- internals ------------------------------------------------------------------------
+
+    def _pool(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool) -> list[RequestOutput]:
+        """Each prompt's pooled vector (a classification model's: its logits), in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        outputs = self._run([self._make_request(p, pooling_sampling_params()) for p in prompts], use_tqdm)
+        for out in outputs:
+            if out.embedding is None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        return outputs
+
+    def _require_classifier(self, wanted: bool, what: str) -> None:
+        self._require_runner("pooling")
+        if (self.config.model_config.classifier is not None) != wanted:
+            kind = "a sequence-classification model" if wanted else "an embedding model"
+            use = "LLM.embed or LLM.score" if wanted else "LLM.classify or LLM.score"
+            raise ValueError(f"{what} needs {kind}; {self.config.model} is not one: use {use}")
 
     def _require_runner(self, runner: str) -> None:
         if self.config.runner != runner:

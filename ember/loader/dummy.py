@@ -21,7 +21,7 @@ def iter_dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = tor
     norm_center = 0.0 if cfg.norm_unit_offset else 1.0  # a Gemma norm scales by 1 + w
     for name, shape in hf_weight_shapes(cfg).items():
         t = torch.randn(shape, generator=gen, device=device, dtype=draw_dtype)
-        if name.endswith("norm.weight"):
+        if name.lower().endswith("norm.weight"):  # an encoder's are LayerNorm.weight
             t = norm_center + 0.1 * t
         else:
             t = 0.02 * t

@@ -14,6 +14,7 @@ from torch import nn
 from ember.layers.quant.fp8 import FP8Tensor
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.models.config import ModelConfig
+from ember.pooling import PoolerConfig
 
 if TYPE_CHECKING:
     from ember.loader.fp8_checkpoint import FP8Scheme
@@ -106,6 +107,34 @@ class ModelFiles:
             raise ValueError(f"{file} is not a JSON object: fix or remove it, or pass generation_config='vllm'")
         return {k: config[k] for k in SAMPLING_FIELDS if config.get(k) is not None}
 
+    def pooler_defaults(self) -> PoolerConfig | None:
+        """How the checkpoint's sentence-transformers files (modules.json) pool: its Pooling
+        module's mode (CLS, mean or last token) and whether a Normalize module follows; None
+        without them. A mode ember does not pool by (max, weighted mean) is refused."""
+        file = self.path / "modules.json"
+        if self.is_gguf or not file.is_file():
+            return None
+        try:
+            modules = json.loads(file.read_text(encoding="utf-8"))
+            kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+            pooling = json.loads((self.path / kinds["Pooling"] / "config.json").read_text(encoding="utf-8")) \
+                if "Pooling" in kinds else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{file} or its Pooling module's config.json is not what sentence-transformers writes "
+                             f"({type(e).__name__}: {e}): fix them, or pass pooler_config") from None
+        if pooling is None:
+            return None
+        modes = [m for m in ("cls_token", "mean_tokens", "lasttoken", "max_tokens", "mean_sqrt_len_tokens",
+                             "weightedmean_tokens") if pooling.get(f"pooling_mode_{m}")]
+        mode = pooling.get("pooling_mode")  # sentence-transformers 5+: a mode or a list; before: a flag each
+        if mode is not None:
+            modes = [mode] if isinstance(mode, str) else list(mode)
+        kind = {"cls_token": "CLS", "cls": "CLS", "mean_tokens": "MEAN", "mean": "MEAN", "lasttoken": "LAST"}
+        if len(modes) != 1 or modes[0] not in kind:
+            raise ValueError(f"{self.path}: sentence-transformers pools by {' + '.join(modes) or 'nothing'}; ember pools "
+                             "by one of the CLS token, the mean or the last token: pass pooler_config to choose")
+        return PoolerConfig(kind[modes[0]], normalize="Normalize" in kinds)
+
     def _gguf(self):
         from ember.loader.gguf import open_gguf
 
@@ -174,7 +203,12 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
     torch.set_default_dtype(dtype)  # parameters are made in the run dtype, on the device
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions, get_attention_backend(attention_backend))
+            if cfg.bidirectional:
+                from ember.models.bert import BertModel
+
+                model = BertModel(cfg)
+            else:
+                model = LlamaForCausalLM(cfg, max_positions, get_attention_backend(attention_backend))
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, files.weights(cfg, seed, device, dtype, quantization), source=str(files.path))

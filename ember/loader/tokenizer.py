@@ -61,6 +61,13 @@ class Tokenizer:
         become their ids. `add_special_tokens` adds BOS/EOS only where the model asks for it."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A cross-encoder's input: both texts under the tokenizer's pair template ([CLS] a
+        [SEP] b [SEP], <s> a </s></s> b </s>) and each token's segment (the second text's: 1
+        where the template says so)."""
+        enc = self.backend.encode(first, second, add_special_tokens=True)
+        return enc.ids, enc.type_ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -40,6 +40,10 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, to
 
 def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds, with its shape."""
+    if cfg.bidirectional:
+        from ember.models.bert import encoder_weight_shapes
+
+        return encoder_weight_shapes(cfg)
     h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
@@ -107,8 +111,30 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
 def checkpoint_names(cfg: ModelConfig) -> Callable[[str], str | None] | None:
     """For a checkpoint of this config whose tensor names are not a causal LM's: a map from
     its names to the causal LM's (None for a tensor not to read at all); None where the names
-    are the causal LM's already."""
+    are the causal LM's already. An encoder's: models/bert.py's, which are its base model's."""
+    if cfg.bidirectional:
+        return lambda name: _encoder_name(name, pooler=cfg.classifier == "bert")
     return _language_model_name if cfg.multimodal else None
+
+
+# what an encoder checkpoint holds that its embeddings and classification do not read: the
+# position-id buffer of older files, a masked-LM head
+_ENCODER_UNUSED = ("embeddings.position_ids", "cls.", "lm_head.")
+
+
+def _encoder_name(name: str, pooler: bool) -> str | None:
+    """A BERT / XLM-R tensor's name in models/bert.py: a *ForSequenceClassification's base
+    model prefix dropped, old files' LayerNorm gamma / beta renamed; None for what is not
+    read (the pooler of an embedding model: sentence-transformers pools hidden states)."""
+    for prefix in ("bert.", "roberta."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if name.startswith(_ENCODER_UNUSED) or (name.startswith("pooler.") and not pooler):
+        return None
+    if name.endswith(("LayerNorm.gamma", "LayerNorm.beta")):
+        name = name[:-5] + "weight" if name.endswith("gamma") else name[:-4] + "bias"
+    return name
 
 
 def _language_model_name(name: str) -> str | None:

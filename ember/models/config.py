@@ -43,7 +43,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' eps (LayerNorm's in an encoder)
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -82,6 +82,16 @@ class ModelConfig:
     # Qwen2-MoE: a shared expert of this intermediate size beside the routed ones, its output
     # times sigmoid(shared_expert_gate(x)); 0: none
     shared_expert_intermediate_size: int = 0
+    # an encoder (models/bert.py): attention sees the whole prompt both ways, so nothing is
+    # cached; learned positions from position_offset (RoBERTa: pad_token_id + 1); segment
+    # embeddings for type_vocab_size token types
+    bidirectional: bool = False
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    # a sequence-classification head ("bert": pooler then classifier; "roberta": dense, tanh,
+    # out_proj) over the first token, with one name per label (id2label); None: none
+    classifier: str | None = None
+    label_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rotary_dim is None:
@@ -105,8 +115,9 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"unsupported MLP activation {self.hidden_act!r}; ember runs silu and gelu_tanh")
+        acts = ("gelu", "gelu_tanh") if self.bidirectional else ("silu", "gelu_tanh")
+        if self.hidden_act not in acts:
+            raise ValueError(f"unsupported MLP activation {self.hidden_act!r}; ember runs {' and '.join(acts)} here")
         if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
         if self.moe_layers is not None and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -133,9 +144,15 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
     @staticmethod
     def from_hf_config(config: dict[str, Any]) -> ModelConfig:
         fam, multimodal = _family(config)
+        if fam.encoder:
+            return _encoder_config(config, fam)
         if multimodal:
             config = _language_model_config(config)
         config = fam.hf_config_defaults | config
@@ -310,6 +327,53 @@ def _family(config: dict[str, Any]) -> tuple[Family, bool]:
             f"ember runs {', '.join(BY_HF_ARCHITECTURE)}"
         )
     return family, model_type in VISION_LANGUAGE_MODEL_TYPES
+
+
+def _encoder_config(config: dict[str, Any], fam: Family) -> ModelConfig:
+    """BERT and XLM-RoBERTa (BertConfig's and XLMRobertaConfig's keys); a
+    *ForSequenceClassification checkpoint adds its head and labels (id2label, else
+    num_labels, else transformers' default of two)."""
+    arch = (config.get("architectures") or [""])[0]
+    heads = config["num_attention_heads"]
+    act = config.get("hidden_act", "gelu")
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"{arch or fam.name}: position_embedding_type {config['position_embedding_type']!r} is not "
+                         "supported; ember runs absolute positions")
+    if config.get("is_decoder") or config.get("add_cross_attention"):
+        raise ValueError(f"{arch or fam.name} configured as a decoder (is_decoder / add_cross_attention): ember runs "
+                         "BERT-style models as encoders only")
+    classifier, labels = None, ()
+    if arch.endswith("ForSequenceClassification"):
+        classifier = "roberta" if fam.position_offset_from_pad else "bert"
+        id2label = config.get("id2label") or {}
+        count = len(id2label) or int(config.get("num_labels", 2))
+        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
+    pad = config.get("pad_token_id")
+    offset = (pad if pad is not None else 1) + 1 if fam.position_offset_from_pad else 0
+    positions = config.get("max_position_embeddings", 512)
+    return ModelConfig(
+        architecture=fam.name,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=config["hidden_size"] // heads,
+        rms_norm_eps=config.get("layer_norm_eps", 1e-12),
+        rope_theta=0.0,
+        max_position_embeddings=positions - offset,  # RoBERTa's first offset rows are never a position
+        tie_word_embeddings=False,
+        attention_bias=True,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=_first(config.get("eos_token_id")),
+        hidden_act={"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, act),
+        bidirectional=True,
+        type_vocab_size=config.get("type_vocab_size", 2),
+        position_offset=offset,
+        classifier=classifier,
+        label_names=labels,
+    )
 
 
 def _qkv_bias(config: dict[str, Any], fam: Family) -> bool:

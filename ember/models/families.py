@@ -1,8 +1,8 @@
 """The model families ember runs, one row each: what sets a family apart from Llama, for
 every reader of a checkpoint (ModelConfig from a config.json or from GGUF metadata, the HF
 weight names, the GGUF loader). A family that differs only in these is one new row; a
-difference no field here covers is a new field, read where it matters. Every family runs on
-models/llama.py's layers: ModelConfig's fields say how."""
+difference no field here covers is a new field, read where it matters. Every decoder family
+runs on models/llama.py's layers (ModelConfig's fields say how), the encoders on models/bert.py's."""
 
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ class Family:
     gguf_rope_permuted: bool = False
     # what transformers' config class fills where a config.json is silent (Gemma 3's text_config)
     hf_config_defaults: dict[str, Any] = field(default_factory=dict)
+    # an encoder (BERT, XLM-RoBERTa): bidirectional attention over the whole prompt, learned
+    # absolute positions, post-norm LayerNorm blocks (models/bert.py); it embeds and classifies
+    encoder: bool = False
+    position_offset_from_pad: bool = False  # RoBERTa: positions count from pad_token_id + 1
 
 
 # What transformers' Gemma3TextConfig fills where a config.json is silent (as transformers
@@ -84,6 +88,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            moe="qwen"),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), "qwen2moe", qkv_bias_key="qkv_bias",
            qkv_bias_default=True, qwen_windows=True, moe="qwen", shared_expert=True, gguf_topk_norm=False),
+    Family("bert", ("BertModel", "BertForSequenceClassification"), ("bert",), None, encoder=True),
+    Family("xlm_roberta", ("XLMRobertaModel", "XLMRobertaForSequenceClassification", "RobertaModel",
+                           "RobertaForSequenceClassification"), ("xlm-roberta", "roberta"), None, encoder=True,
+           position_offset_from_pad=True),
 )}
 
 # config.json `architectures[0]` / `model_type` -> family

@@ -119,7 +119,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """torch.zeros; on the CPU from calloc'd pages (numpy's zeros), which the kernel hands out
     zeroed as they are first touched: a 1 GiB pool costs nothing until blocks are used, where
     torch.zeros writes all of it at start (0.3 s)."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not math.prod(shape):
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, np.uint8)).view(dtype).view(shape)
 
@@ -134,7 +134,8 @@ class ModelRunner:
         self.weight_bytes = model_weight_bytes(self.model)
         self.file_tensor_bytes = files.tensor_bytes()
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.encoder = mc.bidirectional  # whole prompts, no KV cache, no decode step to capture
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and not self.encoder
         self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0
         # when every layer has a window, the scheduler gives back blocks no window reaches and
         # their table entries point at one block past the pool (BlockPool.null_block)
@@ -146,8 +147,8 @@ class ModelRunner:
                 logger.info("max_num_seqs %d, not the default %d: the KV pool holds %d sequences of max_model_len "
                             "%d", seats, config.max_num_seqs, seats, config.max_model_len)
                 self.config = config = dataclasses.replace(config, max_num_seqs=seats)
-        shape = (2, mc.num_layers, self.num_blocks + self.num_null_blocks, config.block_size, self.num_kv_heads,
-                 mc.head_dim)
+        shape = (2, self.num_kv_layers, self.num_blocks + self.num_null_blocks, config.block_size,
+                 self.num_kv_heads, mc.head_dim)
         # zeroed: padded block-table entries and the null block are read (then masked), never NaN
         self.kv_cache = _zeros(shape, config.kv_cache_torch_dtype, self.device)
         self._attach_kv_cache()
@@ -232,10 +233,17 @@ class ModelRunner:
         self._attach_kv_cache()
         del self._asleep
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V the pool holds: none for an encoder (nothing outlives its step)."""
+        mc = self.config.model_config
+        return 0 if mc.bidirectional else mc.num_layers
+
     def kv_bytes_per_block(self) -> int:
-        """K and V of one block in every layer, in the cache dtype (fp8: half of bfloat16's)."""
+        """K and V of one block in every layer, in the cache dtype (fp8: half of bfloat16's);
+        0 for an encoder, whose blocks are bookkeeping only."""
         mc, c = self.config.model_config, self.config
-        return 2 * mc.num_layers * c.block_size * rank_kv_heads(mc) * mc.head_dim * c.kv_cache_torch_dtype.itemsize
+        return 2 * self.num_kv_layers * c.block_size * rank_kv_heads(mc) * mc.head_dim * c.kv_cache_torch_dtype.itemsize
 
     @property
     def max_num_seqs(self) -> int:
@@ -270,7 +278,10 @@ class ModelRunner:
             memory = CPU_KV_CACHE_MEMORY
         # never more than every sequence slot at full length could use; the memory holds the null block too
         most = c.max_num_seqs * c.max_blocks_per_seq
-        blocks = min_over_ranks(min(memory // self.kv_bytes_per_block() - self.num_null_blocks, most))
+        per_block = self.kv_bytes_per_block()
+        if not per_block:
+            return most
+        blocks = min_over_ranks(min(memory // per_block - self.num_null_blocks, most))
         if blocks <= 0:
             raise ValueError(f"no memory left for the KV cache ({memory} bytes): raise kv_cache_memory "
                              "or gpu_memory_utilization")
@@ -304,8 +315,10 @@ class ModelRunner:
             block_tables=torch.arange(per_seq * len(lens), dtype=torch.int32, device=dev).view(len(lens), per_seq),
             query_lens_cpu=lens, seq_lens_cpu=lens)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=dev), positions, meta)
-        logits = self.model.compute_logits(hidden[: min(tokens, c.max_num_seqs)]).float()
-        logits.softmax(-1).cumsum(-1)
+        logits = hidden
+        if not mc.bidirectional:
+            logits = self.model.compute_logits(hidden[: min(tokens, c.max_num_seqs)]).float()
+            logits.softmax(-1).cumsum(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del hidden, cache, logits
@@ -334,6 +347,8 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
         elif self.piecewise is not None and len(input_ids) <= self.piecewise.max_tokens:
             hidden = self.piecewise.run(input_ids, positions, meta)
+        elif self.encoder:
+            hidden = self.model(input_ids, positions, meta, self._token_type_ids(plan))
         else:
             hidden = self.model(input_ids, positions, meta)
         clock("forward")
@@ -341,7 +356,10 @@ class ModelRunner:
         if self.pooler is not None:  # no sampling: the prompts that end here give their vectors
             pooled = self.pooler.pool(hidden, plan)
             if pooled:
-                step.pooled = list(pooled), to_host(torch.stack(list(pooled.values())), self.pin)
+                vectors = torch.stack(list(pooled.values()))
+                if self.config.model_config.classifier is not None:  # the first token's state -> label logits
+                    vectors = self.model.classify(vectors.to(hidden.dtype)).float()
+                step.pooled = list(pooled), to_host(vectors, self.pin)
             sampled_chunks = []
         if sampled_chunks:
             # a request that forks into n samples draws n tokens from its one row of logits
@@ -480,6 +498,13 @@ class ModelRunner:
             entry = (blocks, len(blocks), row)
         self.table_rows[req.request_id] = entry
         return row
+
+    def _token_type_ids(self, plan: SchedulerOutput) -> torch.Tensor | None:
+        """An encoder step's segment ids (a request's own, else 0), None when no request has any."""
+        if not any(c.request.token_type_ids for c in plan.chunks):
+            return None
+        types = [t for c in plan.chunks for t in (c.request.token_type_ids or [0] * c.num_new_tokens)]
+        return to_device(types, self.device, torch.int64)
 
     def _prompt_logprob_rows(self, plan: SchedulerOutput):
         """(chunk, rows) for chunks whose tokens predict prompt tokens that want logprobs.

@@ -117,6 +117,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.attention_parity_len = config.attention_parity_len
+        # an encoder's prompt runs in one step (its attention sees the whole prompt at once)
+        self.whole_prompts = config.model_config is not None and config.model_config.bidirectional
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -139,6 +141,10 @@ class Scheduler:
         """Refuse a request this engine can never serve (ValueError). Reads only fixed sizes,
         so any thread may call it: the async front checks here before the engine loop sees it."""
         check_request_fits(req, self.max_num_seqs, self.max_model_len, self.window, self.pool.num_blocks)
+        if self.whole_prompts and req.num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {req.num_prompt_tokens} tokens, and an encoder model runs a prompt in "
+                             f"one step of at most max_num_batched_tokens={self.max_num_batched_tokens}: shorten it "
+                             "or raise max_num_batched_tokens")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -172,6 +178,9 @@ class Scheduler:
                 break
             self._match_prefix(req)
             n = self._chunk(req, budget)
+            if self.whole_prompts and n < req.num_tokens:  # it waits for a step with room for all of it
+                self._release_blocks(req)
+                break
             if self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available:
                 self._release_blocks(req)
                 break

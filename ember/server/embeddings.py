@@ -107,20 +107,31 @@ def add_embeddings_route(app: FastAPI, state: ServerState, limits: RequestLimits
 
 
 class RunnerRoutes:
-    """ASGI middleware: 400 for the routes that the engine's runner does not serve."""
+    """ASGI middleware: 400 for the routes that the loaded engine does not serve (its runner;
+    a classification model's /v1/embeddings). Until it is loaded every route answers for itself."""
 
-    def __init__(self, app, runner: str) -> None:
+    def __init__(self, app, state: ServerState) -> None:
         self.app = app
-        if runner == "pooling":
-            self.refused = dict.fromkeys(GENERATION_ROUTES, "this server computes embeddings (--runner pooling): "
-                                         "{path} needs a server started without --runner pooling")
-        else:
-            self.refused = dict.fromkeys(EMBEDDING_ROUTES, "this server generates text: {path} needs a server "
-                                         "started with --runner pooling (or --task embed)")
+        self.state = state
+        self.refused: dict[str, str] | None = None
+
+    def _refused(self) -> dict[str, str]:
+        config = self.state.engine.config
+        if config.runner == "generate":
+            return dict.fromkeys(EMBEDDING_ROUTES, "this server generates text: {path} needs a server started "
+                                 "with --runner pooling (or --task embed)")
+        refused = dict.fromkeys(GENERATION_ROUTES, "this server computes embeddings (--runner pooling): {path} "
+                                "needs a server started without --runner pooling")
+        if config.model_config.classifier is not None:
+            refused["/v1/embeddings"] = ("this server's model is a sequence classifier: {path} needs an embedding "
+                                         "model (use /classify, /score or /rerank)")
+        return refused
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and path in self.refused:
+        if self.refused is None and self.state.engine is not None:
+            self.refused = self._refused()
+        if scope["type"] == "http" and self.refused and path in self.refused:
             await APIError(400, self.refused[path].format(path=path)).response()(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -88,7 +88,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     app.state.ember = state
     from ember.server.embeddings import RunnerRoutes, add_embeddings_route
 
-    app.add_middleware(RunnerRoutes, runner=config.engine.runner)
+    app.add_middleware(RunnerRoutes, state=state)
     app.add_middleware(BodyMiddleware, max_bytes=limits.max_body_bytes)
     if config.api_keys:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys,

@@ -1,18 +1,20 @@
-"""The retrieval routes of a pooling server (--runner pooling), in vLLM's shapes, on an
-embedding model (a bi-encoder: each text pooled on its own, as /v1/embeddings does):
+"""The retrieval routes of a pooling server (--runner pooling, or an encoder's default), in
+vLLM's shapes:
 
-    POST /score, /v1/score          text_1 against text_2: the cosine similarity of their vectors
+    POST /score, /v1/score          text_1 against text_2
     POST /rerank, /v1/rerank        the query against each document, best first (Jina's and
     POST /v2/rerank                 Cohere's v1 shape; Cohere's v2 shape)
-    POST /pooling                   each input's pooled vector
-    POST /classify                  refused: it needs a sequence-classification head
+    POST /pooling                   each input's pooled vector (a classifier's: its logits)
+    POST /classify                  each input's label probabilities (a classification model)
 
-A cross-encoder (a reranker that reads query and document together, bge-reranker) and
-classification heads are not served yet: their models are refused at load."""
+On an embedding model (a bi-encoder) a score is the cosine similarity of the two texts'
+vectors, each pooled on its own as /v1/embeddings does; on a cross-encoder (a classification
+model of one label: bge-reranker, ms-marco MiniLM) it is the probability its head gives the
+two texts read together as one pair prompt."""
 
 from __future__ import annotations
 
-import math
+import time
 import uuid
 from typing import Any, Union
 
@@ -20,8 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from ember.engine.async_engine import AsyncEngine
 from ember.outputs import RequestOutput
-from ember.pooling import pooling_sampling_params
+from ember.pooling import cosine, label_probs, pooling_sampling_params, score_pairs
 from ember.server import protocol as p
 from ember.server.embeddings import EmbeddingRequest
 from ember.server.limits import RequestLimits
@@ -47,16 +50,10 @@ class ScoreRequest(p._Strict):
 
     def pairs(self) -> list[tuple[str, str]]:
         """vLLM's pairing: one text_1 against each text_2, or text_1[i] against text_2[i]."""
-        one = [self.text_1] if isinstance(self.text_1, str) else self.text_1
-        two = [self.text_2] if isinstance(self.text_2, str) else self.text_2
-        if not one or not two:
-            raise p.InvalidRequest("text_1 and text_2 must each be a string or a non-empty list", "text_1")
-        if len(one) == 1:
-            return [(one[0], t) for t in two]
-        if len(one) != len(two):
-            raise p.InvalidRequest(f"text_1 has {len(one)} texts and text_2 {len(two)}: give one text_1, or as many as "
-                                   "text_2", "text_2")
-        return list(zip(one, two))
+        try:
+            return score_pairs(self.text_1, self.text_2)
+        except ValueError as e:
+            raise p.InvalidRequest(str(e), "text_2") from None
 
 
 class RerankRequest(p._Strict):
@@ -91,42 +88,62 @@ def checked(fn, *args):
         raise bad_request(e) from None
 
 
-def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b))
-    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return dot / norm if norm else 0.0
+class ClassifyRequest(p._Strict):
+    model: str | None = None
+    input: Union[str, list[str]]
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    user: str | None = None
 
 
 def add_retrieval_routes(app: FastAPI, state: ServerState, limits: RequestLimits) -> None:
-    async def vectors(raw: Request, texts: list[str], truncate: int | None) -> list[RequestOutput]:
-        """Each distinct text's pooled output, in order of `texts`."""
+    async def pooled(raw: Request, items: list[Any], as_prompt) -> list[RequestOutput]:
+        """Each distinct item's pooled output (as_prompt(engine, item) is its prompt), in order of `items`."""
         engine = state.ready_engine()
-        distinct = list(dict.fromkeys(texts))
+        distinct = list(dict.fromkeys(items))
         if len(distinct) > limits.max_prompts:
             raise APIError(400, f"at most {limits.max_prompts} distinct texts in one request; got {len(distinct)}")
         request_id = f"score-{uuid.uuid4().hex}"
 
         def make():
-            return [engine.inputs.make_request(f"{request_id}-{i}", engine_prompt(engine, text, truncate=truncate),
-                                               pooling_sampling_params()) for i, text in enumerate(distinct)]
+            return [engine.inputs.make_request(f"{request_id}-{i}", as_prompt(engine, item), pooling_sampling_params())
+                    for i, item in enumerate(distinct)]
 
         streams = submit(engine, await prepare(engine, make))
         finals = await until_disconnected(raw, final_outputs(streams), streams)
-        by_text = dict(zip(distinct, finals))
-        return [by_text[t] for t in texts]
+        by_item = dict(zip(distinct, finals))
+        return [by_item[item] for item in items]
 
-    def usage(outs: list[RequestOutput]) -> dict[str, int]:
-        tokens = sum(len(o.prompt_token_ids) for o in {id(o): o for o in outs}.values())
-        return {"prompt_tokens": tokens, "total_tokens": tokens}
+    async def vectors(raw: Request, texts: list[str], truncate: int | None) -> list[RequestOutput]:
+        return await pooled(raw, texts, lambda engine, text: engine_prompt(engine, text, truncate=truncate))
+
+    def cross_encoder(engine: AsyncEngine) -> bool:
+        mc = engine.config.model_config
+        if mc.classifier is not None and mc.num_labels != 1:
+            raise APIError(400, f"this server's model classifies into {mc.num_labels} labels; a score needs an "
+                                "embedding model or a cross-encoder of one label: use /classify")
+        return mc.classifier is not None
+
+    async def scores(raw: Request, pairs: list[tuple[str, str]], truncate: int | None) -> tuple[list[float], int]:
+        """Each pair's score and the prompt tokens read."""
+        if cross_encoder(state.ready_engine()):
+            if truncate is not None:
+                raise APIError(400, "truncate_prompt_tokens does not apply to a cross-encoder's pair prompts: "
+                                    "shorten the texts", param="truncate_prompt_tokens")
+            outs = await pooled(raw, pairs, lambda engine, pair: engine.inputs.pair_prompt(*pair))
+            return [label_probs(o.embedding)[0] for o in outs], usage(outs)
+        outs = await vectors(raw, [t for pair in pairs for t in pair], truncate)
+        return [cosine(outs[2 * i].embedding, outs[2 * i + 1].embedding) for i in range(len(pairs))], usage(outs)
+
+    def usage(outs: list[RequestOutput]) -> int:
+        return sum(len(o.prompt_token_ids) for o in {id(o): o for o in outs}.values())
 
     async def score(body: ScoreRequest, raw: Request) -> Response:
         model = state.check_model(body.model)
         pairs = checked(body.pairs)
-        outs = await vectors(raw, [t for pair in pairs for t in pair], body.truncate_prompt_tokens)
-        data = [{"index": i, "object": "score", "score": cosine(outs[2 * i].embedding, outs[2 * i + 1].embedding)}
-                for i in range(len(pairs))]
+        values, tokens = await scores(raw, pairs, body.truncate_prompt_tokens)
+        data = [{"index": i, "object": "score", "score": v} for i, v in enumerate(values)]
         return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "model": model, "data": data,
-                             "usage": usage(outs)})
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     for path in ("/score", "/v1/score"):
         app.post(path, responses=ERRORS)(score)
@@ -135,13 +152,12 @@ def add_retrieval_routes(app: FastAPI, state: ServerState, limits: RequestLimits
         async def route(body: RerankRequest, raw: Request) -> Response:
             model = state.check_model(body.model)
             docs = checked(body.texts)
-            outs = await vectors(raw, [body.query, *docs], body.truncate_prompt_tokens)
-            scores = [cosine(outs[0].embedding, out.embedding) for out in outs[1:]]
-            order = sorted(range(len(docs)), key=lambda i: -scores[i])[:body.top_n or None]
-            results = [{"index": i, "relevance_score": scores[i]} | (
+            values, tokens = await scores(raw, [(body.query, d) for d in docs], body.truncate_prompt_tokens)
+            order = sorted(range(len(docs)), key=lambda i: -values[i])[:body.top_n or None]
+            results = [{"index": i, "relevance_score": values[i]} | (
                 {"document": {"text": docs[i]}} if body.return_documents or not v2 else {}) for i in order]
             answer: dict[str, Any] = {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
-                                      "usage": {"total_tokens": usage(outs)["total_tokens"]}}
+                                      "usage": {"total_tokens": tokens}}
             if v2:
                 answer["meta"] = {"billed_units": {"search_units": 1}}
             return JSONResponse(answer)
@@ -162,11 +178,29 @@ def add_retrieval_routes(app: FastAPI, state: ServerState, limits: RequestLimits
             raise APIError(400, "/pooling takes text inputs here; send token ids to /v1/embeddings", param="input")
         outs = await vectors(raw, texts, None)
         data = [{"index": i, "object": "pooling", "data": out.embedding} for i, out in enumerate(outs)]
+        tokens = usage(outs)
         return JSONResponse({"id": f"pool-{uuid.uuid4().hex}", "object": "list", "model": model, "data": data,
-                             "usage": usage(outs)})
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     @app.post("/classify", responses=ERRORS)
-    async def classify() -> Response:
-        raise APIError(400, "/classify needs a sequence-classification model (a classification head), which ember "
-                            "does not serve yet: this server pools an embedding model (/v1/embeddings, /score, "
-                            "/rerank, /pooling)")
+    async def classify(body: ClassifyRequest, raw: Request) -> Response:
+        model = state.check_model(body.model)
+        mc = state.ready_engine().config.model_config
+        if mc.classifier is None:
+            raise APIError(400, "/classify needs a sequence-classification model (a classification head); this "
+                                "server pools an embedding model (/v1/embeddings, /score, /rerank, /pooling)")
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts:
+            raise APIError(400, "input must be a string or a non-empty list of strings", param="input")
+        if len(texts) > limits.max_prompts:
+            raise APIError(400, f"at most {limits.max_prompts} inputs in one request; got {len(texts)}", param="input")
+        outs = await vectors(raw, texts, body.truncate_prompt_tokens)
+        data = []
+        for i, out in enumerate(outs):
+            probs = label_probs(out.embedding)
+            data.append({"index": i, "label": mc.label_names[max(range(len(probs)), key=probs.__getitem__)],
+                         "probs": probs, "num_classes": len(probs)})
+        tokens = usage(outs)
+        return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": model, "data": data,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

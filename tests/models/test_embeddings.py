@@ -117,8 +117,8 @@ def test_generate_and_embed_each_need_their_runner(tiny):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"runner": "embed"}, "runner must be one of generate, pooling; got 'embed'"),
-    ({"pooler_config": {"pooling_type": "MEAN"}}, "pooler_config applies to runner='pooling' only"),
+    ({"runner": "embed"}, "runner must be one of auto, generate, pooling; got 'embed'"),
+    ({"runner": "generate", "pooler_config": {"pooling_type": "MEAN"}}, "pooler_config applies to runner='pooling' only"),
     ({"runner": "pooling", "pooler_config": {"pooling_type": "ALL"}},
      "pooling_type must be one of LAST, MEAN, CLS; got 'ALL'"),
     ({"runner": "pooling", "pooler_config": '{"pooling": "MEAN"}'},

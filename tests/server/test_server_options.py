@@ -131,7 +131,8 @@ def test_enable_log_requests_logs_id_prompt_length_and_params(configured):
 
 
 def test_runner_task_and_pooler_config_flags_reach_the_engine_args(tmp_path):
-    assert engine_args(parse_args(["serve"]))["runner"] == "generate"
+    assert engine_args(parse_args(["serve"]))["runner"] == "auto"  # generate, or pooling for an encoder
+    assert engine_args(parse_args(["serve", "--task", "score"]))["runner"] == "pooling"
     assert engine_args(parse_args(["serve", "--runner", "pooling"]))["runner"] == "pooling"
     assert engine_args(parse_args(["serve", "--task", "embed"]))["runner"] == "pooling"  # vLLM's older name
     args = engine_args(parse_args(["serve", "--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}']))
