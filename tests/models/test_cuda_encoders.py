@@ -26,7 +26,7 @@ def test_classifiers_on_cuda_equal_transformers(save, tmp_path):
     for dtype, atol in (("float32", 1e-4), ("bfloat16", 3e-2)):
         llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=64)
         assert llm.engine.runner.kv_cache.numel() == 0 and llm.engine.runner.graphs is None
-        got = torch.tensor([o.outputs.probs for o in llm.classify(TEXTS)])
+        got = torch.tensor([o.outputs.probs for o in llm.classify(TEXTS)], dtype=torch.float64)
         assert torch.allclose(got, want.double(), atol=atol, rtol=0), (dtype, (got - want).abs().max())
         llm.check_idle()
         del llm
