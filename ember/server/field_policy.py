@@ -25,6 +25,9 @@ NO_EFFECT: dict[str, str] = {
     "prompt_cache_retention": "ember's prefix cache keeps blocks until their space is needed",
     "prediction": "a predicted output only speeds up OpenAI's decoding; ember decodes as usual",
     "include_obfuscation": "ember's stream chunks carry no obfuscation padding",
+    # vLLM's
+    "spaces_between_special_tokens": "ember decodes with the model's fast tokenizer, which puts no space between "
+                                     "special tokens either way (as vLLM's fast detokenizer)",
     # Anthropic's (the Messages API)
     "cache_control": "ember's prefix cache is automatic: every prompt's blocks are cached",
     "speed": "ember serves every request at one speed",
@@ -61,9 +64,6 @@ REFUSED: dict[str, Refusal] = {
     "vllm_xargs": Refusal(_off, "ember runs no custom logits processors to take them"),
     "mm_processor_kwargs": Refusal(_off, "ember serves text models only"),
     "kv_transfer_params": Refusal(_off, "ember does no disaggregated prefill"),
-    "spaces_between_special_tokens": Refusal(lambda v: v in (None, True), "ember's detokenizer writes special "
-                                                                          "tokens as their text, with no spaces "
-                                                                          "added between them"),
     "thinking_token_budget": Refusal(lambda v: v is None, "it applies to chat completions, where the reasoning "
                                                           "parser knows where the reasoning ends"),
     # SGLang's

@@ -233,7 +233,7 @@ class _SamplingRequest(_Strict):
     vllm_xargs: Any = None
     mm_processor_kwargs: Any = None
     kv_transfer_params: Any = None
-    spaces_between_special_tokens: Any = None
+    spaces_between_special_tokens: bool | None = None
     thinking_token_budget: Any = None
     lora_path: Any = None
     custom_logit_processor: Any = None

@@ -343,7 +343,7 @@ SHARED_FIELDS = {
     "vllm_xargs": [{"a": 1}],
     "mm_processor_kwargs": [{"a": 1}],
     "kv_transfer_params": [{"a": 1}],
-    "spaces_between_special_tokens": [False],
+    "spaces_between_special_tokens": ["yes", 2],
     "thinking_token_budget": [10],
     "allowed_token_ids": ["1", [True], [-1], [1.5], [10**7], []],
     "bad_words": ["Paris", [1], [""], ["  "], [f"w{i}" for i in range(33)]],

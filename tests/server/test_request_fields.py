@@ -67,12 +67,13 @@ def test_openais_fields_without_effect_change_nothing_and_are_logged_once(server
             "vllm_xargs": {}}
     for _ in range(2):
         assert chat(server, **noop)["choices"][0]["message"]["content"] == want
+    assert chat(server, spaces_between_special_tokens=False)["choices"][0]["message"]["content"] == want
     streamed = events(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 8, "stream_options":
                                                        {"include_usage": True, "include_obfuscation": True}})
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed if e["choices"]) == want
     log = server.log.read_text()
     for name in ("metadata", "store", "service_tier", "user", "prompt_cache_key", "prediction",
-                 "include_obfuscation"):
+                 "include_obfuscation", "spaces_between_special_tokens"):
         assert log.count(f"request field {name}: accepted, no effect") == (0 if name == "store" else 1), name
 
 
