@@ -253,6 +253,39 @@ class Router:
             return Response(r.content, status_code=r.status_code, headers=_forwarded(r.headers))
         return _no_worker(self.policy)
 
+    async def broadcast(self, request: Request, path: str) -> Response:
+        """An operations route on every healthy worker at once (each server acts on its own
+        engine): 200 with the first worker's answer when all say 2xx, else the first failing
+        worker's status, its message prefixed with the worker; /is_sleeping: true only when
+        every worker sleeps."""
+        workers = [w for w in self.policy.workers if w.healthy]
+        if not workers:
+            return _no_worker(self.policy)
+        content = await request.body()
+        headers = _forwarded(request.headers) | {"accept-encoding": "identity"}
+
+        async def one(worker: WorkerState) -> tuple[int, bytes]:
+            try:
+                r = await self.client.request(request.method, f"{worker.url}{path}", params=request.query_params,
+                                              content=content, headers=headers)
+            except httpx.HTTPError as e:
+                self.take_out(worker, _describe(e))
+                return 502, json.dumps(error_body(f"the worker {worker.url} did not answer ({_describe(e)})")).encode()
+            return r.status_code, r.content
+
+        answers = await asyncio.gather(*(one(w) for w in workers))
+        for worker, (status, content) in zip(workers, answers):
+            if status >= 300:
+                try:
+                    message = json.loads(content)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = content.decode(errors="replace")[:500]
+                return JSONResponse(error_body(f"{worker.url}: {message}", code=status), status_code=status)
+        if path == "/is_sleeping":
+            return JSONResponse({"is_sleeping": all(json.loads(c)["is_sleeping"] for _, c in answers)})
+        return Response(answers[0][1], status_code=answers[0][0],
+                        media_type="application/json" if answers[0][1] else None)
+
     def stats(self) -> dict[str, Any]:
         return {"workers": [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
                              "cache_routed": w.cache_routed, "tree_chars": w.tree.size}
@@ -328,11 +361,13 @@ def _no_worker(policy: CacheAwarePolicy) -> JSONResponse:
                                "retry when one is back")
 
 
-# the workers' POST routes that take one request and answer it (each goes to one worker); the
-# operations routes (/sleep, /reset_prefix_cache, ...) act on one server and are not forwarded
+# the workers' POST routes that take one request and answer it (each goes to one worker)
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
              "/v1/embeddings", "/tokenize", "/detokenize", "/score", "/v1/score", "/rerank", "/v1/rerank",
-             "/v2/rerank", "/pooling")
+             "/v2/rerank", "/pooling", "/classify")
+# the operations routes, which act on a server's own engine: sent to every worker (Router.broadcast)
+BROADCAST = {"/reset_prefix_cache": "POST", "/start_profile": "POST", "/stop_profile": "POST", "/sleep": "POST",
+             "/wake_up": "POST", "/is_sleeping": "GET"}
 
 
 def build_router_app(config: RouterConfig) -> FastAPI:
@@ -357,6 +392,19 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     for path in FORWARDED:
         app.post(path)(forwarding(path))
+
+    def broadcasting(path: str):
+        async def broadcast(request: Request) -> Response:
+            return await router.broadcast(request, path)
+
+        return broadcast
+
+    for path, method in BROADCAST.items():
+        app.api_route(path, methods=[method])(broadcasting(path))
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

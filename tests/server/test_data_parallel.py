@@ -96,6 +96,25 @@ def test_two_replicas_answer_as_one_engine_and_stop_cleanly(gguf_path, tmp_path,
         assert message.content[0].text == want[0]
         assert client.responses.create(model=MODEL, input=questions[1], max_output_tokens=12,
                                        temperature=0).output_text == want[1]
+        # the operations routes reach every replica: both sleep, both wake, both answer again
+        auth = {"Authorization": f"Bearer {KEY}"}
+
+        def op(method: str, path: str, **kw) -> httpx.Response:
+            return httpx.request(method, f"{s.url}{path}", headers=auth, timeout=60, **kw)
+
+        assert op("POST", "/reset_prefix_cache").status_code == 200
+        assert op("GET", "/ping").status_code == 200
+        assert op("POST", "/sleep", params={"level": "1"}).status_code == 200
+        assert op("GET", "/is_sleeping").json() == {"is_sleeping": True}
+        for w in stats:
+            assert httpx.get(f"{w['url']}/is_sleeping", headers=auth, timeout=10).json() == {"is_sleeping": True}
+        refused = op("POST", "/sleep", params={"level": "3"})
+        assert refused.status_code == 400 and refused.json()["error"]["message"].startswith(stats[0]["url"] + ": ")
+        assert op("POST", "/wake_up").status_code == 200
+        assert op("GET", "/is_sleeping").json() == {"is_sleeping": False}
+        assert [_chat(client, q) for q in questions[:2]] == want[:2]
+        profile = op("POST", "/start_profile")
+        assert profile.status_code == 400 and "--profiler-dir" in profile.json()["error"]["message"]
     finally:
         code = s.stop()
     assert code == 0, s.log_tail()
