@@ -16,6 +16,7 @@ from __future__ import annotations
 from ember.parsers import (  # noqa: F401 (they register themselves)
     deepseek_v31,
     glm45,
+    granite,
     harmony,
     hermes,
     kimi_k2,
@@ -45,6 +46,7 @@ TEMPLATE_MARKERS = (
     ("<function=", "qwen3_coder"),  # Qwen3-Coder's XML (its template writes <tool_call> too)
     ("<arg_key>", "glm45"),  # GLM-4.5 / 4.6 (likewise)
     ("[TOOL_CALLS]", "mistral"),  # Mistral's control token
+    ("<|tool_call|>", "granite"),  # Granite 3.x
     ("[func_name1(", "pythonic"),  # Llama 3.2's and 4's pythonic instructions
     ("<|python_tag|>", "llama3_json"),  # Llama 3.1 / 3.2
     ("<tool_call>", "hermes"),  # Qwen2.5, Qwen3, Hermes, SmolLM3

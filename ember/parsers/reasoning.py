@@ -10,7 +10,8 @@ for streams. `--reasoning-parser NAME` on the server; offline:
   `chat_template_kwargs: {"enable_thinking": false}`) the whole text is the answer.
 - deepseek_r1: the template opens <think> in the prompt, so the output may begin inside
   it: everything up to </think> is reasoning; without </think> the whole text is.
-- deepseek_v3 (DeepSeek-V3.1) reads as deepseek_r1, glm45 (GLM-4.5 / 4.6) as qwen3.
+- deepseek_v3 (DeepSeek-V3.1) reads as deepseek_r1, glm45 (GLM-4.5 / 4.6) as qwen3, granite
+  (Granite 3.3) as qwen3 with the answer's <response> tags taken off.
 - gpt_oss: gpt-oss's harmony channels (analysis is the reasoning; parsers/harmony.py).
 
 A structured-output or tool-call constraint starts after the reasoning
@@ -91,6 +92,31 @@ class GLM45ReasoningParser(Qwen3ReasoningParser):
     name = "glm45"
 
 
+RESPONSE, RESPONSE_END = "<response>", "</response>"
+
+
+class GraniteReasoningParser(Qwen3ReasoningParser):
+    """Granite 3.3: its template, with `thinking` on, asks for the thoughts between <think>
+    and </think> and the answer between <response> and </response>; the answer is given
+    without those tags. (Granite 3.2's "Here is my thought process:" phrases are not read.)"""
+
+    name = "granite"
+
+    def scan(self, text: str, final: bool) -> Split:
+        split = super().scan(text, final)
+        content = split.content
+        if content.startswith(RESPONSE):
+            content = content[len(RESPONSE):]
+        elif not final and RESPONSE.startswith(content):  # the tag may be being written
+            return Split(split.reasoning, "")
+        end = content.find(RESPONSE_END)
+        if end >= 0:
+            content = content[:end] + content[end + len(RESPONSE_END):]
+        elif not final:
+            content = content[:len(content) - held_back(content, RESPONSE_END)]
+        return Split(split.reasoning, content.lstrip() if end < 0 else content.strip())
+
+
 class GptOssReasoningParser(ReasoningParser):
     """gpt-oss (harmony, parsers/harmony.py): the analysis messages before the first other
     message are the reasoning; the rest, from that message on, is left as written for the
@@ -118,7 +144,7 @@ class GptOssReasoningParser(ReasoningParser):
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     cls.name: cls for cls in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser,
-                              GLM45ReasoningParser, GptOssReasoningParser)}
+                              GLM45ReasoningParser, GraniteReasoningParser, GptOssReasoningParser)}
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

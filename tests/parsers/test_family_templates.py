@@ -157,3 +157,44 @@ def test_with_gpt_oss_the_answer_is_read_as_harmony_and_a_constraint_is_refused(
                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     with pytest.raises(InvalidRequest, match="cannot tell apart from the reasoning"):
         plan_tools(named, "openai", "gpt_oss")
+
+
+# -- Granite 3.3: its template tells the model the formats (it renders no assistant calls) ----
+
+GRANITE = "ibm-granite-granite-3.3-2B-Instruct.jinja"
+
+
+def granite_prompt(**kwargs) -> str:
+    tok = Tokenizer.__new__(Tokenizer)
+    tok._chat_template, tok._bos_token_id, tok._eos_token_id, tok.backend = \
+        (TEMPLATES / GRANITE).read_text(), None, None, None
+    tok._token_text = lambda token_id: None
+    return tok.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], **kwargs)
+
+
+def test_granite_calls_in_the_format_its_template_asks_for():
+    prompt = granite_prompt(tools=WEATHER_TOOL)
+    assert "respond only with <|tool_call|> followed by a JSON list of tools used" in prompt
+    assert prompt.endswith("<|start_of_role|>assistant<|end_of_role|>")
+    assert infer_tool_parser((TEMPLATES / GRANITE).read_text()) == "granite"
+    turn = "<|tool_call|>" + json.dumps([{"name": n, "arguments": a} for n, a in CALLS])
+    parser = get_tool_parser("granite")()
+    assert parser.extract(turn) == ExtractedToolCalls(None, WANT.calls)
+    for step in (1, 3, 7):
+        assert streamed(parser, turn, step).calls == WANT.calls, step
+
+
+def test_granite_thinks_and_responds_in_the_tags_its_template_asks_for():
+    assert "Write your thoughts between <think></think> and write your response between <response></response>" \
+        in granite_prompt(thinking=True)
+    turn = "<think>The user wants the weather.</think><response>It is sunny in Paris.</response>"
+    parser = get_reasoning_parser("granite")()
+    assert parser.split(turn) == ("The user wants the weather.", "It is sunny in Paris.")
+    assert parser.split("It is sunny.") == (None, "It is sunny.")  # thinking off: no tags
+    for step in (1, 2, 5):
+        reasoning = content = ""
+        for end in range(step, len(turn) + step, step):
+            part = parser.scan(turn[:end], final=end >= len(turn))
+            assert part.reasoning.startswith(reasoning) and part.content.startswith(content), (step, end)
+            reasoning, content = part.reasoning, part.content
+        assert (reasoning, content) == ("The user wants the weather.", "It is sunny in Paris."), step

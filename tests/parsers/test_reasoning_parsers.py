@@ -111,5 +111,5 @@ def test_a_named_call_streams_after_its_reasoning(step):
 
 
 def test_an_unknown_reasoning_parser_is_refused():
-    with pytest.raises(ValueError, match="unknown reasoning parser .r2.: choose one of deepseek_r1, deepseek_v3, glm45, gpt_oss, qwen3"):
+    with pytest.raises(ValueError, match="unknown reasoning parser .r2.: choose one of deepseek_r1, deepseek_v3, glm45, gpt_oss, granite, qwen3"):
         get_reasoning_parser("r2")

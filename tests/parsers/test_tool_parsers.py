@@ -49,6 +49,14 @@ CASES = {
         ("I cannot help with [that].", ExtractedToolCalls("I cannot help with [that].")),
         ("[TOOL_CALLS] not json", ExtractedToolCalls("[TOOL_CALLS] not json")),
     ],
+    "granite": [
+        ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+         '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+         ExtractedToolCalls(None, (FunctionCall("get_weather", WEATHER), FunctionCall("get_time", '{"zone": "CET"}')))),
+        ('<tool_call>[{"name": "noop", "arguments": {}}]', ExtractedToolCalls(None, (FunctionCall("noop", "{}"),))),
+        ("Paris is the capital of France.", ExtractedToolCalls("Paris is the capital of France.")),
+        ("<|tool_call|> not json", ExtractedToolCalls("<|tool_call|> not json")),
+    ],
     "pythonic": [
         ("[get_weather(city='San Francisco', unit=\"celsius\"), get_time(zone='Europe/Paris (CET)', hours=[1, 2], "
          "dst=True, note=None)]",
@@ -123,9 +131,9 @@ def test_without_parallel_calls_only_the_first_call_counts():
 
 
 def test_the_registry_names_each_parser_and_refuses_an_unknown_one():
-    assert sorted(TOOL_PARSERS) == ["deepseek_v31", "glm45", "hermes", "kimi_k2", "llama3_json", "mistral", "openai",
-                                    "pythonic", "qwen3_coder"]
-    with pytest.raises(ValueError, match="unknown tool call parser 'qwen': choose one of deepseek_v31, glm45, hermes"):
+    assert sorted(TOOL_PARSERS) == ["deepseek_v31", "glm45", "granite", "hermes", "kimi_k2", "llama3_json", "mistral",
+                                    "openai", "pythonic", "qwen3_coder"]
+    with pytest.raises(ValueError, match="unknown tool call parser 'qwen': choose one of deepseek_v31, glm45, granite, hermes"):
         get_tool_parser("qwen")
 
 
