@@ -19,6 +19,7 @@ from ember.parsers import (  # noqa: F401 (they register themselves)
     granite,
     harmony,
     hermes,
+    internlm,
     kimi_k2,
     llama3_json,
     mistral,

@@ -57,6 +57,16 @@ CASES = {
         ("Paris is the capital of France.", ExtractedToolCalls("Paris is the capital of France.")),
         ("<|tool_call|> not json", ExtractedToolCalls("<|tool_call|> not json")),
     ],
+    "internlm": [
+        ('Let me check.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris", '
+         '"unit": "celsius"}}<|action_end|>\n',
+         ExtractedToolCalls("Let me check.", (FunctionCall("get_weather", WEATHER),))),
+        ('<|action_start|><|plugin|>{"name": "get_time", "arguments": {"zone": "CET"}}<|action_end|>',
+         ExtractedToolCalls(None, (FunctionCall("get_time", '{"zone": "CET"}'),))),
+        ("Paris is the capital of France.", ExtractedToolCalls("Paris is the capital of France.")),
+        ("<|action_start|><|plugin|>not json<|action_end|>",
+         ExtractedToolCalls("<|action_start|><|plugin|>not json<|action_end|>")),
+    ],
     "pythonic": [
         ("[get_weather(city='San Francisco', unit=\"celsius\"), get_time(zone='Europe/Paris (CET)', hours=[1, 2], "
          "dst=True, note=None)]",
@@ -131,8 +141,8 @@ def test_without_parallel_calls_only_the_first_call_counts():
 
 
 def test_the_registry_names_each_parser_and_refuses_an_unknown_one():
-    assert sorted(TOOL_PARSERS) == ["deepseek_v31", "glm45", "granite", "hermes", "kimi_k2", "llama3_json", "mistral",
-                                    "openai", "pythonic", "qwen3_coder"]
+    assert sorted(TOOL_PARSERS) == ["deepseek_v31", "glm45", "granite", "hermes", "internlm", "kimi_k2", "llama3_json",
+                                    "mistral", "openai", "pythonic", "qwen3_coder"]
     with pytest.raises(ValueError, match="unknown tool call parser 'qwen': choose one of deepseek_v31, glm45, granite, hermes"):
         get_tool_parser("qwen")
 
