@@ -356,7 +356,12 @@ def _auto_dtype(device: str, quantization: str) -> str:
 
 
 def _runner(asked: str, model_config: ModelConfig, tensor_parallel_size: int, quantization: str) -> str:
-    """The runner: `auto` is pooling for an encoder, else generate; an encoder cannot generate."""
+    """The runner: `auto` is pooling for an encoder or a classifier, else generate; neither can generate."""
+    if model_config.classifier == "score":  # a decoder with a classification head
+        if asked == "generate":
+            raise ValueError(f"{model_config.architecture}: this checkpoint is a sequence classifier (a score head, "
+                             "no LM head): it classifies, it does not generate text: use runner='pooling' (or auto)")
+        return "pooling"
     if not model_config.bidirectional:
         return "generate" if asked == "auto" else asked
     what = f"{model_config.architecture} is an encoder"
@@ -374,7 +379,8 @@ def _runner(asked: str, model_config: ModelConfig, tensor_parallel_size: int, qu
 def _pooler_config(asked: PoolerConfig | None, runner: str, model_config: ModelConfig, files) -> PoolerConfig | None:
     """How a pooling engine pools: as asked, else as the checkpoint's sentence-transformers
     files say, else the first token (an encoder) or the last (a decoder), L2-normalized. A
-    classification model pools its first token through its head, unnormalized."""
+    classification model pools its first token (an encoder's) or its last (a decoder's)
+    through its head, unnormalized."""
     if runner != "pooling":
         if asked is not None:
             raise ValueError(f"pooler_config applies to runner='pooling' only, and {model_config.architecture} "
@@ -382,9 +388,9 @@ def _pooler_config(asked: PoolerConfig | None, runner: str, model_config: ModelC
         return None
     if model_config.classifier is not None:
         if asked is not None:
-            raise ValueError(f"{model_config.architecture}: a sequence-classification model pools its first token "
-                             "through its classification head; pooler_config does not apply to it: leave it out")
-        return PoolerConfig("CLS", normalize=False)
+            raise ValueError(f"{model_config.architecture}: a sequence-classification model pools one token through "
+                             "its classification head; pooler_config does not apply to it: leave it out")
+        return PoolerConfig("CLS" if model_config.bidirectional else "LAST", normalize=False)
     if asked is not None:
         return asked
     return files.pooler_defaults() or PoolerConfig("CLS" if model_config.bidirectional else "LAST")

@@ -46,7 +46,9 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         return encoder_weight_shapes(cfg)
     h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
+    if cfg.classifier == "score":  # a sequence classifier's head, in place of the LM head
+        shapes["score.weight"] = (cfg.num_labels, h)
+    elif not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     fused = FAMILIES[cfg.architecture].fused_projections  # q|k|v and gate|up stored merged
     for i in range(cfg.num_layers):

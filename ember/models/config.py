@@ -203,6 +203,7 @@ class ModelConfig:
             rotary_dim=int(head_dim * rotary_factor),
             multimodal=multimodal,
             **_moe_options(config, fam, num_layers),
+            **_score_head(config),
         )
 
     @staticmethod
@@ -345,9 +346,7 @@ def _encoder_config(config: dict[str, Any], fam: Family) -> ModelConfig:
     classifier, labels = None, ()
     if arch.endswith("ForSequenceClassification"):
         classifier = "roberta" if fam.position_offset_from_pad else "bert"
-        id2label = config.get("id2label") or {}
-        count = len(id2label) or int(config.get("num_labels", 2))
-        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
+        labels = _label_names(config)
     pad = config.get("pad_token_id")
     offset = (pad if pad is not None else 1) + 1 if fam.position_offset_from_pad else 0
     positions = config.get("max_position_embeddings", 512)
@@ -374,6 +373,23 @@ def _encoder_config(config: dict[str, Any], fam: Family) -> ModelConfig:
         classifier=classifier,
         label_names=labels,
     )
+
+
+def _score_head(config: dict[str, Any]) -> dict[str, Any]:
+    """A decoder *ForSequenceClassification checkpoint's head: transformers' `score` over the
+    last token, in place of the LM head."""
+    arch = (config.get("architectures") or [""])[0]
+    if not arch.endswith("ForSequenceClassification"):
+        return {}
+    return {"classifier": "score", "label_names": _label_names(config)}
+
+
+def _label_names(config: dict[str, Any]) -> tuple[str, ...]:
+    """A classification checkpoint's label names: id2label, else num_labels of LABEL_i, else
+    transformers' default of two."""
+    id2label = config.get("id2label") or {}
+    count = len(id2label) or int(config.get("num_labels", 2))
+    return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
 
 
 def _qkv_bias(config: dict[str, Any], fam: Family) -> bool:

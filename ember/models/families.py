@@ -71,11 +71,13 @@ _GEMMA3_TEXT_DEFAULTS = {
 }
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", ("LlamaForCausalLM",), ("llama",), "llama", gguf_rope_permuted=True),
-    Family("mistral", ("MistralForCausalLM",), ("mistral",), "mistral"),
-    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "qwen2", qkv_bias_key=None, qkv_bias_default=True,
+    Family("llama", ("LlamaForCausalLM", "LlamaForSequenceClassification"), ("llama",), "llama",
+           gguf_rope_permuted=True),
+    Family("mistral", ("MistralForCausalLM", "MistralForSequenceClassification"), ("mistral",), "mistral"),
+    Family("qwen2", ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"), ("qwen2",), "qwen2", qkv_bias_key=None,
+           qkv_bias_default=True, qwen_windows=True),
+    Family("qwen3", ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"), ("qwen3",), "qwen3", qk_norm=True,
            qwen_windows=True),
-    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", qk_norm=True, qwen_windows=True),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "gemma2", gemma=True, sliding_pattern=2,
            gguf_default_window=4096, gguf_softcaps=(50.0, 30.0), gguf_hidden_query_scale_layers=46),
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"), "gemma3",

@@ -173,12 +173,19 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The LM; or, for a *ForSequenceClassification checkpoint (ModelConfig.classifier
+    "score"), the same decoder with transformers' `score` head over the last token's state in
+    place of the LM head (`classify`)."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions, backend)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
-                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
+        if cfg.classifier == "score":
+            self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
+        else:
+            self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                                  tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
         self.final_logit_softcap = cfg.final_logit_softcap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -191,6 +198,10 @@ class LlamaForCausalLM(nn.Module):
         if self.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits
+
+    def classify(self, last: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] last-token states (after the final norm) -> [N, num_labels] logits."""
+        return self.score(last)
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]

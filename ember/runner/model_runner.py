@@ -316,7 +316,7 @@ class ModelRunner:
             query_lens_cpu=lens, seq_lens_cpu=lens)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=dev), positions, meta)
         logits = hidden
-        if not mc.bidirectional:
+        if c.runner == "generate":
             logits = self.model.compute_logits(hidden[: min(tokens, c.max_num_seqs)]).float()
             logits.softmax(-1).cumsum(-1)
         torch.cuda.synchronize(self.device)

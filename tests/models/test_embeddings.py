@@ -130,3 +130,29 @@ def test_bad_pooling_options_are_refused(kwargs, message):
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("base", ["llama", "qwen2_window"])
+def test_a_decoder_sequence_classifier_gives_transformers_probabilities(base, tmp_path):
+    """A *ForSequenceClassification decoder (its `score` head over the last token, no LM head)
+    runs as a pooling model by default: LLM.classify equals transformers' softmax over its
+    logits, for prompts within one step and across chunks; it cannot generate."""
+    from test_families import FAMILIES
+
+    lm = LLAMA if base == "llama" else FAMILIES[base]
+    config = lm | {"architectures": [lm["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")],
+                               "id2label": {"0": "bad", "1": "ok", "2": "good"}, "pad_token_id": 0}
+    save_tiny_model(config, tmp_path)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    llm = LLM(str(tmp_path), dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=BUDGET,
+              max_model_len=128)
+    assert llm.config.runner == "pooling" and llm.config.pooler_config == PoolerConfig("LAST", normalize=False)
+    assert llm.config.model_config.label_names == ("bad", "ok", "good")
+    outs = llm.classify([{"prompt_token_ids": ids} for ids in PROMPTS])
+    for ids, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0].softmax(-1)
+        assert torch.allclose(torch.tensor(out.outputs.probs, dtype=torch.float64), want.double(), atol=1e-5), ids
+    llm.check_idle()
+    with pytest.raises(ValueError, match="this checkpoint is a sequence classifier"):
+        LLM(str(tmp_path), runner="generate")

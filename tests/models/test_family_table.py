@@ -15,5 +15,5 @@ def test_the_lookups_name_each_family_once():
                                                                "qwen2moe": "qwen2_moe"}
     assert BY_HF_ARCHITECTURE["Gemma3ForConditionalGeneration"].name == "gemma3"
     assert BY_HF_MODEL_TYPE["gemma3_text"] is BY_HF_MODEL_TYPE["gemma3"] is BY_GGUF_ARCHITECTURE["gemma3"]
-    assert len(BY_HF_ARCHITECTURE) == 17 and len(BY_HF_MODEL_TYPE) == 14
+    assert len(BY_HF_ARCHITECTURE) == 21 and len(BY_HF_MODEL_TYPE) == 14
     assert BY_HF_ARCHITECTURE["XLMRobertaForSequenceClassification"] is BY_HF_MODEL_TYPE["xlm-roberta"]
