@@ -357,7 +357,7 @@ class ModelRunner:
             pooled = self.pooler.pool(hidden, plan)
             if pooled:
                 vectors = torch.stack(list(pooled.values()))
-                if self.config.model_config.classifier is not None:  # the first token's state -> label logits
+                if self.config.model_config.classifier is not None:  # the pooled token's state -> label logits
                     vectors = self.model.classify(vectors.to(hidden.dtype)).float()
                 step.pooled = list(pooled), to_host(vectors, self.pin)
             sampled_chunks = []
