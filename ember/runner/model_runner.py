@@ -98,6 +98,11 @@ def rank_kv_heads(mc: ModelConfig) -> int:
     return shard_heads(mc.num_heads, mc.num_kv_heads, tp_rank(), tp_size()).num_kv_heads
 
 
+def _num_kv_layers(mc: ModelConfig) -> int:
+    """Layers whose K/V the pool holds: none for an encoder (nothing outlives its step)."""
+    return 0 if mc.bidirectional else mc.num_layers
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -235,15 +240,13 @@ class ModelRunner:
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers whose K/V the pool holds: none for an encoder (nothing outlives its step)."""
-        mc = self.config.model_config
-        return 0 if mc.bidirectional else mc.num_layers
+        return _num_kv_layers(self.config.model_config)
 
     def kv_bytes_per_block(self) -> int:
         """K and V of one block in every layer, in the cache dtype (fp8: half of bfloat16's);
         0 for an encoder, whose blocks are bookkeeping only."""
         mc, c = self.config.model_config, self.config
-        return 2 * self.num_kv_layers * c.block_size * rank_kv_heads(mc) * mc.head_dim * c.kv_cache_torch_dtype.itemsize
+        return 2 * _num_kv_layers(mc) * c.block_size * rank_kv_heads(mc) * mc.head_dim * c.kv_cache_torch_dtype.itemsize
 
     @property
     def max_num_seqs(self) -> int:

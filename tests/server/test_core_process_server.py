@@ -107,6 +107,37 @@ def _comparable(body):
     return body
 
 
+def _merge(into: dict, piece: dict) -> None:
+    """Fold one streamed piece into what came before: text joins, lists extend, tool calls by index."""
+    for k, v in piece.items():
+        if k == "tool_calls":
+            calls = into.setdefault(k, {})
+            for call in v or []:
+                _merge(calls.setdefault(call["index"], {}), call)
+        elif isinstance(v, str) and isinstance(into.get(k), str) and k not in ("index", "type", "object", "model"):
+            into[k] += v
+        elif isinstance(v, list) and isinstance(into.get(k), list):
+            into[k] = into[k] + v
+        elif isinstance(v, dict):
+            if not isinstance(into.get(k), dict):
+                into[k] = {}
+            _merge(into[k], v)
+        elif v is not None or k not in into:
+            into[k] = v
+
+
+def _folded(events: list[dict]) -> dict:
+    """A stream as the sum of its chunks: the API process collapses the deltas it has not sent
+    yet into one chunk (async_engine.py), so where a stream's chunks break depends on timing,
+    never what they add up to."""
+    out: dict = {"choices": {}}
+    for event in events:
+        _merge(out, {k: v for k, v in event.items() if k != "choices"})
+        for c in event.get("choices", []):
+            _merge(out["choices"].setdefault(c["index"], {}), c)
+    return out
+
+
 async def _answer(client: httpx.AsyncClient, url: str, path: str, body: dict):
     if not body["stream"]:
         r = await client.post(f"{url}/v1/{path}", json=body)
@@ -127,7 +158,8 @@ async def _answer(client: httpx.AsyncClient, url: str, path: str, body: dict):
                     for call in (c.get("delta") or {}).get("tool_calls") or []:
                         call.pop("id", None)
                 events.append(_comparable(chunk))
-    return events
+    assert events
+    return _folded(events)
 
 
 async def _all(url: str, reqs: list[tuple[str, dict]]):
