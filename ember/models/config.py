@@ -165,6 +165,8 @@ class ModelConfig:
         # transformers 5 keeps the factor among the RoPE parameters, earlier ones beside them
         rotary_factor = float(config.get("partial_rotary_factor") or global_rope.get("partial_rotary_factor") or 1.0)
         act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+        if gemma and act == "gelu":  # Gemma 1's config.json: meant as the tanh GELU (transformers, vLLM)
+            act = "gelu_tanh"
         if gemma and config.get("use_bidirectional_attention"):
             raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not a causal LM")
         num_layers = config["num_hidden_layers"]
@@ -192,7 +194,7 @@ class ModelConfig:
             eos_token_id=_first(config.get("eos_token_id")),
             hidden_act=_ACTIVATIONS.get(act, act),
             norm_unit_offset=gemma,
-            sandwich_norms=gemma,
+            sandwich_norms=fam.sandwich_norms,
             embed_scale=config["hidden_size"] ** 0.5 if gemma else None,
             query_pre_attn_scalar=config.get("query_pre_attn_scalar") if gemma else None,
             attn_logit_softcap=config.get("attn_logit_softcapping") if gemma else None,
@@ -256,7 +258,8 @@ class ModelConfig:
         ff = get("feed_forward_length")
         moe = _gguf_moe_options(md, arch, layers, ff)
         query_scalar = None
-        if gemma:  # llama.cpp's rule: the 27B models (by layer count) scale by hidden / heads, others by head_dim
+        if fam.gguf_hidden_query_scale_layers:  # llama.cpp's Gemma 2/3 rule: the 27B models (by layer count)
+            # scale by hidden / heads, others by head_dim; Gemma 1 by head_dim as any model
             query_scalar = hidden // heads if layers == fam.gguf_hidden_query_scale_layers else head_dim
         rope_scaling = _gguf_rope_scaling(md, arch, tensor_names, vector)
         # the sliding layers' own RoPE base, as llama.cpp reads it: Gemma 3's defaults to 10000,
@@ -288,7 +291,7 @@ class ModelConfig:
             eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
             hidden_act="gelu_tanh" if gemma else "silu",
             norm_unit_offset=gemma,
-            sandwich_norms=gemma,
+            sandwich_norms=fam.sandwich_norms,
             embed_scale=hidden ** 0.5 if gemma else None,
             query_pre_attn_scalar=query_scalar,
             attn_logit_softcap=md.get(f"{arch}.attn_logit_softcapping", attn_cap) if attn_cap is not None else None,

@@ -18,9 +18,10 @@ class Family:
     # llama.cpp's general.architecture for it; None: its GGUFs say another's (a Mixtral GGUF
     # says "llama", with experts)
     gguf_architecture: str | None
-    # Gemma: norms apply (1 + w), a norm on each sublayer's output too, embeddings times
-    # sqrt(hidden), tied embeddings by default, GeGLU, the query scalar and soft caps read
+    # Gemma: norms apply (1 + w), embeddings times sqrt(hidden), tied embeddings by default,
+    # GeGLU (config.json's legacy "gelu" meaning the tanh one), the query scalar and soft caps read
     gemma: bool = False
+    sandwich_norms: bool = False  # Gemma 2/3: a norm on each sublayer's output too (Gemma 1: none)
     qk_norm: bool = False  # HF: per-head RMSNorm on q and k (GGUF: where the file has the tensors)
     # q/k/v biases: the config.json key that says so and its default (None: always, Qwen2)
     qkv_bias_key: str | None = "attention_bias"
@@ -78,10 +79,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            qkv_bias_default=True, qwen_windows=True),
     Family("qwen3", ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"), ("qwen3",), "qwen3", qk_norm=True,
            qwen_windows=True),
-    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "gemma2", gemma=True, sliding_pattern=2,
+    Family("gemma", ("GemmaForCausalLM",), ("gemma",), "gemma", gemma=True),
+    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "gemma2", gemma=True, sandwich_norms=True, sliding_pattern=2,
            gguf_default_window=4096, gguf_softcaps=(50.0, 30.0), gguf_hidden_query_scale_layers=46),
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"), "gemma3",
-           gemma=True, qk_norm=True, rope_theta=1_000_000.0, local_rope_theta=10000.0, sliding_pattern=6,
+           gemma=True, sandwich_norms=True, qk_norm=True, rope_theta=1_000_000.0, local_rope_theta=10000.0, sliding_pattern=6,
            sliding_pattern_key="sliding_window_pattern",
            gguf_hidden_query_scale_layers=62, hf_config_defaults=_GEMMA3_TEXT_DEFAULTS),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), "phi3", fused_projections=True),

@@ -4,9 +4,10 @@ same greedy tokens as ember from the HF directory, as transformers and as llama.
 (where its llama-server is built); one forward's logits as transformers'; and generation
 ends at each family's end-of-turn token.
 
-Five models, each with a SentencePiece tokenizer.model (trained in tests/conftest.py) and
+Six models, each with a SentencePiece tokenizer.model (trained in tests/conftest.py) and
 the added tokens its family's chat format uses:
 
+- Gemma 1: the plain one (pre-norms only, no window, no caps)
 - Gemma 2: soft-caps, a local layer then a global one (window 16, shorter than the prompts)
 - Gemma 3: 7 layers (every 6th global, so the 7th slides again), q/k norms, its sliding
   layers' own RoPE base (10000) and linear scaling on the global ones
@@ -68,9 +69,17 @@ class Variant:
     end_of_generation: frozenset[int]  # the ids llama.cpp stops at: EOS, the turn's end, </s>, ...
     eos: str = "</s>"  # tokenizer_config's eos_token
     chat_template: str | None = None
+    eot_id: int | None = None  # tokenizer.ggml.eot_token_id as the converter writes it
 
 
 VARIANTS = {
+    # Gemma 1: no window, soft caps or sandwich norms; config.json's legacy "gelu". The converter
+    # writes the real Gemma's <end_of_turn> (107) as the EOT id whatever the vocabulary: llama.cpp
+    # and ember stop there too
+    "gemma": Variant(BASE | {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab_size": 514,
+                             "hidden_act": "gelu", "rope_theta": 10000.0},
+                     "gemma", "GemmaTokenizer", GEMMA_TURNS, "<end_of_turn>", frozenset({2, 107, 513}),
+                     chat_template=GEMMA_TEMPLATE, eot_id=107),
     "gemma2": Variant(GEMMA | {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 514,
                                "rope_theta": 10000.0, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
                       "gemma2", "GemmaTokenizer", GEMMA_TURNS, "<end_of_turn>", frozenset({2, 513}),
@@ -163,7 +172,7 @@ def test_the_converter_wrote_what_we_test(converted: Converted) -> None:
     assert md["tokenizer.ggml.model"] == "llama"
     assert {f.tensor_info(n).qtype_name for n in f.tensor_names} == {"F32"}
     assert md["tokenizer.ggml.eos_token_id"] == converted.tokenizer.backend.token_to_id(v.eos)
-    assert "tokenizer.ggml.eot_token_id" not in md  # the end of a turn is known by its text alone
+    assert md.get("tokenizer.ggml.eot_token_id") == v.eot_id  # else the end of a turn is known by its text alone
     rope_tensors = {n for n in f.tensor_names if n.startswith("rope_")}
     if converted.name == "gemma3":
         assert (md["gemma3.rope.freq_base"], md["gemma3.rope.freq_base_swa"]) == (1e6, 10000.0)

@@ -34,6 +34,10 @@ WINDOW = 7  # shorter than most prompts below, and not a multiple of the block s
 PHI3 = BASE | {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "rope_theta": 10000.0,
                "max_position_embeddings": 1024, "original_max_position_embeddings": 256, "tie_word_embeddings": False}
 FAMILIES = {
+    # Gemma 1 as Google's config.json has it: the legacy "gelu" that means the tanh one, head_dim
+    # apart from hidden / heads, no sandwich norms, windows or soft caps
+    "gemma": BASE | {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "head_dim": 32,
+                     "hidden_act": "gelu", "rope_theta": 10000.0},
     "gemma2": BASE | {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 32,
                       "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
                       "sliding_window": WINDOW, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
