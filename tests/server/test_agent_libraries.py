@@ -4,7 +4,9 @@ flags): langchain-openai's `with_structured_output(method="function_calling")` a
 tool, tool_choice required), through both its chat and its Responses model, and openai-agents'
 structured output and a required function tool, through both of its models too. A named tool or
 `required` constrains decoding, so even the tiny model answers with valid calls. (instructor
-pins an older openai client: tests/server/test_tool_calls_server.py sends what it sends.)"""
+pins an older openai client: tests/server/test_tool_calls_server.py sends what it sends.
+LlamaIndex's OpenAI integration pins openai<3: test_llama_index.py runs it in a virtualenv of
+its own.)"""
 
 from __future__ import annotations
 
