@@ -1,6 +1,11 @@
 """N streaming /v1/completions at RATE/s over 4 shared ~460-word prefixes, 64 tokens out."""
-import asyncio, random, sys, time
+import asyncio
+import random
+import sys
+import time
+
 import httpx
+
 N, RATE, PORT = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 random.seed(0)
 words = "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly above".split()
