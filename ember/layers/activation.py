@@ -26,3 +26,11 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+_PLAIN = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """An MLP's activation on its own (GPT-2's and Phi-2's tanh GELU, OPT's ReLU): gelu_tanh, gelu or relu."""
+    return _PLAIN[name](x)

@@ -86,14 +86,27 @@ class VocabEmbedding(VocabRows):
 
 class LMHead(VocabRows):
     """hidden -> vocab logits; shares the embedding's weight when the model ties them. With
-    tensor parallelism every rank gets the logits of the whole vocabulary."""
+    tensor parallelism every rank gets the logits of the whole vocabulary. `bias`: Phi-2's
+    head adds one (this rank's rows of it)."""
 
     batch_invariant = False  # deterministic mode (layers/batch_invariant.py) sets it on the instance
 
-    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None,
+                 bias: bool = False) -> None:
         super().__init__(vocab_size, hidden_size, own_weight=tied_to is None)
         self.tied_to = tied_to
         self.format: WeightFormat | None = None
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(vocab_rows(vocab_size, tp_rank(), self.tp)[1]))
+            self.bias.weight_loader = self.load_bias
+
+    def load_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        if tuple(loaded.shape) != (self.vocab_size,):
+            raise ValueError(f"parameter {(self.vocab_size,)}, checkpoint {tuple(loaded.shape)}")
+        held = self._held(param.shape[0])
+        param.data[:held].copy_(loaded.narrow(0, self.start, held))
+        param.data[held:].zero_()
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
         self.format, self.weight = _take_blocks(self.weight, self._local_rows(tensor, self.weight))
@@ -117,11 +130,11 @@ class LMHead(VocabRows):
         fmt = self.format if self.format is not None else self.tied_to.blocks if self.tied_to is not None else None
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         if self.batch_invariant:
-            logits = invariant_linear(hidden, weight, fmt, None)
+            logits = invariant_linear(hidden, weight, fmt, self.bias)
         elif fmt is not None:
-            logits = fmt.apply(hidden)
+            logits = fmt.apply(hidden, self.bias)
         else:
-            logits = F.linear(hidden, weight)
+            logits = F.linear(hidden, weight, self.bias)
         if self.tp == 1:
             return logits
         return all_gather_last_dim(logits)[..., : self.vocab_size]

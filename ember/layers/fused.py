@@ -14,15 +14,18 @@ import torch
 
 from ember.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from ember.layers.linear import Linear
-from ember.layers.norm import RMSNorm
+from ember.layers.norm import LayerNorm, RMSNorm
 from ember.layers.quant.fp8 import FP8Weight
 from ember.layers.quant.gguf_blocks import GGUFBlocks
 
 
-def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
+def norm_linear(norm: RMSNorm | LayerNorm, layer: Linear, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(norm(x + residual)), x + residual); residual None (the first layer): x alone.
-    The fused kernel returns the sum as a new tensor, the unfused norm updates `residual`."""
+    The fused kernel returns the sum as a new tensor, the unfused norm updates `residual`.
+    The kernels fuse an RMSNorm; a LayerNorm runs on its own."""
+    if isinstance(norm, LayerNorm):
+        return _unfused(norm, layer, x, residual)
     if layer.takes_gemv(x) and norm.weight.dtype == x.dtype:
         from ember.kernels.gemv import gemv
 
@@ -33,9 +36,18 @@ def norm_linear(norm: RMSNorm, layer: Linear, x: torch.Tensor,
         if residual is None:
             return layer.format.apply(x, layer.bias, "norm", norm.weight, norm.eps), x
         return layer.format.apply(x, layer.bias, "norm", norm.weight, norm.eps, residual), residual
-    if residual is None:
-        return layer(norm(x)), x
-    h, residual = norm(x, residual)
+    return _unfused(norm, layer, x, residual)
+
+
+def add_norm(norm: RMSNorm | LayerNorm, x: torch.Tensor,
+             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual); residual None (the first layer): (norm(x), x)."""
+    return (norm(x), x) if residual is None else norm(x, residual)
+
+
+def _unfused(norm: RMSNorm | LayerNorm, layer: Linear, x: torch.Tensor,
+             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    h, residual = add_norm(norm, x, residual)
     return layer(h), residual
 
 

@@ -2,7 +2,9 @@
 
 The router (`gate`, hidden -> one logit per expert) is inside, and so are the top-k
 selection and its weights: softmax over the logits in float32, the k largest, renormalized
-to sum to 1 where `renormalize` (Mixtral, Qwen3-MoE with norm_topk_prob). The experts'
+to sum to 1 where `renormalize` (Mixtral, Qwen3-MoE with norm_topk_prob). DeepSeek's routers
+(`GroupedRouting`) score by softmax or sigmoid, pick within the best groups of experts and
+scale the weights; they run as torch ops on every device. The experts'
 weights are stacked: `w13` [E, 2I, H] (gate | up of each expert) and `w2` [E, H, I] (down);
 the loader fills them one checkpoint tensor (shard) at a time.
 
@@ -15,6 +17,8 @@ their routing weights, in slot order: a token's result does not depend on its ba
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -25,9 +29,24 @@ from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import Linear
 
 
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's router. "softmax" (V2): the scores are the softmax of the logits, a group's
+    score its best expert's. "sigmoid" (V3): the scores are sigmoids, a per-expert bias
+    (`gate.e_score_correction_bias`) is added to choose by but not to weigh by, and a
+    group's score is the sum of its best two. The top-k is taken among the experts of the
+    `topk_groups` best of `groups` groups; the weights (renormalized where asked) are
+    multiplied by `scale`."""
+
+    scoring: str  # "softmax" | "sigmoid"
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+
+
 class FusedMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool) -> None:
+                 renormalize: bool, grouped: GroupedRouting | None = None) -> None:
         super().__init__()
         if tp_size() > 1:
             raise ValueError("tensor parallelism does not split mixtures of experts yet: run the model with "
@@ -36,7 +55,12 @@ class FusedMoE(nn.Module):
             raise ValueError(f"top_k {top_k} must be within 1..num_experts ({num_experts})")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
+        self.grouped = grouped
+        if grouped is not None and num_experts % grouped.groups:
+            raise ValueError(f"{num_experts} experts do not split into n_group {grouped.groups} groups")
         self.gate = Linear(hidden_size, num_experts)
+        if grouped is not None and grouped.scoring == "sigmoid":
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         # shards: w13's 2e is expert e's gate, 2e + 1 its up; w2's e is expert e's down
@@ -52,13 +76,38 @@ class FusedMoE(nn.Module):
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, E] logits -> (weights [T, k] in float32, expert ids [T, k])."""
+        if self.grouped is not None:
+            return self._route_grouped(router_logits.float())
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
+    def _route_grouped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.grouped
+        sigmoid = g.scoring == "sigmoid"
+        scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+        choice = scores + self.gate.e_score_correction_bias if sigmoid else scores
+        if g.groups > 1:
+            per_group = choice.view(len(choice), g.groups, -1)
+            group_score = per_group.topk(2, dim=-1).values.sum(-1) if sigmoid else per_group.max(dim=-1).values
+            best = group_score.topk(g.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(per_group.shape[-1], dim=1),
+                                        float("-inf") if sigmoid else 0.0)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * g.scale, ids
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cuda_paths(x) and self.grouped is not None:
+            from ember.kernels.moe import fused_experts
+
+            weights, ids = self.route(self.gate(x))
+            return fused_experts(x.contiguous(), self.w13, self.w2, weights, ids)
         if cuda_paths(x):
             from ember.kernels.moe import fused_experts, route_topk
 

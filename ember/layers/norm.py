@@ -1,4 +1,5 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.kernels import cpu as cpu_kernels
@@ -48,3 +49,23 @@ def _load_plus_one(param: nn.Parameter, loaded: torch.Tensor, shard: None = None
     if param.shape != loaded.shape:
         raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
     param.data.copy_(loaded.float() + 1.0)  # in float32, as Gemma's norm adds it
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias (GPT-2, OPT, Phi-2), in float32;
+    with `residual`, (norm(x + residual), x + residual) as RMSNorm gives them."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps).to(x.dtype)

@@ -69,10 +69,10 @@ class ModelFiles:
 
             return iter_hf_weights(self._gguf(), cfg, GGUF_CONFIG_TENSORS, keep_quantized=quantization == "gguf")
         from ember.loader.safetensors import iter_pt, iter_safetensors
-        from ember.loader.weights import checkpoint_names
+        from ember.loader.weights import checkpoint_names, checkpoint_tensors
 
         read = iter_pt if self.load_format == "pt" else iter_safetensors
-        tensors = read(self.path, checkpoint_names(cfg))
+        tensors = checkpoint_tensors(cfg, read(self.path, checkpoint_names(cfg)))
         scheme = self.quantization_scheme()
         if scheme is None:
             return tensors

@@ -44,6 +44,8 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         from ember.models.bert import encoder_weight_shapes
 
         return encoder_weight_shapes(cfg)
+    if cfg.layer_norm:
+        return _layer_norm_decoder_shapes(cfg)
     h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if cfg.classifier == "score":  # a sequence classifier's head, in place of the LM head
@@ -58,11 +60,17 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.o_proj.weight": (h, q),
         }
+        if cfg.mla:
+            shapes |= _latent_attention_shapes(cfg, p)
+        else:
+            shapes[p + "self_attn.o_proj.weight"] = (h, q)
         if dense:
             shapes[p + "mlp.down_proj.weight"] = (h, inter)
-        if fused:
+        if cfg.mla:
+            if dense:
+                shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+        elif fused:
             shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)}
         else:
             shapes |= {
@@ -76,11 +84,59 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= _expert_shapes(cfg, p)
         if cfg.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
-        if cfg.attention_bias:
+        if cfg.attention_bias and not cfg.mla:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+    return shapes
+
+
+def _latent_attention_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention's tensors (models/mla.py), as DeepSeek's checkpoints name them."""
+    h, heads, rank, rope = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.rotary_dim
+    p = layer + "self_attn."
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.q_lora_rank:
+        shapes |= {p + "q_a_proj.weight": (cfg.q_lora_rank, h), p + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                   p + "q_b_proj.weight": (heads * cfg.head_dim, cfg.q_lora_rank)}
+    else:
+        shapes[p + "q_proj.weight"] = (heads * cfg.head_dim, h)
+    shapes |= {p + "kv_a_proj_with_mqa.weight": (rank + rope, h), p + "kv_a_layernorm.weight": (rank,),
+               p + "kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), rank),
+               p + "o_proj.weight": (h, heads * cfg.v_head_dim)}
+    if cfg.attention_bias:
+        shapes |= {p + "kv_a_proj_with_mqa.bias": (rank + rope,), p + "o_proj.bias": (h,)}
+        if cfg.q_lora_rank:
+            shapes[p + "q_a_proj.bias"] = (cfg.q_lora_rank,)
+    return shapes
+
+
+def _layer_norm_decoder_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """GPT-2, OPT, Phi-2 under ember's names (checkpoint_names maps theirs): LayerNorms with
+    biases, a bias on every projection, fc1 / fc2; learned positions, Phi-2's one norm a layer
+    and its LM head's bias where the config says."""
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    if cfg.learned_positions:
+        shapes["model.embed_positions.weight"] = (cfg.max_position_embeddings + cfg.position_offset, h)
+    shapes |= {"model.norm.weight": (h,), "model.norm.bias": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    if cfg.lm_head_bias:
+        shapes["lm_head.bias"] = (cfg.vocab_size,)
+    norms = ("input_layernorm",) if cfg.parallel_block else ("input_layernorm", "post_attention_layernorm")
+    fused = FAMILIES[cfg.architecture].fused_projections
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for norm in norms:
+            shapes |= {f"{p}{norm}.weight": (h,), f"{p}{norm}.bias": (h,)}
+        parts = {"qkv_proj": q + 2 * kv} if fused else {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        for part, rows in parts.items():
+            shapes |= {f"{p}self_attn.{part}.weight": (rows, h), f"{p}self_attn.{part}.bias": (rows,)}
+        shapes |= {p + "self_attn.o_proj.weight": (h, q), p + "self_attn.o_proj.bias": (h,),
+                   p + "mlp.fc1.weight": (inter, h), p + "mlp.fc1.bias": (inter,),
+                   p + "mlp.fc2.weight": (h, inter), p + "mlp.fc2.bias": (h,)}
     return shapes
 
 
@@ -91,10 +147,14 @@ def _expert_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
     p = layer + ("block_sparse_moe." if mixtral else "mlp.")
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (cfg.num_experts, h)}
+    if cfg.moe_scoring == "sigmoid":  # DeepSeek-V3: the bias its router chooses by
+        shapes[p + "gate.e_score_correction_bias"] = (cfg.num_experts,)
     if cfg.shared_expert_intermediate_size:
         shared = cfg.shared_expert_intermediate_size
         shapes |= {p + "shared_expert.gate_proj.weight": (shared, h), p + "shared_expert.up_proj.weight": (shared, h),
-                   p + "shared_expert.down_proj.weight": (h, shared), p + "shared_expert_gate.weight": (1, h)}
+                   p + "shared_expert.down_proj.weight": (h, shared)}
+        if cfg.shared_expert_gate:
+            shapes[p + "shared_expert_gate.weight"] = (1, h)
     for e in range(cfg.num_experts):
         shapes |= {f"{p}experts.{e}.{gate}.weight": (inter, h), f"{p}experts.{e}.{up}.weight": (inter, h),
                    f"{p}experts.{e}.{down}.weight": (h, inter)}
@@ -116,7 +176,60 @@ def checkpoint_names(cfg: ModelConfig) -> Callable[[str], str | None] | None:
     are the causal LM's already. An encoder's: models/bert.py's, which are its base model's."""
     if cfg.bidirectional:
         return lambda name: _encoder_name(name, pooler=cfg.classifier == "bert")
+    if FAMILIES[cfg.architecture].hf_tensor_names:
+        rules = [(re.compile(pattern), ours) for pattern, ours in FAMILIES[cfg.architecture].hf_tensor_names]
+        if cfg.mla:  # DeepSeek-V3's multi-token-prediction layers follow the model's: not read
+            return lambda name: None if _layer_index(name) >= cfg.num_layers else _renamed(name, rules)
+        return lambda name: _renamed(name, rules)
     return _language_model_name if cfg.multimodal else None
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer a tensor belongs to, -1 for none."""
+    return int(m[1]) if (m := _LAYER.match(name)) else -1
+
+
+def _renamed(name: str, rules: list[tuple[re.Pattern, str | None]]) -> str | None:
+    """The first rule whose pattern begins the name renames that part of it (None: not read)."""
+    for pattern, ours in rules:
+        if (m := pattern.match(name)) is not None:
+            return None if ours is None else m.expand(ours) + name[m.end():]
+    return name
+
+
+# GPT-2's Conv1D layers hold their weights [in, out]: ember's names for them
+_CONV1D = re.compile(r"model\.layers\.\d+\.(self_attn\.qkv_proj|self_attn\.o_proj|mlp\.fc1|mlp\.fc2)\.weight")
+
+
+# the projections whose rows hold DeepSeek's RoPE dims (the queries' per head, the latent's last)
+_ROPE_ROWS = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.(weight|bias)")
+
+
+def checkpoint_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors (under ember's names) in the layout ember computes with: GPT-2's
+    Conv1D weights turned to [out, in], as every other checkpoint and llama.cpp's GPT-2 GGUFs
+    hold them; DeepSeek's interleaved RoPE rows reordered to rotate-half (models/mla.py)."""
+    if FAMILIES[cfg.architecture].conv1d_weights:
+        return ((name, t.t() if _CONV1D.fullmatch(name) else t) for name, t in tensors)
+    if cfg.rope_interleaved:
+        return ((name, _rope_rows_to_halves(cfg, m[1], t) if (m := _ROPE_ROWS.fullmatch(name)) else t)
+                for name, t in tensors)
+    return tensors
+
+
+def _rope_rows_to_halves(cfg: ModelConfig, projection: str, t: torch.Tensor) -> torch.Tensor:
+    """The RoPE rows of a projection, interleaved pairs (x0 x1 | x2 x3 ...), as [evens | odds]:
+    the queries' last rotary_dim rows of each head, the latent projection's last rotary_dim."""
+    rope = cfg.rotary_dim
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    if projection == "kv_a_proj_with_mqa":
+        return torch.cat([t[:-rope], t[-rope:][order]])
+    heads = t.reshape(cfg.num_heads, cfg.head_dim, *t.shape[1:])
+    return torch.cat([heads[:, :-rope], heads[:, -rope:][:, order]], dim=1).reshape(t.shape)
 
 
 # what an encoder checkpoint holds that its embeddings and classification do not read: the
@@ -188,6 +301,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
                              "checkpoint's config.json names its scheme in quantization_config (ember reads "
                              "quant_method 'fp8' and 'compressed-tensors')")
         pname, shard = _target(name)
+        if pname not in params and name in params:  # a name PACKED merges that this model keeps apart (MLA's q_proj)
+            pname, shard = name, None
         if pname not in params:
             unknown.append(name)
             continue

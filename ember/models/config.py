@@ -6,6 +6,7 @@ Built from GGUF metadata or from an HF config.json; layers never read raw config
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,54 @@ class ModelConfig:
     # out_proj) over the first token, with one name per label (id2label); None: none
     classifier: str | None = None
     label_names: tuple[str, ...] = ()
+    # the LayerNorm decoders (GPT-2, OPT, Phi-2): LayerNorm (weight and bias) in place of RMSNorm,
+    # a bias on every projection, an MLP of fc2(act(fc1(x))) rather than a gated one; GPT-2 and
+    # OPT add a learned table of absolute positions (position_offset) and turn no RoPE; Phi-2's
+    # attention and MLP read one norm's output side by side, and its LM head has a bias
+    layer_norm: bool = False
+    gated_mlp: bool = True
+    learned_positions: bool = False
+    parallel_block: bool = False
+    lm_head_bias: bool = False
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; models/mla.py) where kv_lora_rank > 0:
+    # the KV cache holds each token's latent (kv_lora_rank) and its RoPE key (rotary_dim), one
+    # "head" for all; head_dim is a query head's nope + rope dims (qk_nope_head_dim + rotary_dim),
+    # v_head_dim a value head's; q_lora_rank 0: queries projected from the hidden state directly
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # the attention scale times this (DeepSeek's YaRN: mscale(factor, mscale_all_dim) squared)
+    attention_scale_factor: float = 1.0
+    # DeepSeekMoE's router: "softmax" (V2) or "sigmoid" with a per-expert bias on the choice only
+    # (V3); experts picked within the topk_group best of n_group groups (a group's score: its
+    # best expert's, or with the bias its best two's sum); weights times routed_scaling_factor
+    moe_scoring: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert (DeepSeek: none)
+    # the checkpoint's RoPE dims are interleaved pairs (DeepSeek): the loader reorders their rows
+    # to ember's rotate-half layout
+    rope_interleaved: bool = False
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """Heads of each token's entry in the KV cache: one latent for MLA."""
+        return 1 if self.mla else self.num_kv_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        return self.kv_lora_rank + self.rotary_dim if self.mla else self.head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        """K and V (2), or MLA's one latent (1): its values are the keys' first kv_lora_rank dims."""
+        return 1 if self.mla else 2
 
     def __post_init__(self) -> None:
         if self.rotary_dim is None:
@@ -115,7 +164,8 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        acts = ("gelu", "gelu_tanh") if self.bidirectional else ("silu", "gelu_tanh")
+        acts = ("gelu", "gelu_tanh") if self.bidirectional else ("silu", "gelu_tanh") if self.gated_mlp else \
+            ("gelu", "gelu_tanh", "relu")
         if self.hidden_act not in acts:
             raise ValueError(f"unsupported MLP activation {self.hidden_act!r}; ember runs {' and '.join(acts)} here")
         if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
@@ -142,7 +192,7 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * self.attention_scale_factor
 
     @property
     def num_labels(self) -> int:
@@ -155,6 +205,8 @@ class ModelConfig:
             return _encoder_config(config, fam)
         if multimodal:
             config = _language_model_config(config)
+        if fam.layer_norm:
+            config = _layer_norm_decoder_config(config, fam)
         config = fam.hf_config_defaults | config
         family, gemma = fam.name, fam.gemma
         heads = config["num_attention_heads"]
@@ -164,6 +216,10 @@ class ModelConfig:
                            or fam.rope_theta)
         # transformers 5 keeps the factor among the RoPE parameters, earlier ones beside them
         rotary_factor = float(config.get("partial_rotary_factor") or global_rope.get("partial_rotary_factor") or 1.0)
+        rotary_dim = int(head_dim * rotary_factor)
+        mla = _mla_options(config, global_rope) if fam.mla else {}
+        if mla:  # a query head: nope + rope dims; RoPE on the last qk_rope_head_dim
+            head_dim, rotary_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"], config["qk_rope_head_dim"]
         act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
         if gemma and act == "gelu":  # Gemma 1's config.json: meant as the tanh GELU (transformers, vLLM)
             act = "gelu_tanh"
@@ -181,12 +237,12 @@ class ModelConfig:
             intermediate_size=config["intermediate_size"],
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
+            num_kv_heads=heads if mla else config.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma or fam.tied_default)),
             attention_bias=_qkv_bias(config, fam),
             qk_norm=fam.qk_norm,
             rope_scaling=_rope_scaling(global_rope, config),
@@ -202,10 +258,12 @@ class ModelConfig:
             layer_windows=_layer_windows(config, fam, num_layers),
             local_rope_theta=local_theta,
             local_rope_scaling=_rope_scaling(local_rope, config) if local_rope else None,
-            rotary_dim=int(head_dim * rotary_factor),
+            rotary_dim=rotary_dim,
             multimodal=multimodal,
             **_moe_options(config, fam, num_layers),
             **_score_head(config),
+            **_layer_norm_options(fam),
+            **mla,
         )
 
     @staticmethod
@@ -272,7 +330,7 @@ class ModelConfig:
         attn_cap, final_cap = fam.gguf_softcaps
         final_cap = md.get(f"{arch}.final_logit_softcapping", final_cap) if gemma else None
         return ModelConfig(
-            architecture=moe.pop("family", arch),
+            architecture=moe.pop("family", fam.name),
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=ff,
@@ -280,7 +338,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=get("attention.head_count_kv", heads),
             head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rms_norm_eps=float(get(f"attention.layer_norm{'' if fam.layer_norm else '_rms'}_epsilon")),
             rope_theta=float(get("rope.freq_base", fam.rope_theta)),
             max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in tensor_names,
@@ -289,7 +347,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
-            hidden_act="gelu_tanh" if gemma else "silu",
+            hidden_act="gelu_tanh" if gemma or fam.layer_norm else "silu",  # llama.cpp: GPT-2's and Phi-2's GELU is tanh's
             norm_unit_offset=gemma,
             sandwich_norms=fam.sandwich_norms,
             embed_scale=hidden ** 0.5 if gemma else None,
@@ -303,6 +361,7 @@ class ModelConfig:
             else None,
             rotary_dim=rotary_dim,
             **moe,
+            **_layer_norm_options(fam),
         )
 
 
@@ -424,7 +483,44 @@ def _language_model_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 # HF activation names -> ember's
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+                "gelu_new": "gelu_tanh"}
+
+
+def _layer_norm_decoder_config(config: dict[str, Any], fam: Family) -> dict[str, Any]:
+    """A GPT-2, OPT or Phi config.json under the keys ember reads (GPT-2's n_embd is
+    hidden_size, ...), after refusing the options ember does not run."""
+    arch = (config.get("architectures") or [fam.name])[0]
+    refused = {
+        "scale_attn_by_inverse_layer_idx": "attention scores divided by the layer index",
+        "add_cross_attention": "cross-attention",
+        "qk_layernorm": "LayerNorm on q and k",
+    }
+    for key, what in refused.items():
+        if config.get(key):
+            raise ValueError(f"{arch} with {key} ({what}) is not supported: ember runs the standard {fam.name} blocks")
+    if config.get("scale_attn_weights") is False:
+        raise ValueError(f"{arch} with scale_attn_weights false (unscaled attention scores) is not supported")
+    if config.get("do_layer_norm_before") is False or config.get("layer_norm_elementwise_affine") is False:
+        raise ValueError(f"{arch} with do_layer_norm_before / layer_norm_elementwise_affine false (OPT-350m's "
+                         "post-norm blocks) is not supported: ember runs OPT's pre-norm blocks (opt-125m, 1.3b and up)")
+    projection = config.get("word_embed_proj_dim")
+    if projection is not None and projection != config.get("hidden_size"):
+        raise ValueError(f"{arch} with word_embed_proj_dim {projection} != hidden_size (OPT-350m's projections in "
+                         "and out of the embedding) is not supported")
+    config = fam.hf_config_defaults | {fam.hf_config_keys.get(k, k): v for k, v in config.items()}
+    if config.get("intermediate_size") is None:  # GPT-2's n_inner null: 4 x n_embd
+        config["intermediate_size"] = 4 * config["hidden_size"]
+    return config
+
+
+def _layer_norm_options(fam: Family) -> dict[str, Any]:
+    if not fam.layer_norm:
+        return {}
+    learned = fam.learned_positions is not None
+    return {"layer_norm": True, "gated_mlp": False, "learned_positions": learned,
+            "position_offset": fam.learned_positions or 0, "parallel_block": fam.parallel_block,
+            "lm_head_bias": fam.lm_head_bias}
 
 
 def _rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -484,6 +580,8 @@ def _moe_options(config: dict[str, Any], fam: Family, num_layers: int) -> dict[s
         return {"moe_layers": (True,) * num_layers, "num_experts": config["num_local_experts"],
                 "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True}
+    if fam.moe == "deepseek":
+        return _deepseek_moe_options(config, num_layers)
     if fam.moe == "qwen":
         dense, step = set(config.get("mlp_only_layers") or ()), config.get("decoder_sparse_step", 1)
         experts = config["num_experts"]
@@ -495,6 +593,49 @@ def _moe_options(config: dict[str, Any], fam: Family, num_layers: int) -> dict[s
                 "shared_expert_intermediate_size": config["shared_expert_intermediate_size"]
                 if fam.shared_expert else 0}
     return {}
+
+
+def _deepseek_moe_options(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """DeepSeekMoE: the first first_k_dense_replace layers dense (intermediate_size), then
+    every moe_layer_freq-th sparse, over n_routed_experts of moe_intermediate_size and
+    n_shared_experts beside them (one MLP of their summed size, ungated). The router scores
+    by softmax (V2) or sigmoid (V3, its e_score_correction_bias added for the choice only);
+    topk_method group_limited_greedy (V2) or noaux_tc (V3) picks within topk_group of n_group
+    groups, greedy among all."""
+    experts, first, freq = config["n_routed_experts"], config.get("first_k_dense_replace", 0), \
+        config.get("moe_layer_freq", 1)
+    sparse = tuple(bool(experts) and i >= first and i % freq == 0 for i in range(num_layers))
+    method, scoring = config["topk_method"], config["scoring_func"]
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc") or scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"DeepSeek routing topk_method {method!r} with scoring_func {scoring!r} is not supported: "
+                         "ember routes greedy / group_limited_greedy by softmax and noaux_tc by sigmoid")
+    if (method == "noaux_tc") != (scoring == "sigmoid"):
+        raise ValueError(f"DeepSeek routing topk_method {method!r} with scoring_func {scoring!r}: ember runs "
+                         "noaux_tc with sigmoid (V3) and the others with softmax (V2)")
+    grouped = method != "greedy"
+    return {"moe_layers": sparse if any(sparse) else None, "num_experts": experts,
+            "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["moe_intermediate_size"],
+            "norm_topk_prob": bool(config["norm_topk_prob"]),
+            "shared_expert_intermediate_size": config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0),
+            "shared_expert_gate": False, "moe_scoring": scoring,
+            "moe_groups": config.get("n_group") or 1 if grouped else 1,
+            "moe_topk_groups": config.get("topk_group") or 1 if grouped else 1,
+            "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0)}
+
+
+def _mla_options(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention's sizes, and the scale DeepSeek's YaRN puts on every score
+    (mscale(factor, mscale_all_dim) squared, as transformers' yarn_apply_mscale)."""
+    factor = 1.0
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind != "default" and rope.get("mscale_all_dim"):
+        scale = float(rope["factor"])
+        mscale = 0.1 * float(rope["mscale_all_dim"]) * math.log(scale) + 1.0 if scale > 1 else 1.0
+        factor = mscale * mscale
+    return {"kv_lora_rank": config["kv_lora_rank"], "q_lora_rank": config.get("q_lora_rank") or 0,
+            "qk_nope_head_dim": config["qk_nope_head_dim"], "v_head_dim": config["v_head_dim"],
+            "attention_scale_factor": factor, "rope_interleaved": bool(config.get("rope_interleave", True))}
 
 
 def _gguf_moe_options(md: dict[str, Any], arch: str, num_layers: int, ff: int) -> dict[str, Any]:

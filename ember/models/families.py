@@ -39,8 +39,9 @@ class Family:
     gguf_softcaps: tuple[float | None, float | None] = (None, None)
     # llama.cpp scales queries by hidden / heads for this layer count (the 27B models), else head_dim
     gguf_hidden_query_scale_layers: int | None = None
-    # experts: "mixtral" (every layer sparse, w1/w2/w3 under block_sparse_moe) or "qwen"
-    # (mlp_only_layers, decoder_sparse_step, gate/up/down_proj under mlp)
+    # experts: "mixtral" (every layer sparse, w1/w2/w3 under block_sparse_moe), "qwen"
+    # (mlp_only_layers, decoder_sparse_step, gate/up/down_proj under mlp) or "deepseek" (dense
+    # first_k_dense_replace layers, shared experts, grouped routing: models/config.py)
     moe: str | None = None
     shared_expert: bool = False  # Qwen2-MoE: a gated shared expert beside the routed ones
     # GGUF: llama.cpp's top-k renormalization (build_moe_ffn's norm_w): its graphs fix it and
@@ -48,7 +49,8 @@ class Family:
     # architecture whose files with experts are this family (a Mixtral GGUF says "llama")
     gguf_topk_norm: bool = True
     gguf_experts_of: str | None = None
-    fused_projections: bool = False  # Phi-3: checkpoints store q|k|v and gate|up merged
+    # checkpoints store q|k|v and (a gated MLP's) gate|up merged: Phi-3; GPT-2's q|k|v
+    fused_projections: bool = False
     # llama.cpp's converter permutes Q and K rows for its adjacent-pair RoPE (the GGUF loader
     # undoes it, for whole-head RoPE only)
     gguf_rope_permuted: bool = False
@@ -58,6 +60,21 @@ class Family:
     # absolute positions, post-norm LayerNorm blocks (models/bert.py); it embeds and classifies
     encoder: bool = False
     position_offset_from_pad: bool = False  # RoBERTa: positions count from pad_token_id + 1
+    # the LayerNorm decoders (GPT-2, OPT, Phi-2): LayerNorm with a bias in place of RMSNorm, a
+    # bias on every projection, and an MLP of fc1, act, fc2 (not gated)
+    layer_norm: bool = False
+    learned_positions: int | None = None  # a table of absolute positions, no RoPE: its offset (OPT: 2)
+    parallel_block: bool = False  # Phi-2: x + attn(norm(x)) + mlp(norm(x)), one norm a layer
+    lm_head_bias: bool = False  # Phi-2
+    conv1d_weights: bool = False  # GPT-2: HF stores its projections as Conv1D, [in, out]
+    tied_default: bool = False  # tie_word_embeddings where config.json is silent (transformers omits its default)
+    # config.json's own names for the keys ember reads (GPT-2's n_embd for hidden_size, ...)
+    hf_config_keys: dict[str, str] = field(default_factory=dict)
+    # the checkpoint's tensor names -> ember's (regex, replacement), in order; None: not read
+    hf_tensor_names: tuple[tuple[str, str | None], ...] = ()
+    # multi-head latent attention (DeepSeek-V2/V3); its RoPE dims stored as interleaved pairs
+    # (V3: unless config.json's rope_interleave is false)
+    mla: bool = False
 
 
 # What transformers' Gemma3TextConfig fills where a config.json is silent (as transformers
@@ -70,6 +87,35 @@ _GEMMA3_TEXT_DEFAULTS = {
     "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
     "final_logit_softcapping": None, "attn_logit_softcapping": None,
 }
+
+# GPT-2's checkpoints, with or without the `transformer.` prefix (the original gpt2 has none)
+_GPT2_NAMES = (
+    (r"(?:transformer\.)?h\.(\d+)\.attn\.(?:bias|masked_bias)$", None),  # old files' causal-mask buffers
+    (r"(?:transformer\.)?h\.(\d+)\.ln_1\.", r"model.layers.\1.input_layernorm."),
+    (r"(?:transformer\.)?h\.(\d+)\.attn\.c_attn\.", r"model.layers.\1.self_attn.qkv_proj."),
+    (r"(?:transformer\.)?h\.(\d+)\.attn\.c_proj\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"(?:transformer\.)?h\.(\d+)\.ln_2\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_fc\.", r"model.layers.\1.mlp.fc1."),
+    (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_proj\.", r"model.layers.\1.mlp.fc2."),
+    (r"(?:transformer\.)?wte\.", "model.embed_tokens."),
+    (r"(?:transformer\.)?wpe\.", "model.embed_positions."),
+    (r"(?:transformer\.)?ln_f\.", "model.norm."),
+)
+# OPT's, from OPTForCausalLM or (facebook/opt-125m's own files) its base model, decoder.*
+_OPT_NAMES = (
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.self_attn\.out_proj\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.final_layer_norm\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"(?:model\.)?decoder\.layers\.(\d+)\.(fc1|fc2)\.", r"model.layers.\1.mlp.\2."),
+    (r"(?:model\.)?decoder\.final_layer_norm\.", "model.norm."),
+    (r"(?:model\.)?decoder\.", "model."),
+)
+_PHI_NAMES = (
+    (r"model\.layers\.(\d+)\.self_attn\.dense\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"model\.final_layernorm\.", "model.norm."),
+)
+
+_DEEPSEEK_NAMES = ((r"model\.layers\.(\d+)\.mlp\.shared_experts\.", r"model.layers.\1.mlp.shared_expert."),)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("LlamaForCausalLM", "LlamaForSequenceClassification"), ("llama",), "llama",
@@ -92,6 +138,30 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            moe="qwen"),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), "qwen2moe", qkv_bias_key="qkv_bias",
            qkv_bias_default=True, qwen_windows=True, moe="qwen", shared_expert=True, gguf_topk_norm=False),
+    Family("deepseek_v2", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), None, moe="deepseek", mla=True,
+           hf_config_defaults={"rms_norm_eps": 1e-6, "topk_method": "greedy", "scoring_func": "softmax",
+                               "norm_topk_prob": False}, hf_tensor_names=_DEEPSEEK_NAMES),
+    # Kimi-K2 is DeepSeek-V3's architecture
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi_k2"), None, moe="deepseek", mla=True,
+           hf_config_defaults={"rms_norm_eps": 1e-6, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                               "norm_topk_prob": True, "rope_interleave": True}, hf_tensor_names=_DEEPSEEK_NAMES),
+    Family("gpt2", ("GPT2LMHeadModel",), ("gpt2",), "gpt2", qkv_bias_key=None, qkv_bias_default=True,
+           layer_norm=True, learned_positions=0, conv1d_weights=True, tied_default=True, fused_projections=True,
+           hf_config_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                           "n_inner": "intermediate_size", "n_positions": "max_position_embeddings",
+                           "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
+           hf_config_defaults={"vocab_size": 50257, "max_position_embeddings": 1024, "hidden_size": 768,
+                               "num_hidden_layers": 12, "num_attention_heads": 12, "hidden_act": "gelu_new",
+                               "rms_norm_eps": 1e-5, "bos_token_id": 50256, "eos_token_id": 50256},
+           hf_tensor_names=_GPT2_NAMES),
+    Family("opt", ("OPTForCausalLM",), ("opt",), None, qkv_bias_key="enable_bias", qkv_bias_default=True,
+           layer_norm=True, learned_positions=2, tied_default=True,
+           hf_config_keys={"ffn_dim": "intermediate_size", "activation_function": "hidden_act"},
+           hf_config_defaults={"rms_norm_eps": 1e-5, "hidden_act": "relu"}, hf_tensor_names=_OPT_NAMES),
+    Family("phi", ("PhiForCausalLM",), ("phi",), "phi2", qkv_bias_key=None, qkv_bias_default=True, layer_norm=True,
+           parallel_block=True, lm_head_bias=True, hf_config_keys={"layer_norm_eps": "rms_norm_eps"},
+           hf_config_defaults={"hidden_act": "gelu_new", "rms_norm_eps": 1e-5},
+           hf_tensor_names=_PHI_NAMES),
     Family("bert", ("BertModel", "BertForSequenceClassification"), ("bert",), None, encoder=True),
     Family("xlm_roberta", ("XLMRobertaModel", "XLMRobertaForSequenceClassification", "RobertaModel",
                            "RobertaForSequenceClassification"), ("xlm-roberta", "roberta"), None, encoder=True,

@@ -1,9 +1,12 @@
 """The decoder-only transformer in one file: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
 (q/k norm), Phi-3 (its checkpoints merge q|k|v and gate|up; the loader takes them whole),
-Gemma 2 and 3, and the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE (a sparse MLP, layers/moe.py,
-in the layers ModelConfig.moe_layers marks). The families differ only in options that ModelConfig names (norm kind,
+Gemma 1, 2 and 3, the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE (a sparse MLP, layers/moe.py,
+in the layers ModelConfig.moe_layers marks), and the LayerNorm decoders GPT-2, OPT and Phi-2
+(biases everywhere, a plain MLP; learned positions for the first two, attention and MLP side
+by side for Phi-2), and DeepSeek-V2/V3 (multi-head latent attention, models/mla.py, and
+DeepSeekMoE's grouped routing with shared experts). The families differ only in options that ModelConfig names (norm kind,
 activation, sandwich norms, embedding scale, soft-capping, a sliding window per layer, a
-second RoPE for the sliding layers); each block reads them, so no block is copied.
+second RoPE for the sliding layers, positions); each block reads them, so no block is copied.
 
 Math only: the loader maps checkpoint names onto these parameters, and the attention
 backend owns the paged KV cache. The forward takes a flattened batch (see
@@ -16,21 +19,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.layers.activation import activation
 from ember.layers.attention import AttentionBackend, AttentionMetadata
 from ember.layers.batch_invariant import in_row_blocks
 from ember.layers.embedding import LMHead, VocabEmbedding
-from ember.layers.fused import gelu_linear, norm_linear, silu_linear
+from ember.layers.fused import add_norm, gelu_linear, norm_linear, silu_linear
 from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
-from ember.layers.moe import FusedMoE
-from ember.layers.norm import RMSNorm
+from ember.layers.moe import FusedMoE, GroupedRouting
+from ember.layers.norm import LayerNorm, RMSNorm
 from ember.layers.rotary import CacheWrite, RotaryEmbedding, apply_rotary, norm_and_rotate
 from ember.models.config import ModelConfig
+from ember.models.mla import LatentAttention
 
 Rope = torch.Tensor  # [T, rotary_dim]: cos | sin of this step's positions
 
 
-def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
+def _norm(cfg: ModelConfig, size: int) -> RMSNorm | LayerNorm:
+    if cfg.layer_norm:
+        return LayerNorm(size, cfg.rms_norm_eps)
     return RMSNorm(size, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
 
 
@@ -41,7 +48,7 @@ class LlamaAttention(nn.Module):
         # this rank's heads (all of them on one rank)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.layer_norm)
         if cfg.qk_norm:
             self.q_norm = _norm(cfg, cfg.head_dim)
             self.k_norm = _norm(cfg, cfg.head_dim)
@@ -57,15 +64,18 @@ class LlamaAttention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
-    def forward(self, rope: Rope, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope | None, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """qkv: the output of qkv_proj, which the decoder layer applies (fused with the norm
-        before it where it can)."""
+        before it where it can). rope None: learned positions, nothing turns (the backend
+        writes k and v)."""
         q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = CacheWrite(v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        if self.qk_norm:
+        if rope is None:
+            written = False
+        elif self.qk_norm:
             q, k, written = norm_and_rotate(q, k, rope, self.q_norm, self.k_norm, cache)
         else:
             q, k, written = apply_rotary(q, k, rope, cache)
@@ -83,6 +93,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, what="intermediate_size")
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
+    @property
+    def in_proj(self) -> MergedLinear:
+        """The projection the decoder layer applies (fused with the norm before it)."""
+        return self.gate_up_proj
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: the output of gate_up_proj, which the decoder layer applies (fused with
         the norm before it where it can)."""
@@ -91,37 +106,64 @@ class LlamaMLP(nn.Module):
         return silu_linear(self.down_proj, gate_up)
 
 
-class SharedExpertMoE(FusedMoE):
-    """Qwen2-MoE: the routed experts plus one shared expert, which every token takes, times
-    sigmoid(shared_expert_gate(x))."""
+class PlainMLP(nn.Module):
+    """fc2(act(fc1(x))), both with a bias (GPT-2, OPT, Phi-2); fc1 column-parallel, fc2 row-parallel."""
 
     def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc1 = MergedLinear.column_parallel(cfg.hidden_size, [cfg.intermediate_size], bias=True,
+                                                what="intermediate_size")
+        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=True, what="intermediate_size")
+        self.act = cfg.hidden_act
+
+    @property
+    def in_proj(self) -> MergedLinear:
+        return self.fc1
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: the output of fc1, which the decoder layer applies."""
+        return self.fc2(activation(self.act, h))
+
+
+class SharedExpertMoE(FusedMoE):
+    """The routed experts plus one shared expert, which every token takes: Qwen2-MoE's times
+    sigmoid(shared_expert_gate(x)), DeepSeek's (its shared experts as one MLP) as it is."""
+
+    def __init__(self, cfg: ModelConfig, grouped: GroupedRouting | None) -> None:
         super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         cfg.norm_topk_prob)
+                         cfg.norm_topk_prob, grouped)
         self.shared_expert = LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1) if cfg.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(self.shared_expert.gate_up_proj(x))
+        if self.shared_expert_gate is None:
+            return super().forward(x) + shared
         gate = self.shared_expert_gate(x) if cuda_paths(x) else in_row_blocks(self.shared_expert_gate, x)
         return super().forward(x) + torch.sigmoid(gate) * shared
 
 
 def _sparse_mlp(cfg: ModelConfig) -> FusedMoE:
+    grouped = None
+    if cfg.moe_scoring != "softmax" or cfg.moe_groups > 1 or cfg.routed_scaling_factor != 1.0:
+        grouped = GroupedRouting(cfg.moe_scoring, cfg.moe_groups, cfg.moe_topk_groups, cfg.routed_scaling_factor)
     if cfg.shared_expert_intermediate_size:
-        return SharedExpertMoE(cfg)
+        return SharedExpertMoE(cfg, grouped)
     return FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                    cfg.norm_topk_prob)
+                    cfg.norm_topk_prob, grouped)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        self.self_attn = LlamaAttention(cfg, backend, layer)
-        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        self.latent = cfg.mla  # DeepSeek: latent attention, which projects the normed state itself
+        self.self_attn = LatentAttention(cfg, backend) if self.latent else LlamaAttention(cfg, backend, layer)
+        self.parallel = cfg.parallel_block
+        if not self.parallel:  # Phi-2: one norm a layer
+            self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         self.moe = cfg.layer_is_moe(layer)
-        self.mlp = _sparse_mlp(cfg) if self.moe else LlamaMLP(cfg)
+        self.mlp = _sparse_mlp(cfg) if self.moe else LlamaMLP(cfg) if cfg.gated_mlp else PlainMLP(cfg)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:  # Gemma: post_attention_layernorm normalizes the attention's output
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
@@ -132,9 +174,17 @@ class LlamaDecoderLayer(nn.Module):
         """x is the last sublayer's output, residual the stream before it; each norm adds
         them first (fused on CUDA): stream + attn(norm(stream)), then + mlp(norm(...)).
         The norms go with the projections after them (layers/fused.py). With sandwich norms
-        each sublayer's output is normalized too before it joins the stream."""
-        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        h = self.self_attn(rope, qkv, meta)
+        each sublayer's output is normalized too before it joins the stream. A parallel block
+        (Phi-2) adds attn(norm(stream)) + mlp(norm(stream)) at once."""
+        if self.parallel:
+            h, residual = add_norm(self.input_layernorm, x, residual)
+            return self.self_attn(rope, self.self_attn.qkv_proj(h), meta) + self.mlp(self.mlp.in_proj(h)), residual
+        if self.latent:
+            h, residual = add_norm(self.input_layernorm, x, residual)
+            h = self.self_attn(rope, h, meta)
+        else:
+            qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+            h = self.self_attn(rope, qkv, meta)
         if self.sandwich:
             h = self.post_attention_layernorm(h)
             gate_up, residual = norm_linear(self.pre_feedforward_layernorm, self.mlp.gate_up_proj, h, residual)
@@ -142,14 +192,19 @@ class LlamaDecoderLayer(nn.Module):
         if self.moe:
             h, residual = self.post_attention_layernorm(h, residual)
             return self.mlp(h), residual
-        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
-        return self.mlp(gate_up), residual
+        first, residual = norm_linear(self.post_attention_layernorm, self.mlp.in_proj, h, residual)
+        return self.mlp(first), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # GPT-2, OPT: a table of absolute positions (OPT's first position_offset rows unused), no RoPE
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings + cfg.position_offset, cfg.hidden_size) \
+            if cfg.learned_positions else None
+        self.position_offset = cfg.position_offset
+        self.rotary = None if cfg.learned_positions else \
+            RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3's sliding layers turn by their own RoPE
         self.local_rotary = None if cfg.local_rope_theta is None else \
             RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
@@ -164,7 +219,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # Gemma: the scale rounded to the model dtype first, as HF does
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        rope = self.rotary.lookup(positions)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions + self.position_offset)
+        rope = None if self.rotary is None else self.rotary.lookup(positions)
         local_rope = None if self.local_rotary is None else self.local_rotary.lookup(positions)
         residual = None
         for layer, local in zip(self.layers, self.uses_local_rope):
@@ -185,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
             self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         else:
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
-                                  tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
+                                  tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
+                                  bias=cfg.lm_head_bias)
         self.final_logit_softcap = cfg.final_logit_softcap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -203,5 +261,5 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] last-token states (after the final norm) -> [N, num_labels] logits."""
         return self.score(last)
 
-    def attention_layers(self) -> list[LlamaAttention]:
+    def attention_layers(self) -> list[LlamaAttention | LatentAttention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -94,7 +94,9 @@ class _Rows:
 
 
 def rank_kv_heads(mc: ModelConfig) -> int:
-    """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
+    """The KV heads this rank's cache holds (all of them without tensor parallelism; MLA's one latent)."""
+    if mc.mla:
+        return mc.cache_kv_heads
     return shard_heads(mc.num_heads, mc.num_kv_heads, tp_rank(), tp_size()).num_kv_heads
 
 
@@ -152,8 +154,9 @@ class ModelRunner:
                 logger.info("max_num_seqs %d, not the default %d: the KV pool holds %d sequences of max_model_len "
                             "%d", seats, config.max_num_seqs, seats, config.max_model_len)
                 self.config = config = dataclasses.replace(config, max_num_seqs=seats)
-        shape = (2, self.num_kv_layers, self.num_blocks + self.num_null_blocks, config.block_size,
-                 self.num_kv_heads, mc.head_dim)
+        # K and V planes (MLA: one, the latent), then layers, blocks, slots, heads, dims
+        shape = (mc.kv_planes, self.num_kv_layers, self.num_blocks + self.num_null_blocks, config.block_size,
+                 self.num_kv_heads, mc.cache_head_dim)
         # zeroed: padded block-table entries and the null block are read (then masked), never NaN
         self.kv_cache = _zeros(shape, config.kv_cache_torch_dtype, self.device)
         self._attach_kv_cache()
@@ -212,7 +215,7 @@ class ModelRunner:
 
     def _attach_kv_cache(self) -> None:
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[-1, i]  # one tensor for MLA
 
     def sleep(self, level: int) -> None:
         """Free the KV pool (its contents are gone) and, at level 2, the weights (EngineCore.sleep)."""
@@ -243,10 +246,11 @@ class ModelRunner:
         return _num_kv_layers(self.config.model_config)
 
     def kv_bytes_per_block(self) -> int:
-        """K and V of one block in every layer, in the cache dtype (fp8: half of bfloat16's);
-        0 for an encoder, whose blocks are bookkeeping only."""
+        """K and V of one block in every layer (MLA: the latent alone), in the cache dtype (fp8:
+        half of bfloat16's); 0 for an encoder, whose blocks are bookkeeping only."""
         mc, c = self.config.model_config, self.config
-        return 2 * _num_kv_layers(mc) * c.block_size * rank_kv_heads(mc) * mc.head_dim * c.kv_cache_torch_dtype.itemsize
+        return mc.kv_planes * _num_kv_layers(mc) * c.block_size * rank_kv_heads(mc) * mc.cache_head_dim \
+            * c.kv_cache_torch_dtype.itemsize
 
     @property
     def max_num_seqs(self) -> int:
@@ -300,10 +304,10 @@ class ModelRunner:
         seq = min(tokens, c.max_model_len)
         lens = [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
         per_seq = -(-seq // c.block_size)
-        cache = torch.zeros(2, per_seq * len(lens), c.block_size, self.num_kv_heads, mc.head_dim,
+        cache = torch.zeros(mc.kv_planes, per_seq * len(lens), c.block_size, self.num_kv_heads, mc.cache_head_dim,
                             dtype=c.kv_cache_torch_dtype, device=self.device)
         for attn in self.model.attention_layers():
-            attn.k_cache, attn.v_cache = cache[0], cache[1]
+            attn.k_cache, attn.v_cache = cache[0], cache[-1]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)

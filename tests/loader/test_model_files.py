@@ -118,9 +118,10 @@ def test_locate_model_picks_the_format(tiny_dir, gguf_path):
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
-        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
+        {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4}))
     msg = load_error(tmp_path)
-    assert "unsupported architecture 'GPT2LMHeadModel' (model_type 'gpt2')" in msg
+    assert "unsupported architecture 'GPTNeoXForCausalLM' (model_type 'gpt_neox')" in msg
     for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
         assert supported in msg

@@ -1,6 +1,6 @@
 """On CUDA (`-m gpu`): Mixtral, Qwen3-MoE and Qwen2-MoE (the fused MoE kernels), Gemma 2 (windows on every other layer, both soft-caps), Gemma 3
-(local and global RoPE, q/k norm) and Phi-3 (fused checkpoints, LongRoPE, a window on every
-layer) through the whole bfloat16 engine (Triton attention with windows, CUDA graphs)
+(local and global RoPE, q/k norm), Phi-3 (fused checkpoints, LongRoPE, a window on every
+layer), and the LayerNorm decoders GPT-2, OPT and Phi-2 (saved by transformers itself) through the whole bfloat16 engine (Triton attention with windows, CUDA graphs)
 against HF transformers in float32 on the same weights: logits within bfloat16 tolerance,
 and HF picks ember's greedy tokens at >= 95 % of positions. Prompts run past the windows."""
 
@@ -45,8 +45,34 @@ CONFIGS = {
                          "tie_word_embeddings": False},
 }
 
+# their checkpoints name tensors their own way: made and saved by transformers (the config
+# class's name, its keyword arguments), their norms and biases moved off (1, 0) as dummy weights are
+SAVED_BY_HF = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=1024, n_layer=6, n_head=8, n_positions=2048)),
+    "opt": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=1024, ffn_dim=2048, num_hidden_layers=6,
+                                                num_attention_heads=8, max_position_embeddings=2048,
+                                                word_embed_proj_dim=1024)),
+    "phi": ("PhiForCausalLM", "PhiConfig", dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=6,
+                                                num_attention_heads=8, num_key_value_heads=4,
+                                                max_position_embeddings=2048, partial_rotary_factor=0.4)),
+}
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+
+def _save_by_hf(transformers, name: str, path) -> None:
+    model_class, config_class, sizes = SAVED_BY_HF[name]
+    torch.manual_seed(11)
+    config = getattr(transformers, config_class)(vocab_size=8192, bos_token_id=1, eos_token_id=2, **sizes)
+    hf = getattr(transformers, model_class)(config)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n or "ln_" in n:
+                p.copy_((1.0 if n.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+            elif n.endswith("bias"):
+                p.copy_(0.02 * torch.randn_like(p))
+    hf.to(torch.bfloat16).save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS) + sorted(SAVED_BY_HF))
 def models(request, tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -57,12 +83,15 @@ def models(request, tmp_path_factory):
     from ember.loader.dummy import iter_dummy_weights
     from ember.models.config import ModelConfig
 
-    config = CONFIGS[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    (path / "config.json").write_text(json.dumps(config))
-    cfg = ModelConfig.from_hf_config(config)
-    weights = {n: t.to(torch.bfloat16).contiguous() for n, t in iter_dummy_weights(cfg, seed=11)}
-    save_file(weights, str(path / "model.safetensors"))
+    if request.param in SAVED_BY_HF:
+        _save_by_hf(transformers, request.param, path)
+    else:
+        config = CONFIGS[request.param]
+        (path / "config.json").write_text(json.dumps(config))
+        cfg = ModelConfig.from_hf_config(config)
+        weights = {n: t.to(torch.bfloat16).contiguous() for n, t in iter_dummy_weights(cfg, seed=11)}
+        save_file(weights, str(path / "model.safetensors"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
     llm = LLM(str(path), max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.3)
     assert llm.config.attention_backend == "triton" and llm.engine.runner.graphs is not None

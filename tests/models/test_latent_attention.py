@@ -1,0 +1,170 @@
+"""DeepSeek-V2 / V3 (and Kimi-K2, V3's architecture): multi-head latent attention over a
+cache of one latent a token (models/mla.py) and DeepSeekMoE's routers, on tiny random models
+whose checkpoints carry DeepSeek's own tensor names (shared_experts, per-expert projections,
+V3's e_score_correction_bias): ember's logits and greedy tokens equal transformers'
+(float32), through chunked prefill and a prefix-cache hit too.
+
+Three variants, the real configs' options scaled down:
+- V2-Lite: queries projected directly (no q_lora_rank), softmax routing greedy over all
+  experts, two shared experts, a dense first layer;
+- V2: q_lora_rank, group_limited_greedy (each group scored by its best expert), weights
+  times routed_scaling_factor;
+- V3: q_lora_rank, sigmoid scores with the correction bias choosing by the sum of each
+  group's best two, top-k renormalized then scaled, YaRN with mscale_all_dim (the attention
+  scale times mscale squared), and a multi-token-prediction layer in the file that is not read.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.loader.dummy import iter_dummy_weights
+from ember.models.config import ModelConfig
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BASE = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "rms_norm_eps": 1e-6,
+    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "moe_intermediate_size": 24,
+    "n_shared_experts": 2, "num_experts_per_tok": 3, "first_k_dense_replace": 1, "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+}
+V2 = BASE | {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
+V3 = BASE | {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+VARIANTS = {
+    "v2_lite": V2 | {"q_lora_rank": None, "n_routed_experts": 8, "topk_method": "greedy", "n_group": 1,
+                     "topk_group": 1, "routed_scaling_factor": 1.0},
+    "v2": V2 | {"q_lora_rank": 24, "n_routed_experts": 16, "topk_method": "group_limited_greedy", "n_group": 4,
+                "topk_group": 2, "routed_scaling_factor": 2.5},
+    "v3": V3 | {"q_lora_rank": 24, "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+                "norm_topk_prob": True, "num_nextn_predict_layers": 1,
+                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+                                 "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}},
+}
+PROMPTS = [
+    [5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3],
+    [7],
+    [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26],
+]
+MAX_TOKENS = 32
+ENGINE = dict(num_kv_blocks=128, block_size=8, max_model_len=256, dtype="float32")
+
+
+def save_deepseek(config: dict, path, mtp_layer: bool = False) -> ModelConfig:
+    """config.json and seeded random weights under DeepSeek's names (ember's dummy draws, the
+    shared experts renamed back); with `mtp_layer`, a multi-token-prediction layer after the
+    model's (as DeepSeek-V3's files hold layer 61)."""
+    (path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_hf_config(config)
+    weights = {n.replace(".mlp.shared_expert.", ".mlp.shared_experts."): t.contiguous()
+               for n, t in iter_dummy_weights(cfg, seed=7)}
+    if mtp_layer:
+        last = f"model.layers.{cfg.num_layers - 1}."
+        weights |= {n.replace(last, f"model.layers.{cfg.num_layers}."): t.clone() for n, t in weights.items()
+                    if n.startswith(last)} | {f"model.layers.{cfg.num_layers}.eh_proj.weight": torch.zeros(64, 128)}
+    save_file(weights, str(path / "model.safetensors"))
+    return cfg
+
+
+def _hf_greedy(hf, ids: list[int]) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    cfg = save_deepseek(VARIANTS[request.param], path, mtp_layer=request.param == "v3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return request.param, cfg, path, hf, LLM(str(path), **ENGINE), [_hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_logits_match_hf(variant, forward_logits):
+    _, _, _, hf, llm, _ = variant
+    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_greedy_matches_hf(variant):
+    *_, llm, expected = variant
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_chunked_prefill_and_prefix_hit_match_hf(variant):
+    """Prompts in 5-token chunks, then again over their cached latents."""
+    _, _, path, _, _, expected = variant
+    chunked = LLM(str(path), **(ENGINE | dict(max_num_batched_tokens=5)))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    cached = []
+    for _ in range(2):
+        outs = chunked.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        cached.append([o.num_cached_tokens for o in outs])
+    assert cached == [[0, 0, 0], [8, 0, 24]]
+
+
+def test_the_cache_holds_one_latent_a_token(variant):
+    """Bytes a token in the KV pool: layers x (kv_lora_rank + qk_rope_head_dim) x 4 (float32),
+    one plane; keys and values per head would take 2 x heads x (nope + rope) a layer (and
+    transformers' own cache keeps the latent and the RoPE key apart, as ember's one entry does)."""
+    _, cfg, _, _, llm, _ = variant
+    runner = llm.engine.runner
+    per_token = runner.kv_bytes_per_block() // llm.config.block_size
+    assert per_token == 3 * (32 + 8) * 4
+    assert tuple(runner.kv_cache.shape) == (1, 3, runner.num_blocks, 8, 1, 40)
+    assert 3 * 2 * 4 * (16 + 8) * 4 / per_token == pytest.approx(4.8)  # what expanded heads would cost here
+    attn = runner.model.attention_layers()[0]
+    assert attn.k_cache.data_ptr() == attn.v_cache.data_ptr()
+
+
+def test_config_reads_the_routing_and_the_latent():
+    v3 = ModelConfig.from_hf_config(VARIANTS["v3"])
+    assert (v3.architecture, v3.kv_lora_rank, v3.q_lora_rank, v3.head_dim, v3.rotary_dim, v3.v_head_dim) == \
+        ("deepseek_v3", 32, 24, 24, 8, 12)
+    assert (v3.moe_scoring, v3.moe_groups, v3.moe_topk_groups, v3.routed_scaling_factor, v3.norm_topk_prob) == \
+        ("sigmoid", 4, 2, 2.5, True)
+    assert v3.moe_layers == (False, True, True) and v3.shared_expert_intermediate_size == 48
+    assert not v3.shared_expert_gate and v3.rope_interleaved
+    mscale = 0.1 * torch.log(torch.tensor(4.0)).item() + 1.0
+    assert v3.attention_scale == pytest.approx(24 ** -0.5 * mscale * mscale)
+    lite = ModelConfig.from_hf_config(VARIANTS["v2_lite"])
+    assert (lite.moe_scoring, lite.moe_groups, lite.q_lora_rank, lite.norm_topk_prob) == ("softmax", 1, 0, False)
+    assert lite.attention_scale == pytest.approx(24 ** -0.5)
+    kimi = ModelConfig.from_hf_config({k: v for k, v in VARIANTS["v3"].items() if k != "architectures"}
+                                      | {"model_type": "kimi_k2"})
+    assert kimi.architecture == "deepseek_v3"
+
+
+def test_rope_not_interleaved(tmp_path, forward_logits):
+    """A V3 checkpoint with rope_interleave false: its RoPE rows are already rotate-half."""
+    config = VARIANTS["v3"] | {"rope_interleave": False}
+    save_deepseek(config, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    llm = LLM(str(tmp_path), **ENGINE)
+    assert not llm.engine.runner.model.config.rope_interleaved
+    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
+        with torch.no_grad():
+            torch.testing.assert_close(ours, hf(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"topk_method": "noaux_tc", "scoring_func": "softmax"}, "noaux_tc with sigmoid"),
+    ({"topk_method": "group_limited_greedy", "scoring_func": "sigmoid"}, "noaux_tc with sigmoid"),
+    ({"topk_method": "some_new_method"}, "'some_new_method' .* not supported"),
+])
+def test_routing_ember_does_not_run_is_refused(change, says):
+    with pytest.raises(ValueError, match=says):
+        ModelConfig.from_hf_config(VARIANTS["v2"] | change)
