@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from ember.layers.quant.ggml import dequantize  # noqa: F401 (the loader's API t
 from ember.layers.quant.gguf_blocks import KERNEL_TYPES, BlockTensor
 from ember.loader.gguf_experts import is_stacked_experts, split_experts
 from ember.loader.gguf_reader import CorruptGGUF, read_gguf
-from ember.loader.weights import hf_weight_shapes
+from ember.loader.weights import hf_weight_shapes, rope_rows_to_halves
 from ember.models.config import ModelConfig
 from ember.models.families import BY_GGUF_ARCHITECTURE
 
@@ -193,7 +194,9 @@ def gguf_to_hf_names(arch: str, hf_names: Iterable[str], num_layers: int) -> dic
     table = gguf.get_tensor_name_map(by_name[arch], num_layers)
     out: dict[str, str] = {}
     for hf in hf_names:
-        name = table.get_name(hf, try_suffixes=(".weight", ".bias"))
+        # DeepSeek-V3's router bias: the converter names it as a `.bias` of e_score_correction
+        name = table.get_name(hf.replace("e_score_correction_bias", "e_score_correction.bias"),
+                              try_suffixes=(".weight", ".bias"))
         if name is None:
             continue
         if name in out:
@@ -249,8 +252,15 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     family = BY_GGUF_ARCHITECTURE.get(f.architecture)
     unpermute = family is not None and family.gguf_rope_permuted
     no_kernel: dict[str, list[str]] = {}
+    latent_halves: dict[str, dict[str, torch.Tensor]] = {}  # MLA: blk.N -> its k_b and v_b, until both are read
     for gguf_name in f.tensor_names:
         if gguf_name in consumed:
+            continue
+        if (m := _LATENT_B.fullmatch(gguf_name)) is not None:
+            halves = latent_halves.setdefault(m[1], {})
+            halves[m[2]] = f.tensor(gguf_name)
+            if len(halves) == 2:
+                yield _kv_b_proj(int(m[1]), halves.pop("k"), halves.pop("v"))
             continue
         info = f.tensor_info(gguf_name)
         blocks = keep_quantized and len(info.shape) == 2 and info.qtype in KERNEL_TYPES
@@ -265,7 +275,9 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
             yield gguf_name, w
             continue
         rows = w.data if blocks else w
-        if unpermute and ".self_attn.q_proj." in name:
+        if cfg.rope_interleaved and (rope := _ROPE_PROJECTION.search(name)) is not None:
+            rows = rope_rows_to_halves(cfg, rope[1], rows)
+        elif unpermute and ".self_attn.q_proj." in name:
             rows = unpermute_rows(rows, cfg.num_heads)
         elif unpermute and ".self_attn.k_proj." in name:
             rows = unpermute_rows(rows, cfg.num_kv_heads)
@@ -280,6 +292,20 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
 
 
 _DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: plain weights, not quantized
+
+# llama.cpp's converter splits MLA's kv_b_proj per head into k_b (W_UK transposed: [H, r, nope])
+# and v_b (W_UV: [H, v, r]), the absorbed forms its graph multiplies by; ember's kv_b_proj is
+# [H x (nope + v), r], each head's W_UK rows then its W_UV rows
+_LATENT_B = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
+_ROPE_PROJECTION = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.")
+
+
+def _kv_b_proj(layer: int, k_b: torch.Tensor, v_b: torch.Tensor) -> tuple[str, torch.Tensor]:
+    if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        raise ValueError(f"layer {layer}: attn_k_b {tuple(k_b.shape)} and attn_v_b {tuple(v_b.shape)} are not "
+                         "[heads, kv_lora_rank, nope] and [heads, v_head_dim, kv_lora_rank]: convert the file again")
+    kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+    return f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1])
 
 
 def _block_tensor(f: GGUFFile, info: TensorInfo) -> BlockTensor:

@@ -216,13 +216,13 @@ def checkpoint_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tens
     if FAMILIES[cfg.architecture].conv1d_weights:
         return ((name, t.t() if _CONV1D.fullmatch(name) else t) for name, t in tensors)
     if cfg.rope_interleaved:
-        return ((name, _rope_rows_to_halves(cfg, m[1], t) if (m := _ROPE_ROWS.fullmatch(name)) else t)
+        return ((name, rope_rows_to_halves(cfg, m[1], t) if (m := _ROPE_ROWS.fullmatch(name)) else t)
                 for name, t in tensors)
     return tensors
 
 
-def _rope_rows_to_halves(cfg: ModelConfig, projection: str, t: torch.Tensor) -> torch.Tensor:
-    """The RoPE rows of a projection, interleaved pairs (x0 x1 | x2 x3 ...), as [evens | odds]:
+def rope_rows_to_halves(cfg: ModelConfig, projection: str, t: torch.Tensor) -> torch.Tensor:
+    """(A checkpoint's or a GGUF file's rows: a tensor, or GGUF blocks' bytes a row.) The RoPE rows of a projection, interleaved pairs (x0 x1 | x2 x3 ...), as [evens | odds]:
     the queries' last rotary_dim rows of each head, the latent projection's last rotary_dim."""
     rope = cfg.rotary_dim
     order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])

@@ -5,6 +5,7 @@ Built from GGUF metadata or from an HF config.json; layers never read raw config
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -314,12 +315,18 @@ class ModelConfig:
                              "(rope.dimension_count) is not supported: serve the model's HF checkpoint "
                              "directory instead")
         ff = get("feed_forward_length")
-        moe = _gguf_moe_options(md, arch, layers, ff)
+        rope_scaling = _gguf_rope_scaling(md, arch, tensor_names, vector)
+        mla: dict[str, Any] = {}
+        if fam.mla:
+            moe = _gguf_deepseek_moe_options(md, arch, layers)
+            mla, rope_scaling = _gguf_mla_options(md, arch, rope_scaling)
+            head_dim, rotary_dim = mla.pop("head_dim"), get("rope.dimension_count")
+        else:
+            moe = _gguf_moe_options(md, arch, layers, ff)
         query_scalar = None
         if fam.gguf_hidden_query_scale_layers:  # llama.cpp's Gemma 2/3 rule: the 27B models (by layer count)
             # scale by hidden / heads, others by head_dim; Gemma 1 by head_dim as any model
             query_scalar = hidden // heads if layers == fam.gguf_hidden_query_scale_layers else head_dim
-        rope_scaling = _gguf_rope_scaling(md, arch, tensor_names, vector)
         # the sliding layers' own RoPE base, as llama.cpp reads it: Gemma 3's defaults to 10000,
         # Gemma 2's to the global one (and keeps the global scaling)
         local_theta = md.get(f"{arch}.rope.freq_base_swa") if gemma else None
@@ -336,7 +343,7 @@ class ModelConfig:
             intermediate_size=ff,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=get("attention.head_count_kv", heads),
+            num_kv_heads=heads if mla else get("attention.head_count_kv", heads),
             head_dim=head_dim,
             rms_norm_eps=float(get(f"attention.layer_norm{'' if fam.layer_norm else '_rms'}_epsilon")),
             rope_theta=float(get("rope.freq_base", fam.rope_theta)),
@@ -362,6 +369,7 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             **moe,
             **_layer_norm_options(fam),
+            **mla,
         )
 
 
@@ -636,6 +644,55 @@ def _mla_options(config: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]
     return {"kv_lora_rank": config["kv_lora_rank"], "q_lora_rank": config.get("q_lora_rank") or 0,
             "qk_nope_head_dim": config["qk_nope_head_dim"], "v_head_dim": config["v_head_dim"],
             "attention_scale_factor": factor, "rope_interleaved": bool(config.get("rope_interleave", True))}
+
+
+def _gguf_mla_options(md: dict[str, Any], arch: str, rope_scaling: RopeScaling | None
+                      ) -> tuple[dict[str, Any], RopeScaling | None]:
+    """MLA's sizes from llama.cpp's deepseek2 keys (its converter writes the latent attention as
+    multi-query attention: key_length r + rope, key_length_mla a query head's nope + rope), and
+    its YaRN as llama.cpp runs it: cos and sin unscaled, every score times mscale squared,
+    mscale = 1 + yarn_log_multiplier * ln(factor) (0.1 * mscale_all_dim, the converter writes)."""
+    def get(key: str) -> Any:
+        if (value := md.get(f"{arch}.{key}")) is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}: the file is incomplete")
+        return value
+
+    rank, rope = get("attention.kv_lora_rank"), get("rope.dimension_count")
+    head_dim = get("attention.key_length_mla")
+    factor = 1.0
+    if rope_scaling is not None and rope_scaling.kind == "yarn":
+        log_mul = float(md.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0))
+        if log_mul:
+            mscale = 1.0 + log_mul * math.log(rope_scaling.factor) if rope_scaling.factor > 1 else 1.0
+            factor = mscale * mscale
+        rope_scaling = dataclasses.replace(rope_scaling, attention_factor=1.0)
+    return {"kv_lora_rank": rank, "q_lora_rank": md.get(f"{arch}.attention.q_lora_rank") or 0,
+            "qk_nope_head_dim": head_dim - rope, "v_head_dim": get("attention.value_length_mla"),
+            "attention_scale_factor": factor, "rope_interleaved": True, "head_dim": head_dim}, rope_scaling
+
+
+def _gguf_deepseek_moe_options(md: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """DeepSeekMoE from llama.cpp's keys: leading_dense_block_count dense layers, then experts
+    (expert_count of expert_feed_forward_length; expert_shared_count shared ones), routed by
+    expert_gating_func (1 softmax, 2 sigmoid) within expert_group_used_count of
+    expert_group_count groups, weights renormalized where expert_weights_norm, scaled by
+    expert_weights_scale."""
+    experts = md.get(f"{arch}.expert_count") or 0
+    dense = int(md.get(f"{arch}.leading_dense_block_count", 0))
+    gating = md.get(f"{arch}.expert_gating_func", 1)
+    if gating not in (1, 2):
+        raise ValueError(f"{arch}.expert_gating_func {gating}: ember routes DeepSeek's experts by softmax (1) or "
+                         "sigmoid (2)")
+    inter = md.get(f"{arch}.expert_feed_forward_length") or 0
+    sparse = tuple(bool(experts) and i >= dense for i in range(num_layers))
+    groups = md.get(f"{arch}.expert_group_count") or 1
+    return {"moe_layers": sparse if any(sparse) else None, "num_experts": experts,
+            "num_experts_per_tok": md.get(f"{arch}.expert_used_count") or 0, "moe_intermediate_size": inter,
+            "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", False)),
+            "shared_expert_intermediate_size": inter * (md.get(f"{arch}.expert_shared_count") or 0),
+            "shared_expert_gate": False, "moe_scoring": "softmax" if gating == 1 else "sigmoid",
+            "moe_groups": groups, "moe_topk_groups": md.get(f"{arch}.expert_group_used_count") or groups,
+            "routed_scaling_factor": float(md.get(f"{arch}.expert_weights_scale") or 1.0)}
 
 
 def _gguf_moe_options(md: dict[str, Any], arch: str, num_layers: int, ff: int) -> dict[str, Any]:

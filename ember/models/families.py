@@ -138,7 +138,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            moe="qwen"),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), "qwen2moe", qkv_bias_key="qkv_bias",
            qkv_bias_default=True, qwen_windows=True, moe="qwen", shared_expert=True, gguf_topk_norm=False),
-    Family("deepseek_v2", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), None, moe="deepseek", mla=True,
+    # llama.cpp writes V2, V3 and Kimi-K2 alike as deepseek2 (the routing in its keys)
+    Family("deepseek_v2", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), "deepseek2", moe="deepseek", mla=True,
            hf_config_defaults={"rms_norm_eps": 1e-6, "topk_method": "greedy", "scoring_func": "softmax",
                                "norm_topk_prob": False}, hf_tensor_names=_DEEPSEEK_NAMES),
     # Kimi-K2 is DeepSeek-V3's architecture
@@ -173,7 +174,8 @@ BY_HF_ARCHITECTURE = {a: f for f in FAMILIES.values() for a in f.hf_architecture
 BY_HF_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 # llama.cpp's general.architecture -> family, and -> the family of its files with experts
 BY_GGUF_ARCHITECTURE = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
-BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES.values() if f.moe}
+BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES.values()
+                   if f.moe and (f.gguf_experts_of or f.gguf_architecture)}
 # vision-language checkpoints (by `architectures`, or `model_type`): the language model's
 # config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)

@@ -45,7 +45,8 @@ VARIANTS = {
     "v2": V2 | {"q_lora_rank": 24, "n_routed_experts": 16, "topk_method": "group_limited_greedy", "n_group": 4,
                 "topk_group": 2, "routed_scaling_factor": 2.5},
     "v3": V3 | {"q_lora_rank": 24, "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
-                "norm_topk_prob": True, "num_nextn_predict_layers": 1,
+                "norm_topk_prob": True, "num_nextn_predict_layers": 1, "scoring_func": "sigmoid",
+                "topk_method": "noaux_tc",
                 "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
                                  "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}},
 }
@@ -168,3 +169,72 @@ def test_rope_not_interleaved(tmp_path, forward_logits):
 def test_routing_ember_does_not_run_is_refused(change, says):
     with pytest.raises(ValueError, match=says):
         ModelConfig.from_hf_config(VARIANTS["v2"] | change)
+
+
+# DeepSeek as llama.cpp users get it: converted by llama.cpp's own convert_hf_to_gguf.py (its
+# deepseek2 architecture: MLA written as multi-query attention, kv_b_proj split per head into
+# attn_k_b / attn_v_b, the experts stacked), with SmolLM2's BPE tokenizer (one the converter
+# recognises), as real configs state num_key_value_heads
+GGUF_VARIANTS = ("v2_lite", "v3")
+GGUF_ENGINE = ENGINE | dict(num_kv_blocks=32, kv_cache_dtype="float32")  # a GGUF's default cache is float16
+
+
+@pytest.fixture(scope="module", params=GGUF_VARIANTS)
+def converted(request, tmp_path_factory, gguf_convert, bpe_tokenizer_dir):
+    import shutil
+
+    name = request.param
+    root = tmp_path_factory.mktemp(f"{name}-gguf")
+    save_deepseek(VARIANTS[name] | {"vocab_size": 49152, "num_key_value_heads": 4}, root)
+    for f in bpe_tokenizer_dir.iterdir():
+        shutil.copy(f, root / f.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32).eval()
+    return name, root, gguf_convert(root, "f32"), hf
+
+
+def test_the_gguf_config_is_the_hf_one(converted):
+    from ember.loader.gguf import open_gguf
+
+    _, root, path, _ = converted
+    f = open_gguf(path)
+    assert f.architecture == "deepseek2" and "blk.0.attn_k_b.weight" in f.tensor_names
+    ours, theirs = ModelConfig.from_gguf_metadata(f.metadata, f.tensor_names), ModelConfig.from_hf_dir(root)
+    different = {k for k in theirs.__dataclass_fields__ if getattr(ours, k) != getattr(theirs, k)}
+    # eps written as float32; YaRN as llama.cpp runs DeepSeek's (cos and sin unscaled, mscale
+    # on the scores): the same numbers as transformers' mscale / mscale_all_dim of 1.0
+    assert different <= {"rms_norm_eps", "rope_scaling", "attention_scale_factor", "architecture"}
+    assert ours.attention_scale == pytest.approx(theirs.attention_scale)
+
+
+def test_gguf_logits_and_greedy_match_transformers(converted, forward_logits):
+    _, root, path, hf = converted
+    llm = LLM(str(path), **GGUF_ENGINE)
+    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
+        with torch.no_grad():
+            torch.testing.assert_close(ours, hf(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_gguf_greedy_matches_llama_cpp(converted, llama_greedy):
+    """llama.cpp's own greedy tokens on the same file (where its llama-server is built)."""
+    _, _, path, _ = converted
+    llm = LLM(str(path), **GGUF_ENGINE)
+    ours = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    theirs = llama_greedy(path, PROMPTS, MAX_TOKENS, ctx=GGUF_ENGINE["max_model_len"])
+    assert [list(o.outputs[0].token_ids) for o in ours] == theirs.tokens
+
+
+def test_q8_0_gguf_keeps_its_blocks(converted, gguf_convert):
+    """A Q8_0 file on the CPU's default path: the 2-D projections stay in their blocks (the
+    RoPE rows reordered a whole row at a time), kv_b_proj is rebuilt from k_b / v_b dense,
+    and the greedy tokens follow float32's for most of the way (int8 activations)."""
+    from ember.layers.quant.gguf_blocks import GGUFBlocks
+
+    name, root, _, hf = converted
+    llm = LLM(str(gguf_convert(root, "q8_0")), **ENGINE)
+    attn = llm.engine.runner.model.attention_layers()[1]
+    assert isinstance(attn.kv_a_proj_with_mqa.format, GGUFBlocks) and attn.kv_b_proj.weight.is_floating_point()
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids[:4] == _hf_greedy(hf, PROMPTS[0])[:4]
