@@ -256,6 +256,8 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     for gguf_name in f.tensor_names:
         if gguf_name in consumed:
             continue
+        if (block := _BLOCK.match(gguf_name)) is not None and int(block[1]) >= cfg.num_layers:
+            continue  # a multi-token-prediction layer after the model's (GLM-4.5's converter writes them)
         if (m := _LATENT_B.fullmatch(gguf_name)) is not None:
             halves = latent_halves.setdefault(m[1], {})
             halves[m[2]] = f.tensor(gguf_name)
@@ -296,6 +298,7 @@ _DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: plain weights, not quantized
 # llama.cpp's converter splits MLA's kv_b_proj per head into k_b (W_UK transposed: [H, r, nope])
 # and v_b (W_UV: [H, v, r]), the absorbed forms its graph multiplies by; ember's kv_b_proj is
 # [H x (nope + v), r], each head's W_UK rows then its W_UV rows
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 _LATENT_B = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
 _ROPE_PROJECTION = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.")
 

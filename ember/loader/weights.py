@@ -178,7 +178,7 @@ def checkpoint_names(cfg: ModelConfig) -> Callable[[str], str | None] | None:
         return lambda name: _encoder_name(name, pooler=cfg.classifier == "bert")
     if FAMILIES[cfg.architecture].hf_tensor_names:
         rules = [(re.compile(pattern), ours) for pattern, ours in FAMILIES[cfg.architecture].hf_tensor_names]
-        if cfg.mla:  # DeepSeek-V3's multi-token-prediction layers follow the model's: not read
+        if FAMILIES[cfg.architecture].moe == "deepseek":  # multi-token-prediction layers follow the model's: not read
             return lambda name: None if _layer_index(name) >= cfg.num_layers else _renamed(name, rules)
         return lambda name: _renamed(name, rules)
     return _language_model_name if cfg.multimodal else None

@@ -245,7 +245,7 @@ class ModelConfig:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma or fam.tied_default)),
             attention_bias=_qkv_bias(config, fam),
-            qk_norm=fam.qk_norm,
+            qk_norm=fam.qk_norm or bool(fam.qk_norm_key and config.get(fam.qk_norm_key)),
             rope_scaling=_rope_scaling(global_rope, config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=_first(config.get("eos_token_id")),
@@ -303,7 +303,8 @@ class ModelConfig:
         hidden = get("embedding_length")
         heads = get("attention.head_count")
         head_dim = md.get(f"{arch}.attention.key_length") or hidden // heads
-        layers = get("block_count")
+        # GLM-4.5's converter counts its multi-token-prediction layers among the blocks (the loader skips them)
+        layers = get("block_count") - md.get(f"{arch}.nextn_predict_layers", 0)
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
         context = get("context_length")
         gemma = fam.gemma
@@ -317,11 +318,12 @@ class ModelConfig:
         ff = get("feed_forward_length")
         rope_scaling = _gguf_rope_scaling(md, arch, tensor_names, vector)
         mla: dict[str, Any] = {}
-        if fam.mla:
+        if fam.moe == "deepseek":
             moe = _gguf_deepseek_moe_options(md, arch, layers)
+        if fam.mla:
             mla, rope_scaling = _gguf_mla_options(md, arch, rope_scaling)
             head_dim, rotary_dim = mla.pop("head_dim"), get("rope.dimension_count")
-        else:
+        if fam.moe != "deepseek":
             moe = _gguf_moe_options(md, arch, layers, ff)
         query_scalar = None
         if fam.gguf_hidden_query_scale_layers:  # llama.cpp's Gemma 2/3 rule: the 27B models (by layer count)

@@ -23,6 +23,7 @@ class Family:
     gemma: bool = False
     sandwich_norms: bool = False  # Gemma 2/3: a norm on each sublayer's output too (Gemma 1: none)
     qk_norm: bool = False  # HF: per-head RMSNorm on q and k (GGUF: where the file has the tensors)
+    qk_norm_key: str | None = None  # the config.json key that turns them on (GLM-4.5's use_qk_norm)
     # q/k/v biases: the config.json key that says so and its default (None: always, Qwen2)
     qkv_bias_key: str | None = "attention_bias"
     qkv_bias_default: bool = False
@@ -146,6 +147,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi_k2"), None, moe="deepseek", mla=True,
            hf_config_defaults={"rms_norm_eps": 1e-6, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                                "norm_topk_prob": True, "rope_interleave": True}, hf_tensor_names=_DEEPSEEK_NAMES),
+    # GLM-4.5 / 4.6: Llama's attention (q/k/v biases, RoPE on half of each head, optional q/k
+    # norms) over DeepSeek-V3's experts and router
+    Family("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), "glm4moe", moe="deepseek", qk_norm_key="use_qk_norm",
+           hf_config_defaults={"topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True},
+           hf_tensor_names=_DEEPSEEK_NAMES),
     Family("gpt2", ("GPT2LMHeadModel",), ("gpt2",), "gpt2", qkv_bias_key=None, qkv_bias_default=True,
            layer_norm=True, learned_positions=0, conv1d_weights=True, tied_default=True, fused_projections=True,
            hf_config_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
