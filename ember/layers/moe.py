@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.distributed.parallel_state import tp_size
@@ -45,8 +46,13 @@ class GroupedRouting:
 
 
 class FusedMoE(nn.Module):
+    """`biased` (gpt-oss): the router and each expert's projections add a bias (w13_bias
+    [E, 2I], w2_bias [E, H]); `swiglu` (alpha, limit): the clamped SwiGLU in place of
+    silu(gate) * up. Both run on the torch path (the CUDA kernels have neither)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, grouped: GroupedRouting | None = None) -> None:
+                 renormalize: bool, grouped: GroupedRouting | None = None, biased: bool = False,
+                 swiglu: tuple[float, float] | None = None) -> None:
         super().__init__()
         if tp_size() > 1:
             raise ValueError("tensor parallelism does not split mixtures of experts yet: run the model with "
@@ -58,7 +64,8 @@ class FusedMoE(nn.Module):
         self.grouped = grouped
         if grouped is not None and num_experts % grouped.groups:
             raise ValueError(f"{num_experts} experts do not split into n_group {grouped.groups} groups")
-        self.gate = Linear(hidden_size, num_experts)
+        self.gate = Linear(hidden_size, num_experts, bias=biased)
+        self.swiglu = swiglu
         if grouped is not None and grouped.scoring == "sigmoid":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -66,13 +73,20 @@ class FusedMoE(nn.Module):
         # shards: w13's 2e is expert e's gate, 2e + 1 its up; w2's e is expert e's down
         self.w13.num_shards, self.w13.weight_loader = 2 * num_experts, self.load_w13
         self.w2.num_shards, self.w2.weight_loader = num_experts, self.load_w2
+        self.biased = biased
+        if biased:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
-    def load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
+    def load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """Expert e's gate (shard 2e) or up (2e + 1); shard None: every expert's stacked (gpt-oss)."""
+        if shard is None:
+            return _copy(param.data, loaded, "all")
         expert, half = divmod(shard, 2)
         _copy(param.data[expert].narrow(0, half * self.intermediate_size, self.intermediate_size), loaded, shard)
 
-    def load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
-        _copy(param.data[shard], loaded, shard)
+    def load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        _copy(param.data if shard is None else param.data[shard], loaded, "all" if shard is None else shard)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, E] logits -> (weights [T, k] in float32, expert ids [T, k])."""
@@ -103,6 +117,11 @@ class FusedMoE(nn.Module):
         return weights * g.scale, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.biased or self.swiglu is not None:  # gpt-oss: the torch path on every device
+            gate = self.gate(x) if cuda_paths(x) else in_row_blocks(self.gate, x)
+            weights, ids = self.route(gate)
+            return grouped_experts(x, self.w13, self.w2, weights.to(x.dtype), ids,
+                                   (self.w13_bias, self.w2_bias) if self.biased else None, self.swiglu)
         if cuda_paths(x) and self.grouped is not None:
             from ember.kernels.moe import fused_experts
 
@@ -118,7 +137,8 @@ class FusedMoE(nn.Module):
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
+                    ids: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """sum over k, in slot order, of weights[t, k] * expert ids[t, k] (x[t]): the (token, slot)
     pairs grouped by expert, each expert's rows in calls of batch_invariant.ROWS (a dense
     matmul's kernel follows its row count: fixed-size calls keep a token's bits its own)."""
@@ -131,7 +151,8 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     start = 0
     for expert, n in enumerate(counts):
         if n:
-            ys[start:start + n] = _expert(xs[start:start + n], w13[expert], w2[expert])
+            bias = None if biases is None else (biases[0][expert], biases[1][expert])
+            ys[start:start + n] = _expert(xs[start:start + n], w13[expert], w2[expert], bias, swiglu)
             start += n
     per_slot = torch.empty_like(ys)
     per_slot[order] = ys  # back in (token, slot) order
@@ -142,11 +163,25 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return out
 
 
-def _expert(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    return in_row_blocks(lambda rows: silu_and_mul(rows @ w13.t()) @ w2.t(), xs)
+def _expert(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+            swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+    if bias is None and swiglu is None:
+        return in_row_blocks(lambda rows: silu_and_mul(rows @ w13.t()) @ w2.t(), xs)
+    b13, b2 = bias if bias is not None else (None, None)
+    act = silu_and_mul if swiglu is None else lambda gate_up: clamped_swiglu(gate_up, *swiglu)
+    return in_row_blocks(lambda rows: F.linear(act(F.linear(rows, w13, b13)), w2, b2), xs)
 
 
-def _copy(rows: torch.Tensor, loaded: torch.Tensor, shard: int) -> None:
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of [gate | up]: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    g = min(gate, limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def _copy(rows: torch.Tensor, loaded: torch.Tensor, shard: int | str) -> None:
     if rows.shape != loaded.shape:
         raise ValueError(f"shape mismatch for shard {shard}: parameter {tuple(rows.shape)}, "
                          f"checkpoint {tuple(loaded.shape)}")

@@ -86,6 +86,8 @@ def checkpoint_scheme(config: dict[str, Any], source: str = "config.json") -> FP
         return _fp8_method(qc, source)
     if method == "compressed-tensors":
         return _compressed_tensors(qc, source)
+    if method == "mxfp4":  # gpt-oss's experts: decoded as they load (loader/weights.py), the rest is dense
+        return None
     raise ValueError(f"{source}: quant_method {method!r} is not supported; {SUPPORTED}. Use an FP8 or an "
                      "unquantized (bf16) checkpoint of the model, or a GGUF file")
 

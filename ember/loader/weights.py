@@ -7,7 +7,7 @@ how those names land on ember's merged parameters.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -89,6 +89,10 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (kv,)}
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+        if cfg.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (cfg.num_heads,)
     return shapes
 
 
@@ -141,8 +145,13 @@ def _layer_norm_decoder_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _expert_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
-    """A sparse layer's router and per-expert tensors, as its HF checkpoint names them."""
+    """A sparse layer's router and per-expert tensors, as its HF checkpoint names them
+    (gpt-oss's stacked ones under ember's names, in ember's layout)."""
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    if cfg.moe_bias:
+        e, p = cfg.num_experts, layer + "mlp."
+        return {p + "gate.weight": (e, h), p + "gate.bias": (e,), p + "w13": (e, 2 * inter, h),
+                p + "w13_bias": (e, 2 * inter), p + "w2": (e, h, inter), p + "w2_bias": (e, h)}
     mixtral = FAMILIES[cfg.architecture].moe == "mixtral"
     p = layer + ("block_sparse_moe." if mixtral else "mlp.")
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -215,10 +224,50 @@ def checkpoint_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tens
     hold them; DeepSeek's interleaved RoPE rows reordered to rotate-half (models/mla.py)."""
     if FAMILIES[cfg.architecture].conv1d_weights:
         return ((name, t.t() if _CONV1D.fullmatch(name) else t) for name, t in tensors)
+    if FAMILIES[cfg.architecture].moe == "gpt_oss":
+        return _gpt_oss_experts(tensors)
     if cfg.rope_interleaved:
         return ((name, rope_rows_to_halves(cfg, m[1], t) if (m := _ROPE_ROWS.fullmatch(name)) else t)
                 for name, t in tensors)
     return tensors
+
+
+_MXFP4 = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)")
+_GPT_OSS_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.(w13|w13_bias|w2)")
+
+
+def _gpt_oss_experts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's stacked experts in FusedMoE's layout: transformers' dense gate_up_proj
+    [E, H, 2I] (gate and up columns interleaved) -> w13 [E, 2I, H] (gate rows, then up), its
+    bias alike, down_proj [E, I, H] -> w2 [E, H, I]; the released MXFP4 blocks and scales
+    ([E, out, in / 32, 16] and [E, out, in / 32], rows interleaved as the dense columns) are
+    decoded to the same (layers/quant/mxfp4.py)."""
+    from ember.layers.quant.mxfp4 import dequantize_mxfp4
+
+    halves: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name, t in tensors:
+        if (m := _MXFP4.fullmatch(name)) is not None:
+            pair = halves.setdefault((m[1], m[2]), {})
+            pair[m[3]] = t
+            if len(pair) == 2:
+                w = dequantize_mxfp4(pair.pop("blocks"), pair.pop("scales"))
+                yield (f"{m[1]}.mlp.w13", _gate_up_rows(w)) if m[2] == "gate_up" else (f"{m[1]}.mlp.w2", w)
+            continue
+        if (m := _GPT_OSS_EXPERTS.fullmatch(name)) is not None:
+            if m[1] == "w13":
+                t = _gate_up_rows(t.transpose(1, 2))
+            elif m[1] == "w13_bias":
+                t = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+            else:
+                t = t.transpose(1, 2)
+        yield name, t
+    if any(halves.values()):
+        raise ValueError(f"MXFP4 expert tensors without their pair: {sorted(k for k, v in halves.items() if v)}")
+
+
+def _gate_up_rows(w: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, H] rows gate, up, gate, up, ... -> every gate row, then every up row."""
+    return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1).contiguous()
 
 
 def rope_rows_to_halves(cfg: ModelConfig, projection: str, t: torch.Tensor) -> torch.Tensor:

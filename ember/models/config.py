@@ -124,6 +124,13 @@ class ModelConfig:
     # the checkpoint's RoPE dims are interleaved pairs (DeepSeek): the loader reorders their rows
     # to ember's rotate-half layout
     rope_interleaved: bool = False
+    # gpt-oss: a learned softmax logit a head (attention sinks), a bias on o_proj too, a router
+    # and experts with biases, and the experts' clamped SwiGLU: (clamp(up, -l, l) + 1) *
+    # g * sigmoid(alpha * g), g = min(gate, l), for (alpha, l) = swiglu; None: silu(gate) * up
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    moe_bias: bool = False
+    swiglu: tuple[float, float] | None = None
 
     @property
     def mla(self) -> bool:
@@ -265,6 +272,8 @@ class ModelConfig:
             **_score_head(config),
             **_layer_norm_options(fam),
             **mla,
+            attention_sinks=fam.attention_sinks,
+            o_proj_bias=bool(fam.o_proj_bias_key and config.get(fam.o_proj_bias_key)),
         )
 
     @staticmethod
@@ -592,6 +601,11 @@ def _moe_options(config: dict[str, Any], fam: Family, num_layers: int) -> dict[s
                 "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True}
     if fam.moe == "deepseek":
         return _deepseek_moe_options(config, num_layers)
+    if fam.moe == "gpt_oss":
+        return {"moe_layers": (True,) * num_layers, "num_experts": config["num_local_experts"],
+                "num_experts_per_tok": config["num_experts_per_tok"],
+                "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True, "moe_bias": True,
+                "swiglu": (float(config["swiglu_alpha"]), float(config["swiglu_limit"]))}
     if fam.moe == "qwen":
         dense, step = set(config.get("mlp_only_layers") or ()), config.get("decoder_sparse_step", 1)
         experts = config["num_experts"]

@@ -41,8 +41,10 @@ class Family:
     # llama.cpp scales queries by hidden / heads for this layer count (the 27B models), else head_dim
     gguf_hidden_query_scale_layers: int | None = None
     # experts: "mixtral" (every layer sparse, w1/w2/w3 under block_sparse_moe), "qwen"
-    # (mlp_only_layers, decoder_sparse_step, gate/up/down_proj under mlp) or "deepseek" (dense
-    # first_k_dense_replace layers, shared experts, grouped routing: models/config.py)
+    # (mlp_only_layers, decoder_sparse_step, gate/up/down_proj under mlp), "deepseek" (dense
+    # first_k_dense_replace layers, shared experts, grouped routing: models/config.py) or
+    # "gpt_oss" (every layer sparse; a router and experts with biases, the clamped SwiGLU, the
+    # experts stacked in one tensor each, dense or MXFP4)
     moe: str | None = None
     shared_expert: bool = False  # Qwen2-MoE: a gated shared expert beside the routed ones
     # GGUF: llama.cpp's top-k renormalization (build_moe_ffn's norm_w): its graphs fix it and
@@ -76,6 +78,8 @@ class Family:
     # multi-head latent attention (DeepSeek-V2/V3); its RoPE dims stored as interleaved pairs
     # (V3: unless config.json's rope_interleave is false)
     mla: bool = False
+    attention_sinks: bool = False  # gpt-oss: a learned softmax logit a head (self_attn.sinks)
+    o_proj_bias_key: str | None = None  # the config.json key that gives o_proj a bias too (gpt-oss's attention_bias)
 
 
 # What transformers' Gemma3TextConfig fills where a config.json is silent (as transformers
@@ -118,6 +122,16 @@ _PHI_NAMES = (
 
 _DEEPSEEK_NAMES = ((r"model\.layers\.(\d+)\.mlp\.shared_experts\.", r"model.layers.\1.mlp.shared_expert."),)
 
+# gpt-oss: the router is mlp.gate here; the stacked experts (dense, or MXFP4 blocks and scales,
+# which loader/weights.py decodes) are FusedMoE's w13 / w2 and their biases
+_GPT_OSS_NAMES = (
+    (r"model\.layers\.(\d+)\.mlp\.router\.", r"model.layers.\1.mlp.gate."),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj_bias$", r"model.layers.\1.mlp.w13_bias"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$", r"model.layers.\1.mlp.w13"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj_bias$", r"model.layers.\1.mlp.w2_bias"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj$", r"model.layers.\1.mlp.w2"),
+)
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("LlamaForCausalLM", "LlamaForSequenceClassification"), ("llama",), "llama",
            gguf_rope_permuted=True),
@@ -152,6 +166,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), "glm4moe", moe="deepseek", qk_norm_key="use_qk_norm",
            hf_config_defaults={"topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True},
            hf_tensor_names=_DEEPSEEK_NAMES),
+    # gpt-oss: attention sinks, every other layer a 128-token window, q/k/v/o biases, YaRN,
+    # MXFP4 experts with the clamped SwiGLU (its GGUFs: not yet)
+    Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), None, moe="gpt_oss", qkv_bias_key="attention_bias",
+           qkv_bias_default=True, o_proj_bias_key="attention_bias", attention_sinks=True, rope_theta=150000.0,
+           sliding_pattern=2, hf_config_defaults={"attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
+           hf_tensor_names=_GPT_OSS_NAMES),
     Family("gpt2", ("GPT2LMHeadModel",), ("gpt2",), "gpt2", qkv_bias_key=None, qkv_bias_default=True,
            layer_norm=True, learned_positions=0, conv1d_weights=True, tied_default=True, fused_projections=True,
            hf_config_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",

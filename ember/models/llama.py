@@ -3,8 +3,9 @@
 Gemma 1, 2 and 3, the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE (a sparse MLP, layers/moe.py,
 in the layers ModelConfig.moe_layers marks), and the LayerNorm decoders GPT-2, OPT and Phi-2
 (biases everywhere, a plain MLP; learned positions for the first two, attention and MLP side
-by side for Phi-2), and DeepSeek-V2/V3 (multi-head latent attention, models/mla.py, and
-DeepSeekMoE's grouped routing with shared experts). The families differ only in options that ModelConfig names (norm kind,
+by side for Phi-2), DeepSeek-V2/V3 (multi-head latent attention, models/mla.py, and
+DeepSeekMoE's grouped routing with shared experts), GLM-4.5 (Llama's attention over DeepSeek's
+experts) and gpt-oss (attention sinks, biased experts with a clamped SwiGLU). The families differ only in options that ModelConfig names (norm kind,
 activation, sandwich norms, embedding scale, soft-capping, a sliding window per layer, a
 second RoPE for the sliding layers, positions); each block reads them, so no block is copied.
 
@@ -48,7 +49,12 @@ class LlamaAttention(nn.Module):
         # this rank's heads (all of them on one rank)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.layer_norm)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=cfg.layer_norm or cfg.o_proj_bias)
+        self.sinks = None
+        if cfg.attention_sinks:  # gpt-oss: this rank's heads' logits
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+            self.sinks.weight_loader = self._load_sinks
         if cfg.qk_norm:
             self.q_norm = _norm(cfg, cfg.head_dim)
             self.k_norm = _norm(cfg, cfg.head_dim)
@@ -81,8 +87,14 @@ class LlamaAttention(nn.Module):
             q, k, written = apply_rotary(q, k, rope, cache)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale,
                                  kv_written=written, sliding_window=self.sliding_window,
-                                 logit_softcap=self.logit_softcap)
+                                 logit_softcap=self.logit_softcap, sinks=self.sinks)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        first = self.qkv_proj.rank_rows[0][0] // self.head_dim
+        if loaded.dim() != 1 or loaded.shape[0] < first + self.num_heads:
+            raise ValueError(f"parameter of {self.num_heads} heads from {first}, checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, first, self.num_heads))
 
 
 class LlamaMLP(nn.Module):
@@ -150,7 +162,7 @@ def _sparse_mlp(cfg: ModelConfig) -> FusedMoE:
     if cfg.shared_expert_intermediate_size:
         return SharedExpertMoE(cfg, grouped)
     return FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                    cfg.norm_topk_prob, grouped)
+                    cfg.norm_topk_prob, grouped, biased=cfg.moe_bias, swiglu=cfg.swiglu)
 
 
 class LlamaDecoderLayer(nn.Module):

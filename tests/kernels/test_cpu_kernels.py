@@ -252,6 +252,52 @@ def test_paged_attention_with_window_and_softcap(dtype, heads, kv_heads, dim, wi
         assert torch.equal(got, last.repeat_interleave(heads // kv_heads, 1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_with_sinks(dtype, window):
+    """gpt-oss's attention sinks: each head's logit joins the softmax's denominator (a key of
+    no value), against the plain-torch matmuls with the sink column; sinks far below every
+    score change nothing, one far above drives the output to zero."""
+    heads, kv_heads, dim = 8, 2, 64
+    q, k_cache, v_cache, tables, lens = decode_case(dtype, heads, kv_heads, dim, 5, [1, 16, 17, 100, 47])
+    scale, starts = 1 / math.sqrt(dim), torch.arange(len(lens) + 1, dtype=torch.int32)
+    sinks = torch.linspace(-2.0, 3.0, heads)
+    block_size = k_cache.shape[1]
+    length = -(-int(lens.max()) // block_size) * block_size
+    keys = torch.arange(length)[None, :]
+    mask = keys < lens[:, None]
+    if window is not None:
+        mask &= keys >= lens[:, None] - window
+    want = _matmul_attention(q.float()[:, None], context_blocks(k_cache, tables, length).float(),
+                             context_blocks(v_cache, tables, length).float(), mask[:, None, None, :], scale, None,
+                             sinks)[:, 0]
+    got = cpu_kernels.ops().paged_attention(q, k_cache, v_cache, tables, starts, lens, scale, window or 0, 0.0,
+                                            None, None, sinks)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+    plain = decode(q, k_cache, v_cache, tables, lens, scale, window or 0)
+    low = cpu_kernels.ops().paged_attention(q, k_cache, v_cache, tables, starts, lens, scale, window or 0, 0.0,
+                                            None, None, torch.full((heads,), -1e4))
+    assert torch.equal(low, plain)
+    high = cpu_kernels.ops().paged_attention(q, k_cache, v_cache, tables, starts, lens, scale, window or 0, 0.0,
+                                             None, None, torch.full((heads,), 1e4))
+    assert high.float().abs().max() < 1e-30
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_over_a_latent_cache(dtype):
+    """Multi-head latent attention's shape (models/mla.py): many query heads over one cached
+    "head" of 576 dims (latent 512 + RoPE key 64) that is both the keys and the values (the
+    same tensor passed twice)."""
+    heads, dim = 16, 576
+    q, k_cache, _, tables, lens = decode_case(dtype, heads, 1, dim, 9, [1, 16, 17, 100])
+    scale = 1 / math.sqrt(192)
+    got = decode(q, k_cache, k_cache, tables, lens, scale)
+    want = plain_decode(q, k_cache, k_cache, tables, lens, scale)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
 def test_paged_attention_refuses_bad_layouts():
     ops = cpu_kernels.ops()
     cache = torch.zeros(4, 16, 2, 8)

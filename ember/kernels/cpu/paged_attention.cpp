@@ -23,7 +23,9 @@
 //
 // A layer's options: with a sliding window W > 0 a query at p sees keys p - W < j <= p, and
 // only those are read; with a soft cap c > 0 each score s becomes c * tanh(s / c). An fp8
-// cache holds K / k_scale and V / v_scale (float8_e4m3fn): read back times the scale.
+// cache holds K / k_scale and V / v_scale (float8_e4m3fn): read back times the scale. With
+// attention sinks (gpt-oss: a learned logit a head) the softmax's denominator has one more
+// term, as if a key of score sink[h] and value 0 were seen: m = max(m, sink), sum += exp(sink - m).
 //
 // Work item = (sequence, KV head, tile of up to kTileRows query rows): the query heads that
 // share the KV head read each key row once per tile. Rows of the cache:
@@ -237,6 +239,7 @@ struct Args {
   const int32_t* lens;
   float scale, cap, inv_cap, k_scale, v_scale;
   int64_t window;
+  const float* sinks;                      // a logit per query head, or null
   RowIn load_q;
   RowsIn load_kv;
   RowOut store_out;
@@ -411,14 +414,15 @@ void attend(const Args& a, const Item& it) {
       store16(s + j, x);
       top = top > x ? top : x;
     }
-    const float m = max_lanes(top);
+    const float sink = a.sinks ? a.sinks[it.kv_head * group + vi % group] : -std::numeric_limits<float>::infinity();
+    const float m = std::max(max_lanes(top), sink);
     v16 total = splat(0.f);
     for (int64_t j = 0; j < span; j += kLanes) {
       const v16 e = exp16(load16(s + j) - m);  // hidden keys: -inf - m -> 0
       store16(s + j, e);
       total += e;
     }
-    inv_totals[vi] = 1.f / sum_lanes(total);
+    inv_totals[vi] = 1.f / (sum_lanes(total) + (a.sinks ? std::exp(sink - m) : 0.f));
   }
   for (int64_t c0 = lo; c0 < end; c0 += kKeyChunk) {  // values, key by key, up to 4 query vectors at a time
     const int64_t c1 = std::min(c0 + kKeyChunk, end);
@@ -481,7 +485,7 @@ void run(const Args& a, int64_t seqs) {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            double scale, int64_t window, double softcap, const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [num_tokens, heads, head_dim] with unit last stride");
@@ -511,9 +515,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const bool fp8 = ct == at::kFloat8_e4m3fn;
   const float fs = static_cast<float>(softcap);
   const int64_t chunks = (q.size(2) + kLanes - 1) / kLanes;
-  // the head size padded to a register count there is code for (zeros add nothing)
-  const int nc = chunks <= 6 ? static_cast<int>(chunks) : chunks <= 8 ? 8 : chunks <= 16 ? 16 : 32;
-  TORCH_CHECK(chunks <= 32, "head_dim ", q.size(2), " is over the kernel's 512");
+  // the head size padded to a register count there is code for (zeros add nothing); 36: the
+  // 576 of multi-head latent attention's latent (512) and RoPE key (64)
+  const int nc = chunks <= 6 ? static_cast<int>(chunks) : chunks <= 8 ? 8 : chunks <= 16 ? 16 : chunks <= 32 ? 32 : 36;
+  TORCH_CHECK(chunks <= 36, "head_dim ", q.size(2), " is over the kernel's 576");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+              sinks->dim() == 1 && sinks->size(0) == q.size(1)), "sinks must be contiguous float32 [heads]");
   Args a{};
   a.q = static_cast<const char*>(q.data_ptr());
   a.q_token_stride = q.stride(0) * q.element_size();
@@ -536,6 +543,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   a.k_scale = fp8 ? scale_of(k_scale) : 1.f;
   a.v_scale = fp8 ? scale_of(v_scale) : 1.f;
   a.window = window;
+  a.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   a.load_q = qt == at::kFloat ? &q_row<float> : qt == at::kBFloat16 ? &q_row<at::BFloat16> : &q_row<at::Half>;
   a.store_out = qt == at::kFloat ? &out_row<float> : qt == at::kBFloat16 ? &out_row<at::BFloat16> : &out_row<at::Half>;
   a.load_kv = ct == at::kFloat ? &cache_rows<float> : ct == at::kHalf ? &cache_rows<at::Half>
@@ -553,7 +561,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     case 6: run<6>(a, seqs); break;
     case 8: run<8>(a, seqs); break;
     case 16: run<16>(a, seqs); break;
-    default: run<32>(a, seqs); break;
+    case 32: run<32>(a, seqs); break;
+    default: run<36>(a, seqs); break;
   }
   return out;
 }
@@ -561,10 +570,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
-  // window 0: the whole context; softcap 0: plain scores; k_scale / v_scale: an fp8 cache's
+  // window 0: the whole context; softcap 0: plain scores; k_scale / v_scale: an fp8 cache's;
+  // sinks: a softmax logit a query head (gpt-oss)
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, int window=0, float softcap=0.0, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> Tensor");
+        "Tensor? v_scale=None, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {

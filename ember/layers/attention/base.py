@@ -78,5 +78,6 @@ class AttentionBackend(ABC):
         kv_written: bool = False,  # k and v are in the cache already (CUDA's RoPE kernel wrote them)
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32: gpt-oss's softmax logit a head, no value
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

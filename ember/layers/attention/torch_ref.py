@@ -80,39 +80,39 @@ class TorchReferenceBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 kv_written: bool = False, sliding_window: int | None = None,
-                logit_softcap: float | None = None) -> torch.Tensor:
+                logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if _cpu_kernel_ok(q):
             return cpu_kernels.ops().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                                      meta.seq_lens, scale, sliding_window or 0, logit_softcap or 0.0,
-                                                     k_scale, v_scale)
+                                                     k_scale, v_scale, None if sinks is None else sinks.float())
         key = (self.name, sliding_window)  # layers with another window see other keys: their own plan
         groups = meta.plans.get(key)
         if groups is None:
             groups = meta.plans[key] = _plan(meta, k_cache.shape[1], sliding_window)
         scales = (k_scale, v_scale)
         if len(groups) == 1 and isinstance(groups[0].tokens, slice) and groups[0].tokens == slice(None):
-            return self._attend(q, k_cache, v_cache, groups[0], scale, scales, sliding_window, logit_softcap)
+            return self._attend(q, k_cache, v_cache, groups[0], scale, scales, sliding_window, logit_softcap, sinks)
         out = torch.empty_like(q)
         for g in groups:
             out[g.tokens] = self._attend(q[g.tokens], k_cache, v_cache, g, scale, scales, sliding_window,
-                                         logit_softcap)
+                                         logit_softcap, sinks)
         return out
 
     @staticmethod
     def _attend(q, k_cache, v_cache, g: _Group, scale: float, kv_scales, sliding_window: int | None,
-                logit_softcap: float | None) -> torch.Tensor:
+                logit_softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q rows of B sequences: [B * n, H, D] -> [B * n, H, D]."""
         batch, n, length = g.tables.shape[0], g.mask.shape[2], g.mask.shape[3]
         keys = dequantize_kv(context_blocks(k_cache, g.tables, length), kv_scales[0])  # [B, L, Hkv, D]
         values = dequantize_kv(context_blocks(v_cache, g.tables, length), kv_scales[1])
-        if logit_softcap is not None or (n == 1 and q.dtype != torch.float32):
+        if logit_softcap is not None or sinks is not None or (n == 1 and q.dtype != torch.float32):
             # measured at batch 16: for a bfloat16 cache two small float32 matmuls beat
             # upcasting everything for SDPA; in float32, SDPA's kernel is the faster one.
-            # SDPA has no soft-capping: capped scores take the matmuls too.
+            # SDPA has no soft-capping or sinks: those take the matmuls too.
             return _matmul_attention(q.view(batch, n, *q.shape[1:]), keys, values, g.mask, scale,
-                                     logit_softcap).reshape(q.shape)
+                                     logit_softcap, sinks).reshape(q.shape)
         # in float32: torch's CPU attention is much slower in bfloat16, and these are small
         o = F.scaled_dot_product_attention(
             q.view(batch, n, *q.shape[1:]).transpose(1, 2).float(), keys.transpose(1, 2).float(),
@@ -127,16 +127,21 @@ def _cpu_kernel_ok(q: torch.Tensor) -> bool:
 
 
 def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                      scale: float, logit_softcap: float | None) -> torch.Tensor:
+                      scale: float, logit_softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention in float32 with two matmuls: q [B, n, H, D], keys/values [B, L, Hkv, D],
-    mask [B, 1, n, L] -> [B, n, H, D]."""
+    mask [B, 1, n, L] -> [B, n, H, D]. sinks [H]: one more softmax logit a head, of no value."""
     batch, n, heads, dim = q.shape
     kv_heads = keys.shape[2]
     qg = q.reshape(batch, n, kv_heads, heads // kv_heads, dim).float()  # a KV head's query group
     scores = torch.einsum("bnkgd,blkd->bkgnl", qg, keys.float()) * scale
     if logit_softcap is not None:
         scores = torch.tanh(scores / logit_softcap) * logit_softcap
-    probs = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    if sinks is not None:  # a column of each head's sink logit, dropped after the softmax
+        sink = sinks.float().view(1, kv_heads, heads // kv_heads, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
     out = torch.einsum("bkgnl,blkd->bnkgd", probs, values.float())
     return out.reshape(batch, n, heads, dim).to(q.dtype)
 

@@ -1,0 +1,156 @@
+"""gpt-oss (GptOssForCausalLM) on a tiny random model saved by transformers: attention sinks
+(a learned softmax logit a head, in the C++ kernel and the plain-torch matmuls), every other
+layer a sliding window shorter than the prompts, q/k/v/o biases, YaRN without truncation,
+and experts with biases under the clamped SwiGLU, routed by softmax over the top-k router
+logits. Every bias and sink is moved off transformers' zero init so that each one counts:
+ember's logits and greedy tokens equal transformers' (float32), through chunked prefill and a
+prefix hit. And the experts as gpt-oss ships them, MXFP4 blocks and scales: decoded as
+transformers' own decoder does, and served equal to transformers on the decoded weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.layers.quant.mxfp4 import E2M1, dequantize_mxfp4
+from ember.models.config import ModelConfig
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 7
+PROMPTS = [[5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3], [7],
+           [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]]
+MAX_TOKENS = 32
+ENGINE = dict(num_kv_blocks=128, block_size=8, max_model_len=256, dtype="float32")
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _config():
+    return transformers.GptOssConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 128, "rope_theta": 150000.0})
+
+
+def _save(path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    hf = transformers.GptOssForCausalLM(_config()).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias") or name.endswith("sinks"):
+                p.copy_(0.5 * torch.randn_like(p))
+    hf.save_pretrained(str(path))
+    return hf
+
+
+def _hf_greedy(hf, ids: list[int]) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _assert_logits(llm, hf, forward_logits) -> None:
+    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
+        with torch.no_grad():
+            torch.testing.assert_close(ours, hf(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf = _save(path)
+    return path, hf, [_hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_config_reads_gpt_oss():
+    cfg = ModelConfig.from_hf_config(json.loads(_config().to_json_string()) | {"architectures": ["GptOssForCausalLM"]})
+    assert (cfg.architecture, cfg.attention_sinks, cfg.attention_bias, cfg.o_proj_bias, cfg.moe_bias) == \
+        ("gpt_oss", True, True, True, True)
+    assert cfg.layer_windows == (WINDOW, None, WINDOW, None) and cfg.swiglu == (1.702, 7.0)
+    assert (cfg.rope_scaling.kind, cfg.rope_scaling.truncate, cfg.rope_theta) == ("yarn", False, 150000.0)
+
+
+def test_logits_and_greedy_match_hf(model, forward_logits):
+    path, hf, expected = model
+    llm = LLM(str(path), **ENGINE)
+    _assert_logits(llm, hf, forward_logits)
+    assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)] == \
+        expected
+
+
+def test_chunked_prefill_and_prefix_hit(model):
+    path, _, expected = model
+    llm = LLM(str(path), **(ENGINE | dict(max_num_batched_tokens=5)))
+    for cached in ([0, 0, 0], [8, 0, 24]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [o.num_cached_tokens for o in outs] == cached
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] -> MXFP4 (blocks, scales): each 32 values' scale the power of two that
+    brings their largest to at most 6 (e2m1's largest), each value its nearest e2m1 code."""
+    groups = w.reshape(*w.shape[:-1], -1, 32).float()
+    amax = groups.abs().amax(-1).clamp(min=2.0 ** -100)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    grid = torch.tensor(E2M1)
+    codes = (scaled.unsqueeze(-1) - grid).abs().argmin(-1).to(torch.uint8)  # -0.0 never wins over +0.0
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_decodes_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(117, 137, (3, 8, 4), generator=g, dtype=torch.uint8)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    assert torch.equal(dequantize_mxfp4(blocks, scales), theirs.transpose(1, 2))
+    w = torch.randn(2, 6, 64, generator=g)
+    decoded = dequantize_mxfp4(*pack_mxfp4(w))
+    assert torch.equal(dequantize_mxfp4(*pack_mxfp4(decoded)), decoded)  # the packer's codes round-trip
+    amax = w.reshape(2, 6, 2, 32).abs().amax(-1, keepdim=True).expand(2, 6, 2, 32).reshape(2, 6, 64)
+    assert ((decoded - w).abs() <= amax / 3).all()  # half e2m1's widest step (2 of 6) at a scale below amax / 3
+
+
+def test_mxfp4_experts_load(model, tmp_path, forward_logits):
+    """gpt-oss's own layout: each layer's experts as MXFP4 blocks and scales ([E, out, in / 32,
+    16] with gate and up rows interleaved; quantization_config mxfp4), the rest dense. ember
+    decodes them; transformers runs the same decoded weights dense."""
+    path, _, _ = model
+    state = load_file(str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    packed, decoded = {}, dict(state)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = pack_mxfp4(state[name].transpose(1, 2))  # transformers' [E, in, out] -> [E, out, in]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        decoded[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+        del state[name]
+    mxfp4 = tmp_path / "mxfp4"
+    dense = tmp_path / "dense"
+    for root, tensors, extra in ((mxfp4, state | packed, {"quantization_config": {"quant_method": "mxfp4"}}),
+                                 (dense, decoded, {})):
+        root.mkdir()
+        (root / "config.json").write_text(json.dumps(config | extra))
+        save_file(tensors, str(root / "model.safetensors"))
+    hf = transformers.GptOssForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
+    _assert_logits(LLM(str(mxfp4), **ENGINE), hf, forward_logits)
+
+
+def test_sinks_are_refused_on_triton_by_name():
+    from ember.layers.attention.triton_backend import TritonBackend
+
+    with pytest.raises(ValueError, match="attention sinks"):
+        TritonBackend().forward(*[None] * 6, 1.0, sinks=torch.zeros(4))
