@@ -29,6 +29,10 @@
 #                       SHAPE: qwen3-30b-a3b | mixtral-8x7b
 #   families            the GPU tests of the Gemma / GeGLU paths, then the Gemma-2-9B and Phi-4 shapes at
 #                       512 x 1000/1000 (no peer)
+#   new-families        the GPU tests of the families from issue #36 (GPT-2, OPT, Phi-2 at a non-power-of-two
+#                       head, DeepSeek's latent attention at its real latent sizes) and of the attention kernels
+#                       at any head_dim, then the DeepSeek-V2-Lite shape: one request 128/512 and 256 x 1000/1000
+#                       (ember alone)
 #   sweep-decode [fp8]  decode_sweep.py over a bf16 (default) or fp8 cache, then the nano protocol at the
 #                       default config and at the sweep's best (EMBER_DECODE_CONFIG), and Llama-8B at the best
 #   defaults            ember at its defaults (no seat or budget flag) and at other flags, in one call: the
@@ -256,6 +260,14 @@ mode_families() {
   done
 }
 
+mode_new_families() {
+  gpu_tests 330 tests/kernels/test_attention_kernels.py tests/models/test_cuda_latent_attention.py \
+    tests/models/test_cuda_families.py -k "not gemma and not mixtral and not qwen and not phi3"
+  local D=benchmarks/configs/deepseek-v2-lite
+  bench deepseek_v2_lite_latency 90 $D $LAT
+  bench deepseek_v2_lite_256x1000 140 $D --num-prompts 256 --input-len 1000 --output-len 1000 --max-model-len 2048
+}
+
 mode_sweep_decode() {
   local dt=${1:-bf16} kv=auto
   [ "$dt" = fp8 ] && kv=fp8
@@ -427,6 +439,7 @@ case "$mode" in
   check-moe) mode_env; mode_check_moe ;;
   race-moe) mode_env; mode_race_moe "$@" ;;
   families) mode_env; mode_families ;;
+  new-families) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_new_families ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
   defaults) mode_env; mode_defaults ;;
   tp-check) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_check ;;

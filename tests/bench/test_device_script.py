@@ -50,7 +50,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
     listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
-                      "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "sweep-decode",
+                      "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "new-families", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
                       "serve-race", "serve-sweep"]
     for mode in listed:
@@ -157,6 +157,20 @@ def test_defaults_runs_ember_without_seat_or_budget_flags_beside_the_candidates(
         f"{bench} {l} {tp} {knobs(512, 16384)} --output-json {out}/llama_512_16384.json [decode_config=]",
         f"{bench} {l} {tp} --distributed-executor-backend mp --output-json {out}/llama_mp.json [decode_config=]",
         "python3 -m pytest -m gpu -q -s -rf --tb=short tests/runner/test_defaults.py [decode_config=]",
+    ]
+
+
+def test_new_families_runs_their_gpu_tests_then_the_deepseek_shape(tmp_path):
+    calls, done = run_mode(tmp_path, "new-families")
+    assert done.returncode == 0, done.stderr
+    out, d, bench = tmp_path / "out", "benchmarks/configs/deepseek-v2-lite", f"python3 {BENCH[8:]}"
+    assert calls == [
+        "python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_attention_kernels.py "
+        "tests/models/test_cuda_latent_attention.py tests/models/test_cuda_families.py -k not gemma and not mixtral "
+        "and not qwen and not phi3 [decode_config=]",
+        f"{bench} {d} {LAT} --output-json {out}/deepseek_v2_lite_latency.json [decode_config=]",
+        f"{bench} {d} --num-prompts 256 --input-len 1000 --output-len 1000 --max-model-len 2048 --output-json "
+        f"{out}/deepseek_v2_lite_256x1000.json [decode_config=]",
     ]
 
 

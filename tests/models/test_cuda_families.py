@@ -52,8 +52,9 @@ SAVED_BY_HF = {
     "opt": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=1024, ffn_dim=2048, num_hidden_layers=6,
                                                 num_attention_heads=8, max_position_embeddings=2048,
                                                 word_embed_proj_dim=1024)),
-    "phi": ("PhiForCausalLM", "PhiConfig", dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=6,
-                                                num_attention_heads=8, num_key_value_heads=4,
+    # Phi-2's own head: 80 dims (not a power of two), RoPE on 32 of them
+    "phi": ("PhiForCausalLM", "PhiConfig", dict(hidden_size=1280, intermediate_size=2560, num_hidden_layers=6,
+                                                num_attention_heads=16, num_key_value_heads=8,
                                                 max_position_embeddings=2048, partial_rotary_factor=0.4)),
 }
 
