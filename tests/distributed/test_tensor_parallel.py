@@ -161,7 +161,37 @@ def tiny_phi3(tmp_path_factory) -> str:
                       tmp_path_factory.mktemp("tiny-phi3-tp"))
 
 
-@pytest.mark.parametrize(("model", "world"), [("tiny_llama", 2), ("tiny_llama", 4), ("tiny_phi3", 2)])
+def _save_perturbed(model_type: str, path: Path, **sizes) -> str:
+    """A tiny model of transformers' own, every parameter moved (its biases and norms count)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_config = transformers.AutoConfig.for_model(model_type, vocab_size=322, bos_token_id=1, eos_token_id=2, **sizes)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi2(tmp_path_factory) -> str:
+    """Phi-2's layout: LayerNorm, biased projections and LM head (its bias split by vocabulary
+    rows like the head), a plain MLP (fc1 by rows, fc2 by columns), partial RoPE."""
+    return _save_perturbed("phi", tmp_path_factory.mktemp("tiny-phi2-tp"), hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                           max_position_embeddings=128, partial_rotary_factor=0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory) -> str:
+    """GPT-2's q|k|v stored as one Conv1D: each rank cuts its heads out of it; learned positions."""
+    return _save_perturbed("gpt2", tmp_path_factory.mktemp("tiny-gpt2-tp"), n_embd=64, n_layer=2, n_head=8,
+                           n_positions=128)
+
+
+@pytest.mark.parametrize(("model", "world"), [("tiny_llama", 2), ("tiny_llama", 4), ("tiny_phi3", 2), ("tiny_phi2", 4),
+                                              ("tiny_gpt2", 2)])
 def test_tiny_models_split_give_the_logits_of_one_process(request, tmp_path, model, world):
     path = request.getfixturevalue(model)
     expected = prefill_logits(path, PROMPTS)
