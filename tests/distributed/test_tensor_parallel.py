@@ -285,12 +285,19 @@ def test_smollm2_in_its_gguf_blocks_at_three_ranks(gguf_path, smollm2_logits, tm
     The activations are rounded to int8 per block, so the sums' other order (1e-5 after the
     first layer) moves some of them by a step: the logits stay closer to one process's than
     that process's are to the float32 ones (measured mean |diff| 0.13 vs 0.24), with the same
-    argmax everywhere."""
+    argmax but at a near-tie."""
     one, dense = smollm2_logits["gguf"], smollm2_logits["none"]
     ranks = run_ranks(3, str(gguf_path), tmp_path, quantization="gguf")
     assert all(torch.equal(logits, ranks[0]) for logits in ranks)
     assert (ranks[0] - one).abs().mean() < (one - dense).abs().mean()
-    assert torch.equal(ranks[0].argmax(-1), one.argmax(-1))
+    # the same argmax but at near-ties: where the picks differ, one process's logits of the two
+    # lie closer than the row's largest disagreement (on an AVX-512 VNNI Xeon: one row of 17,
+    # 0.009 apart against 0.58)
+    ours, theirs = ranks[0].argmax(-1), one.argmax(-1)
+    differ = (ours != theirs).nonzero().flatten().tolist()
+    assert len(differ) <= 1, differ
+    for row in differ:
+        assert one[row, theirs[row]] - one[row, ours[row]] < (ranks[0][row] - one[row]).abs().max()
 
 
 def test_a_split_that_does_not_fit_fails_every_rank_with_the_fix(tiny_llama, tmp_path):
