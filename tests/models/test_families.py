@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from family_checks import MAX_TOKENS, PROMPTS, assert_chunked_and_cached, assert_logits_match, greedy_tokens, hf_greedy
 
 from ember import LLM, SamplingParams
 from ember.loader.dummy import iter_dummy_weights
@@ -101,12 +102,6 @@ GEMMA3_SIZES = {
 # which checkpoints saved by some of its versions carry
 NEWER_NAMES = {"language_model.model.": "model.language_model.", "vision_tower.": "model.vision_tower.",
                "multi_modal_projector.": "model.multi_modal_projector."}
-PROMPTS = [
-    [5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3],
-    [7],
-    [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26],
-]
-MAX_TOKENS = 32
 
 
 def save_tiny_model(config: dict, path) -> ModelConfig:
@@ -115,12 +110,6 @@ def save_tiny_model(config: dict, path) -> ModelConfig:
     cfg = ModelConfig.from_hf_config(config)
     save_file({n: t.contiguous() for n, t in iter_dummy_weights(cfg, seed=7)}, str(path / "model.safetensors"))
     return cfg
-
-
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def build(name: str, config: dict, tmp_path_factory, max_model_len: int = 256):
@@ -136,13 +125,6 @@ def family(request, tmp_path_factory):
     cfg, hf, llm = build(request.param, FAMILIES[request.param], tmp_path_factory)
     expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in PROMPTS]
     return request.param, cfg, hf, llm, expected
-
-
-def assert_logits_match(llm, hf, prompts, forward_logits):
-    for ids, ours in zip(prompts, forward_logits(llm, prompts)):
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0]
-        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_hf_holds_exactly_the_tensors_ember_expects(family):
@@ -178,25 +160,13 @@ def test_context_dependent_rope_beyond_the_trained_context(name, length, tmp_pat
 
 def test_greedy_matches_hf(family):
     _, _, _, llm, expected = family
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert greedy_tokens(llm) == expected
 
 
 def test_chunked_prefill_and_prefix_hit_match_hf(family):
-    """Prompts cut into 5-token chunks, then the same prompts again over their cached
-    prefix: the window must see the same keys either way."""
-    name, _, _, llm, expected = family
-    chunked = LLM(llm.config.model, num_kv_blocks=128, block_size=8, max_num_batched_tokens=5, max_model_len=256,
-                  dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    cached = []
-    for attempt in range(2):
-        outs = chunked.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        assert [o.outputs[0].token_ids for o in outs] == expected
-        cached.append([o.num_cached_tokens for o in outs])
-    # the second time, every whole block of a prompt (8 tokens) comes from the cache
-    assert cached == [[0, 0, 0], [8, 0, 24]]
+    """The window must see the same keys through chunks and over the cache."""
+    _, _, _, llm, expected = family
+    assert_chunked_and_cached(llm.config.model, expected)
 
 
 def test_config_reads_the_options():

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import ENGINE, PROMPTS, assert_chunked_and_cached, assert_logits_match, greedy_tokens, hf_greedy
 from test_latent_attention import save_deepseek
 
-from ember import LLM, SamplingParams
+from ember import LLM
 from ember.models.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -28,25 +29,12 @@ GLM = {
     "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
     "num_nextn_predict_layers": 1, "rope_theta": 10000.0, "tie_word_embeddings": False,
 }
-PROMPTS = [[5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3], [7],
-           [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]]
-MAX_TOKENS = 32
-ENGINE = dict(num_kv_blocks=128, block_size=8, max_model_len=256, dtype="float32", kv_cache_dtype="float32")
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def _hf_greedy(hf, ids: list[int]) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+KV32 = dict(kv_cache_dtype="float32")  # a GGUF's default cache on the CPU is float16
 
 
 def _assert_matches(llm, hf, forward_logits) -> None:
-    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
-        with torch.no_grad():
-            torch.testing.assert_close(ours, hf(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, ids) for ids in PROMPTS]
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert greedy_tokens(llm) == [hf_greedy(hf, ids) for ids in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +61,7 @@ def test_hf_checkpoint_matches_transformers(glm, forward_logits):
 
 def test_chunked_prefill_and_prefix_hit(glm):
     path, hf = glm
-    llm = LLM(str(path), **(ENGINE | dict(max_num_batched_tokens=5)))
-    expected = [_hf_greedy(hf, ids) for ids in PROMPTS]
-    for cached in ([0, 0, 0], [8, 0, 24]):
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == expected
-        assert [o.num_cached_tokens for o in outs] == cached
+    assert_chunked_and_cached(str(path), [hf_greedy(hf, ids) for ids in PROMPTS])
 
 
 def test_gguf_from_llama_cpps_converter_matches_transformers(tmp_path, gguf_convert, bpe_tokenizer_dir,
@@ -96,4 +79,4 @@ def test_gguf_from_llama_cpps_converter_matches_transformers(tmp_path, gguf_conv
     assert (f.architecture, f.metadata["glm4moe.block_count"], f.metadata["glm4moe.nextn_predict_layers"]) == \
         ("glm4moe", 4, 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    _assert_matches(LLM(str(path), **(ENGINE | dict(num_kv_blocks=32))), hf, forward_logits)
+    _assert_matches(LLM(str(path), **(ENGINE | KV32 | dict(num_kv_blocks=32))), hf, forward_logits)

@@ -13,8 +13,9 @@ import json
 
 import pytest
 import torch
+from family_checks import ENGINE, PROMPTS, assert_chunked_and_cached, assert_logits_match, greedy_tokens, hf_greedy
 
-from ember import LLM, SamplingParams
+from ember import LLM
 from ember.layers.quant.mxfp4 import E2M1, dequantize_mxfp4
 from ember.models.config import ModelConfig
 
@@ -24,11 +25,6 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 pytestmark = pytest.mark.slow
 
 WINDOW = 7
-PROMPTS = [[5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3], [7],
-           [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]]
-MAX_TOKENS = 32
-ENGINE = dict(num_kv_blocks=128, block_size=8, max_model_len=256, dtype="float32")
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _config():
@@ -53,23 +49,11 @@ def _save(path) -> torch.nn.Module:
     return hf
 
 
-def _hf_greedy(hf, ids: list[int]) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
-def _assert_logits(llm, hf, forward_logits) -> None:
-    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
-        with torch.no_grad():
-            torch.testing.assert_close(ours, hf(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-5)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss")
     hf = _save(path)
-    return path, hf, [_hf_greedy(hf, ids) for ids in PROMPTS]
+    return path, hf, [hf_greedy(hf, ids) for ids in PROMPTS]
 
 
 def test_config_reads_gpt_oss():
@@ -83,18 +67,13 @@ def test_config_reads_gpt_oss():
 def test_logits_and_greedy_match_hf(model, forward_logits):
     path, hf, expected = model
     llm = LLM(str(path), **ENGINE)
-    _assert_logits(llm, hf, forward_logits)
-    assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)] == \
-        expected
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert greedy_tokens(llm) == expected
 
 
 def test_chunked_prefill_and_prefix_hit(model):
     path, _, expected = model
-    llm = LLM(str(path), **(ENGINE | dict(max_num_batched_tokens=5)))
-    for cached in ([0, 0, 0], [8, 0, 24]):
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == expected
-        assert [o.num_cached_tokens for o in outs] == cached
+    assert_chunked_and_cached(str(path), expected)
 
 
 def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +125,7 @@ def test_mxfp4_experts_load(model, tmp_path, forward_logits):
         (root / "config.json").write_text(json.dumps(config | extra))
         save_file(tensors, str(root / "model.safetensors"))
     hf = transformers.GptOssForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
-    _assert_logits(LLM(str(mxfp4), **ENGINE), hf, forward_logits)
+    assert_logits_match(LLM(str(mxfp4), **ENGINE), hf, PROMPTS, forward_logits)
 
 
 def test_sinks_are_refused_on_triton_by_name():

@@ -20,6 +20,15 @@ import json
 
 import pytest
 import torch
+from family_checks import (
+    ENGINE,
+    MAX_TOKENS,
+    PROMPTS,
+    assert_chunked_and_cached,
+    assert_logits_match,
+    greedy_tokens,
+    hf_greedy,
+)
 
 from ember import LLM, SamplingParams
 from ember.loader.dummy import iter_dummy_weights
@@ -50,13 +59,6 @@ VARIANTS = {
                 "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
                                  "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}},
 }
-PROMPTS = [
-    [5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3],
-    [7],
-    [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26],
-]
-MAX_TOKENS = 32
-ENGINE = dict(num_kv_blocks=128, block_size=8, max_model_len=256, dtype="float32")
 
 
 def save_deepseek(config: dict, path, mtp_layer: bool = False) -> ModelConfig:
@@ -75,46 +77,28 @@ def save_deepseek(config: dict, path, mtp_layer: bool = False) -> ModelConfig:
     return cfg
 
 
-def _hf_greedy(hf, ids: list[int]) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def variant(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     cfg = save_deepseek(VARIANTS[request.param], path, mtp_layer=request.param == "v3")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return request.param, cfg, path, hf, LLM(str(path), **ENGINE), [_hf_greedy(hf, ids) for ids in PROMPTS]
+    return request.param, cfg, path, hf, LLM(str(path), **ENGINE), [hf_greedy(hf, ids) for ids in PROMPTS]
 
 
 def test_logits_match_hf(variant, forward_logits):
     _, _, _, hf, llm, _ = variant
-    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0]
-        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
 
 
 def test_greedy_matches_hf(variant):
     *_, llm, expected = variant
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert greedy_tokens(llm) == expected
 
 
 def test_chunked_prefill_and_prefix_hit_match_hf(variant):
-    """Prompts in 5-token chunks, then again over their cached latents."""
+    """Chunks of prefill over the cached latents, then whole prompts' blocks from the cache."""
     _, _, path, _, _, expected = variant
-    chunked = LLM(str(path), **(ENGINE | dict(max_num_batched_tokens=5)))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    cached = []
-    for _ in range(2):
-        outs = chunked.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        assert [o.outputs[0].token_ids for o in outs] == expected
-        cached.append([o.num_cached_tokens for o in outs])
-    assert cached == [[0, 0, 0], [8, 0, 24]]
+    assert_chunked_and_cached(str(path), expected)
 
 
 def test_the_cache_holds_one_latent_a_token(variant):
@@ -156,9 +140,7 @@ def test_rope_not_interleaved(tmp_path, forward_logits):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     llm = LLM(str(tmp_path), **ENGINE)
     assert not llm.engine.runner.model.config.rope_interleaved
-    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
-        with torch.no_grad():
-            torch.testing.assert_close(ours, hf(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-5)
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
 
 
 @pytest.mark.parametrize("change,says", [
@@ -209,12 +191,8 @@ def test_the_gguf_config_is_the_hf_one(converted):
 def test_gguf_logits_and_greedy_match_transformers(converted, forward_logits):
     _, root, path, hf = converted
     llm = LLM(str(path), **GGUF_ENGINE)
-    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
-        with torch.no_grad():
-            torch.testing.assert_close(ours, hf(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, ids) for ids in PROMPTS]
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert greedy_tokens(llm) == [hf_greedy(hf, ids) for ids in PROMPTS]
 
 
 def test_gguf_greedy_matches_llama_cpp(converted, llama_greedy):
@@ -237,4 +215,4 @@ def test_q8_0_gguf_keeps_its_blocks(converted, gguf_convert):
     attn = llm.engine.runner.model.attention_layers()[1]
     assert isinstance(attn.kv_a_proj_with_mqa.format, GGUFBlocks) and attn.kv_b_proj.weight.is_floating_point()
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert out[0].outputs[0].token_ids[:4] == _hf_greedy(hf, PROMPTS[0])[:4]
+    assert out[0].outputs[0].token_ids[:4] == hf_greedy(hf, PROMPTS[0])[:4]

@@ -11,6 +11,16 @@ import json
 
 import pytest
 import torch
+from family_checks import (
+    ENGINE,
+    GREEDY,
+    MAX_TOKENS,
+    PROMPTS,
+    assert_chunked_and_cached,
+    assert_logits_match,
+    greedy_tokens,
+    hf_greedy,
+)
 
 from ember import LLM, SamplingParams
 from ember.loader.weights import checkpoint_names, hf_weight_shapes
@@ -36,13 +46,6 @@ CONFIGS = {
                                           partial_rotary_factor=0.4, **SIZES),
 }
 CLASSES = {"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "phi": "PhiForCausalLM"}
-PROMPTS = [
-    [5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3],
-    [7],
-    [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26],
-]
-MAX_TOKENS = 32
-ENGINE = dict(num_kv_blocks=128, block_size=8, max_model_len=256, dtype="float32")
 
 
 def _save(name: str, path) -> torch.nn.Module:
@@ -55,17 +58,11 @@ def _save(name: str, path) -> torch.nn.Module:
     return hf
 
 
-def _hf_greedy(hf, ids: list[int]) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = _save(request.param, path)
-    expected = [_hf_greedy(hf, ids) for ids in PROMPTS]
+    expected = [hf_greedy(hf, ids) for ids in PROMPTS]
     return request.param, path, hf, LLM(str(path), **ENGINE), expected
 
 
@@ -80,31 +77,18 @@ def test_ember_reads_every_tensor_transformers_writes(family):
 
 def test_logits_match_hf(family, forward_logits):
     _, _, hf, llm, _ = family
-    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0]
-        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
 
 
 def test_greedy_matches_hf(family):
     _, _, _, llm, expected = family
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert greedy_tokens(llm) == expected
 
 
 def test_chunked_prefill_and_prefix_hit_match_hf(family):
-    """Prompts cut into 5-token chunks, then again over their cached prefix: the learned
-    positions and the partial RoPE must follow each chunk's offset."""
+    """The learned positions and the partial RoPE follow each chunk's offset."""
     _, path, _, _, expected = family
-    chunked = LLM(str(path), **(ENGINE | dict(max_num_batched_tokens=5)))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    cached = []
-    for _ in range(2):
-        outs = chunked.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        assert [o.outputs[0].token_ids for o in outs] == expected
-        cached.append([o.num_cached_tokens for o in outs])
-    assert cached == [[0, 0, 0], [8, 0, 24]]
+    assert_chunked_and_cached(str(path), expected)
 
 
 # the original checkpoints' names: gpt2's own files hold GPT2Model (no `transformer.` prefix)
@@ -122,10 +106,7 @@ def test_the_original_checkpoint_names_load(name, tmp_path, forward_logits):
             state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 256, 256))
     (tmp_path / "model.safetensors").unlink()
     save_file(state, str(tmp_path / "model.safetensors"))
-    llm = LLM(str(tmp_path), **ENGINE)
-    for ids, logits in zip(PROMPTS, forward_logits(llm, PROMPTS)):
-        with torch.no_grad():
-            torch.testing.assert_close(logits, hf(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-5)
+    assert_logits_match(LLM(str(tmp_path), **ENGINE), hf, PROMPTS, forward_logits)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -221,16 +202,13 @@ def test_the_gguf_config_is_the_hf_one(converted):
 def test_gguf_greedy_and_logits_match_transformers(converted, forward_logits):
     name, root, path, hf = converted
     from_gguf, from_dir = LLM(str(path), **GGUF_ENGINE), LLM(str(root), **GGUF_ENGINE)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ours, theirs = from_gguf.generate(GGUF_PROMPTS, params), from_dir.generate(GGUF_PROMPTS, params)
+    ours, theirs = from_gguf.generate(GGUF_PROMPTS, GREEDY), from_dir.generate(GGUF_PROMPTS, GREEDY)
     for a, b in zip(ours, theirs):
         ids = list(a.prompt_token_ids)
         assert ids == list(b.prompt_token_ids)
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids == _hf_greedy(hf, ids)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(hf, ids)
     sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in ours]
-    for ids, logits in zip(sequences, forward_logits(from_gguf, sequences)):
-        with torch.no_grad():
-            torch.testing.assert_close(logits, hf(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-5)
+    assert_logits_match(from_gguf, hf, sequences, forward_logits)
 
 
 def test_gguf_greedy_matches_llama_cpp(converted, llama_greedy):

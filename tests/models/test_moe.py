@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_families import BASE, MAX_TOKENS, PROMPTS, assert_logits_match, build, hf_greedy
+from family_checks import MAX_TOKENS, PROMPTS, assert_logits_match, hf_greedy
+from test_families import BASE, build
 
 from ember import SamplingParams
 from ember.layers.moe import FusedMoE

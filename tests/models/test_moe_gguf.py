@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_families import PROMPTS, assert_logits_match, save_tiny_model
+from family_checks import PROMPTS, assert_logits_match
+from test_families import save_tiny_model
 from test_moe import MOE, assert_greedy_matches_hf
 
 from ember import LLM, SamplingParams
