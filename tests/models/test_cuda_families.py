@@ -1,6 +1,9 @@
 """On CUDA (`-m gpu`): Mixtral, Qwen3-MoE and Qwen2-MoE (the fused MoE kernels), Gemma 2 (windows on every other layer, both soft-caps), Gemma 3
 (local and global RoPE, q/k norm), Phi-3 (fused checkpoints, LongRoPE, a window on every
-layer), and the LayerNorm decoders GPT-2, OPT and Phi-2 (saved by transformers itself) through the whole bfloat16 engine (Triton attention with windows, CUDA graphs)
+layer), the LayerNorm decoders GPT-2, OPT and Phi-2 (saved by transformers itself), and
+DeepSeek-V2-Lite- and V3-like models (multi-head latent attention at the real latent sizes,
+kv_lora_rank 512 + 64 RoPE dims: the Triton kernels over a 576-dim one-head cache; DeepSeekMoE's
+routers into the fused MoE kernels) through the whole bfloat16 engine (Triton attention with windows, CUDA graphs)
 against HF transformers in float32 on the same weights: logits within bfloat16 tolerance,
 and HF picks ember's greedy tokens at >= 95 % of positions. Prompts run past the windows."""
 
@@ -58,6 +61,23 @@ SAVED_BY_HF = {
                                                 max_position_embeddings=2048, partial_rotary_factor=0.4)),
 }
 
+# DeepSeek's checkpoints as DeepSeek names them (test_latent_attention.save_deepseek)
+MLA = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4,
+       "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 4096, "bos_token_id": 1,
+       "eos_token_id": 2, "pad_token_id": 0, "rms_norm_eps": 1e-6, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+       "qk_rope_head_dim": 64, "v_head_dim": 128, "moe_intermediate_size": 256, "n_shared_experts": 2,
+       "num_experts_per_tok": 4, "first_k_dense_replace": 1, "tie_word_embeddings": False, "rope_theta": 10000.0}
+DEEPSEEK = {
+    "deepseek_v2_lite": MLA | {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                               "q_lora_rank": None, "n_routed_experts": 16, "topk_method": "greedy",
+                               "routed_scaling_factor": 1.0},
+    "deepseek_v3": MLA | {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "q_lora_rank": 384,
+                          "n_routed_experts": 32, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+                          "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                          "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                           "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}},
+}
+
 
 def _save_by_hf(transformers, name: str, path) -> None:
     model_class, config_class, sizes = SAVED_BY_HF[name]
@@ -73,7 +93,7 @@ def _save_by_hf(transformers, name: str, path) -> None:
     hf.to(torch.bfloat16).save_pretrained(str(path))
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS) + sorted(SAVED_BY_HF))
+@pytest.fixture(scope="module", params=sorted(CONFIGS) + sorted(SAVED_BY_HF) + sorted(DEEPSEEK))
 def models(request, tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -87,6 +107,10 @@ def models(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     if request.param in SAVED_BY_HF:
         _save_by_hf(transformers, request.param, path)
+    elif request.param in DEEPSEEK:
+        from test_latent_attention import save_deepseek
+
+        save_deepseek(DEEPSEEK[request.param], path)
     else:
         config = CONFIGS[request.param]
         (path / "config.json").write_text(json.dumps(config))
@@ -113,7 +137,7 @@ def test_logits_match_hf_in_bf16(models, forward_logits):
 # token's top-k experts, that row's output moves by much more than rounding, and a greedy
 # run that once diverges stays on its own path (measured on the H200: Mixtral 0.934, Qwen2-MoE
 # 0.990, Qwen3-MoE 0.983 of 288 tokens, against >= 0.95 for every dense family).
-GREEDY_FLOOR = {"mixtral": 0.90, "qwen2_moe": 0.90, "qwen3_moe": 0.90}
+GREEDY_FLOOR = {"mixtral": 0.90, "qwen2_moe": 0.90, "qwen3_moe": 0.90, "deepseek_v2_lite": 0.90, "deepseek_v3": 0.90}
 
 
 def test_greedy_generation_agrees_with_hf(models):
