@@ -11,6 +11,14 @@ for tl.dot) over it: a partial output and its log-sum-exp. A split past the cont
 lse = -inf. Stage 2 merges the S partials of each (b, head). With S == 1 stage 1 writes
 the output itself.
 
+A head's D dims are computed on BLOCK_D, D padded to a power of two (kernels/paged.py). Where
+a program's BLOCK_H x BLOCK_D accumulator would pass MAX_ACC elements (MLA: 16 .. 128 heads
+of D 576 -> BLOCK_D 1024 over one KV head), the group's heads are cut into HEAD_BLOCKS
+blocks of BLOCK_H, one program each, over the same split: programs (b, kv_head x head block,
+s). Each head block reads the split's KV tiles again (from L2 at best): at MLA's 128 heads,
+8 reads where a dedicated MLA kernel would read once. Past BLOCK_D 256 the tiles get fewer
+rows (`decode_config`), so that K and V fit shared memory and registers.
+
 With a sliding window W the query (at position seq_len - 1) sees keys seq_len - W ..
 seq_len - 1, and the splits cover only those, from the tile that holds the first; the tiles
 before it are never read (that is what makes a window fast):
@@ -38,13 +46,17 @@ import triton.language as tl
 
 from ember.kernels.paged import (
     LOG2E,
+    block_d,
+    check_head_dim,
     dot_in_fp16,
     is_fp8,
     kv_scale_arg,
     layer_options,
     load_kv_tile,
     queries_for_dot,
+    shared_kv,
     soft_cap,
+    tile_mask,
 )
 
 # BLOCK_N, num_warps, num_stages of the split kernel by cache dtype, from
@@ -55,6 +67,27 @@ from ember.kernels.paged import (
 _OVERRIDE = os.environ.get("EMBER_DECODE_CONFIG")
 DECODE_CONFIG = tuple(int(x) for x in (_OVERRIDE or "128,4,4").split(","))
 DECODE_CONFIG_FP8 = tuple(int(x) for x in (_OVERRIDE or "64,2,5").split(","))
+MAX_ACC = 16 * 1024  # the most elements of a program's float32 accumulator, BLOCK_H x BLOCK_D (see the top)
+
+
+def decode_config(fp8: bool, padded_dim: int) -> tuple[int, int, int]:
+    """BLOCK_N, num_warps, num_stages for a cache of head dim padded to `padded_dim`: the
+    tuned configs above up to 256 (Gemma's heads); past it tiles of 32K elements (32 rows at
+    MLA's 1024) over eight warps, which the tuned configs' 128 x 1024 tiles would overflow
+    (shared memory) and four warps spill (registers)."""
+    config = DECODE_CONFIG_FP8 if fp8 else DECODE_CONFIG
+    if padded_dim <= 256 or _OVERRIDE:
+        return config
+    return max(16, 32 * 1024 // padded_dim), 8, 3
+
+
+def head_blocks(group: int, padded_dim: int) -> tuple[int, int]:
+    """(BLOCK_H, HEAD_BLOCKS): the group's heads padded to BLOCK_H >= 16 rows, in HEAD_BLOCKS
+    programs where one would hold more than MAX_ACC accumulator elements."""
+    block_h = max(16, triton.next_power_of_2(group))
+    while block_h > 16 and block_h * padded_dim > MAX_ACC:
+        block_h //= 2
+    return block_h, triton.cdiv(group, block_h)
 
 
 # the block-table width changes from step to step outside CUDA graphs: not specialized
@@ -64,11 +97,15 @@ DECODE_CONFIG_FP8 = tuple(int(x) for x in (_OVERRIDE or "64,2,5").split(","))
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr,
                          k_scale_ptr, v_scale_ptr, scale_log2, window, softcap, stride_qt, stride_qh, stride_tb,
                          stride_cb, stride_cs, stride_ch, stride_ob, stride_oh, stride_os,
-                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
-                         DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
+                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         FP8: tl.constexpr, DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+                         SHARED_KV: tl.constexpr):
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEAD_BLOCKS == 1:  # the KV head's whole group in one program
+        kvh = tl.program_id(1)
+    else:  # head block program_id(1) % HEAD_BLOCKS of the group (see the top)
+        kvh = tl.program_id(1) // HEAD_BLOCKS
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     if SLIDING:  # the splits cover [lo, seq_len) only (see the top)
@@ -82,24 +119,27 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
     end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
+    if HEAD_BLOCKS > 1:
+        rows += tl.program_id(1) % HEAD_BLOCKS * BLOCK_H
     heads = kvh * GROUP + rows
     hmask = rows < GROUP
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    d = tl.arange(0, BLOCK_D)
+    qo_mask = tile_mask(hmask, d, D, BLOCK_D)
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qo_mask, other=0.0)
     if FP8:  # the cache holds K / k_scale and V / v_scale: q.K = k_scale * (q.(K / k_scale))
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     q = queries_for_dot(q, DOT_FP16)  # the dots' dtype: q's, or float16 over fp8 (see paged.py)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
         if SLIDING:  # keys in [lo, first) are not read; every walked tile holds a visible key
             pmask = pmask & (pos >= first)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, n0, pmask, kvh, d,
-                            stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
+                            stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, D, BLOCK_D, SHARED_KV)
         qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2  # [BLOCK_H, BLOCK_N], log2 domain
         if SOFTCAP:
             qk = soft_cap(qk, softcap)
@@ -117,17 +157,21 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
         out = out * tl.load(v_scale_ptr)
     o_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if NUM_SPLITS == 1:
-        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=qo_mask)
     else:
-        tl.store(o_ptr + o_off + s * stride_os, out, mask=hmask[:, None])
+        tl.store(o_ptr + o_off + s * stride_os, out, mask=qo_mask)
         lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
-        tl.store(lse_ptr + (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + s, lse, mask=hmask)
+        if HEAD_BLOCKS == 1:
+            num_heads = GROUP * tl.num_programs(1)
+        else:
+            num_heads = GROUP * (tl.num_programs(1) // HEAD_BLOCKS)
+        tl.store(lse_ptr + (b * num_heads + heads) * NUM_SPLITS + s, lse, mask=hmask)
 
 
 @triton.jit
 def _decode_merge_kernel(part_ptr, lse_ptr, o_ptr, stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
-                         NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+                         NUM_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -136,11 +180,14 @@ def _decode_merge_kernel(part_ptr, lse_ptr, o_ptr, stride_pb, stride_ph, stride_
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # an empty sequence (graph padding): output 0
     w = tl.exp2(lse - top)
-    d = tl.arange(0, D)
+    d = tl.arange(0, BLOCK_D)
     part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                   mask=smask[:, None], other=0.0)
+                   mask=tile_mask(smask, d, D, BLOCK_D), other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+    if BLOCK_D == D:
+        tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+    else:  # the padded dims are not the output's
+        tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, max_splits: int = 32, target_programs: int = 528) -> int:
@@ -156,8 +203,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
-    """q [B, H, D] (one token per sequence), caches [num_blocks, block_size, Hkv, D] in q's
-    dtype or fp8 (then k_scale / v_scale: [1] float32, None: 1.0), block_tables
+    """q [B, H, D] (one token per sequence; any D >= 8), caches [num_blocks, block_size, Hkv, D]
+    in q's dtype or fp8 (then k_scale / v_scale: [1] float32, None: 1.0; k_cache may be
+    v_cache: MLA's one plane), block_tables
     [B, >= cdiv(max seq_len, block_size)] int32, seq_lens [B] int32 (0: no context,
     output 0); sliding_window / logit_softcap as in layers/attention/base.py.
     Returns [B, H, D]."""
@@ -177,20 +225,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             or seq_lens.dtype != torch.int32:
         raise ValueError(f"block_tables must be [{batch}, W] int32 and seq_lens [{batch}] int32; got "
                          f"{tuple(block_tables.shape)} {block_tables.dtype}, {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    if dim & (dim - 1) or dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {dim}")
+    check_head_dim(dim)
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
     group = heads // kv_heads
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
-    block_h = max(16, triton.next_power_of_2(group))
-    grid = (batch, kv_heads, num_splits)
-    config = DECODE_CONFIG_FP8 if fp8 else DECODE_CONFIG
-    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, BLOCK_N=block_n or config[0], PAGE=page,
-                  NUM_SPLITS=num_splits, FP8=fp8, DOT_FP16=dot_in_fp16(q, k_cache), num_warps=num_warps or config[1],
-                  num_stages=num_stages or config[2], **options)
+    padded = block_d(dim)
+    block_h, num_head_blocks = head_blocks(group, padded)
+    grid = (batch, kv_heads * num_head_blocks, num_splits)
+    config = decode_config(fp8, padded)
+    common = dict(GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=num_head_blocks, D=dim, BLOCK_D=padded,
+                  BLOCK_N=block_n or config[0], PAGE=page, NUM_SPLITS=num_splits, FP8=fp8,
+                  DOT_FP16=dot_in_fp16(q, k_cache), SHARED_KV=shared_kv(k_cache, v_cache),
+                  num_warps=num_warps or config[1], num_stages=num_stages or config[2], **options)
     scale_log2 = scale * LOG2E
     if num_splits == 1:
         _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, scale_log2,
@@ -205,6 +254,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                k_cache.stride(1), k_cache.stride(2), part.stride(0), part.stride(1),
                                part.stride(2), **common)
     _decode_merge_kernel[(batch, heads)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
-                                         out.stride(0), out.stride(1), NUM_HEADS=heads, D=dim,
+                                         out.stride(0), out.stride(1), NUM_HEADS=heads, D=dim, BLOCK_D=padded,
                                          NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
     return out

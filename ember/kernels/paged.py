@@ -1,7 +1,20 @@
 """What the attention kernels share: reading a tile of K and V out of the paged cache, the
-fp8 cache's scales, and the per-layer options (sliding window, logit soft-capping).
+fp8 cache's scales, the per-layer options (sliding window, logit soft-capping), and the
+head dim's padding.
 
 Context position p of a sequence is at cache[table_row[p // PAGE], p % PAGE, kv_head].
+
+A head has D dims, any D >= 8 (Phi-2's 80, Phi-3-mini's 96, multi-head latent attention's
+576); a kernel computes on BLOCK_D = max(16, next_power_of_2(D)) of them (`block_d`): the
+dims past D load as 0 (so they add nothing to q.k, and their output columns are 0) and are
+never stored, while strides and offsets keep the real D. Where BLOCK_D == D (a power of two
+>= 16) the d mask is not built at all (`tile_mask`): such a D compiles to the code it had
+before. The padding costs what it pads: D 576 computes (and holds in registers) 1024 columns,
+1.8x the dots and the accumulator of the real dims, though the bytes read stay D's (masked
+loads); see decode_attention.py and prefill_attention.py for the tiles taken at large D.
+
+When a layer's k_cache is its v_cache (MLA: one latent plane, a value row is its key row),
+the kernels load each tile once (SHARED_KV).
 
 An fp8 cache (float8_e4m3fn) holds x / scale, with one scale per tensor (k_scale, v_scale:
 [1] float32 on the device, 1.0 unless calibrated). A kernel loads the fp8 tile, converts it
@@ -62,11 +75,45 @@ def queries_for_dot(q, DOT_FP16: tl.constexpr):
     return q
 
 
+MIN_HEAD_DIM = 8
+
+
+def block_d(dim: int) -> int:
+    """The d axis a kernel computes on for head dim `dim`: a power of two (tl.arange), at
+    least 16 (tl.dot's least K)."""
+    return max(16, triton.next_power_of_2(dim))
+
+
+def check_head_dim(dim: int) -> None:
+    if dim < MIN_HEAD_DIM:
+        raise ValueError(f"head_dim must be at least {MIN_HEAD_DIM} (padded to a power of two >= 16 inside the "
+                         f"kernels), got {dim}")
+
+
+def shared_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the layer's k_cache is its v_cache (MLA's one plane): a tile is then loaded once."""
+    return k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
+
+
+@triton.jit
+def tile_mask(rmask, d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The mask of a [R, BLOCK_D] tile whose rows are masked by `rmask` [R]: where BLOCK_D
+    pads D, the columns d >= D too (loaded as 0, never stored). A power-of-two D
+    (BLOCK_D == D) builds no column compare: rmask[:, None], as before D was padded."""
+    mask = rmask[:, None]
+    if BLOCK_D != D:
+        mask = mask & (d < D)[None, :]
+    return mask
+
+
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, n0, pmask, kvh, d, stride_cb, stride_cs, stride_ch,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 SHARED_KV: tl.constexpr):
     """K and V of KV head `kvh` at context positions n0 ... n0 + BLOCK_N - 1 (n0 a multiple
-    of BLOCK_N; masked by `pmask`): [BLOCK_N, D] each, 0 where masked, in the cache's dtype.
+    of BLOCK_N; masked by `pmask`): [BLOCK_N, BLOCK_D] each (d = arange(BLOCK_D)), 0 where
+    masked and in the padded dims d >= D, in the cache's dtype. With SHARED_KV (k_cache is
+    v_cache) the tile is loaded once and returned as both.
     `table_row_ptr` points at the sequence's block-table row. Where a page holds whole tiles
     (PAGE a multiple of BLOCK_N: CUDA's default block size of 128), one block-table read
     serves the tile and its rows are at one base: the fp8 decode kernel read 16-20 % faster
@@ -78,8 +125,12 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, n0, pmask, kvh, d, str
         pos = n0 + tl.arange(0, BLOCK_N)
         block = tl.load(table_row_ptr + pos // PAGE, mask=pmask, other=0)
         off = block.to(tl.int64) * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
-    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+    mask = tile_mask(pmask, d, D, BLOCK_D)
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
+    if SHARED_KV:
+        v = k
+    else:
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
     return k, v
 
 

@@ -25,6 +25,13 @@ visible key; the tiles before it are never read (that is what makes a window fas
     [lo, f) are masked on load, so a key no query of the program sees is never read
 
 A soft cap (Gemma 2) bends each score before the mask and the softmax (paged.soft_cap).
+
+A head's D dims are computed on BLOCK_D, D padded to a power of two (kernels/paged.py). The
+tiles are BLOCK_M x BLOCK_N = 64 x 64 up to BLOCK_D 256; past it (MLA's 576 -> 1024) they
+shrink (`prefill_tiles`) so that q, K, V and the float32 accumulator fit shared memory and
+registers: at 1024 tiles of 16 x 16, a quarter of the rows per program, so each KV tile is
+read by four times as many programs (and, without pack_gqa, once per query head: MLA's 16 ..
+128 heads of one KV head read it 16 .. 128 times).
 """
 
 from __future__ import annotations
@@ -35,14 +42,26 @@ import triton.language as tl
 
 from ember.kernels.paged import (
     LOG2E,
+    block_d,
+    check_head_dim,
     dot_in_fp16,
     is_fp8,
     kv_scale_arg,
     layer_options,
     load_kv_tile,
     queries_for_dot,
+    shared_kv,
     soft_cap,
+    tile_mask,
 )
+
+
+def prefill_tiles(padded_dim: int) -> tuple[int, int, int | None, int | None]:
+    """BLOCK_M, BLOCK_N, num_warps, num_stages for head dims padded to `padded_dim` (None:
+    Triton's defaults): 64 x 64 up to 256, then smaller tiles (see the top)."""
+    if padded_dim <= 256:
+        return 64, 64, None, None
+    return 16, 32, 8, 2
 
 
 # the block-table width changes from step to step outside CUDA graphs: not specialized
@@ -51,9 +70,10 @@ from ember.kernels.paged import (
 @triton.jit(do_not_specialize=["stride_tb", "window", "first_seq"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, k_scale_ptr,
                     v_scale_ptr, scale_log2, window, softcap, first_seq, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
-                    stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, DOT_FP16: tl.constexpr,
-                    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PACK_GQA: tl.constexpr):
+                    stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                    DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PACK_GQA: tl.constexpr,
+                    SHARED_KV: tl.constexpr):
     mb = tl.program_id(0)
     b = tl.program_id(2) + first_seq
     q_start = tl.load(query_start_ptr + b)
@@ -75,9 +95,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
         tile_toks = BLOCK_M
     rmask = tok < q_len
     q_pos = prefix + tok
-    d = tl.arange(0, D)
+    d = tl.arange(0, BLOCK_D)
+    qo_mask = tile_mask(rmask, d, D, BLOCK_D)
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=rmask[:, None], other=0.0)
+                mask=qo_mask, other=0.0)
     if FP8:  # the cache holds K / k_scale and V / v_scale (see paged.py)
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     q = queries_for_dot(q, DOT_FP16)
@@ -87,7 +108,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if SLIDING:  # from the tile holding the block's first row's first visible key f (see the top)
         first = tl.maximum(prefix + first_tok - window + 1, 0)
         lo = first // BLOCK_N * BLOCK_N
@@ -99,7 +120,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
         if SLIDING:  # no row sees a key before f: not read at all
             pmask = pmask & (pos >= first)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, n0, pmask, kvh, d,
-                            stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
+                            stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, D, BLOCK_D, SHARED_KV)
         qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
         if SOFTCAP:
             qk = soft_cap(qk, softcap)
@@ -119,23 +140,27 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
     if FP8:
         out = out * tl.load(v_scale_ptr)
     tl.store(o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+             out.to(o_ptr.dtype.element_ty), mask=qo_mask)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                      out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
+                      out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                       sliding_window: int | None = None, logit_softcap: float | None = None,
-                      pack_gqa: bool = False, first_seq: int = 0) -> torch.Tensor:
-    """q [T, H, D] flattened new tokens, caches [num_blocks, block_size, Hkv, D] holding
-    every sequence's context (new tokens included) in q's dtype or fp8 (then k_scale /
-    v_scale: [1] float32, None: 1.0), block_tables [B, W] int32, query_start_loc [B + 1]
-    int32, seq_lens [B] int32; sliding_window / logit_softcap as in layers/attention/base.py.
+                      pack_gqa: bool = False, first_seq: int = 0, num_warps: int | None = None,
+                      num_stages: int | None = None) -> torch.Tensor:
+    """q [T, H, D] flattened new tokens (any D >= 8), caches [num_blocks, block_size, Hkv, D]
+    holding every sequence's context (new tokens included) in q's dtype or fp8 (then k_scale /
+    v_scale: [1] float32, None: 1.0; k_cache may be v_cache: MLA's one plane), block_tables
+    [B, W] int32, query_start_loc [B + 1] int32, seq_lens [B] int32; sliding_window /
+    logit_softcap as in layers/attention/base.py.
     pack_gqa: a program takes the rows of all the query heads of one KV head (see the top).
     first_seq: attend sequences first_seq .. B-1 only (their rows of `out`; a mixed step's
     leading decode rows go to flash-decoding), by an offset rather than sliced tensors, whose
-    unaligned pointers would compile another kernel variant mid-serving. Returns [T, H, D]."""
+    unaligned pointers would compile another kernel variant mid-serving.
+    block_m / block_n / num_warps / num_stages: None takes prefill_tiles' (Triton's defaults
+    where that gives None). Returns [T, H, D]."""
     tokens, heads, dim = q.shape
     num_blocks, page, kv_heads, cdim = k_cache.shape
     batch = seq_lens.shape[0]
@@ -154,19 +179,23 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                          f"got {tuple(query_start_loc.shape)}, {tuple(block_tables.shape)}")
     if any(t.dtype != torch.int32 for t in (block_tables, query_start_loc, seq_lens)):
         raise ValueError("block_tables, query_start_loc and seq_lens must be int32")
-    if dim & (dim - 1) or dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {dim}")
+    check_head_dim(dim)
     out = torch.empty_like(q) if out is None else out
     if tokens == 0:
         return out
     if not 0 <= first_seq < batch:
         raise ValueError(f"first_seq must be in [0, {batch}); got {first_seq}")
     group = heads // kv_heads
+    padded = block_d(dim)
+    tiles = prefill_tiles(padded)
+    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
+    launch = {k: v for k, v in dict(num_warps=num_warps or tiles[2], num_stages=num_stages or tiles[3]).items() if v}
     grid = (triton.cdiv(max_query_len * group, block_m), kv_heads, batch - first_seq) if pack_gqa else \
         (triton.cdiv(max_query_len, block_m), heads, batch - first_seq)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
                           scale * LOG2E, window, softcap, first_seq, q.stride(0), q.stride(1), out.stride(0),
                           out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                          GROUP=group, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
-                          DOT_FP16=dot_in_fp16(q, k_cache), PACK_GQA=pack_gqa, **options)
+                          GROUP=group, D=dim, BLOCK_D=padded, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
+                          DOT_FP16=dot_in_fp16(q, k_cache), PACK_GQA=pack_gqa, SHARED_KV=shared_kv(k_cache, v_cache),
+                          **launch, **options)
     return out

@@ -4,7 +4,10 @@
     x        [T, heads, D]: x[..., :R/2] and x[..., R/2:R] are a head's pairs, x[..., R:] passes
     out1 = x1 cos - x2 sin,  out2 = x2 cos + x1 sin   (float32, rounded to x's dtype)
 
-R = D but for partial RoPE (Phi-4-mini: R 96 of D 128), where the dims after R are kept.
+R = D but for partial RoPE (Phi-4-mini: R 96 of D 128; Phi-2: R 32 of D 80), where the dims
+after R are kept. D need not be a power of two (Phi-2's 80, Phi-3-mini's 96): the halves, the
+passed dims and the v rows are each padded to a power of two inside the kernel, masked (a
+power-of-two D builds no mask for v's rows).
 With NORM (`qk_norm_rope_inplace`) Qwen3's per-head RMSNorm goes first, in the same program,
 over all D dims: the normalized head is rounded to x's dtype as layers/norm.py rounds it, then
 rotated. Given the paged cache (`k_cache` ...), the program also stores the rotated k and the v
@@ -68,15 +71,18 @@ def _rotate(x_ptr, w_ptr, t, stride_t, stride_h, cos, sin, eps, HEADS: tl.conste
 def _rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
                  v_scale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, eps, QH: tl.constexpr,
                  KH: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, DIM: tl.constexpr,
-                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                 NORM: tl.constexpr, WRITE_KV: tl.constexpr, FP8: tl.constexpr):
+                 BLOCK_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr,
+                 BLOCK_PASS: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     c = tl.arange(0, BLOCK_HALF)
     if WRITE_KV:  # every load first, none behind another: the kernel is latency-bound
         slot = tl.load(slot_ptr + t)
         h = tl.arange(0, BLOCK_KH)[:, None]
-        d = tl.arange(0, DIM)[None, :]
-        v = tl.load(v_ptr + t * stride_vt + h * DIM + d, mask=h < KH)
+        d = tl.arange(0, BLOCK_DIM)[None, :]
+        v_mask = h < KH
+        if BLOCK_DIM != DIM:  # D padded to a power of two
+            v_mask = v_mask & (d < DIM)
+        v = tl.load(v_ptr + t * stride_vt + h * DIM + d, mask=v_mask)
     cos = tl.load(cs_ptr + t * 2 * HALF + c, mask=c < HALF, other=0.0)[None, :]
     sin = tl.load(cs_ptr + t * 2 * HALF + HALF + c, mask=c < HALF, other=0.0)[None, :]
     _rotate(q_ptr, qw_ptr, t, stride_qt, stride_qh, cos, sin, eps, QH, BLOCK_QH, HALF, BLOCK_HALF, PASS, BLOCK_PASS,
@@ -92,6 +98,8 @@ def _rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, v_ptr, k_cache_ptr, v_cac
         if PASS > 0:
             p = tl.arange(0, BLOCK_PASS)[None, :]
             store_rows(k_cache_ptr, row + 2 * HALF + p, k3, mask & (p < PASS), k_scale_ptr, FP8)
+        if BLOCK_DIM != DIM:
+            mask = mask & (d < DIM)
         store_rows(v_cache_ptr, row + d, v, mask, v_scale_ptr, FP8)
 
 
@@ -105,8 +113,6 @@ def _check_layouts(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> t
             or rotary % 2 or not 0 < rotary <= dim:
         raise ValueError(f"cos_sin must be a contiguous float32 [{tokens}, R], R even and at most {dim}; "
                          f"got {tuple(cos_sin.shape)}")
-    if dim & (dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {dim}")
     return tokens, heads, dim, rotary
 
 
@@ -126,7 +132,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, weights: tu
     _rope_kernel[(tokens,)](q, k, qw, kw, cos_sin, *cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                             v.stride(0) if write else 0, eps, QH=heads, KH=k.shape[1],
                             BLOCK_QH=triton.next_power_of_2(heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-                            DIM=dim, HALF=rotary // 2, BLOCK_HALF=triton.next_power_of_2(rotary // 2), PASS=passed,
+                            DIM=dim, BLOCK_DIM=triton.next_power_of_2(dim), HALF=rotary // 2,
+                            BLOCK_HALF=triton.next_power_of_2(rotary // 2), PASS=passed,
                             BLOCK_PASS=triton.next_power_of_2(passed) if passed else 1,
                             NORM=weights is not None, WRITE_KV=write, FP8=write and is_fp8(k_cache))
 

@@ -55,10 +55,11 @@ FP8_SCALES = [pytest.param((1.0, 1.0), id="scale1"), pytest.param((0.5, 3.0), id
 
 class Case:
     """Sequences with cached[i] tokens already in a shuffled paged cache and new[i] new ones.
-    With fp8_scales the cache is float8_e4m3fn holding K / k_scale, V / v_scale."""
+    With fp8_scales the cache is float8_e4m3fn holding K / k_scale, V / v_scale. With
+    shared_kv, as multi-head latent attention runs: v is k and v_cache IS k_cache (one plane)."""
 
     def __init__(self, cached, new, heads, kv_heads, head_dim, block_size, device, seed, fp8_scales=None,
-                 dtype=None):
+                 dtype=None, shared_kv=False):
         g = torch.Generator().manual_seed(seed)
         dtype = dtype or _dtype(device)
         cache_dtype = dtype if fp8_scales is None else FP8
@@ -74,9 +75,10 @@ class Case:
             tables.append([order.pop() for _ in range(-(-n // block_size))])
         width = max(len(t) for t in tables) + 1  # a spare column: reads past a table's end are masked
         k_ctx = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for n in lens]
-        v_ctx = [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for n in lens]
+        v_ctx = k_ctx if shared_kv else [torch.randn(n, kv_heads, head_dim, generator=g).to(dtype) for n in lens]
         self.k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)  # junk
-        self.v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
+        self.v_cache = self.k_cache if shared_kv else \
+            torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
         slots = []
         scales = [None if s is None else s.cpu() for s in (self.k_scale, self.v_scale)]
         for i, (c, n) in enumerate(zip(cached, new)):
@@ -101,6 +103,8 @@ class Case:
             query_lens_cpu=list(new), seq_lens_cpu=lens)
         for name in ("k_cache", "v_cache", "q", "k", "v"):
             setattr(self, name, getattr(self, name).to(device))
+        if shared_kv:  # one tensor on the device too
+            self.v_cache, self.v = self.k_cache, self.k
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             setattr(self.meta, name, getattr(self.meta, name).to(device))
         self.scale = head_dim ** -0.5
@@ -534,3 +538,137 @@ def test_window_and_softcap_are_checked():
             decode_attention(q, cache, cache, tables, lens, 1.0, 1, logit_softcap=bad)
         with pytest.raises(ValueError, match="logit_softcap"):
             prefill_attention(q, cache, cache, tables, starts, lens, 1, 1.0, logit_softcap=bad)
+
+
+# ---- any head dim: padded to a power of two inside the kernels ------------------------------
+#
+# Phi-2's 80 and Phi-3-mini's 96 (padded to 128), and multi-head latent attention's 576 (512 +
+# 64 rope dims, padded to 1024) as ember runs it: multi-query attention over one KV head whose
+# v_cache IS its k_cache. On the interpreter few heads and short contexts; on CUDA the models'
+# own head counts (MLA: 16 and 128 query heads).
+
+# id: (heads, kv_heads, head_dim, shared_kv) on the interpreter, on CUDA
+HEAD_DIMS = {"phi2-80": ((4, 2, 80, False), (32, 32, 80, False)),
+             "phi3-96": ((6, 2, 96, False), (32, 32, 96, False)),
+             "mla-576": ((4, 1, 576, True), (16, 1, 576, True)),
+             "d8": ((4, 2, 8, False), (8, 2, 8, False))}  # the least D: padded to 16, tl.dot's least K
+HEAD_DIM_CASES = [pytest.param(device, name, id=f"{name}-{'interpreter' if device == 'cpu' else 'cuda'}",
+                               marks=[pytest.mark.gpu] if device == "cuda" else [])
+                  for device in ("cpu", "cuda") for name in HEAD_DIMS]
+
+
+def _head_dim_case(device: str, name: str, decode: bool, seed: int, fp8_scales=None, dtype=None,
+                   heads: int | None = None) -> Case:
+    shape = HEAD_DIMS[name][device == "cuda"]
+    if device == "cuda":
+        cached, new = ([1, 700, 1500, 3000], [1] * 4) if decode else ([0, 700, 1300, 40], [300, 129, 1, 77])
+        page = 16
+    else:  # a prompt of 21 (query blocks of 16 and 5), an extend over 13 cached, a decode row at 30
+        cached, new = ([1, 17, 40], [1, 1, 1]) if decode else ([0, 13, 30], [21, 5, 1])
+        page = 8
+    return Case(cached, new, heads or shape[0], *shape[1:3], page, device, seed, fp8_scales, dtype, shared_kv=shape[3])
+
+
+@pytest.mark.parametrize("device,name", HEAD_DIM_CASES)
+@pytest.mark.parametrize("fp8_scales", [None, pytest.param((0.5, 0.5), id="fp8")])
+def test_kv_write_at_any_head_dim(device, name, fp8_scales):
+    """The same bytes as the reference's write, k_cache and v_cache one tensor or two (one
+    k_scale = v_scale for one plane: a row holds one quantization)."""
+    case = _head_dim_case(device, name, decode=False, seed=30, fp8_scales=fp8_scales)
+    want_k, want_v = case.k_cache.clone(), case.v_cache.clone()
+    write_kv(case.k, case.v, want_k, want_v, case.meta.slot_mapping, **case.scales)
+    kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, **case.scales)
+    assert torch.equal(_bits(case.k_cache), _bits(want_k)) and torch.equal(_bits(case.v_cache), _bits(want_v))
+
+
+@pytest.mark.parametrize("device,name", HEAD_DIM_CASES)
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["by-head", "gqa-packed"])
+def test_prefill_at_any_head_dim(device, name, pack_gqa):
+    """Prefill, an extend and a decode row through the prefill kernel at the tiles it takes
+    for the dim on CUDA (prefill_tiles); the padded dims of q's rows hold junk that must not
+    leak in (q is a view of a wider tensor)."""
+    case = _head_dim_case(device, name, decode=False, seed=31)
+    want = case.reference()
+    kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    tokens, heads, dim = case.q.shape
+    wide = torch.full((tokens, heads, dim + 16), float("nan"), dtype=case.q.dtype, device=case.q.device)
+    wide[..., :dim] = case.q
+    tiles = dict(block_m=16, block_n=16) if device == "cpu" else {}
+    got = prefill_attention(wide[..., :dim], case.k_cache, case.v_cache, case.meta.block_tables,
+                            case.meta.query_start_loc, case.meta.seq_lens, max(case.new), case.scale,
+                            pack_gqa=pack_gqa, **tiles)
+    torch.testing.assert_close(got.float(), want, **_tol(device))
+
+
+@pytest.mark.parametrize("device,name", HEAD_DIM_CASES)
+def test_decode_at_any_head_dim(device, name):
+    """One split (the output written directly) and several (merged); the output's rows sit in
+    a wider tensor whose padding columns must stay untouched."""
+    case = _head_dim_case(device, name, decode=True, seed=32)
+    want = case.reference()
+    kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    batch, heads, dim = case.q.shape
+    for s in [1, 3] if device == "cpu" else [1, 5, num_decode_splits(batch, case.k_cache.shape[2])]:
+        wide = torch.full((batch, heads, dim + 16), 7.0, dtype=case.q.dtype, device=case.q.device)
+        got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
+                               case.scale, num_splits=s, out=wide[..., :dim],
+                               **(dict(block_n=16) if device == "cpu" else {}))
+        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits: {m}")
+        assert torch.all(wide[..., dim:] == 7.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_cuts_a_wide_group_into_head_blocks(device):
+    """MLA's many query heads over one KV head of D 576 (padded to 1024): a program takes 16
+    heads at a time (head_blocks), the last block partly masked (20 heads: 16 + 4; 128: 8 x
+    16), each block over the same splits."""
+    from ember.kernels.decode_attention import head_blocks
+
+    heads = 20 if device == "cpu" else 128
+    assert head_blocks(heads, 1024) == (16, -(-heads // 16)) and head_blocks(8, 128) == (16, 1)
+    case = _head_dim_case(device, "mla-576", decode=True, seed=33, heads=heads)
+    want = case.reference()
+    kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    for s in (1, 3):
+        got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
+                               case.scale, num_splits=s, **(dict(block_n=16) if device == "cpu" else {}))
+        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits: {m}")
+
+
+@pytest.mark.parametrize("device,name", [p for p in HEAD_DIM_CASES if p.values[0] == "cuda"
+                                         or p.values[1] == "mla-576"])  # the interpreter: MLA's, padded most
+def test_triton_backend_at_any_head_dim_over_fp8(device, name):
+    """The backend at its own tiles and configs: a mixed step (its leading decode rows to
+    flash-decoding, the rest to the prefill kernel) over a scaled fp8 cache (MLA: one scale
+    for its one plane), a windowed and soft-capped layer on the same step, then (CUDA) a
+    decode step."""
+    backend = get_attention_backend("triton")
+    scales = (0.5, 0.5) if HEAD_DIMS[name][0][3] else (0.5, 3.0)
+    shape = HEAD_DIMS[name][device == "cuda"]
+    lens = ([5, 60, 0, 37], [1, 1, 20, 9]) if device == "cpu" else ([5, 900, 0, 1700], [1, 1, 300, 90])
+    case = Case(*lens, *shape[:3], 8 if device == "cpu" else 16, device, seed=34, fp8_scales=scales,
+                shared_kv=shape[3])
+    want, want_windowed = case.reference(), case.reference(11, 5.0)
+    got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, case.k_scale,
+                          case.v_scale)
+    assert backend.plan(case.meta, shape[1]).decode_rows == 2
+    torch.testing.assert_close(got.float(), want, **_tol(device))
+    got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale, case.k_scale,
+                          case.v_scale, kv_written=True, sliding_window=11, logit_softcap=5.0)
+    torch.testing.assert_close(got.float(), want_windowed, **_tol(device))
+    if device == "cpu":
+        return  # the decode kernel's own test above
+    dec = _head_dim_case(device, name, decode=True, seed=35, fp8_scales=scales)
+    want = dec.reference()
+    got = backend.forward(dec.q, dec.k, dec.v, dec.k_cache, dec.v_cache, dec.meta, dec.scale, dec.k_scale,
+                          dec.v_scale)
+    torch.testing.assert_close(got.float(), want, **_tol(device))
+
+
+def test_head_dim_is_checked():
+    q, cache = torch.zeros(2, 4, 6), torch.zeros(4, 4, 2, 6)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_dim must be at least 8"):
+        decode_attention(q, cache, cache, tables, lens, 1.0, 1)
+    with pytest.raises(ValueError, match="head_dim must be at least 8"):
+        prefill_attention(q, cache, cache, tables, torch.tensor([0, 1, 2], dtype=torch.int32), lens, 1, 1.0)

@@ -78,16 +78,18 @@ def test_gelu_tanh_and_mul(device):
     torch.testing.assert_close(fused_gelu_tanh_and_mul(x.to(device), block=32).cpu(), gelu_tanh_and_mul(x), **tol)
 
 
-# RoPE on whole heads, and partial RoPE (Phi-4-mini's 3/4 of each head): 24 of 32 dims turn,
-# halves of 12 (not a power of two), 8 dims pass through
-ROTARY = [pytest.param(32, id="whole_head"), pytest.param(24, id="partial")]
+# (head_dim, rotary_dim): RoPE on whole heads, and partial RoPE (Phi-4-mini's 3/4 of each head):
+# 24 of 32 dims turn, halves of 12 (not a power of two), 8 dims pass through; head dims that are
+# not a power of two: Phi-2's 80 (32 turn, 48 pass) and Phi-3-mini's 96 (all turn)
+ROTARY = [pytest.param((32, 32), id="whole_head"), pytest.param((32, 24), id="partial"),
+          pytest.param((80, 32), id="phi2-80"), pytest.param((96, 96), id="phi3-96")]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rotary_dim", ROTARY)
-def test_rope_in_place_on_qkv_views(device, rotary_dim):
+@pytest.mark.parametrize("dims", ROTARY)
+def test_rope_in_place_on_qkv_views(device, dims):
     g, dtype, tol = _setup(device)
-    heads, kv_heads, dim, tokens = 4, 2, 32, 6
+    (dim, rotary_dim), heads, kv_heads, tokens = dims, 4, 2, 6
     rotary = RotaryEmbedding(rotary_dim, 64, 10000.0, None)
     positions = torch.tensor([0, 5, 1, 63, 17, 2])
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
@@ -110,12 +112,12 @@ def test_rope_in_place_on_qkv_views(device, rotary_dim):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rotary_dim", ROTARY)
-def test_qk_norm_and_rope_in_one_kernel_on_qkv_views(device, rotary_dim):
+@pytest.mark.parametrize("dims", ROTARY)
+def test_qk_norm_and_rope_in_one_kernel_on_qkv_views(device, dims):
     """Qwen3: per-head RMSNorm of q and k, then RoPE, in place, as the three layer ops do
     (with partial RoPE the norm still spans the whole head)."""
     g, dtype, tol = _setup(device)
-    heads, kv_heads, dim, tokens = 6, 2, 32, 5
+    (dim, rotary_dim), heads, kv_heads, tokens = dims, 6, 2, 5
     rotary = RotaryEmbedding(rotary_dim, 64, 10000.0, None)
     positions = torch.tensor([0, 9, 1, 63, 30])
     q_norm, k_norm = RMSNorm(dim, 1e-6), RMSNorm(dim, 1e-6)
@@ -144,14 +146,14 @@ def test_qk_norm_and_rope_in_one_kernel_on_qkv_views(device, rotary_dim):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm", [False, True], ids=["rope", "qk_norm_rope"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache_in_dtype", "fp8_cache"])
-@pytest.mark.parametrize("rotary_dim", ROTARY)
-def test_rope_kernel_writes_the_cache_as_kv_write_does(device, norm, fp8, rotary_dim):
+@pytest.mark.parametrize("dims", ROTARY)
+def test_rope_kernel_writes_the_cache_as_kv_write_does(device, norm, fp8, dims):
     """Given the paged cache, the RoPE kernel also stores the rotated k and v at each
     token's slot: the same bits as rotating and then running the KV-write kernel, a padded
     row (slot -1) writing nothing, an fp8 cache quantized with its scales; with partial RoPE
     the dims that pass through too."""
     g, dtype, _ = _setup(device)
-    heads, kv_heads, dim, tokens, page = 4, 2, 32, 5, 4
+    (dim, rotary_dim), heads, kv_heads, tokens, page = dims, 4, 2, 5, 4
     rotary = RotaryEmbedding(rotary_dim, 64, 10000.0, None)
     cos_sin = rotary.lookup(torch.tensor([0, 7, 3, 40, 12])).to(device)
     qkv = (2 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)).to(dtype).to(device)
