@@ -166,7 +166,9 @@ def test_new_families_runs_their_gpu_tests_then_the_deepseek_shape(tmp_path):
     out, d, bench = tmp_path / "out", "benchmarks/configs/deepseek-v2-lite", f"python3 {BENCH[8:]}"
     assert calls == [
         "python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_attention_kernels.py "
-        "tests/models/test_cuda_families.py -k not gemma and not mixtral and not qwen and not phi3 [decode_config=]",
+        "tests/kernels/test_fused_ops.py [decode_config=]",
+        "python3 -m pytest -m gpu -q -s -rf --tb=short tests/models/test_cuda_families.py -k gpt2 or opt or deepseek "
+        "or (phi and not phi3) [decode_config=]",
         f"{bench} {d} {LAT} --output-json {out}/deepseek_v2_lite_latency.json [decode_config=]",
         f"{bench} {d} --num-prompts 256 --input-len 1000 --output-len 1000 --max-model-len 2048 --output-json "
         f"{out}/deepseek_v2_lite_256x1000.json [decode_config=]",
