@@ -262,7 +262,7 @@ mode_families() {
 
 mode_new_families() {
   gpu_tests 150 tests/kernels/test_attention_kernels.py tests/kernels/test_fused_ops.py
-  gpu_tests 200 tests/models/test_cuda_families.py -k "gpt2 or opt or deepseek or (phi and not phi3)"
+  gpu_tests 200 tests/models/test_cuda_families.py -k "gpt or opt or deepseek or (phi and not phi3)"
   local D=benchmarks/configs/deepseek-v2-lite
   bench deepseek_v2_lite_latency 90 $D $LAT
   bench deepseek_v2_lite_256x1000 140 $D --num-prompts 256 --input-len 1000 --output-len 1000 --max-model-len 2048

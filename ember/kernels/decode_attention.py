@@ -46,6 +46,7 @@ import triton.language as tl
 
 from ember.kernels.paged import (
     LOG2E,
+    add_sink,
     block_d,
     check_head_dim,
     dot_in_fp16,
@@ -55,6 +56,7 @@ from ember.kernels.paged import (
     load_kv_tile,
     queries_for_dot,
     shared_kv,
+    sinks_arg,
     soft_cap,
     tile_mask,
 )
@@ -95,12 +97,12 @@ def head_blocks(group: int, padded_dim: int) -> tuple[int, int]:
 # nor the window (paged.layer_options)
 @triton.jit(do_not_specialize=["stride_tb", "window"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-                         k_scale_ptr, v_scale_ptr, scale_log2, window, softcap, stride_qt, stride_qh, stride_tb,
+                         k_scale_ptr, v_scale_ptr, sinks_ptr, scale_log2, window, softcap, stride_qt, stride_qh, stride_tb,
                          stride_cb, stride_cs, stride_ch, stride_ob, stride_oh, stride_os,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          FP8: tl.constexpr, DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-                         SHARED_KV: tl.constexpr):
+                         SHARED_KV: tl.constexpr, SINKS: tl.constexpr):
     b = tl.program_id(0)
     if HEAD_BLOCKS == 1:  # the KV head's whole group in one program
         kvh = tl.program_id(1)
@@ -151,6 +153,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
 
+    if SINKS and NUM_SPLITS == 1:  # the head's sink joins the denominator (the merge adds it over splits)
+        m, l, acc = add_sink(m, l, acc, tl.load(sinks_ptr + heads, mask=hmask, other=0.0) * LOG2E)
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
     if FP8:
@@ -169,21 +173,27 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
 
 
 @triton.jit
-def _decode_merge_kernel(part_ptr, lse_ptr, o_ptr, stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
+def _decode_merge_kernel(part_ptr, lse_ptr, o_ptr, sinks_ptr, stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     smask = s < NUM_SPLITS
     lse = tl.load(lse_ptr + (b * NUM_HEADS + h) * NUM_SPLITS + s, mask=smask, other=float("-inf"))
     top = tl.max(lse, 0)
+    if SINKS:  # the head's sink: one more term of the denominator, of no value
+        sink = tl.load(sinks_ptr + h) * LOG2E
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)  # an empty sequence (graph padding): output 0
     w = tl.exp2(lse - top)
+    total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.exp2(sink - top)
     d = tl.arange(0, BLOCK_D)
     part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
                    mask=tile_mask(smask, d, D, BLOCK_D), other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    out = tl.sum(part * w[:, None], 0) / tl.maximum(total, 1e-30)
     if BLOCK_D == D:
         tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
     else:  # the padded dims are not the output's
@@ -202,12 +212,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, logit_softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (one token per sequence; any D >= 8), caches [num_blocks, block_size, Hkv, D]
     in q's dtype or fp8 (then k_scale / v_scale: [1] float32, None: 1.0; k_cache may be
     v_cache: MLA's one plane), block_tables
     [B, >= cdiv(max seq_len, block_size)] int32, seq_lens [B] int32 (0: no context,
-    output 0); sliding_window / logit_softcap as in layers/attention/base.py.
+    output 0); sliding_window / logit_softcap / sinks ([H] float32) as in layers/attention/base.py.
     Returns [B, H, D]."""
     batch, heads, dim = q.shape
     num_blocks, page, kv_heads, cdim = k_cache.shape
@@ -238,22 +249,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     config = decode_config(fp8, padded)
     common = dict(GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=num_head_blocks, D=dim, BLOCK_D=padded,
                   BLOCK_N=block_n or config[0], PAGE=page, NUM_SPLITS=num_splits, FP8=fp8,
-                  DOT_FP16=dot_in_fp16(q, k_cache), SHARED_KV=shared_kv(k_cache, v_cache),
+                  DOT_FP16=dot_in_fp16(q, k_cache), SHARED_KV=shared_kv(k_cache, v_cache), SINKS=sinks is not None,
                   num_warps=num_warps or config[1], num_stages=num_stages or config[2], **options)
     scale_log2 = scale * LOG2E
+    sink_arg = sinks_arg(sinks, heads, q)
     if num_splits == 1:
-        _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, scale_log2,
+        _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, sink_arg,
+                                   scale_log2,
                                    window, softcap, q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
                                    k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), 0,
                                    **common)
         return out
     part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, part, lse, k_scale, v_scale, scale_log2,
+    _decode_split_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, part, lse, k_scale, v_scale, sink_arg,
+                               scale_log2,
                                window, softcap, q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
                                k_cache.stride(1), k_cache.stride(2), part.stride(0), part.stride(1),
                                part.stride(2), **common)
-    _decode_merge_kernel[(batch, heads)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
+    _decode_merge_kernel[(batch, heads)](part, lse, out, sink_arg, part.stride(0), part.stride(1), part.stride(2),
                                          out.stride(0), out.stride(1), NUM_HEADS=heads, D=dim, BLOCK_D=padded,
-                                         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
+                                         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+                                         SINKS=sinks is not None)
     return out

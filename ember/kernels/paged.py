@@ -134,6 +134,25 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, n0, pmask, kvh, d, str
     return k, v
 
 
+def sinks_arg(sinks: torch.Tensor | None, heads: int, q: torch.Tensor) -> torch.Tensor:
+    """A layer's attention sinks (gpt-oss: a logit a query head) as the kernels read them, float32
+    [heads]; without sinks a stand-in pointer the kernels never read (SINKS false)."""
+    if sinks is None:
+        return q
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks must be [{heads}] (one logit a query head), got {tuple(sinks.shape)}")
+    return sinks.float().contiguous()
+
+
+@triton.jit
+def add_sink(m, l, acc, sink_log2):
+    """An online softmax's state (running max m, sum l, numerator acc; log2 domain) with one more
+    term of the denominator, exp2(sink - max), and no value (gpt-oss's attention sinks)."""
+    m_new = tl.maximum(m, sink_log2)
+    alpha = tl.exp2(m - m_new)
+    return m_new, l * alpha + tl.exp2(sink_log2 - m_new), acc * alpha[:, None]
+
+
 def layer_options(sliding_window: int | None, logit_softcap: float | None) -> dict:
     """A layer's options (base.py) as the attention kernels take them: constexpr flags, so
     that a layer without them compiles to the very code it had before they existed, and

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from ember.kernels.paged import (
     LOG2E,
+    add_sink,
     block_d,
     check_head_dim,
     dot_in_fp16,
@@ -51,6 +52,7 @@ from ember.kernels.paged import (
     load_kv_tile,
     queries_for_dot,
     shared_kv,
+    sinks_arg,
     soft_cap,
     tile_mask,
 )
@@ -69,11 +71,12 @@ def prefill_tiles(padded_dim: int) -> tuple[int, int, int | None, int | None]:
 # nor the window (paged.layer_options)
 @triton.jit(do_not_specialize=["stride_tb", "window", "first_seq"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, k_scale_ptr,
-                    v_scale_ptr, scale_log2, window, softcap, first_seq, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
+                    v_scale_ptr, sinks_ptr, scale_log2, window, softcap, first_seq, stride_qt, stride_qh, stride_ot,
+                    stride_oh, stride_tb,
                     stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
                     DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PACK_GQA: tl.constexpr,
-                    SHARED_KV: tl.constexpr):
+                    SHARED_KV: tl.constexpr, SINKS: tl.constexpr):
     mb = tl.program_id(0)
     b = tl.program_id(2) + first_seq
     q_start = tl.load(query_start_ptr + b)
@@ -136,6 +139,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
 
+    if SINKS:  # each row's head's sink joins the denominator
+        m, l, acc = add_sink(m, l, acc, tl.load(sinks_ptr + head) * LOG2E)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if FP8:
         out = out * tl.load(v_scale_ptr)
@@ -149,12 +154,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                       sliding_window: int | None = None, logit_softcap: float | None = None,
                       pack_gqa: bool = False, first_seq: int = 0, num_warps: int | None = None,
-                      num_stages: int | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] flattened new tokens (any D >= 8), caches [num_blocks, block_size, Hkv, D]
     holding every sequence's context (new tokens included) in q's dtype or fp8 (then k_scale /
     v_scale: [1] float32, None: 1.0; k_cache may be v_cache: MLA's one plane), block_tables
     [B, W] int32, query_start_loc [B + 1] int32, seq_lens [B] int32; sliding_window /
-    logit_softcap as in layers/attention/base.py.
+    logit_softcap / sinks ([H] float32) as in layers/attention/base.py.
     pack_gqa: a program takes the rows of all the query heads of one KV head (see the top).
     first_seq: attend sequences first_seq .. B-1 only (their rows of `out`; a mixed step's
     leading decode rows go to flash-decoding), by an offset rather than sliced tensors, whose
@@ -193,9 +198,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (triton.cdiv(max_query_len * group, block_m), kv_heads, batch - first_seq) if pack_gqa else \
         (triton.cdiv(max_query_len, block_m), heads, batch - first_seq)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
-                          scale * LOG2E, window, softcap, first_seq, q.stride(0), q.stride(1), out.stride(0),
+                          sinks_arg(sinks, heads, q), scale * LOG2E, window, softcap, first_seq, q.stride(0), q.stride(1), out.stride(0),
                           out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                           GROUP=group, D=dim, BLOCK_D=padded, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
                           DOT_FP16=dot_in_fp16(q, k_cache), PACK_GQA=pack_gqa, SHARED_KV=shared_kv(k_cache, v_cache),
+                          SINKS=sinks is not None,
                           **launch, **options)
     return out

@@ -167,7 +167,7 @@ def test_new_families_runs_their_gpu_tests_then_the_deepseek_shape(tmp_path):
     assert calls == [
         "python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_attention_kernels.py "
         "tests/kernels/test_fused_ops.py [decode_config=]",
-        "python3 -m pytest -m gpu -q -s -rf --tb=short tests/models/test_cuda_families.py -k gpt2 or opt or deepseek "
+        "python3 -m pytest -m gpu -q -s -rf --tb=short tests/models/test_cuda_families.py -k gpt or opt or deepseek "
         "or (phi and not phi3) [decode_config=]",
         f"{bench} {d} {LAT} --output-json {out}/deepseek_v2_lite_latency.json [decode_config=]",
         f"{bench} {d} --num-prompts 256 --input-len 1000 --output-len 1000 --max-model-len 2048 --output-json "

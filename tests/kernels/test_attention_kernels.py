@@ -113,7 +113,8 @@ class Case:
     def scales(self) -> dict:
         return dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
-    def reference(self, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
+    def reference(self, sliding_window: int | None = None, logit_softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The torch backend in float32 on copies of the caches (it writes K/V into them);
         an fp8 cache stays fp8, quantized and read back by the reference's own rules."""
         kc, vc = ((c.clone() if c.dtype == FP8 else c.float().clone()) for c in (self.k_cache, self.v_cache))
@@ -122,7 +123,7 @@ class Case:
                                      "query_lens_cpu", "seq_lens_cpu")})
         return get_attention_backend("torch").forward(self.q.float(), self.k.float(), self.v.float(), kc, vc,
                                                       meta, self.scale, **self.scales, sliding_window=sliding_window,
-                                                      logit_softcap=logit_softcap)
+                                                      logit_softcap=logit_softcap, sinks=sinks)
 
     def poison_unseen(self, window: int) -> int:
         """NaN into the cached K and V of every position that no new query of its sequence
@@ -217,6 +218,35 @@ def test_decode_matches_reference(device, seed):
         got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
                                case.scale, num_splits=s, block_n=block)
         torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 9])
+def test_attention_sinks_match_reference(device, window):
+    """gpt-oss's sinks (a logit a query head in the softmax's denominator): prefill, decode
+    in one split and merged from several, and the backend's mixed step, against the torch
+    backend's sink column; with a window too, as gpt-oss's sliding layers have."""
+    heads = 4 if device == "cpu" else 16
+    sinks = torch.linspace(-1.5, 2.5, heads, device=device)
+    pre = Case([0, 40, 17], [23, 9, 30], heads, 2, 16 if device == "cpu" else 64, 8, device, seed=5)
+    want = pre.reference(sliding_window=window, sinks=sinks)
+    kv_write(pre.k, pre.v, pre.k_cache, pre.v_cache, pre.meta.slot_mapping)
+    got = prefill_attention(pre.q, pre.k_cache, pre.v_cache, pre.meta.block_tables, pre.meta.query_start_loc,
+                            pre.meta.seq_lens, 30, pre.scale, block_m=16, block_n=16, sliding_window=window,
+                            sinks=sinks)
+    torch.testing.assert_close(got.float(), want, **_tol(device))
+    dec = Case([1, 60, 33], [1, 1, 1], heads, 2, 16 if device == "cpu" else 64, 8, device, seed=6)
+    want = dec.reference(sliding_window=window, sinks=sinks)
+    kv_write(dec.k, dec.v, dec.k_cache, dec.v_cache, dec.meta.slot_mapping)
+    for splits in (1, 3):
+        got = decode_attention(dec.q, dec.k_cache, dec.v_cache, dec.meta.block_tables, dec.meta.seq_lens, dec.scale,
+                               num_splits=splits, block_n=16, sliding_window=window, sinks=sinks)
+        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{splits} splits: {m}")
+    mixed = Case([12, 0, 30], [1, 20, 5], heads, 2, 16 if device == "cpu" else 64, 8, device, seed=7)
+    want = mixed.reference(sliding_window=window, sinks=sinks)
+    got = get_attention_backend("triton").forward(mixed.q, mixed.k, mixed.v, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale,
+                                                 sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(got.float(), want, **_tol(device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,6 +1,6 @@
 """On CUDA (`-m gpu`): Mixtral, Qwen3-MoE and Qwen2-MoE (the fused MoE kernels), Gemma 2 (windows on every other layer, both soft-caps), Gemma 3
 (local and global RoPE, q/k norm), Phi-3 (fused checkpoints, LongRoPE, a window on every
-layer), the LayerNorm decoders GPT-2, OPT and Phi-2 (saved by transformers itself), and
+layer), the LayerNorm decoders GPT-2, OPT and Phi-2 and gpt-oss (saved by transformers itself), and
 DeepSeek-V2-Lite- and V3-like models (multi-head latent attention at the real latent sizes,
 kv_lora_rank 512 + 64 RoPE dims: the Triton kernels over a 576-dim one-head cache; DeepSeekMoE's
 routers into the fused MoE kernels) through the whole bfloat16 engine (Triton attention with windows, CUDA graphs)
@@ -55,6 +55,13 @@ SAVED_BY_HF = {
     "opt": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=1024, ffn_dim=2048, num_hidden_layers=6,
                                                 num_attention_heads=8, max_position_embeddings=2048,
                                                 word_embed_proj_dim=1024)),
+    # attention sinks in the Triton kernels, every other layer a window shorter than the long prompts,
+    # biased experts (the torch path on CUDA)
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(hidden_size=1024, intermediate_size=512,
+                                                          num_hidden_layers=4, num_attention_heads=16,
+                                                          num_key_value_heads=4, head_dim=64, num_local_experts=8,
+                                                          num_experts_per_tok=2, sliding_window=100,
+                                                          max_position_embeddings=4096)),
     # Phi-2's own head: 80 dims (not a power of two), RoPE on 32 of them
     "phi": ("PhiForCausalLM", "PhiConfig", dict(hidden_size=1280, intermediate_size=2560, num_hidden_layers=6,
                                                 num_attention_heads=16, num_key_value_heads=8,
@@ -90,6 +97,8 @@ def _save_by_hf(transformers, name: str, path) -> None:
                 p.copy_((1.0 if n.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
             elif n.endswith("bias"):
                 p.copy_(0.02 * torch.randn_like(p))
+            elif n.endswith("sinks"):
+                p.copy_(0.5 * torch.randn_like(p))
     hf.to(torch.bfloat16).save_pretrained(str(path))
 
 
@@ -137,7 +146,8 @@ def test_logits_match_hf_in_bf16(models, forward_logits):
 # token's top-k experts, that row's output moves by much more than rounding, and a greedy
 # run that once diverges stays on its own path (measured on the H200: Mixtral 0.934, Qwen2-MoE
 # 0.990, Qwen3-MoE 0.983 of 288 tokens, against >= 0.95 for every dense family).
-GREEDY_FLOOR = {"mixtral": 0.90, "qwen2_moe": 0.90, "qwen3_moe": 0.90, "deepseek_v2_lite": 0.90, "deepseek_v3": 0.90}
+GREEDY_FLOOR = {"mixtral": 0.90, "qwen2_moe": 0.90, "qwen3_moe": 0.90, "deepseek_v2_lite": 0.90, "deepseek_v3": 0.90,
+                "gpt_oss": 0.90}
 
 
 def test_greedy_generation_agrees_with_hf(models):

@@ -126,10 +126,3 @@ def test_mxfp4_experts_load(model, tmp_path, forward_logits):
         save_file(tensors, str(root / "model.safetensors"))
     hf = transformers.GptOssForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
     assert_logits_match(LLM(str(mxfp4), **ENGINE), hf, PROMPTS, forward_logits)
-
-
-def test_sinks_are_refused_on_triton_by_name():
-    from ember.layers.attention.triton_backend import TritonBackend
-
-    with pytest.raises(ValueError, match="attention sinks"):
-        TritonBackend().forward(*[None] * 6, 1.0, sinks=torch.zeros(4))

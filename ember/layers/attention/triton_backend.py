@@ -63,13 +63,11 @@ class TritonBackend(AttentionBackend):
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 kv_written: bool = False, sliding_window: int | None = None,
                 logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if sinks is not None:
-            raise ValueError("attention sinks (gpt-oss) are not in the Triton kernels yet: run it on the CPU, or "
-                             "with attention_backend='torch'")
         if not kv_written:
             self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         plan = self.plan(meta, k_cache.shape[2])  # one plan for all layers, windowed or not
-        options = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
+        options = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+                       sinks=sinks)
         if plan.decode:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, plan.num_splits,
                                 **options)
