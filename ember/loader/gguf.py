@@ -195,7 +195,9 @@ def gguf_to_hf_names(arch: str, hf_names: Iterable[str], num_layers: int) -> dic
     out: dict[str, str] = {}
     for hf in hf_names:
         # DeepSeek-V3's router bias: the converter names it as a `.bias` of e_score_correction
-        name = table.get_name(hf.replace("e_score_correction_bias", "e_score_correction.bias"),
+        # gpt-oss's sinks: a weight of attn_sinks (a parameter of no suffix in transformers)
+        lookup = hf + ".weight" if hf.endswith(".self_attn.sinks") else hf
+        name = table.get_name(lookup.replace("e_score_correction_bias", "e_score_correction.bias"),
                               try_suffixes=(".weight", ".bias"))
         if name is None:
             continue
@@ -253,11 +255,21 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     unpermute = family is not None and family.gguf_rope_permuted
     no_kernel: dict[str, list[str]] = {}
     latent_halves: dict[str, dict[str, torch.Tensor]] = {}  # MLA: blk.N -> its k_b and v_b, until both are read
+    expert_biases: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss: blk.N -> its gate and up biases, likewise
     for gguf_name in f.tensor_names:
         if gguf_name in consumed:
             continue
         if (block := _BLOCK.match(gguf_name)) is not None and int(block[1]) >= cfg.num_layers:
             continue  # a multi-token-prediction layer after the model's (GLM-4.5's converter writes them)
+        if (m := _EXPERT_BIAS.fullmatch(gguf_name)) is not None:  # gpt-oss: FusedMoE's w13_bias (gate | up), w2_bias
+            if m[2] == "down":
+                yield f"model.layers.{m[1]}.mlp.w2_bias", f.tensor(gguf_name)
+                continue
+            halves = expert_biases.setdefault(m[1], {})
+            halves[m[2]] = f.tensor(gguf_name)
+            if len(halves) == 2:
+                yield f"model.layers.{m[1]}.mlp.w13_bias", torch.cat([halves.pop("gate"), halves.pop("up")], dim=1)
+            continue
         if (m := _LATENT_B.fullmatch(gguf_name)) is not None:
             halves = latent_halves.setdefault(m[1], {})
             halves[m[2]] = f.tensor(gguf_name)
@@ -299,6 +311,7 @@ _DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: plain weights, not quantized
 # and v_b (W_UV: [H, v, r]), the absorbed forms its graph multiplies by; ember's kv_b_proj is
 # [H x (nope + v), r], each head's W_UK rows then its W_UV rows
 _BLOCK = re.compile(r"blk\.(\d+)\.")
+_EXPERT_BIAS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.bias")
 _LATENT_B = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
 _ROPE_PROJECTION = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.")
 

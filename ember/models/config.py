@@ -329,10 +329,12 @@ class ModelConfig:
         mla: dict[str, Any] = {}
         if fam.moe == "deepseek":
             moe = _gguf_deepseek_moe_options(md, arch, layers)
+        elif fam.moe == "gpt_oss":
+            moe = _gguf_gpt_oss_options(md, arch, layers)
         if fam.mla:
             mla, rope_scaling = _gguf_mla_options(md, arch, rope_scaling)
             head_dim, rotary_dim = mla.pop("head_dim"), get("rope.dimension_count")
-        if fam.moe != "deepseek":
+        if fam.moe not in ("deepseek", "gpt_oss"):
             moe = _gguf_moe_options(md, arch, layers, ff)
         query_scalar = None
         if fam.gguf_hidden_query_scale_layers:  # llama.cpp's Gemma 2/3 rule: the 27B models (by layer count)
@@ -381,6 +383,8 @@ class ModelConfig:
             **moe,
             **_layer_norm_options(fam),
             **mla,
+            attention_sinks=fam.attention_sinks,
+            o_proj_bias="blk.0.attn_output.bias" in tensor_names,
         )
 
 
@@ -685,6 +689,20 @@ def _gguf_mla_options(md: dict[str, Any], arch: str, rope_scaling: RopeScaling |
     return {"kv_lora_rank": rank, "q_lora_rank": md.get(f"{arch}.attention.q_lora_rank") or 0,
             "qk_nope_head_dim": head_dim - rope, "v_head_dim": get("attention.value_length_mla"),
             "attention_scale_factor": factor, "rope_interleaved": True, "head_dim": head_dim}, rope_scaling
+
+
+def _gguf_gpt_oss_options(md: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """gpt-oss's experts from llama.cpp's keys: every layer sparse, expert_count of
+    expert_feed_forward_length, expert_used_count a token, biased, the clamped SwiGLU at the
+    constants llama.cpp's graph fixes (alpha 1.702, limit 7)."""
+    def get(key: str) -> Any:
+        if (value := md.get(f"{arch}.{key}")) is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}: the file is incomplete")
+        return value
+
+    return {"moe_layers": (True,) * num_layers, "num_experts": get("expert_count"),
+            "num_experts_per_tok": get("expert_used_count"), "moe_intermediate_size": get("expert_feed_forward_length"),
+            "norm_topk_prob": True, "moe_bias": True, "swiglu": (1.702, 7.0)}
 
 
 def _gguf_deepseek_moe_options(md: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:

@@ -167,8 +167,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            hf_config_defaults={"topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True},
            hf_tensor_names=_DEEPSEEK_NAMES),
     # gpt-oss: attention sinks, every other layer a 128-token window, q/k/v/o biases, YaRN,
-    # MXFP4 experts with the clamped SwiGLU (its GGUFs: not yet)
-    Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), None, moe="gpt_oss", qkv_bias_key="attention_bias",
+    # MXFP4 experts with the clamped SwiGLU
+    Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), "gpt-oss", moe="gpt_oss", qkv_bias_key="attention_bias",
            qkv_bias_default=True, o_proj_bias_key="attention_bias", attention_sinks=True, rope_theta=150000.0,
            sliding_pattern=2, hf_config_defaults={"attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
            hf_tensor_names=_GPT_OSS_NAMES),

@@ -5,7 +5,8 @@ and experts with biases under the clamped SwiGLU, routed by softmax over the top
 logits. Every bias and sink is moved off transformers' zero init so that each one counts:
 ember's logits and greedy tokens equal transformers' (float32), through chunked prefill and a
 prefix hit. And the experts as gpt-oss ships them, MXFP4 blocks and scales: decoded as
-transformers' own decoder does, and served equal to transformers on the decoded weights."""
+transformers' own decoder does, and served equal to transformers on the decoded weights; and
+from the GGUF llama.cpp's converter writes of each."""
 
 from __future__ import annotations
 
@@ -126,3 +127,47 @@ def test_mxfp4_experts_load(model, tmp_path, forward_logits):
         save_file(tensors, str(root / "model.safetensors"))
     hf = transformers.GptOssForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
     assert_logits_match(LLM(str(mxfp4), **ENGINE), hf, PROMPTS, forward_logits)
+
+
+@pytest.mark.parametrize("experts", ["dense", "mxfp4"])
+def test_gguf_from_llama_cpps_converter(experts, tmp_path, gguf_convert, bpe_tokenizer_dir, forward_logits):
+    """gpt-oss as llama.cpp users get it: llama.cpp's converter (the experts split into gate and
+    up, their biases too; MXFP4 kept as GGML's MXFP4 blocks, decoded at load), with SmolLM2's BPE
+    tokenizer. llama.cpp's YaRN rounds its correction range as transformers' default does
+    (truncate), where gpt-oss's config says not to: the reference model here truncates too."""
+    import shutil
+
+    from ember.loader.gguf import open_gguf
+
+    torch.manual_seed(4)
+    config = _config()
+    config.vocab_size = 49152
+    config.rope_parameters = config.rope_parameters | {"truncate": True}
+    hf = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias") or name.endswith("sinks"):
+                p.copy_(0.5 * torch.randn_like(p))
+    root = tmp_path / experts
+    hf.save_pretrained(str(root))
+    if experts == "mxfp4":  # the experts as gpt-oss ships them; the reference runs their decoded values
+        state = load_file(str(root / "model.safetensors"))
+        for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            blocks, scales = pack_mxfp4(state.pop(name).transpose(1, 2))
+            state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+            with torch.no_grad():
+                hf.get_parameter(name).copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))
+        save_file(state, str(root / "model.safetensors"))
+        meta = json.loads((root / "config.json").read_text())
+        (root / "config.json").write_text(json.dumps(meta | {"quantization_config": {"quant_method": "mxfp4"}}))
+    for f in bpe_tokenizer_dir.iterdir():
+        shutil.copy(f, root / f.name)
+    path = gguf_convert(root, "f32")
+    f = open_gguf(path)
+    assert f.architecture == "gpt-oss" and "blk.0.attn_sinks.weight" in f.tensor_names
+    assert f.tensor_info("blk.0.ffn_gate_exps.weight").qtype_name == ("MXFP4" if experts == "mxfp4" else "F32")
+    llm = LLM(str(path), **(ENGINE | dict(num_kv_blocks=32, kv_cache_dtype="float32")))
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert greedy_tokens(llm) == [hf_greedy(hf, ids) for ids in PROMPTS]
