@@ -125,8 +125,8 @@ class FusedMoE(nn.Module):
         if cuda_paths(x) and self.grouped is not None:
             from ember.kernels.moe import fused_experts
 
-            weights, ids = self.route(self.gate(x))
-            return fused_experts(x.contiguous(), self.w13, self.w2, weights, ids)
+            weights, ids = self.route(self.gate(x))  # the kernels take int32 ids, as route_topk gives them
+            return fused_experts(x.contiguous(), self.w13, self.w2, weights.contiguous(), ids.to(torch.int32))
         if cuda_paths(x):
             from ember.kernels.moe import fused_experts, route_topk
 
