@@ -154,7 +154,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
         m = m_new
 
     if SINKS and NUM_SPLITS == 1:  # the head's sink joins the denominator (the merge adds it over splits)
-        m, l, acc = add_sink(m, l, acc, tl.load(sinks_ptr + heads, mask=hmask, other=0.0) * LOG2E)
+        m, l, acc = add_sink(m, l, acc, tl.load(sinks_ptr + heads, mask=hmask, other=0.0))
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
     if FP8:
@@ -183,7 +183,7 @@ def _decode_merge_kernel(part_ptr, lse_ptr, o_ptr, sinks_ptr, stride_pb, stride_
     lse = tl.load(lse_ptr + (b * NUM_HEADS + h) * NUM_SPLITS + s, mask=smask, other=float("-inf"))
     top = tl.max(lse, 0)
     if SINKS:  # the head's sink: one more term of the denominator, of no value
-        sink = tl.load(sinks_ptr + h) * LOG2E
+        sink = tl.load(sinks_ptr + h)
         top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)  # an empty sequence (graph padding): output 0
     w = tl.exp2(lse - top)

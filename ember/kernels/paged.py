@@ -135,13 +135,13 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, n0, pmask, kvh, d, str
 
 
 def sinks_arg(sinks: torch.Tensor | None, heads: int, q: torch.Tensor) -> torch.Tensor:
-    """A layer's attention sinks (gpt-oss: a logit a query head) as the kernels read them, float32
-    [heads]; without sinks a stand-in pointer the kernels never read (SINKS false)."""
+    """A layer's attention sinks (gpt-oss: a logit a query head) as the kernels read them: float32
+    [heads], times log2(e); without sinks a stand-in pointer the kernels never read (SINKS false)."""
     if sinks is None:
         return q
     if sinks.shape != (heads,):
         raise ValueError(f"sinks must be [{heads}] (one logit a query head), got {tuple(sinks.shape)}")
-    return sinks.float().contiguous()
+    return (sinks.float() * LOG2E).contiguous()  # in the kernels' log2 domain
 
 
 @triton.jit

@@ -140,7 +140,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
         m = m_new
 
     if SINKS:  # each row's head's sink joins the denominator
-        m, l, acc = add_sink(m, l, acc, tl.load(sinks_ptr + head) * LOG2E)
+        m, l, acc = add_sink(m, l, acc, tl.load(sinks_ptr + head))
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if FP8:
         out = out * tl.load(v_scale_ptr)
