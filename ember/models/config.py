@@ -384,7 +384,8 @@ class ModelConfig:
             **_layer_norm_options(fam),
             **mla,
             attention_sinks=fam.attention_sinks,
-            o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+            # gpt-oss's; the LayerNorm decoders' biases come with layer_norm
+            o_proj_bias=not fam.layer_norm and "blk.0.attn_output.bias" in tensor_names,
         )
 
 
