@@ -43,8 +43,10 @@ class VocabRows(nn.Module):
             self.weight.weight_loader = self.load_rows
 
     def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
-        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
-            raise ValueError(f"parameter {(self.vocab_size, param.shape[1])}, checkpoint {tuple(loaded.shape)}")
+        """This rank's rows of a [vocab, ...] tensor: the weight, or Phi-2's head bias."""
+        expected = (self.vocab_size, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"parameter {expected}, checkpoint {tuple(loaded.shape)}")
         held = self._held(param.shape[0])
         param.data[:held].copy_(loaded.narrow(0, self.start, held))
         param.data[held:].zero_()  # the last rank's padding
@@ -99,14 +101,7 @@ class LMHead(VocabRows):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(vocab_rows(vocab_size, tp_rank(), self.tp)[1]))
-            self.bias.weight_loader = self.load_bias
-
-    def load_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
-        if tuple(loaded.shape) != (self.vocab_size,):
-            raise ValueError(f"parameter {(self.vocab_size,)}, checkpoint {tuple(loaded.shape)}")
-        held = self._held(param.shape[0])
-        param.data[:held].copy_(loaded.narrow(0, self.start, held))
-        param.data[held:].zero_()
+            self.bias.weight_loader = self.load_rows
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
         self.format, self.weight = _take_blocks(self.weight, self._local_rows(tensor, self.weight))
