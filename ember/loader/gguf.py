@@ -33,7 +33,7 @@ from ember.layers.quant.ggml import dequantize  # noqa: F401 (the loader's API t
 from ember.layers.quant.gguf_blocks import KERNEL_TYPES, BlockTensor
 from ember.loader.gguf_experts import is_stacked_experts, split_experts
 from ember.loader.gguf_reader import CorruptGGUF, read_gguf
-from ember.loader.weights import hf_weight_shapes, rope_rows_to_halves
+from ember.loader.weights import completed_pair, hf_weight_shapes, rope_rows_to_halves
 from ember.models.config import ModelConfig
 from ember.models.families import BY_GGUF_ARCHITECTURE
 
@@ -254,8 +254,7 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     family = BY_GGUF_ARCHITECTURE.get(f.architecture)
     unpermute = family is not None and family.gguf_rope_permuted
     no_kernel: dict[str, list[str]] = {}
-    latent_halves: dict[str, dict[str, torch.Tensor]] = {}  # MLA: blk.N -> its k_b and v_b, until both are read
-    expert_biases: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss: blk.N -> its gate and up biases, likewise
+    pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (blk.N, what): one part of a pair read
     for gguf_name in f.tensor_names:
         if gguf_name in consumed:
             continue
@@ -265,16 +264,12 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
             if m[2] == "down":
                 yield f"model.layers.{m[1]}.mlp.w2_bias", f.tensor(gguf_name)
                 continue
-            halves = expert_biases.setdefault(m[1], {})
-            halves[m[2]] = f.tensor(gguf_name)
-            if len(halves) == 2:
-                yield f"model.layers.{m[1]}.mlp.w13_bias", torch.cat([halves.pop("gate"), halves.pop("up")], dim=1)
+            if (pair := completed_pair(pending, (m[1], "biases"), m[2], f.tensor(gguf_name))) is not None:
+                yield f"model.layers.{m[1]}.mlp.w13_bias", torch.cat([pair["gate"], pair["up"]], dim=1)
             continue
         if (m := _LATENT_B.fullmatch(gguf_name)) is not None:
-            halves = latent_halves.setdefault(m[1], {})
-            halves[m[2]] = f.tensor(gguf_name)
-            if len(halves) == 2:
-                yield _kv_b_proj(int(m[1]), halves.pop("k"), halves.pop("v"))
+            if (pair := completed_pair(pending, (m[1], "kv_b"), m[2], f.tensor(gguf_name))) is not None:
+                yield _kv_b_proj(int(m[1]), pair["k"], pair["v"])
             continue
         info = f.tensor_info(gguf_name)
         blocks = keep_quantized and len(info.shape) == 2 and info.qtype in KERNEL_TYPES

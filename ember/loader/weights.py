@@ -244,13 +244,11 @@ def _gpt_oss_experts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
     decoded to the same (layers/quant/mxfp4.py)."""
     from ember.layers.quant.mxfp4 import dequantize_mxfp4
 
-    halves: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors:
         if (m := _MXFP4.fullmatch(name)) is not None:
-            pair = halves.setdefault((m[1], m[2]), {})
-            pair[m[3]] = t
-            if len(pair) == 2:
-                w = dequantize_mxfp4(pair.pop("blocks"), pair.pop("scales"))
+            if (pair := completed_pair(pending, (m[1], m[2]), m[3], t)) is not None:
+                w = dequantize_mxfp4(pair["blocks"], pair["scales"])
                 yield (f"{m[1]}.mlp.w13", _gate_up_rows(w)) if m[2] == "gate_up" else (f"{m[1]}.mlp.w2", w)
             continue
         if (m := _GPT_OSS_EXPERTS.fullmatch(name)) is not None:
@@ -261,8 +259,17 @@ def _gpt_oss_experts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
             else:
                 t = t.transpose(1, 2)
         yield name, t
-    if any(halves.values()):
-        raise ValueError(f"MXFP4 expert tensors without their pair: {sorted(k for k, v in halves.items() if v)}")
+    if pending:
+        raise ValueError(f"MXFP4 expert tensors without their pair: {sorted(pending)}")
+
+
+def completed_pair(pending: dict, key: object, part: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """Two tensors a checkpoint stores apart that load as one (MXFP4 blocks and scales, a GGUF's
+    k_b and v_b, its gate and up biases): holds `tensor` as `part` of `key`'s pair in `pending`
+    until the other part is read, then hands the pair out (and forgets it)."""
+    pair = pending.setdefault(key, {})
+    pair[part] = tensor
+    return pending.pop(key) if len(pair) == 2 else None
 
 
 def _gate_up_rows(w: torch.Tensor) -> torch.Tensor:
