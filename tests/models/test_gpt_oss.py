@@ -37,15 +37,21 @@ def _config():
                          "original_max_position_embeddings": 128, "rope_theta": 150000.0})
 
 
-def _save(path) -> torch.nn.Module:
-    torch.manual_seed(0)
-    hf = transformers.GptOssForCausalLM(_config()).eval()
+def _model(config, seed: int) -> torch.nn.Module:
+    """transformers' model of `config`, its norms, biases and sinks moved off their init."""
+    torch.manual_seed(seed)
+    hf = transformers.GptOssForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias") or name.endswith("sinks"):
                 p.copy_(0.5 * torch.randn_like(p))
+    return hf
+
+
+def _save(path) -> torch.nn.Module:
+    hf = _model(_config(), seed=0)
     hf.save_pretrained(str(path))
     return hf
 
@@ -139,17 +145,10 @@ def test_gguf_from_llama_cpps_converter(experts, tmp_path, gguf_convert, bpe_tok
 
     from ember.loader.gguf import open_gguf
 
-    torch.manual_seed(4)
     config = _config()
     config.vocab_size = 49152
     config.rope_parameters = config.rope_parameters | {"truncate": True}
-    hf = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias") or name.endswith("sinks"):
-                p.copy_(0.5 * torch.randn_like(p))
+    hf = _model(config, seed=4)
     root = tmp_path / experts
     hf.save_pretrained(str(root))
     if experts == "mxfp4":  # the experts as gpt-oss ships them; the reference runs their decoded values
