@@ -28,6 +28,9 @@ before it are never read (that is what makes a window fast):
     f = max(0, seq_len - W),  lo = f rounded down to BLOCK_N,
     L = cdiv(seq_len - lo, S) rounded up to BLOCK_N; keys in [lo, f) are masked on load
 
+Chunked local attention (Llama 4: chunk C) is the same walk from f = (seq_len - 1) // C * C,
+the first key of the query's chunk.
+
 A soft cap (Gemma 2) bends each score before the softmax (paged.soft_cap).
 
 The key at context position p is at k_cache[block_tables[b, p // block_size], p % block_size].
@@ -101,8 +104,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
                          stride_cb, stride_cs, stride_ch, stride_ob, stride_oh, stride_os,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         FP8: tl.constexpr, DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-                         SHARED_KV: tl.constexpr, SINKS: tl.constexpr):
+                         FP8: tl.constexpr, DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, CHUNKED: tl.constexpr,
+                         SOFTCAP: tl.constexpr, SHARED_KV: tl.constexpr, SINKS: tl.constexpr):
     b = tl.program_id(0)
     if HEAD_BLOCKS == 1:  # the KV head's whole group in one program
         kvh = tl.program_id(1)
@@ -110,8 +113,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
         kvh = tl.program_id(1) // HEAD_BLOCKS
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    if SLIDING:  # the splits cover [lo, seq_len) only (see the top)
-        first = tl.maximum(seq_len - window, 0)
+    if SLIDING or CHUNKED:  # the splits cover [lo, seq_len) only (see the top)
+        if SLIDING:
+            first = tl.maximum(seq_len - window, 0)
+        else:  # the query's chunk starts there
+            first = tl.maximum(seq_len - 1, 0) // window * window
         lo = first // BLOCK_N * BLOCK_N
         split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = lo + s * split_len
@@ -138,7 +144,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
-        if SLIDING:  # keys in [lo, first) are not read; every walked tile holds a visible key
+        if SLIDING or CHUNKED:  # keys in [lo, first) are not read; every walked tile holds a visible key
             pmask = pmask & (pos >= first)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, n0, pmask, kvh, d,
                             stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, D, BLOCK_D, SHARED_KV)
@@ -213,12 +219,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      sliding_window: int | None = None, logit_softcap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """q [B, H, D] (one token per sequence; any D >= 8), caches [num_blocks, block_size, Hkv, D]
     in q's dtype or fp8 (then k_scale / v_scale: [1] float32, None: 1.0; k_cache may be
     v_cache: MLA's one plane), block_tables
     [B, >= cdiv(max seq_len, block_size)] int32, seq_lens [B] int32 (0: no context,
-    output 0); sliding_window / logit_softcap / sinks ([H] float32) as in layers/attention/base.py.
+    output 0); sliding_window / logit_softcap / sinks ([H] float32) / attention_chunk as in
+    layers/attention/base.py.
     Returns [B, H, D]."""
     batch, heads, dim = q.shape
     num_blocks, page, kv_heads, cdim = k_cache.shape
@@ -230,7 +237,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q's last dim and the caches must be contiguous")
     k_scale, v_scale = kv_scale_arg(k_scale, k_cache), kv_scale_arg(v_scale, v_cache)
-    options = layer_options(sliding_window, logit_softcap)
+    options = layer_options(sliding_window, logit_softcap, attention_chunk)
     window, softcap = options.pop("window"), options.pop("softcap")
     if block_tables.shape[0] != batch or seq_lens.shape != (batch,) or block_tables.dtype != torch.int32 \
             or seq_lens.dtype != torch.int32:

@@ -153,12 +153,15 @@ def add_sink(m, l, acc, sink_log2):
     return m_new, l * alpha + tl.exp2(sink_log2 - m_new), acc * alpha[:, None]
 
 
-def layer_options(sliding_window: int | None, logit_softcap: float | None) -> dict:
+def layer_options(sliding_window: int | None, logit_softcap: float | None,
+                  attention_chunk: int | None = None) -> dict:
     """A layer's options (base.py) as the attention kernels take them: constexpr flags, so
     that a layer without them compiles to the very code it had before they existed, and
     their values as runtime arguments (one compiled kernel whatever the window):
 
         SLIDING, window     W: a query at p sees keys p - W < k <= p   (off: 0)
+        CHUNKED, window     C: a query at p sees keys p // C * C <= k <= p (Llama 4's chunked
+                            local attention; `window` carries C, a layer has one or the other)
         SOFTCAP, softcap    the cap c times log2(e), in the kernels' log2 domain  (off: 0.0)
 
     Each kernel lists `window` in do_not_specialize: Triton would otherwise compile one
@@ -166,11 +169,16 @@ def layer_options(sliding_window: int | None, logit_softcap: float | None) -> di
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                        or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if attention_chunk is not None and (isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int)
+                                        or attention_chunk < 1 or sliding_window is not None):
+        raise ValueError(f"attention_chunk must be a positive int or None, and not beside a sliding window; got "
+                         f"{attention_chunk!r} with sliding_window {sliding_window!r}")
     if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
                                       or not 0 < logit_softcap < math.inf):
         raise ValueError(f"logit_softcap must be a positive finite number or None, got {logit_softcap!r}")
-    return dict(window=sliding_window or 0, softcap=float(logit_softcap or 0.0) * LOG2E,
-                SLIDING=sliding_window is not None, SOFTCAP=logit_softcap is not None)
+    return dict(window=sliding_window or attention_chunk or 0, softcap=float(logit_softcap or 0.0) * LOG2E,
+                SLIDING=sliding_window is not None, CHUNKED=attention_chunk is not None,
+                SOFTCAP=logit_softcap is not None)
 
 
 @triton.jit

@@ -24,6 +24,9 @@ visible key; the tiles before it are never read (that is what makes a window fas
     f = max(0, first row's position - W + 1),  lo = f rounded down to BLOCK_N; keys in
     [lo, f) are masked on load, so a key no query of the program sees is never read
 
+Chunked local attention (Llama 4: chunk C; the row at p sees p // C * C <= k <= p) walks
+the same way from f = the first row's chunk start; a later row's chunk may start later.
+
 A soft cap (Gemma 2) bends each score before the mask and the softmax (paged.soft_cap).
 
 A head's D dims are computed on BLOCK_D, D padded to a power of two (kernels/paged.py). The
@@ -75,7 +78,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
                     stride_oh, stride_tb,
                     stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-                    DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PACK_GQA: tl.constexpr,
+                    DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, CHUNKED: tl.constexpr, SOFTCAP: tl.constexpr, PACK_GQA: tl.constexpr,
                     SHARED_KV: tl.constexpr, SINKS: tl.constexpr):
     mb = tl.program_id(0)
     b = tl.program_id(2) + first_seq
@@ -112,15 +115,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if SLIDING:  # from the tile holding the block's first row's first visible key f (see the top)
-        first = tl.maximum(prefix + first_tok - window + 1, 0)
+    if SLIDING or CHUNKED:  # from the tile holding the block's first row's first visible key f (see the top)
+        if SLIDING:
+            first = tl.maximum(prefix + first_tok - window + 1, 0)
+        else:
+            first = (prefix + first_tok) // window * window
         lo = first // BLOCK_N * BLOCK_N
     else:
         lo = 0
     for n0 in range(lo, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < end
-        if SLIDING:  # no row sees a key before f: not read at all
+        if SLIDING or CHUNKED:  # no row sees a key before f: not read at all
             pmask = pmask & (pos >= first)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, n0, pmask, kvh, d,
                             stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, D, BLOCK_D, SHARED_KV)
@@ -130,6 +136,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
         visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:  # a row may see nothing in a tile before its own first key: m_safe covers it
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        if CHUNKED:  # nor before its own chunk's first key
+            visible = visible & (pos[None, :] >= q_pos[:, None] // window * window)
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded row that sees nothing yet
@@ -154,12 +162,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                       sliding_window: int | None = None, logit_softcap: float | None = None,
                       pack_gqa: bool = False, first_seq: int = 0, num_warps: int | None = None,
-                      num_stages: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, sinks: torch.Tensor | None = None,
+                      attention_chunk: int | None = None) -> torch.Tensor:
     """q [T, H, D] flattened new tokens (any D >= 8), caches [num_blocks, block_size, Hkv, D]
     holding every sequence's context (new tokens included) in q's dtype or fp8 (then k_scale /
     v_scale: [1] float32, None: 1.0; k_cache may be v_cache: MLA's one plane), block_tables
     [B, W] int32, query_start_loc [B + 1] int32, seq_lens [B] int32; sliding_window /
-    logit_softcap / sinks ([H] float32) as in layers/attention/base.py.
+    logit_softcap / sinks ([H] float32) / attention_chunk as in layers/attention/base.py.
     pack_gqa: a program takes the rows of all the query heads of one KV head (see the top).
     first_seq: attend sequences first_seq .. B-1 only (their rows of `out`; a mixed step's
     leading decode rows go to flash-decoding), by an offset rather than sliced tensors, whose
@@ -177,7 +186,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q's last dim and the caches must be contiguous")
     k_scale, v_scale = kv_scale_arg(k_scale, k_cache), kv_scale_arg(v_scale, v_cache)
-    options = layer_options(sliding_window, logit_softcap)
+    options = layer_options(sliding_window, logit_softcap, attention_chunk)
     window, softcap = options.pop("window"), options.pop("softcap")
     if query_start_loc.shape != (batch + 1,) or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
         raise ValueError(f"query_start_loc must be [{batch + 1}] and block_tables [{batch}, W] with contiguous rows; "

@@ -135,7 +135,7 @@ class _Cut(AttentionBackend):
         self.pieces.append(graph)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, kv_written=False,
-                sliding_window=None, logit_softcap=None, sinks=None):
+                sliding_window=None, logit_softcap=None, sinks=None, attention_chunk=None):
         o = self.owner
         n = q.shape[0]
         o.q[:n].copy_(q)
@@ -145,7 +145,7 @@ class _Cut(AttentionBackend):
         if len(o.calls) <= self.layer:
             o.calls.append(_AttentionCall(self.real[self.layer], k_cache, v_cache, scale, dict(
                 k_scale=k_scale, v_scale=v_scale, kv_written=kv_written, sliding_window=sliding_window,
-                logit_softcap=logit_softcap, sinks=sinks)))
+                logit_softcap=logit_softcap, sinks=sinks, attention_chunk=attention_chunk)))
         self.layer += 1
         if self.capturing:
             self.pieces[-1].capture_end()

@@ -114,7 +114,7 @@ class Case:
         return dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
     def reference(self, sliding_window: int | None = None, logit_softcap: float | None = None,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
         """The torch backend in float32 on copies of the caches (it writes K/V into them);
         an fp8 cache stays fp8, quantized and read back by the reference's own rules."""
         kc, vc = ((c.clone() if c.dtype == FP8 else c.float().clone()) for c in (self.k_cache, self.v_cache))
@@ -123,18 +123,20 @@ class Case:
                                      "query_lens_cpu", "seq_lens_cpu")})
         return get_attention_backend("torch").forward(self.q.float(), self.k.float(), self.v.float(), kc, vc,
                                                       meta, self.scale, **self.scales, sliding_window=sliding_window,
-                                                      logit_softcap=logit_softcap, sinks=sinks)
+                                                      logit_softcap=logit_softcap, sinks=sinks,
+                                                      attention_chunk=attention_chunk)
 
-    def poison_unseen(self, window: int) -> int:
+    def poison_unseen(self, window: int | None = None, chunk: int | None = None) -> int:
         """NaN into the cached K and V of every position that no new query of its sequence
-        may see (before the first new token's window): a kernel that reads one gets NaN out
-        (0 * NaN in P @ V), so this checks that the tiles before a window are skipped, not
-        only masked. Returns how many positions it poisoned."""
+        may see (before the first new token's window, or its chunk): a kernel that reads one
+        gets NaN out (0 * NaN in P @ V), so this checks that the tiles before a window are
+        skipped, not only masked. Returns how many positions it poisoned."""
         block_size, kv_heads, dim = self.k_cache.shape[1:]
         tables = self.meta.block_tables.tolist()
         slots = [tables[i][p // block_size] * block_size + p % block_size
                  for i, c in enumerate(self.cached)
-                 for p in range(max(0, c - window + 1))]  # the first new query (position c) sees keys > c - W
+                 # the first new query (position c) sees keys > c - W, or from c // C * C
+                 for p in range(max(0, c - window + 1) if window is not None else c // chunk * chunk)]
         if slots:
             index = torch.tensor(slots, device=self.k_cache.device)
             for cache in (self.k_cache, self.v_cache):
@@ -516,6 +518,37 @@ def test_decode_window_and_softcap_match_reference(device, window, softcap, page
         if window == 1 and fp8_scales is None:  # each head: its KV head's new value row, exactly
             heads, kv_heads = case.q.shape[1], case.k_cache.shape[2]
             torch.testing.assert_close(got, case.v.repeat_interleave(heads // kv_heads, 1), rtol=0, atol=0)
+
+
+# device, chunk, page, tile, splits: Llama 4's chunked local attention (its chunk is 8192)
+CHUNKS = [
+    _cpu(8, 4, 8, (1, 3), id="c8-page4"),  # a chunk of one tile
+    _cpu(12, 8, 8, (2,), id="c12-page8"),  # chunks across tiles, unaligned
+    _cpu(1, 4, 8, (1,), id="c1"),  # each query sees itself
+    _gpu(64, 16, 64, (1, 8), id="c64"), _gpu(1000, 16, 64, (1, 5, 32), id="c1000"),
+    _gpu(2048, 128, 64, (1, 16), id="c2048"),
+]
+
+
+@pytest.mark.parametrize("device,chunk,page,tile,splits", CHUNKS)
+def test_attention_chunks_match_reference(device, chunk, page, tile, splits):
+    """Prefill and decode see their own chunk only; the tiles before the first new query's
+    chunk are poisoned, so they must be skipped."""
+    for decode in (False, True):
+        case = _windowed_case(device, decode=decode, page=page, seed=25)
+        want = case.reference(attention_chunk=chunk)
+        assert case.poison_unseen(chunk=chunk) > 0
+        kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+        if not decode:
+            got = prefill_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
+                                    case.meta.query_start_loc, case.meta.seq_lens, max(case.new), case.scale,
+                                    block_m=64 if device == "cuda" else 16, block_n=tile, attention_chunk=chunk)
+            torch.testing.assert_close(got.float(), want, **_tol(device))
+            continue
+        for s in splits:
+            got = decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
+                                   case.scale, num_splits=s, block_n=tile, attention_chunk=chunk)
+            torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{s} splits: {m}")
 
 
 # the window a Gemma-like model gives its local layers, and the soft cap (Gemma 2's is 50; a

@@ -22,9 +22,10 @@ def kernels(request):
             yield
 
 
-def dense_attention(q, k, v, scale, window=None, softcap=None):
+def dense_attention(q, k, v, scale, window=None, softcap=None, chunk=None):
     """q: [n, H, D] for the last n positions of a context k/v: [L, Hkv, D]; causal, and with
-    `window` each query sees its last `window` positions only; `softcap` c: c * tanh(s / c)."""
+    `window` each query sees its last `window` positions only, with `chunk` C only those of its
+    own chunk (p // C * C on); `softcap` c: c * tanh(s / c)."""
     n, L, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
@@ -34,12 +35,14 @@ def dense_attention(q, k, v, scale, window=None, softcap=None):
     hidden = torch.arange(L)[None, :] > q_pos
     if window is not None:
         hidden |= torch.arange(L)[None, :] <= q_pos - window
+    if chunk is not None:
+        hidden |= torch.arange(L)[None, :] < q_pos // chunk * chunk
     scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
 def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16, block_size=4, seed=0,
-             dtype=torch.float32, fp8_scales=None, window=None, softcap=None):
+             dtype=torch.float32, fp8_scales=None, window=None, softcap=None, chunk=None):
     """Sequences with `cached[i]` tokens already in the cache and `new[i]` new ones; with
     fp8_scales (k, v) the cache is float8_e4m3fn."""
     g = torch.Generator().manual_seed(seed)
@@ -76,13 +79,14 @@ def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16
     )
     scale = 1 / math.sqrt(head_dim)
     out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                                                 sliding_window=window, logit_softcap=softcap)
+                                                 sliding_window=window, logit_softcap=softcap,
+                                                 attention_chunk=chunk)
     start = 0
     for i, (c, n) in enumerate(zip(cached, new)):
         # what the cache holds, read back: the K/V themselves, or their fp8 round trip
         kk, vv = (dequantize_kv(quantize_kv(x, cache_dtype, s), s).float()
                   for x, s in ((full_k[i], k_scale), (full_v[i], v_scale)))
-        expected = dense_attention(q[start:start + n].float(), kk, vv, scale, window, softcap)
+        expected = dense_attention(q[start:start + n].float(), kk, vv, scale, window, softcap, chunk)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16 output: 8 bits of mantissa
         torch.testing.assert_close(out[start:start + n].float(), expected, rtol=tol, atol=tol)
         start += n
@@ -134,7 +138,7 @@ def test_short_chunks_share_one_padded_batch_and_long_ones_run_alone(kernels):
     if cpu_kernels.for_tensor(torch.zeros(1)) is not None:
         pytest.skip("the C++ kernel takes every row as it comes: no plan")
     meta = run_case(cached=[9, 4, 0, 17, 3, 30], new=[6, 1, 3, 2, 1, 20], seed=7)
-    decode, short, long = meta.plans[("torch", None)]
+    decode, short, long = meta.plans[("torch", (None, None))]
     assert decode.tables.shape[0] == 2 and long.tables.shape[0] == 1 and long.mask.shape[2] == 20
     assert short.mask.shape[:3] == (3, 1, 6)  # three sequences, padded to the widest (6)
     # rows: seq 0's 6 new tokens, seq 2's 3 (its last repeated), seq 3's 2 (its last repeated)
@@ -150,6 +154,15 @@ def test_sliding_window_in_decode_short_chunks_and_prefill(window):
 def test_sliding_window_and_softcap_in_bfloat16_and_fp8():
     run_case(cached=[9, 4, 0, 30], new=[6, 1, 20, 1], seed=12, window=5, softcap=2.0, dtype=torch.bfloat16)
     run_case(cached=[9, 4, 0, 30], new=[6, 1, 20, 1], seed=12, window=5, fp8_scales=(0.5, 2.0))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 8])
+def test_attention_chunks_in_decode_short_chunks_and_prefill(chunk):
+    # Llama 4's chunked local attention: queries at, just past and far past chunk starts, in
+    # each kind of group, a prefill that crosses several chunks, bfloat16 and fp8 too
+    run_case(cached=[9, 4, 0, 17, 3, 30, 0, 7], new=[6, 1, 3, 2, 1, 20, 1, 1], seed=14, chunk=chunk)
+    run_case(cached=[9, 4, 0, 31], new=[6, 1, 20, 1], seed=15, chunk=chunk, softcap=2.0, dtype=torch.bfloat16)
+    run_case(cached=[9, 4, 0, 31], new=[6, 1, 20, 1], seed=15, chunk=chunk, fp8_scales=(0.5, 2.0))
 
 
 def test_logit_softcap():

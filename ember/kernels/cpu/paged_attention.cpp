@@ -22,7 +22,7 @@
 // -ffp-contract=off: every fused multiply-add is an explicit fma16, the rest rounds as written.
 //
 // A layer's options: with a sliding window W > 0 a query at p sees keys p - W < j <= p, and
-// only those are read; with a soft cap c > 0 each score s becomes c * tanh(s / c). An fp8
+// only those are read (with an attention chunk C > 0, Llama 4's, keys p / C * C <= j <= p); with a soft cap c > 0 each score s becomes c * tanh(s / c). An fp8
 // cache holds K / k_scale and V / v_scale (float8_e4m3fn): read back times the scale. With
 // attention sinks (gpt-oss: a learned logit a head) the softmax's denominator has one more
 // term, as if a key of score sink[h] and value 0 were seen: m = max(m, sink), sum += exp(sink - m).
@@ -239,6 +239,7 @@ struct Args {
   const int32_t* lens;
   float scale, cap, inv_cap, k_scale, v_scale;
   int64_t window;
+  int64_t chunk;
   const float* sinks;                      // a logit per query head, or null
   RowIn load_q;
   RowsIn load_kv;
@@ -344,7 +345,9 @@ void attend(const Args& a, const Item& it) {
   const int64_t slot_stride = a.kv_heads * dim, block_stride = a.block_size * slot_stride;
   // row r (0-based in the tile) at position pos(r) sees keys [first(r), pos(r)]
   auto pos = [&](int64_t r) { return len - nq + it.row0 + r; };
-  auto first = [&](int64_t r) { return a.window > 0 ? std::max<int64_t>(0, pos(r) + 1 - a.window) : int64_t{0}; };
+  auto first = [&](int64_t r) {
+    return a.window > 0 ? std::max<int64_t>(0, pos(r) + 1 - a.window) : a.chunk > 0 ? pos(r) / a.chunk * a.chunk : 0;
+  };
   const int64_t lo_key = first(0), hi = pos(rows - 1);
   const int64_t lo = lo_key / kLanes * kLanes, end = hi / kLanes * kLanes + kLanes;  // whole groups of 16
   const int64_t span = end - lo;
@@ -485,8 +488,10 @@ void run(const Args& a, int64_t seqs) {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            double scale, int64_t window, double softcap, const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks) {
+                           const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
+                           int64_t chunk) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(chunk >= 0 && (chunk == 0 || window == 0), "chunk must be >= 0 (0: none), and not beside a window");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [num_tokens, heads, head_dim] with unit last stride");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -543,6 +548,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   a.k_scale = fp8 ? scale_of(k_scale) : 1.f;
   a.v_scale = fp8 ? scale_of(v_scale) : 1.f;
   a.window = window;
+  a.chunk = chunk;
   a.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   a.load_q = qt == at::kFloat ? &q_row<float> : qt == at::kBFloat16 ? &q_row<at::BFloat16> : &q_row<at::Half>;
   a.store_out = qt == at::kFloat ? &out_row<float> : qt == at::kBFloat16 ? &out_row<at::BFloat16> : &out_row<at::Half>;
@@ -571,10 +577,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   // window 0: the whole context; softcap 0: plain scores; k_scale / v_scale: an fp8 cache's;
-  // sinks: a softmax logit a query head (gpt-oss)
+  // sinks: a softmax logit a query head (gpt-oss); chunk 0: no attention chunks
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, int window=0, float softcap=0.0, Tensor? k_scale=None, "
-        "Tensor? v_scale=None, Tensor? sinks=None) -> Tensor");
+        "Tensor? v_scale=None, Tensor? sinks=None, int chunk=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {

@@ -22,9 +22,11 @@ holds K / k_scale and V / v_scale, clamped to +-448 and rounded to nearest even,
 attention reads them back times the scale. The scales are per layer and per tensor, [1]
 float32 on the device (1.0 unless a checkpoint brings calibrated ones; None means 1.0).
 
-Two per-layer options change what a query sees (Mistral, Phi-3, Gemma):
+Per-layer options change what a query sees (Mistral, Phi-3, Gemma, Llama 4):
 - `sliding_window` W: a query at position p attends only to keys at positions
   p - W < k <= p (W keys, itself included; HF's convention). None: the whole context.
+- `attention_chunk` C (Llama 4's chunked local attention; never beside a window): a query
+  at position p attends only to keys of its own chunk, p // C * C <= k <= p.
 - `logit_softcap` c: each score s = scale * q.k becomes c * tanh(s / c) before the
   softmax (Gemma 2). None: scores as they are.
 """
@@ -79,5 +81,6 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float32: gpt-oss's softmax logit a head, no value
+        attention_chunk: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -17,6 +17,7 @@ the Triton kernels must match this bit for bit on write and closely on read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -80,17 +81,20 @@ class TorchReferenceBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 kv_written: bool = False, sliding_window: int | None = None,
-                logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
+                attention_chunk: int | None = None) -> torch.Tensor:
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if _cpu_kernel_ok(q):
             return cpu_kernels.ops().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                                      meta.seq_lens, scale, sliding_window or 0, logit_softcap or 0.0,
-                                                     k_scale, v_scale, None if sinks is None else sinks.float())
-        key = (self.name, sliding_window)  # layers with another window see other keys: their own plan
+                                                     k_scale, v_scale, None if sinks is None else sinks.float(),
+                                                     attention_chunk or 0)
+        seen = _Seen(sliding_window, attention_chunk)
+        key = (self.name, seen)  # layers that see other keys: their own plan
         groups = meta.plans.get(key)
         if groups is None:
-            groups = meta.plans[key] = _plan(meta, k_cache.shape[1], sliding_window)
+            groups = meta.plans[key] = _plan(meta, k_cache.shape[1], seen)
         scales = (k_scale, v_scale)
         if len(groups) == 1 and isinstance(groups[0].tokens, slice) and groups[0].tokens == slice(None):
             return self._attend(q, k_cache, v_cache, groups[0], scale, scales, sliding_window, logit_softcap, sinks)
@@ -146,14 +150,24 @@ def _matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(batch, n, heads, dim).to(q.dtype)
 
 
-def _visible(keys: torch.Tensor, q_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+class _Seen(NamedTuple):
+    """What a layer's query sees besides the causal mask (base.py): a window or a chunk."""
+    sliding_window: int | None
+    attention_chunk: int | None
+
+
+def _visible(keys: torch.Tensor, q_pos: torch.Tensor, seen: _Seen) -> torch.Tensor:
     """keys [..., L] and query positions [..., 1] -> True where the query may see the key:
-    causal, and inside the window when there is one (base.py)."""
+    causal, and inside the window or the chunk when there is one (base.py)."""
     mask = keys <= q_pos
-    return mask if sliding_window is None else mask & (keys > q_pos - sliding_window)
+    if seen.sliding_window is not None:
+        mask &= keys > q_pos - seen.sliding_window
+    if seen.attention_chunk is not None:
+        mask &= keys >= q_pos // seen.attention_chunk * seen.attention_chunk
+    return mask
 
 
-def _plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> list[_Group]:
+def _plan(meta: AttentionMetadata, block_size: int, seen: _Seen) -> list[_Group]:
     device = meta.block_tables.device
     groups = []
     decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
@@ -164,24 +178,24 @@ def _plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None) 
         else:
             idx = torch.tensor(decode, device=device)
             rows, tables, lens = meta.query_start_loc[idx].long(), meta.block_tables[idx], meta.seq_lens[idx]
-        valid = _visible(torch.arange(longest, device=device)[None, :], lens[:, None] - 1, sliding_window)  # [B, L]
+        valid = _visible(torch.arange(longest, device=device)[None, :], lens[:, None] - 1, seen)  # [B, L]
         groups.append(_Group(rows, tables.contiguous(), valid[:, None, None, :]))
     starts = meta.query_start_loc.tolist()
     short = [i for i, n in enumerate(meta.query_lens_cpu) if 1 < n <= SHORT_CHUNK]
     if short:
-        groups.append(_short_chunks(meta, short, starts, block_size, sliding_window))
+        groups.append(_short_chunks(meta, short, starts, block_size, seen))
     for i, n in enumerate(meta.query_lens_cpu):
         if n > SHORT_CHUNK:  # causal among the n new tokens, full over the cached prefix before them
             length = meta.seq_lens_cpu[i]
             padded = -(-length // block_size) * block_size
             q_pos = torch.arange(length - n, length, device=device)
-            mask = _visible(torch.arange(padded, device=device)[None, :], q_pos[:, None], sliding_window)  # [n, L]
+            mask = _visible(torch.arange(padded, device=device)[None, :], q_pos[:, None], seen)  # [n, L]
             groups.append(_Group(slice(starts[i], starts[i] + n), meta.block_tables[i:i + 1], mask[None, None]))
     return groups
 
 
 def _short_chunks(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int,
-                  sliding_window: int | None) -> _Group:
+                  seen: _Seen) -> _Group:
     """Sequences with a few new tokens each, padded to the widest: a sequence with n < width
     new tokens repeats its last query in the padding, which writes the same output row
     again with the same value.
@@ -197,6 +211,6 @@ def _short_chunks(meta: AttentionMetadata, seqs: list[int], starts: list[int], b
         positions += [length - n + min(j, n - 1) for j in range(width)]
     longest = -(-max(meta.seq_lens_cpu[i] for i in seqs) // block_size) * block_size
     q_pos = torch.tensor(positions, device=device).view(len(seqs), width)
-    mask = _visible(torch.arange(longest, device=device)[None, None, :], q_pos[:, :, None], sliding_window)
+    mask = _visible(torch.arange(longest, device=device)[None, None, :], q_pos[:, :, None], seen)
     tables = meta.block_tables[torch.tensor(seqs, device=device)]
     return _Group(torch.tensor(rows, device=device), tables, mask[:, None])

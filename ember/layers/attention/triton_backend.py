@@ -8,7 +8,7 @@ head, not once per KV head. In deterministic mode
 by the batch size, and a decode row must get the bits the same token gets in a prefill
 (after preemption, or as part of another request's cached prefix). Reads only device tensors and
 the host query lengths, so a decode step can be captured in a CUDA graph. An fp8 cache:
-see kernels/paged.py. A layer's sliding window and soft cap go to the kernels as
+see kernels/paged.py. A layer's sliding window (or attention chunk) and soft cap go to the kernels as
 arguments (constant per layer, so a graph captures them with the layer's launch)."""
 
 from __future__ import annotations
@@ -62,12 +62,13 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 kv_written: bool = False, sliding_window: int | None = None,
-                logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
+                attention_chunk: int | None = None) -> torch.Tensor:
         if not kv_written:
             self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         plan = self.plan(meta, k_cache.shape[2])  # one plan for all layers, windowed or not
         options = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
-                       sinks=sinks)
+                       sinks=sinks, attention_chunk=attention_chunk)
         if plan.decode:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, plan.num_splits,
                                 **options)
