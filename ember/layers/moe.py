@@ -123,16 +123,21 @@ class FusedMoE(nn.Module):
             return grouped_experts(x, self.w13, self.w2, weights.to(x.dtype), ids,
                                    (self.w13_bias, self.w2_bias) if self.biased else None, self.swiglu)
         if cuda_paths(x) and self.grouped is not None:
+            return self.run_experts(x, *self.route(self.gate(x)))
+        if cuda_paths(x):
+            from ember.kernels.moe import route_topk
+
+            return self.run_experts(x, *route_topk(self.gate(x), self.top_k, self.renormalize))
+        return self.run_experts(x, *self.route(in_row_blocks(self.gate, x)))
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token through its experts ids [T, k], the outputs summed times weights [T, k]
+        (float32): the fused kernels on CUDA, the grouped torch path elsewhere."""
+        if cuda_paths(x):
             from ember.kernels.moe import fused_experts
 
-            weights, ids = self.route(self.gate(x))  # the kernels take int32 ids, as route_topk gives them
+            # the kernels take int32 ids, as route_topk gives them
             return fused_experts(x.contiguous(), self.w13, self.w2, weights.contiguous(), ids.to(torch.int32))
-        if cuda_paths(x):
-            from ember.kernels.moe import fused_experts, route_topk
-
-            weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
-            return fused_experts(x.contiguous(), self.w13, self.w2, weights, ids)
-        weights, ids = self.route(in_row_blocks(self.gate, x))
         return grouped_experts(x, self.w13, self.w2, weights.to(x.dtype), ids)
 
 

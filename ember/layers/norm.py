@@ -13,12 +13,16 @@ class RMSNorm(nn.Module):
     one C++ kernel (ember/kernels/cpu); both update `residual` in place.
 
     `unit_offset` (Gemma): the checkpoint holds w and the norm scales by (1 + w); the 1 is
-    added once, as the weight loads, so every kernel runs the plain norm."""
+    added once, as the weight loads, so every kernel runs the plain norm. `weightless` (Llama
+    4's q/k L2 norm): a weight of ones that no checkpoint holds."""
 
-    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
+    def __init__(self, size: int, eps: float, unit_offset: bool = False, weightless: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
+        if weightless:
+            self.register_buffer("weight", torch.ones(size), persistent=False)
+        else:
+            self.weight = nn.Parameter(torch.ones(size))
         if unit_offset:
             self.weight.weight_loader = _load_plus_one
 

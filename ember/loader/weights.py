@@ -152,6 +152,11 @@ def _expert_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
         e, p = cfg.num_experts, layer + "mlp."
         return {p + "gate.weight": (e, h), p + "gate.bias": (e,), p + "w13": (e, 2 * inter, h),
                 p + "w13_bias": (e, 2 * inter), p + "w2": (e, h, inter), p + "w2_bias": (e, h)}
+    if cfg.moe_input_scaled:  # Llama 4: stacked experts and a shared one
+        e, p = cfg.num_experts, layer + "mlp."
+        return {p + "gate.weight": (e, h), p + "w13": (e, 2 * inter, h), p + "w2": (e, h, inter),
+                p + "shared_expert.gate_proj.weight": (inter, h), p + "shared_expert.up_proj.weight": (inter, h),
+                p + "shared_expert.down_proj.weight": (h, inter)}
     mixtral = FAMILIES[cfg.architecture].moe == "mixtral"
     p = layer + ("block_sparse_moe." if mixtral else "mlp.")
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -176,7 +181,8 @@ def _expert_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
 # ember does not load (text prompts only)
 _LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                             "language_model.lm_head.": "lm_head."}
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_VISION_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
 
 
 def checkpoint_names(cfg: ModelConfig) -> Callable[[str], str | None] | None:
@@ -189,6 +195,8 @@ def checkpoint_names(cfg: ModelConfig) -> Callable[[str], str | None] | None:
         rules = [(re.compile(pattern), ours) for pattern, ours in FAMILIES[cfg.architecture].hf_tensor_names]
         if FAMILIES[cfg.architecture].moe == "deepseek":  # multi-token-prediction layers follow the model's: not read
             return lambda name: None if _layer_index(name) >= cfg.num_layers else _renamed(name, rules)
+        if cfg.multimodal:  # Llama 4's: the language model's names, then the family's
+            return lambda name: None if (ours := _language_model_name(name)) is None else _renamed(ours, rules)
         return lambda name: _renamed(name, rules)
     return _language_model_name if cfg.multimodal else None
 
@@ -213,19 +221,25 @@ def _renamed(name: str, rules: list[tuple[re.Pattern, str | None]]) -> str | Non
 _CONV1D = re.compile(r"model\.layers\.\d+\.(self_attn\.qkv_proj|self_attn\.o_proj|mlp\.fc1|mlp\.fc2)\.weight")
 
 
-# the projections whose rows hold DeepSeek's RoPE dims (the queries' per head, the latent's last)
-_ROPE_ROWS = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.(weight|bias)")
+# the projections whose rows hold interleaved RoPE dims: DeepSeek's (the queries' per head, the
+# latent's last), Llama 4's (q and k, whole heads)
+_ROPE_ROWS = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|q_b_proj|kv_a_proj_with_mqa)\.(weight|bias)")
+# stacked experts stored [E, in, out] (Llama 4's), turned to FusedMoE's [E, out, in]
+_STACKED_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.(w13|w2)")
 
 
 def checkpoint_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
                        ) -> Iterable[tuple[str, torch.Tensor]]:
     """A checkpoint's tensors (under ember's names) in the layout ember computes with: GPT-2's
     Conv1D weights turned to [out, in], as every other checkpoint and llama.cpp's GPT-2 GGUFs
-    hold them; DeepSeek's interleaved RoPE rows reordered to rotate-half (models/mla.py)."""
+    hold them; DeepSeek's and Llama 4's interleaved RoPE rows reordered to rotate-half
+    (models/mla.py); Llama 4's stacked experts transposed."""
     if FAMILIES[cfg.architecture].conv1d_weights:
         return ((name, t.t() if _CONV1D.fullmatch(name) else t) for name, t in tensors)
     if FAMILIES[cfg.architecture].moe == "gpt_oss":
         return _gpt_oss_experts(tensors)
+    if FAMILIES[cfg.architecture].moe == "llama4":
+        tensors = ((name, t.transpose(1, 2) if _STACKED_EXPERTS.fullmatch(name) else t) for name, t in tensors)
     if cfg.rope_interleaved:
         return ((name, rope_rows_to_halves(cfg, m[1], t) if (m := _ROPE_ROWS.fullmatch(name)) else t)
                 for name, t in tensors)
@@ -279,12 +293,12 @@ def _gate_up_rows(w: torch.Tensor) -> torch.Tensor:
 
 def rope_rows_to_halves(cfg: ModelConfig, projection: str, t: torch.Tensor) -> torch.Tensor:
     """(A checkpoint's or a GGUF file's rows: a tensor, or GGUF blocks' bytes a row.) The RoPE rows of a projection, interleaved pairs (x0 x1 | x2 x3 ...), as [evens | odds]:
-    the queries' last rotary_dim rows of each head, the latent projection's last rotary_dim."""
+    the queries' (and keys') last rotary_dim rows of each head, the latent projection's last rotary_dim."""
     rope = cfg.rotary_dim
     order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
     if projection == "kv_a_proj_with_mqa":
         return torch.cat([t[:-rope], t[-rope:][order]])
-    heads = t.reshape(cfg.num_heads, cfg.head_dim, *t.shape[1:])
+    heads = t.reshape(cfg.num_kv_heads if projection == "k_proj" else cfg.num_heads, cfg.head_dim, *t.shape[1:])
     return torch.cat([heads[:, :-rope], heads[:, -rope:][:, order]], dim=1).reshape(t.shape)
 
 

@@ -131,6 +131,16 @@ class ModelConfig:
     o_proj_bias: bool = False
     moe_bias: bool = False
     swiglu: tuple[float, float] | None = None
+    # Llama 4: the layers with RoPE attend within chunks (`layer_chunks`, each layer's chunk or
+    # None: layers/attention/base.py) and L2-norm q and k (a weightless RMSNorm); the others
+    # (`nope_layers`) have no RoPE, attend globally, and with `attn_temperature` (attn_scale,
+    # floor_scale) scale their queries by 1 + attn_scale * log1p(floor((p + 1) / floor_scale));
+    # the router's sigmoid score scales its one expert's input, not its output
+    layer_chunks: tuple[int | None, ...] | None = None
+    nope_layers: tuple[bool, ...] | None = None
+    attn_temperature: tuple[float, float] | None = None
+    qk_l2_norm: bool = False
+    moe_input_scaled: bool = False
 
     @property
     def mla(self) -> bool:
@@ -178,6 +188,12 @@ class ModelConfig:
             raise ValueError(f"unsupported MLP activation {self.hidden_act!r}; ember runs {' and '.join(acts)} here")
         if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        for name in ("layer_chunks", "nope_layers"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{len(getattr(self, name))} {name} for {self.num_layers} layers")
+        if self.moe_input_scaled and self.num_experts_per_tok != 1:
+            raise ValueError(f"Llama 4 with num_experts_per_tok {self.num_experts_per_tok} is not supported: ember "
+                             "routes its experts top-1, as the released models do")
         if self.moe_layers is not None and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be within 1..num_experts "
                              f"({self.num_experts})")
@@ -187,6 +203,12 @@ class ModelConfig:
 
     def layer_window(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
+
+    def layer_chunk(self, layer: int) -> int | None:
+        return None if self.layer_chunks is None else self.layer_chunks[layer]
+
+    def layer_has_rope(self, layer: int) -> bool:
+        return not self.learned_positions and (self.nope_layers is None or not self.nope_layers[layer])
 
     @property
     def max_context(self) -> int:
@@ -216,6 +238,8 @@ class ModelConfig:
         if fam.layer_norm:
             config = _layer_norm_decoder_config(config, fam)
         config = fam.hf_config_defaults | config
+        if fam.hf_config_keys and not fam.layer_norm:  # Llama 4's sizes under ember's keys
+            config = {fam.hf_config_keys.get(k, k): v for k, v in config.items()}
         family, gemma = fam.name, fam.gemma
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -264,6 +288,7 @@ class ModelConfig:
             attn_logit_softcap=config.get("attn_logit_softcapping") if gemma else None,
             final_logit_softcap=config.get("final_logit_softcapping") if gemma else None,
             layer_windows=_layer_windows(config, fam, num_layers),
+            **(_chunked_nope_options(config, num_layers) if fam.chunked_nope else {}),
             local_rope_theta=local_theta,
             local_rope_scaling=_rope_scaling(local_rope, config) if local_rope else None,
             rotary_dim=rotary_dim,
@@ -611,6 +636,15 @@ def _moe_options(config: dict[str, Any], fam: Family, num_layers: int) -> dict[s
                 "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True, "moe_bias": True,
                 "swiglu": (float(config["swiglu_alpha"]), float(config["swiglu_limit"]))}
+    if fam.moe == "llama4":
+        step = config.get("interleave_moe_layer_step") or 1
+        at = config.get("moe_layers")
+        sparse = set(range(step - 1, num_layers, step) if at is None else at)
+        size = config["moe_intermediate_size"]
+        return {"moe_layers": tuple(i in sparse for i in range(num_layers)) if sparse else None,
+                "num_experts": config["num_local_experts"], "num_experts_per_tok": config["num_experts_per_tok"],
+                "moe_intermediate_size": size, "norm_topk_prob": False, "shared_expert_intermediate_size": size,
+                "shared_expert_gate": False, "moe_input_scaled": True}
     if fam.moe == "qwen":
         dense, step = set(config.get("mlp_only_layers") or ()), config.get("decoder_sparse_step", 1)
         experts = config["num_experts"]
@@ -763,6 +797,31 @@ def _gguf_moe_options(md: dict[str, Any], arch: str, num_layers: int, ff: int) -
             "num_experts_per_tok": used, "moe_intermediate_size": inter,
             "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", fam.gguf_topk_norm)),
             "shared_expert_intermediate_size": shared}
+
+
+def _chunked_nope_options(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Llama 4's layers, as transformers' Llama4TextConfig reads them: `no_rope_layers` (1: the
+    layer has RoPE; empty or absent: every no_rope_layer_interval-th layer has none), each
+    layer's `layer_types` (chunked_attention or full_attention; by default the RoPE layers
+    are chunked where attention_chunk_size is set), q/k L2 norms on the RoPE layers where
+    use_qk_norm, temperature tuning on the others where attn_temperature_tuning."""
+    interval = config.get("no_rope_layer_interval", 4)
+    rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+    chunk = config.get("attention_chunk_size")
+    types = config.get("layer_types") or ["chunked_attention" if r and chunk is not None else "full_attention"
+                                          for r in rope]
+    if len(rope) < num_layers or len(types) != num_layers or set(types) - {"chunked_attention", "full_attention"}:
+        raise ValueError(f"no_rope_layers ({len(rope)}) and layer_types ({types!r}) must cover the {num_layers} "
+                         "layers, each type chunked_attention or full_attention")
+    if "chunked_attention" in types and not chunk:
+        raise ValueError("layer_types has chunked_attention layers but attention_chunk_size is not set")
+    nope = tuple(not r for r in rope[:num_layers])
+    chunks = tuple(int(chunk) if t == "chunked_attention" else None for t in types)
+    temperature = (float(config.get("attn_scale", 0.1)), float(config.get("floor_scale", 8192))) \
+        if config.get("attn_temperature_tuning") and any(nope) else None
+    return {"nope_layers": nope if any(nope) else None, "layer_chunks": chunks if any(chunks) else None,
+            "attn_temperature": temperature, "qk_l2_norm": bool(config.get("use_qk_norm")),
+            "rope_interleaved": True}  # its RoPE turns interleaved pairs: the loader reorders q and k
 
 
 def _layer_windows(config: dict[str, Any], fam: Family, num_layers: int) -> tuple[int | None, ...] | None:

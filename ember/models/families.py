@@ -44,7 +44,9 @@ class Family:
     # (mlp_only_layers, decoder_sparse_step, gate/up/down_proj under mlp), "deepseek" (dense
     # first_k_dense_replace layers, shared experts, grouped routing: models/config.py) or
     # "gpt_oss" (every layer sparse; a router and experts with biases, the clamped SwiGLU, the
-    # experts stacked in one tensor each, dense or MXFP4)
+    # experts stacked in one tensor each, dense or MXFP4) or "llama4" (every
+    # interleave_moe_layer_step-th layer sparse, top-1 with a sigmoid score on the expert's
+    # input, an ungated shared expert, the experts stacked [E, in, out])
     moe: str | None = None
     shared_expert: bool = False  # Qwen2-MoE: a gated shared expert beside the routed ones
     # GGUF: llama.cpp's top-k renormalization (build_moe_ffn's norm_w): its graphs fix it and
@@ -80,6 +82,9 @@ class Family:
     mla: bool = False
     attention_sinks: bool = False  # gpt-oss: a learned softmax logit a head (self_attn.sinks)
     o_proj_bias_key: str | None = None  # the config.json key that gives o_proj a bias too (gpt-oss's attention_bias)
+    # Llama 4: chunked local attention on the RoPE layers, NoPE layers between them (global,
+    # temperature-tuned queries), q/k L2 norms (models/config.py's Llama 4 fields)
+    chunked_nope: bool = False
 
 
 # What transformers' Gemma3TextConfig fills where a config.json is silent (as transformers
@@ -91,6 +96,21 @@ _GEMMA3_TEXT_DEFAULTS = {
     "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
     "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
     "final_logit_softcapping": None, "attn_logit_softcapping": None,
+}
+
+# Llama 4 (text): the experts under mlp, stacked [E, in, out] (loader/weights.py turns them to
+# FusedMoE's [E, out, in]), the router as its gate
+_LLAMA4_NAMES = (
+    (r"model\.layers\.(\d+)\.feed_forward\.experts\.gate_up_proj$", r"model.layers.\1.mlp.w13"),
+    (r"model\.layers\.(\d+)\.feed_forward\.experts\.down_proj$", r"model.layers.\1.mlp.w2"),
+    (r"model\.layers\.(\d+)\.feed_forward\.router\.", r"model.layers.\1.mlp.gate."),
+    (r"model\.layers\.(\d+)\.feed_forward\.", r"model.layers.\1.mlp."),
+)
+# what transformers' Llama4TextConfig fills where a config.json is silent (transformers 5.25)
+_LLAMA4_TEXT_DEFAULTS = {
+    "intermediate_size_mlp": 16384, "num_experts_per_tok": 1, "num_local_experts": 16, "rms_norm_eps": 1e-5,
+    "use_qk_norm": True, "no_rope_layer_interval": 4, "attention_chunk_size": 8192, "attn_temperature_tuning": True,
+    "floor_scale": 8192, "attn_scale": 0.1, "head_dim": 128, "bos_token_id": 1, "eos_token_id": 2,
 }
 
 # GPT-2's checkpoints, with or without the `transformer.` prefix (the original gpt2 has none)
@@ -172,6 +192,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            qkv_bias_default=True, o_proj_bias_key="attention_bias", attention_sinks=True, rope_theta=150000.0,
            sliding_pattern=2, hf_config_defaults={"attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
            hf_tensor_names=_GPT_OSS_NAMES),
+    # Llama 4 (text; the vision tower of its multimodal checkpoints is not read): experts
+    # routed top-1 by a sigmoid score that scales the expert's input, a shared expert, chunked
+    # attention and NoPE layers, RoPE over interleaved pairs (the loader reorders q and k)
+    Family("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), ("llama4_text", "llama4"), "llama4",
+           moe="llama4", chunked_nope=True, rope_theta=500000.0, gguf_rope_permuted=True,
+           hf_config_keys={"intermediate_size": "moe_intermediate_size", "intermediate_size_mlp": "intermediate_size"},
+           hf_config_defaults=_LLAMA4_TEXT_DEFAULTS, hf_tensor_names=_LLAMA4_NAMES),
     Family("gpt2", ("GPT2LMHeadModel",), ("gpt2",), "gpt2", qkv_bias_key=None, qkv_bias_default=True,
            layer_norm=True, learned_positions=0, conv1d_weights=True, tied_default=True, fused_projections=True,
            hf_config_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
@@ -204,5 +231,5 @@ BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES
                    if f.moe and (f.gguf_experts_of or f.gguf_architecture)}
 # vision-language checkpoints (by `architectures`, or `model_type`): the language model's
 # config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
-VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
-VISION_LANGUAGE_MODEL_TYPES = ("gemma3",)
+VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Llama4ForConditionalGeneration")
+VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "llama4")

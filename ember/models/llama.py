@@ -5,7 +5,8 @@ in the layers ModelConfig.moe_layers marks), and the LayerNorm decoders GPT-2, O
 (biases everywhere, a plain MLP; learned positions for the first two, attention and MLP side
 by side for Phi-2), DeepSeek-V2/V3 (multi-head latent attention, models/mla.py, and
 DeepSeekMoE's grouped routing with shared experts), GLM-4.5 (Llama's attention over DeepSeek's
-experts) and gpt-oss (attention sinks, biased experts with a clamped SwiGLU). The families differ only in options that ModelConfig names (norm kind,
+experts), gpt-oss (attention sinks, biased experts with a clamped SwiGLU) and Llama 4 (chunked
+attention, NoPE layers, top-1 experts scaled on their input). The families differ only in options that ModelConfig names (norm kind,
 activation, sandwich norms, embedding scale, soft-capping, a sliding window per layer, a
 second RoPE for the sliding layers, positions); each block reads them, so no block is copied.
 
@@ -55,13 +56,17 @@ class LlamaAttention(nn.Module):
         if cfg.attention_sinks:  # gpt-oss: this rank's heads' logits
             self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
             self.sinks.weight_loader = self._load_sinks
+        self.has_rope = cfg.layer_has_rope(layer)
         if cfg.qk_norm:
             self.q_norm = _norm(cfg, cfg.head_dim)
             self.k_norm = _norm(cfg, cfg.head_dim)
-        self.qk_norm = cfg.qk_norm
+        elif cfg.qk_l2_norm and self.has_rope:  # Llama 4's: RMS without a weight, on its RoPE layers
+            self.q_norm = self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, weightless=True)
+        self.qk_norm = hasattr(self, "q_norm")
         self.backend = backend
         self.scale = cfg.attention_scale
         self.sliding_window = cfg.layer_window(layer)
+        self.attention_chunk = cfg.layer_chunk(layer)
         self.logit_softcap = cfg.attn_logit_softcap
         self.k_cache: torch.Tensor | None = None  # bound by the runner once the pool exists
         self.v_cache: torch.Tensor | None = None
@@ -72,14 +77,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: Rope | None, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """qkv: the output of qkv_proj, which the decoder layer applies (fused with the norm
-        before it where it can). rope None: learned positions, nothing turns (the backend
-        writes k and v)."""
+        before it where it can). rope: cos | sin of the positions; in a layer without RoPE
+        (learned positions, Llama 4's NoPE layers) nothing turns (the backend writes k and v),
+        and rope is None or each query's temperature [T] (Llama 4)."""
         q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = CacheWrite(v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        if rope is None:
+        if not self.has_rope:
+            if rope is not None:  # in float32, then the queries' dtype, as transformers scales them
+                q = (q * rope[:, None, None]).to(q.dtype)
             written = False
         elif self.qk_norm:
             q, k, written = norm_and_rotate(q, k, rope, self.q_norm, self.k_norm, cache)
@@ -87,7 +95,8 @@ class LlamaAttention(nn.Module):
             q, k, written = apply_rotary(q, k, rope, cache)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale,
                                  kv_written=written, sliding_window=self.sliding_window,
-                                 logit_softcap=self.logit_softcap, sinks=self.sinks)
+                                 logit_softcap=self.logit_softcap, sinks=self.sinks,
+                                 attention_chunk=self.attention_chunk)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
@@ -155,7 +164,21 @@ class SharedExpertMoE(FusedMoE):
         return super().forward(x) + torch.sigmoid(gate) * shared
 
 
+class InputScaledMoE(SharedExpertMoE):
+    """Llama 4: each token's one expert (the top-1 of the router's logits) takes the token
+    times sigmoid(that logit), and the shared expert the token as it is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(self.shared_expert.gate_up_proj(x))
+        logits = self.gate(x) if cuda_paths(x) else in_row_blocks(self.gate, x)
+        top, ids = logits.topk(1, dim=-1)
+        scaled = x * torch.sigmoid(top.float()).to(x.dtype)  # the score in x's dtype, as transformers has it
+        return self.run_experts(scaled, torch.ones_like(top, dtype=torch.float32), ids) + shared
+
+
 def _sparse_mlp(cfg: ModelConfig) -> FusedMoE:
+    if cfg.moe_input_scaled:
+        return InputScaledMoE(cfg, None)
     grouped = None
     if cfg.moe_scoring != "softmax" or cfg.moe_groups > 1 or cfg.routed_scaling_factor != 1.0:
         grouped = GroupedRouting(cfg.moe_scoring, cfg.moe_groups, cfg.moe_topk_groups, cfg.routed_scaling_factor)
@@ -220,8 +243,10 @@ class LlamaModel(nn.Module):
         # Gemma 3's sliding layers turn by their own RoPE
         self.local_rotary = None if cfg.local_rope_theta is None else \
             RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
-        self.uses_local_rope = [self.local_rotary is not None and cfg.layer_window(i) is not None
-                                for i in range(cfg.num_layers)]
+        # what each layer turns its q and k by: the global RoPE, the local one, or none
+        self.layer_rope = ["local" if self.local_rotary is not None and cfg.layer_window(i) is not None
+                           else "global" if cfg.layer_has_rope(i) else "none" for i in range(cfg.num_layers)]
+        self.attn_temperature = cfg.attn_temperature
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.embed_scale
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
@@ -233,11 +258,15 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions + self.position_offset)
-        rope = None if self.rotary is None else self.rotary.lookup(positions)
-        local_rope = None if self.local_rotary is None else self.local_rotary.lookup(positions)
+        turns = {"global": None if self.rotary is None else self.rotary.lookup(positions),
+                 "local": None if self.local_rotary is None else self.local_rotary.lookup(positions),
+                 "none": None}
+        if self.attn_temperature is not None:  # Llama 4's NoPE layers: each query's temperature
+            scale, floor = self.attn_temperature
+            turns["none"] = torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * scale + 1.0
         residual = None
-        for layer, local in zip(self.layers, self.uses_local_rope):
-            x, residual = layer(local_rope if local else rope, x, residual, meta)
+        for layer, rope in zip(self.layers, self.layer_rope):
+            x, residual = layer(turns[rope], x, residual, meta)
         return self.norm(x, residual)[0]
 
 

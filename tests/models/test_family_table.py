@@ -8,16 +8,17 @@ from ember.models.families import BY_GGUF_ARCHITECTURE, BY_GGUF_EXPERTS, BY_HF_A
 
 def test_the_lookups_name_each_family_once():
     assert SUPPORTED_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                                       "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "gpt2", "opt",
+                                       "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "gpt2", "opt",
                                        "phi", "bert", "xlm_roberta")
     assert GGUF_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "qwen3moe",
-                                  "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "gpt2", "phi2")
+                                  "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "llama4", "gpt2", "phi2")
     assert BY_GGUF_ARCHITECTURE["phi2"].name == "phi"
     assert {a: f.name for a, f in BY_GGUF_EXPERTS.items()} == {"llama": "mixtral", "qwen3moe": "qwen3_moe",
                                                                "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v2",
-                                                               "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
+                                                               "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
+                                                               "llama4": "llama4"}
     assert BY_HF_ARCHITECTURE["Gemma3ForConditionalGeneration"].name == "gemma3"
     assert BY_HF_MODEL_TYPE["gemma3_text"] is BY_HF_MODEL_TYPE["gemma3"] is BY_GGUF_ARCHITECTURE["gemma3"]
-    assert len(BY_HF_ARCHITECTURE) == 29 and len(BY_HF_MODEL_TYPE) == 23
+    assert len(BY_HF_ARCHITECTURE) == 31 and len(BY_HF_MODEL_TYPE) == 25
     assert BY_HF_MODEL_TYPE["kimi_k2"] is BY_HF_ARCHITECTURE["DeepseekV3ForCausalLM"]
     assert BY_HF_ARCHITECTURE["XLMRobertaForSequenceClassification"] is BY_HF_MODEL_TYPE["xlm-roberta"]
