@@ -356,10 +356,12 @@ class ModelConfig:
             moe = _gguf_deepseek_moe_options(md, arch, layers)
         elif fam.moe == "gpt_oss":
             moe = _gguf_gpt_oss_options(md, arch, layers)
+        elif fam.moe == "llama4":
+            moe = _gguf_llama4_options(md, arch, layers)
         if fam.mla:
             mla, rope_scaling = _gguf_mla_options(md, arch, rope_scaling)
             head_dim, rotary_dim = mla.pop("head_dim"), get("rope.dimension_count")
-        if fam.moe not in ("deepseek", "gpt_oss"):
+        if fam.moe not in ("deepseek", "gpt_oss", "llama4"):
             moe = _gguf_moe_options(md, arch, layers, ff)
         query_scalar = None
         if fam.gguf_hidden_query_scale_layers:  # llama.cpp's Gemma 2/3 rule: the 27B models (by layer count)
@@ -399,7 +401,7 @@ class ModelConfig:
             query_pre_attn_scalar=query_scalar,
             attn_logit_softcap=md.get(f"{arch}.attn_logit_softcapping", attn_cap) if attn_cap is not None else None,
             final_logit_softcap=final_cap or None,
-            layer_windows=_gguf_layer_windows(md, arch, layers),
+            layer_windows=None if fam.chunked_nope else _gguf_layer_windows(md, arch, layers),
             local_rope_theta=None if local_theta is None else float(local_theta),
             # Gemma 2's sliding layers keep the global scaling, Gemma 3's have their own base
             local_rope_scaling=rope_scaling if gemma and fam.local_rope_theta is None and local_theta is not None
@@ -738,6 +740,30 @@ def _gguf_gpt_oss_options(md: dict[str, Any], arch: str, num_layers: int) -> dic
     return {"moe_layers": (True,) * num_layers, "num_experts": get("expert_count"),
             "num_experts_per_tok": get("expert_used_count"), "moe_intermediate_size": get("expert_feed_forward_length"),
             "norm_topk_prob": True, "moe_bias": True, "swiglu": (1.702, 7.0)}
+
+
+def _gguf_llama4_options(md: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """Llama 4 as llama.cpp reads its GGUF: experts (expert_count of expert_feed_forward_length,
+    the shared one as large) in every interleave_moe_layer_step-th layer; and what llama.cpp
+    fixes rather than reads: every fourth layer NoPE and global, the others chunked by 8192,
+    temperature tuning (0.1, 8192), q/k norms unless 128 experts (Maverick). A file whose
+    attention.sliding_window is 0 (MobileLLM-R1) has RoPE and global attention everywhere."""
+    def get(key: str) -> Any:
+        if (value := md.get(f"{arch}.{key}")) is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}: the file is incomplete")
+        return value
+
+    experts, step, size = get("expert_count"), get("interleave_moe_layer_step"), get("expert_feed_forward_length")
+    options = _chunked_nope_options({"use_qk_norm": experts != 128, "attn_temperature_tuning": True,
+                                     "no_rope_layer_interval": 4, "attention_chunk_size": 8192, "floor_scale": 8192,
+                                     "attn_scale": 0.1}, num_layers)
+    if md.get(f"{arch}.attention.sliding_window") == 0:
+        options |= {"nope_layers": None, "layer_chunks": None, "attn_temperature": None}
+    options["rope_interleaved"] = False  # the loader's un-permuting gives rotate-half already
+    return options | {
+        "moe_layers": tuple((i + 1) % step == 0 for i in range(num_layers)), "num_experts": experts,
+        "num_experts_per_tok": get("expert_used_count"), "moe_intermediate_size": size, "norm_topk_prob": False,
+        "shared_expert_intermediate_size": size, "shared_expert_gate": False, "moe_input_scaled": True}
 
 
 def _gguf_deepseek_moe_options(md: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:

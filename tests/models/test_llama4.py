@@ -97,3 +97,28 @@ def test_multimodal_checkpoint_serves_its_language_model(model, tmp_path, forwar
     llm = LLM(str(tmp_path), **ENGINE)
     assert_logits_match(llm, hf, PROMPTS, forward_logits)
     assert greedy_tokens(llm) == greedy
+
+
+def test_gguf_from_llama_cpps_converter_matches_transformers(tmp_path, gguf_convert, bpe_tokenizer_dir,
+                                                           forward_logits):
+    """llama.cpp's converter writes llama4 with q and k as transformers stores them, the experts
+    split from gate_up_proj, and reads back what its graph fixes rather than reads (chunks of
+    8192, every fourth layer NoPE, temperature tuning (0.1, 8192), q/k norms below 128 experts):
+    a model with those values, and llama3 RoPE scaling (rope_freqs), through an f32 file."""
+    from ember.loader.gguf import open_gguf
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(bpe_tokenizer_dir))
+    tokenizer.save_pretrained(str(tmp_path))
+    text = _text_config(vocab_size=len(tokenizer), attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
+    hf = _perturbed(transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**text)), seed=1)
+    hf.save_pretrained(str(tmp_path))
+    path = gguf_convert(tmp_path, "f32")
+    f = open_gguf(path)
+    assert (f.architecture, f.metadata["llama4.interleave_moe_layer_step"], "rope_freqs.weight" in f.tensor_names) == \
+        ("llama4", 2, True)
+    cfg = ModelConfig.from_gguf_metadata(f.metadata, f.tensor_names, lambda name: f.tensor(name).tolist())
+    assert (cfg.nope_layers, cfg.layer_chunks, cfg.attn_temperature, cfg.qk_l2_norm, cfg.moe_layers) == \
+        ((False, False, False, True), (8192, 8192, 8192, None), (0.1, 8192.0), True, (False, True, False, True))
+    llm = LLM(str(path), **(ENGINE | dict(kv_cache_dtype="float32", num_kv_blocks=32)))
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert greedy_tokens(llm) == [hf_greedy(hf, ids) for ids in PROMPTS]
