@@ -1,6 +1,7 @@
 """On CUDA (`-m gpu`): Mixtral, Qwen3-MoE and Qwen2-MoE (the fused MoE kernels), Gemma 2 (windows on every other layer, both soft-caps), Gemma 3
 (local and global RoPE, q/k norm), Phi-3 (fused checkpoints, LongRoPE, a window on every
-layer), the LayerNorm decoders GPT-2, OPT and Phi-2 and gpt-oss (saved by transformers itself), and
+layer), the LayerNorm decoders GPT-2, OPT and Phi-2, gpt-oss and Llama 4 (chunked attention, a NoPE layer;
+saved by transformers itself), and
 DeepSeek-V2-Lite- and V3-like models (multi-head latent attention at the real latent sizes,
 kv_lora_rank 512 + 64 RoPE dims: the Triton kernels over a 576-dim one-head cache; DeepSeekMoE's
 routers into the fused MoE kernels) through the whole bfloat16 engine (Triton attention with windows, CUDA graphs)
@@ -62,6 +63,14 @@ SAVED_BY_HF = {
                                                           num_key_value_heads=4, head_dim=64, num_local_experts=8,
                                                           num_experts_per_tok=2, sliding_window=100,
                                                           max_position_embeddings=4096)),
+    # chunks of 64 (shorter than the long prompts) on three layers, a NoPE layer with its
+    # temperature from position 31 on, q/k L2 norms; top-1 experts scaled on their input (fused kernels)
+    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(hidden_size=1024, intermediate_size=512,
+                                                            intermediate_size_mlp=2048, num_hidden_layers=4,
+                                                            num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                                                            num_local_experts=8, interleave_moe_layer_step=2,
+                                                            attention_chunk_size=64, floor_scale=32,
+                                                            max_position_embeddings=4096)),
     # Phi-2's own head: 80 dims (not a power of two), RoPE on 32 of them
     "phi": ("PhiForCausalLM", "PhiConfig", dict(hidden_size=1280, intermediate_size=2560, num_hidden_layers=6,
                                                 num_attention_heads=16, num_key_value_heads=8,
@@ -160,7 +169,7 @@ def test_logits_match_hf_in_bf16(models, forward_logits):
 # run that once diverges stays on its own path (measured on the H200: Mixtral 0.934, Qwen2-MoE
 # 0.990, Qwen3-MoE 0.983 of 288 tokens, against >= 0.95 for every dense family).
 GREEDY_FLOOR = {"mixtral": 0.90, "qwen2_moe": 0.90, "qwen3_moe": 0.90, "deepseek_v2_lite": 0.90, "deepseek_v3": 0.90,
-                "gpt_oss": 0.90}
+                "gpt_oss": 0.90, "llama4": 0.90}
 
 
 def test_greedy_generation_agrees_with_hf(models):
