@@ -237,8 +237,9 @@ class EngineConfig:
             shard_heads(model_config.num_heads, model_config.num_kv_heads, 0, self.tensor_parallel_size)
         quantization = _quantization(self.quantization, files, device)
         if model_config.moe_layers is not None and quantization == "fp8":
-            raise ValueError(f"{model_config.architecture}: quantization='fp8' does not cover the experts' stacked "
-                             "weights yet: use quantization='none' (or 'auto')")
+            logger.info("%s: quantization='fp8' covers the linear layers; the experts' stacked weights stay in the "
+                        "run dtype (an FP8 checkpoint's are dequantized at load): no FP8 MoE kernel yet",
+                        model_config.architecture)
         if self.deterministic and device == "cuda":
             _check_deterministic(model_config, quantization, self.tensor_parallel_size)
         dtype = self.dtype if self.dtype != "auto" else _auto_dtype(device, quantization)

@@ -6,6 +6,7 @@ how those names land on ember's merged parameters.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 
@@ -34,6 +35,8 @@ _EXPERT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2
 _EXPERT_PARTS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
                  "w2": ("w2", None), "down_proj": ("w2", None)}
 _MIXTRAL_ROUTER = re.compile(r"(.*)\.block_sparse_moe\.gate\.weight")
+
+logger = logging.getLogger(__name__)
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
@@ -352,7 +355,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
     """Copy every checkpoint tensor into its parameter; each parameter (shard) exactly once.
     A BlockTensor (GGUF blocks kept quantized) or an FP8Tensor (an FP8 checkpoint's weight
     with its scales) goes to the layer owning the parameter, which takes it as its weight
-    format once all are in (`finish_loading`).
+    format once all are in (`finish_loading`); an FP8Tensor for a parameter no FP8 kernel
+    takes (stacked experts, MLA's kv_b_proj, as DeepSeek-V3's checkpoints quantize them)
+    loads dequantized, logged once.
 
     Raises ValueError naming unknown, duplicated and missing tensors."""
     params = dict(model.named_parameters())
@@ -363,6 +368,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
         expected |= {(pname, s) for s in range(shards)} if shards else {(pname, None)}
     done: set[tuple[str, int | None]] = set()
     unknown: list[str] = []
+    dequantized: list[str] = []
     for name, tensor in weights:
         if tied and name == "lm_head.weight":
             continue  # some tied checkpoints store a copy of the embedding
@@ -379,6 +385,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
         if (pname, shard) in done:
             raise ValueError(f"{source}: tensor {name!r} appears twice")
         param = params[pname]
+        if isinstance(tensor, FP8Tensor) and not hasattr(model.get_submodule(pname.rsplit(".", 1)[0]), "load_fp8"):
+            tensor = tensor.dequantize()
+            dequantized.append(name)
         loader = getattr(param, "weight_loader", None)
         shards = _num_shards(model, pname)
         try:
@@ -386,10 +395,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
                 if isinstance(tensor, BlockTensor):
                     model.get_submodule(pname.rsplit(".", 1)[0]).load_blocks(tensor, shard)
                 elif isinstance(tensor, FP8Tensor):
-                    owner = model.get_submodule(pname.rsplit(".", 1)[0])
-                    if not hasattr(owner, "load_fp8"):
-                        raise ValueError(f"{type(owner).__name__} takes no FP8 weight: dequantize it in the checkpoint")
-                    owner.load_fp8(tensor, shard)
+                    model.get_submodule(pname.rsplit(".", 1)[0]).load_fp8(tensor, shard)
                 elif loader is None:  # a plain parameter (replicated on every tensor-parallel rank)
                     if param.shape != tensor.shape:
                         raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
@@ -404,6 +410,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
             done |= {(pname, s) for s in range(shards)}
             continue
         done.add((pname, shard))
+    if dequantized:
+        logger.info("%s: %d fp8 weights dequantized to the run dtype at load (%s%s): no FP8 kernel of ember's takes "
+                    "experts or latent projections yet", source, len(dequantized), ", ".join(dequantized[:3]),
+                    " ..." if len(dequantized) > 3 else "")
     missing = sorted(expected - done, key=str)
     if unknown or missing:
         msg = [f"{source} does not match the model ({type(model).__name__}):"]

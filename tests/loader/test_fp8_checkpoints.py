@@ -317,3 +317,49 @@ def test_fp8_checkpoints_and_methods_ember_does_not_run_are_refused_at_load(tmp_
     write(path, broken, FORMS["fp8-block"][0])
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight \(no weight_scale"):
         LLM(str(path), quantization="fp8", **ARGS)
+
+
+# DeepSeek-V3's layout (test_latent_attention's V3, smaller): its FP8 checkpoints quantize every
+# projection but the router, the stacked experts and MLA's kv_b_proj included
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512,
+    "bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-6, "kv_lora_rank": 32, "q_lora_rank": 24,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "moe_intermediate_size": 24,
+    "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc", "tie_word_embeddings": False, "rope_theta": 10000.0,
+}
+
+
+@pytest.mark.slow
+def test_fp8_experts_and_latent_projections_load_dequantized(tmp_path, forward_logits, caplog):
+    """No FP8 kernel of ember's takes stacked experts or kv_b_proj (read per head): with
+    quantization='fp8' they load dequantized (logged), the other projections as FP8 layers;
+    the logits equal those of the dequantized checkpoint."""
+    from ember import LLM
+    from ember.loader.dummy import iter_dummy_weights
+    from ember.models.config import ModelConfig
+
+    qc = FORMS["fp8-block"][0]
+    fp8, dequantized = {}, {}
+    for name, t in iter_dummy_weights(ModelConfig.from_hf_config(DEEPSEEK_V3), seed=5):
+        if t.dim() == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")):
+            q, scale, dequantized[name] = quantize(t, "block", torch.float32)
+            fp8 |= {name: q, name.removesuffix("weight") + "weight_scale_inv": scale}
+        else:
+            fp8[name] = dequantized[name] = t
+    for name, tensors, config in (("fp8", fp8, DEEPSEEK_V3 | {"quantization_config": qc}),
+                                  ("dequantized", dequantized, DEEPSEEK_V3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp_path / name / "model.safetensors"))
+    want = forward_logits(LLM(str(tmp_path / "dequantized"), **ARGS), PROMPTS)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(tmp_path / "fp8"), quantization="fp8", **ARGS)
+    assert "fp8 weights dequantized to the run dtype at load" in caplog.text
+    model = llm.engine.runner.model
+    assert isinstance(model.model.layers[1].self_attn.q_b_proj.format, FP8Weight)
+    assert isinstance(model.model.layers[1].mlp.shared_expert.down_proj.format, FP8Weight)
+    for got, ref in zip(forward_logits(llm, PROMPTS), want):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
