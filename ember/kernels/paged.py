@@ -107,6 +107,19 @@ def tile_mask(rmask, d, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def tile_rows(table_row_ptr, n0, pmask, stride_cb, stride_cs, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache offsets (int64, [BLOCK_N]) of context positions n0 ... n0 + BLOCK_N - 1 (n0 a
+    multiple of BLOCK_N; masked by `pmask`) at KV head 0. Where a page holds whole tiles (PAGE
+    a multiple of BLOCK_N) one block-table read serves the tile (see load_kv_tile)."""
+    if PAGE % BLOCK_N == 0:
+        block = tl.load(table_row_ptr + n0 // PAGE).to(tl.int64)
+        return block * stride_cb + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_cs
+    pos = n0 + tl.arange(0, BLOCK_N)
+    block = tl.load(table_row_ptr + pos // PAGE, mask=pmask, other=0)
+    return block.to(tl.int64) * stride_cb + (pos % PAGE) * stride_cs
+
+
+@triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, n0, pmask, kvh, d, stride_cb, stride_cs, stride_ch,
                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  SHARED_KV: tl.constexpr):
@@ -118,13 +131,7 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, n0, pmask, kvh, d, str
     (PAGE a multiple of BLOCK_N: CUDA's default block size of 128), one block-table read
     serves the tile and its rows are at one base: the fp8 decode kernel read 16-20 % faster
     so on the H200 than with a read per position (the KV layout probe of BENCHMARKS.md)."""
-    if PAGE % BLOCK_N == 0:
-        block = tl.load(table_row_ptr + n0 // PAGE).to(tl.int64)
-        off = block * stride_cb + (n0 % PAGE + tl.arange(0, BLOCK_N)) * stride_cs + kvh * stride_ch
-    else:
-        pos = n0 + tl.arange(0, BLOCK_N)
-        block = tl.load(table_row_ptr + pos // PAGE, mask=pmask, other=0)
-        off = block.to(tl.int64) * stride_cb + (pos % PAGE) * stride_cs + kvh * stride_ch
+    off = tile_rows(table_row_ptr, n0, pmask, stride_cb, stride_cs, PAGE, BLOCK_N) + kvh * stride_ch
     mask = tile_mask(pmask, d, D, BLOCK_D)
     k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=mask, other=0.0)
     if SHARED_KV:

@@ -1,7 +1,9 @@
 """The Triton attention kernels against the plain-torch reference backend, at random
 shapes and shuffled block tables, with caches in the compute dtype and in fp8 (with unit
-and non-unit scales), and with the layer options (sliding window, logit soft cap). Each case runs twice: on the CPU through Triton's interpreter (small
-shapes, every run) and on CUDA (`-m gpu`, larger shapes)."""
+and non-unit scales), and with the layer options (sliding window, logit soft cap); the
+multi-head latent attention decode kernel against MLA decode written out in torch. Each case
+runs twice: on the CPU through Triton's interpreter (small shapes, every run) and on CUDA
+(`-m gpu`, larger shapes)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from float_order import same_bits  # noqa: E402
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
 from ember.kernels.decode_attention import _decode_split_kernel, decode_attention, num_decode_splits  # noqa: E402
 from ember.kernels.kv_write import kv_write  # noqa: E402
+from ember.kernels.mla_decode import mla_decode, mla_head_blocks  # noqa: E402
 from ember.kernels.prefill_attention import prefill_attention  # noqa: E402
 from ember.layers.attention import AttentionMetadata, get_attention_backend  # noqa: E402
 from ember.layers.attention.torch_ref import FP8, FP8_MAX, quantize_kv, write_kv  # noqa: E402
@@ -735,3 +738,125 @@ def test_head_dim_is_checked():
         decode_attention(q, cache, cache, tables, lens, 1.0, 1)
     with pytest.raises(ValueError, match="head_dim must be at least 8"):
         prefill_attention(q, cache, cache, tables, torch.tensor([0, 1, 2], dtype=torch.int32), lens, 1, 1.0)
+
+
+# ---- multi-head latent attention's decode kernel --------------------------------------------
+#
+# kernels/mla_decode.py against MLA decode written out in plain torch over the paged latent
+# cache. On the interpreter a small latent (64 + 16 rope dims) at 16 heads and at 20 (not a
+# multiple of a head block), and once DeepSeek's 512 + 64; on CUDA DeepSeek-V2-Lite's shape
+# (512 + 64, 16 heads) and V3's (128 heads). Contexts of 1, of a page, and not a multiple of
+# the page or the tile, in shuffled blocks; pages smaller than a tile (a table read per
+# position) and holding whole tiles.
+
+
+def mla_reference(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  scale: float, latent_dim: int, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """In float64, each sequence b: its rows [c | k_pe] gathered position by position
+    (cache[block_tables[b, p // page], p % page]; fp8 read back times its scale), then
+    softmax_p(scale * q_h . row_p) times the rows' c. [B, H, latent_dim]; no context: 0."""
+    page, dim = cache.shape[1], cache.shape[-1]
+    flat = cache.cpu().view(-1, dim).float().double()
+    ks, vs = (1.0 if s is None else s.item() for s in (k_scale, v_scale))
+    out = torch.zeros(q.shape[0], q.shape[1], latent_dim, dtype=torch.float64)
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        rows = flat[block_tables[b].cpu().long()[pos // page] * page + pos % page]
+        if n:
+            probs = (q[b].cpu().double() @ (rows * ks).T * scale).softmax(-1)
+            out[b] = probs @ (rows[:, :latent_dim] * vs)
+    return out
+
+
+def _mla_case(device: str, lens: list[int], heads: int, latent: int, rope: int, page: int, seed: int,
+              dtype: torch.dtype, fp8_scales=None) -> Case:
+    """A decode step's sequences of lens[i] tokens (the last one new, written by kv_write) over one latent plane."""
+    case = Case([n - 1 for n in lens], [1] * len(lens), heads, 1, latent + rope, page, device, seed, fp8_scales,
+                dtype, shared_kv=True)
+    kv_write(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, **case.scales)
+    return case
+
+
+def _mla_tol(dtype: torch.dtype) -> dict:
+    """float32: the kernel's float32 sums (3e-7 seen on the interpreter); bfloat16: its
+    probabilities and output rounded to bfloat16 (up to 0.01 seen at outputs near 1)."""
+    return dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+
+
+# device, heads, latent dims, rope dims
+MLA_SHAPES = [_cpu(16, 64, 16, id="h16-64+16"), _cpu(20, 64, 16, id="h20-64+16"), _cpu(16, 512, 64, id="h16-512+64"),
+              _gpu(16, 512, 64, id="v2-lite"), _gpu(128, 512, 64, id="v3")]
+
+
+@pytest.mark.parametrize("device,heads,latent,rope", MLA_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_mla_decode_matches_reference(device, heads, latent, rope, dtype):
+    """One split (the output written directly) and several (merged); on the interpreter the
+    default head block (20 heads: one of 32, 12 rows masked) and blocks of 16 (16 + 4); pages
+    of half a tile and of two tiles."""
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("CUDA's tl.dot takes float32 as tf32: bfloat16 is the model dtype there")
+    if device == "cpu" and latent == 512 and dtype == torch.bfloat16:
+        pytest.skip("the interpreter's time: DeepSeek's dims once, in float32")
+    if device == "cpu":  # (splits, block_h)
+        lens, pages, runs, tile = [1, 8, 17, 45], (8, 32), [(1, None), (3, 16)], 16
+    else:
+        lens, pages, tile = [1, 700, 1500, 3000, 129, 2049], (16, 128), None
+        runs = [(s, None) for s in (1, 5, num_decode_splits(len(lens), mla_head_blocks(heads)))]
+    for page in pages:
+        case = _mla_case(device, lens, heads, latent, rope, page, seed=40 + page, dtype=dtype)
+        want = mla_reference(case.q, case.k_cache, case.meta.block_tables, case.meta.seq_lens, case.scale, latent)
+        for s, block_h in runs:
+            got = mla_decode(case.q, case.k_cache, case.meta.block_tables, case.meta.seq_lens, case.scale, latent, s,
+                             block_h=block_h, block_n=tile)
+            assert got.shape == (len(lens), heads, latent) and got.dtype == dtype
+            torch.testing.assert_close(got.cpu().double(), want, **_mla_tol(dtype),
+                                       msg=lambda m: f"page {page}, {s} splits, block_h {block_h}: {m}")
+
+
+@pytest.mark.parametrize("device,heads,latent,rope", [p for p in MLA_SHAPES if p.id != "interpreter-h16-512+64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_mla_decode_over_fp8_matches_reference(device, heads, latent, rope, dtype):
+    """An fp8 cache with a scale (one plane: one k_scale = v_scale, as the runner gives it);
+    bfloat16 queries take the float16 dots (DOT_FP16), on the interpreter too."""
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("CUDA's tl.dot takes float32 as tf32: bfloat16 is the model dtype there")
+    lens = [1, 13, 40] if device == "cpu" else [1, 900, 2100, 3000]
+    case = _mla_case(device, lens, heads, latent, rope, 8 if device == "cpu" else 128, seed=41, dtype=dtype,
+                     fp8_scales=(0.5, 0.5))
+    want = mla_reference(case.q, case.k_cache, case.meta.block_tables, case.meta.seq_lens, case.scale, latent,
+                         **case.scales)
+    for s in (1, 3):
+        got = mla_decode(case.q, case.k_cache, case.meta.block_tables, case.meta.seq_lens, case.scale, latent, s,
+                         **case.scales, block_n=16 if device == "cpu" else None)
+        torch.testing.assert_close(got.cpu().double(), want, **_mla_tol(dtype), msg=lambda m: f"{s} splits: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mla_decode_padding_rows_and_output_views(device):
+    """A CUDA graph's padded rows (seq_len 0) give 0, not NaN; the output may be a view into
+    a wider buffer (the backend's mixed step), whose other columns stay untouched."""
+    case = _mla_case(device, [5, 30, 12], 16, 64, 16, 8, seed=42, dtype=torch.float32)
+    lens = case.meta.seq_lens.clone()
+    lens[1] = 0
+    want = mla_reference(case.q, case.k_cache, case.meta.block_tables, lens, case.scale, 64)
+    for s in (1, 2):
+        wide = torch.full((3, 16, 80), 7.0, device=device)
+        got = mla_decode(case.q, case.k_cache, case.meta.block_tables, lens, case.scale, 64, s, out=wide[..., :64],
+                         block_n=16)
+        assert torch.all(got[1] == 0) and not got.isnan().any() and torch.all(wide[..., 64:] == 7.0)
+        torch.testing.assert_close(got.cpu().double(), want, **_mla_tol(torch.float32))
+
+
+def test_mla_decode_checks_layouts():
+    q, cache = torch.zeros(2, 4, 80), torch.zeros(4, 8, 1, 80)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not fit a latent cache"):
+        mla_decode(q, torch.zeros(4, 8, 2, 80), tables, lens, 1.0, 64, 1)
+    with pytest.raises(ValueError, match="at least 8 dims"):
+        mla_decode(q, cache, tables, lens, 1.0, 76, 1)
+    with pytest.raises(ValueError, match="int32"):
+        mla_decode(q, cache, tables.long(), lens, 1.0, 64, 1)
+    with pytest.raises(ValueError, match="out must be"):
+        mla_decode(q, cache, tables, lens, 1.0, 64, 1, out=torch.zeros(2, 4, 80))
