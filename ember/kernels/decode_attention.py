@@ -16,8 +16,9 @@ a program's BLOCK_H x BLOCK_D accumulator would pass MAX_ACC elements (MLA: 16 .
 of D 576 -> BLOCK_D 1024 over one KV head), the group's heads are cut into HEAD_BLOCKS
 blocks of BLOCK_H, one program each, over the same split: programs (b, kv_head x head block,
 s). Each head block reads the split's KV tiles again (from L2 at best): at MLA's 128 heads,
-8 reads where a dedicated MLA kernel would read once. Past BLOCK_D 256 the tiles get fewer
-rows (`decode_config`), so that K and V fit shared memory and registers.
+8 reads (the Triton backend sends a model's MLA decode rows to kernels/mla_decode.py instead:
+no padding, four reads at 128 heads). Past BLOCK_D 256 the tiles get fewer rows
+(`decode_config`), so that K and V fit shared memory and registers.
 
 With a sliding window W the query (at position seq_len - 1) sees keys seq_len - W ..
 seq_len - 1, and the splits cover only those, from the tile that holds the first; the tiles

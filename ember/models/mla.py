@@ -13,9 +13,12 @@ so ember absorbs W_UK into the query and W_UV after the attention (DeepSeek's ow
 does): each head's query is [W_UK_h^T q_nope_h | q_pe_h] against one cached "head" [c | k_pe]
 of r + rope dims, whose values are that entry's first r dims. The attention backends run it
 as multi-query attention over the latent: the cache is one plane (kv_planes 1: the layer's
-k_cache and v_cache are the same tensor, so a value row is its key row; the r + rope dims of
-the output are the weighted c, then a weighted k_pe that is dropped). Prefill and decode both
-take this path: the cache holds nothing else.
+k_cache and v_cache are the same tensor, so a value row is its key row), and the layer asks
+for the first r dims of the values alone (`value_dim`, layers/attention/base.py): the
+output is the weighted c. Prefill and decode both take this path: the cache holds nothing
+else. On CUDA the decode rows run a kernel made for it (kernels/mla_decode.py: the r latent
+and the rope dims apart, a block of heads over each cache tile); the prefill rows run the
+generic prefill kernel over the r + rope dims, of which the backend keeps the first r.
 
 The checkpoint's RoPE dims are interleaved pairs; the loader reorders their rows to ember's
 rotate-half layout (loader/weights.py), which leaves every q_pe . k_pe unchanged.
@@ -80,8 +83,7 @@ class LatentAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
         query = torch.cat([q_latent, q_pe], dim=-1)
         key = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + rope]
-        o = self.backend.forward(query, key, key, self.k_cache, self.v_cache, meta, self.scale,
-                                 self.k_scale, self.v_scale)
-        o_latent = o[..., :self.rank]  # [T, H, r]: the weighted latents (then the weighted k_pe, dropped)
+        o_latent = self.backend.forward(query, key, key, self.k_cache, self.v_cache, meta, self.scale,
+                                        self.k_scale, self.v_scale, value_dim=self.rank)  # [T, H, r]
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))

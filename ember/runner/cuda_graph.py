@@ -135,7 +135,7 @@ class _Cut(AttentionBackend):
         self.pieces.append(graph)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, kv_written=False,
-                sliding_window=None, logit_softcap=None, sinks=None, attention_chunk=None):
+                sliding_window=None, logit_softcap=None, sinks=None, attention_chunk=None, value_dim=None):
         o = self.owner
         n = q.shape[0]
         o.q[:n].copy_(q)
@@ -145,12 +145,12 @@ class _Cut(AttentionBackend):
         if len(o.calls) <= self.layer:
             o.calls.append(_AttentionCall(self.real[self.layer], k_cache, v_cache, scale, dict(
                 k_scale=k_scale, v_scale=v_scale, kv_written=kv_written, sliding_window=sliding_window,
-                logit_softcap=logit_softcap, sinks=sinks, attention_chunk=attention_chunk)))
+                logit_softcap=logit_softcap, sinks=sinks, attention_chunk=attention_chunk, value_dim=value_dim)))
         self.layer += 1
         if self.capturing:
             self.pieces[-1].capture_end()
             self.begin()
-        return o.out[:n]
+        return o.out[:n, :, :value_dim]  # MLA: the latent dims (base.py); None: all
 
 
 class PiecewiseGraphs:
@@ -234,6 +234,7 @@ class PiecewiseGraphs:
         pieces = self.pieces[size]
         for piece, call in zip(pieces, self.calls):
             piece.replay()
-            out.copy_(call.backend.forward(q, k, v, call.k_cache, call.v_cache, meta, call.scale, **call.options))
+            o = call.backend.forward(q, k, v, call.k_cache, call.v_cache, meta, call.scale, **call.options)
+            out[..., :o.shape[-1]].copy_(o)  # MLA's output: the first value_dim dims of the buffer
         pieces[-1].replay()
         return self.outputs[size][:n]

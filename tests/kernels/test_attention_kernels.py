@@ -849,6 +849,32 @@ def test_mla_decode_padding_rows_and_output_views(device):
         torch.testing.assert_close(got.cpu().double(), want, **_mla_tol(torch.float32))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_scales", [None, pytest.param((0.5, 0.5), id="fp8")])
+def test_triton_backend_runs_mla_decode_rows(device, fp8_scales):
+    """The backend with value_dim: a decode step, a mixed step whose leading decode rows go to
+    mla_decode (the rest to the prefill kernel, its latent dims kept), and deterministic mode
+    (every row to the prefill kernel): [T, H, latent] equal to the torch backend's."""
+    latent, rope, heads = (64, 16, 4) if device == "cpu" else (512, 64, 16)
+    # (cached, new), deterministic mode, (plan.decode, plan.decode_rows)
+    steps = [(([0, 11, 40], [1, 1, 1]), False, (True, 0)), (([5, 30, 0, 17], [1, 1, 12, 3]), False, (False, 2)),
+             (([5, 30, 0, 17], [1, 1, 12, 3]), True, (False, 0))]
+    if device == "cuda":
+        steps = [(([0, 900, 1700], [1, 1, 1]), *rest) if i == 0 else (([5, 900, 0, 1700], [1, 1, 300, 90]), *rest)
+                 for i, (_, *rest) in enumerate(steps)]
+    for (cached, new), invariant, routes in steps:
+        case = Case(cached, new, heads, 1, latent + rope, 8 if device == "cpu" else 16, device, seed=43,
+                    fp8_scales=fp8_scales, shared_kv=True)
+        want = case.reference()[..., :latent]
+        backend = get_attention_backend("triton")
+        backend.batch_invariant = invariant
+        got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale,
+                              case.k_scale, case.v_scale, value_dim=latent)
+        plan = backend.plan(case.meta, mla_head_blocks(heads))
+        assert (plan.decode, plan.decode_rows) == routes and got.shape == (sum(new), heads, latent)
+        torch.testing.assert_close(got.float(), want, **_tol(device), msg=lambda m: f"{new}, {invariant}: {m}")
+
+
 def test_mla_decode_checks_layouts():
     q, cache = torch.zeros(2, 4, 80), torch.zeros(4, 8, 1, 80)
     tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
@@ -860,3 +886,11 @@ def test_mla_decode_checks_layouts():
         mla_decode(q, cache, tables.long(), lens, 1.0, 64, 1)
     with pytest.raises(ValueError, match="out must be"):
         mla_decode(q, cache, tables, lens, 1.0, 64, 1, out=torch.zeros(2, 4, 80))
+    backend = get_attention_backend("triton")
+    meta = AttentionMetadata(torch.zeros(2, dtype=torch.int64), torch.tensor([0, 1, 2], dtype=torch.int32), lens,
+                             tables, [1, 1], [1, 1])
+    k = torch.zeros(2, 1, 80)
+    with pytest.raises(ValueError, match="k_cache must be v_cache"):
+        backend.forward(q, k, k, cache, cache.clone(), meta, 1.0, value_dim=64)
+    with pytest.raises(ValueError, match="no sliding window"):
+        backend.forward(q, k, k, cache, cache, meta, 1.0, sliding_window=4, value_dim=64)

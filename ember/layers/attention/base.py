@@ -29,6 +29,11 @@ Per-layer options change what a query sees (Mistral, Phi-3, Gemma, Llama 4):
   at position p attends only to keys of its own chunk, p // C * C <= k <= p.
 - `logit_softcap` c: each score s = scale * q.k becomes c * tanh(s / c) before the
   softmax (Gemma 2). None: scores as they are.
+
+Multi-head latent attention (models/mla.py) passes `value_dim` r: its k_cache is its
+v_cache (one plane of one latent a token) and a value is the first r dims of its key row,
+so the output is [num_tokens, num_heads, r] (the weighted latents alone). None: values are
+whole rows of v_cache, the output [num_tokens, num_heads, head_dim].
 """
 
 from __future__ import annotations
@@ -82,5 +87,6 @@ class AttentionBackend(ABC):
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float32: gpt-oss's softmax logit a head, no value
         attention_chunk: int | None = None,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        value_dim: int | None = None,  # MLA: the values are each row's first value_dim dims
+    ) -> torch.Tensor:  # [num_tokens, num_heads, value_dim or head_dim]
         ...

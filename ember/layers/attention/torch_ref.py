@@ -82,9 +82,16 @@ class TorchReferenceBackend(AttentionBackend):
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 kv_written: bool = False, sliding_window: int | None = None,
                 logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
-                attention_chunk: int | None = None) -> torch.Tensor:
+                attention_chunk: int | None = None, value_dim: int | None = None) -> torch.Tensor:
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        out = self._attend_all(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window, logit_softcap,
+                               sinks, attention_chunk)
+        return out if value_dim is None else out[..., :value_dim]  # MLA: the weighted latents, not their k_pe
+
+    def _attend_all(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale,
+                    sliding_window: int | None, logit_softcap: float | None,
+                    sinks: torch.Tensor | None, attention_chunk: int | None) -> torch.Tensor:
         if _cpu_kernel_ok(q):
             return cpu_kernels.ops().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                                      meta.seq_lens, scale, sliding_window or 0, logit_softcap or 0.0,
