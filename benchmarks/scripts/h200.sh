@@ -33,6 +33,10 @@
 #                       head, DeepSeek's latent attention at its real latent sizes) and of the attention kernels
 #                       at any head_dim, then the DeepSeek-V2-Lite shape: one request 128/512 and 256 x 1000/1000
 #                       (ember alone)
+#   mla-decode          the GPU tests of the MLA decode kernel (DeepSeek-V2-Lite's and V3's shapes) and of
+#                       DeepSeek's families, then mla_decode_bench.py (the MLA kernel against the generic one)
+#                       at V2-Lite's shape over bf16 (with --sweep: its other tiles) and fp8, and at V3's 128
+#                       heads; new-families runs the DeepSeek-V2-Lite engine shape (now on the MLA kernel)
 #   sweep-decode [fp8]  decode_sweep.py over a bf16 (default) or fp8 cache, then the nano protocol at the
 #                       default config and at the sweep's best (EMBER_DECODE_CONFIG), and Llama-8B at the best
 #   defaults            ember at its defaults (no seat or budget flag) and at other flags, in one call: the
@@ -268,6 +272,16 @@ mode_new_families() {
   bench deepseek_v2_lite_256x1000 140 $D --num-prompts 256 --input-len 1000 --output-len 1000 --max-model-len 2048
 }
 
+mode_mla_decode() {
+  gpu_tests 150 tests/kernels/test_attention_kernels.py -k "mla"
+  gpu_tests 200 tests/models/test_cuda_families.py -k deepseek
+  local a secs
+  for a in "--sweep" fp8 "--heads 128"; do
+    secs=$(cap "mla_decode_bench $a" 120) || break
+    timeout "$secs" python3 benchmarks/scripts/mla_decode_bench.py $a 2>&1 | tee -a "$J/mla_decode_bench.log"
+  done
+}
+
 mode_sweep_decode() {
   local dt=${1:-bf16} kv=auto
   [ "$dt" = fp8 ] && kv=fp8
@@ -440,6 +454,7 @@ case "$mode" in
   race-moe) mode_env; mode_race_moe "$@" ;;
   families) mode_env; mode_families ;;
   new-families) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_new_families ;;
+  mla-decode) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_mla_decode ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
   defaults) mode_env; mode_defaults ;;
   tp-check) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_check ;;
