@@ -837,16 +837,17 @@ def test_mla_decode_over_fp8_matches_reference(device, heads, latent, rope, dtyp
 def test_mla_decode_padding_rows_and_output_views(device):
     """A CUDA graph's padded rows (seq_len 0) give 0, not NaN; the output may be a view into
     a wider buffer (the backend's mixed step), whose other columns stay untouched."""
-    case = _mla_case(device, [5, 30, 12], 16, 64, 16, 8, seed=42, dtype=torch.float32)
+    dtype = _dtype(device)
+    case = _mla_case(device, [5, 30, 12], 16, 64, 16, 8, seed=42, dtype=dtype)
     lens = case.meta.seq_lens.clone()
     lens[1] = 0
     want = mla_reference(case.q, case.k_cache, case.meta.block_tables, lens, case.scale, 64)
     for s in (1, 2):
-        wide = torch.full((3, 16, 80), 7.0, device=device)
+        wide = torch.full((3, 16, 80), 7.0, dtype=dtype, device=device)
         got = mla_decode(case.q, case.k_cache, case.meta.block_tables, lens, case.scale, 64, s, out=wide[..., :64],
                          block_n=16)
         assert torch.all(got[1] == 0) and not got.isnan().any() and torch.all(wide[..., 64:] == 7.0)
-        torch.testing.assert_close(got.cpu().double(), want, **_mla_tol(torch.float32))
+        torch.testing.assert_close(got.cpu().double(), want, **_mla_tol(dtype))
 
 
 @pytest.mark.parametrize("device", DEVICES)
