@@ -7,8 +7,9 @@ reads a value back to the host, so CUDA graphs capture MoE decode.
                     to BLOCK_M rows: `sorted_pairs` (pair index, or T*k for padding),
                     `block_expert` (the expert of each BLOCK_M rows), `num_padded` (rows used)
     moe_gemm        per block of BLOCK_M sorted pairs, all of one expert:
-                    gate|up pass:  act[pair] = silu(x[token] @ w13[e, :I]^T) * (x[token] @ w13[e, I:]^T)
-                    down pass:     out[pair] = weight[pair] * (act[pair] @ w2[e]^T)
+                    gate|up pass:  g, u = x[token] @ w13[e, :I]^T (+ b13[e, :I]), x[token] @ w13[e, I:]^T (+ b13[e, I:])
+                                   act[pair] = silu(g) * u, or gpt-oss's clamped SwiGLU of (g, u)
+                    down pass:     out[pair] = weight[pair] * (act[pair] @ w2[e]^T (+ b2[e]))
     then the k rows of each token are summed (torch).
 
 align_experts sizes its outputs for the worst case (every pair's expert padded), so shapes
@@ -132,10 +133,11 @@ def align_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
-                     num_pairs, N, K, stride_a, stride_we, stride_wn, stride_c, rows_per_a,
-                     GATED: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr, bias_ptr,
+                     num_pairs, N, K, stride_a, stride_we, stride_wn, stride_c, stride_be, rows_per_a, alpha, limit,
+                     GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr, ACTIVATION: tl.constexpr,
+                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -166,9 +168,19 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padd
                 acc_up += tl.dot(a, u, input_precision="ieee")
             else:
                 acc_up += tl.dot(a, u)
+    if BIASED:  # the expert's bias row: [gate | up] (2N) in the gate|up pass, N in the down pass
+        b_base = bias_ptr + expert * stride_be
+        acc += tl.load(b_base + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_base + N + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if WEIGHTED:
+        if ACTIVATION == 1:  # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if WEIGHTED:  # after the down bias, as transformers' gpt-oss weighs (x @ w2 + b2)
         acc = acc * tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_c + n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=valid[:, None] & nmask[None, :])
@@ -225,9 +237,12 @@ def token_bucket(tokens: int) -> int:
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
              block_expert: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor | None, rows_per_a: int,
-             gated: bool, config: dict[str, int]) -> torch.Tensor:
+             gated: bool, config: dict[str, int], bias: torch.Tensor | None = None,
+             swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """One pass over the sorted pairs (see the module doc): out [P, N] with N = w.shape[1] // 2
-    if gated, else w.shape[1]; a's row for pair p is p // rows_per_a."""
+    if gated, else w.shape[1]; a's row for pair p is p // rows_per_a. `bias` [E, w.shape[1]]
+    is added to the expert's rows before the activation (gated) or the routing weight;
+    `swiglu` (alpha, limit): gpt-oss's clamped activation in place of silu(gate) * up."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     blocks = block_expert.numel()
@@ -236,29 +251,37 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: 
     cfg = dict(config)
     if sorted_pairs.numel() != max_padded_rows(out.shape[0], w.shape[0], cfg["BLOCK_M"]):
         raise ValueError(f"config BLOCK_M {cfg['BLOCK_M']} is not the block size the pairs were aligned to")
+    if bias is not None and (bias.shape != w.shape[:2] or bias.stride(1) != 1):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [E, rows] {tuple(w.shape[:2])} with contiguous rows")
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     grid = (blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](a, w, out, sorted_pairs, block_expert, num_padded, weights if weights is not None else out,
-                           out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), rows_per_a,
-                           GATED=gated, WEIGHTED=weights is not None,
+                           bias if bias is not None else out, out.shape[0], n, k, a.stride(0), w.stride(0),
+                           w.stride(1), out.stride(0), bias.stride(0) if bias is not None else 0, rows_per_a,
+                           float(alpha), float(limit), GATED=gated, WEIGHTED=weights is not None,
+                           BIASED=bias is not None, ACTIVATION=0 if swiglu is None else 1,
                            IEEE=a.dtype == torch.float32, **cfg)
     return out
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """sum over k of weights[t, k] * expert ids[t, k] (x[t]), each expert a SwiGLU MLP with
     w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]. x [T, H] with contiguous rows;
-    weights float32 [T, k]."""
+    weights float32 [T, k]. gpt-oss: `biases` (w13_bias [E, 2I], w2_bias [E, H]) and the
+    clamped `swiglu` (alpha, limit); its weight multiplies the expert's output after the down bias."""
     tokens, top_k = ids.shape
     experts, two_i, hidden = w13.shape
     inter = two_i // 2
     if tokens == 0:
         return torch.zeros_like(x)
+    b13, b2 = biases if biases is not None else (None, None)
     device_name = _device_name(x.device.index or 0) if x.is_cuda else ""
     up_cfg, down_cfg = moe_configs(experts, hidden, inter, top_k, token_bucket(tokens), device_name)
     sorted_pairs, block_expert, num_padded = align_experts(ids, experts, up_cfg["BLOCK_M"])
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    moe_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, top_k, True, up_cfg)
+    moe_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, top_k, True, up_cfg, b13, swiglu)
     out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    moe_gemm(act, w2, out, sorted_pairs, block_expert, num_padded, weights.reshape(-1), 1, False, down_cfg)
+    moe_gemm(act, w2, out, sorted_pairs, block_expert, num_padded, weights.reshape(-1), 1, False, down_cfg, b2)
     return out.view(tokens, top_k, hidden).sum(dim=1)

@@ -9,7 +9,8 @@ weights are stacked: `w13` [E, 2I, H] (gate | up of each expert) and `w2` [E, H,
 the loader fills them one checkpoint tensor (shard) at a time.
 
 On CUDA (and for tests through Triton's interpreter) the routing and the experts run as
-kernels/moe.py's fused kernels, which CUDA graphs capture. The torch path (the CPU) groups
+kernels/moe.py's fused kernels, which CUDA graphs capture (gpt-oss's biases and clamped
+SwiGLU too). The torch path (the CPU) groups
 the (token, expert) pairs by expert and runs gate|up and down matmuls per expert that
 received a token, on blocks of batch_invariant.ROWS rows, then adds each token's k outputs, times
 their routing weights, in slot order: a token's result does not depend on its batch.
@@ -48,7 +49,7 @@ class GroupedRouting:
 class FusedMoE(nn.Module):
     """`biased` (gpt-oss): the router and each expert's projections add a bias (w13_bias
     [E, 2I], w2_bias [E, H]); `swiglu` (alpha, limit): the clamped SwiGLU in place of
-    silu(gate) * up. Both run on the torch path (the CUDA kernels have neither)."""
+    silu(gate) * up. Both on the torch path and in the fused kernels."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, grouped: GroupedRouting | None = None, biased: bool = False,
@@ -117,28 +118,26 @@ class FusedMoE(nn.Module):
         return weights * g.scale, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.biased or self.swiglu is not None:  # gpt-oss: the torch path on every device
-            gate = self.gate(x) if cuda_paths(x) else in_row_blocks(self.gate, x)
-            weights, ids = self.route(gate)
-            return grouped_experts(x, self.w13, self.w2, weights.to(x.dtype), ids,
-                                   (self.w13_bias, self.w2_bias) if self.biased else None, self.swiglu)
         if cuda_paths(x) and self.grouped is not None:
             return self.run_experts(x, *self.route(self.gate(x)))
         if cuda_paths(x):
             from ember.kernels.moe import route_topk
 
+            # gpt-oss's softmax over its top-k logits is softmax, top-k, renormalized (norm_topk_prob)
             return self.run_experts(x, *route_topk(self.gate(x), self.top_k, self.renormalize))
         return self.run_experts(x, *self.route(in_row_blocks(self.gate, x)))
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token through its experts ids [T, k], the outputs summed times weights [T, k]
         (float32): the fused kernels on CUDA, the grouped torch path elsewhere."""
+        biases = (self.w13_bias, self.w2_bias) if self.biased else None
         if cuda_paths(x):
             from ember.kernels.moe import fused_experts
 
             # the kernels take int32 ids, as route_topk gives them
-            return fused_experts(x.contiguous(), self.w13, self.w2, weights.contiguous(), ids.to(torch.int32))
-        return grouped_experts(x, self.w13, self.w2, weights.to(x.dtype), ids)
+            return fused_experts(x.contiguous(), self.w13, self.w2, weights.contiguous(), ids.to(torch.int32), biases,
+                                 self.swiglu)
+        return grouped_experts(x, self.w13, self.w2, weights.to(x.dtype), ids, biases, self.swiglu)
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -142,9 +142,7 @@ class ModelRunner:
         self.file_tensor_bytes = files.tensor_bytes()
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
         self.encoder = mc.bidirectional  # whole prompts, no KV cache, no decode step to capture
-        # gpt-oss's biased experts run the torch path, which reads its per-expert counts on the host:
-        # no graph captures it (eager steps until a fused kernel takes biases)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and not self.encoder and not mc.moe_bias
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and not self.encoder
         self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0
         # when every layer has a window, the scheduler gives back blocks no window reaches and
         # their table entries point at one block past the pool (BlockPool.null_block)

@@ -157,18 +157,88 @@ def test_the_layer_takes_the_fused_path_and_agrees_with_the_cpu_path():
                                _loop_reference(x, layer.w13, layer.w2, weights, ids), rtol=1e-4, atol=1e-5)
 
 
+SWIGLU = (1.702, 7.0)  # gpt-oss's alpha and limit
+
+
+def _gpt_oss_experts(experts, hidden, inter, dtype, device, seed=0):
+    """Weights and biases whose gate|up pre-activations (std ~6 on unit inputs) pass the clamp
+    at 7 in many rows, and a down bias as large as the expert's output."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = (6 * torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype).to(device)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(device)
+    b13 = (2 * torch.randn(experts, 2 * inter, generator=g)).to(dtype).to(device)
+    b2 = (3 * torch.randn(experts, hidden, generator=g)).to(dtype).to(device)
+    return w13, w2, (b13, b2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 6, 33])
+def test_biased_clamped_experts_match_the_torch_path(device, dtype, tokens):
+    """gpt-oss's experts (biases, the clamped SwiGLU, the weight applied after the down bias)
+    in the fused kernels against the torch path's grouped_experts in float32 on the same
+    routing: float32 to 1e-6 of the output's scale (the kernel's dot sums in another order
+    than torch's matmul; measured 1.5e-7), bfloat16 to 2e-2 of it (the kernel rounds the
+    activation and each slot's output to bf16; measured 1.1e-2)."""
+    g = torch.Generator().manual_seed(tokens)
+    w13, w2, biases = _gpt_oss_experts(4, 64, 64, dtype, device)
+    x = torch.randn(tokens, 64, generator=g).to(dtype).to(device)
+    weights, ids = route_topk(torch.randn(tokens, 4, generator=g).to(device), 2, True)
+    got = fused_experts(x, w13, w2, weights, ids, biases, SWIGLU)
+    want = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids.long(), tuple(b.float() for b in biases),
+                           SWIGLU)
+    gate_up = torch.stack([x.float() @ w13[e].float().t() + biases[0][e].float() for e in range(4)])
+    assert (gate_up[..., :64] > 7).any() and (gate_up[..., 64:].abs() > 7).any()  # both clamps bite
+    assert got.dtype == dtype and got.shape == (tokens, 64)
+    scale = want.abs().max().item()
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype] * scale
+    torch.testing.assert_close(got.float().cpu(), want.cpu(), rtol=0, atol=tol)
+
+
+@torch.inference_mode()
+def test_the_gpt_oss_layer_takes_the_fused_path_and_agrees_with_the_cpu_path():
+    """FusedMoE with gpt-oss's router bias, expert biases and clamped SwiGLU: route_topk's
+    softmax-top-k-renormalized picks the experts the torch route does with the same weights as
+    transformers' softmax over the top-k logits, and the layer's fused output equals its torch path."""
+    torch.manual_seed(6)
+    layer = FusedMoE(64, 64, 4, 2, renormalize=True, biased=True, swiglu=SWIGLU)
+    w13, w2, (b13, b2) = _gpt_oss_experts(4, 64, 64, torch.float32, "cpu", seed=6)
+    for param, value in ((layer.w13, w13), (layer.w2, w2), (layer.w13_bias, b13), (layer.w2_bias, b2)):
+        param.data.copy_(value)
+    layer.gate.weight.data.normal_(0, 0.3)
+    layer.gate.bias.data.normal_(0, 0.5)
+    x = torch.randn(9, 64)
+    logits = layer.gate(x)
+    top, top_ids = torch.topk(logits, 2, dim=-1)  # transformers' GptOssTopKRouter
+    weights, ids = route_topk(logits, 2, True)
+    assert torch.equal(ids.long(), top_ids)
+    torch.testing.assert_close(weights, torch.softmax(top, dim=-1), rtol=1e-6, atol=1e-7)
+    want = layer(x)  # the torch path (grouped_experts)
+    with gemv_on_cpu():
+        got = layer(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 128, 8, 2048, 768), (512, 128, 8, 2048, 768),
-                                                               (3000, 8, 2, 4096, 1024)])
-def test_fused_experts_at_real_shapes_and_in_a_cuda_graph(tokens, experts, top_k, hidden, inter):
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,gpt_oss", [
+    (1, 128, 8, 2048, 768, False), (512, 128, 8, 2048, 768, False), (3000, 8, 2, 4096, 1024, False),
+    (1, 128, 4, 2880, 2880, True), (300, 128, 4, 2880, 2880, True)])  # gpt-oss-120b's experts, biased and clamped
+def test_fused_experts_at_real_shapes_and_in_a_cuda_graph(tokens, experts, top_k, hidden, inter, gpt_oss):
     w13, w2 = _experts(experts, hidden, inter, torch.bfloat16, "cuda")
-    layer = FusedMoE(hidden, inter, experts, top_k, renormalize=True).cuda().to(torch.bfloat16)
+    layer = FusedMoE(hidden, inter, experts, top_k, renormalize=True, biased=gpt_oss,
+                     swiglu=SWIGLU if gpt_oss else None).cuda().to(torch.bfloat16)
     layer.w13.data.copy_(w13)
     layer.w2.data.copy_(w2)
     layer.gate.weight.data.normal_(0, 0.05)
+    biases = None
+    if gpt_oss:
+        layer.gate.bias.data.normal_(0, 0.5)
+        layer.w13_bias.data.normal_(0, 0.5)
+        layer.w2_bias.data.normal_(0, 0.5)
+        biases = (layer.w13_bias.float(), layer.w2_bias.float())
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = route_topk(layer.gate(x), top_k, True)
-    want = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids.long())
+    want = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids.long(), biases, layer.swiglu)
     eager = layer(x)
     torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2)
     static = x.clone()

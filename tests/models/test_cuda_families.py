@@ -57,7 +57,7 @@ SAVED_BY_HF = {
                                                 num_attention_heads=8, max_position_embeddings=2048,
                                                 word_embed_proj_dim=1024)),
     # attention sinks in the Triton kernels, every other layer a window shorter than the long prompts,
-    # biased experts (the torch path on CUDA)
+    # biased experts with the clamped SwiGLU in the fused MoE kernels, in CUDA graphs
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(hidden_size=1024, intermediate_size=512,
                                                           num_hidden_layers=4, num_attention_heads=16,
                                                           num_key_value_heads=4, head_dim=64, num_local_experts=8,
@@ -137,8 +137,7 @@ def models(request, tmp_path_factory):
         save_file(weights, str(path / "model.safetensors"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
     llm = LLM(str(path), max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.3)
-    # gpt-oss's experts run eager (their torch path reads counts on the host): no graphs for it yet
-    assert llm.config.attention_backend == "triton" and (llm.engine.runner.graphs is None) == (request.param == "gpt_oss")
+    assert llm.config.attention_backend == "triton" and llm.engine.runner.graphs is not None
     return request.param, llm, hf
 
 
