@@ -12,6 +12,10 @@ reads a value back to the host, so CUDA graphs capture MoE decode.
                     down pass:     out[pair] = weight[pair] * (act[pair] @ w2[e]^T (+ b2[e]))
     then the k rows of each token are summed (torch).
 
+The experts' weights are dense (x's dtype) or MXFP4 (MXFP4Experts: e2m1 values with a
+power-of-two scale per 32, decoded to x's dtype in registers before each tl.dot; Hopper has
+no FP4 tensor cores, so the saving is the bytes read: 4.25 bits a weight).
+
 align_experts sizes its outputs for the worst case (every pair's expert padded), so shapes
 depend on T only. The order of pairs inside an expert's group does not change any result:
 each row is computed on its own and the top-k sum runs in slot order.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +33,29 @@ import triton
 import triton.language as tl
 
 from ember.kernels.tiles import grouped_tile
+
+
+@dataclass(frozen=True)
+class MXFP4Experts:
+    """Stacked expert weights [E, N, K] kept as MXFP4 (gpt-oss's checkpoints): `blocks` uint8
+    [E, N, K / 2], two e2m1 values a byte, the low nibble the even k; `scales` uint8
+    [E, N, K / 32], one e8m0 exponent (2^(s - 127)) per 32 values of a row. moe_gemm
+    decodes them in registers and multiplies in the activations' dtype."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        b, s = self.blocks, self.scales
+        if b.dtype != torch.uint8 or s.dtype != torch.uint8 or b.dim() != 3 or s.shape != (*b.shape[:2], b.shape[2] // 16) \
+                or b.shape[2] % 16 or b.stride(2) != 1 or s.stride(2) != 1:
+            raise ValueError(f"MXFP4 blocks {tuple(b.shape)} {b.dtype} and scales {tuple(s.shape)} {s.dtype}: expected "
+                             "uint8 [E, N, K / 2] and [E, N, K / 32] with contiguous rows")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, half_k = self.blocks.shape
+        return e, n, 2 * half_k
 
 
 @triton.jit
@@ -133,11 +161,47 @@ def align_experts(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr, bias_ptr,
-                     num_pairs, N, K, stride_a, stride_we, stride_wn, stride_c, stride_be, rows_per_a, alpha, limit,
-                     GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr, ACTIVATION: tl.constexpr,
-                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+def _e2m1(nibble):
+    """e2m1 codes (sign, 2 exponent bits, 1 mantissa bit; 0 +-0.5 +-1 +-1.5 +-2 +-3 +-4 +-6)
+    -> float32, as the bits of the float32 of each of the 16 values."""
+    nibble = nibble.to(tl.uint32)
+    e = (nibble >> 1) & 3
+    m = nibble & 1
+    magnitude = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))  # 0.5 * m, or 2^(e-1) * (1 + m / 2)
+    return (magnitude | ((nibble >> 3) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, MXFP4: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile w[rows, k0:k0 + BLOCK_K]^T of one expert's weight: loaded as
+    it is, or decoded from MXFP4 (float32; the caller casts it to the activations' dtype, exactly:
+    an e2m1 value times a power of two fits bfloat16)."""
+    if MXFP4:
+        # bytes [BLOCK_N, BLOCK_K / 2] -> values [BLOCK_N, BLOCK_K / 2, 2] (low nibble, high) -> k = 2j + nibble
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=rmask[:, None] & (kb < K // 2)[None, :],
+                         other=0)
+        values = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (BLOCK_N, BLOCK_K))
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        exps = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :], mask=rmask[:, None] & (ks < K // 32)[None, :],
+                       other=127).to(tl.uint32)
+        # 2^(s - 127) as float32 bits; s = 0 is the subnormal 2^-127
+        scales = tl.maximum(exps << 23, 0x400000).to(tl.float32, bitcast=True)
+        values = tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
+        return tl.trans(values)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_base + rows[None, :] * stride_wn + k[:, None], mask=rmask[None, :] & (k < K)[:, None],
+                       other=0.0)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr, bias_ptr,
+                     num_pairs, N, K, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_c, stride_be,
+                     rows_per_a, alpha, limit, GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr,
+                     ACTIVATION: tl.constexpr, MXFP4: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -150,20 +214,21 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padd
     nmask = n < N
     kk = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         kmask = k < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        w = _weight_tile(w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N, BLOCK_K).to(a.dtype)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
         if GATED:  # the up rows of w13 sit N rows below the gate rows
-            u = tl.load(w_base + (n[None, :] + N) * stride_wn + k[:, None], mask=nmask[None, :] & kmask[:, None],
-                        other=0.0)
+            u = _weight_tile(w_base, s_base, n + N, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N,
+                             BLOCK_K).to(a.dtype)
             if IEEE:
                 acc_up += tl.dot(a, u, input_precision="ieee")
             else:
@@ -235,42 +300,51 @@ def token_bucket(tokens: int) -> int:
     return triton.next_power_of_2(max(1, tokens))
 
 
-def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+def moe_gemm(a: torch.Tensor, w: torch.Tensor | MXFP4Experts, out: torch.Tensor, sorted_pairs: torch.Tensor,
              block_expert: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor | None, rows_per_a: int,
              gated: bool, config: dict[str, int], bias: torch.Tensor | None = None,
              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """One pass over the sorted pairs (see the module doc): out [P, N] with N = w.shape[1] // 2
-    if gated, else w.shape[1]; a's row for pair p is p // rows_per_a. `bias` [E, w.shape[1]]
-    is added to the expert's rows before the activation (gated) or the routing weight;
-    `swiglu` (alpha, limit): gpt-oss's clamped activation in place of silu(gate) * up."""
+    if gated, else w.shape[1]; a's row for pair p is p // rows_per_a. `w` dense [E, N', K] or
+    MXFP4Experts. `bias` [E, w.shape[1]] is added to the expert's rows before the activation
+    (gated) or the routing weight; `swiglu` (alpha, limit): gpt-oss's clamped activation in
+    place of silu(gate) * up."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     blocks = block_expert.numel()
     if blocks == 0 or out.shape[0] == 0:
         return out
     cfg = dict(config)
+    mxfp4 = isinstance(w, MXFP4Experts)
+    if mxfp4:  # a tile spans whole 32-value scale groups
+        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 32)
+        packed, scales = w.blocks, w.scales
+    else:
+        packed, scales = w, out
     if sorted_pairs.numel() != max_padded_rows(out.shape[0], w.shape[0], cfg["BLOCK_M"]):
         raise ValueError(f"config BLOCK_M {cfg['BLOCK_M']} is not the block size the pairs were aligned to")
     if bias is not None and (bias.shape != w.shape[:2] or bias.stride(1) != 1):
         raise ValueError(f"bias {tuple(bias.shape)} must be [E, rows] {tuple(w.shape[:2])} with contiguous rows")
     alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     grid = (blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _moe_gemm_kernel[grid](a, w, out, sorted_pairs, block_expert, num_padded, weights if weights is not None else out,
-                           bias if bias is not None else out, out.shape[0], n, k, a.stride(0), w.stride(0),
-                           w.stride(1), out.stride(0), bias.stride(0) if bias is not None else 0, rows_per_a,
-                           float(alpha), float(limit), GATED=gated, WEIGHTED=weights is not None,
-                           BIASED=bias is not None, ACTIVATION=0 if swiglu is None else 1,
+    _moe_gemm_kernel[grid](a, packed, scales, out, sorted_pairs, block_expert, num_padded,
+                           weights if weights is not None else out, bias if bias is not None else out, out.shape[0], n,
+                           k, a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0) if mxfp4 else 0,
+                           scales.stride(1) if mxfp4 else 0, out.stride(0), bias.stride(0) if bias is not None else 0,
+                           rows_per_a, float(alpha), float(limit), GATED=gated, WEIGHTED=weights is not None,
+                           BIASED=bias is not None, ACTIVATION=0 if swiglu is None else 1, MXFP4=mxfp4,
                            IEEE=a.dtype == torch.float32, **cfg)
     return out
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+def fused_experts(x: torch.Tensor, w13: torch.Tensor | MXFP4Experts, w2: torch.Tensor | MXFP4Experts,
+                  weights: torch.Tensor, ids: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
                   swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """sum over k of weights[t, k] * expert ids[t, k] (x[t]), each expert a SwiGLU MLP with
-    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]. x [T, H] with contiguous rows;
-    weights float32 [T, k]. gpt-oss: `biases` (w13_bias [E, 2I], w2_bias [E, H]) and the
-    clamped `swiglu` (alpha, limit); its weight multiplies the expert's output after the down bias."""
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], dense or MXFP4. x [T, H] with
+    contiguous rows; weights float32 [T, k]. gpt-oss: `biases` (w13_bias [E, 2I], w2_bias
+    [E, H]) and the clamped `swiglu` (alpha, limit); its weight multiplies the expert's output
+    after the down bias."""
     tokens, top_k = ids.shape
     experts, two_i, hidden = w13.shape
     inter = two_i // 2

@@ -29,6 +29,7 @@ from ember.layers.activation import silu_and_mul
 from ember.layers.batch_invariant import in_row_blocks
 from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import Linear
+from ember.layers.quant.mxfp4 import dequantize_mxfp4
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,14 @@ class GroupedRouting:
 class FusedMoE(nn.Module):
     """`biased` (gpt-oss): the router and each expert's projections add a bias (w13_bias
     [E, 2I], w2_bias [E, H]); `swiglu` (alpha, limit): the clamped SwiGLU in place of
-    silu(gate) * up. Both on the torch path and in the fused kernels."""
+    silu(gate) * up. Both on the torch path and in the fused kernels. `mxfp4` (gpt-oss's
+    checkpoints on CUDA): w13 and w2 held as MXFP4 (w13_blocks [E, 2I, H / 2] uint8,
+    w13_scales [E, 2I, H / 32], w2_blocks [E, H, I / 2], w2_scales [E, H, I / 32]), which the
+    fused kernels decode as they multiply; the torch path decodes them whole each call."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, grouped: GroupedRouting | None = None, biased: bool = False,
-                 swiglu: tuple[float, float] | None = None) -> None:
+                 swiglu: tuple[float, float] | None = None, mxfp4: bool = False) -> None:
         super().__init__()
         if tp_size() > 1:
             raise ValueError("tensor parallelism does not split mixtures of experts yet: run the model with "
@@ -69,11 +73,22 @@ class FusedMoE(nn.Module):
         self.swiglu = swiglu
         if grouped is not None and grouped.scoring == "sigmoid":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        # shards: w13's 2e is expert e's gate, 2e + 1 its up; w2's e is expert e's down
-        self.w13.num_shards, self.w13.weight_loader = 2 * num_experts, self.load_w13
-        self.w2.num_shards, self.w2.weight_loader = num_experts, self.load_w2
+        self.mxfp4 = mxfp4
+        if mxfp4:
+            if hidden_size % 32 or intermediate_size % 32:
+                raise ValueError(f"MXFP4 experts need hidden ({hidden_size}) and intermediate ({intermediate_size}) "
+                                 "sizes that are multiples of 32")
+            for name, rows, cols in (("w13", 2 * intermediate_size, hidden_size), ("w2", hidden_size,
+                                                                                   intermediate_size)):
+                for part, width in (("blocks", cols // 2), ("scales", cols // 32)):
+                    setattr(self, f"{name}_{part}", nn.Parameter(
+                        torch.empty(num_experts, rows, width, dtype=torch.uint8), requires_grad=False))
+        else:
+            self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+            self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+            # shards: w13's 2e is expert e's gate, 2e + 1 its up; w2's e is expert e's down
+            self.w13.num_shards, self.w13.weight_loader = 2 * num_experts, self.load_w13
+            self.w2.num_shards, self.w2.weight_loader = num_experts, self.load_w2
         self.biased = biased
         if biased:
             self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
@@ -129,15 +144,23 @@ class FusedMoE(nn.Module):
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token through its experts ids [T, k], the outputs summed times weights [T, k]
-        (float32): the fused kernels on CUDA, the grouped torch path elsewhere."""
+        (float32): the fused kernels on CUDA (MXFP4 experts decoded in them), the grouped torch
+        path elsewhere."""
         biases = (self.w13_bias, self.w2_bias) if self.biased else None
         if cuda_paths(x):
-            from ember.kernels.moe import fused_experts
+            from ember.kernels.moe import MXFP4Experts, fused_experts
 
+            w13, w2 = (MXFP4Experts(self.w13_blocks, self.w13_scales), MXFP4Experts(self.w2_blocks, self.w2_scales)) \
+                if self.mxfp4 else (self.w13, self.w2)
             # the kernels take int32 ids, as route_topk gives them
-            return fused_experts(x.contiguous(), self.w13, self.w2, weights.contiguous(), ids.to(torch.int32), biases,
+            return fused_experts(x.contiguous(), w13, w2, weights.contiguous(), ids.to(torch.int32), biases,
                                  self.swiglu)
-        return grouped_experts(x, self.w13, self.w2, weights.to(x.dtype), ids, biases, self.swiglu)
+        w13, w2 = (self._decoded("w13", x.dtype), self._decoded("w2", x.dtype)) if self.mxfp4 else (self.w13, self.w2)
+        return grouped_experts(x, w13, w2, weights.to(x.dtype), ids, biases, self.swiglu)
+
+    def _decoded(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
+        return dequantize_mxfp4(blocks.unflatten(-1, (-1, 16)), scales).to(dtype)
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from ember.kernels.moe import (  # noqa: E402
+    MXFP4Experts,
     align_experts,
     fused_experts,
     heuristic_config,
@@ -21,6 +22,7 @@ from ember.kernels.moe import (  # noqa: E402
 )
 from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
 from ember.layers.moe import FusedMoE, grouped_experts  # noqa: E402
+from ember.layers.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
 
@@ -219,6 +221,113 @@ def test_the_gpt_oss_layer_takes_the_fused_path_and_agrees_with_the_cpu_path():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
 
 
+def _mxfp4(experts, rows, cols, device, seed, exponents=(119, 125)):
+    """Random MXFP4 weights [E, rows, cols] (every e2m1 code, both nibbles) as the kernels take
+    them, and their reference decoding (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(*exponents, (experts, rows, cols // 32), generator=g, dtype=torch.uint8)
+    return MXFP4Experts(blocks.flatten(-2).to(device), scales.to(device)), dequantize_mxfp4(blocks, scales).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden,inter", [(1, 64, 64), (6, 64, 64), (33, 96, 64)])
+def test_mxfp4_experts_match_their_decoded_weights(device, dtype, tokens, hidden, inter):
+    """The MXFP4 kernels (values decoded in registers) against the same kernels on the weights
+    dequantize_mxfp4 decodes, gpt-oss's biases and clamp on: bfloat16 bit for bit (a decoded
+    value is exact in bfloat16, so both dots see the same operands), float32 to 1e-6 of the
+    output's scale (the interpreter's dot sums a transposed tile in another order); and both
+    against the torch path on the decoded weights. Hidden 96: a k-tile of 64 half past K."""
+    g = torch.Generator().manual_seed(tokens)
+    m13, w13 = _mxfp4(4, 2 * inter, hidden, device, seed=1)
+    m2, w2 = _mxfp4(4, hidden, inter, device, seed=2)
+    _, _, biases = _gpt_oss_experts(4, hidden, inter, dtype, device)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(device)
+    weights, ids = route_topk(torch.randn(tokens, 4, generator=g).to(device), 2, True)
+    got = fused_experts(x, m13, m2, weights, ids, biases, SWIGLU)
+    dense = fused_experts(x, w13.to(dtype), w2.to(dtype), weights, ids, biases, SWIGLU)
+    want = grouped_experts(x.float(), w13, w2, weights, ids.long(), tuple(b.float() for b in biases), SWIGLU)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    scale = want.abs().max().item()
+    if dtype == torch.bfloat16 and device == "cpu":
+        assert torch.equal(got, dense)
+    else:
+        torch.testing.assert_close(got, dense, rtol=0, atol={torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype] * scale)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol={torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype] * scale)
+
+
+def test_mxfp4_nibble_order_and_scales_by_hand():
+    """One expert, one row of 64 inputs: byte j holds k = 2j in its low nibble, 2j + 1 in its
+    high; scale group 0 is 2^-1, group 1 is 2^3. With x one-hot at k, the output is w[k]."""
+    blocks = torch.zeros(1, 1, 32, dtype=torch.uint8)
+    blocks[0, 0, 0] = 0x2F  # k=0: code 15 (-6.0), k=1: code 2 (1.0)
+    blocks[0, 0, 16] = 0x93  # k=32: code 3 (1.5), k=33: code 9 (-0.5)
+    scales = torch.tensor([[[126, 130]]], dtype=torch.uint8)
+    w = MXFP4Experts(blocks, scales)
+    x = torch.eye(64)[[0, 1, 32, 33, 5]]
+    ids = torch.zeros(5, 1, dtype=torch.int32)
+    sorted_pairs, block_expert, num_padded = align_experts(ids, 1, 16)
+    out = torch.empty(5, 1)
+    cfg = dict(heuristic_config(1, 5, 1), BLOCK_N=16, BLOCK_K=32)
+    from ember.kernels.moe import moe_gemm
+
+    moe_gemm(x, w, out, sorted_pairs, block_expert, num_padded, None, 1, False, cfg)
+    assert out.flatten().tolist() == [-3.0, 0.5, 12.0, -4.0, 0.0]
+    assert dequantize_mxfp4(blocks.unflatten(-1, (2, 16)), scales)[0, 0, [0, 1, 32, 33, 5]].tolist() == \
+        out.flatten().tolist()
+
+
+def test_each_tile_config_gives_the_same_result_on_mxfp4():
+    """Every heuristic tile shape (BLOCK_K 64 and 128 over K = 64: one tile, half masked) on MXFP4
+    weights equals the 32-wide tiles' result, each tile's scale groups read at their own k."""
+    m13, w13 = _mxfp4(4, 64, 64, "cpu", seed=3)
+    m2, w2 = _mxfp4(4, 64, 32, "cpu", seed=4)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    weights, ids = route_topk(torch.randn(20, 4, generator=torch.Generator().manual_seed(4)), 2, True)
+    import ember.kernels.moe as moe
+
+    results = []
+    for tokens in (1, 64, 256, 4096):
+        cfg = dict(heuristic_config(4, tokens, 2), BLOCK_N=32)
+        for block_k in (32, cfg["BLOCK_K"]):
+            sorted_pairs, block_expert, num_padded = align_experts(ids, 4, cfg["BLOCK_M"])
+            act = torch.empty(40, 32, dtype=torch.bfloat16)
+            c = dict(cfg, BLOCK_K=block_k)
+            moe.moe_gemm(x, m13, act, sorted_pairs, block_expert, num_padded, None, 2, True, c)
+            out = torch.empty(40, 64, dtype=torch.bfloat16)
+            moe.moe_gemm(act, m2, out, sorted_pairs, block_expert, num_padded, weights.reshape(-1), 1, False, c)
+            results.append(out.view(20, 2, 64).float().sum(1))
+    want = _loop_reference(x.float(), w13, w2, weights, ids)
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+@torch.inference_mode()
+def test_the_mxfp4_layer_fused_and_torch_paths_agree():
+    """FusedMoE(mxfp4=True) as gpt-oss loads on CUDA: uint8 blocks and scales, the fused path
+    (interpreter) against its torch path, which decodes them whole (dequantize_mxfp4)."""
+    torch.manual_seed(7)
+    layer = FusedMoE(64, 64, 4, 2, renormalize=True, biased=True, swiglu=SWIGLU, mxfp4=True)
+    assert {n for n, _ in layer.named_parameters()} == {"gate.weight", "gate.bias", "w13_blocks", "w13_scales",
+                                                         "w2_blocks", "w2_scales", "w13_bias", "w2_bias"}
+    m13, w13 = _mxfp4(4, 128, 64, "cpu", seed=8)
+    m2, w2 = _mxfp4(4, 64, 64, "cpu", seed=9)
+    _, _, (b13, b2) = _gpt_oss_experts(4, 64, 64, torch.float32, "cpu", seed=7)
+    for param, value in ((layer.w13_blocks, m13.blocks), (layer.w13_scales, m13.scales), (layer.w2_blocks, m2.blocks),
+                         (layer.w2_scales, m2.scales), (layer.w13_bias, b13), (layer.w2_bias, b2)):
+        param.data.copy_(value)
+    layer.gate.weight.data.normal_(0, 0.3)
+    layer.gate.bias.data.normal_(0, 0.5)
+    x = torch.randn(9, 64)
+    want = layer(x)
+    with gemv_on_cpu():
+        got = layer(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
+    weights, ids = layer.route(layer.gate(x))
+    torch.testing.assert_close(want, grouped_experts(x, w13, w2, weights, ids, (b13, b2), SWIGLU), rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,gpt_oss", [
     (1, 128, 8, 2048, 768, False), (512, 128, 8, 2048, 768, False), (3000, 8, 2, 4096, 1024, False),
@@ -248,5 +357,44 @@ def test_fused_experts_at_real_shapes_and_in_a_cuda_graph(tokens, experts, top_k
     with torch.cuda.graph(graph):
         out = layer(static)
     static.copy_(torch.randn_like(x))  # new tokens route elsewhere: the graph must follow
+    graph.replay()
+    torch.testing.assert_close(out, layer(static), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+@torch.inference_mode()
+def test_mxfp4_experts_at_gpt_oss_120b_shapes_and_in_a_cuda_graph(tokens):
+    """gpt-oss-120b's experts (128 of hidden 2880, intermediate 2880, top-4; biased, clamped) as
+    MXFP4 in the layer on CUDA, against the torch path in float32 on the weights
+    dequantize_mxfp4 decodes, and against the bf16 kernels on those decoded weights (the same
+    operands reach tl.dot: equal up to the compiled kernels' own order); replayed in a graph."""
+    experts, hidden, inter, top_k = 128, 2880, 2880, 4
+    layer = FusedMoE(hidden, inter, experts, top_k, renormalize=True, biased=True, swiglu=SWIGLU,
+                     mxfp4=True).cuda().to(torch.bfloat16)
+    m13, w13 = _mxfp4(experts, 2 * inter, hidden, "cuda", seed=1, exponents=(118, 121))
+    m2, w2 = _mxfp4(experts, hidden, inter, "cuda", seed=2, exponents=(118, 121))
+    for param, value in ((layer.w13_blocks, m13.blocks), (layer.w13_scales, m13.scales), (layer.w2_blocks, m2.blocks),
+                         (layer.w2_scales, m2.scales)):
+        param.data.copy_(value)
+    for p in (layer.gate.weight, layer.gate.bias, layer.w13_bias, layer.w2_bias):
+        p.data.normal_(0, 0.05 if p is layer.gate.weight else 0.5)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = route_topk(layer.gate(x), top_k, True)
+    biases = (layer.w13_bias.float(), layer.w2_bias.float())
+    want = grouped_experts(x.float(), w13, w2, weights, ids.long(), biases, SWIGLU)
+    eager = layer(x)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(eager.float(), want, rtol=0, atol=2e-2 * scale)
+    dense = fused_experts(x, w13.to(torch.bfloat16), w2.to(torch.bfloat16), weights, ids,
+                          (layer.w13_bias, layer.w2_bias), SWIGLU)
+    torch.testing.assert_close(eager, dense, rtol=0, atol=1e-2 * scale)
+    static = x.clone()
+    layer(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(static)
+    static.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, layer(static), rtol=0, atol=0)

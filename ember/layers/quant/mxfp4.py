@@ -5,8 +5,9 @@ values sharing one power-of-two scale (E8M0: 2^(s - 127)).
     scales  uint8 [..., rows, in / 32]       a block's exponent, biased by 127
     value   = E2M1[nibble] * 2^(scale - 127)
 
-Decoded to float32 [..., rows, in] on load; no kernel multiplies MXFP4 yet (the CPU and the
-CUDA path both run the experts dense).
+On CUDA the experts stay so (rows flattened: blocks [E, rows, in / 2], scales [E, rows,
+in / 32]) and kernels/moe.py's fused kernels decode them in registers (MXFP4Experts);
+elsewhere they are decoded to float32 [..., rows, in] on load, by dequantize_mxfp4.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ import torch
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """ValueError unless blocks [..., rows, groups, 16] and scales [..., rows, groups] are a uint8 pair."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair: blocks "
                          "must be [..., rows, groups, 16] and scales [..., rows, groups]")
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The reference decoder: [..., rows, in] float32."""
+    check_mxfp4(blocks, scales)
     lut = torch.tensor(E2M1, dtype=torch.float32)
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)  # [..., g, 32]
     values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
