@@ -1,5 +1,6 @@
 """Seeded random weights at a config's real shapes (vLLM's load_format="dummy"), for
-benchmarks and for tests that compare against HF on the same random weights."""
+benchmarks and for tests that compare against HF on the same random weights. MXFP4 experts
+(ModelConfig.mxfp4_experts, on CUDA) come as random uint8 blocks and scales."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def iter_dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = tor
     draw_dtype = torch.float32 if device == "cpu" else dtype
     norm_center = 0.0 if cfg.norm_unit_offset else 1.0  # a Gemma norm scales by 1 + w
     for name, shape in hf_weight_shapes(cfg).items():
+        if name.endswith("_blocks"):  # MXFP4 experts: random e2m1 codes
+            yield name, torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.uint8)
+            continue
+        if name.endswith("_scales"):  # 2^-8..2^-6: values of RMS ~0.02 (random codes' is 2.9), as the dense draws
+            yield name, torch.randint(119, 122, shape, generator=gen, device=device, dtype=torch.uint8)
+            continue
         t = torch.randn(shape, generator=gen, device=device, dtype=draw_dtype)
         if name.lower().endswith("norm.weight"):  # an encoder's are LayerNorm.weight
             t = norm_center + 0.1 * t

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -199,6 +200,8 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
     from ember.loader.weights import load_weights
     from ember.models.llama import LlamaForCausalLM  # every family: ModelConfig says how they differ
 
+    if cfg.mxfp4_experts and torch.device(device).type != "cuda":  # no MXFP4 kernel off CUDA: decoded at load
+        cfg = dataclasses.replace(cfg, mxfp4_experts=False)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are made in the run dtype, on the device
     try:

@@ -153,8 +153,13 @@ def _expert_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     if cfg.moe_bias:
         e, p = cfg.num_experts, layer + "mlp."
-        return {p + "gate.weight": (e, h), p + "gate.bias": (e,), p + "w13": (e, 2 * inter, h),
-                p + "w13_bias": (e, 2 * inter), p + "w2": (e, h, inter), p + "w2_bias": (e, h)}
+        if cfg.mxfp4_experts:  # uint8: two values a byte, one scale a 32 (layers/quant/mxfp4.py)
+            w13 = {p + "w13_blocks": (e, 2 * inter, h // 2), p + "w13_scales": (e, 2 * inter, h // 32)}
+            w2 = {p + "w2_blocks": (e, h, inter // 2), p + "w2_scales": (e, h, inter // 32)}
+        else:
+            w13, w2 = {p + "w13": (e, 2 * inter, h)}, {p + "w2": (e, h, inter)}
+        return {p + "gate.weight": (e, h), p + "gate.bias": (e,)} | w13 | {p + "w13_bias": (e, 2 * inter)} | w2 | \
+            {p + "w2_bias": (e, h)}
     if cfg.moe_input_scaled:  # Llama 4: stacked experts and a shared one
         e, p = cfg.num_experts, layer + "mlp."
         return {p + "gate.weight": (e, h), p + "w13": (e, 2 * inter, h), p + "w2": (e, h, inter),
@@ -240,7 +245,7 @@ def checkpoint_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tens
     if FAMILIES[cfg.architecture].conv1d_weights:
         return ((name, t.t() if _CONV1D.fullmatch(name) else t) for name, t in tensors)
     if FAMILIES[cfg.architecture].moe == "gpt_oss":
-        return _gpt_oss_experts(tensors)
+        return _gpt_oss_experts(tensors, keep_mxfp4=cfg.mxfp4_experts)
     if FAMILIES[cfg.architecture].moe == "llama4":
         tensors = ((name, t.transpose(1, 2) if _STACKED_EXPERTS.fullmatch(name) else t) for name, t in tensors)
     if cfg.rope_interleaved:
@@ -253,20 +258,28 @@ _MXFP4 = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up|down)_proj_(b
 _GPT_OSS_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.(w13|w13_bias|w2)")
 
 
-def _gpt_oss_experts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _gpt_oss_experts(tensors: Iterable[tuple[str, torch.Tensor]], keep_mxfp4: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """gpt-oss's stacked experts in FusedMoE's layout: transformers' dense gate_up_proj
     [E, H, 2I] (gate and up columns interleaved) -> w13 [E, 2I, H] (gate rows, then up), its
     bias alike, down_proj [E, I, H] -> w2 [E, H, I]; the released MXFP4 blocks and scales
     ([E, out, in / 32, 16] and [E, out, in / 32], rows interleaved as the dense columns) are
-    decoded to the same (layers/quant/mxfp4.py)."""
-    from ember.layers.quant.mxfp4 import dequantize_mxfp4
+    decoded to the same (layers/quant/mxfp4.py), or with `keep_mxfp4` kept, their rows in
+    the same order: w13_blocks [E, 2I, H / 2], w13_scales [E, 2I, H / 32], w2_blocks, w2_scales."""
+    from ember.layers.quant.mxfp4 import check_mxfp4, dequantize_mxfp4
 
     pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors:
         if (m := _MXFP4.fullmatch(name)) is not None:
             if (pair := completed_pair(pending, (m[1], m[2]), m[3], t)) is not None:
-                w = dequantize_mxfp4(pair["blocks"], pair["scales"])
-                yield (f"{m[1]}.mlp.w13", _gate_up_rows(w)) if m[2] == "gate_up" else (f"{m[1]}.mlp.w2", w)
+                ours = f"{m[1]}.mlp.{'w13' if m[2] == 'gate_up' else 'w2'}"
+                rows = _gate_up_rows if m[2] == "gate_up" else torch.Tensor.contiguous
+                if keep_mxfp4:
+                    check_mxfp4(pair["blocks"], pair["scales"])
+                    yield f"{ours}_blocks", rows(pair["blocks"]).flatten(-2)
+                    yield f"{ours}_scales", rows(pair["scales"])
+                else:
+                    yield ours, rows(dequantize_mxfp4(pair["blocks"], pair["scales"]))
             continue
         if (m := _GPT_OSS_EXPERTS.fullmatch(name)) is not None:
             if m[1] == "w13":

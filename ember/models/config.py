@@ -141,6 +141,10 @@ class ModelConfig:
     attn_temperature: tuple[float, float] | None = None
     qk_l2_norm: bool = False
     moe_input_scaled: bool = False
+    # the checkpoint's experts are MXFP4 blocks and scales (config.json's quantization_config
+    # quant_method mxfp4: gpt-oss's releases); load_model keeps them so on CUDA (the fused MoE
+    # kernels decode them) and clears it elsewhere, where the loader decodes them to dense
+    mxfp4_experts: bool = False
 
     @property
     def mla(self) -> bool:
@@ -637,7 +641,8 @@ def _moe_options(config: dict[str, Any], fam: Family, num_layers: int) -> dict[s
         return {"moe_layers": (True,) * num_layers, "num_experts": config["num_local_experts"],
                 "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True, "moe_bias": True,
-                "swiglu": (float(config["swiglu_alpha"]), float(config["swiglu_limit"]))}
+                "swiglu": (float(config["swiglu_alpha"]), float(config["swiglu_limit"])),
+                "mxfp4_experts": (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"}
     if fam.moe == "llama4":
         step = config.get("interleave_moe_layer_step") or 1
         at = config.get("moe_layers")

@@ -185,7 +185,7 @@ def _sparse_mlp(cfg: ModelConfig) -> FusedMoE:
     if cfg.shared_expert_intermediate_size:
         return SharedExpertMoE(cfg, grouped)
     return FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                    cfg.norm_topk_prob, grouped, biased=cfg.moe_bias, swiglu=cfg.swiglu)
+                    cfg.norm_topk_prob, grouped, biased=cfg.moe_bias, swiglu=cfg.swiglu, mxfp4=cfg.mxfp4_experts)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -68,6 +68,10 @@ def test_config_reads_gpt_oss():
     assert (cfg.architecture, cfg.attention_sinks, cfg.attention_bias, cfg.o_proj_bias, cfg.moe_bias) == \
         ("gpt_oss", True, True, True, True)
     assert cfg.layer_windows == (WINDOW, None, WINDOW, None) and cfg.swiglu == (1.702, 7.0)
+    assert not cfg.mxfp4_experts
+    released = json.loads(_config().to_json_string()) | {"architectures": ["GptOssForCausalLM"],
+                                                         "quantization_config": {"quant_method": "mxfp4"}}
+    assert ModelConfig.from_hf_config(released).mxfp4_experts
     assert (cfg.rope_scaling.kind, cfg.rope_scaling.truncate, cfg.rope_theta) == ("yarn", False, 150000.0)
 
 
@@ -111,11 +115,10 @@ def test_mxfp4_decodes_as_transformers_does():
     assert ((decoded - w).abs() <= amax / 3).all()  # half e2m1's widest step (2 of 6) at a scale below amax / 3
 
 
-def test_mxfp4_experts_load(model, tmp_path, forward_logits):
-    """gpt-oss's own layout: each layer's experts as MXFP4 blocks and scales ([E, out, in / 32,
-    16] with gate and up rows interleaved; quantization_config mxfp4), the rest dense. ember
-    decodes them; transformers runs the same decoded weights dense."""
-    path, _, _ = model
+def _mxfp4_checkpoints(path, tmp_path):
+    """The saved model's experts packed as gpt-oss ships them ([E, out, in / 32, 16] blocks with
+    gate and up rows interleaved, [E, out, in / 32] scales; quantization_config mxfp4), the rest
+    dense; and the same model with those experts decoded, dense: (mxfp4 dir, dense dir)."""
     state = load_file(str(path / "model.safetensors"))
     config = json.loads((path / "config.json").read_text())
     packed, decoded = {}, dict(state)
@@ -131,8 +134,74 @@ def test_mxfp4_experts_load(model, tmp_path, forward_logits):
         root.mkdir()
         (root / "config.json").write_text(json.dumps(config | extra))
         save_file(tensors, str(root / "model.safetensors"))
+    return mxfp4, dense
+
+
+def test_mxfp4_experts_load(model, tmp_path, forward_logits):
+    """On the CPU ember decodes the MXFP4 experts at load; transformers runs the same decoded
+    weights dense."""
+    mxfp4, dense = _mxfp4_checkpoints(model[0], tmp_path)
     hf = transformers.GptOssForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
     assert_logits_match(LLM(str(mxfp4), **ENGINE), hf, PROMPTS, forward_logits)
+
+
+@torch.inference_mode()
+def test_mxfp4_experts_kept_quantized_as_on_cuda(model, tmp_path):
+    """The layout the fused MXFP4 kernels read (what load_model keeps on CUDA): each layer's
+    w13 / w2 blocks and scales, gate rows then up rows. Decoded, they equal the weights the CPU
+    load decodes, and the layer's torch path equals the dense model's exactly (that the kernels
+    read these parameters as dequantize_mxfp4 does: tests/kernels/test_moe_kernels.py)."""
+    from ember.layers.attention import get_attention_backend
+    from ember.loader.model_files import ModelFiles, load_model
+    from ember.loader.weights import load_weights
+    from ember.models.llama import LlamaForCausalLM
+
+    mxfp4, _ = _mxfp4_checkpoints(model[0], tmp_path)
+    files = ModelFiles(mxfp4, "safetensors")
+    cfg = files.model_config()
+    assert cfg.mxfp4_experts
+    dense = load_model(files, cfg, 64, torch.float32, "cpu", "torch")  # off CUDA: decoded at load
+    assert dense.model.layers[0].mlp.w13.dtype == torch.float32
+    kept = LlamaForCausalLM(cfg, 64, get_attention_backend("torch"))
+    load_weights(kept, files.weights(cfg, 0), source=str(mxfp4))
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for ours, theirs in zip(kept.model.layers, dense.model.layers):
+        assert ours.mlp.w13_blocks.dtype == torch.uint8 and not hasattr(ours.mlp, "w13")
+        assert ours.mlp.w13_blocks.shape == (8, 128, 32) and ours.mlp.w2_scales.shape == (8, 64, 2)
+        assert torch.equal(ours.mlp._decoded("w13", torch.float32), theirs.mlp.w13)
+        assert torch.equal(ours.mlp._decoded("w2", torch.float32), theirs.mlp.w2)
+        assert torch.equal(ours.mlp(x), theirs.mlp(x))
+
+
+def test_dummy_weights_at_mxfp4_shapes():
+    """load_format dummy on an MXFP4 config (benchmarks/configs/gpt-oss-120b on CUDA): the
+    experts as uint8 blocks and scales at the checkpoint's sizes, which the model's
+    parameters take; gpt-oss-120b's experts are 60.9 GB so, of 116.8 B parameters."""
+    import dataclasses
+    import math
+    from pathlib import Path
+
+    from ember.layers.attention import get_attention_backend
+    from ember.loader.dummy import iter_dummy_weights
+    from ember.loader.weights import hf_weight_shapes, load_weights
+    from ember.models.llama import LlamaForCausalLM
+
+    big = ModelConfig.from_hf_dir(Path(__file__).parents[2] / "benchmarks/configs/gpt-oss-120b")
+    assert big.mxfp4_experts and (big.num_experts, big.num_experts_per_tok, big.hidden_size) == (128, 4, 2880)
+    shapes = hf_weight_shapes(big)
+    assert shapes["model.layers.35.mlp.w13_blocks"] == (128, 5760, 1440)
+    assert shapes["model.layers.35.mlp.w2_scales"] == (128, 2880, 90)
+    assert sum(math.prod(v) for k, v in shapes.items() if k.endswith(("_blocks", "_scales"))) == 60_914_073_600
+    dense = hf_weight_shapes(dataclasses.replace(big, mxfp4_experts=False))
+    assert sum(math.prod(v) for v in dense.values()) == 116_829_156_672
+    cfg = ModelConfig.from_hf_config(json.loads(_config().to_json_string()) | {
+        "architectures": ["GptOssForCausalLM"], "quantization_config": {"quant_method": "mxfp4"}})
+    tiny = LlamaForCausalLM(cfg, 64, get_attention_backend("torch"))
+    weights = dict(iter_dummy_weights(cfg))
+    assert weights["model.layers.0.mlp.w13_blocks"].dtype == torch.uint8
+    assert 119 <= weights["model.layers.0.mlp.w13_scales"].min() <= weights["model.layers.0.mlp.w13_scales"].max() <= 121
+    load_weights(tiny, weights.items(), source="dummy")
+    assert tiny.model.layers[0].mlp.w2_blocks.dtype == torch.uint8
 
 
 @pytest.mark.parametrize("experts", ["dense", "mxfp4"])
