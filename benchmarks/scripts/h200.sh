@@ -37,6 +37,10 @@
 #                       DeepSeek's families, then mla_decode_bench.py (the MLA kernel against the generic one)
 #                       at V2-Lite's shape over bf16 (with --sweep: its other tiles) and fp8, and at V3's 128
 #                       heads; new-families runs the DeepSeek-V2-Lite engine shape (now on the MLA kernel)
+#   gpt-oss             the GPU tests of gpt-oss's fused experts (biases, the clamped SwiGLU, MXFP4 decoded in
+#                       the kernels at gpt-oss-120b's expert shapes, in CUDA graphs) and of the gpt-oss families
+#                       against HF (dense and MXFP4 experts), then the gpt-oss-120b shape with dummy MXFP4
+#                       experts (60.9 GB; one GPU): one request 128/512 and 256 x 1000/1000 (ember alone)
 #   sweep-decode [fp8]  decode_sweep.py over a bf16 (default) or fp8 cache, then the nano protocol at the
 #                       default config and at the sweep's best (EMBER_DECODE_CONFIG), and Llama-8B at the best
 #   defaults            ember at its defaults (no seat or budget flag) and at other flags, in one call: the
@@ -282,6 +286,14 @@ mode_mla_decode() {
   done
 }
 
+mode_gpt_oss() {
+  gpu_tests 240 tests/kernels/test_moe_kernels.py -k "mxfp4 or gpt_oss or biased or real_shapes"
+  gpu_tests 200 tests/models/test_cuda_families.py -k gpt_oss
+  local G=benchmarks/configs/gpt-oss-120b
+  bench gpt_oss_120b_latency 150 $G $LAT
+  bench gpt_oss_120b_256x1000 200 $G --num-prompts 256 --input-len 1000 --output-len 1000 --max-model-len 2048
+}
+
 mode_sweep_decode() {
   local dt=${1:-bf16} kv=auto
   [ "$dt" = fp8 ] && kv=fp8
@@ -455,6 +467,7 @@ case "$mode" in
   families) mode_env; mode_families ;;
   new-families) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_new_families ;;
   mla-decode) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_mla_decode ;;
+  gpt-oss) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpt_oss ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
   defaults) mode_env; mode_defaults ;;
   tp-check) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_check ;;

@@ -1,7 +1,7 @@
 """On CUDA (`-m gpu`): Mixtral, Qwen3-MoE and Qwen2-MoE (the fused MoE kernels), Gemma 2 (windows on every other layer, both soft-caps), Gemma 3
 (local and global RoPE, q/k norm), Phi-3 (fused checkpoints, LongRoPE, a window on every
-layer), the LayerNorm decoders GPT-2, OPT and Phi-2, gpt-oss and Llama 4 (chunked attention, a NoPE layer;
-saved by transformers itself), and
+layer), the LayerNorm decoders GPT-2, OPT and Phi-2, gpt-oss (also with its experts in MXFP4, kept
+so on the GPU) and Llama 4 (chunked attention, a NoPE layer; saved by transformers itself), and
 DeepSeek-V2-Lite- and V3-like models (multi-head latent attention at the real latent sizes,
 kv_lora_rank 512 + 64 RoPE dims: the Triton kernels over a 576-dim one-head cache; DeepSeekMoE's
 routers into the fused MoE kernels) through the whole bfloat16 engine (Triton attention with windows, CUDA graphs)
@@ -111,7 +111,30 @@ def _save_by_hf(transformers, name: str, path) -> None:
     hf.to(torch.bfloat16).save_pretrained(str(path))
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS) + sorted(SAVED_BY_HF) + sorted(DEEPSEEK))
+def _pack_experts_mxfp4(path, dense) -> None:
+    """gpt-oss's experts at `path` packed as its releases ship them (MXFP4 blocks and scales,
+    quantization_config mxfp4), which ember keeps so on CUDA; `dense` gets the same model with
+    the experts decoded, for transformers."""
+    from safetensors.torch import load_file, save_file
+    from test_gpt_oss import pack_mxfp4
+
+    from ember.layers.quant.mxfp4 import dequantize_mxfp4
+
+    state = load_file(str(path / "model.safetensors"))
+    decoded = dict(state)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = pack_mxfp4(state.pop(name).float().transpose(1, 2))
+        state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+        decoded[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).to(torch.bfloat16).contiguous()
+    config = json.loads((path / "config.json").read_text())
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps(config))
+    save_file(decoded, str(dense / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "mxfp4"}}))
+    save_file(state, str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS) + sorted(SAVED_BY_HF) + ["gpt_oss_mxfp4"] + sorted(DEEPSEEK))
 def models(request, tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -123,8 +146,13 @@ def models(request, tmp_path_factory):
     from ember.models.config import ModelConfig
 
     path = tmp_path_factory.mktemp(request.param)
+    hf_path = path
     if request.param in SAVED_BY_HF:
         _save_by_hf(transformers, request.param, path)
+    elif request.param == "gpt_oss_mxfp4":  # the fused kernels decode the experts' MXFP4 as they multiply
+        _save_by_hf(transformers, "gpt_oss", path)
+        hf_path = tmp_path_factory.mktemp("gpt_oss_decoded")
+        _pack_experts_mxfp4(path, hf_path)
     elif request.param in DEEPSEEK:
         from test_latent_attention import save_deepseek
 
@@ -135,9 +163,11 @@ def models(request, tmp_path_factory):
         cfg = ModelConfig.from_hf_config(config)
         weights = {n: t.to(torch.bfloat16).contiguous() for n, t in iter_dummy_weights(cfg, seed=11)}
         save_file(weights, str(path / "model.safetensors"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_path), dtype=torch.float32).cuda().eval()
     llm = LLM(str(path), max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.3)
     assert llm.config.attention_backend == "triton" and llm.engine.runner.graphs is not None
+    if request.param == "gpt_oss_mxfp4":
+        assert llm.engine.runner.model.model.layers[0].mlp.w13_blocks.dtype == torch.uint8
     return request.param, llm, hf
 
 
@@ -153,8 +183,8 @@ def _prompts(seed: int) -> list[list[int]]:
 # model in float32 on CUDA is within 0.0024 of transformers (mean 0.00036): the mean's bound is
 # 0.03 above the 2 % of scale for it, and its argmax agreement (nearly flat logits, flipped
 # experts) measured 0.899
-LOGITS_FLOOR = {"deepseek_v3": 0.90, "gpt_oss": 0.85}
-LOGITS_BOUND = {"gpt_oss": dict(abs_=0.03)}
+LOGITS_FLOOR = {"deepseek_v3": 0.90, "gpt_oss": 0.85, "gpt_oss_mxfp4": 0.85}
+LOGITS_BOUND = {"gpt_oss": dict(abs_=0.03), "gpt_oss_mxfp4": dict(abs_=0.03)}
 
 
 def test_logits_match_hf_in_bf16(models, forward_logits):
@@ -168,7 +198,7 @@ def test_logits_match_hf_in_bf16(models, forward_logits):
 # run that once diverges stays on its own path (measured on the H200: Mixtral 0.934, Qwen2-MoE
 # 0.990, Qwen3-MoE 0.983 of 288 tokens, against >= 0.95 for every dense family).
 GREEDY_FLOOR = {"mixtral": 0.90, "qwen2_moe": 0.90, "qwen3_moe": 0.90, "deepseek_v2_lite": 0.90, "deepseek_v3": 0.90,
-                "gpt_oss": 0.90, "llama4": 0.90}
+                "gpt_oss": 0.90, "gpt_oss_mxfp4": 0.90, "llama4": 0.90}
 
 
 def test_greedy_generation_agrees_with_hf(models):
