@@ -70,14 +70,18 @@ def expert_params(cfg: ModelConfig) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+MXFP4_BYTES = 17 / 32  # a weight's 4 bits and its share of a 32-value group's 8-bit scale
+
+
 def expert_bytes_read(cfg: ModelConfig, batch: int, dtype_bytes: int = 2) -> float:
-    """Routed experts' bytes one step reads for `batch` tokens (module doc: uniform routing)."""
+    """Routed experts' bytes one step reads for `batch` tokens (module doc: uniform routing);
+    MXFP4 experts (gpt-oss's, kept so on CUDA) at MXFP4_BYTES a weight."""
     sparse = sum(cfg.layer_is_moe(i) for i in range(cfg.num_layers))
     if not sparse or not batch:
         return 0.0
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     touched = e * (1 - (1 - k / e) ** batch)
-    return sparse * touched * expert_params(cfg) * dtype_bytes
+    return sparse * touched * expert_params(cfg) * (MXFP4_BYTES if cfg.mxfp4_experts else dtype_bytes)
 
 
 def workload_floor(cfg: ModelConfig, lengths: Sequence[tuple[int, int]], max_num_seqs: int, chip: Chip = H200,

@@ -42,3 +42,9 @@ def test_mixtral_one_token_reads_two_of_eight_experts():
     expert = 3 * 4096 * 14336
     assert expert_bytes_read(cfg, 1) == pytest.approx(2 * 32 * 2 * expert)
     assert expert_bytes_read(cfg, 2) == pytest.approx(2 * 32 * 8 * (1 - 0.75 ** 2) * expert)
+
+
+def test_gpt_oss_120b_reads_its_experts_as_mxfp4():
+    cfg = _config("gpt-oss-120b")
+    expert = 3 * 2880 * 2880
+    assert expert_bytes_read(cfg, 1) == pytest.approx(36 * 4 * expert * 17 / 32)  # 4.25 bits a weight
