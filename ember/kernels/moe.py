@@ -189,11 +189,12 @@ def _weight_tile(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, MXFP4
         # 2^(s - 127) as float32 bits; s = 0 is the subnormal 2^-127
         scales = tl.maximum(exps << 23, 0x400000).to(tl.float32, bitcast=True)
         values = tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
-        return tl.trans(values)
+        tile = tl.trans(values)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w_base + rows[None, :] * stride_wn + k[:, None], mask=rmask[None, :] & (k < K)[:, None],
+        tile = tl.load(w_base + rows[None, :] * stride_wn + k[:, None], mask=rmask[None, :] & (k < K)[:, None],
                        other=0.0)
+    return tile
 
 
 @triton.jit

@@ -398,3 +398,41 @@ def test_mxfp4_experts_at_gpt_oss_120b_shapes_and_in_a_cuda_graph(tokens):
     static.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, layer(static), rtol=0, atol=0)
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ember.kernels.moe import _moe_gemm_kernel
+
+names = list(_moe_gemm_kernel.arg_names)
+pointers = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "c_ptr": "*bf16", "sorted_ptr": "*i32",
+            "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32", "bias_ptr": "*bf16"}
+for gated in (True, False):
+    constants = dict(GATED=gated, WEIGHTED=not gated, BIASED=True, ACTIVATION=int(gated), MXFP4=True, IEEE=False,
+                     BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
+    signature = {n: pointers.get(n, "fp32" if n in ("alpha", "limit") else "constexpr" if n in constants else "i32")
+                 for n in names}
+    source = ASTSource(_moe_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    assert "mma" in kernel.asm["ptx"], "no tensor-core instruction in the PTX"
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_the_mxfp4_kernels_compile_for_hopper():
+    """The interpreter runs what a compiled kernel may refuse (a global as a constexpr, an
+    integer type a GPU op does not take): Triton compiles the MXFP4 gate|up and down passes,
+    with biases and the clamp, to sm_90 PTX here, without a GPU, and they use tensor cores."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
