@@ -30,7 +30,7 @@ def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The reference decoder: [..., rows, in] float32."""
     check_mxfp4(blocks, scales)
-    lut = torch.tensor(E2M1, dtype=torch.float32)
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)  # [..., g, 32]
     values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
     return values.flatten(-2)
