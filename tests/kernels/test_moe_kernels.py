@@ -1,7 +1,8 @@
 """The fused MoE kernels (kernels/moe.py) against plain torch: routing exactly (ids) and to
 float rounding (weights), the expert grouping exactly (every pair once, in its expert's
-padded group), and the whole expert MLP against a float32 per-token loop. CPU: Triton's
-interpreter at small shapes; `-m gpu`: CUDA at real shapes, and the layer in a CUDA graph."""
+padded group), and the whole expert MLP against a float32 per-token loop; gpt-oss's biases and
+clamped SwiGLU against the torch path, its MXFP4 experts against their decoded weights. CPU:
+Triton's interpreter at small shapes; `-m gpu`: CUDA at real shapes, and the layer in a CUDA graph."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ and experts with biases under the clamped SwiGLU, routed by softmax over the top
 logits. Every bias and sink is moved off transformers' zero init so that each one counts:
 ember's logits and greedy tokens equal transformers' (float32), through chunked prefill and a
 prefix hit. And the experts as gpt-oss ships them, MXFP4 blocks and scales: decoded as
-transformers' own decoder does, and served equal to transformers on the decoded weights; and
-from the GGUF llama.cpp's converter writes of each."""
+transformers' own decoder does, and served equal to transformers on the decoded weights, or
+kept as blocks and scales in the layout the CUDA kernels read; dummy weights at MXFP4 shapes;
+and from the GGUF llama.cpp's converter writes of each."""
 
 from __future__ import annotations
 
