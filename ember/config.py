@@ -229,12 +229,12 @@ class EngineConfig:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device: use device='cpu'")
         if self.tensor_parallel_size > 1:
-            from ember.distributed.sharding import shard_heads
+            from ember.distributed.sharding import shard_heads, split_evenly
 
-            if model_config.moe_layers is not None:
-                raise ValueError(f"{model_config.architecture}: tensor parallelism does not split mixtures of "
-                                 "experts yet: use tensor_parallel_size 1 (or --data-parallel-size for replicas)")
             shard_heads(model_config.num_heads, model_config.num_kv_heads, 0, self.tensor_parallel_size)
+            if model_config.moe_layers is not None:  # each expert's intermediate rows split among the ranks
+                split_evenly(model_config.moe_intermediate_size, 0, self.tensor_parallel_size,
+                             "the experts' intermediate size (moe_intermediate_size)")
         quantization = _quantization(self.quantization, files, device)
         if model_config.moe_layers is not None and quantization == "fp8":
             logger.info("%s: quantization='fp8' covers the linear layers; the experts' stacked weights stay in the "

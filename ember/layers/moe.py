@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.distributed.parallel_state import tp_size
+from ember.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from ember.distributed.sharding import split_evenly
 from ember.layers.activation import silu_and_mul
 from ember.layers.batch_invariant import in_row_blocks
 from ember.layers.kernel_paths import cuda_paths
@@ -53,15 +54,24 @@ class FusedMoE(nn.Module):
     silu(gate) * up. Both on the torch path and in the fused kernels. `mxfp4` (gpt-oss's
     checkpoints on CUDA): w13 and w2 held as MXFP4 (w13_blocks [E, 2I, H / 2] uint8,
     w13_scales [E, 2I, H / 32], w2_blocks [E, H, I / 2], w2_scales [E, H, I / 32]), which the
-    fused kernels decode as they multiply; the torch path decodes them whole each call."""
+    fused kernels decode as they multiply; the torch path decodes them whole each call.
+
+    Tensor parallelism splits every expert as Megatron splits an MLP: a rank holds rows
+    [start, start + I / tp) of each expert's gate and up and the same columns of its down, and
+    the ranks' outputs are all-reduced (the router runs whole on every rank; gpt-oss's down
+    bias is added by rank 0 alone)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, grouped: GroupedRouting | None = None, biased: bool = False,
                  swiglu: tuple[float, float] | None = None, mxfp4: bool = False) -> None:
         super().__init__()
-        if tp_size() > 1:
-            raise ValueError("tensor parallelism does not split mixtures of experts yet: run the model with "
+        self.reduces = tp_size() > 1
+        if mxfp4 and self.reduces:
+            raise ValueError("tensor parallelism does not split MXFP4 experts yet: run the model with "
                              "tensor_parallel_size 1")
+        self.full_intermediate = intermediate_size
+        self.start, intermediate_size = split_evenly(intermediate_size, tp_rank(), tp_size(), "the experts' "
+                                                     "intermediate size (moe_intermediate_size)")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be within 1..num_experts ({num_experts})")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -93,16 +103,31 @@ class FusedMoE(nn.Module):
         if biased:
             self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+            self.w13_bias.weight_loader, self.w2_bias.weight_loader = self.load_w13, self._load_w2_bias
+
+    def _rank_rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of an intermediate dimension (all of it on one rank)."""
+        if t.shape[dim] != self.full_intermediate:
+            raise ValueError(f"{self.full_intermediate} intermediate rows expected, checkpoint {tuple(t.shape)}")
+        return t.narrow(dim, self.start, self.intermediate_size)
 
     def load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-        """Expert e's gate (shard 2e) or up (2e + 1); shard None: every expert's stacked (gpt-oss)."""
+        """Expert e's gate (shard 2e) or up (2e + 1); shard None: every expert's stacked, gate
+        rows then up rows (gpt-oss, Llama 4; and w13_bias, [E, 2I])."""
         if shard is None:
-            return _copy(param.data, loaded, "all")
+            gate, up = loaded.chunk(2, dim=1)
+            return _copy(param.data, torch.cat([self._rank_rows(gate, 1), self._rank_rows(up, 1)], dim=1), "all")
         expert, half = divmod(shard, 2)
-        _copy(param.data[expert].narrow(0, half * self.intermediate_size, self.intermediate_size), loaded, shard)
+        _copy(param.data[expert].narrow(0, half * self.intermediate_size, self.intermediate_size),
+              self._rank_rows(loaded, 0), shard)
 
     def load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-        _copy(param.data if shard is None else param.data[shard], loaded, "all" if shard is None else shard)
+        _copy(param.data if shard is None else param.data[shard], self._rank_rows(loaded, loaded.dim() - 1),
+              "all" if shard is None else shard)
+
+    def _load_w2_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        """Added after the down projection: by rank 0 only, as the ranks' outputs are summed."""
+        _copy(param.data, loaded if tp_rank() == 0 else torch.zeros_like(loaded), "all")
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, E] logits -> (weights [T, k] in float32, expert ids [T, k])."""
@@ -153,10 +178,13 @@ class FusedMoE(nn.Module):
             w13, w2 = (MXFP4Experts(self.w13_blocks, self.w13_scales), MXFP4Experts(self.w2_blocks, self.w2_scales)) \
                 if self.mxfp4 else (self.w13, self.w2)
             # the kernels take int32 ids, as route_topk gives them
-            return fused_experts(x.contiguous(), w13, w2, weights.contiguous(), ids.to(torch.int32), biases,
-                                 self.swiglu)
-        w13, w2 = (self._decoded("w13", x.dtype), self._decoded("w2", x.dtype)) if self.mxfp4 else (self.w13, self.w2)
-        return grouped_experts(x, w13, w2, weights.to(x.dtype), ids, biases, self.swiglu)
+            out = fused_experts(x.contiguous(), w13, w2, weights.contiguous(), ids.to(torch.int32), biases,
+                                self.swiglu)
+        else:
+            w13, w2 = (self._decoded("w13", x.dtype), self._decoded("w2", x.dtype)) if self.mxfp4 else \
+                (self.w13, self.w2)
+            out = grouped_experts(x, w13, w2, weights.to(x.dtype), ids, biases, self.swiglu)
+        return all_reduce(out) if self.reduces else out
 
     def _decoded(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")

@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ember.distributed.parallel_state import tp_size
+from ember.distributed.parallel_state import tp_rank, tp_size
+from ember.distributed.sharding import split_evenly
 from ember.layers.attention import AttentionBackend, AttentionMetadata
-from ember.layers.linear import Linear, RowParallelLinear
+from ember.layers.linear import Linear, MergedLinear, RowParallelLinear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import apply_rotary
 from ember.models.config import ModelConfig
@@ -42,26 +43,27 @@ LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV2/V3RMSNorm default for q_a and
 class LatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        if tp_size() > 1:
-            raise ValueError("tensor parallelism does not split multi-head latent attention yet: run the model with "
-                             "tensor_parallel_size 1")
         h, heads = cfg.hidden_size, cfg.num_heads
+        # tensor parallelism: the query heads split among the ranks (their rows of the query and
+        # kv_b projections, their columns of o_proj), the latent's projections whole on each
+        self.first_head, local = split_evenly(heads, tp_rank(), tp_size(), "attention heads")
         self.nope, self.rope, self.rank, self.v_dim = cfg.qk_nope_head_dim, cfg.rotary_dim, cfg.kv_lora_rank, \
             cfg.v_head_dim
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.head_dim)
+            self.q_b_proj = MergedLinear.column_parallel(cfg.q_lora_rank, [heads * cfg.head_dim], what="attention heads")
         else:
-            self.q_proj = Linear(h, heads * cfg.head_dim)
+            self.q_proj = MergedLinear.column_parallel(h, [heads * cfg.head_dim], what="attention heads")
         self.q_lora = bool(cfg.q_lora_rank)
         self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         # a plain layer: its weight is read per head (absorbed), never packed or quantized
-        self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = RowParallelLinear(heads * self.v_dim, h, bias=cfg.attention_bias)
-        # what the attention backend sees: heads queries of the latent's dims over one KV "head"
-        self.num_heads, self.num_kv_heads, self.head_dim = heads, 1, self.rank + self.rope
+        self.kv_b_proj = nn.Linear(self.rank, local * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj.weight.weight_loader = self._load_kv_b
+        self.o_proj = RowParallelLinear(heads * self.v_dim, h, bias=cfg.attention_bias, what="attention heads")
+        # what the attention backend sees: this rank's heads, queries of the latent's dims over one KV "head"
+        self.num_heads, self.num_kv_heads, self.head_dim = local, 1, self.rank + self.rope
         self.backend = backend
         self.scale = cfg.attention_scale
         self.sliding_window = None
@@ -87,3 +89,11 @@ class LatentAttention(nn.Module):
                                         self.k_scale, self.v_scale, value_dim=self.rank)  # [T, H, r]
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
+
+    def _load_kv_b(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        """kv_b_proj's rows of this rank's heads ([W_UK_h; W_UV_h] a head, in head order)."""
+        per_head = self.nope + self.v_dim
+        if loaded.dim() != 2 or loaded.shape[1] != self.rank or loaded.shape[0] % per_head:
+            raise ValueError(f"kv_b_proj of {per_head}-row heads over {self.rank} latent dims, checkpoint "
+                             f"{tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.first_head * per_head, param.shape[0]))

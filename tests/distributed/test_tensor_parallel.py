@@ -4,8 +4,9 @@ logits of one process without it, on every rank: a tiny random Llama saved by tr
 (8 q / 2 KV heads, vocabulary 322: padded at TP=4) at TP=2 and TP=4 (each KV head held by two
 ranks), in FP8 at TP=2 and one row through the GEMV kernels at TP=2; a tiny Phi-3 (q|k|v and
 gate|up stored merged) at TP=2; SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3,
-dequantized and in its Q4_1 blocks. A split that does not fit and mixtures of experts are
-refused with the fix, and a rank that fails fails the run at once, with no process left."""
+dequantized and in its Q4_1 blocks; mixtures of experts at TP=2 (Qwen2-MoE's shared expert,
+DeepSeek-V2's latent attention and experts, gpt-oss's biased experts, Llama 4's input-scaled
+ones). A split that does not fit is refused with the fix, and a rank that fails fails the run at once, with no process left."""
 
 from __future__ import annotations
 
@@ -190,8 +191,49 @@ def tiny_gpt2(tmp_path_factory) -> str:
                            n_positions=128)
 
 
+# mixtures of experts: each expert's intermediate rows split among the ranks, the router whole
+MOE_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_moe(tmp_path_factory) -> str:
+    """Routed experts beside a shared expert with its sigmoid gate (both split by rows)."""
+    return _save_perturbed("qwen2_moe", tmp_path_factory.mktemp("tiny-qwen2-moe-tp"), **MOE_SIZES,
+                           num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v2(tmp_path_factory) -> str:
+    """Multi-head latent attention (the query heads split, the latent whole on each rank) over
+    DeepSeekMoE (a dense first layer, shared experts)."""
+    return _save_perturbed("deepseek_v2", tmp_path_factory.mktemp("tiny-deepseek-tp"), **MOE_SIZES,
+                           num_key_value_heads=8, intermediate_size=96, moe_intermediate_size=24, kv_lora_rank=32,
+                           q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                           n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                           topk_method="greedy", n_group=1, topk_group=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory) -> str:
+    """Biased experts (the down bias added by rank 0 alone), the clamped SwiGLU, sinks a head."""
+    return _save_perturbed("gpt_oss", tmp_path_factory.mktemp("tiny-gpt-oss-tp"), **MOE_SIZES,
+                           num_key_value_heads=2, head_dim=8, intermediate_size=64, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama4(tmp_path_factory) -> str:
+    """Top-1 experts scaled on their input, stacked [E, in, out], beside a shared expert."""
+    return _save_perturbed("llama4_text", tmp_path_factory.mktemp("tiny-llama4-tp"), **MOE_SIZES,
+                           num_key_value_heads=2, head_dim=8, intermediate_size=32, intermediate_size_mlp=96,
+                           num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                           attention_chunk_size=8)
+
+
 @pytest.mark.parametrize(("model", "world"), [("tiny_llama", 2), ("tiny_llama", 4), ("tiny_phi3", 2), ("tiny_phi2", 4),
-                                              ("tiny_gpt2", 2)])
+                                              ("tiny_gpt2", 2), ("tiny_qwen2_moe", 2), ("tiny_deepseek_v2", 2),
+                                              ("tiny_gpt_oss", 2), ("tiny_llama4", 2)])
 def test_tiny_models_split_give_the_logits_of_one_process(request, tmp_path, model, world):
     path = request.getfixturevalue(model)
     expected = prefill_logits(path, PROMPTS)
@@ -322,13 +364,16 @@ def test_gguf_blocks_split_by_rows_and_by_whole_blocks_of_columns():
     with pytest.raises(ValueError, match=r"columns \[48, 96\) of a Q8_0 weight cut its blocks of 32: load the model "
                                          r"with quantization='none'"):
         tensor.narrow(1, 48, 48)
-def test_mixtures_of_experts_are_refused(tmp_path):
-    mixtral = TINY_LLAMA | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
-                            "num_experts_per_tok": 2}
-    (tmp_path / "config.json").write_text(json.dumps(mixtral))
-    with pytest.raises(RuntimeError, match=r"ValueError: tensor parallelism does not split mixtures of experts yet: "
-                                           r"run the model with tensor_parallel_size 1"):
-        run_ranks(2, str(tmp_path), tmp_path, load_format="dummy")
+def test_experts_that_do_not_split_are_refused_with_the_fix(tmp_path):
+    from ember.config import EngineConfig
+
+    qwen3_moe = TINY_LLAMA | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+                              "num_experts_per_tok": 2, "moe_intermediate_size": 30}
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_moe))
+    with pytest.raises(ValueError, match=r"the experts' intermediate size \(moe_intermediate_size\) \(30\) does not "
+                                         r"divide among 4 tensor-parallel ranks: use a tensor_parallel_size among "
+                                         r"\[1, 2, 3, 5, 6, 10, 15, 30\]"):
+        EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", tensor_parallel_size=4).resolve()
 
 
 def test_heads_are_split_and_kv_heads_shared_where_fewer_than_ranks():
