@@ -95,16 +95,17 @@ def test_a_worker_killed_mid_run_with_steps_in_flight_fails_with_the_error_that_
     assert gone(pids)
 
 
-def test_sizes_the_heads_do_not_divide_among_and_experts_are_refused_before_any_worker(gguf_path, tmp_path):
+def test_sizes_the_heads_or_experts_do_not_divide_among_are_refused_before_any_worker(gguf_path, tmp_path):
     with pytest.raises(ValueError, match=r"9 attention heads \(3 KV heads\) do not divide among 2 tensor-parallel "
                                          r"ranks: use a tensor_parallel_size among \[1, 3"):
         LLM(str(gguf_path), **_engine_args(tensor_parallel_size=2))
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 64, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 66, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128}))
-    with pytest.raises(ValueError, match="tensor parallelism does not split mixtures of experts yet"):
-        LLM(str(tmp_path), load_format="dummy", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"the experts' intermediate size \(moe_intermediate_size\) \(66\) does not "
+                                         r"divide among 4 tensor-parallel ranks"):
+        LLM(str(tmp_path), load_format="dummy", device="cpu", tensor_parallel_size=4)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1; got 0"):
         LLM(str(gguf_path), tensor_parallel_size=0)
 
