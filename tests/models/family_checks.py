@@ -33,6 +33,13 @@ def assert_logits_match(llm, hf, prompts: list[list[int]], forward_logits) -> No
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
 
 
+def assert_matches_hf(llm, hf, forward_logits, greedy: list[list[int]] | None = None) -> None:
+    """PROMPTS' logits within float32 rounding of transformers', and their greedy tokens
+    (`greedy`: transformers' already made, else made here)."""
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert greedy_tokens(llm) == (greedy if greedy is not None else [hf_greedy(hf, ids) for ids in PROMPTS])
+
+
 def greedy_tokens(llm, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import ENGINE, PROMPTS, assert_chunked_and_cached, assert_logits_match, greedy_tokens, hf_greedy
+from family_checks import ENGINE, PROMPTS, assert_chunked_and_cached, assert_matches_hf, hf_greedy
 from test_latent_attention import save_deepseek
 
 from ember import LLM
@@ -32,11 +32,6 @@ GLM = {
 KV32 = dict(kv_cache_dtype="float32")  # a GGUF's default cache on the CPU is float16
 
 
-def _assert_matches(llm, hf, forward_logits) -> None:
-    assert_logits_match(llm, hf, PROMPTS, forward_logits)
-    assert greedy_tokens(llm) == [hf_greedy(hf, ids) for ids in PROMPTS]
-
-
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
     path = tmp_path_factory.mktemp("glm4_moe")
@@ -56,7 +51,7 @@ def test_config_reads_glms_options():
 
 def test_hf_checkpoint_matches_transformers(glm, forward_logits):
     path, hf = glm
-    _assert_matches(LLM(str(path), **ENGINE), hf, forward_logits)
+    assert_matches_hf(LLM(str(path), **ENGINE), hf, forward_logits)
 
 
 def test_chunked_prefill_and_prefix_hit(glm):
@@ -79,4 +74,4 @@ def test_gguf_from_llama_cpps_converter_matches_transformers(tmp_path, gguf_conv
     assert (f.architecture, f.metadata["glm4moe.block_count"], f.metadata["glm4moe.nextn_predict_layers"]) == \
         ("glm4moe", 4, 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    _assert_matches(LLM(str(path), **(ENGINE | KV32 | dict(num_kv_blocks=32))), hf, forward_logits)
+    assert_matches_hf(LLM(str(path), **(ENGINE | KV32 | dict(num_kv_blocks=32))), hf, forward_logits)

@@ -15,7 +15,15 @@ import json
 
 import pytest
 import torch
-from family_checks import ENGINE, PROMPTS, assert_chunked_and_cached, assert_logits_match, greedy_tokens, hf_greedy
+from family_checks import (
+    ENGINE,
+    PROMPTS,
+    assert_chunked_and_cached,
+    assert_logits_match,
+    assert_matches_hf,
+    greedy_tokens,
+    hf_greedy,
+)
 
 from ember import LLM
 from ember.layers.quant.mxfp4 import E2M1, dequantize_mxfp4
@@ -78,9 +86,7 @@ def test_config_reads_gpt_oss():
 
 def test_logits_and_greedy_match_hf(model, forward_logits):
     path, hf, expected = model
-    llm = LLM(str(path), **ENGINE)
-    assert_logits_match(llm, hf, PROMPTS, forward_logits)
-    assert greedy_tokens(llm) == expected
+    assert_matches_hf(LLM(str(path), **ENGINE), hf, forward_logits, expected)
 
 
 def test_chunked_prefill_and_prefix_hit(model):

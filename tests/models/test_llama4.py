@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from family_checks import ENGINE, PROMPTS, assert_chunked_and_cached, assert_logits_match, greedy_tokens, hf_greedy
+from family_checks import ENGINE, PROMPTS, assert_chunked_and_cached, assert_matches_hf, hf_greedy
 
 from ember import LLM
 from ember.models.config import ModelConfig
@@ -71,9 +71,7 @@ def test_config_reads_llama4s_layers():
 
 def test_hf_checkpoint_matches_transformers(model, forward_logits):
     path, hf, greedy = model
-    llm = LLM(str(path), **ENGINE)
-    assert_logits_match(llm, hf, PROMPTS, forward_logits)
-    assert greedy_tokens(llm) == greedy
+    assert_matches_hf(LLM(str(path), **ENGINE), hf, forward_logits, greedy)
 
 
 def test_chunked_prefill_and_prefix_hit(model):
@@ -94,9 +92,7 @@ def test_multimodal_checkpoint_serves_its_language_model(model, tmp_path, forwar
     names = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"] \
         if (tmp_path / "model.safetensors.index.json").exists() else None
     assert names is None or any(n.startswith("vision_model.") for n in names)
-    llm = LLM(str(tmp_path), **ENGINE)
-    assert_logits_match(llm, hf, PROMPTS, forward_logits)
-    assert greedy_tokens(llm) == greedy
+    assert_matches_hf(LLM(str(tmp_path), **ENGINE), hf, forward_logits, greedy)
 
 
 def test_gguf_from_llama_cpps_converter_matches_transformers(tmp_path, gguf_convert, bpe_tokenizer_dir,
@@ -119,6 +115,5 @@ def test_gguf_from_llama_cpps_converter_matches_transformers(tmp_path, gguf_conv
     cfg = ModelConfig.from_gguf_metadata(f.metadata, f.tensor_names, lambda name: f.tensor(name).tolist())
     assert (cfg.nope_layers, cfg.layer_chunks, cfg.attn_temperature, cfg.qk_l2_norm, cfg.moe_layers) == \
         ((False, False, False, True), (8192, 8192, 8192, None), (0.1, 8192.0), True, (False, True, False, True))
-    llm = LLM(str(path), **(ENGINE | dict(kv_cache_dtype="float32", num_kv_blocks=32)))
-    assert_logits_match(llm, hf, PROMPTS, forward_logits)
-    assert greedy_tokens(llm) == [hf_greedy(hf, ids) for ids in PROMPTS]
+    assert_matches_hf(LLM(str(path), **(ENGINE | dict(kv_cache_dtype="float32", num_kv_blocks=32))), hf,
+                      forward_logits)
