@@ -28,7 +28,9 @@ def iter_dummy_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = tor
             yield name, torch.randint(119, 122, shape, generator=gen, device=device, dtype=torch.uint8)
             continue
         t = torch.randn(shape, generator=gen, device=device, dtype=draw_dtype)
-        if name.lower().endswith("norm.weight"):  # an encoder's are LayerNorm.weight
+        if name.endswith("linear_attn.norm.weight"):  # Qwen3-Next's gated norm scales by w itself
+            t = 1.0 + 0.1 * t
+        elif name.lower().endswith("norm.weight"):  # an encoder's are LayerNorm.weight
             t = norm_center + 0.1 * t
         else:
             t = 0.02 * t

@@ -64,8 +64,11 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        linear = cfg.layer_is_linear(i)
         if cfg.mla:
             shapes |= _latent_attention_shapes(cfg, p)
+        elif linear:
+            shapes |= _linear_attention_shapes(cfg, p)
         else:
             shapes[p + "self_attn.o_proj.weight"] = (h, q)
         if dense:
@@ -76,20 +79,23 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         elif fused:
             shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)}
         else:
-            shapes |= {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-            }
+            if not linear:  # Qwen3-Next's gated attention: each head's query, then its gate
+                shapes |= {
+                    p + "self_attn.q_proj.weight": (2 * q if cfg.attention_output_gate else q, h),
+                    p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h),
+                }
             if dense:
                 shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
         if not dense:
             shapes |= _expert_shapes(cfg, p)
         if cfg.sandwich_norms:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
+        if linear:
+            continue
         if cfg.attention_bias and not cfg.mla:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= {p + "self_attn.q_proj.bias": (2 * q if cfg.attention_output_gate else q,),
+                       p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
         if cfg.o_proj_bias:
@@ -117,6 +123,16 @@ def _latent_attention_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[in
         if cfg.q_lora_rank:
             shapes[p + "q_a_proj.bias"] = (cfg.q_lora_rank,)
     return shapes
+
+
+def _linear_attention_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
+    """A gated DeltaNet layer's tensors (models/gated_deltanet.py), as Qwen3-Next's checkpoints name them."""
+    h, keys, values = cfg.hidden_size, cfg.linear_num_key_heads * cfg.linear_key_head_dim, \
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    heads, p = cfg.linear_num_value_heads, layer + "linear_attn."
+    return {p + "in_proj_qkvz.weight": (2 * keys + 2 * values, h), p + "in_proj_ba.weight": (2 * heads, h),
+            p + "conv1d.weight": (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel), p + "dt_bias": (heads,),
+            p + "A_log": (heads,), p + "norm.weight": (cfg.linear_value_head_dim,), p + "out_proj.weight": (h, values)}
 
 
 def _layer_norm_decoder_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -251,7 +267,25 @@ def checkpoint_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tens
     if cfg.rope_interleaved:
         return ((name, rope_rows_to_halves(cfg, m[1], t) if (m := _ROPE_ROWS.fullmatch(name)) else t)
                 for name, t in tensors)
+    if cfg.linear_layers is not None:
+        return ((name, linear_rows_by_part(cfg, m[1], t) if (m := _LINEAR_IN_ROWS.fullmatch(name)) else t)
+                for name, t in tensors)
     return tensors
+
+
+_LINEAR_IN_ROWS = re.compile(r"model\.layers\.\d+\.linear_attn\.in_proj_(qkvz|ba)\.weight")
+
+
+def linear_rows_by_part(cfg: ModelConfig, projection: str, t: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's linear-attention input projections hold their rows by key head: in_proj_qkvz
+    [q | k | v | z] of each key head (v and z for its group of value heads), in_proj_ba [b | a]
+    of each. Reordered part by part (every q row, then every k, v, z; every b, then a), so the
+    convolution's q | k | v channels and each of the others are one slice of the output."""
+    group = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    sizes = [dk, dk, group * dv, group * dv] if projection == "qkvz" else [group, group]
+    heads = t.reshape(cfg.linear_num_key_heads, sum(sizes), *t.shape[1:])
+    return torch.cat([part.reshape(-1, *t.shape[1:]) for part in heads.split(sizes, dim=1)])
 
 
 _MXFP4 = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)")

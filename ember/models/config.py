@@ -27,6 +27,8 @@ from ember.models.families import (
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 GGUF_ARCHITECTURES = tuple(BY_GGUF_ARCHITECTURE)
+# llama.cpp architectures of families ember runs from HF checkpoints only, for now
+GGUF_NOT_YET = {"qwen3next": "Qwen3-Next"}
 # the sizes no default stands in for (Gemma3TextConfig's are Gemma 2 2B's, no Gemma 3's)
 _TEXT_CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers")
 
@@ -145,6 +147,17 @@ class ModelConfig:
     # quant_method mxfp4: gpt-oss's releases); load_model keeps them so on CUDA (the fused MoE
     # kernels decode them) and clears it elsewhere, where the loader decodes them to dense
     mxfp4_experts: bool = False
+    # Qwen3-Next: q_proj gives each head's query and an output gate (the attention's output times
+    # sigmoid(gate)); which layers are gated DeltaNet linear attention (models/gated_deltanet.py;
+    # None: none), with their key (and query) heads, value heads, the heads' dims and the causal
+    # convolution's kernel
+    attention_output_gate: bool = False
+    linear_layers: tuple[bool, ...] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
 
     @property
     def mla(self) -> bool:
@@ -198,9 +211,29 @@ class ModelConfig:
         if self.moe_input_scaled and self.num_experts_per_tok != 1:
             raise ValueError(f"Llama 4 with num_experts_per_tok {self.num_experts_per_tok} is not supported: ember "
                              "routes its experts top-1, as the released models do")
+        if self.linear_layers is not None:
+            if len(self.linear_layers) != self.num_layers:
+                raise ValueError(f"{len(self.linear_layers)} layer types for {self.num_layers} layers")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                                 f"linear_num_key_heads ({self.linear_num_key_heads})")
         if self.moe_layers is not None and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be within 1..num_experts "
                              f"({self.num_experts})")
+
+    def layer_is_linear(self, layer: int) -> bool:
+        return self.linear_layers is not None and self.linear_layers[layer]
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers of softmax attention, whose K/V the paged cache holds (linear layers keep a state)."""
+        return self.num_layers - sum(self.linear_layers or ())
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """The channels of a linear layer's convolution: its q | k | v."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim \
+            + self.linear_num_value_heads * self.linear_value_head_dim
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.moe_layers is not None and self.moe_layers[layer]
@@ -251,7 +284,8 @@ class ModelConfig:
         rope_theta = float(config.get("rope_theta") or global_rope.get("rope_theta")
                            or fam.rope_theta)
         # transformers 5 keeps the factor among the RoPE parameters, earlier ones beside them
-        rotary_factor = float(config.get("partial_rotary_factor") or global_rope.get("partial_rotary_factor") or 1.0)
+        rotary_factor = float(config.get("partial_rotary_factor") or global_rope.get("partial_rotary_factor")
+                              or fam.partial_rotary_factor)
         rotary_dim = int(head_dim * rotary_factor)
         mla = _mla_options(config, global_rope) if fam.mla else {}
         if mla:  # a query head: nope + rope dims; RoPE on the last qk_rope_head_dim
@@ -285,7 +319,7 @@ class ModelConfig:
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=_first(config.get("eos_token_id")),
             hidden_act=_ACTIVATIONS.get(act, act),
-            norm_unit_offset=gemma,
+            norm_unit_offset=gemma or fam.unit_offset_norms,
             sandwich_norms=fam.sandwich_norms,
             embed_scale=config["hidden_size"] ** 0.5 if gemma else None,
             query_pre_attn_scalar=config.get("query_pre_attn_scalar") if gemma else None,
@@ -303,6 +337,8 @@ class ModelConfig:
             **mla,
             attention_sinks=fam.attention_sinks,
             o_proj_bias=bool(fam.o_proj_bias_key and config.get(fam.o_proj_bias_key)),
+            attention_output_gate=fam.attention_output_gate,
+            **(_linear_attention_options(config, num_layers) if fam.linear_attention else {}),
         )
 
     @staticmethod
@@ -321,6 +357,10 @@ class ModelConfig:
         """From llama.cpp's metadata keys. `read_vector` reads a small tensor of the file: the
         RoPE factors llama.cpp stores as tensors (rope_freqs, rope_factors_long/short)."""
         arch = md.get("general.architecture")
+        if arch in GGUF_NOT_YET:
+            raise ValueError(f"this GGUF is llama.cpp's {arch} ({GGUF_NOT_YET[arch]}), which ember does not read "
+                             "from a GGUF file yet (its linear-attention layers): pass the model's HF directory "
+                             "(config.json + safetensors)")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(
                 f"unsupported GGUF architecture {arch!r}; ember runs {', '.join(GGUF_ARCHITECTURES)}"
@@ -663,6 +703,24 @@ def _moe_options(config: dict[str, Any], fam: Family, num_layers: int) -> dict[s
                 "shared_expert_intermediate_size": config["shared_expert_intermediate_size"]
                 if fam.shared_expert else 0}
     return {}
+
+
+def _linear_attention_options(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3-Next's gated DeltaNet layers: those layer_types calls "linear_attention" (without
+    layer_types: all but every full_attention_interval-th, as Qwen3NextConfig fills it), and their sizes."""
+    types = config.get("layer_types")
+    if types is None:
+        interval = config.get("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if set(types) - {"linear_attention", "full_attention"} or len(types) != num_layers:
+        raise ValueError(f"layer_types must list 'linear_attention' or 'full_attention' for each of the {num_layers} "
+                         f"layers; got {types!r}")
+    return {"linear_layers": tuple(t == "linear_attention" for t in types),
+            "linear_num_key_heads": config["linear_num_key_heads"],
+            "linear_num_value_heads": config["linear_num_value_heads"],
+            "linear_key_head_dim": config["linear_key_head_dim"],
+            "linear_value_head_dim": config["linear_value_head_dim"],
+            "linear_conv_kernel": config["linear_conv_kernel_dim"]}
 
 
 def _deepseek_moe_options(config: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class Family:
     qkv_bias_key: str | None = "attention_bias"
     qkv_bias_default: bool = False
     rope_theta: float = 10000.0  # where a config.json or GGUF names no RoPE base
+    partial_rotary_factor: float = 1.0  # where neither config.json nor its RoPE parameters name one
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base, by default
     # which layers slide: every n-th layer attends globally (Gemma: config.json's
     # sliding_window_pattern or llama.cpp's key, else this); Qwen: sliding_window applies only
@@ -85,6 +86,12 @@ class Family:
     # Llama 4: chunked local attention on the RoPE layers, NoPE layers between them (global,
     # temperature-tuned queries), q/k L2 norms (models/config.py's Llama 4 fields)
     chunked_nope: bool = False
+    unit_offset_norms: bool = False  # norms scale by (1 + w), without Gemma's other traits (Qwen3-Next)
+    # Qwen3-Next: q_proj gives each head's query and a gate, the attention output times sigmoid(gate)
+    attention_output_gate: bool = False
+    # Qwen3-Next: gated DeltaNet linear-attention layers (models/gated_deltanet.py) where config.json's
+    # layer_types says "linear_attention" (else every full_attention_interval-th layer is full attention)
+    linear_attention: bool = False
 
 
 # What transformers' Gemma3TextConfig fills where a config.json is silent (as transformers
@@ -199,6 +206,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            moe="llama4", chunked_nope=True, rope_theta=500000.0, gguf_rope_permuted=True,
            hf_config_keys={"intermediate_size": "moe_intermediate_size", "intermediate_size_mlp": "intermediate_size"},
            hf_config_defaults=_LLAMA4_TEXT_DEFAULTS, hf_tensor_names=_LLAMA4_NAMES),
+    # Qwen3-Next: three gated DeltaNet layers to one gated full-attention layer (partial RoPE, q/k
+    # norms), zero-centred norms, Qwen2-MoE's experts and gated shared expert; its GGUFs (llama.cpp's
+    # qwen3next) are not read yet (models/config.py refuses them by name)
+    Family("qwen3_next", ("Qwen3NextForCausalLM",), ("qwen3_next",), None, qk_norm=True, moe="qwen",
+           shared_expert=True, o_proj_bias_key="attention_bias", unit_offset_norms=True,
+           attention_output_gate=True, linear_attention=True,
+           partial_rotary_factor=0.25,
+           hf_config_defaults={"head_dim": 256, "norm_topk_prob": True,
+                               "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                               "linear_num_key_heads": 16, "linear_num_value_heads": 32, "decoder_sparse_step": 1}),
     Family("gpt2", ("GPT2LMHeadModel",), ("gpt2",), "gpt2", qkv_bias_key=None, qkv_bias_default=True,
            layer_norm=True, learned_positions=0, conv1d_weights=True, tied_default=True, fused_projections=True,
            hf_config_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.distributed.parallel_state import tp_size
 from ember.layers.activation import activation
 from ember.layers.attention import AttentionBackend, AttentionMetadata
 from ember.layers.batch_invariant import in_row_blocks
@@ -32,6 +33,7 @@ from ember.layers.moe import FusedMoE, GroupedRouting
 from ember.layers.norm import LayerNorm, RMSNorm
 from ember.layers.rotary import CacheWrite, RotaryEmbedding, apply_rotary, norm_and_rotate
 from ember.models.config import ModelConfig
+from ember.models.gated_deltanet import GatedDeltaNet
 from ember.models.mla import LatentAttention
 
 Rope = torch.Tensor  # [T, rotary_dim]: cos | sin of this step's positions
@@ -46,9 +48,16 @@ def _norm(cfg: ModelConfig, size: int) -> RMSNorm | LayerNorm:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
-        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias)
+        # Qwen3-Next: q_proj's rows are each head's query then its output gate, as if twice the heads
+        self.output_gate = cfg.attention_output_gate
+        per_head = 2 if self.output_gate else 1
+        if self.output_gate and tp_size() > 1:
+            raise ValueError("tensor parallelism does not split gated attention's q_proj yet: run the model with "
+                             "tensor_parallel_size 1")
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, per_head * cfg.num_heads, cfg.num_kv_heads,
+                                  cfg.attention_bias)
         # this rank's heads (all of them on one rank)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // per_head, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         bias=cfg.layer_norm or cfg.o_proj_bias)
@@ -81,6 +90,10 @@ class LlamaAttention(nn.Module):
         (learned positions, Llama 4's NoPE layers) nothing turns (the backend writes k and v),
         and rope is None or each query's temperature [T] (Llama 4)."""
         q, k, v = self.qkv_proj.split(qkv)
+        gate = None
+        if self.output_gate:
+            q, gate = q.reshape(-1, self.num_heads, 2, self.head_dim).unbind(2)
+            q = q.contiguous()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -97,7 +110,10 @@ class LlamaAttention(nn.Module):
                                  kv_written=written, sliding_window=self.sliding_window,
                                  logit_softcap=self.logit_softcap, sinks=self.sinks,
                                  attention_chunk=self.attention_chunk)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        o = o.reshape(-1, self.num_heads * self.head_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(o.shape))
+        return self.o_proj(o)
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
         first = self.qkv_proj.rank_rows[0][0] // self.head_dim
@@ -193,7 +209,11 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.latent = cfg.mla  # DeepSeek: latent attention, which projects the normed state itself
-        self.self_attn = LatentAttention(cfg, backend) if self.latent else LlamaAttention(cfg, backend, layer)
+        self.linear = cfg.layer_is_linear(layer)  # Qwen3-Next: gated DeltaNet in place of attention, likewise
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = LatentAttention(cfg, backend) if self.latent else LlamaAttention(cfg, backend, layer)
         self.parallel = cfg.parallel_block
         if not self.parallel:  # Phi-2: one norm a layer
             self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
@@ -214,7 +234,10 @@ class LlamaDecoderLayer(nn.Module):
         if self.parallel:
             h, residual = add_norm(self.input_layernorm, x, residual)
             return self.self_attn(rope, self.self_attn.qkv_proj(h), meta) + self.mlp(self.mlp.in_proj(h)), residual
-        if self.latent:
+        if self.linear:
+            h, residual = add_norm(self.input_layernorm, x, residual)
+            h = self.linear_attn(h, meta)
+        elif self.latent:
             h, residual = add_norm(self.input_layernorm, x, residual)
             h = self.self_attn(rope, h, meta)
         else:
@@ -303,4 +326,9 @@ class LlamaForCausalLM(nn.Module):
         return self.score(last)
 
     def attention_layers(self) -> list[LlamaAttention | LatentAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        """The layers whose K/V the paged cache holds, in order (not the linear-attention ones)."""
+        return [layer.self_attn for layer in self.model.layers if not layer.linear]
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        """The layers that keep a recurrent state a sequence (runner/recurrent_state.py binds them)."""
+        return [layer.linear_attn for layer in self.model.layers if layer.linear]

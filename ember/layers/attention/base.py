@@ -56,6 +56,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # what a backend derives once per step and reuses in every layer
     plans: dict[str, Any] = field(default_factory=dict)
+    # a model with recurrent layers (Qwen3-Next's linear attention): each sequence's state slot,
+    # [num_seqs] int64 on the device and on the host; None otherwise
+    state_slots: torch.Tensor | None = None
+    state_slots_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
