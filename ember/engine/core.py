@@ -164,6 +164,8 @@ class EngineCore:
             "the scheduler still holds requests"
         assert not self.runner.generators, "a seeded request's generator outlived it"
         assert not self.runner.biases, "a request's logit_bias tensors outlived it"
+        states = getattr(self.runner, "states", None)
+        assert states is None or not states.num_in_use, f"{states.num_in_use} recurrent-state slots still held"
         assert self.runner.pooler is None or not self.runner.pooler.partial, "a request's pooling state outlived it"
         assert not self._failed, "a failed request's output was never handed back"
         assert not self.structured.holds(), "the structured-output manager still holds requests"

@@ -36,6 +36,7 @@ from ember.models.config import ModelConfig
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs, PiecewiseGraphs
 from ember.runner.pooler import Pooler
+from ember.runner.recurrent_state import RecurrentStates
 from ember.runner.sampler import (
     LogitBias,
     PendingLogprobs,
@@ -101,8 +102,9 @@ def rank_kv_heads(mc: ModelConfig) -> int:
 
 
 def _num_kv_layers(mc: ModelConfig) -> int:
-    """Layers whose K/V the pool holds: none for an encoder (nothing outlives its step)."""
-    return 0 if mc.bidirectional else mc.num_layers
+    """Layers whose K/V the pool holds: none for an encoder (nothing outlives its step), the
+    attention layers alone beside linear-attention ones (their state: runner/recurrent_state.py)."""
+    return 0 if mc.bidirectional else mc.num_attention_layers
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -138,11 +140,17 @@ class ModelRunner:
         mc = config.model_config
         files = locate_model(config.model, config.load_format)
         self.model = self._load_model(files)
+        self.states = self._recurrent_states() if mc.linear_layers is not None else None
+        config = self.config  # max_num_seqs may be lowered to fit the recurrent states
         self.weight_bytes = model_weight_bytes(self.model)
         self.file_tensor_bytes = files.tensor_bytes()
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
         self.encoder = mc.bidirectional  # whole prompts, no KV cache, no decode step to capture
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and not self.encoder
+        if use_graphs and self.states is not None:
+            # the linear-attention layers loop over each prefill's sequences and tokens on the host
+            logger.info("no CUDA graphs for %s: its linear-attention layers run eager", mc.architecture)
+            use_graphs = False
         self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0
         # when every layer has a window, the scheduler gives back blocks no window reaches and
         # their table entries point at one block past the pool (BlockPool.null_block)
@@ -200,6 +208,25 @@ class ModelRunner:
                         self.weight_bytes / max(1, self.file_tensor_bytes), self.file_tensor_bytes / 2**20,
                         self.kv_cache.nbytes / 2**20, _dtype_name(self.kv_cache.dtype),
                         self.num_blocks, config.block_size, self.num_blocks * config.block_size)
+
+    def _recurrent_states(self) -> RecurrentStates:
+        """A slot of state for each of max_num_seqs requests (runner/recurrent_state.py); on the CPU a
+        defaulted max_num_seqs is lowered so that the slots fit the memory a KV pool gets by default."""
+        config, mc = self.config, self.config.model_config
+        layers = self.model.linear_attention_layers()
+        per_slot = RecurrentStates.bytes_per_slot(layers, config.torch_dtype)
+        seats = config.max_num_seqs
+        if self.device.type == "cpu" and "max_num_seqs" not in config.setting_sources:
+            seats = max(1, min(seats, CPU_KV_CACHE_MEMORY // per_slot))
+            if seats < config.max_num_seqs:
+                logger.info("max_num_seqs %d, not the default %d: %d recurrent-state slots of %.1f MiB fit in %.0f "
+                            "MiB", seats, config.max_num_seqs, seats, per_slot / 2**20, CPU_KV_CACHE_MEMORY / 2**20)
+                self.config = dataclasses.replace(config, max_num_seqs=seats)
+        states = RecurrentStates(layers, seats, config.torch_dtype, self.device)
+        logger.info("recurrent state: %.1f MiB, one slot of %.2f MiB for each of max_num_seqs=%d requests (%d "
+                    "linear-attention layers), apart from the KV pool, which holds the %d attention layers",
+                    states.nbytes / 2**20, per_slot / 2**20, seats, len(layers), mc.num_attention_layers)
+        return states
 
     def _load_model(self, files) -> torch.nn.Module:
         config = self.config
@@ -321,6 +348,9 @@ class ModelRunner:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             block_tables=torch.arange(per_seq * len(lens), dtype=torch.int32, device=dev).view(len(lens), per_seq),
             query_lens_cpu=lens, seq_lens_cpu=lens)
+        if self.states is not None:
+            meta.state_slots_cpu = [i % self.states.num_slots for i in range(len(lens))]
+            meta.state_slots = torch.tensor(meta.state_slots_cpu, dtype=torch.int64, device=dev)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=dev), positions, meta)
         logits = hidden
         if c.runner == "generate":
@@ -347,6 +377,9 @@ class ModelRunner:
         Logprobs and prompt logprobs are computed here and read back by `collect`."""
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if self.states is not None:
+            for req in plan.preempted:  # recomputed from its first token, into a fresh slot
+                self.states.release(req.request_id)
         clock = self._clock()
         input_ids, positions, meta, sample_rows, sampled_chunks = self._prepare(plan)
         clock("prepare")
@@ -488,6 +521,8 @@ class ModelRunner:
         self.generators.pop(request_id, None)
         self.biases.pop(request_id, None)
         self.table_rows.pop(request_id, None)
+        if self.states is not None:
+            self.states.release(request_id)
         if self.pooler is not None:
             self.pooler.release(request_id)
 
@@ -575,9 +610,18 @@ class ModelRunner:
         width = max(len(c.request.block_ids) for c in plan.chunks)
         tables = np.stack([self._table_row(c.request)[:width] for c in plan.chunks])
         dev = self.device
+        state_slots: list[int] = []
+        if self.states is not None:  # each sequence's recurrent-state slot, a new one zeroed first
+            fresh: list[int] = []
+            state_slots = [self.states.slot(c.request.request_id, c.request.num_computed_tokens, fresh)
+                           for c in plan.chunks]
+            if fresh:
+                self.states.zero(fresh)
         # one int64 vector: ids [t] | positions [t] | slots [t] | seq_lens [n] | query_start [n + 1] | dst | src
-        flat = to_device(ids + positions + slots + seq_lens + query_start + dst + src, dev, torch.int64)
-        input_ids, pos, slot_mapping, lens, starts, dst_idx, src_idx = flat.split([t, t, t, n, n + 1, len(dst), len(src)])
+        # | state slots
+        flat = to_device(ids + positions + slots + seq_lens + query_start + dst + src + state_slots, dev, torch.int64)
+        input_ids, pos, slot_mapping, lens, starts, dst_idx, src_idx, state_idx = flat.split(
+            [t, t, t, n, n + 1, len(dst), len(src), len(state_slots)])
         if dst:
             input_ids[dst_idx] = self.last_launched.tokens[src_idx]
         block_tables = torch.from_numpy(tables)
@@ -589,4 +633,6 @@ class ModelRunner:
             query_lens_cpu=[c.num_new_tokens for c in plan.chunks],
             seq_lens_cpu=seq_lens,
         )
+        if self.states is not None:
+            meta.state_slots, meta.state_slots_cpu = state_idx, state_slots
         return input_ids, pos, meta, sample_rows, sampled_chunks

@@ -119,6 +119,10 @@ class Scheduler:
         self.attention_parity_len = config.attention_parity_len
         # an encoder's prompt runs in one step (its attention sees the whole prompt at once)
         self.whole_prompts = config.model_config is not None and config.model_config.bidirectional
+        # a model with recurrent layers (runner/recurrent_state.py): a running request keeps its
+        # seat (and state slot) until it leaves, even when it ends on its pending token, and a
+        # forked sample recomputes its prompt (a state is not shared as blocks are)
+        self.hold_seats = config.model_config is not None and config.model_config.linear_layers is not None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -212,7 +216,7 @@ class Scheduler:
         """Running slots, counting the n a not-yet-forked n > 1 request will take; not those
         of requests that end on their pending token (they leave at the update in flight)."""
         return sum(r.num_samples_to_draw for r in self.running
-                   if not (r.num_pending_tokens and self._ends_on_pending_token(r)))
+                   if self.hold_seats or not (r.num_pending_tokens and self._ends_on_pending_token(r)))
 
     def _by_policy(self, requests) -> list[Request]:
         """Who goes first: admission order (fcfs), or priority then arrival."""
@@ -387,7 +391,7 @@ class Scheduler:
         child = parent.fork(index, token)
         full, partial = divmod(parent.num_computed_tokens, self.block_size)
         self.requests[child.request_id] = child
-        if partial and not self.pool.num_available:  # no room for its own last block: recompute later
+        if self.hold_seats or (partial and not self.pool.num_available):  # (no room for its last block) recompute
             child.num_computed_tokens, child.num_blocks_in_cache, child.status = 0, 0, RequestStatus.WAITING
             self.waiting.appendleft(child)
             return child
