@@ -99,6 +99,7 @@ def _forward_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
     finally:
         for r in reqs:
             core.block_pool.free(r.block_ids)
+            core.runner.release(r.request_id)  # what the runner keeps for a request (a recurrent state's slot)
     return list(logits.split([len(p) for p in prompts]))
 
 

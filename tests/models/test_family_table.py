@@ -8,8 +8,8 @@ from ember.models.families import BY_GGUF_ARCHITECTURE, BY_GGUF_EXPERTS, BY_HF_A
 
 def test_the_lookups_name_each_family_once():
     assert SUPPORTED_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                                       "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "gpt2", "opt",
-                                       "phi", "bert", "xlm_roberta")
+                                       "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4",
+                                       "qwen3_next", "gpt2", "opt", "phi", "bert", "xlm_roberta")
     assert GGUF_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "qwen3moe",
                                   "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "llama4", "gpt2", "phi2")
     assert BY_GGUF_ARCHITECTURE["phi2"].name == "phi"
@@ -19,6 +19,6 @@ def test_the_lookups_name_each_family_once():
                                                                "llama4": "llama4"}
     assert BY_HF_ARCHITECTURE["Gemma3ForConditionalGeneration"].name == "gemma3"
     assert BY_HF_MODEL_TYPE["gemma3_text"] is BY_HF_MODEL_TYPE["gemma3"] is BY_GGUF_ARCHITECTURE["gemma3"]
-    assert len(BY_HF_ARCHITECTURE) == 31 and len(BY_HF_MODEL_TYPE) == 25
+    assert len(BY_HF_ARCHITECTURE) == 32 and len(BY_HF_MODEL_TYPE) == 26
     assert BY_HF_MODEL_TYPE["kimi_k2"] is BY_HF_ARCHITECTURE["DeepseekV3ForCausalLM"]
     assert BY_HF_ARCHITECTURE["XLMRobertaForSequenceClassification"] is BY_HF_MODEL_TYPE["xlm-roberta"]

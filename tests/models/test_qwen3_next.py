@@ -1,0 +1,163 @@
+"""Qwen3-Next (Qwen3NextForCausalLM): gated DeltaNet linear-attention layers (a causal conv, the
+gated delta rule, a recurrent state a request) among gated full-attention layers (an output gate
+from q_proj, q/k norms, partial RoPE), zero-centred norms and Qwen2-MoE's experts, on a tiny random
+model saved as transformers saves it: ember's logits and greedy tokens equal transformers'
+(float32), through chunked prefill (the state carried from chunk to chunk), batches of several
+lengths, preemption and recompute, async scheduling and forked samples; a repeated prompt is
+computed again (no prefix cache: a state is not restored from blocks), and no state slot
+outlives its request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_checks import ENGINE, GREEDY, PROMPTS, assert_logits_match, greedy_tokens, hf_greedy
+
+from ember import LLM, SamplingParams
+from ember.loader.dummy import iter_dummy_weights
+from ember.models.config import ModelConfig
+from ember.request import Request
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# three linear-attention layers, then a full one; 2 key heads of 16 dims serving 4 value heads of
+# 24; RoPE on half of each 16-dim head; layer 1's MLP dense, the others 8 experts (2 a token)
+# beside a gated shared expert
+QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 320, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 24, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+    "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True, "tie_word_embeddings": False,
+}
+NO_CACHE = [[0, 0, 0], [0, 0, 0]]
+
+
+def save_qwen3_next(config: dict, path) -> None:
+    """The dummy weights, with a linear layer's own scales where 0.02 * N(0, 1) would leave it
+    idle: conv taps near 0.4, decays exp(-A * softplus(a + dt_bias)) over A in 1..16 and dt_bias
+    near 1, as Qwen3NextGatedDeltaNet's initialization draws them."""
+    (path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(3)
+    weights = {}
+    for name, t in iter_dummy_weights(ModelConfig.from_hf_config(config), seed=7):
+        if name.endswith("conv1d.weight"):
+            t = 20 * t
+        elif name.endswith("A_log"):
+            t = torch.empty(t.shape).uniform_(1, 16, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            t = 1 + 20 * t
+        weights[name] = t.contiguous()
+    save_file(weights, str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next")
+    save_qwen3_next(QWEN3_NEXT, path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return str(path), hf, [hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def _generate(llm, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def test_config_reads_qwen3_nexts_options():
+    cfg = ModelConfig.from_hf_config(QWEN3_NEXT)
+    assert (cfg.architecture, cfg.linear_layers, cfg.num_attention_layers, cfg.linear_conv_dim) == \
+        ("qwen3_next", (True, True, True, False), 1, 2 * 2 * 16 + 4 * 24)
+    assert (cfg.attention_output_gate, cfg.qk_norm, cfg.norm_unit_offset, cfg.rotary_dim, cfg.linear_conv_kernel) == \
+        (True, True, True, 8, 4)
+    assert (cfg.moe_layers, cfg.shared_expert_intermediate_size, cfg.shared_expert_gate) == \
+        ((True, False, True, True), 48, True)
+    # Qwen3NextConfig's defaults: every fourth layer full attention, RoPE on a quarter of each head
+    default = {k: v for k, v in QWEN3_NEXT.items() if k not in ("layer_types", "partial_rotary_factor")}
+    cfg = ModelConfig.from_hf_config(default | {"num_hidden_layers": 8})
+    assert cfg.linear_layers == (True, True, True, False) * 2 and cfg.rotary_dim == 4
+    with pytest.raises(ValueError, match="layer_types must list 'linear_attention' or 'full_attention'"):
+        ModelConfig.from_hf_config(QWEN3_NEXT | {"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]})
+
+
+def test_a_qwen3next_gguf_is_refused_by_name():
+    with pytest.raises(ValueError, match="llama.cpp's qwen3next .*pass the model's HF directory"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "qwen3next"}, [])
+
+
+def test_logits_and_greedy_tokens_match_transformers(qwen3_next, forward_logits):
+    path, hf, expected = qwen3_next
+    llm = LLM(path, **ENGINE)
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert greedy_tokens(llm) == expected
+    runner = llm.engine.runner
+    # the KV pool holds the one attention layer; the states, a slot a seat, the three linear ones
+    assert runner.kv_cache.shape[:3] == (2, 1, 128)
+    assert runner.states.conv.shape == (3, llm.engine.config.max_num_seqs, 2 * 2 * 16 + 4 * 24, 3)
+    assert runner.states.recurrent.shape == (3, llm.engine.config.max_num_seqs, 4, 16, 24)
+    llm.engine.check_idle()  # no state slot held
+
+
+def test_chunked_prefill_carries_the_state_and_a_repeated_prompt_is_recomputed(qwen3_next):
+    """5-token chunks: prompts of 13 and 27 tokens span 3 and 6 steps. Prefix caching, asked
+    for, is off: the second run computes every prompt again, to the same tokens."""
+    path, _, expected = qwen3_next
+    llm = LLM(path, **(ENGINE | dict(max_num_batched_tokens=5, enable_prefix_caching=True)))
+    assert not llm.engine.config.enable_prefix_caching
+    cached = []
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        cached.append([o.num_cached_tokens for o in outs])
+    assert cached == NO_CACHE
+    llm.engine.check_idle()
+
+
+def test_a_batch_of_lengths_equals_each_alone_and_survives_preemption(qwen3_next):
+    """Six requests of 1 to 27 tokens in one batch, each as it runs alone; in a pool of 12
+    blocks of 8 they cannot all grow to 32 more tokens: preempted ones recompute from a fresh state."""
+    path, hf, expected = qwen3_next
+    prompts = PROMPTS + [p[:k] for p, k in ((PROMPTS[0], 6), (PROMPTS[2], 19), (PROMPTS[2], 2))]
+    alone = expected + [hf_greedy(hf, p) for p in prompts[3:]]
+    llm = LLM(path, **(ENGINE | dict(num_kv_blocks=12)))
+    assert _generate(llm, prompts) == alone
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.check_idle()
+
+
+def test_async_scheduling_and_forked_samples_match(qwen3_next):
+    """With async scheduling a request keeps its seat (and slot) until its last step is
+    collected; n=2 greedy samples fork after the prompt and the fork recomputes it."""
+    path, _, expected = qwen3_next
+    llm = LLM(path, **(ENGINE | dict(async_scheduling=True, max_num_seqs=2)))
+    assert _generate(llm, PROMPTS) == expected
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(n=2, temperature=0, max_tokens=32,
+                                                                         ignore_eos=True))
+    assert [list(c.token_ids) for c in outs[0].outputs] == [expected[0]] * 2
+    llm.engine.check_idle()
+
+
+def test_finished_and_aborted_requests_leave_no_state_slot(qwen3_next):
+    path, _, expected = qwen3_next
+    llm = LLM(path, **(ENGINE | dict(max_num_batched_tokens=5)))
+    core, states = llm.engine, llm.engine.runner.states
+    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        core.add_request(r)
+    for _ in range(4):  # the 13- and 27-token prompts mid-prefill, the 1-token one decoding
+        core.step()
+    assert states.num_in_use == 3
+    core.abort_request("r2")
+    assert states.num_in_use == 2 and "r2" not in states.slots
+    while core.has_unfinished_requests():
+        core.step()
+    assert [r.output_token_ids for r in reqs[:2]] == expected[:2]
+    core.check_idle()
+    assert sorted(states.free) == list(range(states.num_slots))
