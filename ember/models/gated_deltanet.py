@@ -16,9 +16,9 @@ Per token x (after the layer's input norm), with H value heads of dv dims and ke
     out          = out_proj(rmsnorm(o) * w * silu(z))        per head
 
 The conv state is a sequence's last kernel - 1 inputs q | k | v (model dtype), the recurrent
-state S of every head (float32). A decode step advances every sequence one token at once; a
-prefill chunk runs its tokens one after the other from the state the previous chunk left (a
-plain recurrence: exact, and fast enough for the prompt lengths run on the CPU).
+state S of every head (float32). A decode step advances every sequence one token at once
+(`delta_rule_step`); a prefill chunk runs from the state the previous chunk left, DELTA_CHUNK
+tokens at a time in matrix products (`delta_rule_chunked`), each sequence of the step in turn.
 
 The checkpoint's in_proj_qkvz / in_proj_ba rows come grouped by key head; the loader reorders
 them part by part (loader/weights.linear_rows_by_part), so each part is one slice here.
@@ -36,6 +36,7 @@ from ember.layers.linear import Linear
 from ember.models.config import ModelConfig
 
 L2NORM_EPS = 1e-6  # transformers' (and the fla library's) eps inside the q / k norms
+DELTA_CHUNK = 64  # tokens a prefill advances the state by at once (transformers' chunk_size)
 
 
 class GatedRMSNorm(nn.Module):
@@ -65,6 +66,40 @@ def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     error = v - torch.einsum("shk,shkv->shv", k, state)
     state.add_(k[..., None] * (beta[..., None] * error)[..., None, :])
     return torch.einsum("shk,shkv->shv", q, state)
+
+
+def delta_rule_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, chunk: int = DELTA_CHUNK) -> torch.Tensor:
+    """n tokens of one sequence, as n `delta_rule_step`s: state [H, dk, dv] (updated in place),
+    q, k [n, H, dk], v [n, H, dv], g, beta [n, H], all float32 -> o [n, H, dv].
+
+    Within a chunk from state S0, with G(t) = g(1) + ... + g(t) and D(t, i) = exp(G(t) - G(i)):
+
+        S(t) = exp(G(t)) S0 + sum_{i <= t} D(t, i) k(i) u(i)^T
+        u(t) = beta(t) (v(t) - exp(G(t)) k(t)^T S0) - sum_{i < t} beta(t) D(t, i) (k(t).k(i)) u(i)
+
+    so (I + A) U = beta V - beta exp(G) K S0 with A strictly lower triangular, one triangular
+    solve for [beta V | beta exp(G) K]; then O = exp(G) Q S0 + (QK^T * D, i <= t) U and the
+    chunk's last state exp(G(c)) S0 + (D(c, i) K)^T U. No exp of a positive number: D is
+    taken where i <= t only."""
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, d]
+    g, beta = g.t(), beta.t()  # [H, n]
+    dv, out = v.shape[-1], []
+    for start in range(0, q.shape[1], chunk):
+        qc, kc, vc = q[:, start:start + chunk], k[:, start:start + chunk], v[:, start:start + chunk]
+        gc, bc = g[:, start:start + chunk], beta[:, start:start + chunk]
+        cum = gc.cumsum(-1)  # G [H, c]
+        causal = torch.ones(cum.shape[-1], cum.shape[-1], dtype=torch.bool, device=cum.device).tril()
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # D [H, c, c]
+        a = (bc[:, :, None] * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
+        rhs = torch.cat([bc[..., None] * vc, (bc * cum.exp())[..., None] * kc], dim=-1)
+        w = torch.linalg.solve_triangular(a + torch.eye(a.shape[-1], device=a.device), rhs, upper=False,
+                                          unitriangular=True)
+        u = w[..., :dv] - w[..., dv:] @ state  # [H, c, dv]
+        out.append((qc * cum.exp()[..., None]) @ state + ((qc @ kc.transpose(1, 2)) * decay) @ u)
+        last = cum[:, -1:]
+        state.mul_(last.exp()[..., None]).add_((kc * (last - cum).exp()[..., None]).transpose(1, 2) @ u)
+    return torch.cat(out, dim=1).transpose(0, 1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -117,10 +152,13 @@ class GatedDeltaNet(nn.Module):
         else:
             o = torch.empty_like(v)
             for slot, start, stop in _sequences(meta):
-                state = self.recurrent_state[slot:slot + 1]  # a view: updated in place
-                for t in range(start, stop):
-                    o[t:t + 1] = delta_rule_step(state, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
-                                                 beta[t:t + 1])
+                rows = slice(start, stop)
+                if stop - start == 1:  # a decode row of a mixed step
+                    o[rows] = delta_rule_step(self.recurrent_state[slot:slot + 1], q[rows], k[rows], v[rows],
+                                              g[rows], beta[rows])
+                else:
+                    o[rows] = delta_rule_chunked(self.recurrent_state[slot], q[rows], k[rows], v[rows], g[rows],
+                                                 beta[rows])
         o = self.norm(o.to(dtype), z.view(tokens, self.heads, self.dv))
         return self.out_proj(o.reshape(tokens, self.value_dim))
 

@@ -161,3 +161,13 @@ def test_finished_and_aborted_requests_leave_no_state_slot(qwen3_next):
     assert [r.output_token_ids for r in reqs[:2]] == expected[:2]
     core.check_idle()
     assert sorted(states.free) == list(range(states.num_slots))
+
+
+def test_a_prompt_of_several_delta_chunks_matches_transformers(qwen3_next, forward_logits):
+    """150 tokens: the state advances 64 tokens at a time, then by a short last chunk."""
+    path, hf, _ = qwen3_next
+    prompt = [(7 * i + 3) % 317 + 3 for i in range(150)]
+    llm = LLM(path, **ENGINE)
+    assert_logits_match(llm, hf, [prompt], forward_logits)
+    assert _generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == \
+        [hf_greedy(hf, prompt, 8)]
