@@ -148,7 +148,7 @@ class ModelRunner:
         self.encoder = mc.bidirectional  # whole prompts, no KV cache, no decode step to capture
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and not self.encoder
         if use_graphs and self.states is not None:
-            # the linear-attention layers loop over each prefill's sequences and tokens on the host
+            # the linear-attention layers loop over a step's sequences and chunks on the host
             logger.info("no CUDA graphs for %s: its linear-attention layers run eager", mc.architecture)
             use_graphs = False
         self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0

@@ -171,3 +171,35 @@ def test_a_prompt_of_several_delta_chunks_matches_transformers(qwen3_next, forwa
     assert_logits_match(llm, hf, [prompt], forward_logits)
     assert _generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == \
         [hf_greedy(hf, prompt, 8)]
+
+
+# on CUDA: 128-dim heads as the real model's (RoPE on a quarter of each), two rounds of three
+# linear layers and a full one, 16 experts (4 a token)
+QWEN3_NEXT_CUDA = QWEN3_NEXT | {
+    "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "partial_rotary_factor": 0.25,
+    "max_position_embeddings": 4096, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+    "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 512,
+    "mlp_only_layers": [],
+}
+
+
+@pytest.mark.gpu
+def test_cuda_bfloat16_agrees_with_transformers(tmp_path, forward_logits):
+    """The engine on CUDA in bfloat16 (Triton attention, the fused MoE kernels, the linear layers
+    in torch, eager) against transformers in float32 on CUDA, as test_cuda_families.py measures
+    the mixtures of experts (a flipped expert moves a row: their floors)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from hf_agreement import greedy_agreement, logits_agreement
+
+    save_qwen3_next(QWEN3_NEXT_CUDA, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 8192, (n,), generator=g).tolist() for n in (3, 17, 129, 300, 1, 250)]
+    llm = LLM(str(tmp_path), max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.3)
+    assert llm.engine.runner.graphs is None and llm.config.attention_backend == "triton"
+    assert logits_agreement("qwen3_next", llm, hf, prompts, forward_logits) >= 0.90
+    assert greedy_agreement("qwen3_next", llm, hf, prompts) >= 0.90
+    llm.engine.check_idle()
