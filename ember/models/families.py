@@ -159,6 +159,9 @@ _GPT_OSS_NAMES = (
     (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj$", r"model.layers.\1.mlp.w2"),
 )
 
+# Qwen3-Next's checkpoints carry a multi-token-prediction layer (mtp.*), which transformers does not read either
+_QWEN3_NEXT_NAMES = ((r"mtp\.", None),)
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("LlamaForCausalLM", "LlamaForSequenceClassification"), ("llama",), "llama",
            gguf_rope_permuted=True),
@@ -211,7 +214,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # qwen3next) are not read yet (models/config.py refuses them by name)
     Family("qwen3_next", ("Qwen3NextForCausalLM",), ("qwen3_next",), None, qk_norm=True, moe="qwen",
            shared_expert=True, o_proj_bias_key="attention_bias", unit_offset_norms=True,
-           attention_output_gate=True, linear_attention=True,
+           attention_output_gate=True, linear_attention=True, hf_tensor_names=_QWEN3_NEXT_NAMES,
            partial_rotary_factor=0.25,
            hf_config_defaults={"head_dim": 256, "norm_topk_prob": True,
                                "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,

@@ -44,10 +44,15 @@ NO_CACHE = [[0, 0, 0], [0, 0, 0]]
 def save_qwen3_next(config: dict, path) -> None:
     """The dummy weights, with a linear layer's own scales where 0.02 * N(0, 1) would leave it
     idle: conv taps near 0.4, decays exp(-A * softplus(a + dt_bias)) over A in 1..16 and dt_bias
-    near 1, as Qwen3NextGatedDeltaNet's initialization draws them."""
+    near 1, as Qwen3NextGatedDeltaNet's initialization draws them; and a multi-token-prediction
+    layer as Qwen's checkpoints carry it (mtp.*: the last layer's tensors, its projection of
+    embedding | hidden state and three norms), which neither transformers nor ember reads."""
     (path / "config.json").write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(3)
-    weights = {}
+    last, h = f"model.layers.{config['num_hidden_layers'] - 1}.", config["hidden_size"]
+    weights = {"mtp.fc.weight": 0.02 * torch.randn(h, 2 * h, generator=gen)}
+    weights |= {f"mtp.{norm}.weight": 0.1 * torch.randn(h, generator=gen)
+                for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
     for name, t in iter_dummy_weights(ModelConfig.from_hf_config(config), seed=7):
         if name.endswith("conv1d.weight"):
             t = 20 * t
@@ -56,6 +61,8 @@ def save_qwen3_next(config: dict, path) -> None:
         elif name.endswith("dt_bias"):
             t = 1 + 20 * t
         weights[name] = t.contiguous()
+        if name.startswith(last):
+            weights["mtp.layers.0." + name.removeprefix(last)] = t.clone()
     save_file(weights, str(path / "model.safetensors"))
 
 
