@@ -33,7 +33,7 @@ from ember.layers.quant.ggml import dequantize  # noqa: F401 (the loader's API t
 from ember.layers.quant.gguf_blocks import KERNEL_TYPES, BlockTensor
 from ember.loader.gguf_experts import is_stacked_experts, split_experts
 from ember.loader.gguf_reader import CorruptGGUF, read_gguf
-from ember.loader.weights import completed_pair, hf_weight_shapes, rope_rows_to_halves
+from ember.loader.weights import completed_pair, hf_weight_shapes, linear_rows_by_part, rope_rows_to_halves
 from ember.models.config import ModelConfig
 from ember.models.families import BY_GGUF_ARCHITECTURE
 
@@ -196,7 +196,9 @@ def gguf_to_hf_names(arch: str, hf_names: Iterable[str], num_layers: int) -> dic
     for hf in hf_names:
         # DeepSeek-V3's router bias: the converter names it as a `.bias` of e_score_correction
         # gpt-oss's sinks: a weight of attn_sinks (a parameter of no suffix in transformers)
-        lookup = hf + ".weight" if hf.endswith(".self_attn.sinks") else hf
+        # Qwen3-Next's dt_bias: a bias of dt_proj
+        lookup = hf + ".weight" if hf.endswith(".self_attn.sinks") else \
+            hf.replace(".dt_bias", ".dt_proj.bias") if hf.endswith(".linear_attn.dt_bias") else hf
         name = table.get_name(lookup.replace("e_score_correction_bias", "e_score_correction.bias"),
                               try_suffixes=(".weight", ".bias"))
         if name is None:
@@ -250,7 +252,7 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     RoPE scaling, baked into a tensor) carries real information. A tied model has no
     output.weight, so no lm_head.weight comes out.
     """
-    names = gguf_to_hf_names(f.architecture, hf_weight_shapes(cfg), cfg.num_layers)
+    names = gguf_to_hf_names(f.architecture, list(hf_weight_shapes(cfg)) + _linear_gguf_parts(cfg), cfg.num_layers)
     family = BY_GGUF_ARCHITECTURE.get(f.architecture)
     unpermute = family is not None and family.gguf_rope_permuted
     no_kernel: dict[str, list[str]] = {}
@@ -290,6 +292,8 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
             rows = unpermute_rows(rows, cfg.num_heads)
         elif unpermute and ".self_attn.k_proj." in name:
             rows = unpermute_rows(rows, cfg.num_kv_heads)
+        elif ".linear_attn." in name:
+            rows = _linear_attention_tensor(cfg, name, rows)
         elif cfg.norm_unit_offset and name.endswith("norm.weight"):
             rows = rows - 1.0  # llama.cpp stores Gemma's norms as 1 + w; HF's w (exact: Sterbenz)
         yield name, BlockTensor(info.qtype, info.shape, rows.contiguous()) if blocks else rows
@@ -309,6 +313,27 @@ _BLOCK = re.compile(r"blk\.(\d+)\.")
 _EXPERT_BIAS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.bias")
 _LATENT_B = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
 _ROPE_PROJECTION = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.")
+
+
+def _linear_gguf_parts(cfg: ModelConfig) -> list[str]:
+    """Qwen3-Next's in_proj_qkvz as llama.cpp's converter writes it: q | k | v (attn_qkv) and z
+    (attn_gate) apart, under the names gguf-py gives them (in_proj_qkvz's shards, loader/weights.PACKED)."""
+    return [f"model.layers.{i}.linear_attn.{part}.weight" for i in range(cfg.num_layers) if cfg.layer_is_linear(i)
+            for part in ("in_proj_qkv", "in_proj_z")]
+
+
+def _linear_attention_tensor(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """A Qwen3-Next linear layer's tensor as the converter changed it, back to the checkpoint's:
+    ssm_a is -exp(A_log), ssm_conv1d lost its middle axis, ssm_ba keeps the rows grouped by
+    key head (reordered here as an HF checkpoint's are, loader/weights.linear_rows_by_part);
+    its gated norm's weight is stored as it is (no 1 + w)."""
+    if name.endswith(".A_log"):
+        return torch.log(-t)
+    if name.endswith(".conv1d.weight"):
+        return t.unsqueeze(1)
+    if name.endswith(".in_proj_ba.weight"):
+        return linear_rows_by_part(cfg, "ba", t)
+    return t
 
 
 def _kv_b_proj(layer: int, k_b: torch.Tensor, v_b: torch.Tensor) -> tuple[str, torch.Tensor]:

@@ -27,8 +27,6 @@ from ember.models.families import (
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 GGUF_ARCHITECTURES = tuple(BY_GGUF_ARCHITECTURE)
-# llama.cpp architectures of families ember runs from HF checkpoints only, for now
-GGUF_NOT_YET = {"qwen3next": "Qwen3-Next"}
 # the sizes no default stands in for (Gemma3TextConfig's are Gemma 2 2B's, no Gemma 3's)
 _TEXT_CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers")
 
@@ -357,10 +355,6 @@ class ModelConfig:
         """From llama.cpp's metadata keys. `read_vector` reads a small tensor of the file: the
         RoPE factors llama.cpp stores as tensors (rope_freqs, rope_factors_long/short)."""
         arch = md.get("general.architecture")
-        if arch in GGUF_NOT_YET:
-            raise ValueError(f"this GGUF is llama.cpp's {arch} ({GGUF_NOT_YET[arch]}), which ember does not read "
-                             "from a GGUF file yet (its linear-attention layers): pass the model's HF directory "
-                             "(config.json + safetensors)")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(
                 f"unsupported GGUF architecture {arch!r}; ember runs {', '.join(GGUF_ARCHITECTURES)}"
@@ -434,12 +428,12 @@ class ModelConfig:
             max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias=(fam.qkv_bias_key is None and fam.qkv_bias_default) or "blk.0.attn_q.bias" in tensor_names,
-            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            qk_norm=any(n.endswith(".attn_q_norm.weight") for n in tensor_names),  # (Qwen3-Next: not in block 0)
             rope_scaling=rope_scaling,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
             hidden_act="gelu_tanh" if gemma or fam.layer_norm else "silu",  # llama.cpp: GPT-2's and Phi-2's GELU is tanh's
-            norm_unit_offset=gemma,
+            norm_unit_offset=gemma or fam.unit_offset_norms,
             sandwich_norms=fam.sandwich_norms,
             embed_scale=hidden ** 0.5 if gemma else None,
             query_pre_attn_scalar=query_scalar,
@@ -457,6 +451,8 @@ class ModelConfig:
             attention_sinks=fam.attention_sinks,
             # gpt-oss's; the LayerNorm decoders' biases come with layer_norm
             o_proj_bias=not fam.layer_norm and "blk.0.attn_output.bias" in tensor_names,
+            attention_output_gate=fam.attention_output_gate,
+            **(_gguf_linear_attention_options(md, arch, layers) if fam.linear_attention else {}),
         )
 
 
@@ -721,6 +717,26 @@ def _linear_attention_options(config: dict[str, Any], num_layers: int) -> dict[s
             "linear_key_head_dim": config["linear_key_head_dim"],
             "linear_value_head_dim": config["linear_value_head_dim"],
             "linear_conv_kernel": config["linear_conv_kernel_dim"]}
+
+
+def _gguf_linear_attention_options(md: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3-Next's linear layers from llama.cpp's keys: attention.recurrent_layers (else all but
+    every full_attention_interval-th), and the sizes under ssm.*: group_count key heads of
+    state_size dims, time_step_rank value heads sharing inner_size, conv_kernel."""
+    def get(key: str) -> Any:
+        if (value := md.get(f"{arch}.{key}")) is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}: the file is incomplete")
+        return value
+
+    recurrent = md.get(f"{arch}.attention.recurrent_layers")
+    if recurrent is None:
+        interval = md.get(f"{arch}.full_attention_interval", 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(num_layers)]
+    heads = get("ssm.time_step_rank")
+    return {"linear_layers": tuple(bool(r) for r in recurrent[:num_layers]),
+            "linear_num_key_heads": get("ssm.group_count"), "linear_num_value_heads": heads,
+            "linear_key_head_dim": get("ssm.state_size"), "linear_value_head_dim": get("ssm.inner_size") // heads,
+            "linear_conv_kernel": get("ssm.conv_kernel")}
 
 
 def _deepseek_moe_options(config: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -210,9 +210,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            hf_config_keys={"intermediate_size": "moe_intermediate_size", "intermediate_size_mlp": "intermediate_size"},
            hf_config_defaults=_LLAMA4_TEXT_DEFAULTS, hf_tensor_names=_LLAMA4_NAMES),
     # Qwen3-Next: three gated DeltaNet layers to one gated full-attention layer (partial RoPE, q/k
-    # norms), zero-centred norms, Qwen2-MoE's experts and gated shared expert; its GGUFs (llama.cpp's
-    # qwen3next) are not read yet (models/config.py refuses them by name)
-    Family("qwen3_next", ("Qwen3NextForCausalLM",), ("qwen3_next",), None, qk_norm=True, moe="qwen",
+    # norms), zero-centred norms, Qwen2-MoE's experts and gated shared expert
+    Family("qwen3_next", ("Qwen3NextForCausalLM",), ("qwen3_next",), "qwen3next", qk_norm=True, moe="qwen",
            shared_expert=True, o_proj_bias_key="attention_bias", unit_offset_norms=True,
            attention_output_gate=True, linear_attention=True, hf_tensor_names=_QWEN3_NEXT_NAMES,
            partial_rotary_factor=0.25,

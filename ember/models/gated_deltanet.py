@@ -21,7 +21,8 @@ state S of every head (float32). A decode step advances every sequence one token
 tokens at a time in matrix products (`delta_rule_chunked`), each sequence of the step in turn.
 
 The checkpoint's in_proj_qkvz / in_proj_ba rows come grouped by key head; the loader reorders
-them part by part (loader/weights.linear_rows_by_part), so each part is one slice here.
+them part by part (loader/weights.linear_rows_by_part), so each part is one slice here (a GGUF
+holds q | k | v and z so already, as two tensors: in_proj_qkvz's two shards).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 
 from ember.distributed.parallel_state import tp_size
 from ember.layers.attention import AttentionMetadata
-from ember.layers.linear import Linear
+from ember.layers.linear import Linear, MergedLinear
 from ember.models.config import ModelConfig
 
 L2NORM_EPS = 1e-6  # transformers' (and the fla library's) eps inside the q / k norms
@@ -113,7 +114,7 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.key_heads * self.dk, self.heads * self.dv
         self.conv_dim, self.kernel = cfg.linear_conv_dim, cfg.linear_conv_kernel
-        self.in_proj_qkvz = Linear(h, self.conv_dim + self.value_dim)
+        self.in_proj_qkvz = MergedLinear(h, [self.conv_dim, self.value_dim])  # q | k | v, then z
         self.in_proj_ba = Linear(h, 2 * self.heads)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
@@ -133,7 +134,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: the normed hidden states [T, hidden] -> [T, hidden]."""
         tokens, dtype = x.shape[0], x.dtype
-        qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+        qkv, z = self.in_proj_qkvz.split(self.in_proj_qkvz(x))
         b, a = self.in_proj_ba(x).split([self.heads, self.heads], dim=-1)
         decode = meta.num_seqs == tokens  # one token a sequence: every sequence steps at once
         qkv = self._conv(qkv, meta, decode)

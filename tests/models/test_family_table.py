@@ -11,12 +11,12 @@ def test_the_lookups_name_each_family_once():
                                        "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4",
                                        "qwen3_next", "gpt2", "opt", "phi", "bert", "xlm_roberta")
     assert GGUF_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "qwen3moe",
-                                  "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "llama4", "gpt2", "phi2")
+                                  "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "llama4", "qwen3next", "gpt2", "phi2")
     assert BY_GGUF_ARCHITECTURE["phi2"].name == "phi"
     assert {a: f.name for a, f in BY_GGUF_EXPERTS.items()} == {"llama": "mixtral", "qwen3moe": "qwen3_moe",
                                                                "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v2",
                                                                "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
-                                                               "llama4": "llama4"}
+                                                               "llama4": "llama4", "qwen3next": "qwen3_next"}
     assert BY_HF_ARCHITECTURE["Gemma3ForConditionalGeneration"].name == "gemma3"
     assert BY_HF_MODEL_TYPE["gemma3_text"] is BY_HF_MODEL_TYPE["gemma3"] is BY_GGUF_ARCHITECTURE["gemma3"]
     assert len(BY_HF_ARCHITECTURE) == 32 and len(BY_HF_MODEL_TYPE) == 26

@@ -5,10 +5,11 @@ model saved as transformers saves it: ember's logits and greedy tokens equal tra
 (float32), through chunked prefill (the state carried from chunk to chunk), batches of several
 lengths, preemption and recompute, async scheduling and forked samples; a repeated prompt is
 computed again (no prefix cache: a state is not restored from blocks), and no state slot
-outlives its request."""
+outlives its request. And the GGUFs llama.cpp's converter writes (qwen3next), float32 and Q8_0."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from family_checks import ENGINE, GREEDY, PROMPTS, assert_logits_match, greedy_t
 
 from ember import LLM, SamplingParams
 from ember.loader.dummy import iter_dummy_weights
+from ember.loader.weights import linear_rows_by_part
 from ember.models.config import ModelConfig
 from ember.request import Request
 
@@ -92,11 +94,6 @@ def test_config_reads_qwen3_nexts_options():
     assert cfg.linear_layers == (True, True, True, False) * 2 and cfg.rotary_dim == 4
     with pytest.raises(ValueError, match="layer_types must list 'linear_attention' or 'full_attention'"):
         ModelConfig.from_hf_config(QWEN3_NEXT | {"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]})
-
-
-def test_a_qwen3next_gguf_is_refused_by_name():
-    with pytest.raises(ValueError, match="llama.cpp's qwen3next .*pass the model's HF directory"):
-        ModelConfig.from_gguf_metadata({"general.architecture": "qwen3next"}, [])
 
 
 def test_logits_and_greedy_tokens_match_transformers(qwen3_next, forward_logits):
@@ -178,6 +175,64 @@ def test_a_prompt_of_several_delta_chunks_matches_transformers(qwen3_next, forwa
     assert_logits_match(llm, hf, [prompt], forward_logits)
     assert _generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == \
         [hf_greedy(hf, prompt, 8)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_gguf_dir(tmp_path_factory, bpe_tokenizer_dir):
+    """The tiny model with a tokenizer llama.cpp's converter recognises (SmolLM2's) and every MLP
+    sparse: the converter maps no dense MLP in a qwen3next layer (nor do the real models have one)."""
+    path = tmp_path_factory.mktemp("qwen3_next_gguf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(bpe_tokenizer_dir))
+    tokenizer.save_pretrained(str(path))
+    save_qwen3_next(QWEN3_NEXT | {"vocab_size": len(tokenizer), "mlp_only_layers": []}, path)
+    return path
+
+
+def test_gguf_from_llama_cpps_converter_matches_transformers(qwen3_next_gguf_dir, gguf_convert, forward_logits):
+    """qwen3next: q | k | v and z written apart (attn_qkv, attn_gate), ssm_a = -exp(A_log), the
+    conv's taps squeezed, norms but the gated one stored as 1 + w, the prediction layer a fifth block."""
+    from ember.loader.gguf import open_gguf
+
+    path = gguf_convert(qwen3_next_gguf_dir, "f32")
+    f = open_gguf(path)
+    assert (f.architecture, f.metadata["qwen3next.block_count"], f.metadata["qwen3next.nextn_predict_layers"]) == \
+        ("qwen3next", 5, 1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(qwen3_next_gguf_dir), dtype=torch.float32).eval()
+    llm = LLM(str(path), **(ENGINE | dict(kv_cache_dtype="float32", num_kv_blocks=32)))
+    ours, theirs = llm.engine.config.model_config, ModelConfig.from_hf_dir(qwen3_next_gguf_dir)
+    assert ours == dataclasses.replace(theirs, rms_norm_eps=ours.rms_norm_eps)  # (stored as float32)
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert greedy_tokens(llm) == [hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_q8_0_gguf_keeps_the_linear_layers_in_blocks(qwen3_next_gguf_dir, gguf_convert, forward_logits):
+    """Q8_0: attn_qkv, attn_gate and ssm_ba stay in their blocks (ssm_ba's rows reordered as
+    bytes: each row dequantizes to the checkpoint's reordered row), and the model runs on them."""
+    from safetensors.torch import load_file
+
+    from ember.layers.quant.ggml import dequantize
+    from ember.layers.quant.gguf_blocks import BlockTensor
+    from ember.loader.gguf import iter_hf_weights, open_gguf
+
+    path = gguf_convert(qwen3_next_gguf_dir, "q8_0")
+    cfg = ModelConfig.from_hf_dir(qwen3_next_gguf_dir)
+    weights = dict(iter_hf_weights(open_gguf(path), cfg, keep_quantized=True))
+    saved = load_file(str(qwen3_next_gguf_dir / "model.safetensors"))
+    ba = weights["model.layers.0.linear_attn.in_proj_ba.weight"]
+    qkv, z = (weights[f"model.layers.0.linear_attn.in_proj_{p}.weight"] for p in ("qkv", "z"))
+    assert all(isinstance(t, BlockTensor) and t.type_name == "Q8_0" for t in (ba, qkv, z))
+    want = linear_rows_by_part(cfg, "ba", saved["model.layers.0.linear_attn.in_proj_ba.weight"])
+    torch.testing.assert_close(dequantize(ba.data.numpy().reshape(-1), ba.qtype, ba.shape), want, rtol=0, atol=2e-3)
+    qkvz = linear_rows_by_part(cfg, "qkvz", saved["model.layers.0.linear_attn.in_proj_qkvz.weight"])
+    got = torch.cat([dequantize(t.data.numpy().reshape(-1), t.qtype, t.shape) for t in (qkv, z)])
+    torch.testing.assert_close(got, qkvz, rtol=0, atol=2e-3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(qwen3_next_gguf_dir), dtype=torch.float32).eval()
+    llm = LLM(str(path), **(ENGINE | dict(kv_cache_dtype="float32", num_kv_blocks=32)))
+    assert llm.engine.config.quantization == "gguf"
+    for ids, ours in zip(PROMPTS, forward_logits(llm, PROMPTS)):  # int8 weights and activations
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert (ours - ref).abs().mean() < 0.1 * ref.abs().mean()
 
 
 # on CUDA: 128-dim heads as the real model's (RoPE on a quarter of each), two rounds of three
