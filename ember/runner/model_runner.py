@@ -162,6 +162,8 @@ class ModelRunner:
                 logger.info("max_num_seqs %d, not the default %d: the KV pool holds %d sequences of max_model_len "
                             "%d", seats, config.max_num_seqs, seats, config.max_model_len)
                 self.config = config = dataclasses.replace(config, max_num_seqs=seats)
+                if self.states is not None:  # a slot a seat
+                    self.states = self._recurrent_states()
         # K and V planes (MLA: one, the latent), then layers, blocks, slots, heads, dims
         shape = (mc.kv_planes, self.num_kv_layers, self.num_blocks + self.num_null_blocks, config.block_size,
                  self.num_kv_heads, mc.cache_head_dim)
