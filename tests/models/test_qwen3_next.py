@@ -43,6 +43,22 @@ QWEN3_NEXT = {
 NO_CACHE = [[0, 0, 0], [0, 0, 0]]
 
 
+# Qwen3-Next-80B-A3B-Instruct's config.json: no layer_types (every fourth layer full attention),
+# RoPE on a quarter of each head
+RELEASED = {
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "full_attention_interval": 4,
+    "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [], "model_type": "qwen3_next",
+    "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512,
+    "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2, "output_router_logits": False,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
 def save_qwen3_next(config: dict, path) -> None:
     """The dummy weights, with a linear layer's own scales where 0.02 * N(0, 1) would leave it
     idle: conv taps near 0.4, decays exp(-A * softplus(a + dt_bias)) over A in 1..16 and dt_bias
@@ -92,6 +108,11 @@ def test_config_reads_qwen3_nexts_options():
     default = {k: v for k, v in QWEN3_NEXT.items() if k not in ("layer_types", "partial_rotary_factor")}
     cfg = ModelConfig.from_hf_config(default | {"num_hidden_layers": 8})
     assert cfg.linear_layers == (True, True, True, False) * 2 and cfg.rotary_dim == 4
+    cfg = ModelConfig.from_hf_config(RELEASED)
+    assert (cfg.linear_layers, cfg.num_attention_layers, cfg.rotary_dim, cfg.rope_theta, cfg.linear_conv_dim) == \
+        ((True, True, True, False) * 12, 12, 64, 1e7, 8192)
+    assert (cfg.moe_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size) == \
+        ((True,) * 48, 512, 10, 512)
     with pytest.raises(ValueError, match="layer_types must list 'linear_attention' or 'full_attention'"):
         ModelConfig.from_hf_config(QWEN3_NEXT | {"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]})
 
