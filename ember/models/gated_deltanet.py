@@ -27,6 +27,8 @@ holds q | k | v and z so already, as two tensors: in_proj_qkvz's two shards).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -184,7 +186,7 @@ class GatedDeltaNet(nn.Module):
         return F.silu(y)
 
 
-def _sequences(meta: AttentionMetadata):
+def _sequences(meta: AttentionMetadata) -> Iterator[tuple[int, int, int]]:
     """(state slot, first row, end row) of each sequence of the step."""
     start = 0
     for slot, n in zip(meta.state_slots_cpu, meta.query_lens_cpu):
