@@ -352,13 +352,19 @@ def test_fused_experts_at_real_shapes_and_in_a_cuda_graph(tokens, experts, top_k
     want = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids.long(), biases, layer.swiglu)
     eager = layer(x)
     torch.testing.assert_close(eager.float(), want, rtol=2e-2, atol=2e-2)
+    _assert_graph_replays(layer, x)
+
+
+def _assert_graph_replays(layer: FusedMoE, x: torch.Tensor) -> None:
+    """The layer captured in a CUDA graph on a copy of x, replayed on new tokens (which route
+    elsewhere: the graph must follow), gives what it gives eager, bit for bit."""
     static = x.clone()
     layer(static)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = layer(static)
-    static.copy_(torch.randn_like(x))  # new tokens route elsewhere: the graph must follow
+    static.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, layer(static), rtol=0, atol=0)
 
@@ -401,15 +407,7 @@ def test_mxfp4_experts_at_gpt_oss_120b_shapes_and_in_a_cuda_graph(tokens, gpt_os
     dense = fused_experts(x, w13.to(torch.bfloat16), w2.to(torch.bfloat16), weights, ids,
                           (layer.w13_bias, layer.w2_bias), SWIGLU)
     torch.testing.assert_close(eager, dense, rtol=0, atol=1e-2 * scale)
-    static = x.clone()
-    layer(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(static)
-    static.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.testing.assert_close(out, layer(static), rtol=0, atol=0)
+    _assert_graph_replays(layer, x)
 
 
 _COMPILE = """

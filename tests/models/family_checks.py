@@ -44,13 +44,16 @@ def greedy_tokens(llm, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
 
 
-def assert_chunked_and_cached(model: str, expected: list[list[int]], **engine) -> None:
+def assert_chunked_and_cached(model: str, expected: list[list[int]], cached_tokens: list[list[int]] = CACHED,
+                              **engine) -> LLM:
     """PROMPTS in 5-token chunks, then again over their cached prefix: the same greedy tokens
-    both times, and every whole block of a prompt from the cache the second time."""
+    both times, and every whole block of a prompt from the cache the second time (or, for a
+    model without a prefix cache, `cached_tokens`). Returns the engine."""
     llm = LLM(model, **(ENGINE | engine | dict(max_num_batched_tokens=5)))
     cached = []
     for _ in range(2):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
         cached.append([o.num_cached_tokens for o in outs])
-    assert cached == CACHED
+    assert cached == cached_tokens
+    return llm

@@ -14,7 +14,15 @@ import json
 
 import pytest
 import torch
-from family_checks import ENGINE, GREEDY, PROMPTS, assert_logits_match, greedy_tokens, hf_greedy
+from family_checks import (
+    ENGINE,
+    GREEDY,
+    PROMPTS,
+    assert_chunked_and_cached,
+    assert_logits_match,
+    greedy_tokens,
+    hf_greedy,
+)
 
 from ember import LLM, SamplingParams
 from ember.loader.dummy import iter_dummy_weights
@@ -134,14 +142,8 @@ def test_chunked_prefill_carries_the_state_and_a_repeated_prompt_is_recomputed(q
     """5-token chunks: prompts of 13 and 27 tokens span 3 and 6 steps. Prefix caching, asked
     for, is off: the second run computes every prompt again, to the same tokens."""
     path, _, expected = qwen3_next
-    llm = LLM(path, **(ENGINE | dict(max_num_batched_tokens=5, enable_prefix_caching=True)))
+    llm = assert_chunked_and_cached(path, expected, NO_CACHE, enable_prefix_caching=True)
     assert not llm.engine.config.enable_prefix_caching
-    cached = []
-    for _ in range(2):
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-        assert [list(o.outputs[0].token_ids) for o in outs] == expected
-        cached.append([o.num_cached_tokens for o in outs])
-    assert cached == NO_CACHE
     llm.engine.check_idle()
 
 
