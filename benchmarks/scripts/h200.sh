@@ -41,6 +41,12 @@
 #                       the kernels at gpt-oss-120b's expert shapes, in CUDA graphs) and of the gpt-oss families
 #                       against HF (dense and MXFP4 experts), then the gpt-oss-120b shape with dummy MXFP4
 #                       experts (60.9 GB; one GPU): one request 128/512 and 256 x 1000/1000 (ember alone)
+#   moe-speed [PART]    PART kernels (default): the MoE kernels' GPU tests (the decode GEMV in graphs at real
+#                       shapes), moe_tune.py at decode and prefill token counts for gpt-oss-120b (MXFP4) and
+#                       DeepSeek-V2-Lite (moe_configs.json to $OUT), gpt-oss's CUDA family cases; PART engines:
+#                       gpt-oss-120b one request 128/512 and where its decode step goes (profile_gpu_steps.py),
+#                       DeepSeek-V2-Lite 512 x 1000/1000 plain and with --profile-steps (ember alone: race vLLM
+#                       on the same warm machine with vllm_race.py)
 #   sweep-decode [fp8]  decode_sweep.py over a bf16 (default) or fp8 cache, then the nano protocol at the
 #                       default config and at the sweep's best (EMBER_DECODE_CONFIG), and Llama-8B at the best
 #   defaults            ember at its defaults (no seat or budget flag) and at other flags, in one call: the
@@ -294,6 +300,27 @@ mode_gpt_oss() {
   bench gpt_oss_120b_256x1000 200 $G --num-prompts 256 --input-len 1000 --output-len 1000 --max-model-len 2048
 }
 
+mode_moe_speed() {  # moe-speed [kernels|engines]: one part a call
+  local secs G=benchmarks/configs/gpt-oss-120b D=benchmarks/configs/deepseek-v2-lite
+  if [ "${1:-kernels}" = kernels ]; then
+    gpu_tests 150 tests/kernels/test_moe_kernels.py
+    if secs=$(cap moe_tune 240); then
+      timeout "$secs" python3 benchmarks/scripts/moe_tune.py --shapes gpt-oss-120b deepseek-v2-lite \
+        --tokens 1 2 4 8 16 64 512 2>&1 | grep -E "TUNED|wrote|Error" | tee "$J/moe_tune.log"
+      cp ember/kernels/moe_configs.json "$J/"
+    fi
+    gpu_tests 120 tests/models/test_cuda_families.py -k gpt_oss
+    return
+  fi
+  bench gpt_oss_120b_latency 120 $G $LAT
+  if secs=$(cap "gpt-oss-120b decode profile" 100); then
+    timeout "$secs" $P $G --num-prompts 1 --input-len 128 --output-len 160 2>&1 | grep -v Warn | head -30 \
+      | tee "$J/profile_gpt_oss_120b_1.log"
+  fi
+  bench deepseek_v2_lite_512x1000 100 $D $TP
+  profiled deepseek_v2_lite_512x1000 100 $D $TP
+}
+
 mode_sweep_decode() {
   local dt=${1:-bf16} kv=auto
   [ "$dt" = fp8 ] && kv=fp8
@@ -468,6 +495,7 @@ case "$mode" in
   new-families) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_new_families ;;
   mla-decode) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_mla_decode ;;
   gpt-oss) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpt_oss ;;
+  moe-speed) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_moe_speed "$@" ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
   defaults) mode_env; mode_defaults ;;
   tp-check) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_check ;;

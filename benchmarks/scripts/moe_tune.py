@@ -1,11 +1,13 @@
 """Tile configs for the fused MoE kernels (ember/kernels/moe.py), chosen by timing on the
 device: for each shape and token count, every candidate BLOCK_M (shared by the gate|up and
 down passes, since both read one sorted layout), and for each pass the fastest of the
-BLOCK_N x BLOCK_K x stages candidates. Writes ember/kernels/moe_configs.json under the GPU's
-name, which kernels/moe.py reads on that GPU; prints each choice with its time against the
-built-in heuristic's.
+BLOCK_N x BLOCK_K x stages candidates; at small token counts the GEMV (each pair alone) too,
+over its BLOCK_N x BLOCK_K x warps x stages. A shape whose config.json says MXFP4 (gpt-oss)
+is tuned on random MXFP4 experts, under its own key. Writes ember/kernels/moe_configs.json
+under the GPU's name, which kernels/moe.py reads on that GPU; prints each choice with its time
+against the built-in heuristic's.
 
-    python3 benchmarks/scripts/moe_tune.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 64 512 16384]
+    python3 benchmarks/scripts/moe_tune.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 64 512 16384] [--no-write]
 """
 
 import argparse
@@ -24,28 +26,56 @@ from ember.models.config import ModelConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def shape(name: str) -> tuple[int, int, int, int]:
-    cfg = ModelConfig.from_hf_config(json.loads((ROOT / "benchmarks" / "configs" / name / "config.json").read_text()))
-    return cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+GEMV_MAX_PAIRS_PER_EXPERT = 1.0  # token counts where the GEMV is a candidate
 
 
-def time_pass(a, w, out, layout, weights, rows_per_a, gated, cfg) -> float:
-    return do_bench(lambda: moe.moe_gemm(a, w, out, *layout, weights, rows_per_a, gated, cfg), warmup=5, rep=20)
+def shape(name: str) -> tuple[int, int, int, int, bool]:
+    raw = json.loads((ROOT / "benchmarks" / "configs" / name / "config.json").read_text())
+    cfg = ModelConfig.from_hf_config(raw)
+    mxfp4 = (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, mxfp4
+
+
+def weights_of(experts: int, rows: int, cols: int, mxfp4: bool):
+    if not mxfp4:
+        return torch.randn(experts, rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
+    blocks = torch.randint(0, 256, (experts, rows, cols // 2), device="cuda", dtype=torch.uint8)
+    return moe.MXFP4Experts(blocks, torch.randint(118, 122, (experts, rows, cols // 32), device="cuda",
+                                                  dtype=torch.uint8))
+
+
+def time_pass(a, w, out, layout, ids, weights, rows_per_a, gated, cfg, swiglu) -> float:
+    if cfg.get("GEMV"):
+        return do_bench(lambda: moe.moe_gemv(a, w, out, ids, weights, rows_per_a, gated, cfg, swiglu=swiglu),
+                        warmup=5, rep=20)
+    return do_bench(lambda: moe.moe_gemm(a, w, out, *layout, weights, rows_per_a, gated, cfg, swiglu=swiglu),
+                    warmup=5, rep=20)
+
+
+def candidates(block_m: int | None):
+    if block_m is None:  # the GEMV
+        for bn, bk, warps, stages in itertools.product([8, 16, 32], [128, 256], [2, 4], [2, 3]):
+            yield {"GEMV": 1, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+        return
+    for bn, bk, stages in itertools.product([32, 64, 128], [64, 128], [3, 4]):
+        yield {"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8 if block_m >= 32 else 1,
+               "num_warps": 4 if block_m * bn <= 64 * 64 else 8, "num_stages": stages}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 512, 16384])
+    ap.add_argument("--no-write", action="store_true", help="print the choices, leave moe_configs.json as it is")
     ns = ap.parse_args()
     device = torch.cuda.get_device_name()
     path = Path(moe.__file__).with_name("moe_configs.json")
     table = json.loads(path.read_text()) if path.exists() else {}
     start = time.time()
     for name in ns.shapes:
-        experts, hidden, inter, top_k = shape(name)
-        w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-        w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+        experts, hidden, inter, top_k, mxfp4 = shape(name)
+        swiglu = (1.702, 7.0) if mxfp4 else None
+        w13, w2 = weights_of(experts, 2 * inter, hidden, mxfp4), weights_of(experts, hidden, inter, mxfp4)
         for tokens in ns.tokens:
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             weights, ids = moe.route_topk(torch.randn(tokens, experts, device="cuda"), top_k, True)
@@ -54,19 +84,20 @@ def main() -> None:
             per_expert = tokens * top_k / experts
             block_ms = [16] if per_expert <= 1 else [16, 32] if per_expert <= 32 else [32, 64, 128] \
                 if per_expert <= 256 else [64, 128]
+            if per_expert <= GEMV_MAX_PAIRS_PER_EXPERT:
+                block_ms = [None, *block_ms]
             best = None
             for bm in block_ms:
-                layout = moe.align_experts(ids, experts, bm)
+                layout = moe.align_experts(ids, experts, bm) if bm else None
                 choice = {}
                 total = 0.0
                 for gated, a, w, n_out, wts, rpa in ((True, x, w13, act, None, top_k),
                                                      (False, act, w2, out, weights.reshape(-1), 1)):
                     timed = []
-                    for bn, bk, stages in itertools.product([32, 64, 128], [64, 128], [3, 4]):
-                        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8 if bm >= 32 else 1,
-                               "num_warps": 4 if bm * bn <= 64 * 64 else 8, "num_stages": stages}
+                    for cfg in candidates(bm):
                         try:
-                            timed.append((time_pass(a, w, n_out, layout, wts, rpa, gated, cfg), cfg))
+                            timed.append((time_pass(a, w, n_out, layout, ids, wts, rpa, gated, cfg,
+                                                    swiglu if gated else None), cfg))
                         except triton.runtime.errors.OutOfResources:
                             continue
                     ms, cfg = min(timed, key=lambda t: t[0])
@@ -74,17 +105,17 @@ def main() -> None:
                     total += ms
                 if best is None or total < best[0]:
                     best = (total, choice)
-            key = moe.config_key(experts, hidden, inter, top_k)
+            key = moe.config_key(experts, hidden, inter, top_k, mxfp4)
             table.setdefault(device, {}).setdefault(key, {})[str(tokens)] = best[1]
             up = down = moe.heuristic_config(experts, moe.token_bucket(tokens), top_k)
-            layout = moe.align_experts(ids, experts, up["BLOCK_M"])
-            heuristic = time_pass(x, w13, act, layout, None, top_k, True, up) + \
-                time_pass(act, w2, out, layout, weights.reshape(-1), 1, False, down)
+            layout = None if up.get("GEMV") else moe.align_experts(ids, experts, up["BLOCK_M"])
+            heuristic = time_pass(x, w13, act, layout, ids, None, top_k, True, up, swiglu) + \
+                time_pass(act, w2, out, layout, ids, weights.reshape(-1), 1, False, down, None)
             print(f"TUNED {name} T={tokens}: {best[0] * 1e3:.1f} us (heuristic {heuristic * 1e3:.1f} us) "
                   f"{json.dumps(best[1])}  [{time.time() - start:.0f} s]", flush=True)
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {path}")
-
+    if not ns.no_write:
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {path}")
 
 if __name__ == "__main__":
     main()

@@ -172,29 +172,72 @@ def _e2m1(nibble):
 
 
 @triton.jit
+def _mxfp4_rows(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """w[rows, k0:k0 + BLOCK_K] of one expert's MXFP4 weight, decoded: [BLOCK_N, BLOCK_K] float32."""
+    # bytes [BLOCK_N, BLOCK_K / 2] -> values [BLOCK_N, BLOCK_K / 2, 2] (low nibble, high) -> k = 2j + nibble
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=rmask[:, None] & (kb < K // 2)[None, :],
+                     other=0)
+    values = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (BLOCK_N, BLOCK_K))
+    ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    exps = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :], mask=rmask[:, None] & (ks < K // 32)[None, :],
+                   other=127).to(tl.uint32)
+    # 2^(s - 127) as float32 bits; s = 0 is the subnormal 2^-127
+    scales = tl.maximum(exps << 23, 0x400000).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _weight_tile(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, MXFP4: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] tile w[rows, k0:k0 + BLOCK_K]^T of one expert's weight: loaded as
     it is, or decoded from MXFP4 (float32; the caller casts it to the activations' dtype, exactly:
     an e2m1 value times a power of two fits bfloat16)."""
     if MXFP4:
-        # bytes [BLOCK_N, BLOCK_K / 2] -> values [BLOCK_N, BLOCK_K / 2, 2] (low nibble, high) -> k = 2j + nibble
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=rmask[:, None] & (kb < K // 2)[None, :],
-                         other=0)
-        values = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (BLOCK_N, BLOCK_K))
-        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        exps = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :], mask=rmask[:, None] & (ks < K // 32)[None, :],
-                       other=127).to(tl.uint32)
-        # 2^(s - 127) as float32 bits; s = 0 is the subnormal 2^-127
-        scales = tl.maximum(exps << 23, 0x400000).to(tl.float32, bitcast=True)
-        values = tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
-        tile = tl.trans(values)
+        tile = tl.trans(_mxfp4_rows(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K))
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w_base + rows[None, :] * stride_wn + k[:, None], mask=rmask[None, :] & (k < K)[:, None],
                        other=0.0)
     return tile
+
+
+@triton.jit
+def _weight_rows(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, MXFP4: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w[rows, k0:k0 + BLOCK_K] as float32 [BLOCK_N, BLOCK_K]: the GEMV's orientation, no transpose."""
+    if MXFP4:
+        tile = _mxfp4_rows(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(w_base + rows[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & (k < K)[None, :],
+                       other=0.0).to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _epilogue(acc, acc_up, expert, pair, valid, n, nmask, N, c_ptr, stride_c, weights_ptr, bias_ptr, stride_be,
+              alpha, limit, GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr,
+              ACTIVATION: tl.constexpr):
+    """Rows `pair` x outputs n of a pass from its float32 sums [rows, n]: the expert's bias, the
+    activation (gate|up pass), the routing weight (down pass), stored in c's dtype."""
+    if BIASED:  # the expert's bias row: [gate | up] (2N) in the gate|up pass, N in the down pass
+        b_base = bias_ptr + expert * stride_be
+        acc += tl.load(b_base + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_base + N + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        if ACTIVATION == 1:  # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if WEIGHTED:  # after the down bias, as transformers' gpt-oss weighs (x @ w2 + b2)
+        acc = acc * tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
+    tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_c + n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=valid[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -234,29 +277,47 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, n
                 acc_up += tl.dot(a, u, input_precision="ieee")
             else:
                 acc_up += tl.dot(a, u)
-    if BIASED:  # the expert's bias row: [gate | up] (2N) in the gate|up pass, N in the down pass
-        b_base = bias_ptr + expert * stride_be
-        acc += tl.load(b_base + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(b_base + N + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        if ACTIVATION == 1:  # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            acc = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-        else:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if WEIGHTED:  # after the down bias, as transformers' gpt-oss weighs (x @ w2 + b2)
-        acc = acc * tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
-    tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_c + n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=valid[:, None] & nmask[None, :])
+    _epilogue(acc, acc_up, expert, pair, valid, n, nmask, N, c_ptr, stride_c, weights_ptr, bias_ptr, stride_be, alpha,
+              limit, GATED, WEIGHTED, BIASED, ACTIVATION)
+
+
+@triton.jit
+def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, weights_ptr, bias_ptr, N, K, stride_a, stride_we, stride_wn,
+                     stride_se, stride_sn, stride_c, stride_be, rows_per_a, alpha, limit, GATED: tl.constexpr,
+                     WEIGHTED: tl.constexpr, BIASED: tl.constexpr, ACTIVATION: tl.constexpr, MXFP4: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (tile of N, pair): the pair's row of `a` against BLOCK_N rows of its expert, the
+    # products summed along k into a [BLOCK_N, BLOCK_K] float32 block, reduced once at the end
+    p = tl.program_id(1)
+    pair = p + tl.arange(0, 1)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    a_row = (p // rows_per_a).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    kk = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        a = tl.load(a_ptr + a_row * stride_a + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        acc += _weight_rows(w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N, BLOCK_K) * a
+        if GATED:  # the up rows of w13 sit N rows below the gate rows
+            acc_up += _weight_rows(w_base, s_base, n + N, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N,
+                                   BLOCK_K) * a
+    _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], expert, pair, pair >= 0, n, nmask, N, c_ptr,
+              stride_c, weights_ptr, bias_ptr, stride_be, alpha, limit, GATED, WEIGHTED, BIASED, ACTIVATION)
 
 
 def heuristic_config(num_experts: int, tokens: int, top_k: int) -> dict[str, int]:
-    """Tile sizes by the rows each expert gets on average (T * k / E): 16-row blocks while
-    experts see few tokens (decode: the weights' bytes bound the step), larger ones as the
-    GEMMs fill. Used where moe_configs.json has no entry for the GPU."""
+    """Tile sizes by the rows each expert gets on average (T * k / E): while at most one pair in
+    four experts, the GEMV (GEMV: 1; each pair alone, an expert read once per pair it has);
+    then 16-row blocks while experts see few tokens (decode: the weights' bytes bound the
+    step), larger ones as the GEMMs fill. Used where moe_configs.json has no entry for the GPU."""
     per_expert = tokens * top_k / num_experts
+    if per_expert <= 0.25:
+        return {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
     if per_expert <= 16:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
     if per_expert <= 64:
@@ -266,8 +327,8 @@ def heuristic_config(num_experts: int, tokens: int, top_k: int) -> dict[str, int
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
-def config_key(num_experts: int, hidden: int, inter: int, top_k: int) -> str:
-    return f"E={num_experts},H={hidden},I={inter},k={top_k}"
+def config_key(num_experts: int, hidden: int, inter: int, top_k: int, mxfp4: bool = False) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k}" + (",mxfp4" if mxfp4 else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,11 +339,11 @@ def _tuned(device_name: str) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
 
 @functools.lru_cache(maxsize=None)
 def moe_configs(num_experts: int, hidden: int, inter: int, top_k: int, tokens: int,
-                device_name: str = "") -> tuple[dict[str, int], dict[str, int]]:
-    """(gate|up pass config, down pass config), one BLOCK_M for both: what
+                device_name: str = "", mxfp4: bool = False) -> tuple[dict[str, int], dict[str, int]]:
+    """(gate|up pass config, down pass config), both GEMV or both GEMM with one BLOCK_M: what
     benchmarks/scripts/moe_tune.py measured on this GPU for the nearest token count
-    (moe_configs.json), else heuristic_config for both. Cached per (E, H, I, k, T, GPU)."""
-    table = _tuned(device_name).get(config_key(num_experts, hidden, inter, top_k)) if device_name else None
+    (moe_configs.json), else heuristic_config for both. Cached per (E, H, I, k, T, GPU, MXFP4)."""
+    table = _tuned(device_name).get(config_key(num_experts, hidden, inter, top_k, mxfp4)) if device_name else None
     if table:
         nearest = min(table, key=lambda t: abs(int(t) - tokens))
         return table[nearest]["up"], table[nearest]["down"]
@@ -301,6 +362,22 @@ def token_bucket(tokens: int) -> int:
     return triton.next_power_of_2(max(1, tokens))
 
 
+def _operands(w: torch.Tensor | MXFP4Experts, out: torch.Tensor, gated: bool, bias: torch.Tensor | None,
+              swiglu: tuple[float, float] | None) -> tuple:
+    """What both passes' kernels take of the weights: (N, K, packed, scales or a stand-in,
+    their expert and row strides, the bias's row stride, alpha, limit)."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    if isinstance(w, MXFP4Experts):
+        packed, scales, s_strides = w.blocks, w.scales, (w.scales.stride(0), w.scales.stride(1))
+    else:
+        packed, scales, s_strides = w, out, (0, 0)
+    if bias is not None and (bias.shape != w.shape[:2] or bias.stride(1) != 1):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [E, rows] {tuple(w.shape[:2])} with contiguous rows")
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
+    return (n, w.shape[2], packed, scales, packed.stride(0), packed.stride(1), *s_strides,
+            bias.stride(0) if bias is not None else 0, float(alpha), float(limit))
+
+
 def moe_gemm(a: torch.Tensor, w: torch.Tensor | MXFP4Experts, out: torch.Tensor, sorted_pairs: torch.Tensor,
              block_expert: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor | None, rows_per_a: int,
              gated: bool, config: dict[str, int], bias: torch.Tensor | None = None,
@@ -310,8 +387,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor | MXFP4Experts, out: torch.Tensor,
     MXFP4Experts. `bias` [E, w.shape[1]] is added to the expert's rows before the activation
     (gated) or the routing weight; `swiglu` (alpha, limit): gpt-oss's clamped activation in
     place of silu(gate) * up."""
-    n = w.shape[1] // 2 if gated else w.shape[1]
-    k = w.shape[2]
+    n, k, packed, scales, stride_we, stride_wn, stride_se, stride_sn, stride_be, alpha, limit = \
+        _operands(w, out, gated, bias, swiglu)
     blocks = block_expert.numel()
     if blocks == 0 or out.shape[0] == 0:
         return out
@@ -319,22 +396,38 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor | MXFP4Experts, out: torch.Tensor,
     mxfp4 = isinstance(w, MXFP4Experts)
     if mxfp4:  # a tile spans whole 32-value scale groups
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 32)
-        packed, scales = w.blocks, w.scales
-    else:
-        packed, scales = w, out
     if sorted_pairs.numel() != max_padded_rows(out.shape[0], w.shape[0], cfg["BLOCK_M"]):
         raise ValueError(f"config BLOCK_M {cfg['BLOCK_M']} is not the block size the pairs were aligned to")
-    if bias is not None and (bias.shape != w.shape[:2] or bias.stride(1) != 1):
-        raise ValueError(f"bias {tuple(bias.shape)} must be [E, rows] {tuple(w.shape[:2])} with contiguous rows")
-    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     grid = (blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](a, packed, scales, out, sorted_pairs, block_expert, num_padded,
                            weights if weights is not None else out, bias if bias is not None else out, out.shape[0], n,
-                           k, a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0) if mxfp4 else 0,
-                           scales.stride(1) if mxfp4 else 0, out.stride(0), bias.stride(0) if bias is not None else 0,
-                           rows_per_a, float(alpha), float(limit), GATED=gated, WEIGHTED=weights is not None,
+                           k, a.stride(0), stride_we, stride_wn, stride_se, stride_sn, out.stride(0), stride_be,
+                           rows_per_a, alpha, limit, GATED=gated, WEIGHTED=weights is not None,
                            BIASED=bias is not None, ACTIVATION=0 if swiglu is None else 1, MXFP4=mxfp4,
                            IEEE=a.dtype == torch.float32, **cfg)
+    return out
+
+
+def moe_gemv(a: torch.Tensor, w: torch.Tensor | MXFP4Experts, out: torch.Tensor, ids: torch.Tensor,
+             weights: torch.Tensor | None, rows_per_a: int, gated: bool, config: dict[str, int],
+             bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+    """moe_gemm's pass for few pairs: each pair p (expert ids.flatten()[p]) on its own, no
+    sorting and no padded rows (at a decode step of a few tokens most experts see one pair,
+    and a 16-row tile would be mostly padding). config: BLOCK_N, BLOCK_K, num_warps, num_stages."""
+    n, k, packed, scales, stride_we, stride_wn, stride_se, stride_sn, stride_be, alpha, limit = \
+        _operands(w, out, gated, bias, swiglu)
+    if out.shape[0] == 0:
+        return out
+    cfg = {key: v for key, v in config.items() if key != "GEMV"}
+    mxfp4 = isinstance(w, MXFP4Experts)
+    if mxfp4:
+        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 32)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), out.shape[0])
+    _moe_gemv_kernel[grid](a, packed, scales, out, ids.reshape(-1), weights if weights is not None else out,
+                           bias if bias is not None else out, n, k, a.stride(0), stride_we, stride_wn, stride_se,
+                           stride_sn, out.stride(0), stride_be, rows_per_a, alpha, limit, GATED=gated,
+                           WEIGHTED=weights is not None, BIASED=bias is not None, ACTIVATION=0 if swiglu is None else 1,
+                           MXFP4=mxfp4, **cfg)
     return out
 
 
@@ -353,10 +446,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | MXFP4Experts, w2: torch.T
         return torch.zeros_like(x)
     b13, b2 = biases if biases is not None else (None, None)
     device_name = _device_name(x.device.index or 0) if x.is_cuda else ""
-    up_cfg, down_cfg = moe_configs(experts, hidden, inter, top_k, token_bucket(tokens), device_name)
-    sorted_pairs, block_expert, num_padded = align_experts(ids, experts, up_cfg["BLOCK_M"])
+    up_cfg, down_cfg = moe_configs(experts, hidden, inter, top_k, token_bucket(tokens), device_name,
+                                   isinstance(w13, MXFP4Experts))
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    moe_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, top_k, True, up_cfg, b13, swiglu)
     out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    moe_gemm(act, w2, out, sorted_pairs, block_expert, num_padded, weights.reshape(-1), 1, False, down_cfg, b2)
+    if up_cfg.get("GEMV"):
+        moe_gemv(x, w13, act, ids, None, top_k, True, up_cfg, b13, swiglu)
+        moe_gemv(act, w2, out, ids, weights.reshape(-1), 1, False, down_cfg, b2)
+    else:
+        sorted_pairs, block_expert, num_padded = align_experts(ids, experts, up_cfg["BLOCK_M"])
+        moe_gemm(x, w13, act, sorted_pairs, block_expert, num_padded, None, top_k, True, up_cfg, b13, swiglu)
+        moe_gemm(act, w2, out, sorted_pairs, block_expert, num_padded, weights.reshape(-1), 1, False, down_cfg, b2)
     return out.view(tokens, top_k, hidden).sum(dim=1)

@@ -305,6 +305,70 @@ def test_each_tile_config_gives_the_same_result_on_mxfp4():
         torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
 
 
+def _both_passes(x, w13, w2, weights, ids, cfg, biases=None, swiglu=None):
+    """fused_experts' two passes on one config: the GEMV's (cfg has GEMV) or the GEMM's."""
+    import ember.kernels.moe as moe
+
+    tokens, top_k = ids.shape
+    b13, b2 = biases or (None, None)
+    act = torch.empty(tokens * top_k, w2.shape[2], dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
+    if cfg.get("GEMV"):
+        moe.moe_gemv(x, w13, act, ids, None, top_k, True, cfg, b13, swiglu)
+        moe.moe_gemv(act, w2, out, ids, weights.reshape(-1), 1, False, cfg, b2)
+    else:
+        layout = align_experts(ids, w13.shape[0], cfg["BLOCK_M"])
+        moe.moe_gemm(x, w13, act, *layout, None, top_k, True, cfg, b13, swiglu)
+        moe.moe_gemm(act, w2, out, *layout, weights.reshape(-1), 1, False, cfg, b2)
+    return out.view(tokens, top_k, -1).float().sum(1)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_the_gemv_pass_equals_the_gemm_pass(mxfp4):
+    """The few-pairs GEMV (each pair alone: two pairs of one expert included; tiles half past N
+    and K) against the GEMM on the same weights, gpt-oss's biases and clamp on: float32 to 1e-6
+    of the output's scale (only the order of the k sums differs), and both against the torch
+    path. MXFP4 in bfloat16: to 1e-2 of the scale (each pass rounds its output to bfloat16
+    after sums in another order)."""
+    dtype = torch.bfloat16 if mxfp4 else torch.float32
+    inter = 64 if mxfp4 else 40  # MXFP4 rows hold whole 32-value groups
+    if mxfp4:
+        w13m, w13 = _mxfp4(4, 2 * inter, 96, "cpu", seed=11)
+        w2m, w2 = _mxfp4(4, 96, inter, "cpu", seed=12)
+    else:
+        w13, w2, _ = _gpt_oss_experts(4, 96, inter, dtype, "cpu", seed=11)
+        w13m, w2m = w13, w2
+    _, _, biases = _gpt_oss_experts(4, 96, inter, dtype, "cpu", seed=13)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(14)).to(dtype)
+    ids = torch.tensor([[2, 0], [2, 3], [1, 2]], dtype=torch.int32)
+    weights = torch.softmax(torch.randn(3, 2, generator=torch.Generator().manual_seed(15)), -1)
+    gemv_cfg = {"GEMV": 1, "BLOCK_N": 64 if mxfp4 else 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+    gemv = _both_passes(x, w13m, w2m, weights, ids, gemv_cfg, biases, SWIGLU)
+    gemm = _both_passes(x, w13m, w2m, weights, ids, heuristic_config(4, 64, 2), biases, SWIGLU)
+    want = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids.long(), tuple(b.float() for b in biases),
+                           SWIGLU)
+    scale = want.abs().max().item()
+    tol = (1e-2 if mxfp4 else 1e-6) * scale
+    torch.testing.assert_close(gemv, gemm, rtol=0, atol=tol)
+    torch.testing.assert_close(gemv, want, rtol=0, atol=(2e-2 if mxfp4 else 1e-6) * scale)
+
+
+def test_few_pairs_an_expert_take_the_gemv():
+    """The heuristic's GEMV while at most one pair in four experts (a decode step of a few
+    tokens), the 16-row GEMM beyond; fused_experts at one token of gpt-oss-like routing
+    through it equals the per-token loop."""
+    assert heuristic_config(128, 1, 4).get("GEMV") and heuristic_config(128, 8, 4).get("GEMV")
+    assert "GEMV" not in heuristic_config(128, 9, 4) and heuristic_config(128, 9, 4)["BLOCK_M"] == 16
+    assert heuristic_config(64, 2, 6).get("GEMV") and heuristic_config(8, 1, 2).get("GEMV")
+    assert "GEMV" not in heuristic_config(8, 2, 2)
+    w13, w2 = _experts(16, 48, 40, torch.float32, "cpu", seed=16)
+    x = torch.randn(1, 48, generator=torch.Generator().manual_seed(16))
+    weights, ids = route_topk(torch.randn(1, 16, generator=torch.Generator().manual_seed(17)), 4, True)
+    assert moe_configs(16, 48, 40, 4, 1)[0].get("GEMV")
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), _loop_reference(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
 @torch.inference_mode()
 def test_the_mxfp4_layer_fused_and_torch_paths_agree():
     """FusedMoE(mxfp4=True) as gpt-oss loads on CUDA: uint8 blocks and scales, the fused path
