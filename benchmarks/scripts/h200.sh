@@ -305,7 +305,7 @@ mode_moe_speed() {  # moe-speed [kernels|engines]: one part a call
   if [ "${1:-kernels}" = kernels ]; then
     gpu_tests 150 tests/kernels/test_moe_kernels.py
     if secs=$(cap moe_tune 240); then
-      timeout "$secs" python3 benchmarks/scripts/moe_tune.py --shapes gpt-oss-120b deepseek-v2-lite \
+      timeout "$secs" python3 benchmarks/scripts/moe_tune.py --shapes ${MOE_TUNE_SHAPES:-gpt-oss-120b deepseek-v2-lite} \
         --tokens 1 2 4 8 16 64 512 2>&1 | grep -E "TUNED|wrote|Error" | tee "$J/moe_tune.log"
       cp ember/kernels/moe_configs.json "$J/"
     fi

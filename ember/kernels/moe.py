@@ -172,48 +172,76 @@ def _e2m1(nibble):
 
 
 @triton.jit
-def _mxfp4_rows(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """w[rows, k0:k0 + BLOCK_K] of one expert's MXFP4 weight, decoded: [BLOCK_N, BLOCK_K] float32."""
-    # bytes [BLOCK_N, BLOCK_K / 2] -> values [BLOCK_N, BLOCK_K / 2, 2] (low nibble, high) -> k = 2j + nibble
+def _mxfp4_halves(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_K: tl.constexpr,
+                  TRANSPOSED: tl.constexpr):
+    """w[rows, k0:k0 + BLOCK_K] of one expert's MXFP4 weight, decoded (float32) as its even k and
+    its odd k apart: byte j of the tile holds k0 + 2j in its low nibble, k0 + 2j + 1 in its high.
+    [BLOCK_N, BLOCK_K / 2] each, or [BLOCK_K / 2, BLOCK_N] if TRANSPOSED (the tl.dot operand,
+    loaded so rather than transposed in registers). Each byte's scale is read at its group
+    (j // 16), so neither half is reshaped or interleaved."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=rmask[:, None] & (kb < K // 2)[None, :],
-                     other=0)
-    values = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (BLOCK_N, BLOCK_K))
-    ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    exps = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :], mask=rmask[:, None] & (ks < K // 32)[None, :],
-                   other=127).to(tl.uint32)
+    if TRANSPOSED:
+        mask = rmask[None, :] & (kb < K // 2)[:, None]
+        packed = tl.load(w_base + rows[None, :] * stride_wn + kb[:, None], mask=mask, other=0)
+        exps = tl.load(s_base + rows[None, :] * stride_sn + (kb // 16)[:, None], mask=mask, other=127)
+    else:
+        mask = rmask[:, None] & (kb < K // 2)[None, :]
+        packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=mask, other=0)
+        exps = tl.load(s_base + rows[:, None] * stride_sn + (kb // 16)[None, :], mask=mask, other=127)
     # 2^(s - 127) as float32 bits; s = 0 is the subnormal 2^-127
-    scales = tl.maximum(exps << 23, 0x400000).to(tl.float32, bitcast=True)
-    return tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
+    scales = tl.maximum(exps.to(tl.uint32) << 23, 0x400000).to(tl.float32, bitcast=True)
+    return _e2m1(packed & 0xF) * scales, _e2m1(packed >> 4) * scales
 
 
 @triton.jit
-def _weight_tile(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, MXFP4: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile w[rows, k0:k0 + BLOCK_K]^T of one expert's weight: loaded as
-    it is, or decoded from MXFP4 (float32; the caller casts it to the activations' dtype, exactly:
-    an e2m1 value times a power of two fits bfloat16)."""
+def _dot_tile(acc, a_ptr, a_rows, a_mask, stride_a, w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn,
+              MXFP4: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += a[a_rows, k0:k0 + BLOCK_K] @ w[rows, k0:k0 + BLOCK_K]^T. MXFP4:
+    the even and odd k as two dots of BLOCK_K / 2 (a's columns read with a stride of 2), each
+    weight decoded in the operand's layout and cast to a's dtype (exactly: an e2m1 value times a
+    power of two fits bfloat16)."""
     if MXFP4:
-        tile = tl.trans(_mxfp4_rows(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K))
+        kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        m = a_mask[:, None] & (kh < K)[None, :]
+        a_even = tl.load(a_ptr + a_rows[:, None] * stride_a + kh[None, :], mask=m, other=0.0)
+        a_odd = tl.load(a_ptr + a_rows[:, None] * stride_a + kh[None, :] + 1, mask=m, other=0.0)
+        w_even, w_odd = _mxfp4_halves(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_K, True)
+        if IEEE:
+            acc = tl.dot(a_even, w_even.to(a_even.dtype), acc, input_precision="ieee")
+            acc = tl.dot(a_odd, w_odd.to(a_odd.dtype), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a_even, w_even.to(a_even.dtype), acc)
+            acc = tl.dot(a_odd, w_odd.to(a_odd.dtype), acc)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        tile = tl.load(w_base + rows[None, :] * stride_wn + k[:, None], mask=rmask[None, :] & (k < K)[:, None],
-                       other=0.0)
-    return tile
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=a_mask[:, None] & (k < K)[None, :],
+                    other=0.0)
+        w = tl.load(w_base + rows[None, :] * stride_wn + k[:, None], mask=rmask[None, :] & (k < K)[:, None],
+                    other=0.0)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    return acc
 
 
 @triton.jit
-def _weight_rows(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, MXFP4: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w[rows, k0:k0 + BLOCK_K] as float32 [BLOCK_N, BLOCK_K]: the GEMV's orientation, no transpose."""
+def _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn,
+               MXFP4: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The GEMV's step: acc [BLOCK_N, BLOCK_K (MXFP4: / 2)] float32 += w[rows, k-tile] * a[k-tile],
+    summed along k once at the end by the caller (MXFP4: the even and odd k into one block)."""
     if MXFP4:
-        tile = _mxfp4_rows(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
+        kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        a_even = tl.load(a_ptr + a_row * stride_a + kh, mask=kh < K, other=0.0).to(tl.float32)
+        a_odd = tl.load(a_ptr + a_row * stride_a + kh + 1, mask=kh < K, other=0.0).to(tl.float32)
+        w_even, w_odd = _mxfp4_halves(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_K, False)
+        acc += w_even * a_even[None, :] + w_odd * a_odd[None, :]
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        tile = tl.load(w_base + rows[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & (k < K)[None, :],
-                       other=0.0).to(tl.float32)
-    return tile
+        a = tl.load(a_ptr + a_row * stride_a + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += tl.load(w_base + rows[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & (k < K)[None, :],
+                       other=0.0).to(tl.float32) * a[None, :]
+    return acc
 
 
 @triton.jit
@@ -256,27 +284,16 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, n
     a_rows = (pair // rows_per_a).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    kk = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        kmask = k < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        w = _weight_tile(w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N, BLOCK_K).to(a.dtype)
-        if IEEE:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
+        acc = _dot_tile(acc, a_ptr, a_rows, valid, stride_a, w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn,
+                        MXFP4, IEEE, BLOCK_K)
         if GATED:  # the up rows of w13 sit N rows below the gate rows
-            u = _weight_tile(w_base, s_base, n + N, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N,
-                             BLOCK_K).to(a.dtype)
-            if IEEE:
-                acc_up += tl.dot(a, u, input_precision="ieee")
-            else:
-                acc_up += tl.dot(a, u)
+            acc_up = _dot_tile(acc_up, a_ptr, a_rows, valid, stride_a, w_base, s_base, n + N, nmask, k0, K,
+                               stride_wn, stride_sn, MXFP4, IEEE, BLOCK_K)
     _epilogue(acc, acc_up, expert, pair, valid, n, nmask, N, c_ptr, stride_c, weights_ptr, bias_ptr, stride_be, alpha,
               limit, GATED, WEIGHTED, BIASED, ACTIVATION)
 
@@ -287,25 +304,23 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, weights_ptr, bias_ptr,
                      WEIGHTED: tl.constexpr, BIASED: tl.constexpr, ACTIVATION: tl.constexpr, MXFP4: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program (tile of N, pair): the pair's row of `a` against BLOCK_N rows of its expert, the
-    # products summed along k into a [BLOCK_N, BLOCK_K] float32 block, reduced once at the end
+    # products summed along k into a float32 block (_gemv_tile), reduced once at the end
     p = tl.program_id(1)
     pair = p + tl.arange(0, 1)
     expert = tl.load(ids_ptr + p).to(tl.int64)
     a_row = (p // rows_per_a).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    kk = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 2 if MXFP4 else BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 2 if MXFP4 else BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        a = tl.load(a_ptr + a_row * stride_a + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-        acc += _weight_rows(w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N, BLOCK_K) * a
+        acc = _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn, MXFP4,
+                         BLOCK_K)
         if GATED:  # the up rows of w13 sit N rows below the gate rows
-            acc_up += _weight_rows(w_base, s_base, n + N, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N,
-                                   BLOCK_K) * a
+            acc_up = _gemv_tile(acc_up, a_ptr, a_row, stride_a, w_base, s_base, n + N, nmask, k0, K, stride_wn,
+                                stride_sn, MXFP4, BLOCK_K)
     _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], expert, pair, pair >= 0, n, nmask, N, c_ptr,
               stride_c, weights_ptr, bias_ptr, stride_be, alpha, limit, GATED, WEIGHTED, BIASED, ACTIVATION)
 
