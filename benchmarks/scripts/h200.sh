@@ -303,10 +303,10 @@ mode_gpt_oss() {
 mode_moe_speed() {  # moe-speed [kernels|engines]: one part a call
   local secs G=benchmarks/configs/gpt-oss-120b D=benchmarks/configs/deepseek-v2-lite
   if [ "${1:-kernels}" = kernels ]; then
-    gpu_tests 150 tests/kernels/test_moe_kernels.py
+    gpu_tests 150 tests/kernels/test_moe_kernels.py -k "${MOE_TESTS:-moe or expert or route or align}"
     if secs=$(cap moe_tune 240); then
       timeout "$secs" python3 benchmarks/scripts/moe_tune.py --shapes ${MOE_TUNE_SHAPES:-gpt-oss-120b deepseek-v2-lite} \
-        --tokens 1 2 4 8 16 64 512 2>&1 | grep -E "TUNED|wrote|Error" | tee "$J/moe_tune.log"
+        --tokens ${MOE_TUNE_TOKENS:-1 2 4 8 16 64 512} 2>&1 | grep -E "TUNED|wrote|Error" | tee "$J/moe_tune.log"
       cp ember/kernels/moe_configs.json "$J/"
     fi
     gpu_tests 120 tests/models/test_cuda_families.py -k gpt_oss

@@ -172,70 +172,72 @@ def _e2m1(nibble):
 
 
 @triton.jit
-def _mxfp4_halves(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_K: tl.constexpr,
-                  TRANSPOSED: tl.constexpr):
-    """w[rows, k0:k0 + BLOCK_K] of one expert's MXFP4 weight, decoded (float32) as its even k and
-    its odd k apart: byte j of the tile holds k0 + 2j in its low nibble, k0 + 2j + 1 in its high.
-    [BLOCK_N, BLOCK_K / 2] each, or [BLOCK_K / 2, BLOCK_N] if TRANSPOSED (the tl.dot operand,
-    loaded so rather than transposed in registers). Each byte's scale is read at its group
-    (j // 16), so neither half is reshaped or interleaved."""
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    if TRANSPOSED:
-        mask = rmask[None, :] & (kb < K // 2)[:, None]
-        packed = tl.load(w_base + rows[None, :] * stride_wn + kb[:, None], mask=mask, other=0)
-        exps = tl.load(s_base + rows[None, :] * stride_sn + (kb // 16)[:, None], mask=mask, other=127)
+def _weight_tile(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, MXFP4: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile w[rows, k0:k0 + BLOCK_K]^T of one expert's weight: loaded as
+    it is, or decoded from MXFP4 (float32; the caller casts it to the activations' dtype, exactly:
+    an e2m1 value times a power of two fits bfloat16)."""
+    if MXFP4:
+        # bytes [BLOCK_N, BLOCK_K / 2] -> values [BLOCK_N, BLOCK_K / 2, 2] (low nibble, high) -> k = 2j + nibble
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=rmask[:, None] & (kb < K // 2)[None, :],
+                         other=0)
+        values = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (BLOCK_N, BLOCK_K))
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        exps = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :], mask=rmask[:, None] & (ks < K // 32)[None, :],
+                       other=127).to(tl.uint32)
+        # 2^(s - 127) as float32 bits; s = 0 is the subnormal 2^-127
+        scales = tl.maximum(exps << 23, 0x400000).to(tl.float32, bitcast=True)
+        values = tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
+        tile = tl.trans(values)
     else:
-        mask = rmask[:, None] & (kb < K // 2)[None, :]
-        packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=mask, other=0)
-        exps = tl.load(s_base + rows[:, None] * stride_sn + (kb // 16)[None, :], mask=mask, other=127)
-    # 2^(s - 127) as float32 bits; s = 0 is the subnormal 2^-127
-    scales = tl.maximum(exps.to(tl.uint32) << 23, 0x400000).to(tl.float32, bitcast=True)
-    return _e2m1(packed & 0xF) * scales, _e2m1(packed >> 4) * scales
+        k = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(w_base + rows[None, :] * stride_wn + k[:, None], mask=rmask[None, :] & (k < K)[:, None],
+                       other=0.0)
+    return tile
 
 
 @triton.jit
-def _dot_tile(acc, a_ptr, a_rows, a_mask, stride_a, w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn,
-              MXFP4: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] += a[a_rows, k0:k0 + BLOCK_K] @ w[rows, k0:k0 + BLOCK_K]^T. MXFP4:
-    the even and odd k as two dots of BLOCK_K / 2 (a's columns read with a stride of 2), each
-    weight decoded in the operand's layout and cast to a's dtype (exactly: an e2m1 value times a
-    power of two fits bfloat16)."""
-    if MXFP4:
-        kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        m = a_mask[:, None] & (kh < K)[None, :]
-        a_even = tl.load(a_ptr + a_rows[:, None] * stride_a + kh[None, :], mask=m, other=0.0)
-        a_odd = tl.load(a_ptr + a_rows[:, None] * stride_a + kh[None, :] + 1, mask=m, other=0.0)
-        w_even, w_odd = _mxfp4_halves(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_K, True)
-        if IEEE:
-            acc = tl.dot(a_even, w_even.to(a_even.dtype), acc, input_precision="ieee")
-            acc = tl.dot(a_odd, w_odd.to(a_odd.dtype), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a_even, w_even.to(a_even.dtype), acc)
-            acc = tl.dot(a_odd, w_odd.to(a_odd.dtype), acc)
-    else:
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=a_mask[:, None] & (k < K)[None, :],
-                    other=0.0)
-        w = tl.load(w_base + rows[None, :] * stride_wn + k[:, None], mask=rmask[None, :] & (k < K)[:, None],
-                    other=0.0)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-    return acc
+def _e2m1_scaled_down(nibbles):
+    """e2m1 codes held at bits 0-3 (low nibble) -> their values times 2^-14, float32, in a few
+    bit operations: sign to bit 15 and the three magnitude bits to bits 9-11 of a float16 make
+    its exponent e and top mantissa bit m, i.e. 2^(e - 15) (1 + m / 2), and for e = 0 the
+    subnormal m 2^-15: each e2m1 value times 2^-14 (float16 keeps its subnormals)."""
+    return (((nibbles & 0x8) << 12) | ((nibbles & 0x7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gemv_mxfp4_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn,
+                     BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K / 32] float32 += each 32-value group's dot with `a`, times its scale.
+    The tile is read as [BLOCK_N, groups, 16] bytes, so a group's 16 bytes are one vector and its
+    scale broadcasts along them without a reshape; a's even and odd k meet the low and high
+    nibbles (times 2^14, which _e2m1_scaled_down takes off: all exact in float32)."""
+    g = tl.arange(0, BLOCK_K // 32)
+    j = tl.arange(0, 16)
+    kb = (k0 // 2 + g[:, None] * 16 + j[None, :])  # [groups, 16] byte offsets in the row
+    kmask = kb < K // 2
+    packed = tl.load(w_base + rows[:, None, None] * stride_wn + kb[None, :, :],
+                     mask=rmask[:, None, None] & kmask[None, :, :], other=0).to(tl.uint16)
+    a_even = tl.load(a_ptr + a_row * stride_a + 2 * kb, mask=kmask, other=0.0).to(tl.float32) * 16384.0
+    a_odd = tl.load(a_ptr + a_row * stride_a + 2 * kb + 1, mask=kmask, other=0.0).to(tl.float32) * 16384.0
+    dots = tl.sum(_e2m1_scaled_down(packed) * a_even[None, :, :] + _e2m1_scaled_down(packed >> 4) * a_odd[None, :, :],
+                  2)
+    ks = k0 // 32 + g
+    exps = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :], mask=rmask[:, None] & (ks < K // 32)[None, :],
+                   other=127).to(tl.uint32)
+    # 2^(s - 127) as float32 bits; s = 0 is the subnormal 2^-127
+    return acc + dots * tl.maximum(exps << 23, 0x400000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn,
                MXFP4: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The GEMV's step: acc [BLOCK_N, BLOCK_K (MXFP4: / 2)] float32 += w[rows, k-tile] * a[k-tile],
-    summed along k once at the end by the caller (MXFP4: the even and odd k into one block)."""
+    """The GEMV's step over one k-tile: acc float32 [BLOCK_N, BLOCK_K] (MXFP4: [BLOCK_N, groups])
+    of partial sums, reduced along its last axis once at the end by the caller."""
     if MXFP4:
-        kh = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        a_even = tl.load(a_ptr + a_row * stride_a + kh, mask=kh < K, other=0.0).to(tl.float32)
-        a_odd = tl.load(a_ptr + a_row * stride_a + kh + 1, mask=kh < K, other=0.0).to(tl.float32)
-        w_even, w_odd = _mxfp4_halves(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, BLOCK_K, False)
-        acc += w_even * a_even[None, :] + w_odd * a_odd[None, :]
+        acc = _gemv_mxfp4_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, rmask, k0, K, stride_wn,
+                               stride_sn, BLOCK_K)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + a_row * stride_a + k, mask=k < K, other=0.0).to(tl.float32)
@@ -289,11 +291,20 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc = _dot_tile(acc, a_ptr, a_rows, valid, stride_a, w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn,
-                        MXFP4, IEEE, BLOCK_K)
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
+        w = _weight_tile(w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N, BLOCK_K).to(a.dtype)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
         if GATED:  # the up rows of w13 sit N rows below the gate rows
-            acc_up = _dot_tile(acc_up, a_ptr, a_rows, valid, stride_a, w_base, s_base, n + N, nmask, k0, K,
-                               stride_wn, stride_sn, MXFP4, IEEE, BLOCK_K)
+            u = _weight_tile(w_base, s_base, n + N, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N,
+                             BLOCK_K).to(a.dtype)
+            if IEEE:
+                acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, u, acc_up)
     _epilogue(acc, acc_up, expert, pair, valid, n, nmask, N, c_ptr, stride_c, weights_ptr, bias_ptr, stride_be, alpha,
               limit, GATED, WEIGHTED, BIASED, ACTIVATION)
 
@@ -313,8 +324,8 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, weights_ptr, bias_ptr,
     nmask = n < N
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 2 if MXFP4 else BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 2 if MXFP4 else BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 32 if MXFP4 else BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 32 if MXFP4 else BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         acc = _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn, MXFP4,
                          BLOCK_K)
