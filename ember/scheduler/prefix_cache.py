@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -49,6 +50,9 @@ class MatchResult:
 
 class PrefixCache(ABC):
     """What the scheduler asks of a prefix cache."""
+
+    # told each block id that eviction gives back (a recurrent state's snapshot keyed by it goes)
+    on_evict: Callable[[int], None] = staticmethod(lambda block_id: None)
 
     @abstractmethod
     def match(self, token_ids: Sequence[int], max_blocks: int, salt: str | None = None) -> MatchResult:
@@ -221,6 +225,7 @@ class RadixPrefixCache(PrefixCache):
             k = len(node.block_ids) if node.children else min(num_blocks, len(node.block_ids))
             for b in reversed(node.block_ids[-k:]):
                 self.pool.uncache(b)
+                self.on_evict(b)
             num_blocks -= k
             if k < len(node.block_ids):
                 del node.block_ids[-k:]

@@ -63,6 +63,7 @@ from ember.request import Request, RequestStatus
 from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import NullPrefixCache, PrefixCache
 from ember.scheduler.sliding_window import FullContextBlocks, make_window_blocks
+from ember.scheduler.state_snapshots import NoStateSnapshots
 
 LPM_MAX_PASSED_OVER = 32
 LPM_MAX_QUEUE = 128  # a longer queue is taken in arrival order: lpm looks up every waiting request
@@ -87,6 +88,10 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    # recurrent states (state_snapshots.py): (request id, snapshot) its new state slot starts from,
+    # before the forward; (request id, snapshot) its state is saved into, after the forward
+    state_restores: list[tuple[str, int]] = field(default_factory=list)
+    state_saves: list[tuple[str, int]] = field(default_factory=list)
     short_of_blocks: bool = False  # running requests left out rather than preempt during a step in flight
     launched: bool = False
     free_when_collected: list[int] = field(default_factory=list)  # blocks of requests that left meanwhile
@@ -102,14 +107,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_pool: BlockPool, config: EngineConfig, prefix_cache: PrefixCache | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, state_snapshots: NoStateSnapshots | None = None) -> None:
         """`config`: the block size, seats, token budget, max_model_len, policy and (the CPU's)
         `attention_parity_len`: shrink prefill chunks deep in a long context, see `_chunk`.
         `sliding_window`: the largest window when every layer has one
-        (`sliding_window.shared_window`), else None."""
+        (`sliding_window.shared_window`), else None. `state_snapshots`: a model with recurrent
+        layers' snapshots of their state (state_snapshots.py), which its prefix-cache hits need."""
         self.policy = config.scheduling_policy  # one of EngineConfig's (fcfs, priority, lpm)
         self.pool = block_pool
         self.prefix_cache = prefix_cache or NullPrefixCache()
+        self.snapshots = state_snapshots or NoStateSnapshots()
+        self.prefix_cache.on_evict = self.snapshots.evicted  # a snapshot goes with its block
         self.block_size = config.block_size
         self.window = make_window_blocks(config.block_size, sliding_window)
         self.null_block = block_pool.null_block
@@ -121,7 +129,8 @@ class Scheduler:
         self.whole_prompts = config.model_config is not None and config.model_config.bidirectional
         # a model with recurrent layers (runner/recurrent_state.py): a running request keeps its
         # seat (and state slot) until it leaves, even when it ends on its pending token, and a
-        # forked sample recomputes its prompt (a state is not shared as blocks are)
+        # forked sample is admitted anew (a state is not shared as blocks are: its prompt comes
+        # from the prefix cache's snapshot, where there is one)
         self.hold_seats = config.model_config is not None and config.model_config.linear_layers is not None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -174,7 +183,7 @@ class Scheduler:
                 if plan.short_of_blocks:
                     break
                 continue
-            plan.chunks.append(ScheduledChunk(req, n))
+            self._add_chunk(plan, req, n)
             budget -= n
         while self.waiting and budget > 0 and not (plan.preempted or plan.short_of_blocks):
             req = self._next_waiting()
@@ -195,22 +204,34 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            plan.chunks.append(ScheduledChunk(req, n))
+            snapshot = self.snapshots.restore(req)
+            if snapshot is not None:
+                plan.state_restores.append((req.request_id, snapshot))
+            self._add_chunk(plan, req, n)
             budget -= n
         return plan
+
+    def _add_chunk(self, plan: SchedulerOutput, req: Request, n: int) -> None:
+        """Plan `n` tokens of the request; a recurrent state saved where they end on a block boundary."""
+        plan.chunks.append(ScheduledChunk(req, n))
+        snapshot = self.snapshots.take(req.request_id, req.num_computed_tokens + n)
+        if snapshot is not None:
+            plan.state_saves.append((req.request_id, snapshot))
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens the request gets this step: all it lacks, within the budget; with
         `attention_parity_len` L, a chunk starting at context c at most budget * L / (L + c),
         as each of its tokens costs (1 + c / L) times one at context 0. Cut so that its
         blocks, from the first one its queries see, fit the whole pool (only a sliding
-        window's request can need more: `check_request` keeps others within the pool)."""
+        window's request can need more: `check_request` keeps others within the pool). With
+        recurrent layers, cut where their state can be saved for the prefix cache
+        (`StateSnapshots.chunk`)."""
         c = req.num_computed_tokens
         n = min(req.num_tokens - c, budget, (self.window.first_needed(c) + self.pool.num_blocks) * self.block_size - c)
         if self.attention_parity_len is not None and n > 1:
             parity = self.attention_parity_len
             n = min(n, max(1, self.max_num_batched_tokens * parity // (parity + req.num_computed_tokens)))
-        return n
+        return self.snapshots.chunk(req, n)
 
     def _seats_taken(self) -> int:
         """Running slots, counting the n a not-yet-forked n > 1 request will take; not those
@@ -238,7 +259,7 @@ class Scheduler:
             return
         tokens = req.all_token_ids
         hit = self.prefix_cache.match(tokens, (req.num_tokens - 1) // self.block_size, req.cache_salt).block_ids
-        usable = self.window.usable_hit(hit, self.null_block)
+        usable = self.snapshots.usable_hit(req, hit, self.window.usable_hit(hit, self.null_block))
         unseen = self.window.first_needed(usable * self.block_size)  # before the next query's window
         for cut in (usable, unseen):  # the request holds whole nodes: blocks unseen .. usable - 1
             if 0 < cut < len(hit):  # (match cut the path after the hit's last block)
@@ -291,6 +312,7 @@ class Scheduler:
             self.pool.free([b for b in new if b in blocks])
             self._free_blocks(req, [b for b in new if b not in blocks])  # a launched step may still read them
             req.num_blocks_in_cache = full
+            self.snapshots.keyed(req)  # states saved where these blocks end
 
     def _victim(self, scheduled: set[str]) -> Request:
         """The last request in policy order that has no tokens in this step yet. Running
@@ -322,6 +344,7 @@ class Scheduler:
         assert not req.num_steps_in_flight, "no preemption while a step computes for the request (see _reserve)"
         self.running.remove(req)
         self._release_blocks(req)
+        self.snapshots.release(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -428,6 +451,7 @@ class Scheduler:
             self.waiting.remove(req)
         self._free_blocks(req, req.block_ids[req.num_released_blocks:])
         req.block_ids, req.num_released_blocks = [], 0
+        self.snapshots.release(req.request_id)
         req.finish(reason, stop_reason, status)
         del self.requests[req.request_id]
 
