@@ -80,8 +80,13 @@ class EngineConfig:
         None, "the longest prompt + output in tokens (default: the model's context)",
         flags=("--max-model-len", "--context-length"))
     num_kv_blocks: int | None = flag(None, "the KV pool's size in blocks (vLLM's num_gpu_blocks_override)")
-    kv_cache_memory: int | None = flag(None, "bytes for the KV pool (default: what --gpu-memory-utilization "
-                                             "leaves on CUDA, 1 GiB on the CPU)")
+    num_state_snapshots: int | None = flag(
+        None, "models with linear-attention layers (Qwen3-Next): snapshots of their recurrent state kept at block "
+        "boundaries for prefix-cache hits (default: as many as a quarter of the cache memory holds, at most one a "
+        "KV block)")
+    kv_cache_memory: int | None = flag(None, "bytes for the KV pool, and a linear-attention model's state "
+                                             "snapshots (default: what --gpu-memory-utilization leaves on CUDA, "
+                                             "1 GiB on the CPU)")
     max_num_seqs: int | None = flag(
         None, "seats: the most sequences a step runs (default: per device and use, defaults.py, e.g. 512 offline "
         "on a large GPU, 256 serving; lowered to what the KV pool holds)", knob=True,

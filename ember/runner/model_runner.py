@@ -113,6 +113,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 _GREEDY = SamplingParams(temperature=0)  # the stand-in row of a request whose own row failed
 GRAPH_POOL_RESERVE = 512 << 20  # kept out of the KV pool for the decode graphs' memory (logged as measured)
+# of the cache memory, what recurrent-state snapshots get by default (the KV pool the rest): one
+# snapshot of Qwen3-Next-80B's 36 linear layers is 74 MiB, the KV of ~3,000 tokens of its 12
+# attention layers, so a cached prefix of a few thousand tokens costs about as much in each
+STATE_SNAPSHOT_SHARE = 0.25
 
 
 def _return_freed_heap() -> None:
@@ -155,7 +159,11 @@ class ModelRunner:
         # when every layer has a window, the scheduler gives back blocks no window reaches and
         # their table entries point at one block past the pool (BlockPool.null_block)
         self.num_null_blocks = 0 if shared_window(mc.layer_windows) is None else 1
-        self.num_blocks = self._num_kv_blocks()
+        memory = self._cache_memory()
+        self.num_state_snapshots = 0
+        if self.states is not None and config.enable_prefix_caching:  # a share of the cache memory, first
+            memory -= self._keep_state_snapshots(memory)
+        self.num_blocks = self._num_kv_blocks(memory)
         if "max_num_seqs" not in config.setting_sources:
             seats = seats_that_fit(config.max_num_seqs, self.num_blocks * config.block_size, config.max_model_len)
             if seats < config.max_num_seqs:
@@ -164,6 +172,7 @@ class ModelRunner:
                 self.config = config = dataclasses.replace(config, max_num_seqs=seats)
                 if self.states is not None:  # a slot a seat
                     self.states = self._recurrent_states()
+                    self.states.keep_snapshots(self.num_state_snapshots)
         # K and V planes (MLA: one, the latent), then layers, blocks, slots, heads, dims
         shape = (mc.kv_planes, self.num_kv_layers, self.num_blocks + self.num_null_blocks, config.block_size,
                  self.num_kv_heads, mc.cache_head_dim)
@@ -230,6 +239,23 @@ class ModelRunner:
                     states.nbytes / 2**20, per_slot / 2**20, seats, len(layers), mc.num_attention_layers)
         return states
 
+    def _keep_state_snapshots(self, memory: int) -> int:
+        """Snapshot slots for the prefix cache's hits (scheduler/state_snapshots.py): num_state_snapshots,
+        else as many as STATE_SNAPSHOT_SHARE of the cache memory holds, at most one a KV block (each
+        is keyed by one). Returns their bytes."""
+        config, states = self.config, self.states
+        per_slot = RecurrentStates.bytes_per_slot(self.model.linear_attention_layers(), config.torch_dtype)
+        count = config.num_state_snapshots
+        if count is None:
+            most = config.num_kv_blocks or config.max_num_seqs * config.max_blocks_per_seq
+            count = min(int(memory * STATE_SNAPSHOT_SHARE) // per_slot, most)
+        states.keep_snapshots(count)
+        self.num_state_snapshots = count
+        logger.info("recurrent-state snapshots for prefix-cache hits: %d of %.2f MiB (%.1f MiB, %.0f%% of the %.1f "
+                    "MiB for caches)", count, per_slot / 2**20, states.snapshot_bytes / 2**20,
+                    100 * states.snapshot_bytes / max(1, memory), memory / 2**20)
+        return states.snapshot_bytes
+
     def _load_model(self, files) -> torch.nn.Module:
         config = self.config
         model = load_model(files, config.model_config, config.max_model_len, config.torch_dtype, config.device,
@@ -293,13 +319,12 @@ class ModelRunner:
     def num_kv_heads(self) -> int:
         return rank_kv_heads(self.config.model_config)
 
-    def _num_kv_blocks(self) -> int:
+    def _cache_memory(self) -> int:
+        """Bytes for the KV pool (and the recurrent-state snapshots, where there are any)."""
         c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
         if c.kv_cache_memory is not None:
-            memory = c.kv_cache_memory
-        elif self.device.type == "cuda":
+            return c.kv_cache_memory
+        if self.device.type == "cuda":
             # the pool gets utilization x total minus what is already used (weights, other
             # processes, the CUDA context) minus the profiled peak of one full-budget forward
             # an earlier engine of this process that is gone but not yet collected (a cycle)
@@ -308,10 +333,13 @@ class ModelRunner:
             gc.collect()
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            memory = int(c.gpu_memory_utilization * total - (total - free) - self.activation_bytes
-                         - self.graph_reserve)
-        else:
-            memory = CPU_KV_CACHE_MEMORY
+            return int(c.gpu_memory_utilization * total - (total - free) - self.activation_bytes - self.graph_reserve)
+        return CPU_KV_CACHE_MEMORY
+
+    def _num_kv_blocks(self, memory: int) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
         # never more than every sequence slot at full length could use; the memory holds the null block too
         most = c.max_num_seqs * c.max_blocks_per_seq
         per_block = self.kv_bytes_per_block()
@@ -393,6 +421,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta, self._token_type_ids(plan))
         else:
             hidden = self.model(input_ids, positions, meta)
+        if plan.state_saves:  # states where chunks ended on a block boundary, for the prefix cache
+            self.states.save(plan.state_saves)
         clock("forward")
         step = LaunchedStep(plan)
         if self.pooler is not None:  # no sampling: the prompts that end here give their vectors
@@ -613,12 +643,11 @@ class ModelRunner:
         tables = np.stack([self._table_row(c.request)[:width] for c in plan.chunks])
         dev = self.device
         state_slots: list[int] = []
-        if self.states is not None:  # each sequence's recurrent-state slot, a new one zeroed first
-            fresh: list[int] = []
-            state_slots = [self.states.slot(c.request.request_id, c.request.num_computed_tokens, fresh)
-                           for c in plan.chunks]
-            if fresh:
-                self.states.zero(fresh)
+        if self.states is not None:  # each sequence's recurrent-state slot, a new one zeroed or restored first
+            restores = dict(plan.state_restores)
+            state_slots = [self.states.slot(c.request.request_id, c.request.num_computed_tokens,
+                                            restores.get(c.request.request_id)) for c in plan.chunks]
+            self.states.start_slots()
         # one int64 vector: ids [t] | positions [t] | slots [t] | seq_lens [n] | query_start [n + 1] | dst | src
         # | state slots
         flat = to_device(ids + positions + slots + seq_lens + query_start + dst + src + state_slots, dev, torch.int64)

@@ -29,6 +29,8 @@ class PlanDiff:
     new: list[Request] = field(default_factory=list)  # requests the workers have not seen: whole
     chunks: list[ChunkDiff] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[str, int]] = field(default_factory=list)  # SchedulerOutput's, as they are
+    state_saves: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -45,7 +47,8 @@ class PlanEncoder:
         self.sent: dict[str, _Sent] = {}
 
     def encode(self, plan: SchedulerOutput) -> PlanDiff:
-        diff = PlanDiff(block_copies=plan.block_copies)
+        diff = PlanDiff(block_copies=plan.block_copies, state_restores=plan.state_restores,
+                        state_saves=plan.state_saves)
         for c in plan.chunks:
             req = c.request
             blocks, outputs = req.block_ids, req.output_token_ids
@@ -76,7 +79,8 @@ class PlanDecoder:
         for req in diff.new:
             req.block_ids = list(req.block_ids)  # its own list: appended to in place from here on
             self.requests[req.request_id] = req
-        plan = SchedulerOutput(block_copies=diff.block_copies)
+        plan = SchedulerOutput(block_copies=diff.block_copies, state_restores=diff.state_restores,
+                               state_saves=diff.state_saves)
         for request_id, num_new, start, samples, pending, outputs, blocks, whole in diff.chunks:
             req = self.requests[request_id]
             req.output_token_ids += outputs

@@ -43,6 +43,7 @@ def test_mirrors_hold_what_the_engine_holds_at_every_step(gguf_path):
         seen["bytes"].append(len(data))
         mirrored = decoder.decode(pickle.loads(data))
         assert len(mirrored.chunks) == len(plan.chunks) and mirrored.block_copies == plan.block_copies
+        assert (mirrored.state_restores, mirrored.state_saves) == (plan.state_restores, plan.state_saves)
         for chunk, mirror in zip(plan.chunks, mirrored.chunks):
             assert (mirror.num_new_tokens, mirror.start, mirror.samples) == (
                 chunk.num_new_tokens, chunk.start, chunk.samples)
