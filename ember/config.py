@@ -291,8 +291,7 @@ class EngineConfig:
             model_config=model_config,
             runner=runner,
             pooler_config=_pooler_config(self.pooler_config, runner, model_config, files),
-            enable_prefix_caching=self.enable_prefix_caching and runner == "generate"
-            and _prefix_cache_applies(model_config, self.enable_prefix_caching),
+            enable_prefix_caching=self.enable_prefix_caching and runner == "generate",
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
         sources = self._sources()
@@ -329,17 +328,6 @@ def flag_types() -> dict[str, tuple[type, tuple[str, ...] | None, bool]]:
 
 # the knobs a tuner turns: logged at start with where each value came from
 TUNING_KNOBS = tuple(f.name for f in flag_fields() if f.metadata["knob"])
-
-
-def _prefix_cache_applies(mc: ModelConfig, asked: bool) -> bool:
-    """A cached prefix restores K/V blocks, not the state a recurrent layer (Qwen3-Next's linear
-    attention) built over those tokens: such a model recomputes every prompt."""
-    if mc.linear_layers is None:
-        return True
-    if asked:
-        logger.info("prefix caching off for %s: its linear-attention layers' state cannot be restored from cached "
-                    "blocks, so every prompt is computed whole", mc.architecture)
-    return False
 
 
 def _check_deterministic(mc: ModelConfig, quantization: str, tensor_parallel_size: int) -> None:

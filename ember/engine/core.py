@@ -35,6 +35,7 @@ from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler, SchedulerOutput
 from ember.scheduler.sliding_window import shared_window
+from ember.scheduler.state_snapshots import StateSnapshots
 from ember.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -92,8 +93,12 @@ class EngineCore:
             self.config = config = dataclasses.replace(config, max_num_seqs=self.runner.max_num_seqs)
         self.block_pool = BlockPool(self.runner.num_blocks)
         self.prefix_cache = make_prefix_cache(config.enable_prefix_caching, self.block_pool, config.block_size)
+        # recurrent layers: a hit resumes from a snapshot of their state (scheduler/state_snapshots.py)
+        snapshots = None
+        if config.enable_prefix_caching and config.model_config.linear_layers is not None:
+            snapshots = StateSnapshots(self.runner.num_state_snapshots, config.block_size)
         self.scheduler = Scheduler(self.block_pool, config, self.prefix_cache,
-                                   shared_window(config.model_config.layer_windows))
+                                   shared_window(config.model_config.layer_windows), snapshots)
         self.structured = StructuredOutputManager.for_config(config, tokenizer)
         self.in_flight: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back
@@ -166,6 +171,9 @@ class EngineCore:
         assert not self.runner.biases, "a request's logit_bias tensors outlived it"
         states = getattr(self.runner, "states", None)
         assert states is None or not states.num_in_use, f"{states.num_in_use} recurrent-state slots still held"
+        snapshots = self.scheduler.snapshots
+        snapshots.check_integrity(pool.cached)
+        assert not snapshots.held_for(), f"state snapshots kept for requests that left: {snapshots.held_for()}"
         assert self.runner.pooler is None or not self.runner.pooler.partial, "a request's pooling state outlived it"
         assert not self._failed, "a failed request's output was never handed back"
         assert not self.structured.holds(), "the structured-output manager still holds requests"

@@ -3,8 +3,9 @@ gated delta rule, a recurrent state a request) among gated full-attention layers
 from q_proj, q/k norms, partial RoPE), zero-centred norms and Qwen2-MoE's experts, on a tiny random
 model saved as transformers saves it: ember's logits and greedy tokens equal transformers'
 (float32), through chunked prefill (the state carried from chunk to chunk), batches of several
-lengths, preemption and recompute, async scheduling and forked samples; a repeated prompt is
-computed again (no prefix cache: a state is not restored from blocks), and no state slot
+lengths, preemption and recompute, async scheduling and forked samples, and prefix-cache hits,
+which resume from a snapshot of the state at a cached block's end (a shared system prompt, a
+second turn, a small snapshot pool that falls back to recomputing); no state slot or snapshot
 outlives its request. And the GGUFs llama.cpp's converter writes (qwen3next), float32 and Q8_0."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from family_checks import (
     ENGINE,
     GREEDY,
+    MAX_TOKENS,
     PROMPTS,
     assert_chunked_and_cached,
     assert_logits_match,
@@ -48,7 +50,7 @@ QWEN3_NEXT = {
     "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
     "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True, "tie_word_embeddings": False,
 }
-NO_CACHE = [[0, 0, 0], [0, 0, 0]]
+LOGPROBS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
 
 # Qwen3-Next-80B-A3B-Instruct's config.json: no layer_types (every fourth layer full attention),
@@ -104,6 +106,35 @@ def _generate(llm, prompts: list[list[int]], params: SamplingParams = GREEDY) ->
     return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
+def _cached_run(llm, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's greedy tokens and its prefix-cache hit, one request after another."""
+    outs = [llm.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in prompts]
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def _with_logprobs(llm, prompt: list[int]) -> tuple[list[int], torch.Tensor, int]:
+    """Greedy tokens, each one's logprob, and the prompt's prefix-cache hit."""
+    out = llm.generate([{"prompt_token_ids": prompt}], LOGPROBS)[0]
+    tokens = list(out.outputs[0].token_ids)
+    return tokens, torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]), \
+        out.num_cached_tokens
+
+
+def _hf_logprobs(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' logprob of each of `tokens` after `prompt` (one forward over both)."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return logits.log_softmax(-1)[torch.arange(len(tokens)), tokens]
+
+
+@pytest.fixture(scope="module")
+def second_turn(qwen3_next) -> tuple[list[int], list[int]]:
+    """Turn 2 after PROMPTS[2]: its prompt, its answer (32 tokens) and 10 new tokens; transformers' greedy tokens."""
+    _, hf, expected = qwen3_next
+    prompt = PROMPTS[2] + expected[2] + [40 + i for i in range(10)]
+    return prompt, hf_greedy(hf, prompt)
+
+
 def test_config_reads_qwen3_nexts_options():
     cfg = ModelConfig.from_hf_config(QWEN3_NEXT)
     assert (cfg.architecture, cfg.linear_layers, cfg.num_attention_layers, cfg.linear_conv_dim) == \
@@ -135,15 +166,85 @@ def test_logits_and_greedy_tokens_match_transformers(qwen3_next, forward_logits)
     assert runner.kv_cache.shape[:3] == (2, 1, 128)
     assert runner.states.conv.shape == (3, llm.engine.config.max_num_seqs, 2 * 2 * 16 + 4 * 24, 3)
     assert runner.states.recurrent.shape == (3, llm.engine.config.max_num_seqs, 4, 16, 24)
+    # the prefix cache's snapshots: a quarter of the cache memory holds more than one a KV block
+    assert runner.states.snapshot_conv.shape == (3, 128, 2 * 2 * 16 + 4 * 24, 3)
+    assert runner.states.snapshot_recurrent.shape == (3, 128, 4, 16, 24)
     llm.engine.check_idle()  # no state slot held
 
 
-def test_chunked_prefill_carries_the_state_and_a_repeated_prompt_is_recomputed(qwen3_next):
-    """5-token chunks: prompts of 13 and 27 tokens span 3 and 6 steps. Prefix caching, asked
-    for, is off: the second run computes every prompt again, to the same tokens."""
+def test_chunked_prefill_carries_the_state_and_a_repeated_prompt_hits_the_cache(qwen3_next):
+    """5-token chunks, cut to end on the 8-token blocks: prompts of 13 and 27 tokens span 3 and
+    7 steps and leave state snapshots at 8, and at 8, 16 and 24; the second run resumes there."""
     path, _, expected = qwen3_next
-    llm = assert_chunked_and_cached(path, expected, NO_CACHE, enable_prefix_caching=True)
-    assert not llm.engine.config.enable_prefix_caching
+    llm = assert_chunked_and_cached(path, expected)
+    assert llm.engine.config.enable_prefix_caching
+    llm.engine.check_idle()
+
+
+def test_a_worker_process_restores_and_saves_states_as_planned(qwen3_next):
+    """--distributed-executor-backend mp at size 1: the plan's restores and saves reach the rank."""
+    path, _, expected = qwen3_next
+    llm = assert_chunked_and_cached(path, expected, distributed_executor_backend="mp")
+    assert llm.engine.runner.num_state_snapshots == 128
+    llm.engine.check_idle()
+    llm.engine.shutdown()
+
+
+def test_prefix_cache_hits_resume_from_state_snapshots_and_match_transformers(qwen3_next):
+    """A 100-token system prompt before three questions, then the first prompt again with more.
+    The first leaves a snapshot at its last whole block (104) only, so the second, which shares
+    96 tokens of KV with it but no state, computes its prompt, ending a chunk where the cached
+    KV ends and leaving a snapshot there; the third resumes at 96, the fourth at 104. Every
+    token and its logprob as with the prefix cache off and as transformers computes them."""
+    path, hf, _ = qwen3_next
+    system = [(7 * i + 3) % 317 + 3 for i in range(100)]
+    prompts = [system + [11 + i] * 10 for i in range(3)]
+    prompts.append(prompts[0] + [5] * 10)
+    on, off = LLM(path, **ENGINE), LLM(path, **(ENGINE | dict(enable_prefix_caching=False)))
+    cached = []
+    for prompt in prompts:
+        (tokens, logprobs, hit), (tokens_off, logprobs_off, _) = _with_logprobs(on, prompt), _with_logprobs(off, prompt)
+        assert tokens == tokens_off
+        torch.testing.assert_close(logprobs, logprobs_off, rtol=0, atol=1e-5)
+        torch.testing.assert_close(logprobs, _hf_logprobs(hf, prompt, tokens), rtol=0, atol=1e-4)
+        cached.append(hit)
+    assert cached == [0, 0, 96, 104]
+    assert tokens == hf_greedy(hf, prompts[3])
+    on.engine.check_idle()
+
+
+def test_a_second_turn_resumes_from_the_first_turns_last_snapshot(qwen3_next, second_turn):
+    """Turn 1 (27 tokens, 32 out) leaves the KV of 58 tokens and, of the snapshots its decoding
+    saved at 32 to 56, the last: turn 2 resumes at 56."""
+    path, _, expected = qwen3_next
+    prompt, hf_tokens = second_turn
+    llm = LLM(path, **ENGINE)
+    assert _cached_run(llm, [PROMPTS[2], prompt]) == ([expected[2], hf_tokens], [0, 56])
+    llm.engine.check_idle()
+
+
+def test_a_small_snapshot_pool_falls_back_to_recompute(qwen3_next, second_turn):
+    """One snapshot slot: a prompt's snapshot at 24 gives way to those its decoding saves at 32
+    to 56, so the same prompt again finds its blocks but no state and is computed again, to the
+    same tokens; a second turn still resumes at 56. Ten KV blocks: another prompt's blocks evict
+    most of the first's, the snapshots keyed by them go too, and the first prompt, with no
+    snapshot where its remaining blocks end, is computed again."""
+    path, _, expected = qwen3_next
+    prompt, hf_tokens = second_turn
+    llm = LLM(path, **(ENGINE | dict(num_state_snapshots=1)))
+    assert llm.engine.runner.states.snapshot_recurrent.shape[1] == 1
+    assert _cached_run(llm, [PROMPTS[2], PROMPTS[2], prompt]) == ([expected[2], expected[2], hf_tokens], [0, 0, 56])
+    llm.engine.check_idle()
+
+    llm = LLM(path, **(ENGINE | dict(num_kv_blocks=10)))
+    snapshots, other = llm.engine.scheduler.snapshots, PROMPTS[2][::-1]
+    assert _cached_run(llm, [PROMPTS[2]]) == ([expected[2]], [0])
+    assert dict(snapshots.by_block) == {2: 0, 6: 2}  # at 24 (the prompt) and 56 (decoding's last)
+    _cached_run(llm, [other])
+    # the first's blocks from 16 on went (a leaf goes tail first), blocks 2 and 6 with them
+    assert llm.engine.prefix_cache.peek(PROMPTS[2]) == 16
+    assert dict(snapshots.by_block) == {7: 1, 3: 3}  # the other prompt's own, at 24 and 56
+    assert _cached_run(llm, [PROMPTS[2]]) == ([expected[2]], [0])
     llm.engine.check_idle()
 
 
@@ -161,13 +262,17 @@ def test_a_batch_of_lengths_equals_each_alone_and_survives_preemption(qwen3_next
 
 def test_async_scheduling_and_forked_samples_match(qwen3_next):
     """With async scheduling a request keeps its seat (and slot) until its last step is
-    collected; n=2 greedy samples fork after the prompt and the fork recomputes it."""
+    collected; n=2 greedy samples fork after the prompt, and the fork, admitted anew with its
+    prompt and first token, resumes from the prompt's snapshot at 24."""
     path, _, expected = qwen3_next
     llm = LLM(path, **(ENGINE | dict(async_scheduling=True, max_num_seqs=2)))
-    assert _generate(llm, PROMPTS) == expected
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(n=2, temperature=0, max_tokens=32,
+    assert _generate(llm, PROMPTS[:2]) == expected[:2]
+    scheduler = llm.engine.scheduler
+    hits = scheduler.prefix_cache_hits
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[2]}], SamplingParams(n=2, temperature=0, max_tokens=32,
                                                                          ignore_eos=True))
-    assert [list(c.token_ids) for c in outs[0].outputs] == [expected[0]] * 2
+    assert [list(c.token_ids) for c in outs[0].outputs] == [expected[2]] * 2
+    assert outs[0].num_cached_tokens == 0 and scheduler.prefix_cache_hits - hits == 24
     llm.engine.check_idle()
 
 
@@ -178,16 +283,25 @@ def test_finished_and_aborted_requests_leave_no_state_slot(qwen3_next):
     reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
     for r in reqs:
         core.add_request(r)
-    for _ in range(4):  # the 13- and 27-token prompts mid-prefill, the 1-token one decoding
+    for _ in range(6):  # the 27-token prompt mid-prefill, at 8 with its state saved there
         core.step()
-    assert states.num_in_use == 3
+    assert states.num_in_use == 3 and reqs[2].num_computed_tokens == 8
+    snapshots = core.scheduler.snapshots
+    assert dict(snapshots.by_block) == {0: 0, 2: 1}  # r0's at 8 (block 0), r2's at 8 (block 2)
     core.abort_request("r2")
-    assert states.num_in_use == 2 and "r2" not in states.slots
+    assert states.num_in_use == 2 and "r2" not in states.slots and not snapshots.held_for()
     while core.has_unfinished_requests():
         core.step()
     assert [r.output_token_ids for r in reqs[:2]] == expected[:2]
     core.check_idle()
     assert sorted(states.free) == list(range(states.num_slots))
+    # what the aborted request cached, blocks and snapshot, serves the next with its prompt
+    again = Request("r3", PROMPTS[2], GREEDY)
+    core.add_request(again)
+    while core.has_unfinished_requests():
+        core.step()
+    assert (again.num_cached_tokens, again.output_token_ids) == (8, expected[2])
+    core.check_idle()
 
 
 def test_a_prompt_of_several_delta_chunks_matches_transformers(qwen3_next, forward_logits):
