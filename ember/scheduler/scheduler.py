@@ -17,6 +17,11 @@ goes back to the front of the waiting queue.
 A request with n > 1 samples its n first tokens from one prefill, then forks: each
 sample shares the prompt's full blocks and gets a copy of the partial last one.
 
+A model with recurrent layers (Qwen3-Next) resumes a hit from a snapshot of their state where
+the hit ends (state_snapshots.py): its hits stop at the last cached block with one, its chunks
+are cut where a state should be saved, and each step's plan says which states to restore
+before the forward and to save after it. Its forked samples are admitted anew, from the cache.
+
 A step's life: `schedule()` plans it, `mark_launched(plan)` counts its tokens as computed once
 the runner has queued it (each token it samples is a placeholder, `num_pending_tokens`),
 `update(plan, sampled)` puts the sampled ids in their place and applies the stop rules.
