@@ -24,8 +24,9 @@ hash does in vLLM).
   request's fresh state slot is filled from that snapshot (`restore`) before the step's forward.
 - Bounded: a fixed number of slots, sized from memory by the runner. A save that finds none free
   takes the least recently used keyed one; a snapshot goes when the prefix cache evicts its block
-  (`evicted`), as it is of no use without the blocks before it. Nothing is held by a request once
-  it has left: a restore copies the snapshot before the forward, so a later save may reuse it.
+  (`evicted`): without that block's KV it is of no use, and the block id is soon another's.
+  Nothing is held by a request once it has left: a restore copies the snapshot before the
+  forward, so a save in the same step or later may reuse its slot.
 """
 
 from __future__ import annotations
