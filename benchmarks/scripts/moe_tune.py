@@ -26,7 +26,7 @@ from ember.models.config import ModelConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-GEMV_MAX_PAIRS_PER_EXPERT = 1.0  # token counts where the GEMV is a candidate
+GEMV_MAX_PAIRS_PER_EXPERT = 4.0  # token counts where the GEMV is a candidate
 
 
 def shape(name: str) -> tuple[int, int, int, int, bool]:
@@ -107,7 +107,7 @@ def main() -> None:
                     best = (total, choice)
             key = moe.config_key(experts, hidden, inter, top_k, mxfp4)
             table.setdefault(device, {}).setdefault(key, {})[str(tokens)] = best[1]
-            up = down = moe.heuristic_config(experts, moe.token_bucket(tokens), top_k)
+            up = down = moe.heuristic_config(experts, moe.token_bucket(tokens), top_k, mxfp4)
             layout = None if up.get("GEMV") else moe.align_experts(ids, experts, up["BLOCK_M"])
             heuristic = time_pass(x, w13, act, layout, ids, None, top_k, True, up, swiglu) + \
                 time_pass(act, w2, out, layout, ids, weights.reshape(-1), 1, False, down, None)

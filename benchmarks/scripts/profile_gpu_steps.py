@@ -72,6 +72,15 @@ def main() -> None:
           f"({sum(v[0] for v in per_kernel.values()) / ns.steps:.0f} per step)")
     for name, (calls, t) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:ns.top]:
         print(f"  {t / ns.steps:9.1f} us {100 * t / ns.steps / total:5.1f}%  {calls / ns.steps:6.1f}/step  {name}")
+    # the host's side: where the CPU spends a step (a CUDA runtime call that blocks, e.g. a
+    # synchronizing copy, shows as a long cuda* entry)
+    per_op: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.key_averages():
+        if ev.self_cpu_time_total > 0:
+            per_op[ev.key[:90]] = [ev.count, ev.self_cpu_time_total]
+    print(f"  host: self CPU time a step, top {ns.top}")
+    for name, (calls, t) in sorted(per_op.items(), key=lambda kv: -kv[1][1])[:ns.top]:
+        print(f"  {t / ns.steps:9.1f} us  {calls / ns.steps:6.1f}/step  {name}")
 
 
 if __name__ == "__main__":

@@ -355,11 +355,12 @@ def test_the_gemv_pass_equals_the_gemm_pass(mxfp4):
 
 def test_few_pairs_an_expert_take_the_gemv():
     """The heuristic's GEMV while at most one pair in four experts (a decode step of a few
-    tokens), the 16-row GEMM beyond; fused_experts at one token of gpt-oss-like routing
+    tokens; MXFP4 experts: one pair an expert), the 16-row GEMM beyond; fused_experts at one token of gpt-oss-like routing
     through it equals the per-token loop."""
     assert heuristic_config(128, 1, 4).get("GEMV") and heuristic_config(128, 8, 4).get("GEMV")
     assert "GEMV" not in heuristic_config(128, 9, 4) and heuristic_config(128, 9, 4)["BLOCK_M"] == 16
     assert heuristic_config(64, 2, 6).get("GEMV") and heuristic_config(8, 1, 2).get("GEMV")
+    assert heuristic_config(128, 32, 4, mxfp4=True).get("GEMV") and "GEMV" not in heuristic_config(128, 33, 4, True)
     assert "GEMV" not in heuristic_config(8, 2, 2)
     w13, w2 = _experts(16, 48, 40, torch.float32, "cpu", seed=16)
     x = torch.randn(1, 48, generator=torch.Generator().manual_seed(16))
