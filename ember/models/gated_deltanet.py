@@ -28,6 +28,7 @@ holds q | k | v and z so already, as two tensors: in_proj_qkvz's two shards).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,36 @@ def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return torch.einsum("shk,shkv->shv", q, state)
 
 
+class ChunkTerms(NamedTuple):
+    """What a chunk of c tokens contributes, whatever the state it starts from (`chunk_terms`);
+    leading dims [...] (heads, or chunks and heads) as the inputs'."""
+
+    wk: torch.Tensor  # [..., c, dk]  (I + A)^-1 beta exp(G) K
+    wv: torch.Tensor  # [..., c, dv]  (I + A)^-1 beta V
+    qg: torch.Tensor  # [..., c, dk]  exp(G) Q
+    p: torch.Tensor  # [..., c, c]    QK^T * D, i <= t
+    kd: torch.Tensor  # [..., c, dk]  D(c, i) K: each key decayed to the chunk's end
+    decay: torch.Tensor  # [...]      exp(G(c)): the state's decay over the chunk
+
+
+def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> ChunkTerms:
+    """One chunk's terms (see `delta_rule_chunked`): q, k [..., c, dk], v [..., c, dv], g, beta
+    [..., c], float32. Rows of g = beta = 0 and zero k past a chunk's last token (padding) leave
+    its state's update as it is."""
+    cum = g.cumsum(-1)  # G [..., c]
+    causal = torch.ones(cum.shape[-1], cum.shape[-1], dtype=torch.bool, device=cum.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # D [..., c, c]
+    kt = k.transpose(-1, -2)
+    a = (beta[..., None] * (k @ kt) * decay).tril(-1)
+    rhs = torch.cat([beta[..., None] * v, (beta * cum.exp())[..., None] * k], dim=-1)
+    eye = torch.eye(a.shape[-1], device=a.device)
+    w = torch.linalg.solve_triangular(a + eye, rhs, upper=False, unitriangular=True)
+    last = cum[..., -1:]
+    return ChunkTerms(w[..., v.shape[-1]:], w[..., :v.shape[-1]], q * cum.exp()[..., None], (q @ kt) * decay,
+                      k * (last - cum).exp()[..., None], last[..., 0].exp())
+
+
 def delta_rule_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, chunk: int = DELTA_CHUNK) -> torch.Tensor:
     """n tokens of one sequence, as n `delta_rule_step`s: state [H, dk, dv] (updated in place),
@@ -82,26 +113,18 @@ def delta_rule_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         u(t) = beta(t) (v(t) - exp(G(t)) k(t)^T S0) - sum_{i < t} beta(t) D(t, i) (k(t).k(i)) u(i)
 
     so (I + A) U = beta V - beta exp(G) K S0 with A strictly lower triangular, one triangular
-    solve for [beta V | beta exp(G) K]; then O = exp(G) Q S0 + (QK^T * D, i <= t) U and the
-    chunk's last state exp(G(c)) S0 + (D(c, i) K)^T U. No exp of a positive number: D is
-    taken where i <= t only."""
+    solve for [beta V | beta exp(G) K] (`chunk_terms`: all that does not depend on S0); then
+    U = Wv - Wk S0, O = exp(G) Q S0 + (QK^T * D, i <= t) U and the chunk's last state
+    exp(G(c)) S0 + (D(c, i) K)^T U. No exp of a positive number: D is taken where i <= t only."""
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, d]
     g, beta = g.t(), beta.t()  # [H, n]
-    dv, out = v.shape[-1], []
+    out = []
     for start in range(0, q.shape[1], chunk):
-        qc, kc, vc = q[:, start:start + chunk], k[:, start:start + chunk], v[:, start:start + chunk]
-        gc, bc = g[:, start:start + chunk], beta[:, start:start + chunk]
-        cum = gc.cumsum(-1)  # G [H, c]
-        causal = torch.ones(cum.shape[-1], cum.shape[-1], dtype=torch.bool, device=cum.device).tril()
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # D [H, c, c]
-        a = (bc[:, :, None] * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
-        rhs = torch.cat([bc[..., None] * vc, (bc * cum.exp())[..., None] * kc], dim=-1)
-        w = torch.linalg.solve_triangular(a + torch.eye(a.shape[-1], device=a.device), rhs, upper=False,
-                                          unitriangular=True)
-        u = w[..., :dv] - w[..., dv:] @ state  # [H, c, dv]
-        out.append((qc * cum.exp()[..., None]) @ state + ((qc @ kc.transpose(1, 2)) * decay) @ u)
-        last = cum[:, -1:]
-        state.mul_(last.exp()[..., None]).add_((kc * (last - cum).exp()[..., None]).transpose(1, 2) @ u)
+        rows = slice(start, start + chunk)
+        t = chunk_terms(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows])
+        u = t.wv - t.wk @ state  # [H, c, dv]
+        out.append(t.qg @ state + t.p @ u)
+        state.mul_(t.decay[:, None, None]).add_(t.kd.transpose(1, 2) @ u)
     return torch.cat(out, dim=1).transpose(0, 1)
 
 
