@@ -12,6 +12,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from graph_replay import assert_graph_replays  # noqa: E402
+from hopper_compile import run_compile_script  # noqa: E402
+
 from ember.kernels.moe import (  # noqa: E402
     MXFP4Experts,
     align_experts,
@@ -424,14 +427,7 @@ def _assert_graph_replays(layer: FusedMoE, x: torch.Tensor) -> None:
     """The layer captured in a CUDA graph on a copy of x, replayed on new tokens (which route
     elsewhere: the graph must follow), gives what it gives eager, bit for bit."""
     static = x.clone()
-    layer(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(static)
-    static.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.testing.assert_close(out, layer(static), rtol=0, atol=0)
+    assert_graph_replays(lambda: layer(static), [static], [torch.randn_like(x)])
 
 
 @pytest.fixture(scope="module")
@@ -502,12 +498,4 @@ def test_the_mxfp4_kernels_compile_for_hopper():
     """The interpreter runs what a compiled kernel may refuse (a global as a constexpr, an
     integer type a GPU op does not take): Triton compiles the MXFP4 gate|up and down passes,
     with biases and the clamp, to sm_90 PTX here, without a GPU, and they use tensor cores."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert "compiled" in run_compile_script(_COMPILE)
