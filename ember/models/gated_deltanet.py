@@ -16,9 +16,13 @@ Per token x (after the layer's input norm), with H value heads of dv dims and ke
     out          = out_proj(rmsnorm(o) * w * silu(z))        per head
 
 The conv state is a sequence's last kernel - 1 inputs q | k | v (model dtype), the recurrent
-state S of every head (float32). A decode step advances every sequence one token at once
-(`delta_rule_step`); a prefill chunk runs from the state the previous chunk left, DELTA_CHUNK
-tokens at a time in matrix products (`delta_rule_chunked`), each sequence of the step in turn.
+state S of every head (float32). On the CPU (plain torch) a decode step advances every
+sequence one token at once (`delta_rule_step`); a prefill chunk runs from the state the previous
+chunk left, DELTA_CHUNK tokens at a time in matrix products (`delta_rule_chunked`), each
+sequence of the step in turn. On CUDA (`_kernels`) Triton kernels do the same without a host
+sync: the conv for every sequence of the step, a fused step for the one-token ones, and for the
+longer ones every chunk's `chunk_terms` at once (padded chunks, `_Chunks`), then a kernel that
+carries each sequence's state through its chunks; a decode step replays as a CUDA graph.
 
 The checkpoint's in_proj_qkvz / in_proj_ba rows come grouped by key head; the loader reorders
 them part by part (loader/weights.linear_rows_by_part), so each part is one slice here (a GGUF
@@ -30,12 +34,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ember.distributed.parallel_state import tp_size
 from ember.layers.attention import AttentionMetadata
+from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import Linear, MergedLinear
 from ember.models.config import ModelConfig
 
@@ -115,7 +121,9 @@ def delta_rule_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     so (I + A) U = beta V - beta exp(G) K S0 with A strictly lower triangular, one triangular
     solve for [beta V | beta exp(G) K] (`chunk_terms`: all that does not depend on S0); then
     U = Wv - Wk S0, O = exp(G) Q S0 + (QK^T * D, i <= t) U and the chunk's last state
-    exp(G(c)) S0 + (D(c, i) K)^T U. No exp of a positive number: D is taken where i <= t only."""
+    exp(G(c)) S0 + (D(c, i) K)^T U. No exp of a positive number: D is taken where i <= t only.
+    (On CUDA the terms of every chunk of a step come at once, kernels/delta_rule_chunk.py
+    carries the state through them.)"""
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, n, d]
     g, beta = g.t(), beta.t()  # [H, n]
     out = []
@@ -161,8 +169,15 @@ class GatedDeltaNet(nn.Module):
         tokens, dtype = x.shape[0], x.dtype
         qkv, z = self.in_proj_qkvz.split(self.in_proj_qkvz(x))
         b, a = self.in_proj_ba(x).split([self.heads, self.heads], dim=-1)
-        decode = meta.num_seqs == tokens  # one token a sequence: every sequence steps at once
-        qkv = self._conv(qkv, meta, decode)
+        o = self._kernels(qkv, a, b, meta) if cuda_paths(x) else self._torch(qkv, a, b, meta)
+        o = self.norm(o.to(dtype), z.view(tokens, self.heads, self.dv))
+        return self.out_proj(o.reshape(tokens, self.value_dim))
+
+    def _inputs(self, qkv: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k [T, H, dk] (each key head repeated for its value heads), v [T, H, dv], g, beta [T, H],
+        float32, from the conv's output."""
+        tokens = qkv.shape[0]
         q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         group = self.heads // self.key_heads
         q = _l2norm(q.view(tokens, self.key_heads, self.dk)).repeat_interleave(group, dim=1) * self.dk ** -0.5
@@ -170,23 +185,60 @@ class GatedDeltaNet(nn.Module):
         v = v.view(tokens, self.heads, self.dv)
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return q, k, v, g, beta
+
+    def _torch(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The CPU's path (and the kernels' reference): o [T, H, dv] float32."""
+        decode = meta.num_seqs == qkv.shape[0]  # one token a sequence: every sequence steps at once
+        q, k, v, g, beta = self._inputs(self._conv(qkv, meta, decode), a, b)
         if decode:
             slots = meta.state_slots
             state = self.recurrent_state[slots]
             o = delta_rule_step(state, q, k, v, g, beta)
             self.recurrent_state[slots] = state
-        else:
-            o = torch.empty_like(v)
-            for slot, start, stop in _sequences(meta):
-                rows = slice(start, stop)
-                if stop - start == 1:  # a decode row of a mixed step
-                    o[rows] = delta_rule_step(self.recurrent_state[slot:slot + 1], q[rows], k[rows], v[rows],
-                                              g[rows], beta[rows])
-                else:
-                    o[rows] = delta_rule_chunked(self.recurrent_state[slot], q[rows], k[rows], v[rows], g[rows],
-                                                 beta[rows])
-        o = self.norm(o.to(dtype), z.view(tokens, self.heads, self.dv))
-        return self.out_proj(o.reshape(tokens, self.value_dim))
+            return o
+        o = torch.empty_like(v)
+        for slot, start, stop in _sequences(meta):
+            rows = slice(start, stop)
+            if stop - start == 1:  # a decode row of a mixed step
+                o[rows] = delta_rule_step(self.recurrent_state[slot:slot + 1], q[rows], k[rows], v[rows], g[rows],
+                                          beta[rows])
+            else:
+                o[rows] = delta_rule_chunked(self.recurrent_state[slot], q[rows], k[rows], v[rows], g[rows],
+                                             beta[rows])
+        return o
+
+    def _kernels(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """CUDA's path: o [T, H, dv] in the model dtype. The conv over every sequence and the
+        delta rule of the one-token ones are Triton kernels that read the slots and lengths on
+        the device (a decode step is those two alone: its CUDA graph replays them); the longer
+        sequences' chunks get their terms in batched matrix products, all at once, and a kernel
+        carries each one's state through them. Nothing waits for the device."""
+        from ember.kernels.causal_conv import causal_conv
+        from ember.kernels.delta_rule_decode import delta_rule_decode
+
+        lens = meta.query_lens_cpu
+        y = causal_conv(qkv, self.conv1d.weight, self.conv_state, meta.query_start_loc, meta.state_slots, max(lens))
+        o = torch.empty(y.shape[0], self.heads, self.dv, dtype=y.dtype, device=y.device)
+        if min(lens) == 1:
+            delta_rule_decode(y, a, b, self.A_log, self.dt_bias, self.recurrent_state, meta.query_start_loc,
+                              meta.state_slots, o, self.key_heads, L2NORM_EPS)
+        if max(lens) > 1:
+            self._chunked(y, a, b, meta, o)
+        return o
+
+    def _chunked(self, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata,
+                 o: torch.Tensor) -> None:
+        """The rows of `o` of the step's sequences of more than one token."""
+        from ember.kernels.delta_rule_chunk import delta_rule_chunk_pass
+
+        chunks = meta.plans.get(_Chunks.KEY)
+        if chunks is None:  # once a step, for every layer
+            chunks = meta.plans[_Chunks.KEY] = _Chunks.of(meta, y.device)
+        terms = chunk_terms(*(chunks.pad(x) for x in self._inputs(y, a, b)))
+        out = delta_rule_chunk_pass(*(x.contiguous() for x in terms), self.recurrent_state, chunks.chunk_starts,
+                                    chunks.slots)
+        o[chunks.tokens] = out.transpose(1, 2).reshape(-1, self.heads, self.dv)[chunks.rows].to(o.dtype)
 
     def _conv(self, x: torch.Tensor, meta: AttentionMetadata, decode: bool) -> torch.Tensor:
         """silu of the causal depthwise convolution of x [T, conv_dim] over each sequence's tokens,
@@ -207,6 +259,54 @@ class GatedDeltaNet(nn.Module):
             self.conv_state[slot] = window[:, window.shape[1] - (self.kernel - 1):]
             y[start:stop] = F.conv1d(window[None], weight, groups=self.conv_dim)[0].t()
         return F.silu(y)
+
+
+class _Chunks:
+    """A step's sequences of more than one token cut into DELTA_CHUNK-token chunks, each
+    sequence's from its first token, the last one padded (one-token sequences take the decode
+    kernel; chunk size 4 drawn):
+
+        tokens   a0 a1 a2 a3 a4 a5 | b0 | c0 c1             (query_start_loc)
+        chunks   [a0 a1 a2 a3] [a4 a5 -- --] [c0 c1 -- --]   -- : padding, a zero row
+        gather   0 1 2 3 4 5 9 9 7 8 9 9                     T = 9: the zero row
+        rows     0 1 2 3 4 5 8 9                             (tokens 0 1 2 3 4 5 7 8)
+        chunk_starts  0 2 3       slots  slot of a, slot of c
+    """
+
+    KEY = "gated_deltanet_chunks"  # in AttentionMetadata.plans
+
+    def __init__(self, gather: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, chunk_starts: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        self.gather = gather  # [chunks * DELTA_CHUNK] int64: the token of each padded row (T: the zero row)
+        self.tokens = tokens  # [N] int64: the chunked sequences' tokens
+        self.rows = rows  # [N] int64: each one's padded row
+        self.chunk_starts = chunk_starts  # [S' + 1] int32: sequence i's chunks
+        self.slots = slots  # [S'] int64: their state slots
+
+    @staticmethod
+    def of(meta: AttentionMetadata, device: torch.device) -> _Chunks:
+        lens = np.array(meta.query_lens_cpu)
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        seqs = np.flatnonzero(lens > 1)
+        per_seq = -(-lens[seqs] // DELTA_CHUNK)
+        chunk_starts = np.concatenate([[0], np.cumsum(per_seq)])
+        owner = np.repeat(np.arange(len(seqs)), per_seq)  # each chunk's sequence, of seqs
+        first = starts[seqs][owner] + (np.arange(chunk_starts[-1]) - chunk_starts[owner]) * DELTA_CHUNK
+        token = first[:, None] + np.arange(DELTA_CHUNK)
+        valid = token < starts[seqs + 1][owner][:, None]
+        gather = np.where(valid, token, starts[-1]).reshape(-1)
+        rows = np.flatnonzero(valid)
+        flat = torch.from_numpy(np.concatenate([gather, gather[rows], rows, chunk_starts, seqs]).astype(np.int64))
+        if device.type == "cuda":  # from pinned memory: the CPU does not wait for the device's queue
+            flat = flat.pin_memory()
+        gather, tokens, rows, chunk_starts, seqs = flat.to(device, non_blocking=True).split(
+            [len(gather), len(rows), len(rows), len(chunk_starts), len(seqs)])
+        return _Chunks(gather, tokens, rows, chunk_starts.to(torch.int32), meta.state_slots[seqs])
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, ...] -> [chunks, H, DELTA_CHUNK, ...], zero past each sequence's end."""
+        padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.gather]
+        return padded.view(-1, DELTA_CHUNK, *x.shape[1:]).transpose(1, 2)
 
 
 def _sequences(meta: AttentionMetadata) -> Iterator[tuple[int, int, int]]:
