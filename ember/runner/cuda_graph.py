@@ -16,6 +16,8 @@ A graph reads its inputs from static buffers that each step fills:
     slot_mapping  this step's    | -1: the KV write skips the row
     seq_lens      this step's    | 0: attention reads nothing, outputs 0
     block_tables  [:n, :width]   | stale (never read: seq_len 0)
+    state_slots   this step's    | -1: a linear-attention layer reads a zero state, writes none
+                                   (models with recurrent state only: runner/recurrent_state.py)
 
 Graphs share one memory pool, captured largest first so the smaller ones reuse it.
 """
@@ -40,7 +42,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 state_slots: bool = False) -> None:
         self.model = model
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
@@ -51,6 +54,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.state_slots = torch.full((n,), -1, dtype=torch.int64, device=device) if state_slots else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -58,9 +62,12 @@ class DecodeGraphs:
         self.pool = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                  seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
                                  query_lens_cpu=[1] * bs, seq_lens_cpu=[1] * bs)
+        if self.state_slots is not None:  # on the device only: the layers' CUDA path reads no host slot
+            meta.state_slots = self.state_slots[:bs]
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -88,8 +95,9 @@ class DecodeGraphs:
         return None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """One decode step for n = len(input_ids) sequences (device tensors); hidden [n, hidden]."""
+            seq_lens: torch.Tensor, block_tables: torch.Tensor, state_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step for n = len(input_ids) sequences (device tensors); hidden [n, hidden].
+        `state_slots`: each sequence's recurrent-state slot, for a model that has them."""
         n = input_ids.shape[0]
         bs = self.padded_size(n)
         self.input_ids[:n].copy_(input_ids)
@@ -99,6 +107,9 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:bs].fill_(0)
         self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables)
+        if self.state_slots is not None:
+            self.state_slots[:n].copy_(state_slots)
+            self.state_slots[n:bs].fill_(-1)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 

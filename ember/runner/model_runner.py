@@ -151,10 +151,6 @@ class ModelRunner:
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
         self.encoder = mc.bidirectional  # whole prompts, no KV cache, no decode step to capture
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and not self.encoder
-        if use_graphs and self.states is not None:
-            # the linear-attention layers loop over a step's sequences and chunks on the host
-            logger.info("no CUDA graphs for %s: its linear-attention layers run eager", mc.architecture)
-            use_graphs = False
         self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0
         # when every layer has a window, the scheduler gives back blocks no window reaches and
         # their table entries point at one block past the pool (BlockPool.null_block)
@@ -195,10 +191,14 @@ class ModelRunner:
         self.step_times: dict[str, float] = defaultdict(float)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
-            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq, self.device)
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq, self.device,
+                                       state_slots=self.states is not None)
             self.graphs.capture()
         self.piecewise: PiecewiseGraphs | None = None
-        if use_graphs and config.mixed_graph_max_tokens > 0 and config.tensor_parallel_size == 1:
+        if use_graphs and self.states is not None:
+            # a linear-attention layer's prefill follows the step's sequences on the host (its chunks)
+            logger.info("no piecewise CUDA graphs for %s: its mixed and prefill steps run eager", mc.architecture)
+        elif use_graphs and config.mixed_graph_max_tokens > 0 and config.tensor_parallel_size == 1:
             tokens = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
             self.piecewise = PiecewiseGraphs(self.model, tokens, config.torch_dtype, self.device, self.graphs.pool)
             self.piecewise.capture()
@@ -414,7 +414,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, sampled_chunks = self._prepare(plan)
         clock("prepare")
         if self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
-            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
+                                     meta.state_slots)
         elif self.piecewise is not None and len(input_ids) <= self.piecewise.max_tokens:
             hidden = self.piecewise.run(input_ids, positions, meta)
         elif self.encoder:
