@@ -11,7 +11,6 @@ outlives its request. And the GGUFs llama.cpp's converter writes (qwen3next), fl
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -25,31 +24,17 @@ from family_checks import (
     greedy_tokens,
     hf_greedy,
 )
+from qwen3_next_model import QWEN3_NEXT, save_qwen3_next
 
 from ember import LLM, SamplingParams
-from ember.loader.dummy import iter_dummy_weights
 from ember.loader.weights import linear_rows_by_part
 from ember.models.config import ModelConfig
 from ember.request import Request
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import save_file  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-# three linear-attention layers, then a full one; 2 key heads of 16 dims serving 4 value heads of
-# 24; RoPE on half of each 16-dim head; layer 1's MLP dense, the others 8 experts (2 a token)
-# beside a gated shared expert
-QWEN3_NEXT = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 320, "hidden_size": 64,
-    "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
-    "pad_token_id": 0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 24, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-    "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True, "tie_word_embeddings": False,
-}
 LOGPROBS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
 
@@ -67,31 +52,6 @@ RELEASED = {
     "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
 }
-
-
-def save_qwen3_next(config: dict, path) -> None:
-    """The dummy weights, with a linear layer's own scales where 0.02 * N(0, 1) would leave it
-    idle: conv taps near 0.4, decays exp(-A * softplus(a + dt_bias)) over A in 1..16 and dt_bias
-    near 1, as Qwen3NextGatedDeltaNet's initialization draws them; and a multi-token-prediction
-    layer as Qwen's checkpoints carry it (mtp.*: the last layer's tensors, its projection of
-    embedding | hidden state and three norms), which neither transformers nor ember reads."""
-    (path / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(3)
-    last, h = f"model.layers.{config['num_hidden_layers'] - 1}.", config["hidden_size"]
-    weights = {"mtp.fc.weight": 0.02 * torch.randn(h, 2 * h, generator=gen)}
-    weights |= {f"mtp.{norm}.weight": 0.1 * torch.randn(h, generator=gen)
-                for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
-    for name, t in iter_dummy_weights(ModelConfig.from_hf_config(config), seed=7):
-        if name.endswith("conv1d.weight"):
-            t = 20 * t
-        elif name.endswith("A_log"):
-            t = torch.empty(t.shape).uniform_(1, 16, generator=gen).log()
-        elif name.endswith("dt_bias"):
-            t = 1 + 20 * t
-        weights[name] = t.contiguous()
-        if name.startswith(last):
-            weights["mtp.layers.0." + name.removeprefix(last)] = t.clone()
-    save_file(weights, str(path / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
