@@ -240,6 +240,9 @@ class EngineConfig:
             if model_config.moe_layers is not None:  # each expert's intermediate rows split among the ranks
                 split_evenly(model_config.moe_intermediate_size, 0, self.tensor_parallel_size,
                              "the experts' intermediate size (moe_intermediate_size)")
+            if model_config.linear_layers is not None:  # each rank its key heads, with the value heads they serve
+                split_evenly(model_config.linear_num_key_heads, 0, self.tensor_parallel_size,
+                             "the gated DeltaNet's key heads (linear_num_key_heads)")
         quantization = _quantization(self.quantization, files, device)
         if model_config.moe_layers is not None and quantization == "fp8":
             logger.info("%s: quantization='fp8' covers the linear layers; the experts' stacked weights stay in the "

@@ -296,7 +296,11 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
             rows = _linear_attention_tensor(cfg, name, rows)
         elif cfg.norm_unit_offset and name.endswith("norm.weight"):
             rows = rows - 1.0  # llama.cpp stores Gemma's norms as 1 + w; HF's w (exact: Sterbenz)
-        yield name, BlockTensor(info.qtype, info.shape, rows.contiguous()) if blocks else rows
+        out = BlockTensor(info.qtype, info.shape, rows.contiguous()) if blocks else rows
+        if name.endswith(".linear_attn.in_proj_qkv.weight"):
+            yield from _linear_qkv_parts(cfg, name, out)
+            continue
+        yield name, out
     if no_kernel:
         listed = "; ".join(f"{t}: {', '.join(n[:4])}{' ...' if len(n) > 4 else ''} ({len(n)})"
                            for t, n in no_kernel.items())
@@ -317,9 +321,19 @@ _ROPE_PROJECTION = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa
 
 def _linear_gguf_parts(cfg: ModelConfig) -> list[str]:
     """Qwen3-Next's in_proj_qkvz as llama.cpp's converter writes it: q | k | v (attn_qkv) and z
-    (attn_gate) apart, under the names gguf-py gives them (in_proj_qkvz's shards, loader/weights.PACKED)."""
+    (attn_gate) apart, under the names gguf-py gives them (cut into in_proj_qkvz's shards q, k, v
+    and z: `_linear_qkv_parts`, loader/weights.PACKED)."""
     return [f"model.layers.{i}.linear_attn.{part}.weight" for i in range(cfg.num_layers) if cfg.layer_is_linear(i)
             for part in ("in_proj_qkv", "in_proj_z")]
+
+
+def _linear_qkv_parts(cfg: ModelConfig, name: str, qkv: torch.Tensor | BlockTensor
+                      ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+    """A GGUF's q | k | v rows as in_proj_qkvz's shards q, k and v: a tensor-parallel rank takes
+    its key heads' rows of each (models/gated_deltanet.py)."""
+    keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    for part, start, rows in (("q", 0, keys), ("k", keys, keys), ("v", 2 * keys, qkv.shape[0] - 2 * keys)):
+        yield name.replace(".in_proj_qkv.", f".in_proj_{part}."), qkv.narrow(0, start, rows)
 
 
 def _linear_attention_tensor(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,12 @@ PACKED = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
-    # Qwen3-Next's linear attention from a GGUF: q | k | v and z apart (an HF checkpoint's in_proj_qkvz holds both)
-    "in_proj_qkv": ("in_proj_qkvz", 0),
-    "in_proj_z": ("in_proj_qkvz", 1),
+    # Qwen3-Next's linear attention from a GGUF: q, k, v (loader/gguf.py cuts its q | k | v) and z
+    # apart (an HF checkpoint's in_proj_qkvz holds all four)
+    "in_proj_q": ("in_proj_qkvz", 0),
+    "in_proj_k": ("in_proj_qkvz", 1),
+    "in_proj_v": ("in_proj_qkvz", 2),
+    "in_proj_z": ("in_proj_qkvz", 3),
 }
 
 

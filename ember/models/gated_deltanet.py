@@ -25,8 +25,10 @@ longer ones every chunk's `chunk_terms` at once (padded chunks, `_Chunks`), then
 carries each sequence's state through its chunks; a decode step replays as a CUDA graph.
 
 The checkpoint's in_proj_qkvz / in_proj_ba rows come grouped by key head; the loader reorders
-them part by part (loader/weights.linear_rows_by_part), so each part is one slice here (a GGUF
-holds q | k | v and z so already, as two tensors: in_proj_qkvz's two shards).
+them part by part (loader/weights.linear_rows_by_part), so each part is one slice here, and
+in_proj_qkvz's shards are q, k, v and z (a GGUF holds q | k | v and z so already, as two
+tensors: the loader cuts the first into its three). Under tensor parallelism each rank takes
+its key heads' rows of each part (`GatedDeltaNet`).
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.distributed.parallel_state import tp_size
+from ember.distributed.parallel_state import tp_rank, tp_size
+from ember.distributed.sharding import split_evenly
 from ember.layers.attention import AttentionMetadata
 from ember.layers.kernel_paths import cuda_paths
-from ember.layers.linear import Linear, MergedLinear
+from ember.layers.linear import MergedLinear, RowParallelLinear
 from ember.models.config import ModelConfig
 
 L2NORM_EPS = 1e-6  # transformers' (and the fla library's) eps inside the q / k norms
@@ -137,27 +140,53 @@ def delta_rule_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 class GatedDeltaNet(nn.Module):
+    """Tensor parallelism (vLLM's split): the key heads divide evenly among the ranks, each with
+    the value heads it serves, so a rank holds its heads' rows of q, k, v and z (in_proj_qkvz's
+    four shards), of b and a, their conv channels, dt_bias and A_log, and out_proj's columns of
+    its value heads (row-parallel: one all-reduce); the gated norm's weight (per dv) is whole on
+    every rank. Everything below sees this rank's heads alone, in the layout of one process
+    (q | k | v contiguous), and so do the kernels and the state slots."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if tp_size() > 1:
-            raise ValueError("tensor parallelism does not split the gated DeltaNet layers yet: run the model with "
-                             "tensor_parallel_size 1")
-        h = cfg.hidden_size
-        self.key_heads, self.heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_dim, self.value_dim = self.key_heads * self.dk, self.heads * self.dv
-        self.conv_dim, self.kernel = cfg.linear_conv_dim, cfg.linear_conv_kernel
-        self.in_proj_qkvz = MergedLinear(h, [self.conv_dim, self.value_dim])  # q | k | v, then z
-        self.in_proj_ba = Linear(h, 2 * self.heads)
+        h, dk, dv = cfg.hidden_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        group = cfg.linear_num_value_heads // cfg.linear_num_key_heads  # value heads a key head serves
+        first_key, self.key_heads = split_evenly(cfg.linear_num_key_heads, tp_rank(), tp_size(),
+                                                 "the gated DeltaNet's key heads (linear_num_key_heads)")
+        self.first_head, self.heads = first_key * group, self.key_heads * group  # this rank's value heads
+        self.dk, self.dv = dk, dv
+        self.key_dim, self.value_dim = self.key_heads * dk, self.heads * dv
+        self.conv_dim, self.kernel = 2 * self.key_dim + self.value_dim, cfg.linear_conv_kernel
+        keys, values = cfg.linear_num_key_heads * dk, cfg.linear_num_value_heads * dv
+        key_rows, value_rows = (first_key * dk, self.key_dim), (self.first_head * dv, self.value_dim)
+        self.in_proj_qkvz = MergedLinear(h, [keys, keys, values, values],
+                                         rows=[key_rows, key_rows, value_rows, value_rows])  # q, k, v, z
+        self.in_proj_ba = MergedLinear(h, [cfg.linear_num_value_heads] * 2, rows=[(self.first_head, self.heads)] * 2)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.conv1d.weight.weight_loader = self._load_conv
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.dt_bias.weight_loader = self.A_log.weight_loader = self._load_heads
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, h)
+        self.out_proj = RowParallelLinear(values, h, what="the gated DeltaNet's value heads")
         # bound by the runner (runner/recurrent_state.py): [slots, conv_dim, kernel - 1] in the
-        # model dtype and [slots, heads, dk, dv] float32
+        # model dtype and [slots, heads, dk, dv] float32, this rank's heads
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
+
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        """The checkpoint's conv channels q | k | v, this rank's of each."""
+        full = self.in_proj_qkvz.full_sizes[:3]
+        if tuple(loaded.shape) != (sum(full), *param.shape[1:]):
+            raise ValueError(f"parameter {(sum(full), *param.shape[1:])}, checkpoint {tuple(loaded.shape)}")
+        parts = loaded.split(full)
+        param.data.copy_(torch.cat([p.narrow(0, *rows) for p, rows in zip(parts, self.in_proj_qkvz.rank_rows)]))
+
+    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
+        """dt_bias or A_log: this rank's value heads' entries."""
+        if loaded.dim() != 1 or loaded.shape[0] != self.in_proj_ba.full_sizes[0]:
+            raise ValueError(f"parameter ({self.in_proj_ba.full_sizes[0]},), checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.first_head, self.heads))
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -167,8 +196,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: the normed hidden states [T, hidden] -> [T, hidden]."""
         tokens, dtype = x.shape[0], x.dtype
-        qkv, z = self.in_proj_qkvz.split(self.in_proj_qkvz(x))
-        b, a = self.in_proj_ba(x).split([self.heads, self.heads], dim=-1)
+        qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba.split(self.in_proj_ba(x))
         o = self._kernels(qkv, a, b, meta) if cuda_paths(x) else self._torch(qkv, a, b, meta)
         o = self.norm(o.to(dtype), z.view(tokens, self.heads, self.dv))
         return self.out_proj(o.reshape(tokens, self.value_dim))

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ember.distributed.parallel_state import tp_size
+from ember.distributed.parallel_state import tp_rank, tp_size
+from ember.distributed.sharding import shard_heads
 from ember.layers.activation import activation
 from ember.layers.attention import AttentionBackend, AttentionMetadata
 from ember.layers.batch_invariant import in_row_blocks
@@ -51,9 +52,8 @@ class LlamaAttention(nn.Module):
         # Qwen3-Next: q_proj's rows are each head's query then its output gate, as if twice the heads
         self.output_gate = cfg.attention_output_gate
         per_head = 2 if self.output_gate else 1
-        if self.output_gate and tp_size() > 1:
-            raise ValueError("tensor parallelism does not split gated attention's q_proj yet: run the model with "
-                             "tensor_parallel_size 1")
+        if self.output_gate:  # a rank takes whole heads, each query with its gate: the real heads must divide
+            shard_heads(cfg.num_heads, cfg.num_kv_heads, tp_rank(), tp_size())
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, per_head * cfg.num_heads, cfg.num_kv_heads,
                                   cfg.attention_bias)
         # this rank's heads (all of them on one rank)

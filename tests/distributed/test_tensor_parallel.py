@@ -6,7 +6,7 @@ ranks), in FP8 at TP=2 and one row through the GEMV kernels at TP=2; a tiny Phi-
 gate|up stored merged) at TP=2; SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3,
 dequantized and in its Q4_1 blocks; mixtures of experts at TP=2 (Qwen2-MoE's shared expert,
 DeepSeek-V2's latent attention and experts, gpt-oss's biased experts, Llama 4's input-scaled
-ones). A split that does not fit is refused with the fix, and a rank that fails fails the run at once, with no process left."""
+ones; Qwen3-Next's gated DeltaNet and gated attention over experts). A split that does not fit is refused with the fix, and a rank that fails fails the run at once, with no process left."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from qwen3_next_model import QWEN3_NEXT, save_qwen3_next
 
 from ember.distributed import parallel_state
 from ember.distributed.sharding import HeadShard, shard_heads, split_evenly, vocab_rows
@@ -28,6 +29,7 @@ from ember.layers.attention import AttentionMetadata
 from ember.layers.kernel_paths import gemv_on_cpu
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.loader.model_files import load_model, locate_model
+from ember.runner.recurrent_state import RecurrentStates
 
 PROMPTS = [[1, 5, 9, 14, 20, 33, 2, 7, 101, 64, 17, 3], [1, 250, 8, 41, 300]]  # two sequences, one prefill
 BLOCK = 16
@@ -65,6 +67,10 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
     for attn in model.attention_layers():  # this rank's KV heads
         attn.k_cache = torch.zeros(len(prompts) * per_seq, BLOCK, attn.num_kv_heads, attn.head_dim)
         attn.v_cache = torch.zeros_like(attn.k_cache)
+    state_slots = {}
+    if model.config.linear_layers is not None:  # sequence i's recurrent state in slot i, this rank's heads
+        RecurrentStates(model.linear_attention_layers(), len(prompts), torch.float32, torch.device("cpu"))
+        state_slots = dict(state_slots=torch.arange(len(prompts)), state_slots_cpu=list(range(len(prompts))))
     lens = [len(p) for p in prompts]
     # sequence i owns blocks [i * per_seq, (i + 1) * per_seq)
     slots = torch.cat([i * per_seq * BLOCK + torch.arange(n) for i, n in enumerate(lens)])
@@ -72,7 +78,7 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
         slot_mapping=slots, query_start_loc=torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         block_tables=torch.arange(len(prompts) * per_seq, dtype=torch.int32).view(len(prompts), per_seq),
-        query_lens_cpu=lens, seq_lens_cpu=lens)
+        query_lens_cpu=lens, seq_lens_cpu=lens, **state_slots)
     ids = torch.tensor([t for p in prompts for t in p])
     positions = torch.cat([torch.arange(n) for n in lens])
     with torch.inference_mode():
@@ -231,9 +237,20 @@ def tiny_llama4(tmp_path_factory) -> str:
                            attention_chunk_size=8)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_next(tmp_path_factory) -> str:
+    """Gated DeltaNet layers (each rank one key head of 16 dims and the two value heads of 24 it
+    serves: their rows of q, k, v, z, b and a, their conv channels, decays and recurrent state;
+    out_proj by columns) before a gated attention layer (each head's query with its gate), over
+    Qwen2-MoE's experts."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-next-tp")
+    save_qwen3_next(QWEN3_NEXT | {"vocab_size": 322}, path)
+    return str(path)
+
+
 @pytest.mark.parametrize(("model", "world"), [("tiny_llama", 2), ("tiny_llama", 4), ("tiny_phi3", 2), ("tiny_phi2", 4),
                                               ("tiny_gpt2", 2), ("tiny_qwen2_moe", 2), ("tiny_deepseek_v2", 2),
-                                              ("tiny_gpt_oss", 2), ("tiny_llama4", 2)])
+                                              ("tiny_gpt_oss", 2), ("tiny_llama4", 2), ("tiny_qwen3_next", 2)])
 def test_tiny_models_split_give_the_logits_of_one_process(request, tmp_path, model, world):
     path = request.getfixturevalue(model)
     expected = prefill_logits(path, PROMPTS)
@@ -373,6 +390,16 @@ def test_experts_that_do_not_split_are_refused_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"the experts' intermediate size \(moe_intermediate_size\) \(30\) does not "
                                          r"divide among 4 tensor-parallel ranks: use a tensor_parallel_size among "
                                          r"\[1, 2, 3, 5, 6, 10, 15, 30\]"):
+        EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", tensor_parallel_size=4).resolve()
+
+
+def test_linear_attention_key_heads_that_do_not_split_are_refused_with_the_fix(tmp_path):
+    from ember.config import EngineConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT))  # 2 key heads (4 attention heads: they fit 4)
+    with pytest.raises(ValueError, match=r"the gated DeltaNet's key heads \(linear_num_key_heads\) \(2\) does not "
+                                         r"divide among 4 tensor-parallel ranks: use a tensor_parallel_size among "
+                                         r"\[1, 2\]"):
         EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", tensor_parallel_size=4).resolve()
 
 

@@ -303,8 +303,9 @@ def test_gguf_from_llama_cpps_converter_matches_transformers(qwen3_next_gguf_dir
 
 
 def test_q8_0_gguf_keeps_the_linear_layers_in_blocks(qwen3_next_gguf_dir, gguf_convert, forward_logits):
-    """Q8_0: attn_qkv, attn_gate and ssm_ba stay in their blocks (ssm_ba's rows reordered as
-    bytes: each row dequantizes to the checkpoint's reordered row), and the model runs on them."""
+    """Q8_0: attn_qkv (cut into in_proj_qkvz's shards q, k and v), attn_gate and ssm_ba stay in
+    their blocks (ssm_ba's rows reordered as bytes: each row dequantizes to the checkpoint's
+    reordered row), and the model runs on them."""
     from safetensors.torch import load_file
 
     from ember.layers.quant.ggml import dequantize
@@ -316,13 +317,14 @@ def test_q8_0_gguf_keeps_the_linear_layers_in_blocks(qwen3_next_gguf_dir, gguf_c
     weights = dict(iter_hf_weights(open_gguf(path), cfg, keep_quantized=True))
     saved = load_file(str(qwen3_next_gguf_dir / "model.safetensors"))
     ba = weights["model.layers.0.linear_attn.in_proj_ba.weight"]
-    qkv, z = (weights[f"model.layers.0.linear_attn.in_proj_{p}.weight"] for p in ("qkv", "z"))
-    assert all(isinstance(t, BlockTensor) and t.type_name == "Q8_0" for t in (ba, qkv, z))
+    qkvz = [weights[f"model.layers.0.linear_attn.in_proj_{p}.weight"] for p in "qkvz"]
+    assert all(isinstance(t, BlockTensor) and t.type_name == "Q8_0" for t in (ba, *qkvz))
+    assert [t.shape[0] for t in qkvz] == [32, 32, 96, 96]  # 2 key heads of 16, 4 value heads of 24
     want = linear_rows_by_part(cfg, "ba", saved["model.layers.0.linear_attn.in_proj_ba.weight"])
     torch.testing.assert_close(dequantize(ba.data.numpy().reshape(-1), ba.qtype, ba.shape), want, rtol=0, atol=2e-3)
-    qkvz = linear_rows_by_part(cfg, "qkvz", saved["model.layers.0.linear_attn.in_proj_qkvz.weight"])
-    got = torch.cat([dequantize(t.data.numpy().reshape(-1), t.qtype, t.shape) for t in (qkv, z)])
-    torch.testing.assert_close(got, qkvz, rtol=0, atol=2e-3)
+    want = linear_rows_by_part(cfg, "qkvz", saved["model.layers.0.linear_attn.in_proj_qkvz.weight"])
+    got = torch.cat([dequantize(t.data.numpy().reshape(-1), t.qtype, t.shape) for t in qkvz])
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(qwen3_next_gguf_dir), dtype=torch.float32).eval()
     llm = LLM(str(path), **(ENGINE | dict(kv_cache_dtype="float32", num_kv_blocks=32)))
     assert llm.engine.config.quantization == "gguf"
