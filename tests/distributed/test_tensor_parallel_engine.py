@@ -1,8 +1,10 @@
 """The engine at tensor_parallel_size > 1 (runner/tensor_parallel.py): one worker process
 per rank over gloo. SmolLM2-135M (9 q / 3 KV heads) at TP=3 gives TP=1's greedy tokens and
 guided choices, offline and through `ember serve`; a worker killed mid-run fails the engine
-with an error that names it and leaves no process behind; a size the heads do not divide
-among, or a mixture of experts, is refused before any worker starts."""
+with an error that names it and leaves no process behind; Qwen3-Next at TP=2 gives TP=1's
+greedy tokens through chunked prefill and prefix-cache hits (each rank its recurrent states and
+their snapshots); a size the heads do not divide among, or a mixture of experts, is refused
+before any worker starts."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from processes import alive, descendants, gone
+from qwen3_next_model import QWEN3_NEXT, save_qwen3_next
 
 from ember import LLM, SamplingParams
 from ember.runner.tensor_parallel import WorkerFailed
@@ -93,6 +96,29 @@ def test_a_worker_killed_mid_run_with_steps_in_flight_fails_with_the_error_that_
     finally:
         llm.shutdown()
     assert gone(pids)
+
+
+def test_qwen3_next_at_two_ranks_carries_each_ranks_recurrent_state_through_chunks_and_cache_hits(tmp_path):
+    """Qwen3-Next's gated DeltaNet split by key heads: each rank keeps its heads' recurrent state
+    in a slot a request, through 5-token chunks of prefill and decode steps, and its snapshots,
+    which the same prompts then resume from (their whole 8-token blocks from the prefix cache):
+    the greedy tokens of one process, both times."""
+    save_qwen3_next(QWEN3_NEXT, tmp_path)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3], [7],
+                                                 [300] + list(range(1, 27)))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = dict(num_kv_blocks=64, block_size=8, max_model_len=256, dtype="float32", max_num_batched_tokens=5)
+    one = LLM(str(tmp_path), **engine)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    one.shutdown()
+    llm = LLM(str(tmp_path), **(engine | dict(tensor_parallel_size=2)))
+    try:
+        runs = [llm.generate(prompts, params) for _ in range(2)]
+        assert [[o.outputs[0].token_ids for o in outs] for outs in runs] == [expected, expected]
+        assert [[o.num_cached_tokens for o in outs] for outs in runs] == [[0, 0, 0], [8, 0, 24]]
+        llm.check_idle()
+    finally:
+        llm.shutdown()
 
 
 def test_sizes_the_heads_or_experts_do_not_divide_among_are_refused_before_any_worker(gguf_path, tmp_path):
