@@ -52,3 +52,13 @@ def save_qwen3_next(config: dict, path: Path) -> None:
         if name.startswith(last):
             weights["mtp.layers.0." + name.removeprefix(last)] = t.clone()
     save_file(weights, str(path / "model.safetensors"))
+
+
+def save_for_llama_cpp(path: Path, tokenizer_dir: Path) -> None:
+    """The tiny model with a tokenizer llama.cpp's converter recognises (SmolLM2's) and every MLP
+    sparse: the converter maps no dense MLP in a qwen3next layer (nor do the real models have one)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.save_pretrained(str(path))
+    save_qwen3_next(QWEN3_NEXT | {"vocab_size": len(tokenizer), "mlp_only_layers": []}, path)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from qwen3_next_model import QWEN3_NEXT, save_qwen3_next
+from qwen3_next_model import QWEN3_NEXT, save_for_llama_cpp, save_qwen3_next
 
 from ember.distributed import parallel_state
 from ember.distributed.sharding import HeadShard, shard_heads, split_evenly, vocab_rows
@@ -257,6 +257,26 @@ def test_tiny_models_split_give_the_logits_of_one_process(request, tmp_path, mod
     ranks = run_ranks(world, path, tmp_path)
     assert expected.shape == (sum(map(len, PROMPTS)), 322)
     assert all(torch.equal(logits, ranks[0]) for logits in ranks)  # every rank, the whole vocabulary
+    torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
+    assert torch.equal(ranks[0].argmax(-1), expected.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_next_gguf(tmp_path_factory, bpe_tokenizer_dir, gguf_convert) -> str:
+    """The tiny Qwen3-Next through llama.cpp's converter: q | k | v (attn_qkv) and z (attn_gate)
+    as two tensors, ssm_ba's rows by key head, ssm_a = -exp(A_log)."""
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("tiny-qwen3-next-gguf-tp")
+    save_for_llama_cpp(path, bpe_tokenizer_dir)
+    return str(gguf_convert(path, "f32"))
+
+
+def test_qwen3_next_gguf_split_gives_the_logits_of_one_process(tiny_qwen3_next_gguf, tmp_path):
+    """Each rank its key heads' rows of the GGUF's q | k | v (cut into in_proj_qkvz's q, k and v
+    shards at load) and of z."""
+    expected = prefill_logits(tiny_qwen3_next_gguf, PROMPTS)
+    ranks = run_ranks(2, tiny_qwen3_next_gguf, tmp_path)
+    assert all(torch.equal(logits, ranks[0]) for logits in ranks)
     torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
     assert torch.equal(ranks[0].argmax(-1), expected.argmax(-1))
 

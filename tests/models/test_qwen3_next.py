@@ -24,7 +24,7 @@ from family_checks import (
     greedy_tokens,
     hf_greedy,
 )
-from qwen3_next_model import QWEN3_NEXT, save_qwen3_next
+from qwen3_next_model import QWEN3_NEXT, save_for_llama_cpp, save_qwen3_next
 
 from ember import LLM, SamplingParams
 from ember.loader.weights import linear_rows_by_part
@@ -276,12 +276,8 @@ def test_a_prompt_of_several_delta_chunks_matches_transformers(qwen3_next, forwa
 
 @pytest.fixture(scope="module")
 def qwen3_next_gguf_dir(tmp_path_factory, bpe_tokenizer_dir):
-    """The tiny model with a tokenizer llama.cpp's converter recognises (SmolLM2's) and every MLP
-    sparse: the converter maps no dense MLP in a qwen3next layer (nor do the real models have one)."""
     path = tmp_path_factory.mktemp("qwen3_next_gguf")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(bpe_tokenizer_dir))
-    tokenizer.save_pretrained(str(path))
-    save_qwen3_next(QWEN3_NEXT | {"vocab_size": len(tokenizer), "mlp_only_layers": []}, path)
+    save_for_llama_cpp(path, bpe_tokenizer_dir)
     return path
 
 
