@@ -3,11 +3,12 @@ device: for each shape and token count, every candidate BLOCK_M (shared by the g
 down passes, since both read one sorted layout), and for each pass the fastest of the
 BLOCK_N x BLOCK_K x stages candidates; at small token counts the GEMV (each pair alone) too,
 over its BLOCK_N x BLOCK_K x warps x stages. A shape whose config.json says MXFP4 (gpt-oss)
-is tuned on random MXFP4 experts, under its own key. Writes ember/kernels/moe_configs.json
-under the GPU's name, which kernels/moe.py reads on that GPU; prints each choice with its time
-against the built-in heuristic's.
+is tuned on random MXFP4 experts, and with --fp8 every shape on random block-scaled FP8
+experts (DeepSeek-V3's and Qwen3-FP8's 128 x 128 scales), each under its own key. Writes
+ember/kernels/moe_configs.json under the GPU's name, which kernels/moe.py reads on that GPU;
+prints each choice with its time against the built-in heuristic's.
 
-    python3 benchmarks/scripts/moe_tune.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 64 512 16384] [--no-write]
+    python3 benchmarks/scripts/moe_tune.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 64 512 16384] [--fp8] [--no-write]
 """
 
 import argparse
@@ -29,16 +30,23 @@ ROOT = Path(__file__).resolve().parents[2]
 GEMV_MAX_PAIRS_PER_EXPERT = 4.0  # token counts where the GEMV is a candidate
 
 
-def shape(name: str) -> tuple[int, int, int, int, bool]:
+def shape(name: str, fp8: bool) -> tuple[int, int, int, int, str | None]:
+    """(E, H, I, k, the experts' format: None, "mxfp4" or "fp8") of a config's MoE layers."""
     raw = json.loads((ROOT / "benchmarks" / "configs" / name / "config.json").read_text())
     cfg = ModelConfig.from_hf_config(raw)
     mxfp4 = (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
-    return cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, mxfp4
+    quant = "mxfp4" if mxfp4 else "fp8" if fp8 else None
+    return cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, quant
 
 
-def weights_of(experts: int, rows: int, cols: int, mxfp4: bool):
-    if not mxfp4:
+def weights_of(experts: int, rows: int, cols: int, quant: str | None, halves: int):
+    """Random experts [E, rows, cols]; `halves` 2 for gate|up (FP8 scale blocks a half)."""
+    if quant is None:
         return torch.randn(experts, rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
+    if quant == "fp8":
+        values = (64 * torch.randn(experts, rows, cols, device="cuda")).clamp(-448, 448).to(torch.float8_e4m3fn)
+        blocks = (experts, halves * triton.cdiv(rows // halves, 128), triton.cdiv(cols, 128))
+        return moe.FP8Experts(values, torch.rand(blocks, device="cuda") / (64 * cols ** 0.5))
     blocks = torch.randint(0, 256, (experts, rows, cols // 2), device="cuda", dtype=torch.uint8)
     return moe.MXFP4Experts(blocks, torch.randint(118, 122, (experts, rows, cols // 32), device="cuda",
                                                   dtype=torch.uint8))
@@ -66,6 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 512, 16384])
+    ap.add_argument("--fp8", action="store_true", help="tune the shapes on block-scaled FP8 experts (key ',fp8')")
     ap.add_argument("--no-write", action="store_true", help="print the choices, leave moe_configs.json as it is")
     ns = ap.parse_args()
     device = torch.cuda.get_device_name()
@@ -73,9 +82,9 @@ def main() -> None:
     table = json.loads(path.read_text()) if path.exists() else {}
     start = time.time()
     for name in ns.shapes:
-        experts, hidden, inter, top_k, mxfp4 = shape(name)
-        swiglu = (1.702, 7.0) if mxfp4 else None
-        w13, w2 = weights_of(experts, 2 * inter, hidden, mxfp4), weights_of(experts, hidden, inter, mxfp4)
+        experts, hidden, inter, top_k, quant = shape(name, ns.fp8)
+        swiglu = (1.702, 7.0) if quant == "mxfp4" else None
+        w13, w2 = weights_of(experts, 2 * inter, hidden, quant, 2), weights_of(experts, hidden, inter, quant, 1)
         for tokens in ns.tokens:
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             weights, ids = moe.route_topk(torch.randn(tokens, experts, device="cuda"), top_k, True)
@@ -105,9 +114,9 @@ def main() -> None:
                     total += ms
                 if best is None or total < best[0]:
                     best = (total, choice)
-            key = moe.config_key(experts, hidden, inter, top_k, mxfp4)
+            key = moe.config_key(experts, hidden, inter, top_k, quant)
             table.setdefault(device, {}).setdefault(key, {})[str(tokens)] = best[1]
-            up = down = moe.heuristic_config(experts, moe.token_bucket(tokens), top_k, mxfp4)
+            up = down = moe.heuristic_config(experts, moe.token_bucket(tokens), top_k, quant)
             layout = None if up.get("GEMV") else moe.align_experts(ids, experts, up["BLOCK_M"])
             heuristic = time_pass(x, w13, act, layout, ids, None, top_k, True, up, swiglu) + \
                 time_pass(act, w2, out, layout, ids, weights.reshape(-1), 1, False, down, None)

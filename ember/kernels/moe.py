@@ -12,9 +12,20 @@ reads a value back to the host, so CUDA graphs capture MoE decode.
                     down pass:     out[pair] = weight[pair] * (act[pair] @ w2[e]^T (+ b2[e]))
     then the k rows of each token are summed (torch).
 
-The experts' weights are dense (x's dtype) or MXFP4 (MXFP4Experts: e2m1 values with a
+The experts' weights are dense (x's dtype), MXFP4 (MXFP4Experts: e2m1 values with a
 power-of-two scale per 32, decoded to x's dtype in registers before each tl.dot; Hopper has
-no FP4 tensor cores, so the saving is the bytes read: 4.25 bits a weight).
+no FP4 tensor cores, so the saving is the bytes read: 4.25 bits a weight) or FP8
+(FP8Experts: e4m3 values with a float32 scale per row or per 128 x 128 block, DeepSeek-V3's
+and Qwen3-FP8's; weight-only: each value times its scale in float32, rounded to x's dtype,
+as the dequantized checkpoint holds it, then tl.dot in x's dtype; 8 bits a weight). A
+block-scaled FP8 k-tile is at most 128 wide, so it lies in one scale block (BLOCK_K, a power
+of two, divides 128); rows look their scale up one by one, so N tiles may span blocks:
+
+    w13 [E, 2I, H]: rows  0 ........ I-1 | I ........ 2I-1       (gate | up)
+    scale blocks       0 .. ceil(I/128)-1 | ceil(I/128) .. 2 ceil(I/128)-1
+    a gate row n: block n // 128; its up row n + I: block ceil(I/128) + n // 128
+
+so an intermediate size that is no multiple of 128 keeps each half's blocks its own.
 
 align_experts sizes its outputs for the worst case (every pair's expert padded), so shapes
 depend on T only. The order of pairs inside an expert's group does not change any result:
@@ -27,12 +38,17 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ember.kernels.tiles import grouped_tile
+
+FP8_BLOCK = 128  # block-scaled FP8 weights: one scale per 128 x 128 block
+# the kernels' WEIGHTS (how a weight tile is read), which they compare with these numbers
+DENSE, MXFP4, FP8_ROWS, FP8_BLOCKS = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,37 @@ class MXFP4Experts:
     def shape(self) -> tuple[int, int, int]:
         e, n, half_k = self.blocks.shape
         return e, n, 2 * half_k
+
+
+@dataclass(frozen=True)
+class FP8Experts:
+    """Stacked expert weights [E, N, K] kept as FP8 (a float8_e4m3fn checkpoint's): `weight`
+    float8_e4m3fn [E, N, K]; `scale` float32, a dequantization multiplier (W_real = W * scale)
+    per row [E, N], or per 128 x 128 block [E, row blocks, ceil(K / 128)] as DeepSeek-V3's
+    `weight_scale_inv` holds it. A gate|up weight's row blocks are its halves' (module doc):
+    2 ceil(I / 128) of them, ceil(N / 128) for any other weight."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        w, s = self.weight, self.scale
+        e, n, k = w.shape if w.dim() == 3 else (0, 0, 0)
+        row = s.dim() == 2 and s.shape == (e, n)
+        block = s.dim() == 3 and s.shape[0] == e and s.shape[2] == triton.cdiv(k, FP8_BLOCK)
+        if w.dtype != torch.float8_e4m3fn or w.dim() != 3 or w.stride(2) != 1 or s.dtype != torch.float32 \
+                or not (row or block) or s.stride(-1) != 1:
+            raise ValueError(f"FP8 weights {tuple(w.shape)} {w.dtype} and scales {tuple(s.shape)} {s.dtype}: expected "
+                             "float8_e4m3fn [E, N, K] with contiguous rows and float32 scales [E, N] (per row) or "
+                             "[E, row blocks, ceil(K / 128)] (per 128 x 128 block)")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def blockwise(self) -> bool:
+        return self.scale.dim() == 3
 
 
 @triton.jit
@@ -172,12 +219,35 @@ def _e2m1(nibble):
 
 
 @triton.jit
-def _weight_tile(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, MXFP4: tl.constexpr,
+def _scale_rows(n, half, N, WEIGHTS: tl.constexpr):
+    """Where the FP8 scales of rows n of a weight's half (0: gate, or a weight of one half; 1:
+    up, whose rows are n + N) sit: its row blocks (module doc), or its rows."""
+    if WEIGHTS == 3:
+        srows = n // 128 + half * tl.cdiv(N, 128)
+    else:
+        srows = n + half * N
+    return srows
+
+
+@triton.jit
+def _fp8_scales(s_base, srows, rmask, k0, stride_sn, WEIGHTS: tl.constexpr):
+    """[rows] float32: each row's scale (per row), or its block's in the k-tile from k0, which
+    lies in block k0 // 128 (BLOCK_K divides 128)."""
+    if WEIGHTS == 3:
+        ptrs = s_base + srows * stride_sn + k0 // 128
+    else:
+        ptrs = s_base + srows * stride_sn
+    return tl.load(ptrs, mask=rmask, other=0.0)
+
+
+@triton.jit
+def _weight_tile(w_base, s_base, rows, srows, rmask, k0, K, stride_wn, stride_sn, WEIGHTS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] tile w[rows, k0:k0 + BLOCK_K]^T of one expert's weight: loaded as
-    it is, or decoded from MXFP4 (float32; the caller casts it to the activations' dtype, exactly:
-    an e2m1 value times a power of two fits bfloat16)."""
-    if MXFP4:
+    it is, decoded from MXFP4 (float32; the caller casts it to the activations' dtype, exactly:
+    an e2m1 value times a power of two fits bfloat16), or FP8 values times their scales
+    (`srows`: _scale_rows) in float32, which the caller's cast rounds once."""
+    if WEIGHTS == 1:
         # bytes [BLOCK_N, BLOCK_K / 2] -> values [BLOCK_N, BLOCK_K / 2, 2] (low nibble, high) -> k = 2j + nibble
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         packed = tl.load(w_base + rows[:, None] * stride_wn + kb[None, :], mask=rmask[:, None] & (kb < K // 2)[None, :],
@@ -194,6 +264,8 @@ def _weight_tile(w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn, MXFP4
         k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w_base + rows[None, :] * stride_wn + k[:, None], mask=rmask[None, :] & (k < K)[:, None],
                        other=0.0)
+        if WEIGHTS >= 2:
+            tile = tile.to(tl.float32) * _fp8_scales(s_base, srows, rmask, k0, stride_sn, WEIGHTS)[None, :]
     return tile
 
 
@@ -231,18 +303,21 @@ def _gemv_mxfp4_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, rmask, k
 
 
 @triton.jit
-def _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, rmask, k0, K, stride_wn, stride_sn,
-               MXFP4: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, srows, rmask, k0, K, stride_wn, stride_sn,
+               WEIGHTS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The GEMV's step over one k-tile: acc float32 [BLOCK_N, BLOCK_K] (MXFP4: [BLOCK_N, groups])
-    of partial sums, reduced along its last axis once at the end by the caller."""
-    if MXFP4:
+    of partial sums, reduced along its last axis once at the end by the caller. FP8 values
+    times their scales are rounded to a's dtype first, as the GEMM's tl.dot takes them."""
+    if WEIGHTS == 1:
         acc = _gemv_mxfp4_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, rmask, k0, K, stride_wn,
                                stride_sn, BLOCK_K)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + a_row * stride_a + k, mask=k < K, other=0.0).to(tl.float32)
-        acc += tl.load(w_base + rows[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & (k < K)[None, :],
-                       other=0.0).to(tl.float32) * a[None, :]
+        a = tl.load(a_ptr + a_row * stride_a + k, mask=k < K, other=0.0)
+        w = tl.load(w_base + rows[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
+        if WEIGHTS >= 2:
+            w = (w.to(tl.float32) * _fp8_scales(s_base, srows, rmask, k0, stride_sn, WEIGHTS)[:, None]).to(a.dtype)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
     return acc
 
 
@@ -274,7 +349,7 @@ def _epilogue(acc, acc_up, expert, pair, valid, n, nmask, N, c_ptr, stride_c, we
 def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr, bias_ptr,
                      num_pairs, N, K, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_c, stride_be,
                      rows_per_a, alpha, limit, GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr,
-                     ACTIVATION: tl.constexpr, MXFP4: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     ACTIVATION: tl.constexpr, WEIGHTS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
@@ -288,18 +363,20 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, n
     nmask = n < N
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
+    s_gate, s_up = _scale_rows(n, 0, N, WEIGHTS), _scale_rows(n, 1, N, WEIGHTS)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
-        w = _weight_tile(w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N, BLOCK_K).to(a.dtype)
+        w = _weight_tile(w_base, s_base, n, s_gate, nmask, k0, K, stride_wn, stride_sn, WEIGHTS, BLOCK_N,
+                         BLOCK_K).to(a.dtype)
         if IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
         if GATED:  # the up rows of w13 sit N rows below the gate rows
-            u = _weight_tile(w_base, s_base, n + N, nmask, k0, K, stride_wn, stride_sn, MXFP4, BLOCK_N,
+            u = _weight_tile(w_base, s_base, n + N, s_up, nmask, k0, K, stride_wn, stride_sn, WEIGHTS, BLOCK_N,
                              BLOCK_K).to(a.dtype)
             if IEEE:
                 acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
@@ -312,7 +389,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, n
 @triton.jit
 def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, weights_ptr, bias_ptr, N, K, stride_a, stride_we, stride_wn,
                      stride_se, stride_sn, stride_c, stride_be, rows_per_a, alpha, limit, GATED: tl.constexpr,
-                     WEIGHTED: tl.constexpr, BIASED: tl.constexpr, ACTIVATION: tl.constexpr, MXFP4: tl.constexpr,
+                     WEIGHTED: tl.constexpr, BIASED: tl.constexpr, ACTIVATION: tl.constexpr, WEIGHTS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program (tile of N, pair): the pair's row of `a` against BLOCK_N rows of its expert, the
     # products summed along k into a float32 block (_gemv_tile), reduced once at the end
@@ -324,25 +401,28 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, weights_ptr, bias_ptr,
     nmask = n < N
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 32 if MXFP4 else BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 32 if MXFP4 else BLOCK_K], tl.float32)
+    s_gate, s_up = _scale_rows(n, 0, N, WEIGHTS), _scale_rows(n, 1, N, WEIGHTS)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 32 if WEIGHTS == 1 else BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // 32 if WEIGHTS == 1 else BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc = _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, n, nmask, k0, K, stride_wn, stride_sn, MXFP4,
-                         BLOCK_K)
+        acc = _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, n, s_gate, nmask, k0, K, stride_wn, stride_sn,
+                         WEIGHTS, BLOCK_K)
         if GATED:  # the up rows of w13 sit N rows below the gate rows
-            acc_up = _gemv_tile(acc_up, a_ptr, a_row, stride_a, w_base, s_base, n + N, nmask, k0, K, stride_wn,
-                                stride_sn, MXFP4, BLOCK_K)
+            acc_up = _gemv_tile(acc_up, a_ptr, a_row, stride_a, w_base, s_base, n + N, s_up, nmask, k0, K, stride_wn,
+                                stride_sn, WEIGHTS, BLOCK_K)
     _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], expert, pair, pair >= 0, n, nmask, N, c_ptr,
               stride_c, weights_ptr, bias_ptr, stride_be, alpha, limit, GATED, WEIGHTED, BIASED, ACTIVATION)
 
 
-def heuristic_config(num_experts: int, tokens: int, top_k: int, mxfp4: bool = False) -> dict[str, int]:
+def heuristic_config(num_experts: int, tokens: int, top_k: int, quant: str | None = None) -> dict[str, int]:
     """Tile sizes by the rows each expert gets on average (T * k / E): while few, the GEMV
     (GEMV: 1; each pair alone, an expert read once per pair it has): up to one pair in four
-    experts, or one an expert for MXFP4 experts, whose decode costs the GEMM more (H100, gpt-oss-120b
-    at 16 tokens: 0.64 ms against 1.21); then 16-row blocks while experts see few tokens (decode:
-    the weights' bytes bound the step), larger ones as the GEMMs fill. Used where
-    moe_configs.json has no entry for the GPU."""
+    experts, or one an expert for MXFP4 experts (quant "mxfp4"), whose decode costs the GEMM more
+    (H100, gpt-oss-120b at 16 tokens: 0.64 ms against 1.21); then 16-row blocks while experts see
+    few tokens (decode: the weights' bytes bound the step), larger ones as the GEMMs fill. FP8
+    experts (quant "fp8") take the dense tiles (not yet measured apart; block scales cap
+    BLOCK_K at 128 in the wrappers). Used where moe_configs.json has no entry for the GPU."""
+    mxfp4 = quant == "mxfp4"
     per_expert = tokens * top_k / num_experts
     if per_expert <= (1.0 if mxfp4 else 0.25):
         if mxfp4:
@@ -357,8 +437,9 @@ def heuristic_config(num_experts: int, tokens: int, top_k: int, mxfp4: bool = Fa
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
-def config_key(num_experts: int, hidden: int, inter: int, top_k: int, mxfp4: bool = False) -> str:
-    return f"E={num_experts},H={hidden},I={inter},k={top_k}" + (",mxfp4" if mxfp4 else "")
+def config_key(num_experts: int, hidden: int, inter: int, top_k: int, quant: str | None = None) -> str:
+    """moe_configs.json's key of a shape; quantized experts ("mxfp4", "fp8") under their own."""
+    return f"E={num_experts},H={hidden},I={inter},k={top_k}" + (f",{quant}" if quant else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -369,15 +450,15 @@ def _tuned(device_name: str) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
 
 @functools.lru_cache(maxsize=None)
 def moe_configs(num_experts: int, hidden: int, inter: int, top_k: int, tokens: int,
-                device_name: str = "", mxfp4: bool = False) -> tuple[dict[str, int], dict[str, int]]:
+                device_name: str = "", quant: str | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """(gate|up pass config, down pass config), both GEMV or both GEMM with one BLOCK_M: what
     benchmarks/scripts/moe_tune.py measured on this GPU for the nearest token count
-    (moe_configs.json), else heuristic_config for both. Cached per (E, H, I, k, T, GPU, MXFP4)."""
-    table = _tuned(device_name).get(config_key(num_experts, hidden, inter, top_k, mxfp4)) if device_name else None
+    (moe_configs.json), else heuristic_config for both. Cached per (E, H, I, k, T, GPU, quant)."""
+    table = _tuned(device_name).get(config_key(num_experts, hidden, inter, top_k, quant)) if device_name else None
     if table:
         nearest = min(table, key=lambda t: abs(int(t) - tokens))
         return table[nearest]["up"], table[nearest]["down"]
-    cfg = heuristic_config(num_experts, tokens, top_k, mxfp4)
+    cfg = heuristic_config(num_experts, tokens, top_k, quant)
     return cfg, cfg
 
 
@@ -392,80 +473,103 @@ def token_bucket(tokens: int) -> int:
     return triton.next_power_of_2(max(1, tokens))
 
 
-def _operands(w: torch.Tensor | MXFP4Experts, out: torch.Tensor, gated: bool, bias: torch.Tensor | None,
-              swiglu: tuple[float, float] | None) -> tuple:
-    """What both passes' kernels take of the weights: (N, K, packed, scales or a stand-in,
-    their expert and row strides, the bias's row stride, alpha, limit)."""
+Experts = torch.Tensor | MXFP4Experts | FP8Experts  # dense [E, N, K] or quantized
+
+
+class _Operands(NamedTuple):
+    """What both passes' kernels take of the weights."""
+
+    n: int  # outputs of the pass (the gate|up pass: I, half of w's rows)
+    k: int
+    values: torch.Tensor  # dense, packed MXFP4 or FP8 values
+    scales: torch.Tensor  # MXFP4's or FP8's scales, or a stand-in
+    strides: tuple[int, int, int, int]  # values' expert and row strides, the scales' likewise
+    kind: int  # the kernels' WEIGHTS
+    config: dict[str, int]  # the tile config as these weights take it
+    bias_stride: int
+    alpha: float
+    limit: float
+
+
+def _operands(w: Experts, out: torch.Tensor, gated: bool, bias: torch.Tensor | None,
+              swiglu: tuple[float, float] | None, config: dict[str, int]) -> _Operands:
     n = w.shape[1] // 2 if gated else w.shape[1]
+    cfg = {key: v for key, v in config.items() if key != "GEMV"}
     if isinstance(w, MXFP4Experts):
-        packed, scales, s_strides = w.blocks, w.scales, (w.scales.stride(0), w.scales.stride(1))
+        values, scales, kind = w.blocks, w.scales, MXFP4
+        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 32)  # a tile spans whole 32-value scale groups
+    elif isinstance(w, FP8Experts):
+        values, scales, kind = w.weight, w.scale, FP8_BLOCKS if w.blockwise else FP8_ROWS
+        row_blocks = (2 if gated else 1) * triton.cdiv(n, FP8_BLOCK)
+        if w.blockwise and w.scale.shape[1] != row_blocks:
+            raise ValueError(f"FP8 scales {tuple(w.scale.shape)} for {'gate|up ' if gated else ''}weights "
+                             f"{tuple(w.shape)}: expected {row_blocks} row blocks"
+                             + (" (each half's own, ceil(I / 128) a half)" if gated else ""))
+        if w.blockwise:  # a k-tile inside one scale block
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], FP8_BLOCK)
     else:
-        packed, scales, s_strides = w, out, (0, 0)
+        values, scales, kind = w, out, DENSE
     if bias is not None and (bias.shape != w.shape[:2] or bias.stride(1) != 1):
         raise ValueError(f"bias {tuple(bias.shape)} must be [E, rows] {tuple(w.shape[:2])} with contiguous rows")
     alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
-    return (n, w.shape[2], packed, scales, packed.stride(0), packed.stride(1), *s_strides,
-            bias.stride(0) if bias is not None else 0, float(alpha), float(limit))
+    s_strides = (0, 0) if kind == DENSE else (scales.stride(0), scales.stride(1))
+    return _Operands(n, w.shape[2], values, scales, (values.stride(0), values.stride(1), *s_strides), kind, cfg,
+                     bias.stride(0) if bias is not None else 0, float(alpha), float(limit))
 
 
-def moe_gemm(a: torch.Tensor, w: torch.Tensor | MXFP4Experts, out: torch.Tensor, sorted_pairs: torch.Tensor,
+def moe_gemm(a: torch.Tensor, w: Experts, out: torch.Tensor, sorted_pairs: torch.Tensor,
              block_expert: torch.Tensor, num_padded: torch.Tensor, weights: torch.Tensor | None, rows_per_a: int,
              gated: bool, config: dict[str, int], bias: torch.Tensor | None = None,
              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """One pass over the sorted pairs (see the module doc): out [P, N] with N = w.shape[1] // 2
-    if gated, else w.shape[1]; a's row for pair p is p // rows_per_a. `w` dense [E, N', K] or
-    MXFP4Experts. `bias` [E, w.shape[1]] is added to the expert's rows before the activation
-    (gated) or the routing weight; `swiglu` (alpha, limit): gpt-oss's clamped activation in
-    place of silu(gate) * up."""
-    n, k, packed, scales, stride_we, stride_wn, stride_se, stride_sn, stride_be, alpha, limit = \
-        _operands(w, out, gated, bias, swiglu)
+    if gated, else w.shape[1]; a's row for pair p is p // rows_per_a. `w` dense [E, N', K],
+    MXFP4Experts or FP8Experts. `bias` [E, w.shape[1]] is added to the expert's rows before the
+    activation (gated) or the routing weight; `swiglu` (alpha, limit): gpt-oss's clamped
+    activation in place of silu(gate) * up."""
+    op = _operands(w, out, gated, bias, swiglu, config)
     blocks = block_expert.numel()
     if blocks == 0 or out.shape[0] == 0:
         return out
-    cfg = dict(config)
-    mxfp4 = isinstance(w, MXFP4Experts)
-    if mxfp4:  # a tile spans whole 32-value scale groups
-        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 32)
-    if sorted_pairs.numel() != max_padded_rows(out.shape[0], w.shape[0], cfg["BLOCK_M"]):
-        raise ValueError(f"config BLOCK_M {cfg['BLOCK_M']} is not the block size the pairs were aligned to")
-    grid = (blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _moe_gemm_kernel[grid](a, packed, scales, out, sorted_pairs, block_expert, num_padded,
-                           weights if weights is not None else out, bias if bias is not None else out, out.shape[0], n,
-                           k, a.stride(0), stride_we, stride_wn, stride_se, stride_sn, out.stride(0), stride_be,
-                           rows_per_a, alpha, limit, GATED=gated, WEIGHTED=weights is not None,
-                           BIASED=bias is not None, ACTIVATION=0 if swiglu is None else 1, MXFP4=mxfp4,
-                           IEEE=a.dtype == torch.float32, **cfg)
+    if sorted_pairs.numel() != max_padded_rows(out.shape[0], w.shape[0], op.config["BLOCK_M"]):
+        raise ValueError(f"config BLOCK_M {op.config['BLOCK_M']} is not the block size the pairs were aligned to")
+    grid = (blocks * triton.cdiv(op.n, op.config["BLOCK_N"]),)
+    _moe_gemm_kernel[grid](a, op.values, op.scales, out, sorted_pairs, block_expert, num_padded,
+                           weights if weights is not None else out, bias if bias is not None else out, out.shape[0],
+                           op.n, op.k, a.stride(0), *op.strides, out.stride(0), op.bias_stride, rows_per_a, op.alpha,
+                           op.limit, GATED=gated, WEIGHTED=weights is not None, BIASED=bias is not None,
+                           ACTIVATION=0 if swiglu is None else 1, WEIGHTS=op.kind, IEEE=a.dtype == torch.float32,
+                           **op.config)
     return out
 
 
-def moe_gemv(a: torch.Tensor, w: torch.Tensor | MXFP4Experts, out: torch.Tensor, ids: torch.Tensor,
+def moe_gemv(a: torch.Tensor, w: Experts, out: torch.Tensor, ids: torch.Tensor,
              weights: torch.Tensor | None, rows_per_a: int, gated: bool, config: dict[str, int],
              bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """moe_gemm's pass for few pairs: each pair p (expert ids.flatten()[p]) on its own, no
     sorting and no padded rows (at a decode step of a few tokens most experts see one pair,
     and a 16-row tile would be mostly padding). config: BLOCK_N, BLOCK_K, num_warps, num_stages."""
-    n, k, packed, scales, stride_we, stride_wn, stride_se, stride_sn, stride_be, alpha, limit = \
-        _operands(w, out, gated, bias, swiglu)
+    op = _operands(w, out, gated, bias, swiglu, config)
     if out.shape[0] == 0:
         return out
-    cfg = {key: v for key, v in config.items() if key != "GEMV"}
-    mxfp4 = isinstance(w, MXFP4Experts)
-    if mxfp4:
-        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 32)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), out.shape[0])
-    _moe_gemv_kernel[grid](a, packed, scales, out, ids.reshape(-1), weights if weights is not None else out,
-                           bias if bias is not None else out, n, k, a.stride(0), stride_we, stride_wn, stride_se,
-                           stride_sn, out.stride(0), stride_be, rows_per_a, alpha, limit, GATED=gated,
-                           WEIGHTED=weights is not None, BIASED=bias is not None, ACTIVATION=0 if swiglu is None else 1,
-                           MXFP4=mxfp4, **cfg)
+    grid = (triton.cdiv(op.n, op.config["BLOCK_N"]), out.shape[0])
+    _moe_gemv_kernel[grid](a, op.values, op.scales, out, ids.reshape(-1), weights if weights is not None else out,
+                           bias if bias is not None else out, op.n, op.k, a.stride(0), *op.strides, out.stride(0),
+                           op.bias_stride, rows_per_a, op.alpha, op.limit, GATED=gated, WEIGHTED=weights is not None,
+                           BIASED=bias is not None, ACTIVATION=0 if swiglu is None else 1, WEIGHTS=op.kind,
+                           **op.config)
     return out
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor | MXFP4Experts, w2: torch.Tensor | MXFP4Experts,
-                  weights: torch.Tensor, ids: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+def quant_of(w: Experts) -> str | None:
+    """The config key's name for the experts' format: None (dense), "mxfp4" or "fp8"."""
+    return "mxfp4" if isinstance(w, MXFP4Experts) else "fp8" if isinstance(w, FP8Experts) else None
+
+
+def fused_experts(x: torch.Tensor, w13: Experts, w2: Experts, weights: torch.Tensor, ids: torch.Tensor,
+                  biases: tuple[torch.Tensor, torch.Tensor] | None = None,
                   swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """sum over k of weights[t, k] * expert ids[t, k] (x[t]), each expert a SwiGLU MLP with
-    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], dense or MXFP4. x [T, H] with
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], dense, MXFP4 or FP8. x [T, H] with
     contiguous rows; weights float32 [T, k]. gpt-oss: `biases` (w13_bias [E, 2I], w2_bias
     [E, H]) and the clamped `swiglu` (alpha, limit); its weight multiplies the expert's output
     after the down bias."""
@@ -476,8 +580,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | MXFP4Experts, w2: torch.T
         return torch.zeros_like(x)
     b13, b2 = biases if biases is not None else (None, None)
     device_name = _device_name(x.device.index or 0) if x.is_cuda else ""
-    up_cfg, down_cfg = moe_configs(experts, hidden, inter, top_k, token_bucket(tokens), device_name,
-                                   isinstance(w13, MXFP4Experts))
+    up_cfg, down_cfg = moe_configs(experts, hidden, inter, top_k, token_bucket(tokens), device_name, quant_of(w13))
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     if up_cfg.get("GEMV"):

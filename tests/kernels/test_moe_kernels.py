@@ -1,8 +1,10 @@
 """The fused MoE kernels (kernels/moe.py) against plain torch: routing exactly (ids) and to
 float rounding (weights), the expert grouping exactly (every pair once, in its expert's
 padded group), and the whole expert MLP against a float32 per-token loop; gpt-oss's biases and
-clamped SwiGLU against the torch path, its MXFP4 experts against their decoded weights. CPU:
-Triton's interpreter at small shapes; `-m gpu`: CUDA at real shapes, and the layer in a CUDA graph."""
+clamped SwiGLU against the torch path, its MXFP4 experts against their decoded weights, FP8
+experts (DeepSeek-V3's 128 x 128 block scales, or per row) against the dense kernels and the
+torch path on their dequantized weights. CPU: Triton's interpreter at small shapes; `-m gpu`:
+CUDA at real shapes, and the layer in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from graph_replay import assert_graph_replays  # noqa: E402
 from hopper_compile import run_compile_script  # noqa: E402
 
 from ember.kernels.moe import (  # noqa: E402
+    FP8Experts,
     MXFP4Experts,
     align_experts,
     fused_experts,
@@ -26,6 +29,7 @@ from ember.kernels.moe import (  # noqa: E402
 )
 from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
 from ember.layers.moe import FusedMoE, grouped_experts  # noqa: E402
+from ember.layers.quant.fp8 import FP8, dequantize_experts  # noqa: E402
 from ember.layers.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -363,7 +367,7 @@ def test_few_pairs_an_expert_take_the_gemv():
     assert heuristic_config(128, 1, 4).get("GEMV") and heuristic_config(128, 8, 4).get("GEMV")
     assert "GEMV" not in heuristic_config(128, 9, 4) and heuristic_config(128, 9, 4)["BLOCK_M"] == 16
     assert heuristic_config(64, 2, 6).get("GEMV") and heuristic_config(8, 1, 2).get("GEMV")
-    assert heuristic_config(128, 32, 4, mxfp4=True).get("GEMV") and "GEMV" not in heuristic_config(128, 33, 4, True)
+    assert heuristic_config(128, 32, 4, "mxfp4").get("GEMV") and "GEMV" not in heuristic_config(128, 33, 4, "mxfp4")
     assert "GEMV" not in heuristic_config(8, 2, 2)
     w13, w2 = _experts(16, 48, 40, torch.float32, "cpu", seed=16)
     x = torch.randn(1, 48, generator=torch.Generator().manual_seed(16))
@@ -396,6 +400,101 @@ def test_the_mxfp4_layer_fused_and_torch_paths_agree():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
     weights, ids = layer.route(layer.gate(x))
     torch.testing.assert_close(want, grouped_experts(x, w13, w2, weights, ids, (b13, b2), SWIGLU), rtol=0, atol=0)
+
+
+def _fp8(experts, rows, cols, halves, blockwise, device, seed):
+    """Random FP8 experts [E, rows, cols] as the kernels take them (values across e4m3's range;
+    scales 0.5x to 1.5x of one another, so a value read with another block's or row's scale
+    shows), and their dequantization (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    values = (64 * torch.randn(experts, rows, cols, generator=g)).clamp(-448, 448).to(FP8)
+    shape = (experts, halves * -(-(rows // halves) // 128), -(-cols // 128)) if blockwise else (experts, rows)
+    w = FP8Experts(values.to(device), ((0.5 + torch.rand(shape, generator=g)) / (64 * cols ** 0.5)).to(device))
+    return w, dequantize_experts(w.weight, w.scale, halves)
+
+
+def _as_the_kernel_rounds(w, dtype, device):
+    """Dequantized float32 weights in dtype, as the kernels' cast of value * scale rounds them:
+    to nearest even on the GPU (as torch), toward zero on Triton 3.6's interpreter (its float32
+    -> bfloat16 cast keeps the top 16 bits)."""
+    if dtype == torch.float32 or device != "cpu":
+        return w.to(dtype)
+    return (w.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+
+
+# BLOCK_K under, at and over a scale block's 128 (over: block scales take 128, row scales keep it);
+# N tiles of 16, 64 and 32 rows over I = 136 and H = 200
+FP8_TILES = {"gemv": {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+             "gemm-16": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+             "gemm-32": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blockwise", [True, False], ids=["block", "row"])
+@pytest.mark.parametrize("tiles", sorted(FP8_TILES))
+def test_fp8_experts_equal_the_dense_kernels_on_their_dequantized_weights(device, dtype, blockwise, tiles):
+    """Both passes on FP8 experts (each value times its scale in registers) against the same
+    kernels on the dequantized weights, at shapes no tile divides: 4 experts, hidden 200 (the
+    gate|up's K: scale blocks of 128 and 72 columns), intermediate 136 (each half of w13 two row
+    blocks, 128 and 8: the up half's blocks start at its row 0, w13's row 136; w2's K two blocks).
+    The interpreter: bit for bit in float32 (the same operands reach tl.dot) and in bfloat16
+    (on weights rounded as the kernel rounds them); CUDA: to 1e-2 of the output's scale. Both
+    against the torch path in float32 on the dequantized weights: float32 to 1e-5 of the
+    output's scale (the sums' order; measured at most 7.9e-7 on the interpreter), bfloat16 to
+    3e-2 (the activations, each pass's output and, on the interpreter, the weights truncated to
+    bfloat16; measured 1.6e-2)."""
+    experts, hidden, inter, tokens, top_k = 4, 200, 136, 5, 2
+    w13, d13 = _fp8(experts, 2 * inter, hidden, 2, blockwise, device, seed=1)
+    w2, d2 = _fp8(experts, hidden, inter, 1, blockwise, device, seed=2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(device)
+    ids = torch.tensor([[0, 2], [2, 3], [1, 2], [3, 0], [0, 1]], dtype=torch.int32, device=device)  # expert 2: 3 pairs
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(device)
+    cfg = FP8_TILES[tiles]
+    got = _both_passes(x, w13, w2, weights, ids, cfg)
+    dense_cfg = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], 128)) if blockwise else cfg
+    dense = _both_passes(x, _as_the_kernel_rounds(d13, dtype, device), _as_the_kernel_rounds(d2, dtype, device),
+                         weights, ids, dense_cfg)
+    want = grouped_experts(x.float(), d13, d2, weights, ids.long())
+    scale = want.abs().max().item()
+    if device == "cpu":
+        assert torch.equal(got, dense)
+    else:
+        torch.testing.assert_close(got, dense, rtol=0, atol=1e-2 * scale)
+    print(f"{tiles} {'block' if blockwise else 'row'} {dtype}: |fp8 - torch path| max "
+          f"{(got - want).abs().max().item() / scale:.2e} of the scale")
+    torch.testing.assert_close(got, want, rtol=0, atol={torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype] * scale)
+
+
+def test_fp8_scale_layout_by_hand():
+    """dequantize_experts (the torch path's and the tests' reference) reads the module doc's
+    layout: w13 [1, 2 x 136, 200] of ones with block scales 10 r + c gives its gate rows 0-127
+    row block 0, rows 128-135 block 1, its up rows (136-271) blocks 2 and 3 counted from their
+    own first row (a 128-row grid over all of w13 would give rows 136-255 block 1); columns 0-127
+    block column 0, 128-199 column 1. And the kernels' down pass (no activation) on one-hot x
+    gives out[n] = w[n, k] * scale exactly, in the GEMM's tiles and the GEMV's, per block and
+    per row."""
+    grid = (10 * torch.arange(4)[:, None] + torch.arange(2)[None, :]).float()
+    w13 = dequantize_experts(torch.ones(1, 272, 200).to(FP8), grid[None], halves=2)[0]
+    row_block = torch.tensor([0] * 128 + [1] * 8 + [2] * 128 + [3] * 8)
+    col_block = torch.tensor([0] * 128 + [1] * 72)
+    assert torch.equal(w13, grid[row_block][:, col_block])
+    from ember.kernels.moe import moe_gemm, moe_gemv
+
+    x = torch.eye(136)[[0, 127, 128, 135]]  # w2 [1, 200, 136]: k in blocks 0, 0, 1, 1
+    ids = torch.zeros(4, 1, dtype=torch.int32)
+    rows = torch.tensor([0, 127, 128, 130, 199])
+    for scale, want in ((grid[None, :2], grid[:2][rows // 128][:, [0, 0, 1, 1]].t()),
+                        (torch.arange(1.0, 201.0)[None], (rows + 1.0)[None].expand(4, -1))):
+        w = FP8Experts(torch.ones(1, 200, 136).to(FP8), scale)
+        for cfg in (dict(heuristic_config(1, 4, 1), BLOCK_N=64, BLOCK_K=64), FP8_TILES["gemv"]):
+            out = torch.empty(4, 200)
+            if cfg.get("GEMV"):
+                moe_gemv(x, w, out, ids, None, 1, False, cfg)
+            else:
+                moe_gemm(x, w, out, *align_experts(ids, 1, cfg["BLOCK_M"]), None, 1, False, cfg)
+            assert torch.equal(out[:, rows], want), cfg
 
 
 @pytest.mark.gpu
@@ -476,26 +575,35 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ember.kernels.moe import _moe_gemm_kernel
+from ember.kernels.moe import _moe_gemm_kernel, _moe_gemv_kernel
 
-names = list(_moe_gemm_kernel.arg_names)
-pointers = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "c_ptr": "*bf16", "sorted_ptr": "*i32",
-            "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32", "bias_ptr": "*bf16"}
-for gated in (True, False):
-    constants = dict(GATED=gated, WEIGHTED=not gated, BIASED=True, ACTIVATION=int(gated), MXFP4=True, IEEE=False,
-                     BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
-    signature = {n: pointers.get(n, "fp32" if n in ("alpha", "limit") else "constexpr" if n in constants else "i32")
-                 for n in names}
-    source = ASTSource(_moe_gemm_kernel, signature, {(names.index(k),): v for k, v in constants.items()})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-    assert "mma" in kernel.asm["ptx"], "no tensor-core instruction in the PTX"
+# WEIGHTS 1: MXFP4 (uint8 blocks and scales); 2, 3: FP8 values with float32 scales per row, per block
+VALUES = {1: ("*u8", "*u8"), 2: ("*fp8e4nv", "*fp32"), 3: ("*fp8e4nv", "*fp32")}
+for kernel in (_moe_gemm_kernel, _moe_gemv_kernel):
+    names = list(kernel.arg_names)
+    for weights, (w, s) in VALUES.items():
+        pointers = {"a_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "c_ptr": "*bf16", "sorted_ptr": "*i32",
+                    "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
+                    "bias_ptr": "*bf16"}
+        for gated in (True, False):
+            constants = dict(GATED=gated, WEIGHTED=not gated, BIASED=True, ACTIVATION=int(gated), WEIGHTS=weights,
+                             BLOCK_N=64, BLOCK_K=128 if weights > 1 else 256)
+            if kernel is _moe_gemm_kernel:
+                constants |= dict(IEEE=False, BLOCK_M=16, GROUP_M=1)
+            signature = {n: pointers.get(n, "fp32" if n in ("alpha", "limit") else "constexpr" if n in constants
+                                         else "i32") for n in names}
+            source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+            if kernel is _moe_gemm_kernel:
+                assert "mma" in compiled.asm["ptx"], f"no tensor-core instruction in the PTX (WEIGHTS {weights})"
 print("compiled")
 """
 
 
 @pytest.mark.slow
-def test_the_mxfp4_kernels_compile_for_hopper():
+def test_the_quantized_kernels_compile_for_hopper():
     """The interpreter runs what a compiled kernel may refuse (a global as a constexpr, an
-    integer type a GPU op does not take): Triton compiles the MXFP4 gate|up and down passes,
-    with biases and the clamp, to sm_90 PTX here, without a GPU, and they use tensor cores."""
+    integer type a GPU op does not take): Triton compiles the GEMM's and the GEMV's gate|up and
+    down passes on MXFP4 and FP8 experts (per-row and block scales), with biases and the clamp,
+    to sm_90 PTX here, without a GPU, and the GEMM's use tensor cores."""
     assert "compiled" in run_compile_script(_COMPILE)

@@ -150,6 +150,21 @@ class FP8Tensor:
         return (self.weight.float() * scale).to(dtype)
 
 
+def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, halves: int = 1,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stacked FP8 experts (kernels/moe.py's FP8Experts) W * scale in float32, rounded once to
+    dtype: weight [E, N, K] with scales per row [E, N], or per 128 x 128 block of each of its
+    `halves` (a gate|up weight's 2: each half's blocks its own) [E, halves * ceil(N / halves /
+    128), ceil(K / 128)]."""
+    e, n, k = weight.shape
+    if scale.dim() == 2:
+        full = scale[:, :, None]
+    else:
+        full = scale.unflatten(1, (halves, -1)).repeat_interleave(BLOCK, 2)[:, :, : n // halves].flatten(1, 2)
+        full = full.repeat_interleave(BLOCK, 2)[:, :, :k]
+    return (weight.float() * full).to(dtype)
+
+
 def quantize_weight(weight: torch.Tensor) -> FP8Tensor:
     """A bf16/fp32 weight [N, K] in FP8 with a scale per output row (--quantization fp8)."""
     w = weight.detach().float()
