@@ -30,6 +30,7 @@ from ember.layers.activation import silu_and_mul
 from ember.layers.batch_invariant import in_row_blocks
 from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import Linear
+from ember.layers.quant.fp8 import BLOCK, FP8, FP8Tensor, dequantize_experts
 from ember.layers.quant.mxfp4 import dequantize_mxfp4
 
 
@@ -55,15 +56,21 @@ class FusedMoE(nn.Module):
     checkpoints on CUDA): w13 and w2 held as MXFP4 (w13_blocks [E, 2I, H / 2] uint8,
     w13_scales [E, 2I, H / 32], w2_blocks [E, H, I / 2], w2_scales [E, H, I / 32]), which the
     fused kernels decode as they multiply; the torch path decodes them whole each call.
+    `fp8` ("block" or "row": an FP8 checkpoint's experts on CUDA): w13 and w2 held as
+    float8_e4m3fn with float32 scales, w13_scale and w2_scale, per row ([E, 2I], [E, H]) or per
+    128 x 128 block ([E, 2 ceil(I / 128), ceil(H / 128)]: the gate's row blocks, then the
+    up's, each half's its own whatever I; [E, ceil(H / 128), ceil(I / 128)]), loaded with
+    their weights' shards (kernels/moe.py's FP8Experts); the fused kernels scale each value
+    in registers, the torch path dequantizes them whole each call.
 
     Tensor parallelism splits every expert as Megatron splits an MLP: a rank holds rows
     [start, start + I / tp) of each expert's gate and up and the same columns of its down, and
     the ranks' outputs are all-reduced (the router runs whole on every rank; gpt-oss's down
-    bias is added by rank 0 alone)."""
+    bias is added by rank 0 alone). Block-scaled FP8 experts split on whole 128-row blocks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, grouped: GroupedRouting | None = None, biased: bool = False,
-                 swiglu: tuple[float, float] | None = None, mxfp4: bool = False) -> None:
+                 swiglu: tuple[float, float] | None = None, mxfp4: bool = False, fp8: str | None = None) -> None:
         super().__init__()
         self.reduces = tp_size() > 1
         if mxfp4 and self.reduces:
@@ -72,6 +79,14 @@ class FusedMoE(nn.Module):
         self.full_intermediate = intermediate_size
         self.start, intermediate_size = split_evenly(intermediate_size, tp_rank(), tp_size(), "the experts' "
                                                      "intermediate size (moe_intermediate_size)")
+        if fp8 not in (None, "row", "block"):
+            raise ValueError(f"fp8 experts are scaled per 'row' or 'block', not {fp8!r}")
+        end = self.start + intermediate_size
+        if fp8 == "block" and (self.start % BLOCK or end % BLOCK and end != self.full_intermediate):
+            raise ValueError(f"tensor parallelism over {tp_size()} ranks gives rank {tp_rank()} rows [{self.start}, "
+                             f"{end}) of each expert's {self.full_intermediate} (moe_intermediate_size), which cuts "
+                             f"the FP8 experts' {BLOCK}-row scale blocks: use a tensor_parallel_size that splits "
+                             f"moe_intermediate_size into multiples of {BLOCK}, or quantization='none'")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be within 1..num_experts ({num_experts})")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -83,7 +98,7 @@ class FusedMoE(nn.Module):
         self.swiglu = swiglu
         if grouped is not None and grouped.scoring == "sigmoid":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
-        self.mxfp4 = mxfp4
+        self.mxfp4, self.fp8 = mxfp4, fp8
         if mxfp4:
             if hidden_size % 32 or intermediate_size % 32:
                 raise ValueError(f"MXFP4 experts need hidden ({hidden_size}) and intermediate ({intermediate_size}) "
@@ -94,8 +109,11 @@ class FusedMoE(nn.Module):
                     setattr(self, f"{name}_{part}", nn.Parameter(
                         torch.empty(num_experts, rows, width, dtype=torch.uint8), requires_grad=False))
         else:
-            self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-            self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+            self.w13 = _experts(num_experts, 2 * intermediate_size, hidden_size, fp8)
+            self.w2 = _experts(num_experts, hidden_size, intermediate_size, fp8)
+            if fp8:  # filled with their weights' shards (load_w13, load_w2), so not read by name
+                self.w13_scale = _fp8_scales(num_experts, 2 * intermediate_size, hidden_size, 2, fp8)
+                self.w2_scale = _fp8_scales(num_experts, hidden_size, intermediate_size, 1, fp8)
             # shards: w13's 2e is expert e's gate, 2e + 1 its up; w2's e is expert e's down
             self.w13.num_shards, self.w13.weight_loader = 2 * num_experts, self.load_w13
             self.w2.num_shards, self.w2.weight_loader = num_experts, self.load_w2
@@ -105,15 +123,19 @@ class FusedMoE(nn.Module):
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
             self.w13_bias.weight_loader, self.w2_bias.weight_loader = self.load_w13, self._load_w2_bias
 
-    def _rank_rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's slice of an intermediate dimension (all of it on one rank)."""
+    def _rank_rows(self, t: torch.Tensor | FP8Tensor, dim: int) -> torch.Tensor | FP8Tensor:
+        """This rank's slice of an intermediate dimension (all of it on one rank); an FP8
+        weight's with its scales (FP8Tensor.narrow: on whole blocks, as __init__ checked)."""
         if t.shape[dim] != self.full_intermediate:
             raise ValueError(f"{self.full_intermediate} intermediate rows expected, checkpoint {tuple(t.shape)}")
-        return t.narrow(dim, self.start, self.intermediate_size)
+        return t if self.intermediate_size == self.full_intermediate else t.narrow(dim, self.start,
+                                                                                  self.intermediate_size)
 
-    def load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+    def load_w13(self, param: nn.Parameter, loaded: torch.Tensor | FP8Tensor, shard: int | None) -> None:
         """Expert e's gate (shard 2e) or up (2e + 1); shard None: every expert's stacked, gate
         rows then up rows (gpt-oss, Llama 4; and w13_bias, [E, 2I])."""
+        if param.dtype == FP8:
+            return self._load_fp8("w13", loaded, shard)
         if shard is None:
             gate, up = loaded.chunk(2, dim=1)
             return _copy(param.data, torch.cat([self._rank_rows(gate, 1), self._rank_rows(up, 1)], dim=1), "all")
@@ -121,9 +143,28 @@ class FusedMoE(nn.Module):
         _copy(param.data[expert].narrow(0, half * self.intermediate_size, self.intermediate_size),
               self._rank_rows(loaded, 0), shard)
 
-    def load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+    def load_w2(self, param: nn.Parameter, loaded: torch.Tensor | FP8Tensor, shard: int | None) -> None:
+        if param.dtype == FP8:
+            return self._load_fp8("w2", loaded, shard)
         _copy(param.data if shard is None else param.data[shard], self._rank_rows(loaded, loaded.dim() - 1),
               "all" if shard is None else shard)
+
+    def _load_fp8(self, name: str, loaded: torch.Tensor | FP8Tensor, shard: int | None) -> None:
+        """A shard of FP8 experts (w13's 2e + half: expert e's gate or up; w2's e), an FP8Tensor
+        scaled as the others, with its scales: per row, those rows'; per block, its half's row
+        blocks (w13's gate blocks, then its up blocks)."""
+        if shard is None or not isinstance(loaded, FP8Tensor) or loaded.blockwise != (self.fp8 == "block"):
+            got = "stacked" if shard is None else f"{'block' if loaded.blockwise else 'row'}-scaled FP8" \
+                if isinstance(loaded, FP8Tensor) else str(loaded.dtype)
+            raise ValueError(f"the experts are FP8 scaled per {self.fp8} (the checkpoint's quantization_config), "
+                             f"loaded one expert's projection at a time; this tensor is {got}")
+        halves = 2 if name == "w13" else 1
+        expert, half = divmod(shard, halves)
+        loaded = self._rank_rows(loaded, 0 if name == "w13" else 1)
+        weight, scale = getattr(self, name).data[expert], getattr(self, f"{name}_scale").data[expert]
+        rows, blocks = weight.shape[0] // halves, scale.shape[0] // halves
+        _copy(weight.narrow(0, half * rows, rows), loaded.weight, shard)
+        _copy(scale.narrow(0, half * blocks, blocks), loaded.scale, shard)
 
     def _load_w2_bias(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
         """Added after the down projection: by rank 0 only, as the ranks' outputs are summed."""
@@ -169,26 +210,35 @@ class FusedMoE(nn.Module):
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token through its experts ids [T, k], the outputs summed times weights [T, k]
-        (float32): the fused kernels on CUDA (MXFP4 experts decoded in them), the grouped torch
-        path elsewhere."""
+        (float32): the fused kernels on CUDA (MXFP4 and FP8 experts decoded in them), the grouped
+        torch path elsewhere."""
         biases = (self.w13_bias, self.w2_bias) if self.biased else None
         if cuda_paths(x):
-            from ember.kernels.moe import MXFP4Experts, fused_experts
+            from ember.kernels.moe import FP8Experts, MXFP4Experts, fused_experts
 
-            w13, w2 = (MXFP4Experts(self.w13_blocks, self.w13_scales), MXFP4Experts(self.w2_blocks, self.w2_scales)) \
-                if self.mxfp4 else (self.w13, self.w2)
+            if self.mxfp4:
+                w13, w2 = MXFP4Experts(self.w13_blocks, self.w13_scales), MXFP4Experts(self.w2_blocks, self.w2_scales)
+            elif self.fp8:
+                w13, w2 = FP8Experts(self.w13, self.w13_scale), FP8Experts(self.w2, self.w2_scale)
+            else:
+                w13, w2 = self.w13, self.w2
             # the kernels take int32 ids, as route_topk gives them
             out = fused_experts(x.contiguous(), w13, w2, weights.contiguous(), ids.to(torch.int32), biases,
                                 self.swiglu)
         else:
-            w13, w2 = (self._decoded("w13", x.dtype), self._decoded("w2", x.dtype)) if self.mxfp4 else \
-                (self.w13, self.w2)
+            w13, w2 = self._decoded("w13", x.dtype), self._decoded("w2", x.dtype)
             out = grouped_experts(x, w13, w2, weights.to(x.dtype), ids, biases, self.swiglu)
         return all_reduce(out) if self.reduces else out
 
     def _decoded(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
-        return dequantize_mxfp4(blocks.unflatten(-1, (-1, 16)), scales).to(dtype)
+        """w13 or w2 as the torch path multiplies it: MXFP4 and FP8 experts decoded whole."""
+        if self.mxfp4:
+            blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
+            return dequantize_mxfp4(blocks.unflatten(-1, (-1, 16)), scales).to(dtype)
+        if self.fp8:
+            return dequantize_experts(getattr(self, name), getattr(self, f"{name}_scale"), 2 if name == "w13" else 1,
+                                      dtype)
+        return getattr(self, name)
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -234,6 +284,22 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def _experts(experts: int, rows: int, cols: int, fp8: str | None) -> nn.Parameter:
+    """A stacked expert weight [E, rows, cols]: in the run dtype, or float8_e4m3fn."""
+    if fp8 is None:
+        return nn.Parameter(torch.empty(experts, rows, cols))
+    return nn.Parameter(torch.empty(experts, rows, cols, dtype=FP8), requires_grad=False)
+
+
+def _fp8_scales(experts: int, rows: int, cols: int, halves: int, fp8: str) -> nn.Parameter:
+    """The float32 scales of an FP8 expert weight [E, rows, cols]: per row [E, rows], or per
+    128 x 128 block of each of its halves [E, halves * ceil(rows / halves / 128), ceil(cols / 128)]."""
+    shape = (experts, rows) if fp8 == "row" else (experts, halves * -(-(rows // halves) // BLOCK), -(-cols // BLOCK))
+    scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+    scale.loads_with_weight = True  # loader/weights.py expects no checkpoint tensor of its own
+    return scale
 
 
 def _copy(rows: torch.Tensor, loaded: torch.Tensor, shard: int | str) -> None:

@@ -29,7 +29,7 @@ from ember.kernels.moe import (  # noqa: E402
 )
 from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
 from ember.layers.moe import FusedMoE, grouped_experts  # noqa: E402
-from ember.layers.quant.fp8 import FP8, dequantize_experts  # noqa: E402
+from ember.layers.quant.fp8 import FP8, FP8Tensor, dequantize_experts  # noqa: E402
 from ember.layers.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -406,11 +406,18 @@ def _fp8(experts, rows, cols, halves, blockwise, device, seed):
     """Random FP8 experts [E, rows, cols] as the kernels take them (values across e4m3's range;
     scales 0.5x to 1.5x of one another, so a value read with another block's or row's scale
     shows), and their dequantization (float32)."""
-    g = torch.Generator().manual_seed(seed)
-    values = (64 * torch.randn(experts, rows, cols, generator=g)).clamp(-448, 448).to(FP8)
+    g = torch.Generator(device).manual_seed(seed)
+    values = (64 * torch.randn(experts, rows, cols, generator=g, device=device)).clamp(-448, 448).to(FP8)
     shape = (experts, halves * -(-(rows // halves) // 128), -(-cols // 128)) if blockwise else (experts, rows)
-    w = FP8Experts(values.to(device), ((0.5 + torch.rand(shape, generator=g)) / (64 * cols ** 0.5)).to(device))
+    w = FP8Experts(values, (0.5 + torch.rand(shape, generator=g, device=device)) / (64 * cols ** 0.5))
     return w, dequantize_experts(w.weight, w.scale, halves)
+
+
+def _fp8_tensor(rows, cols, blockwise, g):
+    """One checkpoint weight [rows, cols] as an FP8Tensor, scaled as _fp8's experts are."""
+    values = (64 * torch.randn(rows, cols, generator=g)).clamp(-448, 448).to(FP8)
+    shape = (-(-rows // 128), -(-cols // 128)) if blockwise else (rows,)
+    return FP8Tensor(values, (0.5 + torch.rand(shape, generator=g)) / (64 * cols ** 0.5))
 
 
 def _as_the_kernel_rounds(w, dtype, device):
@@ -497,6 +504,55 @@ def test_fp8_scale_layout_by_hand():
             assert torch.equal(out[:, rows], want), cfg
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("blockwise", [True, False], ids=["block", "row"])
+def test_the_fp8_layer_loads_expert_by_expert_and_equals_the_dense_layer(blockwise):
+    """FusedMoE(fp8=...) as an FP8 checkpoint loads on CUDA: each expert's gate, up and down an
+    FP8Tensor with its own scales (intermediate 136: the gate's and the up's second row block
+    8 rows each, kept apart) into float8 w13 / w2 and float32 scales. Its torch path (the
+    experts dequantized whole) and its fused path (interpreter: the GEMM at 9 tokens, the GEMV
+    at 1) each equal those of a dense layer loaded with the same tensors dequantized, bit for
+    bit: the same float32 weights, the same operands."""
+    experts, hidden, inter = 8, 200, 136
+    fp8 = FusedMoE(hidden, inter, experts, 2, renormalize=True, fp8="block" if blockwise else "row")
+    dense = FusedMoE(hidden, inter, experts, 2, renormalize=True)
+    assert fp8.w13.dtype == fp8.w2.dtype == FP8
+    assert (fp8.w13_scale.shape, fp8.w2_scale.shape) == (((8, 4, 2), (8, 2, 2)) if blockwise else ((8, 272), (8, 200)))
+    g = torch.Generator().manual_seed(21)
+    dense.gate.weight.data.normal_(0, 0.3, generator=g)
+    fp8.gate.weight.data.copy_(dense.gate.weight)
+    for e in range(experts):
+        for shard in (2 * e, 2 * e + 1):  # gate, up
+            t = _fp8_tensor(inter, hidden, blockwise, g)
+            fp8.load_w13(fp8.w13, t, shard)
+            dense.load_w13(dense.w13, t.dequantize(), shard)
+        t = _fp8_tensor(hidden, inter, blockwise, g)
+        fp8.load_w2(fp8.w2, t, e)
+        dense.load_w2(dense.w2, t.dequantize(), e)
+    x = torch.randn(9, hidden, generator=g)
+    assert torch.equal(fp8(x), dense(x))
+    with gemv_on_cpu():
+        assert moe_configs(experts, hidden, inter, 2, 1)[0].get("GEMV") and not moe_configs(experts, hidden, inter, 2,
+                                                                                               16)[0].get("GEMV")
+        for rows in (x, x[:1]):
+            assert torch.equal(fp8(rows), dense(rows))
+
+
+def test_the_fp8_layer_refuses_what_it_cannot_hold():
+    layer = FusedMoE(200, 136, 2, 1, renormalize=True, fp8="block")
+    g = torch.Generator().manual_seed(22)
+    with pytest.raises(ValueError, match=r"the experts are FP8 scaled per block \(the checkpoint's quantization_config\), "
+                                         r"loaded one expert's projection at a time; this tensor is row-scaled FP8"):
+        layer.load_w13(layer.w13, _fp8_tensor(136, 200, False, g), 0)
+    with pytest.raises(ValueError, match="this tensor is torch.float32"):
+        layer.load_w2(layer.w2, torch.zeros(200, 136), 1)
+    with pytest.raises(ValueError, match=r"fp8 experts are scaled per 'row' or 'block', not 'tensor'"):
+        FusedMoE(200, 136, 2, 1, renormalize=True, fp8="tensor")
+    with pytest.raises(ValueError, match=r"expected 4 row blocks \(each half's own, ceil\(I / 128\) a half\)"):
+        fused_experts(torch.zeros(1, 200), FP8Experts(torch.zeros(2, 272, 200).to(FP8), torch.ones(2, 3, 2)),
+                      FP8Experts(layer.w2, torch.ones(2, 2, 2)), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,gpt_oss", [
     (1, 128, 8, 2048, 768, False), (512, 128, 8, 2048, 768, False), (3000, 8, 2, 4096, 1024, False),
@@ -566,6 +622,53 @@ def test_mxfp4_experts_at_gpt_oss_120b_shapes_and_in_a_cuda_graph(tokens, gpt_os
     torch.testing.assert_close(eager.float(), want, rtol=0, atol=2e-2 * scale)
     dense = fused_experts(x, w13.to(torch.bfloat16), w2.to(torch.bfloat16), weights, ids,
                           (layer.w13_bias, layer.w2_bias), SWIGLU)
+    torch.testing.assert_close(eager, dense, rtol=0, atol=1e-2 * scale)
+    _assert_graph_replays(layer, x)
+
+
+# real experts' shapes: (experts, hidden, intermediate, top_k), FP8 scales per block or per row
+FP8_SHAPES = {"qwen3-30b-a3b-block": (128, 2048, 768, 8, True), "qwen3-30b-a3b-row": (128, 2048, 768, 8, False),
+              "deepseek-v3-32-experts": (32, 7168, 2048, 8, True)}
+
+
+@pytest.fixture(scope="module", params=sorted(FP8_SHAPES))
+def fp8_experts_on_gpu(request):
+    """FP8 experts of a real shape on the GPU (DeepSeek-V3's 256 experts cut to 32: their
+    float32 reference would not fit beside them), and their float32 dequantization."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    experts, hidden, inter, top_k, blockwise = FP8_SHAPES[request.param]
+    w13, d13 = _fp8(experts, 2 * inter, hidden, 2, blockwise, "cuda", seed=1)
+    w2, d2 = _fp8(experts, hidden, inter, 1, blockwise, "cuda", seed=2)
+    return (experts, hidden, inter, top_k, blockwise), w13, d13, w2, d2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+@torch.inference_mode()
+def test_fp8_experts_at_real_shapes_and_in_a_cuda_graph(tokens, fp8_experts_on_gpu):
+    """FusedMoE(fp8=...) on CUDA at Qwen3-30B-A3B's and DeepSeek-V3's expert shapes (the GEMV at
+    1 token, the GEMMs at 64 and 1024), against the torch path in float32 on the dequantized
+    weights (to 2e-2 of the output's scale, as the interpreter's 1.6e-2), and against the
+    dense bf16 kernels on the weights dequantized to bf16 (the same operands reach tl.dot:
+    equal up to the compiled kernels' own order, to 1e-2); replayed in a CUDA graph."""
+    (experts, hidden, inter, top_k, blockwise), w13, d13, w2, d2 = fp8_experts_on_gpu
+    with torch.device("cuda"):
+        layer = FusedMoE(hidden, inter, experts, top_k, renormalize=True, fp8="block" if blockwise else "row")
+    layer.gate.to(torch.bfloat16).weight.data.normal_(0, 0.05)
+    for param, value in ((layer.w13, w13.weight), (layer.w13_scale, w13.scale), (layer.w2, w2.weight),
+                         (layer.w2_scale, w2.scale)):
+        param.data.copy_(value)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = route_topk(layer.gate(x), top_k, True)
+    assert bool(moe_configs(experts, hidden, inter, top_k, tokens)[0].get("GEMV")) == (tokens == 1)
+    eager = layer(x)
+    want = grouped_experts(x.float(), d13, d2, weights, ids.long())
+    scale = want.abs().max().item()
+    print(f"E={experts} H={hidden} I={inter} T={tokens} {'block' if blockwise else 'row'}: |fp8 - torch path| max "
+          f"{(eager.float() - want).abs().max().item() / scale:.2e} of the scale")
+    torch.testing.assert_close(eager.float(), want, rtol=0, atol=2e-2 * scale)
+    dense = fused_experts(x, d13.to(torch.bfloat16), d2.to(torch.bfloat16), weights, ids)
     torch.testing.assert_close(eager, dense, rtol=0, atol=1e-2 * scale)
     _assert_graph_replays(layer, x)
 
