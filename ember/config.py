@@ -244,9 +244,13 @@ class EngineConfig:
                 split_evenly(model_config.linear_num_key_heads, 0, self.tensor_parallel_size,
                              "the gated DeltaNet's key heads (linear_num_key_heads)")
         quantization = _quantization(self.quantization, files, device)
-        if model_config.moe_layers is not None and quantization == "fp8":
+        if model_config.moe_layers is not None and quantization == "fp8" and device == "cuda":
+            logger.info("%s: quantization='fp8' covers the linear layers, and the experts where an FP8 checkpoint "
+                        "holds them so (the fused MoE kernels scale them as they multiply); a dense checkpoint's "
+                        "experts stay in the run dtype", model_config.architecture)
+        elif model_config.moe_layers is not None and quantization == "fp8":
             logger.info("%s: quantization='fp8' covers the linear layers; the experts' stacked weights stay in the "
-                        "run dtype (an FP8 checkpoint's are dequantized at load): no FP8 MoE kernel yet",
+                        "run dtype on the CPU (an FP8 checkpoint's are dequantized at load: FP8 experts run on CUDA)",
                         model_config.architecture)
         if self.deterministic and device == "cuda":
             _check_deterministic(model_config, quantization, self.tensor_parallel_size)

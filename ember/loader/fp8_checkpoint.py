@@ -9,6 +9,8 @@
                                     dummy weights): every linear layer but the LM head and
                                     the embedding, per output row, skipping what the
                                     checkpoint's ignore-list names
+    fp8_experts(cfg, scheme)        how the checkpoint's routed experts stay FP8 (on CUDA):
+                                    "block" or "row" scales, or None (dense)
 
 The two forms read (as vLLM does):
 
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from ember.layers.quant.fp8 import FP8, FP8Tensor
+from ember.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +221,21 @@ def fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: FP8Scheme, 
     if skipped["kv"]:
         logger.warning("%s: %d KV-cache scale tensors not used (the KV cache's scales stay 1.0)", source,
                        skipped["kv"])
+
+
+def fp8_experts(cfg: ModelConfig, scheme: FP8Scheme | None) -> str | None:
+    """How the routed experts of this FP8 checkpoint stay FP8 in FusedMoE: "block" (128 x 128
+    scales) or "row" (per channel, or per tensor made per row); None where they load dense:
+    no checkpoint scheme or no experts, experts stored stacked (gpt-oss, Llama 4: not read as
+    FP8 here), or experts the ignore-list leaves unquantized."""
+    if scheme is None or cfg.moe_layers is None or cfg.moe_bias or cfg.moe_input_scaled:
+        return None
+    from ember.loader.weights import hf_weight_shapes, is_expert_weight
+
+    experts = [name.removesuffix(".weight") for name in hf_weight_shapes(cfg) if is_expert_weight(name)]
+    if not experts or any(scheme.ignores(module) for module in experts):
+        return None
+    return "block" if scheme.block else "row"
 
 
 def quantize_linear_layers(model: nn.Module, scheme: FP8Scheme | None = None) -> int:

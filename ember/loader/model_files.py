@@ -202,6 +202,12 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
 
     if cfg.mxfp4_experts and torch.device(device).type != "cuda":  # no MXFP4 kernel off CUDA: decoded at load
         cfg = dataclasses.replace(cfg, mxfp4_experts=False)
+    scheme = files.quantization_scheme()
+    if quantization == "fp8" and torch.device(device).type == "cuda" and files.load_format != "dummy":
+        # an FP8 checkpoint's experts stay FP8 for the fused MoE kernels (off CUDA: dequantized at load)
+        from ember.loader.fp8_checkpoint import fp8_experts
+
+        cfg = dataclasses.replace(cfg, fp8_experts=fp8_experts(cfg, scheme))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are made in the run dtype, on the device
     try:
@@ -215,7 +221,6 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, files.weights(cfg, seed, device, dtype, quantization), source=str(files.path))
-    scheme = files.quantization_scheme()
     if quantization == "fp8" and (scheme is None or files.load_format == "dummy"):
         # dense weights (a bf16 checkpoint, or dummy ones at an FP8 checkpoint's shapes): FP8 per
         # output row, every linear layer but what the checkpoint's ignore-list names

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from ember.layers.quant.fp8 import FP8Tensor
+from ember.layers.quant.fp8 import FP8, FP8Tensor
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.models.config import ModelConfig
 from ember.models.families import FAMILIES
@@ -387,6 +387,11 @@ def _language_model_name(name: str) -> str | None:
     return name  # not the language model's: load_weights names it as unknown
 
 
+def is_expert_weight(name: str) -> bool:
+    """A checkpoint tensor that is one routed expert's projection (a shard of FusedMoE's w13 or w2)."""
+    return _EXPERT.fullmatch(name) is not None
+
+
 def _target(name: str) -> tuple[str, int | None]:
     """HF name -> (ember parameter name, shard index or None)."""
     if (m := _EXPERT.fullmatch(name)) is not None:
@@ -408,15 +413,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
     """Copy every checkpoint tensor into its parameter; each parameter (shard) exactly once.
     A BlockTensor (GGUF blocks kept quantized) or an FP8Tensor (an FP8 checkpoint's weight
     with its scales) goes to the layer owning the parameter, which takes it as its weight
-    format once all are in (`finish_loading`); an FP8Tensor for a parameter no FP8 kernel
-    takes (stacked experts, MLA's kv_b_proj, as DeepSeek-V3's checkpoints quantize them)
-    loads dequantized, logged once.
+    format once all are in (`finish_loading`), or to an FP8 parameter's weight loader
+    (FusedMoE's FP8 experts, which hold their scales beside them); an FP8Tensor for a
+    parameter no FP8 kernel takes (dense experts, as on the CPU; MLA's kv_b_proj) loads
+    dequantized, logged once.
 
     Raises ValueError naming unknown, duplicated and missing tensors."""
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     expected: set[tuple[str, int | None]] = set()
-    for pname in params:
+    for pname, param in params.items():
+        if getattr(param, "loads_with_weight", False):  # FP8 experts' scales: filled with their weights
+            continue
         shards = _num_shards(model, pname)
         expected |= {(pname, s) for s in range(shards)} if shards else {(pname, None)}
     done: set[tuple[str, int | None]] = set()
@@ -438,7 +446,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
         if (pname, shard) in done:
             raise ValueError(f"{source}: tensor {name!r} appears twice")
         param = params[pname]
-        if isinstance(tensor, FP8Tensor) and not hasattr(model.get_submodule(pname.rsplit(".", 1)[0]), "load_fp8"):
+        module = model.get_submodule(pname.rpartition(".")[0])
+        if isinstance(tensor, FP8Tensor) and param.dtype != FP8 and not hasattr(module, "load_fp8"):
             tensor = tensor.dequantize()
             dequantized.append(name)
         loader = getattr(param, "weight_loader", None)
@@ -446,9 +455,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
         try:
             with torch.no_grad():
                 if isinstance(tensor, BlockTensor):
-                    model.get_submodule(pname.rsplit(".", 1)[0]).load_blocks(tensor, shard)
-                elif isinstance(tensor, FP8Tensor):
-                    model.get_submodule(pname.rsplit(".", 1)[0]).load_fp8(tensor, shard)
+                    module.load_blocks(tensor, shard)
+                elif isinstance(tensor, FP8Tensor) and param.dtype != FP8:
+                    module.load_fp8(tensor, shard)
                 elif loader is None:  # a plain parameter (replicated on every tensor-parallel rank)
                     if param.shape != tensor.shape:
                         raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
@@ -465,8 +474,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
         done.add((pname, shard))
     if dequantized:
         logger.info("%s: %d fp8 weights dequantized to the run dtype at load (%s%s): no FP8 kernel of ember's takes "
-                    "experts or latent projections yet", source, len(dequantized), ", ".join(dequantized[:3]),
-                    " ..." if len(dequantized) > 3 else "")
+                    "them here (experts: on CUDA only; latent projections: none yet)", source, len(dequantized),
+                    ", ".join(dequantized[:3]), " ..." if len(dequantized) > 3 else "")
     missing = sorted(expected - done, key=str)
     if unknown or missing:
         msg = [f"{source} does not match the model ({type(model).__name__}):"]

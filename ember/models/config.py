@@ -145,6 +145,10 @@ class ModelConfig:
     # quant_method mxfp4: gpt-oss's releases); load_model keeps them so on CUDA (the fused MoE
     # kernels decode them) and clears it elsewhere, where the loader decodes them to dense
     mxfp4_experts: bool = False
+    # an FP8 checkpoint's experts kept FP8, their scales per "row" or per 128 x 128 "block"
+    # (layers/moe.py): set by load_model on CUDA (loader/fp8_checkpoint.fp8_experts); None (the
+    # config's own): the experts are dense, an FP8 checkpoint's dequantized at load
+    fp8_experts: str | None = None
     # Qwen3-Next: q_proj gives each head's query and an output gate (the attention's output times
     # sigmoid(gate)); which layers are gated DeltaNet linear attention (models/gated_deltanet.py;
     # None: none), with their key (and query) heads, value heads, the heads' dims and the causal

@@ -6,10 +6,13 @@ ranks), in FP8 at TP=2 and one row through the GEMV kernels at TP=2; a tiny Phi-
 gate|up stored merged) at TP=2; SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3,
 dequantized and in its Q4_1 blocks; mixtures of experts at TP=2 (Qwen2-MoE's shared expert,
 DeepSeek-V2's latent attention and experts, gpt-oss's biased experts, Llama 4's input-scaled
-ones; Qwen3-Next's gated DeltaNet and gated attention over experts). A split that does not fit is refused with the fix, and a rank that fails fails the run at once, with no process left."""
+ones; Qwen3-Next's gated DeltaNet and gated attention over experts), and DeepSeek-V3's
+block-scaled FP8 experts kept FP8 as on CUDA (each rank whole 128-row blocks). A split that
+does not fit is refused with the fix, and a rank that fails fails the run at once, with no process left."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import time
@@ -45,12 +48,17 @@ TINY_LLAMA = {
 
 
 def prefill_logits(model_path: str, prompts: list[list[int]], quantization: str = "none",
-                   load_format: str = "auto", cuda_paths: bool = False) -> torch.Tensor:
+                   load_format: str = "auto", cuda_paths: bool = False, keep_fp8_experts: bool = False) -> torch.Tensor:
     """The float32 model as LLM loads it (CPU, torch attention, weights prepacked), one
     prefill of `prompts` over a small paged KV cache of its own: logits [tokens, vocab].
-    cuda_paths: unpacked weights, and the CUDA kernels run by Triton's interpreter."""
+    cuda_paths: unpacked weights, and the CUDA kernels run by Triton's interpreter.
+    keep_fp8_experts: an FP8 checkpoint's experts kept FP8, as load_model keeps them on CUDA."""
     files = locate_model(model_path, load_format)
     cfg = files.model_config()
+    if keep_fp8_experts:
+        from ember.loader.fp8_checkpoint import fp8_experts
+
+        cfg = dataclasses.replace(cfg, fp8_experts=fp8_experts(cfg, files.quantization_scheme()))
     model = load_model(files, cfg, max_positions=128, dtype=torch.float32, device="cpu", attention_backend="torch",
                        quantization=quantization)
     if cuda_paths:
@@ -339,6 +347,81 @@ def test_fp8_block_scales_split_on_whole_blocks():
     rows = FP8Tensor(weight.to(torch.float8_e4m3fn), torch.rand(384))  # a scale per row: any cut
     assert torch.equal(rows.narrow(0, 10, 20).dequantize(), rows.dequantize()[10:30])
     assert torch.equal(rows.narrow(1, 10, 20).dequantize(), rows.dequantize()[:, 10:30])
+
+
+# DeepSeek-V3's layout, its sizes so that two ranks split every expert on whole 128-row blocks
+TINY_DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 322, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8, "max_position_embeddings": 128,
+    "bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-6, "kv_lora_rank": 32, "q_lora_rank": 24,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "moe_intermediate_size": 256,
+    "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc", "tie_word_embeddings": False, "rope_theta": 10000.0,
+    "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3_fp8(tmp_path_factory) -> str:
+    """Its routed experts in FP8 with a scale per 128 x 128 block (0.5x to 1.5x of one another),
+    the other tensors left unquantized (as an ignore-list leaves them)."""
+    from safetensors.torch import save_file
+
+    from ember.loader.dummy import iter_dummy_weights
+    from ember.models.config import ModelConfig
+
+    path = tmp_path_factory.mktemp("tiny-deepseek-v3-fp8")
+    g = torch.Generator().manual_seed(3)
+    unit = 0.02 / 64  # the dummy draws' deviation over 64: fp8 values of deviation 64
+    tensors = {}
+    for name, t in iter_dummy_weights(ModelConfig.from_hf_config(TINY_DEEPSEEK_V3), seed=3):
+        if ".experts." in name:
+            blocks = (-(-t.shape[0] // 128), -(-t.shape[1] // 128))
+            tensors |= {name: (t / unit).clamp(-448, 448).to(torch.float8_e4m3fn),
+                        name + "_scale_inv": unit * (0.5 + torch.rand(blocks, generator=g))}
+        else:
+            tensors[name] = t.contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V3))
+    return str(path)
+
+
+def test_fp8_experts_kept_give_the_logits_of_their_dequantized_weights(tiny_deepseek_v3_fp8):
+    """One process: the experts kept FP8 (float8 values and block scales in FusedMoE; its torch
+    path dequantizes them whole each call) give, bit for bit, the logits of the same checkpoint
+    with its experts dequantized at load: the same float32 weights. (The fused kernels on them:
+    tests/kernels/test_moe_kernels.py, where the interpreter runs their loops.)"""
+    from ember.loader.fp8_checkpoint import fp8_experts
+
+    path = tiny_deepseek_v3_fp8
+    files = locate_model(path, "auto")
+    cfg = dataclasses.replace(files.model_config(), fp8_experts=fp8_experts(files.model_config(),
+                                                                            files.quantization_scheme()))
+    moe = load_model(files, cfg, 128, torch.float32, "cpu", "torch", quantization="fp8").model.layers[1].mlp
+    assert (moe.w13.dtype, moe.w2.dtype) == (torch.float8_e4m3fn,) * 2
+    assert (moe.w13_scale.shape, moe.w2_scale.shape) == ((8, 4, 1), (8, 1, 2))  # each half of I = 256 two row blocks
+    assert torch.equal(prefill_logits(path, PROMPTS, "fp8", keep_fp8_experts=True), prefill_logits(path, PROMPTS, "fp8"))
+
+
+def test_fp8_experts_split_give_the_logits_of_one_process(tiny_deepseek_v3_fp8, tmp_path):
+    """Two ranks, each expert's rows [0, 128) or [128, 256) of its gate and up (the first or
+    second scale block of each half) and the same columns of its down."""
+    path = tiny_deepseek_v3_fp8
+    expected = prefill_logits(path, PROMPTS, "fp8", keep_fp8_experts=True)
+    ranks = run_task(2, tmp_path, prefill_logits, (path, PROMPTS, "fp8", "auto", False, True))
+    assert all(torch.equal(logits, ranks[0]) for logits in ranks)
+    torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
+    assert torch.equal(ranks[0].argmax(-1), expected.argmax(-1))
+
+
+def test_fp8_experts_split_across_scale_blocks_are_refused_with_the_fix(tiny_deepseek_v3_fp8, tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)rank \d of 4 failed:.*ValueError: tensor parallelism over 4 ranks gives "
+                                           r"rank \d rows \[\d+, \d+\) of each expert's 256 \(moe_intermediate_size\), "
+                                           r"which cuts the FP8 experts' 128-row scale blocks: use a "
+                                           r"tensor_parallel_size that splits moe_intermediate_size into multiples of "
+                                           r"128, or quantization='none'"):
+        run_task(4, tmp_path, prefill_logits, (tiny_deepseek_v3_fp8, PROMPTS, "fp8", "auto", False, True))
 
 
 @pytest.fixture(scope="module")

@@ -332,16 +332,14 @@ DEEPSEEK_V3 = {
 }
 
 
-@pytest.mark.slow
-def test_fp8_experts_and_latent_projections_load_dequantized(tmp_path, forward_logits, caplog):
-    """No FP8 kernel of ember's takes stacked experts or kv_b_proj (read per head): with
-    quantization='fp8' they load dequantized (logged), the other projections as FP8 layers;
-    the logits equal those of the dequantized checkpoint."""
-    from ember import LLM
+@pytest.fixture(scope="module")
+def deepseek_v3_fp8(tmp_path_factory) -> tuple[Path, Path]:
+    """DEEPSEEK_V3 as an FP8 checkpoint with 128 x 128 block scales (moe_intermediate_size 24:
+    each expert's gate and up one row block, of 24 rows) and as its dequantized weights."""
     from ember.loader.dummy import iter_dummy_weights
     from ember.models.config import ModelConfig
 
-    qc = FORMS["fp8-block"][0]
+    root = tmp_path_factory.mktemp("deepseek-v3-fp8")
     fp8, dequantized = {}, {}
     for name, t in iter_dummy_weights(ModelConfig.from_hf_config(DEEPSEEK_V3), seed=5):
         if t.dim() == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")):
@@ -349,17 +347,100 @@ def test_fp8_experts_and_latent_projections_load_dequantized(tmp_path, forward_l
             fp8 |= {name: q, name.removesuffix("weight") + "weight_scale_inv": scale}
         else:
             fp8[name] = dequantized[name] = t
-    for name, tensors, config in (("fp8", fp8, DEEPSEEK_V3 | {"quantization_config": qc}),
+    paths = []
+    for name, tensors, config in (("fp8", fp8, DEEPSEEK_V3 | {"quantization_config": FORMS["fp8-block"][0]}),
                                   ("dequantized", dequantized, DEEPSEEK_V3)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(config))
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp_path / name / "model.safetensors"))
-    want = forward_logits(LLM(str(tmp_path / "dequantized"), **ARGS), PROMPTS)
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(root / name / "model.safetensors"))
+        paths.append(root / name)
+    return paths[0], paths[1]
+
+
+def test_the_experts_of_an_fp8_checkpoint_stay_fp8_unless_stacked_or_ignored():
+    """fp8_experts (what load_model keeps FP8 on CUDA): block scales, per-tensor ones (per row
+    at load), none for experts the ignore-list names, stored stacked (gpt-oss), or absent."""
+    from ember.loader.fp8_checkpoint import fp8_experts
+    from ember.models.config import ModelConfig
+
+    v3 = ModelConfig.from_hf_config(DEEPSEEK_V3)
+    assert fp8_experts(v3, FP8Scheme("fp8", (128, 128), False)) == "block"
+    assert fp8_experts(v3, FP8Scheme("fp8", None, True)) == "row"
+    assert fp8_experts(v3, FP8Scheme("compressed-tensors", None, False, ("re:.*mlp.gate$", "lm_head"))) == "row"
+    assert fp8_experts(v3, FP8Scheme("compressed-tensors", None, False, ("re:.*\\.experts\\..*",))) is None
+    assert fp8_experts(v3, FP8Scheme("fp8", (128, 128), False, ("model.layers.1.mlp.experts.3.down_proj",))) is None
+    assert fp8_experts(v3, None) is None
+    assert fp8_experts(ModelConfig.from_hf_config(CONFIG), FP8Scheme("fp8", (128, 128), False)) is None  # dense
+    gpt_oss = ModelConfig.from_hf_config({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                                          "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64,
+                                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                          "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2})
+    assert fp8_experts(gpt_oss, FP8Scheme("fp8", (128, 128), False)) is None
+
+
+@pytest.mark.slow
+def test_fp8_experts_and_latent_projections_load_dequantized(deepseek_v3_fp8, forward_logits, caplog):
+    """On the CPU no FP8 kernel takes stacked experts (the fused MoE kernels run on CUDA) or
+    kv_b_proj (read per head): with quantization='fp8' they load dequantized (logged), the other
+    projections as FP8 layers; the logits equal those of the dequantized checkpoint."""
+    from ember import LLM
+
+    fp8_path, dequantized_path = deepseek_v3_fp8
+    want = forward_logits(LLM(str(dequantized_path), **ARGS), PROMPTS)
     with caplog.at_level(logging.INFO):
-        llm = LLM(str(tmp_path / "fp8"), quantization="fp8", **ARGS)
+        llm = LLM(str(fp8_path), quantization="fp8", **ARGS)
     assert "fp8 weights dequantized to the run dtype at load" in caplog.text
     model = llm.engine.runner.model
     assert isinstance(model.model.layers[1].self_attn.q_b_proj.format, FP8Weight)
     assert isinstance(model.model.layers[1].mlp.shared_expert.down_proj.format, FP8Weight)
+    assert model.model.layers[1].mlp.w13.dtype == torch.float32
     for got, ref in zip(forward_logits(llm, PROMPTS), want):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@torch.inference_mode()
+def test_fp8_experts_stay_fp8_on_cuda(deepseek_v3_fp8, forward_logits):
+    """On CUDA the checkpoint (quantization auto: fp8) keeps its routed experts FP8: float8 w13 /
+    w2 with their block scales (each half of w13 its own row block: moe_intermediate_size 24),
+    half the bytes of bf16 ones. Each MoE layer's experts equal those of the dequantized
+    checkpoint's engine (dense bf16 experts, the same operands reach tl.dot: to 1e-2 of the
+    output's scale, as at real shapes), the GEMV at one token and the GEMM at 40; the whole model
+    (its linear layers quantize their activations to fp8) within the bounds of tests/models/
+    test_cuda_fp8.py, CUDA graphs on, and greedy decoding runs through them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ember import LLM, SamplingParams
+    from ember.models.config import ModelConfig
+
+    args = {"max_model_len": 256, "max_num_seqs": 8, "num_kv_blocks": 32, "dtype": "bfloat16"}
+    fp8_path, dequantized_path = deepseek_v3_fp8
+    llm = LLM(str(fp8_path), **args)
+    dense = LLM(str(dequantized_path), **args)
+    assert llm.config.quantization == "fp8" and llm.engine.runner.graphs is not None
+    cfg = ModelConfig.from_hf_config(DEEPSEEK_V3)
+    sparse = [(layer.mlp, other.mlp) for i, (layer, other) in enumerate(zip(llm.engine.runner.model.model.layers,
+                                                                            dense.engine.runner.model.model.layers))
+              if cfg.layer_is_moe(i)]
+    assert sparse
+    g = torch.Generator("cuda").manual_seed(0)
+    for moe, reference in sparse:
+        assert (moe.w13.dtype, moe.w2.dtype, moe.fp8) == (FP8, FP8, "block")
+        assert (moe.w13_scale.shape, moe.w2_scale.shape) == ((8, 2, 1), (8, 1, 1))
+        assert moe.w13.nbytes * 2 == reference.w13.nbytes
+        for tokens in (1, 40):
+            x = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+            weights, ids = moe.route(moe.gate(x))
+            got, want = moe.run_experts(x, weights, ids), reference.run_experts(x, weights, ids)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+    got, want = torch.cat(forward_logits(llm, PROMPTS)), torch.cat(forward_logits(dense, PROMPTS))
+    error = ((got - want).abs().mean() / want.abs().mean()).item()
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    print(f"DeepSeek-V3-like FP8 checkpoint vs bf16 on its dequantized weights: mean |diff| / mean |logit| "
+          f"{error:.3f}, argmax agreement {agree:.3f}")
+    assert error < 0.2 and agree >= 0.5
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0.0, max_tokens=16,
+                                                                                   ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [16] * len(PROMPTS)
+    llm.check_idle()

@@ -154,8 +154,8 @@ def test_fused_moe_refuses_a_top_k_beyond_its_experts():
 
 
 def test_fp8_for_moe_covers_the_linear_layers_and_says_the_experts_stay_dense(tmp_path, caplog):
-    """No FP8 MoE kernel yet: quantization='fp8' makes the attention (and any dense MLP) FP8
-    and keeps the stacked experts in the run dtype, and says so."""
+    """On the CPU (no FP8 MoE kernel there), quantization='fp8' makes the attention (and any
+    dense MLP) FP8 and keeps the stacked experts in the run dtype, and says so."""
     import logging
 
     from ember import LLM
@@ -165,6 +165,7 @@ def test_fp8_for_moe_covers_the_linear_layers_and_says_the_experts_stay_dense(tm
     with caplog.at_level(logging.INFO):
         llm = LLM(str(tmp_path), load_format="dummy", device="cpu", quantization="fp8", dtype="float32",
                   num_kv_blocks=16, max_model_len=64)
-    assert "mixtral: quantization='fp8' covers the linear layers; the experts' stacked weights stay" in caplog.text
+    assert "mixtral: quantization='fp8' covers the linear layers; the experts' stacked weights stay in the run dtype " \
+        "on the CPU" in caplog.text
     layer = llm.engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.format, FP8Weight) and layer.mlp.w13.dtype == torch.float32
