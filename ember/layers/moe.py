@@ -5,8 +5,9 @@ selection and its weights: softmax over the logits in float32, the k largest, re
 to sum to 1 where `renormalize` (Mixtral, Qwen3-MoE with norm_topk_prob). DeepSeek's routers
 (`GroupedRouting`) score by softmax or sigmoid, pick within the best groups of experts and
 scale the weights; they run as torch ops on every device. The experts'
-weights are stacked: `w13` [E, 2I, H] (gate | up of each expert) and `w2` [E, H, I] (down);
-the loader fills them one checkpoint tensor (shard) at a time.
+weights are stacked: `w13` [E, 2I, H] (gate | up of each expert) and `w2` [E, H, I] (down),
+in the run dtype, or quantized (gpt-oss's MXFP4, an FP8 checkpoint's float8 with its scales:
+FusedMoE's doc); the loader fills them one checkpoint tensor (shard) at a time.
 
 On CUDA (and for tests through Triton's interpreter) the routing and the experts run as
 kernels/moe.py's fused kernels, which CUDA graphs capture (gpt-oss's biases and clamped
