@@ -357,6 +357,18 @@ def deepseek_v3_fp8(tmp_path_factory) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+def test_a_weight_of_one_block_keeps_its_block_scale():
+    """In a block-scaled checkpoint a weight of at most 128 x 128 has a [1, 1] scale: a block's
+    (as its neighbours', so FP8 experts of one scale kind take it), not a per-tensor one; a
+    single number without a block size is per tensor, made per row."""
+    from ember.layers.quant.fp8 import FP8Tensor
+
+    weight = torch.randn(24, 64).to(FP8)
+    assert FP8Tensor.from_checkpoint(weight, torch.full((1, 1), 0.5), (128, 128)).scale.shape == (1, 1)
+    assert FP8Tensor.from_checkpoint(weight, torch.tensor(0.5), None).scale.shape == (24,)
+    assert FP8Tensor.from_checkpoint(weight, torch.full((24, 1), 0.5), (128, 128)).scale.shape == (24,)
+
+
 def test_the_experts_of_an_fp8_checkpoint_stay_fp8_unless_stacked_or_ignored():
     """fp8_experts (what load_model keeps FP8 on CUDA): block scales, per-tensor ones (per row
     at load), none for experts the ignore-list names, stored stacked (gpt-oss), or absent."""
@@ -405,10 +417,13 @@ def test_fp8_experts_stay_fp8_on_cuda(deepseek_v3_fp8, forward_logits):
     """On CUDA the checkpoint (quantization auto: fp8) keeps its routed experts FP8: float8 w13 /
     w2 with their block scales (each half of w13 its own row block: moe_intermediate_size 24),
     half the bytes of bf16 ones. Each MoE layer's experts equal those of the dequantized
-    checkpoint's engine (dense bf16 experts, the same operands reach tl.dot: to 1e-2 of the
-    output's scale, as at real shapes), the GEMV at one token and the GEMM at 40; the whole model
-    (its linear layers quantize their activations to fp8) within the bounds of tests/models/
-    test_cuda_fp8.py, CUDA graphs on, and greedy decoding runs through them."""
+    checkpoint's engine (dense bf16 experts, the same operands reach tl.dot: to 2e-2 of the
+    output's scale; the interpreter, which truncates the FP8 values times their scales to bf16
+    where the GPU rounds, measured 1.3e-2), the GEMV at one token and the GEMM at 40. The whole model
+    (its linear layers quantize their activations to fp8) against the dequantized checkpoint's:
+    the mean |diff| within 10 % of the mean |logit| and the argmax the same at >= 75 % of the
+    positions (the CPU's interpreter run of these paths, experts dequantized: 1.5 % and 47 of
+    48); CUDA graphs on, and greedy decoding runs through them."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from ember import LLM, SamplingParams
@@ -433,13 +448,13 @@ def test_fp8_experts_stay_fp8_on_cuda(deepseek_v3_fp8, forward_logits):
             x = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16, generator=g)
             weights, ids = moe.route(moe.gate(x))
             got, want = moe.run_experts(x, weights, ids), reference.run_experts(x, weights, ids)
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
     got, want = torch.cat(forward_logits(llm, PROMPTS)), torch.cat(forward_logits(dense, PROMPTS))
     error = ((got - want).abs().mean() / want.abs().mean()).item()
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     print(f"DeepSeek-V3-like FP8 checkpoint vs bf16 on its dequantized weights: mean |diff| / mean |logit| "
           f"{error:.3f}, argmax agreement {agree:.3f}")
-    assert error < 0.2 and agree >= 0.5
+    assert error < 0.1 and agree >= 0.75
     out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0.0, max_tokens=16,
                                                                                    ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [16] * len(PROMPTS)

@@ -88,14 +88,17 @@ class FP8Tensor:
     def from_checkpoint(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> FP8Tensor:
         """A checkpoint's weight and scale, told apart by the scale's shape: one number (per
         tensor: it becomes per row), [N] or [N, 1] (per row), or [ceil(N / 128),
-        ceil(K / 128)] where the checkpoint says its blocks are 128 x 128 (`block`)."""
+        ceil(K / 128)] where the checkpoint says its blocks are 128 x 128 (`block`; a weight
+        of one block has a [1, 1] scale, a block's, as its neighbours' are)."""
         n, k = weight.shape
         scale = scale.to(torch.float32)
+        grid = (_cdiv(n, BLOCK), _cdiv(k, BLOCK))
+        if block is not None and tuple(block) == (BLOCK, BLOCK) and tuple(scale.shape) == grid:
+            return FP8Tensor(weight, scale.contiguous())
         if scale.numel() == 1:
             return FP8Tensor(weight, scale.reshape(1).expand(n).contiguous())
         if tuple(scale.shape) in ((n,), (n, 1)):
             return FP8Tensor(weight, scale.reshape(n).contiguous())
-        grid = (_cdiv(n, BLOCK), _cdiv(k, BLOCK))
         if scale.dim() == 2 and block is None:
             raise ValueError(f"a scale of {list(scale.shape)} for a weight [{n}, {k}] is a grid of blocks, but the "
                              "checkpoint's config names no weight block size")
