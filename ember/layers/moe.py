@@ -158,7 +158,8 @@ class FusedMoE(nn.Module):
             got = "stacked" if shard is None else f"{'block' if loaded.blockwise else 'row'}-scaled FP8" \
                 if isinstance(loaded, FP8Tensor) else str(loaded.dtype)
             raise ValueError(f"the experts are FP8 scaled per {self.fp8} (the checkpoint's quantization_config), "
-                             f"loaded one expert's projection at a time; this tensor is {got}")
+                             f"loaded one expert's projection at a time; this tensor is {got} (quantization='none' "
+                             "loads the experts dequantized)")
         halves = 2 if name == "w13" else 1
         expert, half = divmod(shard, halves)
         loaded = self._rank_rows(loaded, 0 if name == "w13" else 1)

@@ -362,45 +362,53 @@ TINY_DEEPSEEK_V3 = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_deepseek_v3_fp8(tmp_path_factory) -> str:
-    """Its routed experts in FP8 with a scale per 128 x 128 block (0.5x to 1.5x of one another),
-    the other tensors left unquantized (as an ignore-list leaves them)."""
+def save_tiny_deepseek_v3_fp8(path: Path, blockwise: bool) -> str:
+    """Its routed experts in FP8 with a scale per 128 x 128 block (0.5x to 1.5x of one another)
+    or one per tensor, the other tensors left unquantized (as an ignore-list leaves them)."""
     from safetensors.torch import save_file
 
     from ember.loader.dummy import iter_dummy_weights
     from ember.models.config import ModelConfig
 
-    path = tmp_path_factory.mktemp("tiny-deepseek-v3-fp8")
     g = torch.Generator().manual_seed(3)
     unit = 0.02 / 64  # the dummy draws' deviation over 64: fp8 values of deviation 64
     tensors = {}
     for name, t in iter_dummy_weights(ModelConfig.from_hf_config(TINY_DEEPSEEK_V3), seed=3):
         if ".experts." in name:
-            blocks = (-(-t.shape[0] // 128), -(-t.shape[1] // 128))
+            blocks = (-(-t.shape[0] // 128), -(-t.shape[1] // 128)) if blockwise else ()
             tensors |= {name: (t / unit).clamp(-448, 448).to(torch.float8_e4m3fn),
-                        name + "_scale_inv": unit * (0.5 + torch.rand(blocks, generator=g))}
+                        name + ("_scale_inv" if blockwise else "_scale"): unit * (0.5 + torch.rand(blocks, generator=g))}
         else:
             tensors[name] = t.contiguous()
     save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V3))
+    quantization = {"quant_method": "fp8", "activation_scheme": "dynamic"} | \
+        ({"weight_block_size": [128, 128]} if blockwise else {})
+    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V3 | {"quantization_config": quantization}))
     return str(path)
 
 
-def test_fp8_experts_kept_give_the_logits_of_their_dequantized_weights(tiny_deepseek_v3_fp8):
-    """One process: the experts kept FP8 (float8 values and block scales in FusedMoE; its torch
-    path dequantizes them whole each call) give, bit for bit, the logits of the same checkpoint
-    with its experts dequantized at load: the same float32 weights. (The fused kernels on them:
-    tests/kernels/test_moe_kernels.py, where the interpreter runs their loops.)"""
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3_fp8(tmp_path_factory) -> str:
+    return save_tiny_deepseek_v3_fp8(tmp_path_factory.mktemp("tiny-deepseek-v3-fp8"), blockwise=True)
+
+
+@pytest.mark.parametrize("blockwise", [True, False], ids=["block", "tensor"])
+def test_fp8_experts_kept_give_the_logits_of_their_dequantized_weights(blockwise, tiny_deepseek_v3_fp8, tmp_path):
+    """One process: the experts kept FP8 (float8 values with their block scales, or a scale per
+    tensor made per row; FusedMoE's torch path dequantizes them whole each call) give, bit for
+    bit, the logits of the same checkpoint with its experts dequantized at load: the same
+    float32 weights. (The fused kernels on them: tests/kernels/test_moe_kernels.py, where the
+    interpreter runs their loops.)"""
     from ember.loader.fp8_checkpoint import fp8_experts
 
-    path = tiny_deepseek_v3_fp8
+    path = tiny_deepseek_v3_fp8 if blockwise else save_tiny_deepseek_v3_fp8(tmp_path, blockwise=False)
     files = locate_model(path, "auto")
     cfg = dataclasses.replace(files.model_config(), fp8_experts=fp8_experts(files.model_config(),
                                                                             files.quantization_scheme()))
     moe = load_model(files, cfg, 128, torch.float32, "cpu", "torch", quantization="fp8").model.layers[1].mlp
     assert (moe.w13.dtype, moe.w2.dtype) == (torch.float8_e4m3fn,) * 2
-    assert (moe.w13_scale.shape, moe.w2_scale.shape) == ((8, 4, 1), (8, 1, 2))  # each half of I = 256 two row blocks
+    # each half of I = 256 two row blocks, or a scale a row
+    assert (moe.w13_scale.shape, moe.w2_scale.shape) == (((8, 4, 1), (8, 1, 2)) if blockwise else ((8, 512), (8, 64)))
     assert torch.equal(prefill_logits(path, PROMPTS, "fp8", keep_fp8_experts=True), prefill_logits(path, PROMPTS, "fp8"))
 
 
