@@ -20,6 +20,7 @@ their routing weights, in slot order: a token's result does not depend on its ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,8 @@ class FusedMoE(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, grouped: GroupedRouting | None = None, biased: bool = False,
-                 swiglu: tuple[float, float] | None = None, mxfp4: bool = False, fp8: str | None = None) -> None:
+                 swiglu: tuple[float, float] | None = None, mxfp4: bool = False,
+                 fp8: Literal["block", "row"] | None = None) -> None:
         super().__init__()
         self.reduces = tp_size() > 1
         if mxfp4 and self.reduces:

@@ -35,7 +35,7 @@ import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -223,7 +223,7 @@ def fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: FP8Scheme, 
                        skipped["kv"])
 
 
-def fp8_experts(cfg: ModelConfig, scheme: FP8Scheme | None) -> str | None:
+def fp8_experts(cfg: ModelConfig, scheme: FP8Scheme | None) -> Literal["block", "row"] | None:
     """How the routed experts of this FP8 checkpoint stay FP8 in FusedMoE: "block" (128 x 128
     scales) or "row" (per channel, or per tensor made per row); None where they load dense:
     no checkpoint scheme or no experts, experts stored stacked (gpt-oss, Llama 4: not read as

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ember.layers.rope_scaling import RopeScaling
 from ember.models.families import (
@@ -148,7 +148,7 @@ class ModelConfig:
     # an FP8 checkpoint's experts kept FP8, their scales per "row" or per 128 x 128 "block"
     # (layers/moe.py): set by load_model on CUDA (loader/fp8_checkpoint.fp8_experts); None (the
     # config's own): the experts are dense, an FP8 checkpoint's dequantized at load
-    fp8_experts: str | None = None
+    fp8_experts: Literal["block", "row"] | None = None
     # Qwen3-Next: q_proj gives each head's query and an output gate (the attention's output times
     # sigmoid(gate)); which layers are gated DeltaNet linear attention (models/gated_deltanet.py;
     # None: none), with their key (and query) heads, value heads, the heads' dims and the causal
