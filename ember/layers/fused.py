@@ -1,8 +1,8 @@
 """The op before a linear layer fused into it where the layer runs as ember's GEMV kernel
 (one row on CUDA: a decode step of one sequence, where a layer's time is mostly kernel
-launches; see layers/kernel_paths.py; FP8 weights at a few rows take the GEMV too) or on GGUF
-blocks on the CPU (whose kernel
-quantizes its input anyway, and where a step's time is mostly calls):
+launches; see layers/kernel_paths.py; FP8 and integer weights at a few rows take the GEMV
+too) or on GGUF blocks on the CPU (integer weights mapped to blocks too; their kernel
+quantizes its input anyway, and a step's time is mostly calls):
 RMSNorm with the residual add into q|k|v and gate|up, the gated activation into down. One
 kernel each instead of two (kernels/gemv.py, kernels/cpu/quant_gemm.cpp); elsewhere the two
 ops as they are. A row-parallel layer (down) adds its bias after the all-reduce, so the
@@ -15,7 +15,7 @@ import torch
 from ember.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from ember.layers.linear import Linear
 from ember.layers.norm import LayerNorm, RMSNorm
-from ember.layers.quant.fp8 import FP8Weight
+from ember.layers.quant import KernelFormat
 from ember.layers.quant.gguf_blocks import GGUFBlocks
 
 
@@ -30,7 +30,7 @@ def norm_linear(norm: RMSNorm | LayerNorm, layer: Linear, x: torch.Tensor,
         from ember.kernels.gemv import gemv
 
         return gemv(x, layer.weight, layer.bias, "norm", residual, norm.weight, norm.eps)
-    if isinstance(layer.format, FP8Weight) and layer.format.uses_gemv(x) and norm.weight.dtype == x.dtype:
+    if isinstance(layer.format, KernelFormat) and layer.format.uses_gemv(x) and norm.weight.dtype == x.dtype:
         return layer.format.gemv(x, layer.bias, "norm", residual, norm.weight, norm.eps)
     if isinstance(layer.format, GGUFBlocks) and norm.weight.dtype == x.dtype:
         if residual is None:
@@ -57,7 +57,7 @@ def silu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
         from ember.kernels.gemv import gemv
 
         return layer.reduce_output(gemv(gate_up, layer.weight, layer.fused_bias, "silu"))
-    if isinstance(layer.format, FP8Weight) and layer.format.uses_gemv(gate_up):
+    if isinstance(layer.format, KernelFormat) and layer.format.uses_gemv(gate_up):
         return layer.reduce_output(layer.format.gemv(gate_up, layer.fused_bias, "silu"))
     if isinstance(layer.format, GGUFBlocks):
         return layer.reduce_output(layer.format.apply(gate_up, layer.fused_bias, "silu"))

@@ -1,8 +1,9 @@
 """Which matmul a linear layer's input takes: ember's CUDA paths (the small-batch GEMV,
-kernels/gemv.py; the FP8 kernels, layers/quant/fp8.py) for CUDA tensors, cuBLAS / plain
-torch otherwise. `gemv_on_cpu()` sends CPU tensors down the CUDA paths too, through
-Triton's interpreter, for tests. `EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS
-(and FP8 weights to torch._scaled_mm)."""
+kernels/gemv.py; the FP8 and integer-weight kernels, layers/quant/fp8.py and int_weight.py)
+for CUDA tensors, cuBLAS / plain torch otherwise. `gemv_on_cpu()` sends CPU tensors down
+the CUDA paths too, through Triton's interpreter, for tests. `EMBER_SMALL_BATCH_GEMV=0`
+leaves every size to cuBLAS (FP8 weights to torch._scaled_mm, integer weights to
+kernels/wna16.py's matmul)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ GEMV_MAX_WEIGHT = 1 << 24  # elements: Llama-8B's o_proj; its q|k|v, gate|up and
 # bf16 weights cuBLAS won from 2 rows up): the lead measures it on the H200
 # (benchmarks/scripts/fp8_gemm_bench.py) and sets it from there.
 FP8_GEMV_MAX_ROWS = 4
+# integer weights (layers/quant/int_weight.py): rows up to this go to the GEMV (weight-only, its
+# prologues fused), more to kernels/wna16.py's tensor-core matmul. A first guess, as for FP8.
+INT_GEMV_MAX_ROWS = 4
 _GEMV_ENABLED = os.environ.get("EMBER_SMALL_BATCH_GEMV", "1") != "0"
 _ON_CPU = False  # tests run the kernels on CPU tensors through Triton's interpreter
 
@@ -47,7 +51,16 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.device == x.device
 
 
+def _few_rows(x: torch.Tensor, max_rows: int) -> bool:
+    return ((x.is_cuda and _GEMV_ENABLED) or _ON_CPU) and x.dim() == 2 and 0 < x.shape[0] <= max_rows \
+        and x.stride(1) == 1
+
+
 def uses_fp8_gemv(x: torch.Tensor) -> bool:
     """Whether a layer holding FP8 weights runs x [M, K] as the weight-only fp8 GEMV."""
-    return ((x.is_cuda and _GEMV_ENABLED) or _ON_CPU) and x.dim() == 2 and 0 < x.shape[0] <= FP8_GEMV_MAX_ROWS \
-        and x.stride(1) == 1
+    return _few_rows(x, FP8_GEMV_MAX_ROWS)
+
+
+def uses_int_gemv(x: torch.Tensor) -> bool:
+    """Whether a layer holding integer weights runs x [M, K] as the GEMV, not the matmul."""
+    return _few_rows(x, INT_GEMV_MAX_ROWS)

@@ -1,9 +1,10 @@
 """Linear layers. A merged layer takes several checkpoint tensors, one per shard, through
 the `weight_loader` its parameters carry; plain ones are copied whole by the loader. A layer
-multiplies its `weight` parameter unless it has a weight format (layers/quant/): GGUF blocks
-or FP8 weights the loader handed it (`load_blocks` / `load_fp8`, then `finish_loading`), its
-own weight quantized to FP8 at load (`quantize_fp8`, --quantization fp8), or on the CPU the
-dense weight prepacked once for oneDNN (`pack_for_cpu`). On CUDA, one row (a decode step of
+multiplies its `weight` parameter unless it has a weight format (layers/quant/): GGUF blocks,
+FP8 or integer (AWQ, GPTQ, compressed-tensors) weights the loader handed it (`load_blocks` /
+`load_fp8` / `load_int`, then `finish_loading`), its own weight quantized to FP8 at load
+(`quantize_fp8`, --quantization fp8), or on the CPU the dense weight prepacked once for
+oneDNN (`pack_for_cpu`). On CUDA, one row (a decode step of
 one sequence) times a weight of a small model goes through ember's GEMV kernel
 (kernels/gemv.py), which is faster than cuBLAS there and can take the op before it
 (layers/fused.py); layers/kernel_paths.py says when, and `EMBER_SMALL_BATCH_GEMV=0` leaves
@@ -12,8 +13,8 @@ every size to cuBLAS.
 Tensor parallelism (ember/distributed/): a merged layer is column-parallel where asked (each
 rank holds its rows of every shard: `MergedLinear.column_parallel`, `QKVLinear` by heads), a
 `RowParallelLinear` holds its columns of the input and all-reduces its output. Their weight
-loaders narrow each checkpoint tensor to the rank's part before copying it; GGUF blocks and
-FP8 weights kept as they are are narrowed alike (columns on whole blocks)."""
+loaders narrow each checkpoint tensor to the rank's part before copying it; GGUF blocks, FP8
+and integer weights kept as they are are narrowed alike (columns on whole blocks or groups)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,16 @@ from ember.layers.kernel_paths import gemv_on_cpu, uses_gemv  # noqa: F401 (test
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight, quantize_weight, stack_fp8
 from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks, stack_rows
+from ember.layers.quant.int_weight import IntTensor, int_format, quantize_int, stack_int
 from ember.layers.quant.split import Dense, Split
 from ember.layers.quant.unquantized import OneDNNPacked
 
-Quantized = BlockTensor | FP8Tensor  # a weight the loader hands over in its checkpoint format
+Quantized = BlockTensor | FP8Tensor | IntTensor  # a weight the loader hands over in its checkpoint format
 
 
-def _format(tensor: Quantized) -> WeightFormat:
+def _format(tensor: Quantized, dtype: torch.dtype) -> WeightFormat:
+    if isinstance(tensor, IntTensor):
+        return int_format(tensor, dtype)
     return GGUFBlocks(tensor) if isinstance(tensor, BlockTensor) else FP8Weight(tensor)
 
 
@@ -44,6 +48,8 @@ def _stack(parts: list[Quantized]) -> Quantized | None:
         return stack_rows(parts)
     if all(isinstance(p, FP8Tensor) for p in parts):
         return stack_fp8(parts)
+    if all(isinstance(p, IntTensor) for p in parts):
+        return stack_int(parts)
     return None
 
 
@@ -64,8 +70,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def pack_for_cpu(self) -> None:
+        """The dense weight (the parameter, or one a format dequantized at load) prepacked for oneDNN."""
         if self.format is None:
             self.set_format(OneDNNPacked(self.weight))
+        elif isinstance(self.format, Dense):
+            self.format = OneDNNPacked(self.format.weight)
 
     def load_blocks(self, tensor: BlockTensor, shard: int | None) -> None:
         """A GGUF weight kept in its blocks: the whole weight (shard None) or one shard's rows."""
@@ -73,6 +82,11 @@ class Linear(nn.Module):
 
     def load_fp8(self, tensor: FP8Tensor, shard: int | None) -> None:
         """An FP8 checkpoint's weight (values and scales): the whole weight or one shard's rows."""
+        self._keep(tensor.to(self.weight.device), shard)
+
+    def load_int(self, tensor: IntTensor, shard: int | None) -> None:
+        """An AWQ / GPTQ / compressed-tensors weight (packed integers, group scales and zeros):
+        the whole weight or one shard's rows."""
         self._keep(tensor.to(self.weight.device), shard)
 
     def _keep(self, tensor: Quantized, shard: int | None) -> None:
@@ -83,24 +97,31 @@ class Linear(nn.Module):
 
     def finish_loading(self) -> None:
         """Once every checkpoint tensor is in: the quantized weights become the layer's
-        format, one where the shards stack (GGUF blocks of one type, FP8 of one kind), else a
-        Split of the shards side by side, dense ones among them."""
+        format, one where the shards stack (GGUF blocks of one type, FP8 of one kind, integer
+        weights of one scheme), else a Split of the shards side by side, dense ones among them."""
         quantized, self._quantized = self._quantized, {}
         if not quantized:
             return
+        dtype = self.weight.dtype
         if None in quantized:
-            return self.set_format(_format(quantized[None]))
+            return self.set_format(_format(quantized[None], dtype))
         parts = [quantized.get(i) for i in range(len(self.out_sizes))]
         stacked = _stack(parts) if None not in parts else None
         if stacked is not None:
-            return self.set_format(_format(stacked))
+            return self.set_format(_format(stacked, dtype))
         dense = self.weight.data.split(self.out_sizes)
-        self.set_format(Split([_format(p) if p is not None else Dense(d.clone()) for p, d in zip(parts, dense)]))
+        self.set_format(Split([_format(p, dtype) if p is not None else Dense(d.clone()) for p, d in zip(parts, dense)]))
 
     def quantize_fp8(self) -> None:
         """The loaded dense weight in FP8 with a scale per output row (--quantization fp8)."""
         if self.format is None:
             self.set_format(FP8Weight(quantize_weight(self.weight)))
+
+    def quantize_int(self, bits: int, group_size: int, symmetric: bool) -> None:
+        """The loaded dense weight in integers with group scales (dummy weights under an AWQ /
+        GPTQ / compressed-tensors config)."""
+        if self.format is None:
+            self.set_format(int_format(quantize_int(self.weight, bits, group_size, symmetric), self.weight.dtype))
 
     @property
     def fused_bias(self) -> torch.Tensor | None:

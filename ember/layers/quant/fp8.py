@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.layers.kernel_paths import cuda_paths, uses_fp8_gemv
-from ember.layers.quant import WeightFormat
+from ember.layers.kernel_paths import uses_fp8_gemv
+from ember.layers.quant import KernelFormat
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -189,7 +189,7 @@ def stack_fp8(parts: list[FP8Tensor]) -> FP8Tensor | None:
 WIDE_ROWS = 16384  # from here on, one row goes to the fp8 matmul, not the GEMV (uses_gemv)
 
 
-class FP8Weight(WeightFormat):
+class FP8Weight(KernelFormat):
     def __init__(self, tensor: FP8Tensor) -> None:
         self.weight = tensor.weight.contiguous()
         self.scale = tensor.scale.contiguous()
@@ -220,25 +220,13 @@ class FP8Weight(WeightFormat):
 
         return gemv(x, self.weight, bias, prologue, residual, norm_weight, eps, weight_scale=self.scale)
 
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not cuda_paths(x):
-            return F.linear(x, self.dequantize(x.dtype), bias)
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
-        if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        if self.uses_gemv(rows):
-            y = self.gemv(rows, bias)
-        else:
-            from ember.kernels.fp8 import fp8_matmul, quantize_groups
+    def matmul(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from ember.kernels.fp8 import fp8_matmul, quantize_groups
 
-            few_rows = uses_fp8_gemv(rows)  # a wide weight's few rows: the Triton matmul (uses_gemv)
-            if self._scaled_mm_scale is not None and x.dtype == torch.bfloat16 and not few_rows:
-                q, q_scale = quantize_groups(rows, None, AMAX_FLOOR)
-                y = torch._scaled_mm(q, self.weight.t(), scale_a=q_scale, scale_b=self._scaled_mm_scale, bias=bias,
-                                     out_dtype=torch.bfloat16)
-            else:
-                q, q_scale = quantize_groups(rows, BLOCK if self.blockwise else None, AMAX_FLOOR)
-                y = fp8_matmul(q, q_scale, self.weight, self.scale, bias, x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        few_rows = uses_fp8_gemv(rows)  # a wide weight's few rows: the Triton matmul (uses_gemv)
+        if self._scaled_mm_scale is not None and rows.dtype == torch.bfloat16 and not few_rows:
+            q, q_scale = quantize_groups(rows, None, AMAX_FLOOR)
+            return torch._scaled_mm(q, self.weight.t(), scale_a=q_scale, scale_b=self._scaled_mm_scale, bias=bias,
+                                    out_dtype=torch.bfloat16)
+        q, q_scale = quantize_groups(rows, BLOCK if self.blockwise else None, AMAX_FLOOR)
+        return fp8_matmul(q, q_scale, self.weight, self.scale, bias, rows.dtype)
