@@ -19,6 +19,10 @@ registers while the activations stay in their dtype (weight-only: a decode step 
 the bytes, and quantizes nothing): with a scale per output row, y[n] = scale[n] * sum_k
 a[k] W[n, k] (applied once, after the sum); with a scale per 128 x 128 block, each weight
 element times scale[n // 128, k // 128] in the tile.
+
+Integer weights (4 or 8 bits with group scales, layers/quant/int_weight.py; the layout is
+kernels/wna16.py's) are unpacked and dequantized to float32 in the tile the same way, each
+column with its group's scale and zero (act-order g_idx too).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ember.kernels.wna16 import check_int_weight, unpack_tile
 
 MAX_ROWS = 4  # bf16 layers send one row (from 2 rows up cuBLAS won on the H200), FP8 layers up to 4
 PROLOGUES = {"none": 0, "norm": 1, "silu": 2}
@@ -42,11 +48,13 @@ def _residual_sum(x_ptr, res_ptr, stride_x, stride_r, m, k, mask, HAS_RES: tl.co
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, h_ptr, stride_x, stride_r, stride_w,
-                 stride_s, stride_y, stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    # SCALE: 0 plain weight, 1 fp8 with a scale per output row, 2 fp8 with a scale per block
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, h_ptr, stride_x, stride_r,
+                 stride_w, stride_s, stride_z, stride_y, stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr,
+                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
+                 HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr):
+    # SCALE: 0 plain weight, 1 fp8 with a scale per output row, 2 fp8 with a scale per block,
+    # 3 integers of BITS bits with group scales (GROUP columns a group, or g_idx), zeros
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -81,7 +89,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, h_ptr, stri
             g = gate.to(tl.float32)
             a = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
         wmask = nmask[:, None] & kmask[None, :]
-        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=wmask, other=0.0).to(tl.float32)
+        if SCALE == 3:
+            w = unpack_tile(w_ptr, s_ptr, z_ptr, g_ptr, n, k, nmask, kmask, stride_w, stride_s, stride_z, BITS,
+                            GROUP, HAS_ZEROS, HAS_G_IDX)
+        else:
+            w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=wmask, other=0.0).to(tl.float32)
         if SCALE == 2:
             w *= tl.load(s_ptr + (n // SCALE_BLOCK)[:, None] * stride_s + (k // SCALE_BLOCK)[None, :], mask=wmask,
                          other=0.0)
@@ -100,7 +112,8 @@ def gemv_config(rows: int, n: int, k: int, fill_gpu: bool = True, fp8: bool = Fa
     Qwen3-0.6B / Llama-8B shapes (benchmarks/scripts/gemv_bench.py): 4 rows of W a program,
     or 8 rows with 8 warps and long tiles when N is small (<= 2048: few programs); fp8
     weights (half the bytes a value): 8 rows of 1024 with 4 warps at every Llama-8B shape
-    (fp8_gemm_bench.py --sweep: 9-24 % faster than the bf16 choice). More rows: the
+    (fp8_gemm_bench.py --sweep: 9-24 % faster than the bf16 choice); integer weights take
+    the fp8 choice (`fp8` True: a first guess, not measured). More rows: the
     [rows, BLOCK_N, BLOCK_K] float32 accumulator fits 64 registers a thread. On Triton's
     interpreter (fill_gpu False) the fewest programs run fastest."""
     m_pad = triton.next_power_of_2(rows)
@@ -119,17 +132,26 @@ def gemv_config(rows: int, n: int, k: int, fill_gpu: bool = True, fp8: bool = Fa
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: str = "none",
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         config: tuple[int, int, int] | None = None, weight_scale: torch.Tensor | None = None):
+         config: tuple[int, int, int] | None = None, weight_scale: torch.Tensor | None = None,
+         weight_zeros: torch.Tensor | None = None, g_idx: torch.Tensor | None = None, bits: int = 0,
+         group_size: int = 0):
     """x [M <= MAX_ROWS, K] ([M, 2K] for "silu"), weight [N, K] with contiguous rows, bias [N].
     Returns y [M, N]; with prologue "norm" returns (y, h) where h = x + residual (a new
     tensor; x itself when residual is None). A float8_e4m3fn weight comes with
     `weight_scale`, float32 [N] (per row) or [ceil(N / 128), ceil(K / 128)] (per block), and
-    x in a float dtype of its own; otherwise x is in weight's dtype."""
+    x in a float dtype of its own; an int32 weight is `bits`-bit integers packed as
+    kernels/wna16.py draws them, with `weight_scale` [N, G], `weight_zeros`, `g_idx` and
+    `group_size`; otherwise x is in weight's dtype."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
     rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if weight.dtype == torch.int32:
+        k = x.shape[-1] // 2 if prologue == "silu" else x.shape[-1]
+        check_int_weight(weight, weight_scale, weight_zeros, g_idx, bits, group_size, k)
+        scale_mode = 3
+    else:
+        scale_mode = _check_scale(weight, weight_scale)
     width = 2 * k if prologue == "silu" else k
-    scale_mode = _check_scale(weight, weight_scale)
     want = x.dtype in (torch.bfloat16, torch.float16, torch.float32) if scale_mode else x.dtype == weight.dtype
     if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1 or weight.stride(1) != 1 or not want:
         raise ValueError(f"x must be [M, {width}] with contiguous rows in "
@@ -147,13 +169,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     h = torch.empty_like(x) if residual is not None else x
     block_n, block_k, warps = config or gemv_config(rows, n, k, x.is_cuda, fp8=bool(scale_mode))
     scale = weight_scale if weight_scale is not None else weight
+    zeros = weight_zeros if weight_zeros is not None else scale
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight, scale,
-        bias if bias is not None else weight, y, h, x.stride(0), residual.stride(0) if residual is not None else 0,
-        weight.stride(0), scale.stride(0) if scale_mode == 2 else 0, y.stride(0), h.stride(0), n, eps, M=rows,
-        M_PAD=triton.next_power_of_2(rows), K=k, BLOCK_N=block_n, BLOCK_K=block_k, PROLOGUE=PROLOGUES[prologue],
-        HAS_RES=residual is not None, HAS_BIAS=bias is not None, SCALE=scale_mode, SCALE_BLOCK=FP8_SCALE_BLOCK,
-        num_warps=warps)
+        zeros, g_idx if g_idx is not None else weight, bias if bias is not None else weight, y, h, x.stride(0),
+        residual.stride(0) if residual is not None else 0, weight.stride(0),
+        scale.stride(0) if scale_mode in (2, 3) else 0, zeros.stride(0) if weight_zeros is not None else 0,
+        y.stride(0), h.stride(0), n, eps, M=rows, M_PAD=triton.next_power_of_2(rows), K=k, BLOCK_N=block_n,
+        BLOCK_K=block_k, PROLOGUE=PROLOGUES[prologue], HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        SCALE=scale_mode, SCALE_BLOCK=FP8_SCALE_BLOCK, BITS=bits or 4, GROUP=group_size or 1,
+        HAS_ZEROS=weight_zeros is not None, HAS_G_IDX=g_idx is not None, num_warps=warps)
     return (y, h) if prologue == "norm" else y
 
 

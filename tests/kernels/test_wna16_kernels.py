@@ -1,0 +1,196 @@
+"""The integer-weight kernels (W4A16 / W8A16: kernels/wna16.py's tensor-core matmul, the GEMV
+of kernels/gemv.py with its prologues) and IntWeight's choice of them (layers/quant/
+int_weight.py) against plain torch: x times the weight dequantized to float32 (the reference
+every format's reader reproduces exactly, tests/layers/test_int_weights.py). Odd shapes (rows,
+columns and K not multiples of the tiles, a last group cut short), every group size (32, 64,
+128, one a row, and 48 and 40, which no power-of-two tile divides), zero points or none,
+act-order g_idx, 4 and 8 bits. CPU: Triton's interpreter; `-m gpu`: CUDA at Llama-3.1-8B's
+shapes, and the layer captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from ember.kernels import cpu as cpu_kernels  # noqa: E402
+from ember.kernels.gemv import gemv  # noqa: E402
+from ember.kernels.wna16 import wna16_config, wna16_matmul  # noqa: E402
+from ember.layers.activation import silu_and_mul  # noqa: E402
+from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
+from ember.layers.norm import RMSNorm  # noqa: E402
+from ember.layers.quant.int_weight import IntTensor, IntWeight  # noqa: E402
+
+DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+
+
+@pytest.fixture(autouse=True)
+def plain_torch_reference():
+    with cpu_kernels.disabled():
+        yield
+
+
+def int_weight(n: int, k: int, bits: int, group: int, zeros: bool, act_order: bool, seed: int = 0,
+               device: str = "cpu", scale_dtype: torch.dtype = torch.float16) -> IntTensor:
+    """Random integers, scales of about 1 / (2^bits sqrt(K)) (outputs of about 1 for x of about 1),
+    random zero points; act_order: the columns dealt to groups in a random order."""
+    g = torch.Generator().manual_seed(seed)
+    gs = k if group == -1 else group
+    groups = -(-k // gs)
+    q = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
+    scales = ((0.5 + torch.rand(n, groups, generator=g)) * 2 / ((1 << bits) * k ** 0.5)).to(scale_dtype)
+    z = torch.randint(0, 1 << bits, (n, groups), generator=g) if zeros else None
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[torch.randperm(k, generator=g)] = (torch.arange(k) // gs).to(torch.int32)
+    return IntTensor.from_values(q, scales, z, g_idx, bits, gs).to(device)
+
+
+def _reference(x: torch.Tensor, t: IntTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 matmul over the dequantized weight (and x as given, rounded or not)."""
+    return F.linear(x.float().cpu(), t.to("cpu").dequantize(), None if bias is None else bias.float().cpu())
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    """float32: the order of a float32 sum; bfloat16: the output's rounding and, per column
+    (act-order), the weight's to bfloat16 (2^-9 each)."""
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+
+
+# (bits, group, zero points, act-order): each kernel path, and both odd groups
+CASES = [(4, 32, False, False), (4, 64, True, False), (4, 128, True, False), (4, -1, False, False),
+         (8, 128, False, False), (8, -1, True, False), (4, 48, True, False), (4, 40, False, False),
+         (4, 64, True, True), (8, 32, False, True)]
+
+
+def _ids(case) -> str:
+    bits, group, zeros, act = case
+    return f"{bits}bit-g{group}{'-zeros' if zeros else ''}{'-actorder' if act else ''}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_is_x_times_the_dequantized_weight(device, case, dtype):
+    bits, group, zeros, act = case
+    n, k = 200, 328  # partial tiles both ways; K: 41 words of 4-bit values, a last group cut short
+    t = int_weight(n, k, bits, group, zeros, act, device=device)
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(n, generator=g).to(dtype).to(device)
+    for rows, b in [(1, bias), (17, None), (40, bias)]:
+        x = torch.randn(rows, k, generator=g).to(dtype).to(device)
+        got = wna16_matmul(x, t.qweight, t.scales, t.zeros, t.g_idx, t.bits, t.group_size, b)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.float().cpu(), _reference(x, t, b), **_tol(dtype))
+    assert wna16_matmul(x[:0], t.qweight, t.scales, t.zeros, t.g_idx, t.bits, t.group_size).shape == (0, n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_with_integer_weights_and_each_prologue(device, case, rows):
+    """The GEMV on the dequantized weight, after the norm (with the residual) and SiLU prologues."""
+    bits, group, zeros, act = case
+    dtype = torch.bfloat16
+    n, k = 136, 160
+    t = int_weight(n, k, bits, group, zeros, act, device=device)
+    args = dict(weight_scale=t.scales, weight_zeros=t.zeros, g_idx=t.g_idx, bits=t.bits, group_size=t.group_size)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+
+    def ref(a, b=None):
+        return _reference(a, t, b).to(dtype)
+
+    got = gemv(x.to(device), t.qweight, bias.to(device), **args)
+    torch.testing.assert_close(got.cpu(), ref(x, bias), **_tol(dtype))
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    res = torch.randn(rows, k, generator=g).to(dtype)
+    want_h, want_res = norm(x, res.clone())
+    y, h = gemv(x.to(device), t.qweight, None, "norm", res.to(device), norm.weight.detach().to(device), 1e-6, **args)
+    torch.testing.assert_close(h.cpu(), want_res, **_tol(dtype))
+    torch.testing.assert_close(y.cpu(), ref(want_h), **_tol(dtype))
+    gate_up = torch.randn(rows, 2 * k, generator=g).to(dtype)
+    got = gemv(gate_up.to(device), t.qweight, None, "silu", **args)
+    torch.testing.assert_close(got.cpu(), ref(silu_and_mul(gate_up)), **_tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int_weight_takes_the_path_its_rows_ask_for(device):
+    """Up to 4 rows the GEMV, more the tensor-core matmul; [B, T, K] inputs keep their dims;
+    off the CUDA paths, F.linear on the dequantized weight."""
+    t = int_weight(144, 256, 4, 128, True, False, device=device)
+    layer = IntWeight(t)
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(144, generator=g).to(device)
+    with gemv_on_cpu():
+        for rows in (1, 4, 5, 33):
+            x = torch.randn(rows, 256, generator=g).to(device)
+            assert layer.uses_gemv(x) == (rows <= 4)
+            torch.testing.assert_close(layer.apply(x, bias).cpu(), _reference(x, t, bias), **_tol(torch.float32))
+        assert layer.apply(torch.randn(2, 3, 256).to(device)).shape == (2, 3, 144)
+    x = torch.randn(3, 256).to(device)
+    if device == "cpu":
+        torch.testing.assert_close(layer.apply(x), _reference(x, t), rtol=1e-5, atol=1e-5)
+    assert layer.nbytes == t.qweight.nbytes + t.scales.nbytes + t.zeros.nbytes
+
+
+def test_matmul_config_grows_the_row_tile_and_kernels_refuse_what_does_not_fit():
+    assert [wna16_config(m)[0] for m in (1, 16, 17, 64, 65, 4096)] == [16, 16, 32, 64, 128, 128]
+    t = int_weight(64, 128, 4, 32, True, False)
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match=r"scales must be float \[64, 4\]"):
+        wna16_matmul(x, t.qweight, t.scales[:, :2], t.zeros, None, 4, 32)
+    with pytest.raises(ValueError, match=r"zeros must be uint8 \(64, 4\)"):
+        wna16_matmul(x, t.qweight, t.scales, t.zeros.int(), None, 4, 32)
+    with pytest.raises(ValueError, match=r"qweight must be int32 \[64, 15\] with contiguous rows for 4-bit values of K=120"):
+        wna16_matmul(torch.randn(2, 120), t.qweight, t.scales, t.zeros, None, 4, 32)
+    with pytest.raises(ValueError, match="integer weights of 4 or 8 bits; got 3"):
+        gemv(x, t.qweight, weight_scale=t.scales, weight_zeros=t.zeros, bits=3, group_size=32)
+    with pytest.raises(ValueError, match=r"g_idx must be int32 \[128\]"):
+        wna16_matmul(x, t.qweight, t.scales, t.zeros, torch.zeros(128, dtype=torch.int64), 4, 32)
+
+
+# Llama-3.1-8B's linear layers: q|k|v, o, gate|up, down
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("case", [(4, 128, False, False), (4, 128, True, False), (4, 128, True, True),
+                                  (8, -1, False, False)], ids=_ids)
+def test_llama_8b_shapes_on_the_gpu(n, k, case):
+    """bf16 activations at decode (GEMV, 1 and 4 rows) and prefill (16 .. 512 rows) sizes."""
+    bits, group, zeros, act = case
+    t = int_weight(n, k, bits, group, zeros, act, device="cuda")
+    layer = IntWeight(t)
+    dense = t.dequantize()
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for rows in (1, 4, 16, 64, 512):
+        x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+        want = F.linear(x.float(), dense)
+        got = layer.apply(x).float()
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_int_weight_in_a_cuda_graph_replays_as_run():
+    """No host sync, no shape-dependent surprise: captured at 1 row (GEMV) and 64 rows (the
+    matmul), grouped and act-order weights, replayed on new inputs."""
+    for act in (False, True):
+        layer = IntWeight(int_weight(4096, 4096, 4, 128, True, act, device="cuda"))
+        for rows in (1, 64):
+            x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+            layer.apply(x)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = layer.apply(x)
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(y, layer.apply(x), atol=0, rtol=0)
