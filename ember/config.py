@@ -69,12 +69,14 @@ class EngineConfig:
         "auto", "auto: bfloat16 on CUDA; on the CPU float32 for GGUF blocks (the kernels take float32 "
         "activations, as llama.cpp's do), else bfloat16 where the CPU computes it natively (AVX512_BF16, AMX), "
         "float32 elsewhere")
-    # resolve() names what runs: gguf | fp8 | none
-    quantization: Literal["auto", "none", "gguf", "fp8"] = flag(
+    # resolve() names what runs: gguf | fp8 | awq | gptq | compressed-tensors | none
+    quantization: Literal["auto", "none", "gguf", "fp8", "awq", "gptq", "compressed-tensors"] = flag(
         "auto", "auto: a GGUF file's quantized weights stay in their blocks on the CPU (int8 kernels, as "
-        "llama.cpp), an FP8 checkpoint's stay in FP8 on CUDA; none: dequantize every weight to --dtype; fp8: "
-        "every linear layer in FP8 (an FP8 checkpoint's own scales; a bf16 checkpoint or dummy weights quantized "
-        "per output row at load; the LM head and embedding stay in --dtype)")
+        "llama.cpp), an FP8 checkpoint's stay in FP8 on CUDA, an AWQ / GPTQ / compressed-tensors pack-quantized "
+        "checkpoint's integer weights stay packed (Triton kernels on CUDA, GGUF blocks on the CPU); none: "
+        "dequantize every weight to --dtype; fp8: every linear layer in FP8 (an FP8 checkpoint's own scales; a "
+        "bf16 checkpoint or dummy weights quantized per output row at load; the LM head and embedding stay in "
+        "--dtype); awq, gptq, compressed-tensors: the checkpoint's method, named (another is refused)")
     device: Literal["auto", "cpu", "cuda"] = flag("auto", "auto: CUDA where torch sees a GPU, else the CPU")
     max_model_len: int | None = flag(
         None, "the longest prompt + output in tokens (default: the model's context)",
@@ -342,9 +344,9 @@ def _check_deterministic(mc: ModelConfig, quantization: str, tensor_parallel_siz
     if mc.moe_layers is not None:
         raise ValueError(f"{mc.architecture}: deterministic mode does not cover the mixture-of-experts kernels on "
                          "CUDA yet: leave deterministic off (the CPU runs mixtures of experts batch-invariant)")
-    if quantization == "fp8":
-        raise ValueError("deterministic mode runs the linear layers in the model dtype: use quantization='none' "
-                         "with deterministic=True, or leave deterministic off for FP8")
+    if quantization not in ("none", "gguf"):
+        raise ValueError(f"deterministic mode runs the linear layers in the model dtype: use quantization='none' "
+                         f"with deterministic=True, or leave deterministic off for {quantization}")
     if tensor_parallel_size > 1:
         raise ValueError("deterministic mode runs on one GPU (an all-reduce's order follows its size): use "
                          "tensor_parallel_size 1, or --data-parallel-size for more GPUs")
@@ -363,7 +365,9 @@ def cpu_computes_bfloat16() -> bool:
 def _auto_dtype(device: str, quantization: str) -> str:
     if device == "cuda":
         return "bfloat16"
-    if quantization == "gguf":
+    from ember.loader.int_checkpoint import INT_METHODS
+
+    if quantization in ("gguf",) + INT_METHODS:  # the block kernels take float32 activations, as llama.cpp's
         return "float32"
     return "bfloat16" if cpu_computes_bfloat16() else "float32"
 
@@ -410,8 +414,10 @@ def _pooler_config(asked: PoolerConfig | None, runner: str, model_config: ModelC
 
 
 def _quantization(asked: str, files, device: str) -> str:
-    """What multiplies the weights: gguf (blocks kept, CPU kernels), fp8 (FP8 weights) or
-    none (dequantized)."""
+    """What multiplies the weights: gguf (blocks kept, CPU kernels), fp8 (FP8 weights), awq /
+    gptq / compressed-tensors (integer weights kept) or none (dequantized)."""
+    from ember.loader.int_checkpoint import INT_METHODS, IntScheme
+
     if asked == "fp8" and files.is_gguf:
         raise ValueError("quantization='fp8' quantizes an HF checkpoint's linear layers, and a GGUF file keeps "
                          "its own blocks: use quantization='auto' (GGUF blocks on the CPU) or 'none', or pass the "
@@ -419,7 +425,13 @@ def _quantization(asked: str, files, device: str) -> str:
     if not files.is_gguf:
         if asked == "gguf":
             raise ValueError("quantization='gguf' needs a .gguf model file")
+        scheme = files.quantization_scheme()  # a method ember does not run raises here
+        if asked in INT_METHODS or isinstance(scheme, IntScheme):
+            return _int_quantization(asked, scheme, files)
         return _fp8_quantization(asked, files, device)
+    if asked in INT_METHODS:
+        raise ValueError(f"quantization={asked!r} reads an HF checkpoint quantized so; a GGUF file keeps its own "
+                         "blocks: use quantization='auto' or 'none'")
     if asked == "none" or files.load_format == "dummy":
         if asked == "gguf":
             raise ValueError("quantization='gguf' needs a .gguf model file's own weights, and load_format='dummy' "
@@ -439,6 +451,28 @@ def _quantization(asked: str, files, device: str) -> str:
         logger.warning("the CPU kernels did not build: the GGUF weights are dequantized to the run dtype")
         return "none"
     return "gguf"
+
+
+def _int_quantization(asked: str, scheme, files) -> str:
+    """An AWQ / GPTQ / compressed-tensors checkpoint's method (its integer weights kept), or
+    none (dequantized at load); a method named that is not the checkpoint's is refused."""
+    from ember.loader.int_checkpoint import IntScheme
+
+    if not isinstance(scheme, IntScheme):
+        has = "no quantization_config" if scheme is None else f"an fp8 quantization_config ({scheme.method})"
+        raise ValueError(f"quantization={asked!r} reads a checkpoint quantized so, and {files.path}'s config.json "
+                         f"has {has}: use quantization='auto'")
+    method = scheme.method
+    if asked == "none":
+        logger.info("%s: %s checkpoint dequantized to the run dtype (quantization='none')", files.path, method)
+        return "none"
+    if asked not in ("auto", method):
+        raise ValueError(f"quantization={asked!r} does not fit {files.path}: its config.json's quantization_config "
+                         f"is {method!r}: use quantization='auto' (or {method!r}), or 'none' to dequantize it")
+    if files.load_format == "dummy":
+        logger.info("%s: dummy weights quantized at load as the checkpoint's %s scheme (round to nearest)",
+                    files.path, method)
+    return method
 
 
 def _fp8_quantization(asked: str, files, device: str) -> str:

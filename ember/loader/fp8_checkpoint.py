@@ -1,7 +1,7 @@
 """FP8 checkpoints (an HF config.json's `quantization_config`), and FP8 made at load.
 
-    checkpoint_scheme(config)       quantization_config -> FP8Scheme; None without one; a
-                                    ValueError for any method ember does not run
+    fp8_scheme(qc)                  an fp8 quantization_config -> FP8Scheme (loader/
+                                    quant_config.py picks the reader of each method)
     fp8_weights(weights, scheme)    the checkpoint's tensors with each fp8 `X.weight` paired
                                     with its `X.weight_scale` / `X.weight_scale_inv` into
                                     one FP8Tensor (or dequantized to a dense float32 tensor)
@@ -77,26 +77,16 @@ class FP8Scheme:
         return False
 
 
-def checkpoint_scheme(config: dict[str, Any], source: str = "config.json") -> FP8Scheme | None:
-    """The checkpoint's FP8 scheme from config.json; None when it has no quantization_config."""
-    qc = config.get("quantization_config")
-    if qc is None:
-        return None
-    if not isinstance(qc, dict):
-        raise ValueError(f"{source}: quantization_config must be an object, got {type(qc).__name__}")
-    method = qc.get("quant_method")
-    if method == "fp8":
+def fp8_scheme(qc: dict[str, Any], source: str = "config.json") -> FP8Scheme:
+    """The FP8 scheme of a quantization_config whose method is fp8 or compressed-tensors with
+    fp8 values (loader/quant_config.py picks this reader)."""
+    if qc.get("quant_method") == "fp8":
         return _fp8_method(qc, source)
-    if method == "compressed-tensors":
-        return _compressed_tensors(qc, source)
-    if method == "mxfp4":  # gpt-oss's experts: decoded as they load (loader/weights.py), the rest is dense
-        return None
-    raise ValueError(f"{source}: quant_method {method!r} is not supported; {SUPPORTED}. Use an FP8 or an "
-                     "unquantized (bf16) checkpoint of the model, or a GGUF file")
+    return _compressed_tensors(qc, source)
 
 
 def _fp8_method(qc: dict[str, Any], source: str) -> FP8Scheme:
-    _note_unknown(qc, _FP8_KEYS, source)
+    note_unknown(qc, _FP8_KEYS, source)
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{source}: fp8 format {qc['fmt']!r} is not supported: ember takes e4m3 weights")
     activations = qc.get("activation_scheme", "dynamic")
@@ -108,11 +98,11 @@ def _fp8_method(qc: dict[str, Any], source: str) -> FP8Scheme:
 
 
 def _compressed_tensors(qc: dict[str, Any], source: str) -> FP8Scheme:
-    _note_unknown(qc, _CT_KEYS, source)
+    note_unknown(qc, _CT_KEYS, source)
     where = f"{source}: compressed-tensors"
     if qc.get("format") not in _CT_FORMATS:
         raise ValueError(f"{where} format {qc.get('format')!r} is not supported: ember reads {', '.join(_CT_FORMATS)} "
-                         f"(fp8 values stored as they are). {SUPPORTED}")
+                         f"(fp8 values stored as they are) and pack-quantized (int weights). {SUPPORTED}")
     for key in ("sparsity_config", "transform_config"):
         if qc.get(key):
             raise ValueError(f"{where} with a {key} is not supported (it changes the weights' meaning): {SUPPORTED}")
@@ -122,7 +112,7 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> FP8Scheme:
     blocks, static = set(), False
     for name, group in groups.items():
         weights = group.get("weights") or {}
-        _note_unknown(weights, _CT_WEIGHT_KEYS, f"{where} config_groups.{name}.weights")
+        note_unknown(weights, _CT_WEIGHT_KEYS, f"{where} config_groups.{name}.weights")
         if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
             raise ValueError(f"{where} config_groups.{name}: weights of {weights.get('num_bits')} bits, type "
                              f"{weights.get('type')!r}, are not supported. {SUPPORTED}")
@@ -164,7 +154,8 @@ def _block(block: Any, source: str) -> tuple[int, int] | None:
     return (128, 128)
 
 
-def _note_unknown(section: dict[str, Any], known: set[str], source: str) -> None:
+def note_unknown(section: dict[str, Any], known: set[str], source: str) -> None:
+    """A warning naming the keys of a quantization_config (section) that ember does not read."""
     unknown = sorted(set(section) - known)
     if unknown:
         logger.warning("%s: quantization keys ember does not read: %s", source, ", ".join(unknown))

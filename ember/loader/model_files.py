@@ -18,7 +18,9 @@ from ember.models.config import ModelConfig
 from ember.pooling import PoolerConfig
 
 if TYPE_CHECKING:
+    from ember.layers.quant.int_weight import IntTensor
     from ember.loader.fp8_checkpoint import FP8Scheme
+    from ember.loader.int_checkpoint import IntScheme
 
 # what generation_config.json may set for requests that leave it unset (as vLLM's
 # --generation-config auto; do_sample is not read there either)
@@ -44,20 +46,23 @@ class ModelFiles:
             return ModelConfig.from_gguf_metadata(f.metadata, f.tensor_names, lambda n: f.tensor(n).tolist())
         return ModelConfig.from_hf_dir(self.path)
 
-    def quantization_scheme(self) -> FP8Scheme | None:
-        """The FP8 scheme an HF directory's config.json names (quantization_config); None for
-        a GGUF file or a directory without one. A method ember does not run: ValueError."""
+    def quantization_scheme(self) -> FP8Scheme | IntScheme | None:
+        """The scheme an HF directory's config.json names (quantization_config: FP8 or integer
+        weights); None for a GGUF file or a directory without one. A method ember does not
+        run: ValueError."""
         if self.is_gguf:
             return None
-        from ember.loader.fp8_checkpoint import checkpoint_scheme
+        from ember.loader.quant_config import checkpoint_scheme
 
         file = self.path / "config.json"
         return checkpoint_scheme(json.loads(file.read_text(encoding="utf-8")), str(file))
 
     def weights(self, cfg: ModelConfig, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                quantization: str = "none") -> Iterator[tuple[str, torch.Tensor | BlockTensor | FP8Tensor]]:
+                quantization: str = "none"
+                ) -> Iterator[tuple[str, torch.Tensor | BlockTensor | FP8Tensor | IntTensor]]:
         """HF-named tensors; with quantization 'gguf', a GGUF's block-quantized weights as
-        BlockTensor; an FP8 checkpoint's weights as FP8Tensor with quantization 'fp8', else
+        BlockTensor; an FP8 checkpoint's weights as FP8Tensor with quantization 'fp8', an
+        AWQ / GPTQ / compressed-tensors one's as IntTensor with quantization its method, else
         dequantized (float32)."""
         if self.load_format == "dummy":
             from ember.loader.dummy import iter_dummy_weights
@@ -73,12 +78,20 @@ class ModelFiles:
         from ember.loader.weights import checkpoint_names, checkpoint_tensors
 
         read = iter_pt if self.load_format == "pt" else iter_safetensors
-        tensors = checkpoint_tensors(cfg, read(self.path, checkpoint_names(cfg)))
         scheme = self.quantization_scheme()
         if scheme is None:
-            return tensors
+            return checkpoint_tensors(cfg, read(self.path, checkpoint_names(cfg)))
+        from ember.loader.int_checkpoint import IntScheme, int_weights
+
+        if isinstance(scheme, IntScheme):
+            from ember.loader.weights import check_int_family
+
+            check_int_family(cfg, scheme.method)
+            return int_weights(read(self.path, checkpoint_names(cfg)), scheme, dequantize=quantization != scheme.method,
+                               source=str(self.path))
         from ember.loader.fp8_checkpoint import fp8_weights
 
+        tensors = checkpoint_tensors(cfg, read(self.path, checkpoint_names(cfg)))
         return fp8_weights(tensors, scheme, dequantize=quantization != "fp8", source=str(self.path))
 
     def tensor_bytes(self) -> int:
@@ -202,12 +215,15 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
 
     if cfg.mxfp4_experts and torch.device(device).type != "cuda":  # no MXFP4 kernel off CUDA: decoded at load
         cfg = dataclasses.replace(cfg, mxfp4_experts=False)
+    from ember.loader.fp8_checkpoint import FP8Scheme
+
     scheme = files.quantization_scheme()
     if quantization == "fp8" and torch.device(device).type == "cuda" and files.load_format != "dummy":
         # an FP8 checkpoint's experts stay FP8 for the fused MoE kernels (off CUDA: dequantized at load)
         from ember.loader.fp8_checkpoint import fp8_experts
 
-        cfg = dataclasses.replace(cfg, fp8_experts=fp8_experts(cfg, scheme))
+        fp8 = scheme if isinstance(scheme, FP8Scheme) else None
+        cfg = dataclasses.replace(cfg, fp8_experts=fp8_experts(cfg, fp8))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are made in the run dtype, on the device
     try:
@@ -221,14 +237,20 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, files.weights(cfg, seed, device, dtype, quantization), source=str(files.path))
-    if quantization == "fp8" and (scheme is None or files.load_format == "dummy"):
+    if quantization == "fp8" and (not isinstance(scheme, FP8Scheme) or files.load_format == "dummy"):
         # dense weights (a bf16 checkpoint, or dummy ones at an FP8 checkpoint's shapes): FP8 per
         # output row, every linear layer but what the checkpoint's ignore-list names
         from ember.loader.fp8_checkpoint import quantize_linear_layers
 
-        quantize_linear_layers(model, scheme)
-    if quantization == "fp8" and device == "cuda":
-        # the dense parameters the FP8 layers replaced: their memory back to the device, where the
+        quantize_linear_layers(model, scheme if isinstance(scheme, FP8Scheme) else None)
+    from ember.loader.int_checkpoint import IntScheme
+
+    if isinstance(scheme, IntScheme) and quantization == scheme.method and files.load_format == "dummy":
+        from ember.loader.int_checkpoint import quantize_int_layers  # dense random weights at the model's shapes
+
+        quantize_int_layers(model, scheme)
+    if quantization != "none" and device == "cuda":
+        # the dense parameters quantized layers replaced: their memory back to the device, where the
         # KV pool's sizing (free memory) sees it
         torch.cuda.empty_cache()
     return model.eval()

@@ -15,6 +15,7 @@ from torch import nn
 
 from ember.layers.quant.fp8 import FP8, FP8Tensor
 from ember.layers.quant.gguf_blocks import BlockTensor
+from ember.layers.quant.int_weight import IntTensor
 from ember.models.config import ModelConfig
 from ember.models.families import FAMILIES
 
@@ -258,6 +259,29 @@ _ROPE_ROWS = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|q_b_proj
 _STACKED_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.(w13|w2)")
 
 
+def tensor_changes(cfg: ModelConfig) -> str | None:
+    """What checkpoint_tensors changes in this family's tensors as they load, or None."""
+    family = FAMILIES[cfg.architecture]
+    if family.conv1d_weights:
+        return "its Conv1D weights turned to [out, in]"
+    if family.moe in ("gpt_oss", "llama4"):
+        return "its stacked experts transposed"
+    if cfg.rope_interleaved:
+        return "its interleaved RoPE rows reordered"
+    if cfg.linear_layers is not None:
+        return "its linear-attention projections' rows reordered"
+    return None
+
+
+def check_int_family(cfg: ModelConfig, method: str) -> None:
+    """ValueError where the family's tensors change as they load (checkpoint_tensors), which
+    packed integer weights do not go through."""
+    if (what := tensor_changes(cfg)) is not None:
+        raise ValueError(f"{method} checkpoints of {cfg.architecture} are not supported yet: ember changes its "
+                         f"tensors at load ({what}), which it does not do to packed integer weights. Use an "
+                         "unquantized or FP8 checkpoint of the model, or a GGUF file")
+
+
 def checkpoint_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
                        ) -> Iterable[tuple[str, torch.Tensor]]:
     """A checkpoint's tensors (under ember's names) in the layout ember computes with: GPT-2's
@@ -408,14 +432,15 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockTensor | FP8Tensor]],
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockTensor | FP8Tensor | IntTensor]],
                  source: str) -> None:
     """Copy every checkpoint tensor into its parameter; each parameter (shard) exactly once.
-    A BlockTensor (GGUF blocks kept quantized) or an FP8Tensor (an FP8 checkpoint's weight
-    with its scales) goes to the layer owning the parameter, which takes it as its weight
-    format once all are in (`finish_loading`), or to an FP8 parameter's weight loader
-    (FusedMoE's FP8 experts, which hold their scales beside them); an FP8Tensor for a
-    parameter no FP8 kernel takes (dense experts, as on the CPU; MLA's kv_b_proj) loads
+    A BlockTensor (GGUF blocks kept quantized), an FP8Tensor (an FP8 checkpoint's weight
+    with its scales) or an IntTensor (an AWQ / GPTQ / compressed-tensors weight) goes to the
+    layer owning the parameter, which takes it as its weight format once all are in
+    (`finish_loading`), or an FP8Tensor to an FP8 parameter's weight loader (FusedMoE's FP8
+    experts, which hold their scales beside them); an FP8Tensor or IntTensor for a parameter
+    no such kernel takes (dense experts, as on the CPU; MLA's kv_b_proj; an LM head) loads
     dequantized, logged once.
 
     Raises ValueError naming unknown, duplicated and missing tensors."""
@@ -446,18 +471,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
         if (pname, shard) in done:
             raise ValueError(f"{source}: tensor {name!r} appears twice")
         param = params[pname]
-        module = model.get_submodule(pname.rpartition(".")[0])
-        if isinstance(tensor, FP8Tensor) and param.dtype != FP8 and not hasattr(module, "load_fp8"):
+        owner = model.get_submodule(pname.rpartition(".")[0])
+        kept = isinstance(tensor, (BlockTensor, FP8Tensor, IntTensor)) and param.dtype != FP8
+        if kept and not isinstance(tensor, BlockTensor) and not hasattr(owner, _KEEPS[type(tensor)]):
             tensor = tensor.dequantize()
+            kept = False
             dequantized.append(name)
         loader = getattr(param, "weight_loader", None)
         shards = _num_shards(model, pname)
         try:
             with torch.no_grad():
-                if isinstance(tensor, BlockTensor):
-                    module.load_blocks(tensor, shard)
-                elif isinstance(tensor, FP8Tensor) and param.dtype != FP8:
-                    module.load_fp8(tensor, shard)
+                if kept:
+                    getattr(owner, _KEEPS[type(tensor)])(tensor, shard)
                 elif loader is None:  # a plain parameter (replicated on every tensor-parallel rank)
                     if param.shape != tensor.shape:
                         raise ValueError(f"parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
@@ -473,8 +498,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
             continue
         done.add((pname, shard))
     if dequantized:
-        logger.info("%s: %d fp8 weights dequantized to the run dtype at load (%s%s): no FP8 kernel of ember's takes "
-                    "them here (experts: on CUDA only; latent projections: none yet)", source, len(dequantized),
+        logger.info("%s: %d quantized weights dequantized to the run dtype at load (%s%s): no FP8 or integer-weight "
+                    "kernel of ember's takes them here (experts: FP8 on CUDA only; latent projections, integer "
+                    "experts and LM heads: none yet)", source, len(dequantized),
                     ", ".join(dequantized[:3]), " ..." if len(dequantized) > 3 else "")
     missing = sorted(expected - done, key=str)
     if unknown or missing:
@@ -487,6 +513,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
     for module in model.modules():
         if hasattr(module, "finish_loading"):
             module.finish_loading()
+
+
+# the method of a layer that keeps each quantized kind as it is (Linear, the embedding, the LM head)
+_KEEPS = {BlockTensor: "load_blocks", FP8Tensor: "load_fp8", IntTensor: "load_int"}
 
 
 def _num_shards(model: nn.Module, pname: str) -> int | None:

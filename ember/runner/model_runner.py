@@ -214,8 +214,9 @@ class ModelRunner:
         else:
             logger.info("memory: weights %.1f MiB (%s; %.2fx the file's %.1f MiB of tensors), KV cache %.1f MiB "
                         "(%s) = %d blocks of %d tokens (%d tokens)", self.weight_bytes / 2**20,
-                        {"gguf": "GGUF blocks", "fp8": "fp8 linear layers"}.get(config.quantization,
-                                                                               _dtype_name(config.torch_dtype)),
+                        {"gguf": "GGUF blocks", "fp8": "fp8 linear layers", "awq": "AWQ weights as GGUF blocks",
+                         "gptq": "GPTQ weights as GGUF blocks", "compressed-tensors": "int weights as GGUF blocks"
+                         }.get(config.quantization, _dtype_name(config.torch_dtype)),
                         self.weight_bytes / max(1, self.file_tensor_bytes), self.file_tensor_bytes / 2**20,
                         self.kv_cache.nbytes / 2**20, _dtype_name(self.kv_cache.dtype),
                         self.num_blocks, config.block_size, self.num_blocks * config.block_size)

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from ember.layers.linear import Linear
 from ember.layers.quant.fp8 import FP8, FP8Weight
-from ember.loader.fp8_checkpoint import FP8Scheme, checkpoint_scheme, fp8_weights
+from ember.loader.fp8_checkpoint import FP8Scheme, fp8_weights
+from ember.loader.quant_config import checkpoint_scheme
 from ember.loader.weights import hf_module_names
 
 CONFIG = {
@@ -130,13 +131,13 @@ def test_each_quantization_config_form_reads_as_its_scheme():
 
 
 @pytest.mark.parametrize("qc, error", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported; ember loads FP8"),
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
     ({"bits": 4}, "quant_method None is not supported"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 format 'e5m2' is not supported"),
     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"blocks of \[64, 64\] are not supported"),
-    (_ct("channel", DYNAMIC, []) | {"format": "pack-quantized"}, "format 'pack-quantized' is not supported"),
+    (_ct("channel", DYNAMIC, []) | {"format": "int-quantized"}, "format 'int-quantized' is not supported"),
+    (_ct("channel", DYNAMIC, []) | {"format": "pack-quantized"}, "pack-quantized config_groups.group_0: weights of "
+                                                                 "8 bits, type 'float', are not supported"),
     (_ct("channel", DYNAMIC, []) | {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "int",
                                                                          "strategy": "channel"}}}},
      "weights of 8 bits, type 'int', are not supported"),
@@ -304,10 +305,13 @@ def test_the_cuda_paths_on_the_cpu_stay_close_too(dense_dir, forward_logits, dty
 def test_fp8_checkpoints_and_methods_ember_does_not_run_are_refused_at_load(tmp_path, dense):
     from ember import LLM
 
+    bnb = write(tmp_path / "bnb", dense, {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported; ember loads quant_method "
+                                         "'fp8' .* Use one of those, an unquantized"):
+        LLM(str(bnb), **ARGS)
     awq = write(tmp_path / "awq", dense, {"quant_method": "awq", "bits": 4, "group_size": 128})
-    with pytest.raises(ValueError, match="quant_method 'awq' is not supported; ember loads FP8 .* Use an FP8 or an "
-                                         "unquantized"):
-        LLM(str(awq), **ARGS)
+    with pytest.raises(ValueError, match="quantization_config names awq, but no module holds awq's tensors"):
+        LLM(str(awq), **ARGS)  # a config that does not describe its tensors
     path, _ = fp8_checkpoint(tmp_path, dense, "fp8-block")
     no_config = write(tmp_path / "no-config", load_file(str(path / "model.safetensors")))
     with pytest.raises(ValueError, match="float8_e4m3fn with no scale paired to it: an FP8 checkpoint's config.json"):
@@ -401,7 +405,7 @@ def test_fp8_experts_and_latent_projections_load_dequantized(deepseek_v3_fp8, fo
     want = forward_logits(LLM(str(dequantized_path), **ARGS), PROMPTS)
     with caplog.at_level(logging.INFO):
         llm = LLM(str(fp8_path), quantization="fp8", **ARGS)
-    assert "fp8 weights dequantized to the run dtype at load" in caplog.text
+    assert "quantized weights dequantized to the run dtype at load" in caplog.text
     model = llm.engine.runner.model
     assert isinstance(model.model.layers[1].self_attn.q_b_proj.format, FP8Weight)
     assert isinstance(model.model.layers[1].mlp.shared_expert.down_proj.format, FP8Weight)

@@ -1,0 +1,196 @@
+"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints (loader/int_checkpoint.py,
+loader/quant_config.py): each tool's quantization_config read as its scheme, every variant
+ember does not read refused with a ValueError naming it, each module's tensors paired into
+one IntTensor, and the method a checkpoint names chosen (or forced by a flag that fits it).
+The models run against transformers in tests/models/test_int_weight_models.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from int_checkpoints import FORMS, SIZES, pack_ct, pack_gptq, quantization_config, quantize
+
+from ember.layers.quant.int_weight import IntTensor
+from ember.loader.int_checkpoint import IntScheme, int_weights
+from ember.loader.quant_config import checkpoint_scheme
+
+# -- quantization_config ------------------------------------------------------------------------------------------
+
+
+def test_each_tools_config_reads_as_its_scheme():
+    got = {name: checkpoint_scheme({"quantization_config": quantization_config(m, b, g, s, a, v1)})
+           for name, (m, b, g, s, a, v1) in FORMS.items()}
+    assert got["awq-g128"] == IntScheme("awq", 4, 128, False, False)
+    assert got["gptq-int4-g128"] == IntScheme("gptq", 4, 128, False, True, zeros_minus_one=True)
+    assert got["gptq-int4-asym-actorder-g64-v2"] == IntScheme("gptq", 4, 64, True, False, zeros_minus_one=False)
+    assert got["gptq-int8-channel"] == IntScheme("gptq", 8, -1, False, True, zeros_minus_one=True)
+    assert got["ct-w4a16-actorder-g64"] == IntScheme("compressed-tensors", 4, 64, True, True)
+    assert got["ct-w8a16-channel"] == IntScheme("compressed-tensors", 8, -1, False, True)
+    # AutoAWQ's own names (w_bit, q_group_size) and its upper-case version; Qwen's GPTQ configs
+    assert checkpoint_scheme({"quantization_config": {"quant_method": "awq", "w_bit": 4, "q_group_size": 64,
+                                                      "zero_point": True, "version": "GEMM"}}).group_size == 64
+    qwen = {"bits": 4, "damp_percent": 0.01, "desc_act": False, "group_size": 128, "is_marlin_format": False,
+            "model_file_base_name": "model", "model_name_or_path": None, "quant_method": "gptq",
+            "static_groups": False, "sym": True, "true_sequential": True}
+    assert checkpoint_scheme({"quantization_config": qwen}) == IntScheme("gptq", 4, 128, False, True, True)
+
+
+AWQ = quantization_config("awq", 4, 128, False, False)
+GPTQ = quantization_config("gptq", 4, 128, True, False)
+CT = quantization_config("compressed-tensors", 4, 128, True, False)
+
+
+def _ct_weights(**change) -> dict:
+    group = CT["config_groups"]["group_0"]
+    return CT | {"config_groups": {"group_0": group | {"weights": group["weights"] | change}}}
+
+
+@pytest.mark.parametrize("qc, error", [
+    (AWQ | {"bits": 3}, "AWQ of 3 bits is not supported: ember reads 4-bit AWQ"),
+    (AWQ | {"version": "gemv"}, "AWQ version 'gemv' is not supported: ember reads AutoAWQ's GEMM packing"),
+    (AWQ | {"version": "gemv_fast"}, "AWQ version 'gemv_fast' is not supported"),
+    (AWQ | {"version": "marlin"}, "AWQ version 'marlin' is not supported"),
+    (AWQ | {"zero_point": False}, r"AWQ without zero points \(zero_point False\) is not supported"),
+    (AWQ | {"backend": "llm-awq"}, "AWQ backend 'llm-awq' .* is not supported"),
+    (AWQ | {"group_size": 0}, "group_size must be a positive number of columns or -1"),
+    (GPTQ | {"bits": 3}, "GPTQ of 3 bits is not supported: ember reads 4- and 8-bit GPTQ"),
+    (GPTQ | {"bits": 2}, "GPTQ of 2 bits is not supported"),
+    (GPTQ | {"checkpoint_format": "marlin"}, "GPTQ checkpoint_format 'marlin' is not supported: ember reads the "
+                                             r"'gptq' \(v1\) and 'gptq_v2' layouts"),
+    (GPTQ | {"checkpoint_format": "bitblas"}, "GPTQ checkpoint_format 'bitblas' is not supported"),
+    (GPTQ | {"is_marlin_format": True}, "GPTQ checkpoint_format 'marlin' is not supported"),
+    (GPTQ | {"pack_dtype": "int16"}, "GPTQ pack_dtype 'int16' is not supported"),
+    (GPTQ | {"dynamic": {"+:.*down": {"bits": 8}}}, "GPTQ with per-module `dynamic` overrides is not supported"),
+    (CT | {"format": "int-quantized"}, "compressed-tensors format 'int-quantized' is not supported"),
+    (CT | {"format": "marlin-24"}, "compressed-tensors format 'marlin-24' is not supported"),
+    (_ct_weights(symmetric=False), r"asymmetric weights \(zero points\) are not supported yet"),
+    (_ct_weights(num_bits=2), "weights of 2 bits, type 'int', are not supported"),
+    (_ct_weights(type="float"), "weights of 4 bits, type 'float', are not supported"),
+    (_ct_weights(strategy="tensor"), "weight strategy 'tensor' is not supported"),
+    (_ct_weights(strategy="tensor_group"), "weight strategy 'tensor_group' is not supported"),
+    (_ct_weights(group_size=None), "strategy group without a group_size"),
+    (CT | {"config_groups": {"group_0": CT["config_groups"]["group_0"] | {"input_activations": {
+        "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}}}},
+     r"quantized activations \(W4A8, W8A8\) are not supported yet"),
+    (CT | {"config_groups": {"a": CT["config_groups"]["group_0"], "b": _ct_weights(group_size=64)[
+        "config_groups"]["group_0"]}}, "config groups with different weight schemes"),
+    (CT | {"sparsity_config": {"format": "sparse-24-bitmask"}}, "with a sparsity_config is not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported; ember "
+                                                             "loads quant_method 'fp8'"),
+])
+def test_variants_ember_does_not_read_are_refused_by_name(qc, error):
+    with pytest.raises(ValueError, match=error):
+        checkpoint_scheme({"quantization_config": qc})
+
+
+def test_unknown_keys_are_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="ember.loader.fp8_checkpoint"):
+        checkpoint_scheme({"quantization_config": GPTQ | {"new_knob": 1}})
+    assert "quantization keys ember does not read: new_knob" in caplog.text
+
+
+# -- pairing each module's tensors ---------------------------------------------------------------------------------
+
+
+def _gptq_module(seed: int = 0, act: bool = False) -> dict[str, torch.Tensor]:
+    w = 0.05 * torch.randn(64, 128, generator=torch.Generator().manual_seed(seed))
+    return pack_gptq(quantize(w, 4, 32, False, act), v1=False)
+
+
+SCHEME = IntScheme("gptq", 4, 32, False, False)
+
+
+def test_parts_pair_in_any_order_and_other_tensors_pass_through():
+    a, b = _gptq_module(1), _gptq_module(2)
+    tensors = [("a.scales", a["scales"]), ("norm.weight", torch.ones(4)), ("b.qweight", b["qweight"]),
+               ("a.qzeros", a["qzeros"]), ("a.g_idx", a["g_idx"]), ("b.g_idx", b["g_idx"]), ("b.qzeros", b["qzeros"]),
+               ("a.qweight", a["qweight"]), ("b.bias", torch.zeros(64)), ("b.scales", b["scales"])]
+    out = list(int_weights(tensors, SCHEME))
+    assert [n for n, _ in out] == ["norm.weight", "a.weight", "b.bias", "b.weight"]  # each once its parts are in
+    assert isinstance(out[1][1], IntTensor) and out[1][1].shape == (64, 128)
+    dense = dict(int_weights(tensors, SCHEME, dequantize=True))
+    assert torch.equal(dense["a.weight"], out[1][1].dequantize())
+
+
+def test_a_gptq_module_without_g_idx_reads_its_groups_in_order_unless_act_order():
+    a = _gptq_module()
+    tensors = [(f"a.{k}", v) for k, v in a.items() if k != "g_idx"]
+    assert [n for n, _ in int_weights(tensors, SCHEME)] == ["a.weight"]
+    with pytest.raises(ValueError, match=r"1 quantized module\(s\) without all their parts: a \(no g_idx\)"):
+        list(int_weights(tensors, IntScheme("gptq", 4, 32, True, False)))
+
+
+@pytest.mark.parametrize("drop, error", [("qzeros", r"a \(no qzeros\)"), ("scales", r"a \(no scales\)")])
+def test_a_module_without_a_part_is_refused_by_name(drop, error):
+    with pytest.raises(ValueError, match=error):
+        list(int_weights([(f"a.{k}", v) for k, v in _gptq_module().items() if k != drop], SCHEME))
+
+
+def test_zero_points_in_a_symmetric_compressed_tensors_scheme():
+    w = 0.05 * torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    module = [(f"a.{k}", v) for k, v in pack_ct(quantize(w, 4, 128, True)).items()]
+    scheme = IntScheme("compressed-tensors", 4, 128, False, True)
+    zeros = ("a.weight_zero_point", torch.zeros(64, 1, dtype=torch.int8))
+    assert [n for n, _ in int_weights([zeros] + module, scheme)] == ["a.weight"]  # zeros some versions write: dropped
+    with pytest.raises(ValueError, match="a.weight_zero_point: zero points in a symmetric scheme"):
+        list(int_weights([("a.weight_zero_point", torch.ones(64, 1, dtype=torch.int8))] + module, scheme))
+
+
+def test_a_config_that_does_not_describe_its_tensors_is_refused():
+    with pytest.raises(ValueError, match=r"quantization_config names gptq, but no module holds gptq's tensors "
+                                         r"\(qweight, qzeros, scales\)"):
+        list(int_weights([("a.weight", torch.zeros(4, 4))], SCHEME))
+
+
+# -- choosing the quantization -------------------------------------------------------------------------------------
+
+
+def _config_dir(path: Path, qc: dict | None) -> Path:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"} | SIZES
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config | ({"quantization_config": qc} if qc else {})))
+    return path
+
+
+@pytest.mark.parametrize("asked, qc, want", [
+    ("auto", AWQ, "awq"), ("awq", AWQ, "awq"), ("none", AWQ, "none"), ("auto", GPTQ, "gptq"),
+    ("auto", CT, "compressed-tensors"), ("compressed-tensors", CT, "compressed-tensors"),
+])
+def test_the_checkpoint_names_its_method_and_a_flag_may_force_it(asked, qc, want, tmp_path):
+    from ember.config import _auto_dtype, _quantization
+    from ember.loader.model_files import ModelFiles
+
+    assert _quantization(asked, ModelFiles(_config_dir(tmp_path, qc), "safetensors"), "cpu") == want
+    assert _auto_dtype("cpu", want) == "float32" or want == "none"
+
+
+@pytest.mark.parametrize("asked, qc, error", [
+    ("gptq", AWQ, "quantization='gptq' does not fit .*: its config.json's quantization_config is 'awq': use "
+                  r"quantization='auto' \(or 'awq'\), or 'none'"),
+    ("awq", CT, "quantization='awq' does not fit .* is 'compressed-tensors'"),
+    ("fp8", GPTQ, "quantization='fp8' does not fit .* is 'gptq'"),
+    ("awq", None, "quantization='awq' reads a checkpoint quantized so, and .* has no quantization_config"),
+    ("compressed-tensors", {"quant_method": "fp8", "activation_scheme": "dynamic"},
+     r"quantization='compressed-tensors' reads a checkpoint quantized so, and .* has an fp8 quantization_config"),
+])
+def test_a_method_that_does_not_fit_the_checkpoint_is_refused_by_name(asked, qc, error, tmp_path):
+    from ember.config import _quantization
+    from ember.loader.model_files import ModelFiles
+
+    with pytest.raises(ValueError, match=error):
+        _quantization(asked, ModelFiles(_config_dir(tmp_path, qc), "safetensors"), "cpu")
+
+
+def test_a_family_whose_tensors_change_at_load_is_refused_by_name():
+    from ember.loader.weights import check_int_family
+    from ember.models.config import ModelConfig
+
+    gpt2 = ModelConfig.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 64,
+                                       "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64})
+    with pytest.raises(ValueError, match=r"gptq checkpoints of gpt2 are not supported yet: ember changes "
+                                         r"its tensors at load \(its Conv1D weights turned to \[out, in\]\)"):
+        check_int_family(gpt2, "gptq")
