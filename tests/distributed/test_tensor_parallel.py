@@ -2,13 +2,15 @@
 its shard through load_model as LLM does and running one prefill of a fixed batch, give the
 logits of one process without it, on every rank: a tiny random Llama saved by transformers
 (8 q / 2 KV heads, vocabulary 322: padded at TP=4) at TP=2 and TP=4 (each KV head held by two
-ranks), in FP8 at TP=2 and one row through the GEMV kernels at TP=2; a tiny Phi-3 (q|k|v and
-gate|up stored merged) at TP=2; SmolLM2-135M's GGUF (9 q / 3 KV heads, tied head) at TP=3,
-dequantized and in its Q4_1 blocks; mixtures of experts at TP=2 (Qwen2-MoE's shared expert,
-DeepSeek-V2's latent attention and experts, gpt-oss's biased experts, Llama 4's input-scaled
-ones; Qwen3-Next's gated DeltaNet and gated attention over experts), and DeepSeek-V3's
-block-scaled FP8 experts kept FP8 as on CUDA (each rank whole 128-row blocks). A split that
-does not fit is refused with the fix, and a rank that fails fails the run at once, with no process left."""
+ranks), in FP8 at TP=2, one row through the GEMV kernels at TP=2, and as GPTQ at TP=2 (GGUF
+blocks on the CPU; act-order through the CUDA kernels on the interpreter; a group spanning two
+ranks refused); a tiny Phi-3 (q|k|v and gate|up stored merged) at TP=2; SmolLM2-135M's GGUF
+(9 q / 3 KV heads, tied head) at TP=3, dequantized and in its Q4_1 blocks; mixtures of experts
+at TP=2 (Qwen2-MoE's shared expert, DeepSeek-V2's latent attention and experts, gpt-oss's
+biased experts, Llama 4's input-scaled ones; Qwen3-Next's gated DeltaNet and gated attention
+over experts), and DeepSeek-V3's block-scaled FP8 experts kept FP8 as on CUDA (each rank whole
+128-row blocks). A split that does not fit is refused with the fix, and a rank that fails fails
+the run at once, with no process left."""
 
 from __future__ import annotations
 
@@ -59,11 +61,13 @@ def prefill_logits(model_path: str, prompts: list[list[int]], quantization: str 
         from ember.loader.fp8_checkpoint import fp8_experts
 
         cfg = dataclasses.replace(cfg, fp8_experts=fp8_experts(cfg, files.quantization_scheme()))
+    if cuda_paths:  # the load too: integer weights take their CUDA format there
+        with gemv_on_cpu():
+            model = load_model(files, cfg, max_positions=128, dtype=torch.float32, device="cpu",
+                               attention_backend="torch", quantization=quantization)
+            return _prefill(model, prompts)
     model = load_model(files, cfg, max_positions=128, dtype=torch.float32, device="cpu", attention_backend="torch",
                        quantization=quantization)
-    if cuda_paths:
-        with gemv_on_cpu():
-            return _prefill(model, prompts)
     for module in model.modules():
         if hasattr(module, "pack_for_cpu"):
             module.pack_for_cpu()
@@ -430,6 +434,51 @@ def test_fp8_experts_split_across_scale_blocks_are_refused_with_the_fix(tiny_dee
                                            r"tensor_parallel_size that splits moe_intermediate_size into multiples of "
                                            r"128, or quantization='none'"):
         run_task(4, tmp_path, prefill_logits, (tiny_deepseek_v3_fp8, PROMPTS, "fp8", "auto", False, True))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_int(tmp_path_factory) -> Path:
+    """A tiny Llama whose row-parallel inputs (o: 128 columns, down: 256) split at TP=2 into
+    whole groups of 64 columns, and whole GGUF blocks of 32 on the CPU."""
+    return Path(_save_tiny(TINY_LLAMA | {"hidden_size": 128, "intermediate_size": 256, "head_dim": 16},
+                           tmp_path_factory.mktemp("tiny-llama-int")))
+
+
+def _gptq(base: Path, group: int, act_order: bool) -> str:
+    from int_checkpoints import write_checkpoint
+
+    out = base.parent / f"{base.name}-gptq-g{group}{'-actorder' if act_order else ''}"
+    return str(write_checkpoint(base, out, "gptq", 4, group, symmetric=False, act_order=act_order)[0])
+
+
+def test_gptq_weights_split_on_whole_groups(tiny_llama_int, tmp_path):
+    """GPTQ kept as GGUF blocks on the CPU (Q4_1: groups of 64, zero points): each rank its rows
+    of q|k|v and gate|up, and whole groups of o's and down's columns with their scales."""
+    path = _gptq(tiny_llama_int, 64, act_order=False)
+    expected = prefill_logits(path, PROMPTS, quantization="gptq")
+    ranks = run_ranks(2, path, tmp_path, quantization="gptq")
+    assert all(torch.equal(logits, ranks[0]) for logits in ranks)
+    torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
+    assert torch.equal(ranks[0].argmax(-1), expected.argmax(-1))
+
+
+def test_act_order_gptq_split_through_the_cuda_kernels(tiny_llama_int, tmp_path):
+    """Act-order (a g_idx per column) through kernels/wna16.py on Triton's interpreter: a rank's
+    columns of o and down keep their groups, whichever ranks those groups' other columns are on."""
+    pytest.importorskip("triton")
+    path = _gptq(tiny_llama_int, 64, act_order=True)
+    expected = prefill_logits(path, PROMPTS, quantization="gptq", cuda_paths=True)
+    ranks = run_task(2, tmp_path, prefill_logits, (path, PROMPTS, "gptq", "auto", True))
+    torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ranks[0], prefill_logits(path, PROMPTS, quantization="none"), rtol=0, atol=1e-5)
+
+
+def test_a_group_that_spans_two_ranks_is_refused_by_name(tiny_llama_int, tmp_path):
+    path = _gptq(tiny_llama_int, 64, act_order=False)  # at TP=4, 32 of o's 128 columns a rank
+    with pytest.raises(RuntimeError, match=r"(?s)rank \d of 4 failed:.*o_proj.weight' does not fit .*: columns "
+                                           r"\[\d+, \d+\) of a weight quantized in groups of 64 columns: a group "
+                                           r"spans two tensor-parallel ranks"):
+        run_ranks(4, path, tmp_path, quantization="gptq")
 
 
 @pytest.fixture(scope="module")
