@@ -54,6 +54,7 @@ def _ct_weights(**change) -> dict:
     (AWQ | {"version": "gemv"}, "AWQ version 'gemv' is not supported: ember reads AutoAWQ's GEMM packing"),
     (AWQ | {"version": "gemv_fast"}, "AWQ version 'gemv_fast' is not supported"),
     (AWQ | {"version": "marlin"}, "AWQ version 'marlin' is not supported"),
+    (AWQ | {"version": "exllama"}, "AWQ version 'exllama' is not supported"),
     (AWQ | {"zero_point": False}, r"AWQ without zero points \(zero_point False\) is not supported"),
     (AWQ | {"backend": "llm-awq"}, "AWQ backend 'llm-awq' .* is not supported"),
     (AWQ | {"group_size": 0}, "group_size must be a positive number of columns or -1"),
@@ -194,3 +195,19 @@ def test_a_family_whose_tensors_change_at_load_is_refused_by_name():
     with pytest.raises(ValueError, match=r"gptq checkpoints of gpt2 are not supported yet: ember changes "
                                          r"its tensors at load \(its Conv1D weights turned to \[out, in\]\)"):
         check_int_family(gpt2, "gptq")
+
+
+def test_dummy_weights_under_an_integer_config_are_quantized_at_load(tmp_path):
+    """Benchmarks' dummy weights at an AWQ checkpoint's shapes: every linear layer rounded to its
+    integers (GGUF blocks on the CPU), the LM head left dense."""
+    from ember import LLM
+    from ember.layers.quant.gguf_blocks import GGUFBlocks
+
+    llm = LLM(str(_config_dir(tmp_path, AWQ)), load_format="dummy", num_kv_blocks=8, block_size=8, max_model_len=64)
+    assert llm.config.quantization == "awq"
+    model = llm.engine.runner.model
+    layer = model.model.layers[1]
+    formats = [layer.self_attn.qkv_proj.format, layer.self_attn.o_proj.format, layer.mlp.gate_up_proj.format,
+               layer.mlp.down_proj.format]
+    assert all(isinstance(f, GGUFBlocks) and f.type_name == "Q4_1" for f in formats)  # AWQ: zero points
+    assert not isinstance(model.lm_head.format, GGUFBlocks)
