@@ -90,8 +90,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_pt
             a = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
         wmask = nmask[:, None] & kmask[None, :]
         if SCALE == 3:
-            w = unpack_tile(w_ptr, s_ptr, z_ptr, g_ptr, n, k, nmask, kmask, stride_w, stride_s, stride_z, BITS,
-                            GROUP, HAS_ZEROS, HAS_G_IDX)
+            w = unpack_tile(w_ptr, s_ptr, z_ptr, g_ptr, n, nmask, k0, stride_w, stride_s, stride_z, K, BITS, GROUP,
+                            HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
         else:
             w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=wmask, other=0.0).to(tl.float32)
         if SCALE == 2:

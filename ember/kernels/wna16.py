@@ -9,7 +9,7 @@ kernels/gemv.py instead.
     W[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)]
 
 Tile (pid_m, pid_n) of y [M, N], K in steps of BLOCK_K; the weight tile [BLOCK_N, BLOCK_K] is
-read as words (the PER columns of a word share its address) and shifted apart:
+read as [BLOCK_N, BLOCK_K / PER] words, each repeated PER times and shifted apart:
 
     grouped (BLOCK_K divides GROUP, or one group a row): a tile's columns share group g, and
         acc += dot(x[m, k0:k0 + BLOCK_K], (q - z[n, g])^T) * s[n, g]
@@ -31,14 +31,28 @@ from ember.kernels.tiles import grouped_tile
 
 
 @triton.jit
-def unpack_tile(w_ptr, s_ptr, z_ptr, g_ptr, n, k, nmask, kmask, stride_w, stride_s, stride_z, BITS: tl.constexpr,
-                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr):
-    """W[n, k] in float32 for a tile of rows n and columns k (each column its own group); 0
-    outside the masks."""
+def unpack_values(w_ptr, n, nmask, k0, stride_w, K: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """The unsigned values of rows n, columns [k0, k0 + BLOCK_K) (k0 a multiple of BLOCK_K,
+    itself of 32 / BITS): each int32 word is read once and repeated for its values."""
     PER: tl.constexpr = 32 // BITS
+    j = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    words = tl.load(w_ptr + n[:, None] * stride_w + j[None, :], mask=nmask[:, None] & (j < tl.cdiv(K, PER))[None, :],
+                    other=0)
+    words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_N, BLOCK_K // PER, PER]), [BLOCK_N, BLOCK_K])
+    return (words >> ((tl.arange(0, BLOCK_K) % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def unpack_tile(w_ptr, s_ptr, z_ptr, g_ptr, n, nmask, k0, stride_w, stride_s, stride_z, K: tl.constexpr,
+                BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[n, k] in float32 for rows n, columns k = [k0, k0 + BLOCK_K), each column with its
+    group's scale and zero; 0 outside the masks."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    kmask = k < K
     mask = nmask[:, None] & kmask[None, :]
-    words = tl.load(w_ptr + n[:, None] * stride_w + (k // PER)[None, :], mask=mask, other=0)
-    q = (words >> ((k % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+    q = unpack_values(w_ptr, n, nmask, k0, stride_w, K, BITS, BLOCK_N, BLOCK_K)
     if HAS_G_IDX:
         g = tl.load(g_ptr + k, mask=kmask, other=0)
     else:
@@ -57,7 +71,6 @@ def _wna16_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, 
                          HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    PER: tl.constexpr = 32 // BITS
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,10 +82,8 @@ def _wna16_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, 
         k = k0 + kk
         kmask = k < K
         a = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        wmask = nmask[:, None] & kmask[None, :]
         if GROUPED:
-            words = tl.load(w_ptr + n[:, None] * stride_w + (k // PER)[None, :], mask=wmask, other=0)
-            q = (words >> ((k % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+            q = unpack_values(w_ptr, n, nmask, k0, stride_w, K, BITS, BLOCK_N, BLOCK_K)
             g = k0 // GROUP
             if HAS_ZEROS:
                 z = tl.load(z_ptr + n * stride_z + g, mask=nmask, other=0).to(tl.int32)
@@ -83,8 +94,8 @@ def _wna16_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, 
             part = tl.dot(a, tl.trans(q.to(tl.float32).to(a.dtype)), input_precision=PRECISION)
             acc += part * s[None, :]
         else:
-            w = unpack_tile(w_ptr, s_ptr, z_ptr, g_ptr, n, k, nmask, kmask, stride_w, stride_s, stride_z, BITS,
-                            GROUP, HAS_ZEROS, HAS_G_IDX)
+            w = unpack_tile(w_ptr, s_ptr, z_ptr, g_ptr, n, nmask, k0, stride_w, stride_s, stride_z, K, BITS, GROUP,
+                            HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
             acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
