@@ -165,6 +165,8 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
                                   (8, -1, False, False)], ids=_ids)
 def test_llama_8b_shapes_on_the_gpu(n, k, case):
     """bf16 activations at decode (GEMV, 1 and 4 rows) and prefill (16 .. 512 rows) sizes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     bits, group, zeros, act = case
     t = int_weight(n, k, bits, group, zeros, act, device="cuda")
     layer = IntWeight(t)
@@ -181,6 +183,8 @@ def test_llama_8b_shapes_on_the_gpu(n, k, case):
 def test_int_weight_in_a_cuda_graph_replays_as_run():
     """No host sync, no shape-dependent surprise: captured at 1 row (GEMV) and 64 rows (the
     matmul), grouped and act-order weights, replayed on new inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     for act in (False, True):
         layer = IntWeight(int_weight(4096, 4096, 4, 128, True, act, device="cuda"))
         for rows in (1, 64):
