@@ -20,6 +20,8 @@
 #   race-fp8            FP8 weights and an fp8 KV cache at the Llama-3.1-8B shape: vLLM (vllm_race.py
 #                       --weights fp8 --kv-cache-dtype fp8), then ember with fp8 and with bf16 weights
 #   check-fp8           the GPU tests of the FP8 kernels, the GEMV and the engine with FP8 weights
+#   check-int           the GPU tests of the W4A16 / W8A16 kernels, the GEMV and the engine with AWQ, GPTQ and
+#                       compressed-tensors checkpoints
 #   kernels-fp8         fp8_gemm_bench.py --sweep at the Llama-8B shapes, M = 1 .. 2048 (its last line
 #                       says what FP8_GEMV_MAX_ROWS in ember/layers/kernel_paths.py should be)
 #   check-moe           the GPU tests of the MoE kernels and families, moe_tune.py (writes
@@ -239,6 +241,10 @@ mode_race_fp8() {
 
 mode_check_fp8() {
   gpu_tests 540 tests/kernels/test_fp8_kernels.py tests/kernels/test_gemv.py tests/models/test_cuda_fp8.py
+}
+
+mode_check_int() {
+  gpu_tests 540 tests/kernels/test_wna16_kernels.py tests/kernels/test_gemv.py tests/models/test_cuda_int_weights.py
 }
 
 mode_kernels_fp8() {
@@ -488,6 +494,7 @@ case "$mode" in
   all) mode_all ;;
   race-fp8) mode_env; mode_race_fp8 ;;
   check-fp8) mode_env; mode_check_fp8 ;;
+  check-int) mode_env; mode_check_int ;;
   kernels-fp8) mode_env; mode_kernels_fp8 ;;
   check-moe) mode_env; mode_check_moe ;;
   race-moe) mode_env; mode_race_moe "$@" ;;

@@ -50,8 +50,8 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
     listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
-                      "check-fp8", "kernels-fp8", "check-moe", "race-moe", "families", "new-families", "mla-decode", "gpt-oss",
-                      "moe-speed", "sweep-decode",
+                      "check-fp8", "check-int", "kernels-fp8", "check-moe", "race-moe", "families", "new-families",
+                      "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
                       "serve-race", "serve-sweep"]
     for mode in listed:
