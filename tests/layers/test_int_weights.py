@@ -232,6 +232,8 @@ def test_cpu_format_is_blocks_permuted_blocks_or_dequantized(caplog):
 
 def test_round_to_nearest_quantizes_within_half_a_step():
     w = _weight(64, 200)
+    w[3] = 0  # a row of zeros: scale 1, values at the zero point
+    assert torch.equal(quantize_int(w, 4, 32, False).dequantize()[3], torch.zeros(200))
     for bits, group, symmetric in [(4, 32, True), (4, 64, False), (8, -1, True)]:
         t = quantize_int(w, bits, group, symmetric)
         assert (t.zeros is None) == symmetric and t.bits == bits

@@ -212,12 +212,12 @@ def quantize_int(weight: torch.Tensor, bits: int, group_size: int, symmetric: bo
     groups = _cdiv(k, group_size)
     w = F.pad(weight.detach().float(), (0, groups * group_size - k)).view(n, groups, group_size)
     top = (1 << bits) - 1
+    low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+    scales = (torch.maximum(-low, high) / (top / 2) if symmetric else (high - low) / top).half()
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a group of zeros (or of float16 underflow)
     if symmetric:
-        scales = (w.abs().amax(-1) / (top / 2)).clamp(min=1e-8).half()
         zeros = torch.full_like(scales, 1 << (bits - 1), dtype=torch.int32)
     else:
-        low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
-        scales = ((high - low) / top).clamp(min=1e-8).half()
         zeros = torch.round(-low / scales.float()).clamp(0, top).to(torch.int32)
     q = torch.round(w / scales.float()[..., None]) + zeros[..., None]
     q = q.clamp(0, top).to(torch.uint8).view(n, -1)[:, :k]
