@@ -25,6 +25,10 @@ import triton
 import triton.language as tl
 
 BLOCK_V = 32  # with 8 warps: S's [dk, 32] columns and a chunk's [64, dk] terms in registers (untuned)
+# no software pipelining of the chunk loop: its float32 [64, 128] terms, three stages deep, asked
+# for 256 KiB of shared memory at Qwen3-Next's shapes (the H100 has 227); one stage takes 112 KiB,
+# two programs an SM
+NUM_STAGES = 1
 
 
 @triton.jit(do_not_specialize=["chunk_starts_ptr", "slots_ptr"])
@@ -86,5 +90,5 @@ def delta_rule_chunk_pass(wk: torch.Tensor, wv: torch.Tensor, qg: torch.Tensor, 
     grid = (slots.shape[0], heads, triton.cdiv(dv, BLOCK_V))
     _delta_rule_chunk_kernel[grid](wk, wv, qg, p, kd, decay, state, chunk_starts, slots, o, state.stride(0),
                                    H=heads, DK=dk, DV=dv, BT=bt, BLOCK_K=max(16, triton.next_power_of_2(dk)),
-                                   BLOCK_V=BLOCK_V, num_warps=8)
+                                   BLOCK_V=BLOCK_V, num_warps=8, num_stages=NUM_STAGES)
     return o
