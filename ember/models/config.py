@@ -694,7 +694,8 @@ def _moe_options(config: dict[str, Any], fam: Family, num_layers: int) -> dict[s
                 "shared_expert_gate": False, "moe_input_scaled": True}
     if fam.moe == "qwen":
         dense, step = set(config.get("mlp_only_layers") or ()), config.get("decoder_sparse_step", 1)
-        experts = config["num_experts"]
+        # transformers 5.25 saves Qwen3-MoE's expert count as num_local_experts
+        experts = config["num_experts"] if "num_experts" in config else config["num_local_experts"]
         sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
         return {"moe_layers": sparse if any(sparse) else None, "num_experts": experts,
                 "num_experts_per_tok": config["num_experts_per_tok"],

@@ -74,6 +74,9 @@ def test_moe_config_reads_the_options():
     assert (qwen.moe_layers, qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size,
             qwen.intermediate_size, qwen.norm_topk_prob, qwen.qk_norm) == \
         ((True, False, True, True), 16, 6, 32, 96, True, True)
+    # transformers 5.25's Qwen3MoeConfig saves its expert count as num_local_experts
+    renamed = {k: v for k, v in MOE["qwen3_moe"].items() if k != "num_experts"} | {"num_local_experts": 16}
+    assert ModelConfig.from_hf_config(renamed) == qwen
     every_other = ModelConfig.from_hf_config(MOE["qwen3_moe_unnormalized"])
     assert (every_other.moe_layers, every_other.norm_topk_prob) == ((False, True, False, True), False)
     qwen2 = ModelConfig.from_hf_config(MOE["qwen2_moe"])
