@@ -47,8 +47,9 @@
 #                       shapes), moe_tune.py at decode and prefill token counts for gpt-oss-120b (MXFP4) and
 #                       DeepSeek-V2-Lite (moe_configs.json to $OUT), gpt-oss's CUDA family cases; PART engines:
 #                       gpt-oss-120b one request 128/512 and where its decode step goes (profile_gpu_steps.py),
-#                       DeepSeek-V2-Lite 512 x 1000/1000 plain and with --profile-steps (ember alone: race vLLM
-#                       on the same warm machine with vllm_race.py)
+#                       DeepSeek-V2-Lite 512 x 1000/1000 plain and with --profile-steps, and its decode step at
+#                       512 seats (profile_gpu_steps.py: kernels and the host's ops) (ember alone: race vLLM on
+#                       the same warm machine with vllm_race.py)
 #   sweep-decode [fp8]  decode_sweep.py over a bf16 (default) or fp8 cache, then the nano protocol at the
 #                       default config and at the sweep's best (EMBER_DECODE_CONFIG), and Llama-8B at the best
 #   defaults            ember at its defaults (no seat or budget flag) and at other flags, in one call: the
@@ -325,6 +326,10 @@ mode_moe_speed() {  # moe-speed [kernels|engines]: one part a call
   fi
   bench deepseek_v2_lite_512x1000 100 $D $TP
   profiled deepseek_v2_lite_512x1000 100 $D $TP
+  if secs=$(cap "DeepSeek-V2-Lite decode profile at 512" 100); then  # the kernels and the host's ops a step
+    timeout "$secs" $P $D --num-prompts 512 --input-len 1000 --output-len 120 --skip 40 --steps 40 --top 22 2>&1 \
+      | grep -v Warn | tee "$J/profile_deepseek_v2_lite_512.log" | tail -50
+  fi
 }
 
 mode_sweep_decode() {
