@@ -20,23 +20,11 @@ import json
 
 import pytest
 import torch
+from cuda_llama_shape import ARGS, CONFIG, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8192, "hidden_size": 1024,
-    "intermediate_size": 3072, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}
-ARGS = {"max_model_len": 1024, "max_num_seqs": 16, "num_kv_blocks": 256}
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = [3, 17, 64, 129, 300, 1, 45, 250][:n]
-    return [torch.randint(3, CONFIG["vocab_size"], (n_,), generator=g).tolist() for n_ in lengths]
 
 
 def _block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,7 +88,7 @@ def _greedy_agreement(name: str, llm, reference, forward_logits) -> None:
     """The reference engine fed `llm`'s greedy tokens: how often it picks the same next one."""
     from ember import SamplingParams
 
-    prompts = _prompts(8, seed=1)
+    prompts = random_prompts(8, seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
     full = [p + o.outputs[0].token_ids[:-1] for p, o in zip(prompts, outs)]
@@ -136,12 +124,12 @@ def test_quantization_fp8_stays_close_to_bf16(dirs, bf16, forward_logits):
     saved = bf16.engine.runner.weight_bytes - runner.weight_bytes
     print(f"weights: bf16 {bf16.engine.runner.weight_bytes / 2**20:.1f} MiB, fp8 {runner.weight_bytes / 2**20:.1f} MiB")
     assert linear * 0.98 < saved <= linear  # one byte a weight instead of two, plus the scales
-    prompts = _prompts(8)
+    prompts = random_prompts(8)
     _compare("--quantization fp8 vs bf16", forward_logits(fp8, prompts), forward_logits(bf16, prompts))
     _greedy_agreement("--quantization fp8", fp8, bf16, forward_logits)
     # decode batches 1..8 through the graphs (padded 1, 2, 4, 8): the GEMV and _scaled_mm sizes
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in _prompts(8, seed=2)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, seed=2)]
     for n in (1, 3, 5, 8):
         outs = fp8.generate(prompts[:n], params)
         assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
@@ -167,7 +155,7 @@ def test_block_scaled_fp8_checkpoint_stays_close_to_its_dequantized_weights(dirs
     layers = [m for n, m in block.engine.runner.model.named_modules() if n.endswith(("qkv_proj", "down_proj"))]
     assert all(isinstance(m.format, FP8Weight) and m.format.blockwise for m in layers)
     dequantized = LLM(dirs["dequantized"], **ARGS)
-    prompts = _prompts(8)
+    prompts = random_prompts(8)
     _compare("128x128 block fp8 checkpoint vs bf16 on its dequantized weights", forward_logits(block, prompts),
              forward_logits(dequantized, prompts))
     # one row: the block-scaled GEMV is weight-only, so it gives the dequantized weights' logits

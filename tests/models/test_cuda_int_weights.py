@@ -16,26 +16,14 @@ import json
 
 import pytest
 import torch
+from cuda_llama_shape import ARGS, CONFIG, random_prompts
 from int_checkpoints import FORMS, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8192, "hidden_size": 1024,
-    "intermediate_size": 3072, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}
-ARGS = {"max_model_len": 1024, "max_num_seqs": 16, "num_kv_blocks": 256}
 CUDA_FORMS = ["awq-g128", "gptq-int4-g128", "gptq-int4-asym-actorder-g64-v2", "gptq-int8-channel", "ct-w4a16-g128",
               "ct-w8a16-channel"]
 LINEAR_WEIGHTS = 6 * (1024 * (1024 + 2 * 512) + 1024 * 1024 + 3 * 1024 * 3072)
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = [3, 17, 64, 129, 300, 1, 45, 250][:n]
-    return [torch.randint(3, CONFIG["vocab_size"], (n_,), generator=g).tolist() for n_ in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +71,7 @@ def test_checkpoint_on_cuda_stays_close_to_its_dequantized_weights(base, form, f
     saved = reference.engine.runner.weight_bytes - runner.weight_bytes
     print(f"{form}: weights {runner.weight_bytes / 2**20:.1f} MiB, bf16 {reference.engine.runner.weight_bytes / 2**20:.1f}")
     assert saved >= LINEAR_WEIGHTS * 2 * (1 - bits / 16 - 0.05)  # bits a weight, and the scales and zeros
-    prompts = _prompts(8)
+    prompts = random_prompts(8)
     _compare(f"{form} vs bf16 on its dequantized weights", forward_logits(llm, prompts),
              forward_logits(reference, prompts))
     one, want = forward_logits(llm, [[5]])[0].float(), forward_logits(reference, [[5]])[0].float()
@@ -91,7 +79,7 @@ def test_checkpoint_on_cuda_stays_close_to_its_dequantized_weights(base, form, f
     assert (one - want).abs().mean() < 0.02 * want.abs().mean() + 1e-3
     # the reference fed this engine's greedy tokens (decoded through the graphs)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    prompts = _prompts(8, seed=1)
+    prompts = random_prompts(8, seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     full = [p + o.outputs[0].token_ids[:-1] for p, o in zip(prompts, outs)]
     agree = total = 0
@@ -103,7 +91,7 @@ def test_checkpoint_on_cuda_stays_close_to_its_dequantized_weights(base, form, f
     assert agree / total >= 0.7
     # decode batches 1..8 through the graphs (padded 1, 2, 4, 8): the GEMV and the matmul
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    batch = [{"prompt_token_ids": p} for p in _prompts(8, seed=2)]
+    batch = [{"prompt_token_ids": p} for p in random_prompts(8, seed=2)]
     for n in (1, 3, 5, 8):
         assert all(len(o.outputs[0].token_ids) == 16 for o in llm.generate(batch[:n], params))
     eager = LLM(str(qdir), enforce_eager=True, **ARGS)
