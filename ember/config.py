@@ -18,6 +18,7 @@ import torch
 from ember.defaults import USAGES, log_settings, scheduling_defaults
 from ember.models.config import ModelConfig
 from ember.pooling import PoolerConfig
+from ember.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,11 @@ class EngineConfig:
     pooler_config: PoolerConfig | None = flag(  # a JSON string or dict from callers, a PoolerConfig after init
         None, 'with --runner pooling: \'{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true | false}\' '
         "(default: the last token, L2-normalized)", metavar="JSON")
+    speculative_config: SpeculativeConfig | None = flag(  # a JSON string or dict from callers, parsed at init
+        None, 'speculative decoding (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": K}\' with '
+        "optional prompt_lookup_min / prompt_lookup_max (default 5) and disable_by_batch_size: a request's decode "
+        "step also verifies K drafted tokens and keeps those the model agrees with (the output is what it would be "
+        "without; steps then run synchronously)", metavar="JSON")
     # Megatron splits (heads, MLP rows, vocabulary), one worker process a rank (runner/tensor_parallel.py)
     tensor_parallel_size: int = flag(
         1, "split the model's layers over N worker processes (gloo on the CPU, one GPU each on CUDA); the heads "
@@ -195,6 +201,11 @@ class EngineConfig:
                                  "(--runner pooling) too")
             if not isinstance(self.pooler_config, PoolerConfig):
                 object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+            if self.async_scheduling:
+                raise ValueError("speculative decoding runs each step synchronously (a request's next drafts need "
+                                 "the tokens its last step accepted): leave async_scheduling unset or False")
         _choice("usage_context", self.usage_context, USAGES)
         for name, (kind, _, optional) in flag_types().items():  # sizes and counts: None is the default
             if kind is int and optional and getattr(self, name) is not None:
@@ -273,7 +284,14 @@ class EngineConfig:
                              f">= 8.9: Ada, Hopper); this one is {torch.cuda.get_device_capability()}: "
                              "use kv_cache_dtype='auto'")
         defaults = scheduling_defaults(device, self.usage_context)
-        async_scheduling = self.async_scheduling if self.async_scheduling is not None else device == "cuda"
+        async_scheduling = self.async_scheduling if self.async_scheduling is not None else \
+            device == "cuda" and self.speculative_config is None
+        if self.speculative_config is not None and runner != "generate":
+            raise ValueError("speculative_config applies to runner='generate' only: a pooling model samples nothing")
+        if self.speculative_config is not None and model_config.linear_layers is not None:
+            raise ValueError(f"{model_config.architecture}: speculative decoding is not supported for models with "
+                             "linear-attention layers yet (their recurrent state cannot roll back rejected drafts): "
+                             "leave speculative_config unset")
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"

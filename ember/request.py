@@ -43,6 +43,9 @@ class Request:
     # launched, not yet collected steps compute for it (its blocks stay while any does)
     num_pending_tokens: int = 0
     num_steps_in_flight: int = 0
+    # speculative decoding: the tokens a proposer guessed to follow output_token_ids, verified by
+    # its next decode step (not part of the sequence until accepted)
+    draft_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_blocks_in_cache: int = 0  # leading block_ids that the prefix cache holds
     # leading block_ids the request gave back, as no query of it can see them again (sliding

@@ -397,6 +397,14 @@ class AsyncEngine:
         iteration.num_preemptions = step.stats.num_preemptions - before.num_preemptions
         iteration.prefix_cache_queries = step.stats.prefix_cache_queries - before.prefix_cache_queries
         iteration.prefix_cache_hits = step.stats.prefix_cache_hits - before.prefix_cache_hits
+        after = step.stats
+        if after.spec_num_drafts != before.spec_num_drafts:  # speculative decoding
+            iteration.spec_num_drafts = after.spec_num_drafts - before.spec_num_drafts
+            iteration.spec_num_draft_tokens = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+            iteration.spec_num_accepted_tokens = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            earlier = before.spec_accepted_per_position
+            iteration.spec_accepted_per_position = [n - (earlier[i] if i < len(earlier) else 0)
+                                                    for i, n in enumerate(after.spec_accepted_per_position)]
         self._record(iteration)
         deliveries = []
         with self._lock:

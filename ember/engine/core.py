@@ -36,6 +36,7 @@ from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler, SchedulerOutput
 from ember.scheduler.sliding_window import shared_window
 from ember.scheduler.state_snapshots import StateSnapshots
+from ember.spec_decode.ngram import NgramProposer
 from ember.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,10 @@ class EngineCore:
         self.in_flight: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back
         self.max_in_flight = 1 if config.async_scheduling else 0  # launched steps left running after step()
+        self.proposer = None  # speculative decoding's drafts (spec_decode/)
+        if config.speculative_config is not None:
+            spec = config.speculative_config
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.sleeping = 0  # the sleep level (0: awake)
 
     def add_request(self, request: Request) -> None:
@@ -192,7 +197,10 @@ class EngineCore:
                            num_waiting=len(sched.waiting) + self.structured.num_compiling,  # and those compiling
                            num_kv_blocks=pool.num_blocks, num_kv_blocks_in_use=pool.num_in_use,
                            num_preemptions=sched.num_preemptions, prefix_cache_queries=sched.prefix_cache_queries,
-                           prefix_cache_hits=sched.prefix_cache_hits)
+                           prefix_cache_hits=sched.prefix_cache_hits, spec_num_drafts=sched.spec.num_drafts,
+                           spec_num_draft_tokens=sched.spec.num_draft_tokens,
+                           spec_num_accepted_tokens=sched.spec.num_accepted_tokens,
+                           spec_accepted_per_position=tuple(sched.spec.accepted_per_position))
 
     # -- operations (the server's /reset_prefix_cache, /start_profile, /sleep, ...) ------------
 
@@ -317,9 +325,13 @@ class EngineCore:
         Requests that left while it ran get nothing, nor do those whose row failed (they fail)."""
         for request_id in result.failed:
             result.sampled.pop(request_id, None)
+        # a verifying chunk appends the run of tokens it accepted, any other one token
+        had = {c.request.request_id: len(c.request.output_token_ids) for c in plan.chunks if c.draft_token_ids}
         stepped, finished = self.scheduler.update(plan, result.sampled)
         pooled = self._finish_pooled(result.pooled)
-        new_tokens = {req.request_id: req.output_token_ids[-1:] for req in stepped}  # none with max_tokens=0
+        new_tokens = {req.request_id: req.output_token_ids[had.get(req.request_id, len(req.output_token_ids) - 1):]
+                      for req in stepped}  # none with max_tokens=0
+        num_sampled = {request_id: len(tokens) for request_id, tokens in new_tokens.items()}
         for req in stepped:
             if not req.status.is_finished:
                 new_tokens[req.request_id] += self._follow_grammar(req, finished)
@@ -327,7 +339,10 @@ class EngineCore:
             self._release(req.request_id)
         for request_id, message in result.failed.items():
             self.fail_request(request_id, message)
-        return pooled + [self._output(req, result, new_tokens[req.request_id]) for req in stepped] + [
+        if self.proposer is not None:
+            self._propose(stepped)
+        return pooled + [self._output(req, result, new_tokens[req.request_id], num_sampled[req.request_id])
+                         for req in stepped] + [
             core_output(c.request, [], False, prompt_logprobs=result.prompt_logprobs[c.request.request_id])
             for c in plan.chunks if c.request.request_id in result.prompt_logprobs and not c.samples
             and not c.request.status.is_finished]
@@ -386,10 +401,23 @@ class EngineCore:
             return advance.forced
         return []
 
-    def _output(self, req: Request, result: ModelRunnerOutput, new_tokens: list[int]) -> EngineCoreOutput:
-        logprobs = result.logprobs.get(req.request_id) if new_tokens else None
-        return core_output(req, new_tokens, logprobs=[logprobs] if logprobs is not None else None,
+    def _output(self, req: Request, result: ModelRunnerOutput, new_tokens: list[int],
+                num_sampled: int) -> EngineCoreOutput:
+        """`new_tokens`: the `num_sampled` tokens the step sampled (with logprobs, where asked),
+        then those a grammar forced."""
+        logprobs = result.logprobs.get(req.request_id) if num_sampled else None
+        return core_output(req, new_tokens, logprobs=logprobs[:num_sampled] if logprobs is not None else None,
                            prompt_logprobs=result.prompt_logprobs.get(req.request_id))
+
+    def _propose(self, stepped: list[Request]) -> None:
+        """Speculative decoding: the drafts each running request's next step verifies (none for a
+        constrained one, whose grammar would have to check each draft, nor while more requests
+        run than disable_by_batch_size)."""
+        spec = self.config.speculative_config
+        off = spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size
+        for req in stepped:
+            req.draft_token_ids = [] if off or req.status.is_finished or req.sampling_params.structured_outputs \
+                is not None else self.proposer.propose(req.all_token_ids)
 
 
 def _needs_tokens_first(plan: SchedulerOutput) -> bool:

@@ -139,7 +139,10 @@ class OutputProcessor:
         return sample
 
     def _add_text(self, sample: _Sample, out: EngineCoreOutput) -> bool:
-        """Append the new text; True when a stop string ended a still-running sample here."""
+        """Append the new text; True when a stop string ended a still-running sample here. Several
+        new tokens at once (accepted drafts, tokens a grammar forced) are searched one by one, so a
+        stop string ends the sample at the token where it would have without them: the tokens
+        after that one are dropped, with their logprobs."""
         if sample.detokenizer is None:
             return False
         req, params = sample.request, sample.request.sampling_params
@@ -147,19 +150,37 @@ class OutputProcessor:
         if (out.finished and out.finish_reason == "stop" and not params.include_stop_str_in_output and new_ids
                 and (new_ids[-1] in req.eos_token_ids or new_ids[-1] in params.stop_token_ids)):
             new_ids = new_ids[:-1]  # as vLLM: an EOS or stop token's own text is left out
-        searched = len(sample.text)
-        sample.text += sample.detokenizer.add(new_ids)
-        if out.finished:
-            sample.text += sample.detokenizer.flush()  # a tail that ends mid-character
-        if not params.stop or len(sample.token_ids) < params.min_tokens:
-            return False
+        before = len(sample.token_ids) - len(out.new_token_ids)  # the sample's tokens before these
+        pieces = [new_ids] if not params.stop or len(new_ids) < 2 else [[t] for t in new_ids]
+        for i, ids in enumerate(pieces):
+            searched = len(sample.text)
+            sample.text += sample.detokenizer.add(ids)
+            if out.finished and i == len(pieces) - 1:
+                sample.text += sample.detokenizer.flush()  # a tail that ends mid-character
+            kept = len(sample.token_ids) if len(pieces) == 1 else before + i + 1
+            if params.stop and kept >= params.min_tokens and self._stop_string(sample, params, searched):
+                self._drop_tokens_after(sample, kept)
+                return not out.finished
+        return False
+
+    @staticmethod
+    def _stop_string(sample: _Sample, params, searched: int) -> bool:
+        """Whether a stop string ends in the text after `searched`: the text cut there, the sample stopped."""
         for stop in params.stop:  # only a stop string that ends in the new text
             at = sample.text.find(stop, max(0, searched - len(stop) + 1))
             if at != -1:
                 sample.text = sample.text[: at + len(stop) if params.include_stop_str_in_output else at]
                 sample.finish_reason, sample.stop_reason = "stop", stop
-                return not out.finished
+                return True
         return False
+
+    @staticmethod
+    def _drop_tokens_after(sample: _Sample, kept: int) -> None:
+        if sample.logprobs is not None:
+            for token, entry in zip(sample.token_ids[kept:], sample.logprobs[kept:]):
+                sample.cumulative_logprob -= entry[token].logprob
+            del sample.logprobs[kept:]
+        del sample.token_ids[kept:]
 
     def _add_logprobs(self, sample: _Sample, tokens: list[TokenLogprobs]) -> None:
         for t in tokens:

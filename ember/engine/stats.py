@@ -30,6 +30,11 @@ class EngineStats:
     num_preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found
+    # speculative decoding, since start (scheduler.SpecDecodeCounts)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -56,6 +61,10 @@ class IterationStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0
+    spec_num_drafts: int = 0  # speculative decoding: verifying steps of a request
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
@@ -69,7 +78,9 @@ class StatLogger(Protocol):
 
 class LoggingStatLogger:
     """A line in the log every `interval` seconds while the engine works: prompt and
-    generation throughput, running, waiting, KV use, prefix-cache hit rate, preemptions."""
+    generation throughput, running, waiting, KV use, prefix-cache hit rate, preemptions, and with
+    speculative decoding the mean accepted length (tokens a verifying step appends) and the
+    drafts' acceptance rate."""
 
     def __init__(self, interval: float = 5.0) -> None:
         self.interval = interval
@@ -78,6 +89,7 @@ class LoggingStatLogger:
         self._generation_tokens = 0
         self._preemptions = 0
         self._queries = self._hits = 0
+        self._drafts = self._draft_tokens = self._accepted = 0
 
     def record(self, stats: EngineStats, iteration: IterationStats) -> None:
         now = time.monotonic()
@@ -89,16 +101,23 @@ class LoggingStatLogger:
         self._preemptions += iteration.num_preemptions
         self._queries += iteration.prefix_cache_queries
         self._hits += iteration.prefix_cache_hits
+        self._drafts += iteration.spec_num_drafts
+        self._draft_tokens += iteration.spec_num_draft_tokens
+        self._accepted += iteration.spec_num_accepted_tokens
         if now - self._start < self.interval:
             return
         elapsed = now - self._start
+        spec = "" if not self._drafts else (
+            f", mean accepted length: {1 + self._accepted / self._drafts:.2f}, draft acceptance rate: "
+            f"{100 * self._accepted / self._draft_tokens:.1f}%")
         logger.info("prompt: %.1f tok/s, generation: %.1f tok/s, running: %d, waiting: %d, KV cache: %.1f%%, "
-                    "prefix cache hit rate: %.1f%%, preemptions: %d", self._prompt_tokens / elapsed,
+                    "prefix cache hit rate: %.1f%%, preemptions: %d%s", self._prompt_tokens / elapsed,
                     self._generation_tokens / elapsed, stats.num_running, stats.num_waiting,
                     100 * stats.kv_cache_usage, 100 * self._hits / self._queries if self._queries else 0.0,
-                    self._preemptions)
+                    self._preemptions, spec)
         self._reset(now)
 
     def _reset(self, now: float) -> None:
         self._start, self._prompt_tokens, self._generation_tokens, self._preemptions = now, 0, 0, 0
         self._queries = self._hits = 0
+        self._drafts = self._draft_tokens = self._accepted = 0

@@ -63,7 +63,7 @@ class PromptLogprobs:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)  # n tokens when a request forks
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one a sampled row (drafts: K + 1)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its token is void (see launch)
     pooled: dict[str, list[float]] = field(default_factory=dict)  # runner="pooling": prompts that ended
@@ -436,19 +436,27 @@ class ModelRunner:
                 step.pooled = list(pooled), to_host(vectors, self.pin)
             sampled_chunks = []
         if sampled_chunks:
-            # a request that forks into n samples draws n tokens from its one row of logits
-            owners = step.owners
-            for c in sampled_chunks:
-                step.rows[c.request.request_id] = len(owners)
-                owners += [(c.request, i) for i in range(c.request.num_samples_to_draw)]
+            # a request that forks into n samples draws n tokens from its one row of logits; a
+            # chunk with K drafts samples each of its K + 1 rows, row j after drafts[:j]
+            owners, hidden_rows, drafted = step.owners, [], []
+            for c, last in zip(sampled_chunks, sample_rows):
+                req, k = c.request, len(c.draft_token_ids)
+                step.rows[req.request_id] = len(owners)
+                if k:
+                    owners += [(req, 0)] * (k + 1)
+                    hidden_rows += range(last - k, last + 1)
+                    drafted += [c.draft_token_ids[:j] for j in range(k + 1)]
+                else:
+                    owners += [(req, i) for i in range(req.num_samples_to_draw)]
+                    hidden_rows += [last] * req.num_samples_to_draw
+                    drafted += [()] * req.num_samples_to_draw
             if len(owners) == len(sample_rows) == hidden.shape[0]:  # every row samples once (decode): no gather
                 logits = self.model.compute_logits(hidden)
             else:
-                rows_idx = to_device([r for c, r in zip(sampled_chunks, sample_rows)
-                                      for _ in range(c.request.num_samples_to_draw)], self.device, torch.int64)
-                logits = self.model.compute_logits(hidden[rows_idx])
+                logits = self.model.compute_logits(hidden[to_device(hidden_rows, self.device, torch.int64)])
             grammar_masks = fill_grammar_masks() if fill_grammar_masks is not None else {}
-            rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id), step.failed) for req, i in owners]
+            rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id), step.failed, after)
+                    for (req, i), after in zip(owners, drafted)]
             result = self.sampler(logits, rows)
             step.tokens = result.tokens
             step.host_tokens = to_host(step.tokens, self.pin)
@@ -485,7 +493,8 @@ class ModelRunner:
             self.step_times["wait"] += time.perf_counter() - start
         if step.logprobs is not None:
             keys, pending = step.logprobs
-            out.logprobs = dict(zip(keys, pending.unpack()))
+            for key, logprobs in zip(keys, pending.unpack()):
+                out.logprobs.setdefault(key, []).append(logprobs)
         for request_id, (first, pending) in step.prompt_logprobs.items():
             out.prompt_logprobs[request_id] = PromptLogprobs(first, pending.unpack())
         if step.host_tokens is not None:
@@ -520,13 +529,15 @@ class ModelRunner:
         return clock
 
     def _sampling_row(self, req: Request, sample_index: int, allowed: torch.Tensor | None,
-                      failed: dict[str, str]) -> SamplingRow:
+                      failed: dict[str, str], drafted: list[int] | tuple = ()) -> SamplingRow:
         """Turn one request's parameters into its row (its generator, its logit_bias
-        tensors). If that fails, the request alone fails (`failed`): it gets a greedy
-        stand-in row, and its token is dropped when the step is collected."""
+        tensors); a row that verifies a draft sees the drafts before it as output (penalties,
+        min_tokens, bad words). If that fails, the request alone fails (`failed`): it gets a
+        greedy stand-in row, and its token is dropped when the step is collected."""
         try:
+            output = req.output_token_ids + list(drafted) if drafted else req.output_token_ids
             return SamplingRow(req.sampling_params, self._generator(req, sample_index), req.prompt_token_ids,
-                               req.output_token_ids, req.eos_token_ids, allowed, self._bias(req))
+                               output, req.eos_token_ids, allowed, self._bias(req))
         except Exception as e:
             logger.exception("request %s: its sampling parameters could not be applied", req.request_id)
             failed[req.request_id] = f"its sampling parameters could not be applied ({type(e).__name__})"
@@ -632,7 +643,8 @@ class ModelRunner:
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
                 assert not req.num_pending_tokens, "a pending token is its request's only new token"
-                ids += req.all_token_ids[start:end]
+                drafts = chunk.draft_token_ids  # speculative decoding: verified after the last known token
+                ids += req.all_token_ids[start:end - len(drafts)] + drafts if drafts else req.all_token_ids[start:end]
                 positions += range(start, end)
                 slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(len(ids))

@@ -20,8 +20,8 @@ from ember.request import Request
 from ember.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 # (request id, num_new_tokens, start, samples, num_pending_tokens, new output ids,
-#  block ids, whether those replace the list rather than extend it)
-ChunkDiff = tuple[str, int, int, bool, int, list[int], list[int], bool]
+#  block ids, whether those replace the list rather than extend it, the drafts it verifies)
+ChunkDiff = tuple[str, int, int, bool, int, list[int], list[int], bool, list[int]]
 
 
 @dataclass
@@ -62,7 +62,7 @@ class PlanEncoder:
                 new_blocks = list(blocks) if whole else blocks[sent.num_blocks:]
             self.sent[req.request_id] = _Sent(blocks, len(blocks), len(outputs))
             diff.chunks.append((req.request_id, c.num_new_tokens, c.start, c.samples, req.num_pending_tokens,
-                                new_outputs, new_blocks, whole))
+                                new_outputs, new_blocks, whole, c.draft_token_ids))
         return diff
 
     def forget(self, request_id: str) -> None:
@@ -81,7 +81,7 @@ class PlanDecoder:
             self.requests[req.request_id] = req
         plan = SchedulerOutput(block_copies=diff.block_copies, state_restores=diff.state_restores,
                                state_saves=diff.state_saves)
-        for request_id, num_new, start, samples, pending, outputs, blocks, whole in diff.chunks:
+        for request_id, num_new, start, samples, pending, outputs, blocks, whole, drafts in diff.chunks:
             req = self.requests[request_id]
             req.output_token_ids += outputs
             if whole:
@@ -89,7 +89,7 @@ class PlanDecoder:
             else:
                 req.block_ids += blocks
             req.num_computed_tokens, req.num_pending_tokens = start, pending
-            chunk = ScheduledChunk(req, num_new)
+            chunk = ScheduledChunk(req, num_new, drafts)
             chunk.start, chunk.samples = start, samples
             plan.chunks.append(chunk)
         return plan

@@ -22,6 +22,14 @@ the hit ends (state_snapshots.py): its hits stop at the last cached block with o
 are cut where a state should be saved, and each step's plan says which states to restore
 before the forward and to save after it. Its forked samples are admitted anew, from the cache.
 
+Speculative decoding (spec_decode/): a decoding request with drafts gets them as extra tokens
+of its chunk, from what the step leaves of the budget and the free blocks once every request
+has its own tokens (`_add_drafts`: a draft never delays or preempts anyone), within max_tokens
+and max_model_len. Its update keeps the run of tokens its rows agree with and rolls back the
+KV of the rest: they stop counting as computed and the blocks past the kept tokens go back
+(`_accept_drafts`); only known tokens ever enter the prefix cache, so no draft does. Such a
+step is always synchronous (the next drafts need its tokens).
+
 A step's life: `schedule()` plans it, `mark_launched(plan)` counts its tokens as computed once
 the runner has queued it (each token it samples is a placeholder, `num_pending_tokens`),
 `update(plan, sampled)` puts the sampled ids in their place and applies the stop rules.
@@ -77,7 +85,10 @@ LPM_MAX_QUEUE = 128  # a longer queue is taken in arrival order: lpm looks up ev
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    # speculative decoding: the drafts this decode chunk verifies, its last num_new_tokens - 1
+    # tokens; each of its rows samples (spec_decode/__init__.py)
+    draft_token_ids: list[int] = field(default_factory=list)
     # True when this chunk reaches the end of the request's tokens: a token is sampled.
     # Fixed when the chunk is made: mark_launched() advances the counters it is read from.
     samples: bool = field(init=False)
@@ -85,7 +96,7 @@ class ScheduledChunk:
 
     def __post_init__(self) -> None:
         self.start = self.request.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        self.samples = self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -143,6 +154,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
+        self.spec = SpecDecodeCounts()  # speculative decoding's drafts and acceptance, since start
         self._pending_copies: list[tuple[int, int]] = []
         self.in_flight: deque[SchedulerOutput] = deque()  # launched, not yet updated, oldest first
 
@@ -214,7 +226,30 @@ class Scheduler:
                 plan.state_restores.append((req.request_id, snapshot))
             self._add_chunk(plan, req, n)
             budget -= n
+        if budget > 0 and not plan.preempted:
+            self._add_drafts(plan, budget)
         return plan
+
+    def _add_drafts(self, plan: SchedulerOutput, budget: int) -> None:
+        """Speculative decoding: each decode chunk takes its request's drafts as far as the step's
+        leftover budget and free blocks go (after everyone's own tokens: a draft never delays or
+        preempts a request), and as far as max_tokens and max_model_len leave room for them all
+        and the token after."""
+        for i, chunk in enumerate(plan.chunks):
+            req = chunk.request
+            if budget == 0:
+                break
+            if not req.draft_token_ids or chunk.num_new_tokens != 1 or not chunk.samples:
+                continue
+            k = min(len(req.draft_token_ids), budget, self.max_model_len - req.num_tokens - 1)
+            if req.max_tokens is not None:
+                k = min(k, req.max_tokens - len(req.output_token_ids) - 1)
+            while k > 0 and self.blocks_for(req.num_tokens + k) - len(req.block_ids) > self.pool.num_available:
+                k -= 1
+            if k > 0:
+                self._grow(req, 1 + k)
+                plan.chunks[i] = ScheduledChunk(req, 1 + k, req.draft_token_ids[:k])
+                budget -= k
 
     def _add_chunk(self, plan: SchedulerOutput, req: Request, n: int) -> None:
         """Plan `n` tokens of the request; a recurrent state saved where they end on a block boundary."""
@@ -350,6 +385,7 @@ class Scheduler:
         self.running.remove(req)
         self._release_blocks(req)
         self.snapshots.release(req.request_id)
+        req.draft_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -394,6 +430,19 @@ class Scheduler:
                 stepped.append(req)
                 finished.append(req)
                 continue
+            if chunk.draft_token_ids:
+                reason = None
+                for token in self._accept_drafts(req, chunk.draft_token_ids, tokens):
+                    req.append_token(token)
+                    reason = self._stop_reason(req, token)
+                    if reason is not None:
+                        break
+                self._cache_full_blocks(req, req.num_known_tokens - (reason is not None))
+                stepped.append(req)
+                if reason is not None:
+                    self.finish(req, *reason)
+                    finished.append(req)
+                continue
             req.append_token(tokens[0])
             reason = self._stop_reason(req, tokens[0])
             # its block now known, if a step in flight computes it; not for a request that ends here
@@ -408,6 +457,22 @@ class Scheduler:
                     finished.append(r)
         self.pool.free(plan.free_when_collected)
         return stepped, finished
+
+    def _accept_drafts(self, req: Request, drafts: list[int], tokens: list[int]) -> list[int]:
+        """The tokens a verifying step keeps: its rows' tokens up to the first that differs from
+        its draft, that one included (`tokens` has one a row: len(drafts) + 1). The KV of the
+        rejected drafts is rolled back: they no longer count as computed, and the blocks past
+        the kept tokens go back to the pool (never cached: the cache takes known tokens only)."""
+        accepted = 0
+        while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+            accepted += 1
+        self.spec.record(len(drafts), accepted)
+        req.num_computed_tokens -= len(drafts) - accepted
+        keep = max(self.blocks_for(req.num_computed_tokens), req.num_released_blocks)
+        if keep < len(req.block_ids):
+            self._free_blocks(req, req.block_ids[keep:])
+            req.block_ids = req.block_ids[:keep]  # a new list: the runner rebuilds its table row
+        return tokens[:accepted + 1]
 
     def _ends_on_pending_token(self, req: Request) -> bool:
         """Whether the pending token ends the request by length: no step after it is needed."""
@@ -477,6 +542,26 @@ class Scheduler:
         for req in ended:
             self.finish(req, reason, status=status)
         return ended
+
+
+@dataclass
+class SpecDecodeCounts:
+    """Speculative decoding since start, under vLLM's metric names: verifying steps of a request
+    (drafts), tokens drafted and accepted, and accepted at each draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
 
 
 def check_request_fits(req: Request, max_num_seqs: int, max_model_len: int, window: FullContextBlocks,

@@ -4,7 +4,9 @@ Gauges (read from `AsyncEngine.current_stats()` at scrape time):
     num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction, 1 = full)
 Counters: prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
     (stop, length, abort: the client left or the server stopped it, error: it failed in the
-    engine), num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total (in tokens)
+    engine), num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total (in tokens),
+    and with speculative decoding spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
+    spec_decode_num_accepted_tokens_total, spec_decode_num_accepted_tokens_per_pos_total{position}
 Histograms (seconds): time_to_first_token, inter_token_latency, e2e_request_latency,
     request_queue_time, request_prefill_time, request_decode_time
 
@@ -67,6 +69,12 @@ class PrometheusStatLogger:
         self.preemptions = counter("num_preemptions", "Preemptions.")
         self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verifying steps of a request.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: drafts accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Speculative decoding: drafts accepted at each draft position.",
+                                             ("position",))
         self.success = counter("request_success", "Requests that finished, by finish reason.", ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a sample.",
@@ -91,6 +99,12 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(m).inc(it.prefix_cache_queries)
         if it.prefix_cache_hits:
             self.prefix_hits.labels(m).inc(it.prefix_cache_hits)
+        if it.spec_num_drafts:
+            self.spec_drafts.labels(m).inc(it.spec_num_drafts)
+            self.spec_draft_tokens.labels(m).inc(it.spec_num_draft_tokens)
+            self.spec_accepted.labels(m).inc(it.spec_num_accepted_tokens)
+            for position, n in enumerate(it.spec_accepted_per_position):
+                self.spec_accepted_per_pos.labels(m, str(position)).inc(n)
         for t in it.time_to_first_tokens:
             self.ttft.labels(m).observe(t)
         for t in it.inter_token_latencies:

@@ -3,7 +3,8 @@ running requests, fed each step only what changed, hold exactly what the engine'
 hold when the runner reads them. Checked on every step of a real engine (the default model)
 through preemption, prefix-cache hits, n > 1 forks and async scheduling's pending tokens;
 then the same engine shape with its one rank in a worker process gives the in-process
-tokens and guided choice (the masks travel in the message after the plan)."""
+tokens and guided choice (the masks travel in the message after the plan), with speculative
+decoding's drafts too."""
 
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ def test_mirrors_hold_what_the_engine_holds_at_every_step(gguf_path):
         assert len(mirrored.chunks) == len(plan.chunks) and mirrored.block_copies == plan.block_copies
         assert (mirrored.state_restores, mirrored.state_saves) == (plan.state_restores, plan.state_saves)
         for chunk, mirror in zip(plan.chunks, mirrored.chunks):
-            assert (mirror.num_new_tokens, mirror.start, mirror.samples) == (
-                chunk.num_new_tokens, chunk.start, chunk.samples)
+            assert (mirror.num_new_tokens, mirror.start, mirror.samples, mirror.draft_token_ids) == (
+                chunk.num_new_tokens, chunk.start, chunk.samples, chunk.draft_token_ids)
             assert _mirror_of(mirror.request) == _mirror_of(chunk.request)
-        for request_id, *_, blocks, whole in diff.chunks:
+        for request_id, *_, blocks, whole, drafts in diff.chunks:
             seen["whole"] += whole
             seen["tail"] += bool(blocks) and not whole
         seen["chunks"] += len(plan.chunks)
@@ -84,5 +85,23 @@ def test_one_rank_in_a_worker_process_gives_the_engine_process_tokens(gguf_path)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == expected
         assert llm.generate(["My favourite colour is"], CHOICE)[0].outputs[0].text == expected_choice
         assert expected_choice in ("blue", "green", "red")
+    finally:
+        llm.shutdown()
+
+
+def test_drafts_reach_a_worker_process_and_roll_back_there(gguf_path):
+    """Speculative decoding with the rank in a worker: the drafts travel in the plan, a rollback
+    replaces the block list; the tokens are the in-process engine's without speculation."""
+    prompts = ["Repeat: one two three four five six. Repeat: one two three", "Say hello."]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    here = LLM(str(gguf_path), num_kv_blocks=64)
+    expected = [o.outputs[0].token_ids for o in here.generate(prompts, greedy)]
+    here.shutdown()
+    llm = LLM(str(gguf_path), num_kv_blocks=64, distributed_executor_backend="mp",
+              speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == expected
+        counts = llm.engine.scheduler.spec
+        assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
     finally:
         llm.shutdown()

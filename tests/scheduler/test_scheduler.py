@@ -52,13 +52,14 @@ def check_invariants(s: Scheduler, out: SchedulerOutput | None = None) -> None:
     assert len(s.running) <= s.max_num_seqs
     # between schedule() and update() a scheduled request already holds the blocks of its chunk
     pending = {c.request.request_id: c.num_new_tokens for c in out.chunks} if out is not None else {}
+    drafts = {c.request.request_id: len(c.draft_token_ids) for c in out.chunks} if out is not None else {}
     held = []
     for r in s.running:
         assert r.status is RequestStatus.RUNNING
         assert 0 <= r.num_computed_tokens <= r.num_tokens <= s.max_model_len
-        # exactly the blocks its computed (and scheduled) tokens need: no more, no fewer
+        # exactly the blocks its computed (and scheduled) tokens need, drafts included: no more, no fewer
         need = r.num_computed_tokens + pending.get(r.request_id, 0)
-        assert need <= r.num_tokens
+        assert need <= r.num_tokens + drafts.get(r.request_id, 0)
         assert len(r.block_ids) == s.blocks_for(need), (r.request_id, r.block_ids, need)
         held += r.block_ids
     for r in s.waiting:

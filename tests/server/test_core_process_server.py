@@ -185,6 +185,31 @@ def test_64_concurrent_mixed_requests_get_the_answers_of_the_in_process_core(ser
     server.wait_idle()
 
 
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+def test_speculative_decoding_serves_the_same_answers_and_counts_its_drafts(server, gguf_path, tmp_path_factory):
+    """`--speculative-config` (vLLM's JSON): every request of the mix that does not sample at a
+    temperature (those draw other random numbers) gets the plain server's answer, streamed or
+    not, with logprobs, stop strings inside accepted runs, structured output and tools; the
+    drafts are counted under vLLM's metric names."""
+    reqs = [(path, body) for path, body in _requests()
+            if body["temperature"] == 0 or "response_format" in body]
+    spec_server = make_server(gguf_path, tmp_path_factory, "--speculative-config", SPEC)
+    for spec in running(spec_server):
+        got = asyncio.run(_all(spec.url, reqs))
+        want = asyncio.run(_all(server.url, reqs))
+        for (path, body), g, w in zip(reqs, got, want):
+            assert g == w, (path, body)
+        m = spec.wait_idle()
+        assert m["spec_decode_num_drafts_total"] > 0
+        assert 0 < m["spec_decode_num_accepted_tokens_total"] < m["spec_decode_num_draft_tokens_total"]
+        per_position = [m.get(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}', 0) for i in range(4)]
+        assert per_position[0] > 0 and per_position == sorted(per_position, reverse=True)
+        assert sum(per_position) == m["spec_decode_num_accepted_tokens_total"]
+    server.wait_idle()
+
+
 def test_500_disconnects_leave_no_block_held(server):
     async def leave_early(client: httpx.AsyncClient, i: int, gate: asyncio.Semaphore) -> None:
         body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 64, "temperature": 0, "ignore_eos": True,

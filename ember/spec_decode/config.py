@@ -1,0 +1,71 @@
+"""SpeculativeConfig: vLLM's `--speculative-config` / `LLM(speculative_config=...)` JSON object."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+NOT_YET = {"draft_model": "a draft model", "eagle3": "EAGLE-3 heads", "eagle": "EAGLE heads",
+           "medusa": "Medusa heads", "mlp_speculator": "MLP speculators", "suffix": "suffix decoding",
+           "mtp": "multi-token-prediction layers", "deepseek_mtp": "multi-token-prediction layers"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 0  # K: drafts a request gets a step (required)
+    # ngram: the longest and shortest suffix of the context looked up in its earlier tokens
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # no drafts in a step whose running requests are more than this (None: always draft)
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_YET:
+            raise ValueError(f"speculative_config: method {self.method!r} ({NOT_YET[self.method]}) is not supported "
+                             f"yet; ember speculates with: {', '.join(METHODS)}")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r} (ember's: {', '.join(METHODS)})")
+        if not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool) \
+                or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config: num_speculative_tokens must be an integer >= 1 (the drafts a "
+                             f"request gets a step); got {self.num_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi),
+                            ("disable_by_batch_size", self.disable_by_batch_size)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1; got {value!r}")
+        # vLLM's defaults: 5 and 5 when neither is given, else the one given for both
+        lo, hi = (lo or hi or 5), (hi or lo or 5)
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) is more than prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From a JSON object (the command line's), a dict, or a SpeculativeConfig."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError("speculative_config must be a JSON object such as "
+                                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; got "
+                                 f"{value!r:.80}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object; got {value!r:.80}")
+        if value.get("method") in NOT_YET or (value.get("method") is None and value.get("model") is not None):
+            cls(method=value.get("method") or "draft_model", num_speculative_tokens=1)  # refused by name
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: key {unknown[0]!r} is not supported (ember's keys: "
+                             f"{', '.join(sorted(known))})")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: num_speculative_tokens is required (the drafts a request gets a "
+                             "step, e.g. 4)")
+        return cls(**value)
