@@ -334,7 +334,7 @@ class EngineCore:
         num_sampled = {request_id: len(tokens) for request_id, tokens in new_tokens.items()}
         for req in stepped:
             if not req.status.is_finished:
-                new_tokens[req.request_id] += self._follow_grammar(req, finished)
+                new_tokens[req.request_id] += self._follow_grammar(req, finished, num_sampled[req.request_id])
         for req in finished:
             self._release(req.request_id)
         for request_id, message in result.failed.items():
@@ -382,11 +382,11 @@ class EngineCore:
         outputs += [self._failed_output(req, message) for req, message in failed]
         return outputs
 
-    def _follow_grammar(self, req: Request, finished: list[Request]) -> list[int]:
-        """Feed a constrained request's new token to its grammar: finish it when the grammar
-        is complete, fail it when the grammar refuses the token, else append what the grammar
-        forces next (returned)."""
-        advance = self.structured.advance(req)
+    def _follow_grammar(self, req: Request, finished: list[Request], num_new: int) -> list[int]:
+        """Feed a constrained request's `num_new` new tokens to its grammar: finish it when the
+        grammar is complete, fail it when the grammar refuses a token, else append what the
+        grammar forces next (returned)."""
+        advance = self.structured.advance(req, num_new)
         if advance is None:
             return []
         if not advance.accepted:
@@ -410,14 +410,16 @@ class EngineCore:
                            prompt_logprobs=result.prompt_logprobs.get(req.request_id))
 
     def _propose(self, stepped: list[Request]) -> None:
-        """Speculative decoding: the drafts each running request's next step verifies (none for a
-        constrained one, whose grammar would have to check each draft, nor while more requests
-        run than disable_by_batch_size)."""
+        """Speculative decoding: the drafts each running request's next step verifies (a
+        constrained one's as far as its grammar accepts them; none while more requests run than
+        disable_by_batch_size)."""
         spec = self.config.speculative_config
         off = spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size
         for req in stepped:
-            req.draft_token_ids = [] if off or req.status.is_finished or req.sampling_params.structured_outputs \
-                is not None else self.proposer.propose(req.all_token_ids)
+            drafts = [] if off or req.status.is_finished else self.proposer.propose(req.all_token_ids)
+            if drafts and req.sampling_params.structured_outputs is not None:
+                drafts = self.structured.draftable(req, drafts)
+            req.draft_token_ids = drafts
 
 
 def _needs_tokens_first(plan: SchedulerOutput) -> bool:

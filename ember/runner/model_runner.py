@@ -107,6 +107,12 @@ def _num_kv_layers(mc: ModelConfig) -> int:
     return 0 if mc.bidirectional else mc.num_attention_layers
 
 
+def _mask_at(mask: torch.Tensor | None, position: int) -> torch.Tensor | None:
+    """A request's grammar mask for its sampled row at `position` in its drafts: a verifying
+    chunk has one a position ([K + 1, words]), any other one ([words])."""
+    return mask[position] if mask is not None and mask.dim() == 2 else mask
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -455,8 +461,8 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[to_device(hidden_rows, self.device, torch.int64)])
             grammar_masks = fill_grammar_masks() if fill_grammar_masks is not None else {}
-            rows = [self._sampling_row(req, i, grammar_masks.get(req.request_id), step.failed, after)
-                    for (req, i), after in zip(owners, drafted)]
+            rows = [self._sampling_row(req, i, _mask_at(grammar_masks.get(req.request_id), len(after)), step.failed,
+                                       after) for (req, i), after in zip(owners, drafted)]
             result = self.sampler(logits, rows)
             step.tokens = result.tokens
             step.host_tokens = to_host(step.tokens, self.pin)

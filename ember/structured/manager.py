@@ -333,21 +333,68 @@ class StructuredOutputManager:
         request that samples this step. Empty when none does (the common, free case).
         A request whose matcher raises gets a row that allows every token and goes to
         take_failures(); the other rows are unaffected."""
-        rows = [c.request.request_id for c in plan.chunks
-                if c.samples and c.request.request_id in self._matchers
-                and c.request.request_id not in self._reasoning]
-        if not rows:
+        chunks = [c for c in plan.chunks if c.samples and c.request.request_id in self._matchers
+                  and c.request.request_id not in self._reasoning]
+        if not chunks:
             return {}
-        bitmask = torch.empty(len(rows), bitmask_words(self.vocab_size), dtype=torch.int32)
-        for i, request_id in enumerate(rows):
+        bitmask = torch.empty(sum(1 + len(c.draft_token_ids) for c in chunks), bitmask_words(self.vocab_size),
+                              dtype=torch.int32)
+        masks, row = {}, 0
+        for chunk in chunks:
+            request_id, drafts = chunk.request.request_id, chunk.draft_token_ids
+            rows = bitmask[row: row + 1 + len(drafts)]
             if request_id not in self._broken:
                 try:
-                    self._matchers[request_id].fill_bitmask(bitmask, i)
-                    continue
+                    self._fill_rows(self._matchers[request_id], drafts, bitmask, row)
                 except Exception as e:
                     self._failures[request_id] = self._break(request_id, e, "filling its token mask")
-            bitmask[i].fill_(-1)  # every bit set: every token allowed
-        return {request_id: bitmask[i] for i, request_id in enumerate(rows)}
+                    rows.fill_(-1)  # every bit set: every token allowed
+            else:
+                rows.fill_(-1)
+            masks[request_id] = rows if drafts else rows[0]
+            row += 1 + len(drafts)
+        return masks
+
+    @staticmethod
+    def _fill_rows(matcher: GrammarMatcher, drafts: list[int], bitmask: torch.Tensor, row: int) -> None:
+        """The mask of each position a chunk samples: row + j after its drafts[:j] (speculative
+        decoding: each drafted position's; the matcher ends where it began)."""
+        accepted = 0
+        try:
+            for j, token in enumerate([*drafts, None]):
+                matcher.fill_bitmask(bitmask, row + j)
+                if token is not None:
+                    if not matcher.accept_token(token):
+                        raise RuntimeError(f"draft {token} is not in the grammar (they are checked when drafted)")
+                    accepted += 1
+        finally:
+            if accepted:
+                matcher.rollback(accepted)
+
+    def draftable(self, req: Request, drafts: list[int]) -> list[int]:
+        """Speculative decoding: the drafts a constrained request can verify, the longest run its
+        grammar accepts, short of one that completes it (a gated request in its reasoning, or one
+        whose matcher failed: none)."""
+        request_id = req.request_id
+        matcher = self._matchers.get(request_id)
+        if not drafts or matcher is None or request_id in self._reasoning or request_id in self._broken:
+            return []
+        kept = accepted = 0
+        try:
+            for token in drafts:
+                if not matcher.accept_token(token):
+                    break
+                accepted += 1
+                if matcher.is_terminated():
+                    break  # the model samples the grammar's end itself
+                kept += 1
+        except Exception:
+            logger.exception("request %s: checking drafts against its grammar failed: none drafted", request_id)
+            kept = 0
+        finally:
+            if accepted:
+                matcher.rollback(accepted)
+        return drafts[:kept]
 
     def take_failures(self) -> dict[str, str]:
         """request id -> message for its client, for each request whose matcher raised in
@@ -356,9 +403,10 @@ class StructuredOutputManager:
         failures, self._failures = self._failures, {}
         return failures
 
-    def advance(self, req: Request) -> GrammarAdvance | None:
-        """Feed a request's newly sampled token to its matcher (None: not constrained).
-        An exception from the matcher fails the request: GrammarAdvance(False, error=...)."""
+    def advance(self, req: Request, num_new: int = 1) -> GrammarAdvance | None:
+        """Feed a request's `num_new` newly sampled tokens (more than one: accepted drafts) to its
+        matcher (None: not constrained). An exception from the matcher fails the request:
+        GrammarAdvance(False, error=...)."""
         if req.sampling_params.structured_outputs is None:
             return None
         request_id = req.request_id
@@ -375,10 +423,11 @@ class StructuredOutputManager:
                     self._reasoning.add(request_id)
             if request_id in self._reasoning:
                 return self._follow_reasoning(req, matcher)
-            if not matcher.accept_token(req.output_token_ids[-1]):
-                return GrammarAdvance(False)
-            if matcher.is_terminated():
-                return GrammarAdvance(True, terminated=True)
+            for token in req.output_token_ids[len(req.output_token_ids) - num_new:]:
+                if not matcher.accept_token(token):
+                    return GrammarAdvance(False)
+                if matcher.is_terminated():
+                    return GrammarAdvance(True, terminated=True)
             return GrammarAdvance(True, forced=self._forced(req, matcher))
         except Exception as e:
             return GrammarAdvance(False, error=self._break(request_id, e, "following its sampled token"))

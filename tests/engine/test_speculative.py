@@ -169,6 +169,24 @@ def test_a_mixed_batch_with_structured_output_and_n(engines):
         assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
 
 
+def test_a_constrained_request_verifies_the_drafts_its_grammar_accepts(engines, oracle):
+    """A JSON schema with drafts that are the plain run's own tokens: the grammar's mask at each
+    drafted position, the whole accepted run fed to the grammar; the output is the plain one."""
+    plain, spec = engines["plain"], engines["spec"]
+    prompts = token_prompts(plain, ["Make up a person as JSON:"])
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=0,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    want = plain.generate(prompts, params)
+    oracle(Oracle([list(want[0].prompt_token_ids) + list(want[0].outputs[0].token_ids)], 4))
+    counts = spec.engine.scheduler.spec
+    before = counts.num_accepted_tokens
+    got = spec.generate(prompts, params)
+    assert results(got) == results(want) and want[0].outputs[0].finish_reason == "stop"
+    assert counts.num_accepted_tokens - before >= 8
+
+
 def test_preempted_and_aborted_requests_hold_no_block(engines, gguf_path, live_engines):
     """A pool of 14 blocks for three requests that grow to 6 blocks each: preemptions, and the
     drafts' blocks come and go; an abort mid-run. Tokens equal the plain run's."""

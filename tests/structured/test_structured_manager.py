@@ -332,3 +332,38 @@ def test_a_matcher_that_raises_at_the_start_fails_its_request_in_ready(faulty, c
     assert "RuntimeError: injected failure in jump_forward" in caplog.text
     m.release("good")
     assert m.holds() == 0  # the failed request left nothing behind
+
+
+# -- speculative decoding -------------------------------------------------------------------
+
+
+def test_drafts_are_kept_as_far_as_the_grammar_accepts_and_each_position_gets_its_mask(backend, tok):
+    """draftable() cuts a run at the first token the grammar refuses and before the one that
+    completes it; bitmasks() gives a verifying chunk one row a position (row j after drafts[:j]),
+    and advance() then takes the whole accepted run. The matcher ends each call where it began."""
+    m = make_manager(backend, jump_forward=False)
+    req = request("d", S(choice=["yes please", "no thanks"]))
+    admit(m, req)
+    ids = tok.encode("yes please", add_special_tokens=False)
+    assert len(ids) >= 2
+    bad = tok.encode("maybe", add_special_tokens=False)[0]
+    assert m.draftable(req, ids[:1] + [bad] + ids[1:]) == ids[:1]  # refused at the second token
+    # the end is left for the model: xgrammar's after the stop token (EOS), llguidance's with the last token
+    drafts = ids if backend.name == "xgrammar" else ids[:-1]
+    assert m.draftable(req, ids + [2, 5]) == drafts
+    assert m.draftable(req, [bad]) == []
+    chunk = ScheduledChunk(req, 1 + len(drafts), drafts)
+    masks = m.bitmasks(SchedulerOutput(chunks=[chunk]))["d"]
+    assert masks.shape == (len(drafts) + 1, bitmask_words(VOCAB))
+    allowed = [{t for t in range(VOCAB) if masks[j, t // 32] >> (t % 32) & 1} for j in range(len(drafts) + 1)]
+    assert ids[0] in allowed[0] and bad not in allowed[0]
+    for j in range(1, len(drafts) + 1):  # each position allows the choice's next token there
+        assert ids[j] in allowed[j] if j < len(ids) else 2 in allowed[j]
+    # the matcher is back at the start: the first position's mask again, and the run then advances at once
+    assert torch.equal(m.bitmasks(SchedulerOutput(chunks=[ScheduledChunk(req, 1)]))["d"], masks[0])
+    run = ids + [2] if backend.name == "xgrammar" else ids
+    for token in run:
+        req.append_token(token)
+    advance = m.advance(req, len(run))
+    assert advance.accepted and advance.terminated
+    m.release("d")
