@@ -27,6 +27,16 @@ of two, divides 128); rows look their scale up one by one, so N tiles may span b
 
 so an intermediate size that is no multiple of 128 keeps each half's blocks its own.
 
+Integer experts (IntExperts: AWQ / GPTQ / compressed-tensors W4A16 and W8A16, packed as
+layers/quant/int_weight.py's IntWeight is on CUDA, one such weight an expert) are unpacked in
+registers as kernels/wna16.py's matmul unpacks them: a k-tile lies in one group (BLOCK_K
+divides the group size, or one group spans the row), so the GEMM multiplies x by q - zero
+(a small integer: exact in x's dtype) and scales the tile's float32 sums once a row; the
+GEMV scales each value in float32. 4.25 (8.25) bits a weight at groups of 128 with zeros.
+
+    w13 qweight [E, 2I, ceil(H / per)]  scales, zeros [E, 2I, ceil(H / group)]   per = 32 / bits
+    w2  qweight [E, H, ceil(I / per)]   scales, zeros [E, H, ceil(I / group)]
+
 align_experts sizes its outputs for the worst case (every pair's expert padded), so shapes
 depend on T only. The order of pairs inside an expert's group does not change any result:
 each row is computed on its own and the top-k sum runs in slot order.
@@ -45,10 +55,11 @@ import triton
 import triton.language as tl
 
 from ember.kernels.tiles import grouped_tile
+from ember.kernels.wna16 import unpack_values
 
 FP8_BLOCK = 128  # block-scaled FP8 weights: one scale per 128 x 128 block
 # the kernels' WEIGHTS (how a weight tile is read), which they compare with these numbers
-DENSE, MXFP4, FP8_ROWS, FP8_BLOCKS = 0, 1, 2, 3
+DENSE, MXFP4, FP8_ROWS, FP8_BLOCKS, INT = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,39 @@ class FP8Experts:
     @property
     def blockwise(self) -> bool:
         return self.scale.dim() == 3
+
+
+@dataclass(frozen=True)
+class IntExperts:
+    """Stacked expert weights [E, N, K] kept as `bits`-bit integers with a scale (and a zero
+    point) a group of `group_size` columns (module doc): `qweight` int32 [E, N, ceil(K / per)],
+    value k of a row at bits (k % per) * bits of word k // per; `scales` float [E, N, G];
+    `zeros` uint8 [E, N, G] or None (2^(bits - 1): symmetric); group_size K for one group a row.
+    W[e, n, k] = (q - zeros[e, n, k // group_size]) * scales[e, n, k // group_size]."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        q, s, z = self.qweight, self.scales, self.zeros
+        e, n = (q.shape[0], q.shape[1]) if q.dim() == 3 else (0, 0)
+        words, groups = triton.cdiv(self.in_features, 32 // self.bits), triton.cdiv(self.in_features, self.group_size)
+        if self.bits not in (4, 8) or q.dtype != torch.int32 or tuple(q.shape) != (e, n, words) or q.stride(2) != 1 \
+                or not s.is_floating_point() or tuple(s.shape) != (e, n, groups) or s.stride(2) != 1 \
+                or (z is not None and (z.dtype != torch.uint8 or z.shape != s.shape or z.stride(2) != 1)):
+            raise ValueError(f"integer experts of {self.bits} bits, K={self.in_features} in groups of "
+                             f"{self.group_size}: expected int32 qweight [E, N, {words}], float scales and uint8 "
+                             f"zeros [E, N, {groups}] with contiguous rows; got qweight {q.dtype} {tuple(q.shape)}, "
+                             f"scales {s.dtype} {tuple(s.shape)}, zeros "
+                             f"{None if z is None else (z.dtype, tuple(z.shape))}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.qweight.shape[0], self.qweight.shape[1], self.in_features
 
 
 @triton.jit
@@ -270,6 +314,36 @@ def _weight_tile(w_base, s_base, rows, srows, rmask, k0, K, stride_wn, stride_sn
 
 
 @triton.jit
+def _int_scales(s_base, z_base, rows, rmask, k0, stride_sn, stride_zn, BITS: tl.constexpr, GROUP: tl.constexpr,
+                HAS_ZEROS: tl.constexpr):
+    """(scale [rows] float32, zero point [rows] int32) of the group holding the k-tile from k0."""
+    g = k0 // GROUP
+    s = tl.load(s_base + rows * stride_sn + g, mask=rmask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_base + rows * stride_zn + g, mask=rmask, other=0).to(tl.int32)
+    else:
+        z = tl.zeros_like(rows).to(tl.int32) + (1 << (BITS - 1))
+    return s, z
+
+
+@triton.jit
+def _int_dot(acc, a, w_base, s_base, z_base, rows, rmask, k0, K, stride_wn, stride_sn, stride_zn, BITS: tl.constexpr,
+             GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += (a @ (q - zero)^T) * scale for the k-tile from k0 of integer
+    weight rows `rows`, which lies in one group: q - zero is exact in a's dtype, and the tile's
+    float32 sums take their row's scale once."""
+    q = unpack_values(w_base, rows, rmask, k0, stride_wn, K, BITS, BLOCK_N, BLOCK_K)
+    s, z = _int_scales(s_base, z_base, rows, rmask, k0, stride_sn, stride_zn, BITS, GROUP, HAS_ZEROS)
+    w = tl.trans((q - z[:, None]).to(tl.float32).to(a.dtype))
+    if IEEE:
+        part = tl.dot(a, w, input_precision="ieee")
+    else:
+        part = tl.dot(a, w)
+    return acc + part * s[None, :]
+
+
+@triton.jit
 def _e2m1_scaled_down(nibbles):
     """e2m1 codes held at bits 0-3 (low nibble) -> their values times 2^-14, float32, in a few
     bit operations: sign to bit 15 and the three magnitude bits to bits 9-11 of a float16 make
@@ -303,14 +377,22 @@ def _gemv_mxfp4_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, rmask, k
 
 
 @triton.jit
-def _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, srows, rmask, k0, K, stride_wn, stride_sn,
-               WEIGHTS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, z_base, rows, srows, rmask, k0, K, stride_wn, stride_sn,
+               stride_zn, WEIGHTS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The GEMV's step over one k-tile: acc float32 [BLOCK_N, BLOCK_K] (MXFP4: [BLOCK_N, groups])
     of partial sums, reduced along its last axis once at the end by the caller. FP8 values
-    times their scales are rounded to a's dtype first, as the GEMM's tl.dot takes them."""
+    times their scales are rounded to a's dtype first, as the GEMM's tl.dot takes them;
+    integers (q - zero) times their group's scale stay float32, as the GEMM scales its sums."""
     if WEIGHTS == 1:
         acc = _gemv_mxfp4_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, rows, rmask, k0, K, stride_wn,
                                stride_sn, BLOCK_K)
+    elif WEIGHTS == 4:
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_row * stride_a + k, mask=k < K, other=0.0).to(tl.float32)
+        q = unpack_values(w_base, rows, rmask, k0, stride_wn, K, BITS, BLOCK_N, BLOCK_K)
+        s, z = _int_scales(s_base, z_base, rows, rmask, k0, stride_sn, stride_zn, BITS, GROUP, HAS_ZEROS)
+        acc += (q - z[:, None]).to(tl.float32) * s[:, None] * a[None, :]
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + a_row * stride_a + k, mask=k < K, other=0.0)
@@ -346,11 +428,12 @@ def _epilogue(acc, acc_up, expert, pair, valid, n, nmask, N, c_ptr, stride_c, we
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr, bias_ptr,
-                     num_pairs, N, K, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_c, stride_be,
-                     rows_per_a, alpha, limit, GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr,
-                     ACTIVATION: tl.constexpr, WEIGHTS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
+                     bias_ptr, num_pairs, N, K, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_ze,
+                     stride_zn, stride_c, stride_be, rows_per_a, alpha, limit, GATED: tl.constexpr,
+                     WEIGHTED: tl.constexpr, BIASED: tl.constexpr, ACTIVATION: tl.constexpr, WEIGHTS: tl.constexpr,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -363,34 +446,43 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_ptr, n
     nmask = n < N
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
+    z_base = z_ptr + expert * stride_ze
     s_gate, s_up = _scale_rows(n, 0, N, WEIGHTS), _scale_rows(n, 1, N, WEIGHTS)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
-        w = _weight_tile(w_base, s_base, n, s_gate, nmask, k0, K, stride_wn, stride_sn, WEIGHTS, BLOCK_N,
-                         BLOCK_K).to(a.dtype)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+        if WEIGHTS == 4:
+            acc = _int_dot(acc, a, w_base, s_base, z_base, n, nmask, k0, K, stride_wn, stride_sn, stride_zn, BITS,
+                           GROUP, HAS_ZEROS, IEEE, BLOCK_N, BLOCK_K)
+            if GATED:  # the up rows of w13 sit N rows below the gate rows
+                acc_up = _int_dot(acc_up, a, w_base, s_base, z_base, n + N, nmask, k0, K, stride_wn, stride_sn,
+                                  stride_zn, BITS, GROUP, HAS_ZEROS, IEEE, BLOCK_N, BLOCK_K)
         else:
-            acc = tl.dot(a, w, acc)
-        if GATED:  # the up rows of w13 sit N rows below the gate rows
-            u = _weight_tile(w_base, s_base, n + N, s_up, nmask, k0, K, stride_wn, stride_sn, WEIGHTS, BLOCK_N,
+            w = _weight_tile(w_base, s_base, n, s_gate, nmask, k0, K, stride_wn, stride_sn, WEIGHTS, BLOCK_N,
                              BLOCK_K).to(a.dtype)
             if IEEE:
-                acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
+                acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
-                acc_up = tl.dot(a, u, acc_up)
+                acc = tl.dot(a, w, acc)
+            if GATED:  # the up rows of w13 sit N rows below the gate rows
+                u = _weight_tile(w_base, s_base, n + N, s_up, nmask, k0, K, stride_wn, stride_sn, WEIGHTS, BLOCK_N,
+                                 BLOCK_K).to(a.dtype)
+                if IEEE:
+                    acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(a, u, acc_up)
     _epilogue(acc, acc_up, expert, pair, valid, n, nmask, N, c_ptr, stride_c, weights_ptr, bias_ptr, stride_be, alpha,
               limit, GATED, WEIGHTED, BIASED, ACTIVATION)
 
 
 @triton.jit
-def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, weights_ptr, bias_ptr, N, K, stride_a, stride_we, stride_wn,
-                     stride_se, stride_sn, stride_c, stride_be, rows_per_a, alpha, limit, GATED: tl.constexpr,
-                     WEIGHTED: tl.constexpr, BIASED: tl.constexpr, ACTIVATION: tl.constexpr, WEIGHTS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, ids_ptr, weights_ptr, bias_ptr, N, K, stride_a, stride_we,
+                     stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_c, stride_be, rows_per_a, alpha,
+                     limit, GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr,
+                     ACTIVATION: tl.constexpr, WEIGHTS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program (tile of N, pair): the pair's row of `a` against BLOCK_N rows of its expert, the
     # products summed along k into a float32 block (_gemv_tile), reduced once at the end
     p = tl.program_id(1)
@@ -401,15 +493,16 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, weights_ptr, bias_ptr,
     nmask = n < N
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
+    z_base = z_ptr + expert * stride_ze
     s_gate, s_up = _scale_rows(n, 0, N, WEIGHTS), _scale_rows(n, 1, N, WEIGHTS)
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32 if WEIGHTS == 1 else BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K // 32 if WEIGHTS == 1 else BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc = _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, n, s_gate, nmask, k0, K, stride_wn, stride_sn,
-                         WEIGHTS, BLOCK_K)
+        acc = _gemv_tile(acc, a_ptr, a_row, stride_a, w_base, s_base, z_base, n, s_gate, nmask, k0, K, stride_wn,
+                         stride_sn, stride_zn, WEIGHTS, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
         if GATED:  # the up rows of w13 sit N rows below the gate rows
-            acc_up = _gemv_tile(acc_up, a_ptr, a_row, stride_a, w_base, s_base, n + N, s_up, nmask, k0, K, stride_wn,
-                                stride_sn, WEIGHTS, BLOCK_K)
+            acc_up = _gemv_tile(acc_up, a_ptr, a_row, stride_a, w_base, s_base, z_base, n + N, s_up, nmask, k0, K,
+                                stride_wn, stride_sn, stride_zn, WEIGHTS, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_K)
     _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], expert, pair, pair >= 0, n, nmask, N, c_ptr,
               stride_c, weights_ptr, bias_ptr, stride_be, alpha, limit, GATED, WEIGHTED, BIASED, ACTIVATION)
 
@@ -420,8 +513,9 @@ def heuristic_config(num_experts: int, tokens: int, top_k: int, quant: str | Non
     experts, or one an expert for MXFP4 experts (quant "mxfp4"), whose decode costs the GEMM more
     (H100, gpt-oss-120b at 16 tokens: 0.64 ms against 1.21); then 16-row blocks while experts see
     few tokens (decode: the weights' bytes bound the step), larger ones as the GEMMs fill. FP8
-    experts (quant "fp8") take the dense tiles (not yet measured apart; block scales cap
-    BLOCK_K at 128 in the wrappers). Used where moe_configs.json has no entry for the GPU."""
+    experts (quant "fp8") and integer ones ("int4", "int8") take the dense tiles (not yet
+    measured apart; block scales cap BLOCK_K at 128, integer groups at the group size, in the
+    wrappers). Used where moe_configs.json has no entry for the GPU."""
     mxfp4 = quant == "mxfp4"
     per_expert = tokens * top_k / num_experts
     if per_expert <= (1.0 if mxfp4 else 0.25):
@@ -438,7 +532,7 @@ def heuristic_config(num_experts: int, tokens: int, top_k: int, quant: str | Non
 
 
 def config_key(num_experts: int, hidden: int, inter: int, top_k: int, quant: str | None = None) -> str:
-    """moe_configs.json's key of a shape; quantized experts ("mxfp4", "fp8") under their own."""
+    """moe_configs.json's key of a shape; quantized experts ("mxfp4", "fp8", "int4", "int8") under their own."""
     return f"E={num_experts},H={hidden},I={inter},k={top_k}" + (f",{quant}" if quant else "")
 
 
@@ -473,7 +567,7 @@ def token_bucket(tokens: int) -> int:
     return triton.next_power_of_2(max(1, tokens))
 
 
-Experts = torch.Tensor | MXFP4Experts | FP8Experts  # dense [E, N, K] or quantized
+Experts = torch.Tensor | MXFP4Experts | FP8Experts | IntExperts  # dense [E, N, K] or quantized
 
 
 class _Operands(NamedTuple):
@@ -481,10 +575,12 @@ class _Operands(NamedTuple):
 
     n: int  # outputs of the pass (the gate|up pass: I, half of w's rows)
     k: int
-    values: torch.Tensor  # dense, packed MXFP4 or FP8 values
-    scales: torch.Tensor  # MXFP4's or FP8's scales, or a stand-in
-    strides: tuple[int, int, int, int]  # values' expert and row strides, the scales' likewise
+    values: torch.Tensor  # dense, packed MXFP4, FP8 or packed integer values
+    scales: torch.Tensor  # MXFP4's, FP8's or the integers' scales, or a stand-in
+    zeros: torch.Tensor  # the integers' zero points, or a stand-in
+    strides: tuple[int, int, int, int, int, int]  # values' expert and row strides, the scales' and zeros' likewise
     kind: int  # the kernels' WEIGHTS
+    int_format: dict[str, int]  # the kernels' BITS, GROUP and HAS_ZEROS (stand-ins but for integers)
     config: dict[str, int]  # the tile config as these weights take it
     bias_stride: int
     alpha: float
@@ -495,6 +591,7 @@ def _operands(w: Experts, out: torch.Tensor, gated: bool, bias: torch.Tensor | N
               swiglu: tuple[float, float] | None, config: dict[str, int]) -> _Operands:
     n = w.shape[1] // 2 if gated else w.shape[1]
     cfg = {key: v for key, v in config.items() if key != "GEMV"}
+    zeros, int_format = None, {"BITS": 4, "GROUP": 1, "HAS_ZEROS": False}
     if isinstance(w, MXFP4Experts):
         values, scales, kind = w.blocks, w.scales, MXFP4
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 32)  # a tile spans whole 32-value scale groups
@@ -507,13 +604,25 @@ def _operands(w: Experts, out: torch.Tensor, gated: bool, bias: torch.Tensor | N
                              + (" (each half's own, ceil(I / 128) a half)" if gated else ""))
         if w.blockwise:  # a k-tile inside one scale block
             cfg["BLOCK_K"] = min(cfg["BLOCK_K"], FP8_BLOCK)
+    elif isinstance(w, IntExperts):
+        values, scales, zeros, kind = w.qweight, w.scales, w.zeros, INT
+        int_format = {"BITS": w.bits, "GROUP": w.group_size, "HAS_ZEROS": w.zeros is not None}
+        if w.group_size < w.in_features:  # a k-tile inside one group: the largest power of two dividing it
+            tile = w.group_size & -w.group_size
+            if tile < 16:
+                raise ValueError(f"integer experts in groups of {w.group_size} columns: the fused MoE kernels take "
+                                 "groups that are multiples of 16 (or one group a row); load the model with "
+                                 "quantization='none'")
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], tile)
     else:
         values, scales, kind = w, out, DENSE
     if bias is not None and (bias.shape != w.shape[:2] or bias.stride(1) != 1):
         raise ValueError(f"bias {tuple(bias.shape)} must be [E, rows] {tuple(w.shape[:2])} with contiguous rows")
     alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     s_strides = (0, 0) if kind == DENSE else (scales.stride(0), scales.stride(1))
-    return _Operands(n, w.shape[2], values, scales, (values.stride(0), values.stride(1), *s_strides), kind, cfg,
+    z_strides = (0, 0) if zeros is None else (zeros.stride(0), zeros.stride(1))
+    return _Operands(n, w.shape[2], values, scales, scales if zeros is None else zeros,
+                     (values.stride(0), values.stride(1), *s_strides, *z_strides), kind, int_format, cfg,
                      bias.stride(0) if bias is not None else 0, float(alpha), float(limit))
 
 
@@ -523,7 +632,7 @@ def moe_gemm(a: torch.Tensor, w: Experts, out: torch.Tensor, sorted_pairs: torch
              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """One pass over the sorted pairs (see the module doc): out [P, N] with N = w.shape[1] // 2
     if gated, else w.shape[1]; a's row for pair p is p // rows_per_a. `w` dense [E, N', K],
-    MXFP4Experts or FP8Experts. `bias` [E, w.shape[1]] is added to the expert's rows before the
+    MXFP4Experts, FP8Experts or IntExperts. `bias` [E, w.shape[1]] is added to the expert's rows before the
     activation (gated) or the routing weight; `swiglu` (alpha, limit): gpt-oss's clamped
     activation in place of silu(gate) * up."""
     op = _operands(w, out, gated, bias, swiglu, config)
@@ -533,12 +642,12 @@ def moe_gemm(a: torch.Tensor, w: Experts, out: torch.Tensor, sorted_pairs: torch
     if sorted_pairs.numel() != max_padded_rows(out.shape[0], w.shape[0], op.config["BLOCK_M"]):
         raise ValueError(f"config BLOCK_M {op.config['BLOCK_M']} is not the block size the pairs were aligned to")
     grid = (blocks * triton.cdiv(op.n, op.config["BLOCK_N"]),)
-    _moe_gemm_kernel[grid](a, op.values, op.scales, out, sorted_pairs, block_expert, num_padded,
+    _moe_gemm_kernel[grid](a, op.values, op.scales, op.zeros, out, sorted_pairs, block_expert, num_padded,
                            weights if weights is not None else out, bias if bias is not None else out, out.shape[0],
                            op.n, op.k, a.stride(0), *op.strides, out.stride(0), op.bias_stride, rows_per_a, op.alpha,
                            op.limit, GATED=gated, WEIGHTED=weights is not None, BIASED=bias is not None,
                            ACTIVATION=0 if swiglu is None else 1, WEIGHTS=op.kind, IEEE=a.dtype == torch.float32,
-                           **op.config)
+                           **op.int_format, **op.config)
     return out
 
 
@@ -552,16 +661,18 @@ def moe_gemv(a: torch.Tensor, w: Experts, out: torch.Tensor, ids: torch.Tensor,
     if out.shape[0] == 0:
         return out
     grid = (triton.cdiv(op.n, op.config["BLOCK_N"]), out.shape[0])
-    _moe_gemv_kernel[grid](a, op.values, op.scales, out, ids.reshape(-1), weights if weights is not None else out,
-                           bias if bias is not None else out, op.n, op.k, a.stride(0), *op.strides, out.stride(0),
-                           op.bias_stride, rows_per_a, op.alpha, op.limit, GATED=gated, WEIGHTED=weights is not None,
-                           BIASED=bias is not None, ACTIVATION=0 if swiglu is None else 1, WEIGHTS=op.kind,
-                           **op.config)
+    _moe_gemv_kernel[grid](a, op.values, op.scales, op.zeros, out, ids.reshape(-1),
+                           weights if weights is not None else out, bias if bias is not None else out, op.n, op.k,
+                           a.stride(0), *op.strides, out.stride(0), op.bias_stride, rows_per_a, op.alpha, op.limit,
+                           GATED=gated, WEIGHTED=weights is not None, BIASED=bias is not None,
+                           ACTIVATION=0 if swiglu is None else 1, WEIGHTS=op.kind, **op.int_format, **op.config)
     return out
 
 
 def quant_of(w: Experts) -> str | None:
-    """The config key's name for the experts' format: None (dense), "mxfp4" or "fp8"."""
+    """The config key's name for the experts' format: None (dense), "mxfp4", "fp8", "int4" or "int8"."""
+    if isinstance(w, IntExperts):
+        return f"int{w.bits}"
     return "mxfp4" if isinstance(w, MXFP4Experts) else "fp8" if isinstance(w, FP8Experts) else None
 
 
@@ -569,7 +680,7 @@ def fused_experts(x: torch.Tensor, w13: Experts, w2: Experts, weights: torch.Ten
                   biases: tuple[torch.Tensor, torch.Tensor] | None = None,
                   swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """sum over k of weights[t, k] * expert ids[t, k] (x[t]), each expert a SwiGLU MLP with
-    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], dense, MXFP4 or FP8. x [T, H] with
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], dense, MXFP4, FP8 or integers. x [T, H] with
     contiguous rows; weights float32 [T, k]. gpt-oss: `biases` (w13_bias [E, 2I], w2_bias
     [E, H]) and the clamped `swiglu` (alpha, limit); its weight multiplies the expert's output
     after the down bias."""

@@ -31,10 +31,11 @@ from ember.kernels.tiles import grouped_tile
 
 
 @triton.jit
-def unpack_values(w_ptr, n, nmask, k0, stride_w, K: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+def unpack_values(w_ptr, n, nmask, k0, stride_w, K, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """The unsigned values of rows n, columns [k0, k0 + BLOCK_K) (k0 a multiple of BLOCK_K,
-    itself of 32 / BITS): each int32 word is read once and repeated for its values."""
+    itself of 32 / BITS): each int32 word is read once and repeated for its values. (K may be
+    a runtime value: the MoE kernels' is.)"""
     PER: tl.constexpr = 32 // BITS
     j = k0 // PER + tl.arange(0, BLOCK_K // PER)
     words = tl.load(w_ptr + n[:, None] * stride_w + j[None, :], mask=nmask[:, None] & (j < tl.cdiv(K, PER))[None, :],

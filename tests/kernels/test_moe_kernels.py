@@ -3,7 +3,9 @@ float rounding (weights), the expert grouping exactly (every pair once, in its e
 padded group), and the whole expert MLP against a float32 per-token loop; gpt-oss's biases and
 clamped SwiGLU against the torch path, its MXFP4 experts against their decoded weights, FP8
 experts (DeepSeek-V3's 128 x 128 block scales, or per row) against the dense kernels and the
-torch path on their dequantized weights. CPU: Triton's interpreter at small shapes; `-m gpu`:
+torch path on their dequantized weights, integer experts (AWQ / GPTQ / compressed-tensors W4A16
+and W8A16: 4 or 8 bits, groups of 32 to a whole row, with or without zero points) against the
+per-token loop on their dequantized weights. CPU: Triton's interpreter at small shapes; `-m gpu`:
 CUDA at real shapes, and the layer in a CUDA graph."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hopper_compile import run_compile_script  # noqa: E402
 
 from ember.kernels.moe import (  # noqa: E402
     FP8Experts,
+    IntExperts,
     MXFP4Experts,
     align_experts,
     fused_experts,
@@ -30,6 +33,7 @@ from ember.kernels.moe import (  # noqa: E402
 from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
 from ember.layers.moe import FusedMoE, grouped_experts  # noqa: E402
 from ember.layers.quant.fp8 import FP8, FP8Tensor, dequantize_experts  # noqa: E402
+from ember.layers.quant.int_weight import IntTensor, pack_words, quantize_int  # noqa: E402
 from ember.layers.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -553,6 +557,174 @@ def test_the_fp8_layer_refuses_what_it_cannot_hold():
                       FP8Experts(layer.w2, torch.ones(2, 2, 2)), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))
 
 
+def _int(experts, rows, cols, bits, group, symmetric, device, seed):
+    """Random integer experts [E, rows, cols] as the kernels take them (every value of `bits`;
+    float16 scales 0.5x to 1.5x of one another, so a value read with another group's or row's
+    scale shows; zero points anywhere in range), and their dequantization in float32 by the
+    definition, (q - zero) * scale of column k's group k // group."""
+    g = torch.Generator(device).manual_seed(seed)
+    group = cols if group == -1 else min(group, cols)
+    groups = -(-cols // group)
+    q = torch.randint(0, 1 << bits, (experts, rows, cols), generator=g, device=device, dtype=torch.int32)
+    scales = ((0.5 + torch.rand(experts, rows, groups, generator=g, device=device)) * 2 ** (2 - bits) /
+              cols ** 0.5).half()
+    zeros = None if symmetric else torch.randint(0, 1 << bits, (experts, rows, groups), generator=g, device=device,
+                                                 dtype=torch.int32).to(torch.uint8)
+    col_group = torch.arange(cols, device=device) // group
+    zero = float(1 << (bits - 1)) if symmetric else zeros.float()[..., col_group]
+    dequantized = (q.float() - zero) * scales.float()[..., col_group]
+    return IntExperts(pack_words(q.to(torch.uint8), bits), scales, zeros, bits, group, cols), dequantized
+
+
+# (bits, group size, symmetric): AWQ's 4 bits with zero points, GPTQ's and compressed-tensors'
+# symmetric forms, 8 bits with zero points (GPTQ asym); over hidden 160 (groups of 32 and 64: 5
+# and 2.5 a row) and intermediate 72 (groups of 32 and 64 end in a part-group; 128: one a row)
+INT_FORMS = {"int4-g32-zeros": (4, 32, False), "int4-g128": (4, 128, True), "int4-channel": (4, -1, True),
+             "int8-g64": (8, 64, True), "int8-g128-zeros": (8, 128, False)}
+INT_TILES = {"gemv": ({"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}, 3),
+             "gemm": ({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+                      7)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", sorted(INT_TILES))
+@pytest.mark.parametrize("form", sorted(INT_FORMS))
+def test_int_experts_match_the_per_token_loop_on_their_dequantized_weights(device, form, tiles):
+    """Both passes on packed integer experts (unpacked and scaled in registers, BLOCK_K cut to
+    the group) against the definition token by token on the dequantized weights, float32:
+    to 1e-5 of the output's scale (the sums' order; the GEMM scales its integer dot once a
+    group). The GEMV at 3 tokens, the 16-row GEMM at 7, top-2 of 4 experts: experts with
+    several pairs, one with none."""
+    bits, group, symmetric = INT_FORMS[form]
+    experts, hidden, inter, top_k = 4, 160, 72, 2
+    cfg, tokens = INT_TILES[tiles]
+    w13, d13 = _int(experts, 2 * inter, hidden, bits, group, symmetric, device, seed=1)
+    w2, d2 = _int(experts, hidden, inter, bits, group, symmetric, device, seed=2)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(device)
+    ids = torch.tensor([[0, 2], [2, 1], [1, 2], [0, 1], [2, 0], [1, 0], [0, 2]][:tokens], dtype=torch.int32,
+                       device=device)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(device)
+    got = _both_passes(x, w13, w2, weights, ids, cfg)
+    want = _loop_reference(x.cpu(), d13.cpu(), d2.cpu(), weights.cpu(), ids.cpu())
+    scale = want.abs().max().item()
+    print(f"{form} {tiles}: max |diff| {(got.cpu() - want).abs().max().item() / scale:.1e} of the scale")
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int_experts_in_bfloat16_through_fused_experts(device):
+    """fused_experts on 4-bit experts with zero points in bfloat16 (the GEMV at one token of
+    8 experts' top-2, the GEMM at 9), against the torch path in float32 on the dequantized
+    weights: to 2e-2 of the output's scale (the activations and each pass's output rounded to
+    bfloat16; q - zero is exact in bfloat16)."""
+    w13, d13 = _int(8, 2 * 72, 160, 4, 32, False, device, seed=3)
+    w2, d2 = _int(8, 160, 72, 4, 32, False, device, seed=4)
+    g = torch.Generator().manual_seed(5)
+    for tokens in (1, 9):
+        x = torch.randn(tokens, 160, generator=g).to(torch.bfloat16).to(device)
+        weights, ids = route_topk(torch.randn(tokens, 8, generator=g).to(device), 2, True)
+        assert bool(moe_configs(8, 160, 72, 2, tokens, "", "int4")[0].get("GEMV")) == (tokens == 1)
+        got = fused_experts(x, w13, w2, weights, ids)
+        want = grouped_experts(x.float(), d13, d2, weights, ids.long())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_int_layout_by_hand():
+    """The kernels read the layout IntTensor packs: value k of a row at bits (k % 8) * 4 of word
+    k // 8, the scale and zero of its group. One expert's down pass (no activation) on one-hot x
+    gives (q - zero) * scale of that column exactly, in the GEMM's tiles and the GEMV's."""
+    q = (torch.arange(3 * 64) % 16).view(1, 3, 64).to(torch.uint8)  # row r, column k: (64 r + k) % 16
+    scales = torch.tensor([[[0.5, 2.0], [0.25, 1.0], [4.0, 0.125]]], dtype=torch.float16)
+    zeros = torch.tensor([[[8, 3], [0, 15], [7, 8]]], dtype=torch.uint8)
+    w = IntExperts(pack_words(q, 4), scales, zeros, 4, 32, 64)
+    assert w.qweight[0, 0, 1].item() == int("fedcba98", 16) - 2 ** 32  # k = 8 .. 15, low nibble first
+    cols = torch.tensor([0, 9, 31, 32, 40, 63])
+    x = torch.eye(64)[cols]
+    ids = torch.zeros(len(cols), 1, dtype=torch.int32)
+    want = ((q[0].float() - zeros[0].float().repeat_interleave(32, 1)) * scales[0].float().repeat_interleave(32, 1))
+    from ember.kernels.moe import moe_gemm, moe_gemv
+
+    for cfg in (dict(heuristic_config(1, 6, 1), BLOCK_N=16, BLOCK_K=64), INT_TILES["gemv"][0]):
+        out = torch.empty(len(cols), 3)
+        if cfg.get("GEMV"):
+            moe_gemv(x, w, out, ids, None, 1, False, cfg)
+        else:
+            moe_gemm(x, w, out, *align_experts(ids, 1, cfg["BLOCK_M"]), None, 1, False, cfg)
+        assert torch.equal(out, want[:, cols].t()), cfg
+
+
+def _int_tensor(rows, cols, bits, group, symmetric, g, scale_dtype=torch.float16):
+    """One checkpoint weight [rows, cols] as an IntTensor (a random weight rounded to nearest)."""
+    t = quantize_int(torch.randn(rows, cols, generator=g) / cols ** 0.5, bits, group, symmetric)
+    return IntTensor(t.qweight, t.scales.to(scale_dtype), t.zeros, None, bits, t.group_size, cols)
+
+
+@torch.inference_mode()
+def test_the_int_layer_loads_expert_by_expert_and_equals_the_dense_layer():
+    """FusedMoE(int_experts=...) as an integer checkpoint loads on CUDA: each expert's gate, up
+    and down an IntTensor (bfloat16 scales: the layer takes the first expert's dtype) into int32
+    w13 / w2 with their scales and zeros, the packed bytes. Its torch path (the experts
+    dequantized whole) equals a dense layer loaded with the same tensors dequantized, bit for
+    bit; its fused path (interpreter: the GEMV at 1 token, the GEMM at 9) to 1e-5 of the
+    output's scale."""
+    bits, group, symmetric = INT_FORMS["int4-g32-zeros"]
+    experts, hidden, inter = 8, 160, 72
+    layer = FusedMoE(hidden, inter, experts, 2, renormalize=True, int_experts=(bits, group, symmetric))
+    dense = FusedMoE(hidden, inter, experts, 2, renormalize=True)
+    assert layer.w13.dtype == layer.w2.dtype == torch.int32
+    g = torch.Generator().manual_seed(23)
+    dense.gate.weight.data.normal_(0, 0.3, generator=g)
+    layer.gate.weight.data.copy_(dense.gate.weight)
+    for e in range(experts):
+        for shard in (2 * e, 2 * e + 1):  # gate, up
+            t = _int_tensor(inter, hidden, bits, group, symmetric, g, torch.bfloat16)
+            layer.load_w13(layer.w13, t, shard)
+            dense.load_w13(dense.w13, t.dequantize(), shard)
+        t = _int_tensor(hidden, inter, bits, group, symmetric, g, torch.bfloat16)
+        layer.load_w2(layer.w2, t, e)
+        dense.load_w2(dense.w2, t.dequantize(), e)
+    assert layer.w13_scales.dtype == torch.bfloat16 and hasattr(layer, "w13_zeros") != symmetric
+    # int32 words of 32 / bits values, a bfloat16 scale (and a uint8 zero) a group
+    packed = experts * sum(rows * (-(-cols // (32 // bits)) * 4 + -(-cols // group) * (2 + (not symmetric)))
+                           for rows, cols in ((2 * inter, hidden), (hidden, inter)))
+    assert sum(p.nbytes for n, p in layer.named_parameters() if n.startswith(("w13", "w2"))) == packed
+    x = torch.randn(9, hidden, generator=g)
+    assert torch.equal(layer(x), dense(x))
+    with gemv_on_cpu():
+        for rows in (x, x[:1]):
+            want = dense(rows)
+            torch.testing.assert_close(layer(rows), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_the_int_layer_refuses_what_it_cannot_hold():
+    layer = FusedMoE(160, 72, 2, 1, renormalize=True, int_experts=(4, 32, True))
+    g = torch.Generator().manual_seed(24)
+    with pytest.raises(ValueError, match=r"the experts are 4-bit integers \(the checkpoint's quantization_config\), "
+                                         r"loaded one expert's projection at a time; this tensor is torch.float32 "
+                                         r"\(quantization='none' loads the experts dequantized\)"):
+        layer.load_w13(layer.w13, torch.zeros(72, 160), 0)
+    with pytest.raises(ValueError, match=r"the experts are 4-bit integers in groups of 32 columns in order, symmetric "
+                                         r"\(the checkpoint's quantization_config\); this tensor is 8-bit in groups "
+                                         r"of 32: load the model with quantization='none'"):
+        layer.load_w2(layer.w2, _int_tensor(160, 72, 8, 32, True, g), 0)
+    with pytest.raises(ValueError, match=r"this tensor is 4-bit in groups of 32, with zero points"):
+        layer.load_w2(layer.w2, _int_tensor(160, 72, 4, 32, False, g), 0)
+    t = _int_tensor(72, 160, 4, 32, True, g)
+    shuffled = IntTensor(t.qweight, t.scales, None, torch.randperm(160, generator=g).to(torch.int32) // 32, 4, 32, 160)
+    with pytest.raises(ValueError, match=r"this tensor is 4-bit in groups of 32, act-order \(g_idx\)"):
+        layer.load_w13(layer.w13, shuffled, 1)
+    layer.load_w13(layer.w13, t, 0)
+    with pytest.raises(ValueError, match=r"experts whose scales are torch.float16 and torch.bfloat16"):
+        layer.load_w13(layer.w13, _int_tensor(72, 160, 4, 32, True, g, torch.bfloat16), 1)
+    with pytest.raises(ValueError, match=r"experts are integer, MXFP4 or FP8, one of them"):
+        FusedMoE(160, 72, 2, 1, renormalize=True, fp8="row", int_experts=(4, 32, True))
+    with pytest.raises(ValueError, match=r"the fused MoE kernels take groups that are multiples of 16"):
+        w, _ = _int(2, 144, 160, 4, 40, True, "cpu", seed=0)
+        fused_experts(torch.zeros(1, 160), w, w, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,gpt_oss", [
     (1, 128, 8, 2048, 768, False), (512, 128, 8, 2048, 768, False), (3000, 8, 2, 4096, 1024, False),
@@ -680,16 +852,19 @@ from triton.compiler import ASTSource
 
 from ember.kernels.moe import _moe_gemm_kernel, _moe_gemv_kernel
 
-# WEIGHTS 1: MXFP4 (uint8 blocks and scales); 2, 3: FP8 values with float32 scales per row, per block
-VALUES = {1: ("*u8", "*u8"), 2: ("*fp8e4nv", "*fp32"), 3: ("*fp8e4nv", "*fp32")}
+# WEIGHTS 1: MXFP4 (uint8 blocks and scales); 2, 3: FP8 values with float32 scales per row, per block;
+# 4: 4-bit integers in int32 words with float16 scales and uint8 zeros a group of 128
+VALUES = {1: ("*u8", "*u8", "*u8"), 2: ("*fp8e4nv", "*fp32", "*fp32"), 3: ("*fp8e4nv", "*fp32", "*fp32"),
+          4: ("*i32", "*fp16", "*u8")}
 for kernel in (_moe_gemm_kernel, _moe_gemv_kernel):
     names = list(kernel.arg_names)
-    for weights, (w, s) in VALUES.items():
-        pointers = {"a_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "c_ptr": "*bf16", "sorted_ptr": "*i32",
+    for weights, (w, s, z) in VALUES.items():
+        pointers = {"a_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "z_ptr": z, "c_ptr": "*bf16", "sorted_ptr": "*i32",
                     "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "ids_ptr": "*i32", "weights_ptr": "*fp32",
                     "bias_ptr": "*bf16"}
         for gated in (True, False):
             constants = dict(GATED=gated, WEIGHTED=not gated, BIASED=True, ACTIVATION=int(gated), WEIGHTS=weights,
+                             BITS=4, GROUP=128 if weights == 4 else 1, HAS_ZEROS=weights == 4 and gated,
                              BLOCK_N=64, BLOCK_K=128 if weights > 1 else 256)
             if kernel is _moe_gemm_kernel:
                 constants |= dict(IEEE=False, BLOCK_M=16, GROUP_M=1)
@@ -699,6 +874,7 @@ for kernel in (_moe_gemm_kernel, _moe_gemv_kernel):
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
             if kernel is _moe_gemm_kernel:
                 assert "mma" in compiled.asm["ptx"], f"no tensor-core instruction in the PTX (WEIGHTS {weights})"
+            assert compiled.metadata.shared <= 232448, f"{compiled.metadata.shared} bytes of shared memory (H100: 227 KiB)"
 print("compiled")
 """
 
@@ -707,6 +883,7 @@ print("compiled")
 def test_the_quantized_kernels_compile_for_hopper():
     """The interpreter runs what a compiled kernel may refuse (a global as a constexpr, an
     integer type a GPU op does not take): Triton compiles the GEMM's and the GEMV's gate|up and
-    down passes on MXFP4 and FP8 experts (per-row and block scales), with biases and the clamp,
-    to sm_90 PTX here, without a GPU, and the GEMM's use tensor cores."""
+    down passes on MXFP4, FP8 (per-row and block scales) and 4-bit integer experts (with zero
+    points and without), with biases and the clamp, to sm_90 PTX here, without a GPU, within
+    the H100's shared memory, and the GEMM's use tensor cores."""
     assert "compiled" in run_compile_script(_COMPILE)
