@@ -174,7 +174,8 @@ def ct_reference(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor,
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
 
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the projections quantized: Llama's and the Qwen MoEs' (their experts' too), Mixtral's experts' w1 (gate), w3 (up), w2
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
 # the forms the tests write: name -> (method, bits, group size, symmetric, act-order, GPTQ v1)
 FORMS = {
     "awq-g128": ("awq", 4, 128, False, False, False),

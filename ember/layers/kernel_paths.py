@@ -42,6 +42,12 @@ def cuda_paths(x: torch.Tensor) -> bool:
     return x.is_cuda or _ON_CPU
 
 
+def kernels_on(device: str | torch.device) -> bool:
+    """Weights loaded onto `device` take the CUDA kernels' formats: it is CUDA, or tests asked
+    for the kernels on the CPU."""
+    return torch.device(device).type == "cuda" or _ON_CPU
+
+
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear layer on x runs as ember's GEMV kernel: one row on CUDA, and a
     weight of at most 2^24 elements. There the kernel beat cuBLAS on the H200; at 2 to 4

@@ -5,6 +5,8 @@
     int_weights(tensors, scheme)     the checkpoint's tensors with each quantized module's
                                      parts as one IntTensor under `X.weight` (or, with
                                      `dequantize`, its float32 weight), the others as they are
+    int_experts(cfg, scheme, ...)    how the checkpoint's routed experts stay packed in
+                                     FusedMoE where the fused MoE kernels run, or None
 
 What each method's quantization_config says and its modules hold (the numerics are the
 format files' in layers/quant/: awq.py, gptq.py, compressed_tensors.py):
@@ -25,9 +27,9 @@ Modules a checkpoint leaves unquantized (its ignore-list, the LM head) hold a pl
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +38,9 @@ from ember.layers.quant.compressed_tensors import pack_quantized_tensor
 from ember.layers.quant.gptq import gptq_tensor
 from ember.layers.quant.int_weight import IntTensor
 from ember.loader.fp8_checkpoint import note_unknown
+
+if TYPE_CHECKING:
+    from ember.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +223,41 @@ def int_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: IntScheme, 
     if not built:
         raise ValueError(f"{source}: its quantization_config names {scheme.method}, but no module holds {scheme.method}'s "
                          f"tensors ({', '.join(parts)}): the config does not describe this checkpoint")
+
+
+def int_experts(cfg: ModelConfig, scheme: IntScheme, tensor_names: Callable[[], Iterable[str]],
+                fused_kernels: bool) -> tuple[int, int, bool] | None:
+    """How the routed experts of this checkpoint stay packed in FusedMoE: (bits, group_size,
+    symmetric), where the fused MoE kernels run (`fused_kernels`: CUDA) and every expert's
+    projections are stored quantized (the checkpoint's `tensor_names` say). None where they load
+    dequantized, logged with the reason: on the CPU (FusedMoE's torch path multiplies dense
+    experts there, GGUF ones too: no block-kept expert path), act-order groups (GPTQ's
+    desc_act, compressed-tensors' actorder: the kernels read groups in column order), experts
+    the checkpoint leaves unquantized; no experts, or experts stored stacked (families
+    check_int_family refuses)."""
+    if cfg.moe_layers is None or cfg.moe_bias or cfg.moe_input_scaled:
+        return None
+    from ember.loader.weights import hf_weight_shapes, is_expert_weight
+
+    experts = [name.removesuffix(".weight") for name in hf_weight_shapes(cfg) if is_expert_weight(name)]
+    if not experts:
+        return None
+    reason = None
+    if not fused_kernels:
+        reason = ("on the CPU FusedMoE multiplies dense experts (GGUF experts are dequantized there too: no "
+                  "block-kept expert path)")
+    elif scheme.act_order:
+        reason = "act-order groups (g_idx): the fused MoE kernels read each expert's groups in column order"
+    else:
+        stored, part = set(tensor_names()), PARTS[scheme.method][0]
+        plain = [m for m in experts if f"{m}.{part}" not in stored]
+        if plain:
+            reason = f"{len(plain)} of {len(experts)} expert projections are stored unquantized (e.g. {plain[0]})"
+    if reason is not None:
+        (logger.info if not fused_kernels else logger.warning)(
+            "%s experts dequantized to the run dtype at load: %s", scheme.method, reason)
+        return None
+    return scheme.bits, scheme.group_size, scheme.symmetric
 
 
 def quantize_int_layers(model: torch.nn.Module, scheme: IntScheme) -> int:

@@ -94,6 +94,17 @@ class ModelFiles:
         tensors = checkpoint_tensors(cfg, read(self.path, checkpoint_names(cfg)))
         return fp8_weights(tensors, scheme, dequantize=quantization != "fp8", source=str(self.path))
 
+    def tensor_names(self, cfg: ModelConfig) -> list[str]:
+        """An HF directory's tensor names as the loader names them (checkpoint_names), read
+        from its index or headers, no tensor read; [] for a GGUF file or dummy weights."""
+        if self.is_gguf or self.load_format == "dummy":
+            return []
+        from ember.loader.safetensors import tensor_names
+        from ember.loader.weights import checkpoint_names
+
+        rename = checkpoint_names(cfg) or (lambda name: name)
+        return [n for n in map(rename, tensor_names(self.path, self.load_format)) if n is not None]
+
     def tensor_bytes(self) -> int:
         """Bytes of the checkpoint's tensors as stored (0 for dummy weights)."""
         if self.load_format == "dummy":
@@ -224,6 +235,15 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
 
         fp8 = scheme if isinstance(scheme, FP8Scheme) else None
         cfg = dataclasses.replace(cfg, fp8_experts=fp8_experts(cfg, fp8))
+    from ember.loader.int_checkpoint import IntScheme
+
+    if isinstance(scheme, IntScheme) and quantization == scheme.method and files.load_format != "dummy":
+        # an integer checkpoint's experts stay packed for the fused MoE kernels (else dequantized at load)
+        from ember.layers.kernel_paths import kernels_on
+        from ember.loader.int_checkpoint import int_experts
+
+        cfg = dataclasses.replace(cfg, int_experts=int_experts(cfg, scheme, lambda: files.tensor_names(cfg),
+                                                               kernels_on(device)))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are made in the run dtype, on the device
     try:
@@ -243,8 +263,6 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
         from ember.loader.fp8_checkpoint import quantize_linear_layers
 
         quantize_linear_layers(model, scheme if isinstance(scheme, FP8Scheme) else None)
-    from ember.loader.int_checkpoint import IntScheme
-
     if isinstance(scheme, IntScheme) and quantization == scheme.method and files.load_format == "dummy":
         from ember.loader.int_checkpoint import quantize_int_layers  # dense random weights at the model's shapes
 

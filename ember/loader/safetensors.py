@@ -91,6 +91,28 @@ def iter_pt(model_dir: str | Path, rename: Rename | None = None) -> Iterator[tup
                 yield target, tensor
 
 
+def tensor_names(model_dir: str | Path, load_format: str = "safetensors") -> list[str]:
+    """The names of a checkpoint's tensors, from its safetensors index or files' headers (or its
+    .bin files, memory-mapped), reading no tensor."""
+    d = Path(model_dir)
+    if load_format == "pt":
+        try:
+            return [name for file in pt_files(d) for name in torch.load(file, map_location="cpu", weights_only=True,
+                                                                        mmap=True)]
+        except Exception:  # a file iter_pt refuses, with the reason, when the weights are read
+            return []
+    if (d / SAFETENSORS_INDEX).is_file():
+        _indexed_files(d / SAFETENSORS_INDEX)  # the index is readable and its shards are there
+        return list(json.loads((d / SAFETENSORS_INDEX).read_text(encoding="utf-8"))["weight_map"])
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in safetensors_files(d):
+        with safe_open(str(file), framework="pt") as f:
+            names += f.keys()
+    return names
+
+
 def _indexed_files(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from ember.layers.quant.fp8 import FP8, FP8Tensor
+from ember.layers.quant.fp8 import FP8Tensor
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.layers.quant.int_weight import IntTensor
 from ember.models.config import ModelConfig
@@ -438,17 +438,17 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
     A BlockTensor (GGUF blocks kept quantized), an FP8Tensor (an FP8 checkpoint's weight
     with its scales) or an IntTensor (an AWQ / GPTQ / compressed-tensors weight) goes to the
     layer owning the parameter, which takes it as its weight format once all are in
-    (`finish_loading`), or an FP8Tensor to an FP8 parameter's weight loader (FusedMoE's FP8
-    experts, which hold their scales beside them); an FP8Tensor or IntTensor for a parameter
-    no such kernel takes (dense experts, as on the CPU; MLA's kv_b_proj; an LM head) loads
-    dequantized, logged once.
+    (`finish_loading`), or to the weight loader of a parameter that `loads_quantized`
+    (FusedMoE's FP8 and integer experts, which hold their scales beside them); an FP8Tensor or
+    IntTensor for a parameter no such kernel takes (dense experts, as on the CPU; MLA's
+    kv_b_proj; an LM head) loads dequantized, logged once.
 
     Raises ValueError naming unknown, duplicated and missing tensors."""
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     expected: set[tuple[str, int | None]] = set()
     for pname, param in params.items():
-        if getattr(param, "loads_with_weight", False):  # FP8 experts' scales: filled with their weights
+        if getattr(param, "loads_with_weight", False):  # FP8 and integer experts' scales: filled with their weights
             continue
         shards = _num_shards(model, pname)
         expected |= {(pname, s) for s in range(shards)} if shards else {(pname, None)}
@@ -472,7 +472,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
             raise ValueError(f"{source}: tensor {name!r} appears twice")
         param = params[pname]
         owner = model.get_submodule(pname.rpartition(".")[0])
-        kept = isinstance(tensor, (BlockTensor, FP8Tensor, IntTensor)) and param.dtype != FP8
+        kept = isinstance(tensor, (BlockTensor, FP8Tensor, IntTensor)) and not getattr(param, "loads_quantized", False)
         if kept and not isinstance(tensor, BlockTensor) and not hasattr(owner, _KEEPS[type(tensor)]):
             tensor = tensor.dequantize()
             kept = False
@@ -499,8 +499,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
         done.add((pname, shard))
     if dequantized:
         logger.info("%s: %d quantized weights dequantized to the run dtype at load (%s%s): no FP8 or integer-weight "
-                    "kernel of ember's takes them here (experts: FP8 on CUDA only; latent projections, integer "
-                    "experts and LM heads: none yet)", source, len(dequantized),
+                    "kernel of ember's takes them here (experts: FP8 and integer ones on CUDA only; latent "
+                    "projections and LM heads: none yet)", source, len(dequantized),
                     ", ".join(dequantized[:3]), " ..." if len(dequantized) > 3 else "")
     missing = sorted(expected - done, key=str)
     if unknown or missing:

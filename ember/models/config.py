@@ -149,6 +149,10 @@ class ModelConfig:
     # (layers/moe.py): set by load_model on CUDA (loader/fp8_checkpoint.fp8_experts); None (the
     # config's own): the experts are dense, an FP8 checkpoint's dequantized at load
     fp8_experts: Literal["block", "row"] | None = None
+    # an AWQ / GPTQ / compressed-tensors checkpoint's experts kept packed, as (bits, group_size,
+    # symmetric) (layers/moe.py): set by load_model where the fused MoE kernels run
+    # (loader/int_checkpoint.int_experts); None: the experts are dense, dequantized at load
+    int_experts: tuple[int, int, bool] | None = None
     # Qwen3-Next: q_proj gives each head's query and an output gate (the attention's output times
     # sigmoid(gate)); which layers are gated DeltaNet linear attention (models/gated_deltanet.py;
     # None: none), with their key (and query) heads, value heads, the heads' dims and the causal

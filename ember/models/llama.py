@@ -168,7 +168,7 @@ class SharedExpertMoE(FusedMoE):
 
     def __init__(self, cfg: ModelConfig, grouped: GroupedRouting | None) -> None:
         super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         cfg.norm_topk_prob, grouped, fp8=cfg.fp8_experts)
+                         cfg.norm_topk_prob, grouped, fp8=cfg.fp8_experts, int_experts=cfg.int_experts)
         self.shared_expert = LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1) if cfg.shared_expert_gate else None
 
@@ -202,7 +202,7 @@ def _sparse_mlp(cfg: ModelConfig) -> FusedMoE:
         return SharedExpertMoE(cfg, grouped)
     return FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                     cfg.norm_topk_prob, grouped, biased=cfg.moe_bias, swiglu=cfg.swiglu, mxfp4=cfg.mxfp4_experts,
-                    fp8=cfg.fp8_experts)
+                    fp8=cfg.fp8_experts, int_experts=cfg.int_experts)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -8,9 +8,10 @@ ranks refused); a tiny Phi-3 (q|k|v and gate|up stored merged) at TP=2; SmolLM2-
 (9 q / 3 KV heads, tied head) at TP=3, dequantized and in its Q4_1 blocks; mixtures of experts
 at TP=2 (Qwen2-MoE's shared expert, DeepSeek-V2's latent attention and experts, gpt-oss's
 biased experts, Llama 4's input-scaled ones; Qwen3-Next's gated DeltaNet and gated attention
-over experts), and DeepSeek-V3's block-scaled FP8 experts kept FP8 as on CUDA (each rank whole
-128-row blocks). A split that does not fit is refused with the fix, and a rank that fails fails
-the run at once, with no process left."""
+over experts), DeepSeek-V3's block-scaled FP8 experts kept FP8 as on CUDA (each rank whole
+128-row blocks), and a GPTQ Qwen3-MoE's integer experts kept packed as on CUDA (each rank whole
+groups). A split that does not fit is refused with the fix, and a rank that fails fails the run
+at once, with no process left."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+import triton_interpreter  # noqa: F401  (the fused MoE kernels' loops on Triton's interpreter, in the ranks too)
 from qwen3_next_model import QWEN3_NEXT, save_for_llama_cpp, save_qwen3_next
 
 from ember.distributed import parallel_state
@@ -479,6 +481,52 @@ def test_a_group_that_spans_two_ranks_is_refused_by_name(tiny_llama_int, tmp_pat
                                            r"\[\d+, \d+\) of a weight quantized in groups of 64 columns: a group "
                                            r"spans two tensor-parallel ranks"):
         run_ranks(4, path, tmp_path, quantization="gptq")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe_gptq8(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE saved by transformers (4 experts of intermediate 128, top-2; hidden 128)
+    as an 8-bit GPTQ checkpoint with zero points in groups of 64 (v2 zeros): at TP=2 each rank
+    holds rows [0, 64) or [64, 128) of every expert's gate and up and those columns (one group)
+    of its down; at TP=4, 32 columns cut a group."""
+    from int_checkpoints import write_checkpoint
+
+    base = _save_perturbed("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen3-moe-int"), hidden_size=128,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=128, moe_intermediate_size=128, num_experts=4,
+                           num_experts_per_tok=2, decoder_sparse_step=1)
+    saved = json.loads((Path(base) / "config.json").read_text())  # transformers 5 writes num_local_experts
+    (Path(base) / "config.json").write_text(json.dumps(saved | {"num_experts": saved["num_local_experts"]}))
+    return str(write_checkpoint(Path(base), Path(base).parent / "tiny-qwen3-moe-gptq8", "gptq", 8, 64,
+                                symmetric=False, v1=False)[0])
+
+
+def test_int_experts_split_through_the_fused_kernels(tiny_qwen3_moe_gptq8, tmp_path):
+    """Integer experts kept packed (the fused MoE kernels on Triton's interpreter, as on CUDA):
+    two ranks, each its rows of every expert's gate and up and its whole groups of the down's
+    columns with their scales and zeros, give the logits of one process, and of the checkpoint
+    dequantized at load."""
+    pytest.importorskip("triton")
+    path = tiny_qwen3_moe_gptq8
+    files = locate_model(path, "auto")
+    with gemv_on_cpu():
+        moe = load_model(files, files.model_config(), 128, torch.float32, "cpu", "torch", quantization="gptq")
+    assert moe.model.layers[0].mlp.int_experts == (8, 64, False)
+    expected = prefill_logits(path, PROMPTS, quantization="gptq", cuda_paths=True)
+    ranks = run_task(2, tmp_path, prefill_logits, (path, PROMPTS, "gptq", "auto", True))
+    assert all(torch.equal(logits, ranks[0]) for logits in ranks)
+    torch.testing.assert_close(ranks[0], expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ranks[0], prefill_logits(path, PROMPTS, quantization="none"), rtol=0, atol=1e-5)
+
+
+def test_int_experts_split_across_a_group_are_refused_by_name(tiny_qwen3_moe_gptq8, tmp_path):
+    pytest.importorskip("triton")
+    with pytest.raises(RuntimeError, match=r"(?s)rank \d of 4 failed:.*ValueError: tensor parallelism over 4 ranks gives "
+                                           r"rank \d columns \[\d+, \d+\) of each expert's down projection \(128: "
+                                           r"moe_intermediate_size\), which cuts its 8-bit integer groups of 64 "
+                                           r"columns: use a tensor_parallel_size that splits moe_intermediate_size "
+                                           r"into multiples of 64, or quantization='none'"):
+        run_task(4, tmp_path, prefill_logits, (tiny_qwen3_moe_gptq8, PROMPTS, "gptq", "auto", True))
 
 
 @pytest.fixture(scope="module")

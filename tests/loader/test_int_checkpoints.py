@@ -211,3 +211,37 @@ def test_dummy_weights_under_an_integer_config_are_quantized_at_load(tmp_path):
                layer.mlp.down_proj.format]
     assert all(isinstance(f, GGUFBlocks) and f.type_name == "Q4_1" for f in formats)  # AWQ: zero points
     assert not isinstance(model.lm_head.format, GGUFBlocks)
+
+
+def test_the_experts_of_an_integer_checkpoint_stay_packed_where_the_fused_kernels_run(caplog):
+    """int_experts (what load_model keeps packed in FusedMoE): the scheme's bits, group size and
+    symmetry where the fused MoE kernels run and every expert's projections are stored quantized;
+    else None, logged with the reason: on the CPU, act-order groups, an expert stored plain;
+    and None for a model without experts."""
+    from ember.loader.int_checkpoint import int_experts
+    from ember.models.config import ModelConfig
+
+    qwen3_moe = ModelConfig.from_hf_config(
+        {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **SIZES, "num_experts": 4,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "decoder_sparse_step": 1})
+    experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(2) for e in range(4)
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    stored = [f"{m}.{part}" for m in experts for part in ("qweight", "qzeros", "scales", "g_idx")]
+    gptq = IntScheme("gptq", 4, 128, False, True, zeros_minus_one=True)
+    assert int_experts(qwen3_moe, gptq, lambda: stored, True) == (4, 128, True)
+    assert int_experts(qwen3_moe, IntScheme("awq", 4, 64, False, False), lambda: stored, True) == (4, 64, False)
+    with caplog.at_level(logging.INFO, logger="ember.loader.int_checkpoint"):
+        assert int_experts(qwen3_moe, gptq, lambda: stored, False) is None
+        assert int_experts(qwen3_moe, IntScheme("gptq", 4, 128, True, True), lambda: stored, True) is None
+        plain = [n for n in stored if not n.startswith("model.layers.1.mlp.experts.2.up_proj.")]
+        assert int_experts(qwen3_moe, gptq, lambda: plain + ["model.layers.1.mlp.experts.2.up_proj.weight"],
+                           True) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "gptq experts dequantized to the run dtype at load: on the CPU FusedMoE multiplies dense experts (GGUF "
+        "experts are dequantized there too: no block-kept expert path)",
+        "gptq experts dequantized to the run dtype at load: act-order groups (g_idx): the fused MoE kernels read "
+        "each expert's groups in column order",
+        "gptq experts dequantized to the run dtype at load: 1 of 24 expert projections are stored unquantized "
+        "(e.g. model.layers.1.mlp.experts.2.up_proj)"]
+    llama = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SIZES})
+    assert int_experts(llama, gptq, lambda: stored, True) is None

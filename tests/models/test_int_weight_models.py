@@ -28,11 +28,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton_interpreter  # noqa: F401  (the fused MoE kernels' loops on Triton's interpreter)
 from family_checks import greedy_tokens, hf_greedy
 from int_checkpoints import FORMS, SIZES, write_checkpoint
 
 from ember import LLM, SamplingParams
 from ember.layers.kernel_paths import gemv_on_cpu
+from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.gguf_blocks import GGUFBlocks
 from ember.layers.quant.int_weight import IntWeight
 
@@ -72,16 +74,17 @@ def _checkpoint(base: Path, form: str) -> tuple[Path, Path]:
     return write_checkpoint(base, base.parent / f"{base.name}-{form}", method, bits, group, symmetric, act, v1)
 
 
-def _reference(dequantized: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """transformers' greedy tokens of PROMPTS, and its logits over each prompt and its tokens but the last."""
+def _reference(dequantized: Path, prompts: list[list[int]] = PROMPTS) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """transformers' greedy tokens of the prompts, and its logits over each prompt and its tokens but the last."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(dequantized), dtype=torch.float32).eval()
-    greedy = [hf_greedy(hf, ids) for ids in PROMPTS]
+    greedy = [hf_greedy(hf, ids) for ids in prompts]
     with torch.no_grad():
-        logits = [hf(torch.tensor([ids + toks[:-1]])).logits[0] for ids, toks in zip(PROMPTS, greedy)]
+        logits = [hf(torch.tensor([ids + toks[:-1]])).logits[0] for ids, toks in zip(prompts, greedy)]
     return greedy, logits
 
 
 def _teacher_forced(llm: LLM, greedy: list[list[int]], forward_logits) -> list[torch.Tensor]:
+    """Each prompt (the first len(greedy) of PROMPTS) and its greedy tokens but the last, one forward."""
     return forward_logits(llm, [ids + toks[:-1] for ids, toks in zip(PROMPTS, greedy)])
 
 
@@ -134,26 +137,88 @@ def test_decode_steps_through_the_gemv_kernel_with_act_order(tiny_llama):
     assert [list(o.outputs[0].token_ids) for o in outs] == [toks[:3] for toks in greedy]
 
 
-def test_quantized_experts_are_dequantized_at_load(tmp_path_factory, caplog):
-    """A GPTQ mixture of experts (Qwen3-MoE): no integer-weight MoE kernel yet, so the stacked
-    experts load dequantized (logged: their values are exactly the checkpoint's) beside the
-    attention kept quantized; the router is not quantized. (Their logits are not compared: a
-    router's near-tie parts an int8-activation path from the reference by a whole expert, and
-    the dense experts' arithmetic is tests/models/test_moe.py's.)"""
+def _save_tiny_moe(family: str, tmp_path_factory) -> Path:
+    """A tiny random mixture of experts saved by transformers: Mixtral or Qwen3-MoE, 8 experts of
+    intermediate 128, top-2, every layer sparse."""
+    torch.manual_seed(0)
+    if family == "mixtral":
+        config = transformers.AutoConfig.for_model("mixtral", **(SIZES | {"intermediate_size": 128}),
+                                                   num_local_experts=8, num_experts_per_tok=2)
+    else:
+        config = transformers.AutoConfig.for_model("qwen3_moe", **SIZES, num_experts=8, num_experts_per_tok=2,
+                                                   moe_intermediate_size=128, decoder_sparse_step=1)
+    base = tmp_path_factory.mktemp(f"tiny-{family}")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(base))
+    if family == "qwen3_moe":  # transformers 5 writes num_local_experts; Qwen's configs say num_experts
+        saved = json.loads((base / "config.json").read_text())
+        (base / "config.json").write_text(json.dumps(saved | {"num_experts": saved["num_local_experts"]}))
+    return base
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """family -> its tiny model (_save_tiny_moe), saved once."""
+    saved: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in saved:
+            saved[family] = _save_tiny_moe(family, tmp_path_factory)
+        return saved[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family,form", [("mixtral", "awq-g128"), ("qwen3_moe", "gptq-int4-g128")])
+def test_moe_experts_stay_packed_through_the_fused_kernels(tiny_moe, family, form, forward_logits):
+    """Where the fused MoE kernels run (Triton's interpreter here, in float32), a mixture of
+    experts' integer experts load packed with no flag (Mixtral as AWQ: 4 bits with zero points;
+    Qwen3-MoE as GPTQ: 4 bits symmetric, v1 zeros): FusedMoE holds int32 w13 / w2 with their
+    scales and zeros, the bytes the format packs (the model's weights no more than the file's
+    tensors), and the reference's logits (transformers on the dequantized weights) come out
+    within float32 rounding, its 32 greedy tokens ember's argmax at every step (one prefill
+    over each prompt and those tokens), and three free-running decode steps of one sequence
+    through the fused GEMV (two pairs among eight experts) equal its first three."""
+    method, bits, group, symmetric, _, _ = FORMS[form]
+    path, dequantized = _checkpoint(tiny_moe(family), form)
+    greedy, want = _reference(dequantized, PROMPTS[:2])
+    with gemv_on_cpu():
+        llm = LLM(str(path), dtype="float32", **ENGINE)
+        model = llm.engine.runner.model
+        logits = _teacher_forced(llm, greedy, forward_logits)
+        decode = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=3,
+                                                                                  ignore_eos=True))
+    assert llm.config.quantization == method
+    layers = [layer.mlp for layer in model.model.layers]
+    assert all(m.int_experts == (bits, group, symmetric) and m.w13.dtype == torch.int32 for m in layers)
+    hidden, inter, experts = 256, 128, 8
+    scale_bytes = 2 + (not symmetric)  # a float16 scale and a uint8 zero point a group
+    packed = experts * sum(rows * (cols * bits // 32 * 4 + cols // group * scale_bytes)
+                           for rows, cols in ((2 * inter, hidden), (hidden, inter)))
+    assert all(sum(p.nbytes for n, p in m.named_parameters() if n.startswith(("w13", "w2"))) == packed for m in layers)
+    assert model_weight_bytes(model) == llm.engine.runner.weight_bytes <= llm.engine.runner.file_tensor_bytes
+    for got, ref, ids, toks in zip(logits, want, PROMPTS, greedy):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        assert got[len(ids) - 1:].argmax(-1).tolist() == toks
+    assert list(decode[0].outputs[0].token_ids) == greedy[0][:3]
+
+
+def test_quantized_experts_are_dequantized_at_load_on_the_cpu(tmp_path_factory, caplog):
+    """A GPTQ mixture of experts (Qwen3-MoE) on the CPU: FusedMoE's torch path multiplies dense
+    experts (GGUF ones too), so the stacked experts load dequantized (logged with the reason:
+    their values are exactly the checkpoint's) beside the attention kept as GGUF blocks; the
+    router is not quantized. (Their logits are not compared: a router's near-tie parts an
+    int8-activation path from the reference by a whole expert, and the dense experts'
+    arithmetic is tests/models/test_moe.py's.)"""
     from safetensors.torch import load_file
 
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model("qwen3_moe", **SIZES, num_experts=4, num_experts_per_tok=2,
-                                               moe_intermediate_size=128, decoder_sparse_step=1)
-    base = tmp_path_factory.mktemp("tiny-qwen3-moe")
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(base))
-    saved = json.loads((base / "config.json").read_text())  # transformers 5 writes num_local_experts; Qwen's say:
-    (base / "config.json").write_text(json.dumps(saved | {"num_experts": saved["num_local_experts"]}))
+    base = _save_tiny_moe("qwen3_moe", tmp_path_factory)
     path, dequantized = write_checkpoint(base, base.parent / "tiny-qwen3-moe-gptq", "gptq", 4, 64)
-    with caplog.at_level(logging.INFO, logger="ember.loader.weights"):
+    with caplog.at_level(logging.INFO, logger="ember.loader"):
         llm = LLM(str(path), **ENGINE)
-    # 2 layers x 4 experts x gate, up, down
-    assert "24 quantized weights dequantized to the run dtype at load (model.layers.0.mlp.experts." in caplog.text
+    assert "gptq experts dequantized to the run dtype at load: on the CPU FusedMoE multiplies dense experts" \
+        in caplog.text
+    # 2 layers x 8 experts x gate, up, down
+    assert "48 quantized weights dequantized to the run dtype at load (model.layers.0.mlp.experts." in caplog.text
     layer = llm.engine.runner.model.model.layers[1]
     assert isinstance(layer.self_attn.qkv_proj.format, GGUFBlocks)
     want = load_file(str(dequantized / "model.safetensors"))

@@ -1,0 +1,57 @@
+"""Two fixes to Triton 3.6's interpreter, so the kernels run on the CPU as they do on a GPU,
+applied on import where TRITON_INTERPRET is 1 and triton is installed (tests/kernels' conftest
+imports it; a test elsewhere that runs the fused MoE kernels' loops, or spawns ranks that do,
+imports it too).
+
+1. It turns a loop bound into an int with `int(array)`, which NumPy >= 2.4 refuses for its
+   one-element arrays (every interpreter scalar is one): the kernels' runtime-bounded `for`
+   loops then fail on the CPU only. Read the one element.
+2. Its float -> float8e4nv conversion drops the carry when rounding up crosses a power of
+   two (1.9973 becomes 1.0 instead of 2.0; ~2% of random values are off by a factor 2),
+   and reads the e4m3fn NaN code as 480. The GPU converts with cvt.rn.satfinite (round to
+   nearest even), as torch does: convert fp8 through torch instead."""
+
+import importlib.util
+import os
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    _patch = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+    _convert_float = interpreter._convert_float
+    _TORCH = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+              tl.float8e4nv: torch.float8_e4m3fn}
+
+    def _convert_float_fp8(data, input_dtype, output_dtype, rounding_mode):
+        if tl.float8e4nv not in (input_dtype, output_dtype):
+            return _convert_float(data, input_dtype, output_dtype, rounding_mode)
+        # the interpreter keeps bfloat16 as uint16 and fp8 as uint8: reinterpret the bits
+        bits = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(_TORCH[input_dtype])
+        out = bits.to(_TORCH[output_dtype])
+        width = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[out.element_size()]
+        return out.view(width).numpy().reshape(np.shape(data))
+
+    interpreter._convert_float = _convert_float_fp8
+
+    def _bf16_as_float32(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = (np.ascontiguousarray(handle.data).astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    _create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return _create_dot(self, _bf16_as_float32(a), _bf16_as_float32(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
