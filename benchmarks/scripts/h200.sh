@@ -22,6 +22,10 @@
 #   check-fp8           the GPU tests of the FP8 kernels, the GEMV and the engine with FP8 weights
 #   check-int           the GPU tests of the W4A16 / W8A16 kernels, the GEMV and the engine with AWQ, GPTQ and
 #                       compressed-tensors checkpoints
+#   check-int-moe       the GPU tests of integer experts (W4A16 / W8A16) in the fused MoE kernels (Mixtral-8x7B's
+#                       and Qwen3-30B-A3B's shapes, in CUDA graphs) and of the engine with AWQ / GPTQ Mixtral and
+#                       Qwen3-MoE checkpoints, then moe_tune.py --int 4 at both shapes (--no-write: each choice
+#                       against the heuristic)
 #   kernels-fp8         fp8_gemm_bench.py --sweep at the Llama-8B shapes, M = 1 .. 2048 (its last line
 #                       says what FP8_GEMV_MAX_ROWS in ember/layers/kernel_paths.py should be)
 #   check-moe           the GPU tests of the MoE kernels and families, moe_tune.py (writes
@@ -246,6 +250,13 @@ mode_check_fp8() {
 
 mode_check_int() {
   gpu_tests 540 tests/kernels/test_wna16_kernels.py tests/kernels/test_gemv.py tests/models/test_cuda_int_weights.py
+}
+
+mode_check_int_moe() {
+  gpu_tests 400 tests/kernels/test_moe_kernels.py tests/models/test_cuda_int_moe.py -k "int_experts or moe_checkpoint"
+  local secs; secs=$(cap "moe_tune --int 4" 240) || return 0
+  timeout "$secs" python3 benchmarks/scripts/moe_tune.py --int 4 --tokens 1 64 512 --no-write 2>&1 \
+    | grep -E "TUNED|Error" | tee "$J/moe_tune_int4.log"
 }
 
 mode_kernels_fp8() {
@@ -500,6 +511,7 @@ case "$mode" in
   race-fp8) mode_env; mode_race_fp8 ;;
   check-fp8) mode_env; mode_check_fp8 ;;
   check-int) mode_env; mode_check_int ;;
+  check-int-moe) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_check_int_moe ;;
   kernels-fp8) mode_env; mode_kernels_fp8 ;;
   check-moe) mode_env; mode_check_moe ;;
   race-moe) mode_env; mode_race_moe "$@" ;;

@@ -3,12 +3,15 @@ device: for each shape and token count, every candidate BLOCK_M (shared by the g
 down passes, since both read one sorted layout), and for each pass the fastest of the
 BLOCK_N x BLOCK_K x stages candidates; at small token counts the GEMV (each pair alone) too,
 over its BLOCK_N x BLOCK_K x warps x stages. A shape whose config.json says MXFP4 (gpt-oss)
-is tuned on random MXFP4 experts, and with --fp8 every shape on random block-scaled FP8
-experts (DeepSeek-V3's and Qwen3-FP8's 128 x 128 scales), each under its own key. Writes
+is tuned on random MXFP4 experts, with --fp8 every shape on random block-scaled FP8 experts
+(DeepSeek-V3's and Qwen3-FP8's 128 x 128 scales), with --int 4 or 8 on random integer experts
+(AWQ / GPTQ W4A16 or W8A16: groups of 128 columns with zero points), each under its own key
+(",mxfp4", ",fp8", ",int4", ",int8"). Writes
 ember/kernels/moe_configs.json under the GPU's name, which kernels/moe.py reads on that GPU;
 prints each choice with its time against the built-in heuristic's.
 
-    python3 benchmarks/scripts/moe_tune.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 64 512 16384] [--fp8] [--no-write]
+    python3 benchmarks/scripts/moe_tune.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 64 512 16384]
+        [--fp8 | --int 4|8] [--no-write]
 """
 
 import argparse
@@ -30,12 +33,15 @@ ROOT = Path(__file__).resolve().parents[2]
 GEMV_MAX_PAIRS_PER_EXPERT = 4.0  # token counts where the GEMV is a candidate
 
 
-def shape(name: str, fp8: bool) -> tuple[int, int, int, int, str | None]:
-    """(E, H, I, k, the experts' format: None, "mxfp4" or "fp8") of a config's MoE layers."""
+INT_GROUP = 128  # integer experts' columns a group: AWQ's and GPTQ's usual
+
+
+def shape(name: str, fp8: bool, int_bits: int | None = None) -> tuple[int, int, int, int, str | None]:
+    """(E, H, I, k, the experts' format: None, "mxfp4", "fp8", "int4" or "int8") of a config's MoE layers."""
     raw = json.loads((ROOT / "benchmarks" / "configs" / name / "config.json").read_text())
     cfg = ModelConfig.from_hf_config(raw)
     mxfp4 = (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
-    quant = "mxfp4" if mxfp4 else "fp8" if fp8 else None
+    quant = "mxfp4" if mxfp4 else "fp8" if fp8 else f"int{int_bits}" if int_bits else None
     return cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, quant
 
 
@@ -47,6 +53,14 @@ def weights_of(experts: int, rows: int, cols: int, quant: str | None, halves: in
         values = (64 * torch.randn(experts, rows, cols, device="cuda")).clamp(-448, 448).to(torch.float8_e4m3fn)
         blocks = (experts, halves * triton.cdiv(rows // halves, 128), triton.cdiv(cols, 128))
         return moe.FP8Experts(values, torch.rand(blocks, device="cuda") / (64 * cols ** 0.5))
+    if quant in ("int4", "int8"):  # random int32 words (every value), float16 scales, uint8 zero points
+        bits = int(quant[3:])
+        groups = (experts, rows, triton.cdiv(cols, INT_GROUP))
+        words = torch.randint(-2 ** 31, 2 ** 31 - 1, (experts, rows, cols * bits // 32), device="cuda",
+                              dtype=torch.int32)
+        zeros = torch.randint(0, 1 << bits, groups, device="cuda", dtype=torch.int32).to(torch.uint8)
+        return moe.IntExperts(words, (torch.rand(groups, device="cuda") / (2 ** bits * cols ** 0.5)).half(), zeros,
+                              bits, INT_GROUP, cols)
     blocks = torch.randint(0, 256, (experts, rows, cols // 2), device="cuda", dtype=torch.uint8)
     return moe.MXFP4Experts(blocks, torch.randint(118, 122, (experts, rows, cols // 32), device="cuda",
                                                   dtype=torch.uint8))
@@ -75,6 +89,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 512, 16384])
     ap.add_argument("--fp8", action="store_true", help="tune the shapes on block-scaled FP8 experts (key ',fp8')")
+    ap.add_argument("--int", type=int, choices=(4, 8), dest="int_bits",
+                    help="tune the shapes on integer experts of 4 or 8 bits in groups of 128 (key ',int4' / ',int8')")
     ap.add_argument("--no-write", action="store_true", help="print the choices, leave moe_configs.json as it is")
     ns = ap.parse_args()
     device = torch.cuda.get_device_name()
@@ -82,7 +98,7 @@ def main() -> None:
     table = json.loads(path.read_text()) if path.exists() else {}
     start = time.time()
     for name in ns.shapes:
-        experts, hidden, inter, top_k, quant = shape(name, ns.fp8)
+        experts, hidden, inter, top_k, quant = shape(name, ns.fp8, ns.int_bits)
         swiglu = (1.702, 7.0) if quant == "mxfp4" else None
         w13, w2 = weights_of(experts, 2 * inter, hidden, quant, 2), weights_of(experts, hidden, inter, quant, 1)
         for tokens in ns.tokens:

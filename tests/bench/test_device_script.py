@@ -50,7 +50,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
     listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
-                      "check-fp8", "check-int", "kernels-fp8", "check-moe", "race-moe", "families", "new-families",
+                      "check-fp8", "check-int", "check-int-moe", "kernels-fp8", "check-moe", "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
                       "serve-race", "serve-sweep"]
@@ -158,6 +158,16 @@ def test_defaults_runs_ember_without_seat_or_budget_flags_beside_the_candidates(
         f"{bench} {l} {tp} {knobs(512, 16384)} --output-json {out}/llama_512_16384.json [decode_config=]",
         f"{bench} {l} {tp} --distributed-executor-backend mp --output-json {out}/llama_mp.json [decode_config=]",
         "python3 -m pytest -m gpu -q -s -rf --tb=short tests/runner/test_defaults.py [decode_config=]",
+    ]
+
+
+def test_check_int_moe_runs_the_integer_experts_gpu_tests_then_tunes_them_without_writing(tmp_path):
+    calls, done = run_mode(tmp_path, "check-int-moe")
+    assert done.returncode == 0, done.stderr
+    assert calls == [
+        "python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_moe_kernels.py "
+        "tests/models/test_cuda_int_moe.py -k int_experts or moe_checkpoint [decode_config=]",
+        "python3 benchmarks/scripts/moe_tune.py --int 4 --tokens 1 64 512 --no-write [decode_config=]",
     ]
 
 

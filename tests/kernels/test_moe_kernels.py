@@ -845,6 +845,59 @@ def test_fp8_experts_at_real_shapes_and_in_a_cuda_graph(tokens, fp8_experts_on_g
     _assert_graph_replays(layer, x)
 
 
+# real experts' shapes (experts, hidden, intermediate, top_k) in their common integer forms
+INT_SHAPES = {"mixtral-8x7b-awq": ((8, 4096, 14336, 2), "int4-g128-zeros"),
+              "qwen3-30b-a3b-gptq": ((128, 2048, 768, 8), "int4-g128"),
+              "qwen3-30b-a3b-w8a16": ((128, 2048, 768, 8), "int8-channel")}
+INT_FORMS_GPU = {"int4-g128-zeros": (4, 128, False), "int4-g128": (4, 128, True), "int8-channel": (8, -1, True)}
+
+
+@pytest.fixture(scope="module", params=sorted(INT_SHAPES))
+def int_experts_on_gpu(request):
+    """Integer experts of a real shape on the GPU, and their float32 dequantization."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    (experts, hidden, inter, top_k), form = INT_SHAPES[request.param]
+    bits, group, symmetric = INT_FORMS_GPU[form]
+    w13, d13 = _int(experts, 2 * inter, hidden, bits, group, symmetric, "cuda", seed=1)
+    w2, d2 = _int(experts, hidden, inter, bits, group, symmetric, "cuda", seed=2)
+    return (experts, hidden, inter, top_k, (bits, group, symmetric)), w13, d13, w2, d2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+@torch.inference_mode()
+def test_int_experts_at_real_shapes_and_in_a_cuda_graph(tokens, int_experts_on_gpu):
+    """FusedMoE(int_experts=...) on CUDA at Mixtral-8x7B's (AWQ) and Qwen3-30B-A3B's (GPTQ
+    4-bit, W8A16 per channel) expert shapes, the GEMV at one token and the GEMMs at 64 and
+    1024, against the torch path in float32 on the dequantized weights (to 2e-2 of the output's
+    scale: the activations and each pass's output in bfloat16) and against the dense bf16
+    kernels on the weights dequantized to bfloat16 (to 1e-2: those round each weight, the
+    integer kernels scale exact sums); replayed in a CUDA graph."""
+    (experts, hidden, inter, top_k, scheme), w13, d13, w2, d2 = int_experts_on_gpu
+    with torch.device("cuda"):
+        layer = FusedMoE(hidden, inter, experts, top_k, renormalize=True, int_experts=scheme)
+    layer.gate.to(torch.bfloat16).weight.data.normal_(0, 0.05)
+    for name, w in (("w13", w13), ("w2", w2)):
+        getattr(layer, name).data.copy_(w.qweight)
+        getattr(layer, f"{name}_scales").data = w.scales
+        if w.zeros is not None:
+            getattr(layer, f"{name}_zeros").data.copy_(w.zeros)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = route_topk(layer.gate(x), top_k, True)
+    assert bool(moe_configs(experts, hidden, inter, top_k, tokens, "", f"int{scheme[0]}")[0].get("GEMV")) == \
+        (tokens == 1)
+    eager = layer(x)
+    want = grouped_experts(x.float(), d13, d2, weights, ids.long())
+    scale = want.abs().max().item()
+    print(f"E={experts} H={hidden} I={inter} T={tokens} {scheme}: |int - torch path| max "
+          f"{(eager.float() - want).abs().max().item() / scale:.2e} of the scale")
+    torch.testing.assert_close(eager.float(), want, rtol=0, atol=2e-2 * scale)
+    dense = fused_experts(x, d13.to(torch.bfloat16), d2.to(torch.bfloat16), weights, ids)
+    torch.testing.assert_close(eager, dense, rtol=0, atol=1e-2 * scale)
+    _assert_graph_replays(layer, x)
+
+
 _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
