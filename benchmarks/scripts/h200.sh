@@ -90,6 +90,9 @@
 #   serve-sweep [FLAGS...]  ember serve alone on the burst and the 16/s workload (SWEEP_WORKLOADS) at each
 #                       seat/budget pair
 #                       ("S B" strings; default: the serving defaults, 512/8192, 1024/8192, 256/8192, 512/4096)
+#   spec                speculative decoding's verifying step against a decode step, one request 128/512 in CUDA
+#                       graphs with 4 drafts a step always wrong, then always right (spec_verify_cost.py), at the
+#                       Llama-3.1-8B and Qwen3-0.6B shapes (goal: a verifying step <= 1.15x a decode step)
 #
 # serve: the device has none of the server's packages and no GGUF reader, so two things are made
 # here and carried: the served model (SERVED_MODEL, default .serve-model:
@@ -318,6 +321,18 @@ mode_gpt_oss() {
   bench gpt_oss_120b_256x1000 200 $G --num-prompts 256 --input-len 1000 --output-len 1000 --max-model-len 2048
 }
 
+mode_spec() {
+  local secs shape
+  for shape in "$L llama_8b" "$Q qwen3_0_6b"; do
+    set -- $shape
+    if secs=$(cap spec_verify_$2 240); then
+      timeout "$secs" python3 benchmarks/scripts/spec_verify_cost.py $1 --load-format dummy --k 4 --input-len 128 \
+        --output-len 512 --output-json "$J/spec_verify_$2.json" > "$J/spec_verify_$2.log" 2>&1
+      tail -1 "$J/spec_verify_$2.log" | sed "s/^/$2: /"
+    fi
+  done
+}
+
 mode_moe_speed() {  # moe-speed [kernels|engines]: one part a call
   local secs G=benchmarks/configs/gpt-oss-120b D=benchmarks/configs/deepseek-v2-lite
   if [ "${1:-kernels}" = kernels ]; then
@@ -520,6 +535,7 @@ case "$mode" in
   mla-decode) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_mla_decode ;;
   gpt-oss) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpt_oss ;;
   moe-speed) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_moe_speed "$@" ;;
+  spec) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_spec ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
   defaults) mode_env; mode_defaults ;;
   tp-check) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_check ;;

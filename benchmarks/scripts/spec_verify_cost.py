@@ -36,9 +36,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="each of the two engines' share")
     ap.add_argument("--output-json", default=os.path.join(os.environ.get("OUT", "/tmp"), "spec_verify_cost.json"))
     args = ap.parse_args()
-    common = dict(load_format=args.load_format, seed=0, enable_prefix_caching=False)
+    common = dict(load_format=args.load_format, seed=0, enable_prefix_caching=False, max_model_len=args.max_model_len,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config={"num_speculative_tokens": args.k}, **common)
     prompt = {"prompt_token_ids": [100 + i % 1000 for i in range(args.input_len)]}

@@ -53,7 +53,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
                       "check-fp8", "check-int", "check-int-moe", "kernels-fp8", "check-moe", "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
-                      "serve-race", "serve-sweep"]
+                      "serve-race", "serve-sweep", "spec"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
