@@ -236,7 +236,7 @@ def test_sampled_tokens_keep_the_models_distribution(engines, oracle):
             return path[len(token_ids) - start:]
 
     oracle(GreedyPathDrafts())
-    n = 300
+    n = 200
 
     def draw(llm: LLM) -> dict[tuple[int, ...], int]:
         outs = llm.generate(prompts * n, SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True))
