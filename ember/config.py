@@ -292,6 +292,10 @@ class EngineConfig:
             raise ValueError(f"{model_config.architecture}: speculative decoding is not supported for models with "
                              "linear-attention layers yet (their recurrent state cannot roll back rejected drafts): "
                              "leave speculative_config unset")
+        speculative_config = self.speculative_config
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            speculative_config = _resolve_draft_model(speculative_config, model_config, device, self.download_dir,
+                                                      self.tensor_parallel_size, self.distributed_executor_backend)
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
@@ -319,6 +323,7 @@ class EngineConfig:
             runner=runner,
             pooler_config=_pooler_config(self.pooler_config, runner, model_config, files),
             enable_prefix_caching=self.enable_prefix_caching and runner == "generate",
+            speculative_config=speculative_config,
             attention_parity_len=None if device == "cuda" else _attention_parity_len(model_config),
         )
         sources = self._sources()
@@ -429,6 +434,26 @@ def _pooler_config(asked: PoolerConfig | None, runner: str, model_config: ModelC
     if asked is not None:
         return asked
     return files.pooler_defaults() or PoolerConfig("CLS" if model_config.bidirectional else "LAST")
+
+
+def _resolve_draft_model(spec: SpeculativeConfig, target: ModelConfig, device: str, download_dir: str | None,
+                         tensor_parallel_size: int, executor: str | None) -> SpeculativeConfig:
+    """A draft model's files, config and weight format, checked against the target's."""
+    from ember.loader.model_files import locate_model
+
+    if tensor_parallel_size > 1 or executor is not None:
+        raise ValueError("speculative_config: a draft model runs in the engine's own process, one device: leave "
+                         "tensor_parallel_size 1 and distributed_executor_backend unset, or use method 'ngram'")
+    files = locate_model(spec.model, "auto", None, download_dir)
+    draft = files.model_config()
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary has {draft.vocab_size} tokens and the "
+                         f"target's {target.vocab_size}: a draft model must share the target's tokenizer")
+    if draft.linear_layers is not None or draft.bidirectional:
+        raise ValueError(f"speculative_config: {draft.architecture} cannot draft (linear-attention layers or an "
+                         "encoder): choose a decoder with attention layers only")
+    return dataclasses.replace(spec, model=str(files.path), draft_model_config=draft,
+                              draft_quantization=_quantization("auto", files, device))
 
 
 def _quantization(asked: str, files, device: str) -> str:

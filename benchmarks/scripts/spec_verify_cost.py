@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 from ember import LLM, SamplingParams
+from ember.spec_decode.proposer import Proposer
 
 
-class Oracle:
+class Oracle(Proposer):
     """The next k tokens of a known sequence (`shift`: each one off by one, never the model's)."""
 
     def __init__(self, sequence: list[int], shift: int) -> None:

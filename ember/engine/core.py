@@ -37,6 +37,7 @@ from ember.scheduler.scheduler import Scheduler, SchedulerOutput
 from ember.scheduler.sliding_window import shared_window
 from ember.scheduler.state_snapshots import StateSnapshots
 from ember.spec_decode.ngram import NgramProposer
+from ember.spec_decode.proposer import Drafts
 from ember.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,11 @@ class EngineCore:
         self.in_flight: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back
         self.max_in_flight = 1 if config.async_scheduling else 0  # launched steps left running after step()
-        self.proposer = None  # speculative decoding's drafts (spec_decode/)
-        if config.speculative_config is not None:
-            spec = config.speculative_config
+        self.proposer: Drafts | None = None  # speculative decoding's drafts (spec_decode/)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.proposer = self.runner  # the draft model runs beside the target (runner/draft_model.py)
+        elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.sleeping = 0  # the sleep level (0: awake)
 
@@ -414,9 +417,12 @@ class EngineCore:
         constrained one's as far as its grammar accepts them; none while more requests run than
         disable_by_batch_size)."""
         spec = self.config.speculative_config
-        off = spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size
         for req in stepped:
-            drafts = [] if off or req.status.is_finished else self.proposer.propose(req.all_token_ids)
+            req.draft_token_ids = []
+        if spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size:
+            return
+        asking = [req for req in stepped if not req.status.is_finished]
+        for req, drafts in zip(asking, self.proposer.propose_for(asking) if asking else []):
             if drafts and req.sampling_params.structured_outputs is not None:
                 drafts = self.structured.draftable(req, drafts)
             req.draft_token_ids = drafts

@@ -35,6 +35,7 @@ from ember.loader.model_files import load_model, locate_model
 from ember.models.config import ModelConfig
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs, PiecewiseGraphs
+from ember.runner.draft_model import DraftModel
 from ember.runner.pooler import Pooler
 from ember.runner.recurrent_state import RecurrentStates
 from ember.runner.sampler import (
@@ -150,9 +151,11 @@ class ModelRunner:
         mc = config.model_config
         files = locate_model(config.model, config.load_format)
         self.model = self._load_model(files)
+        spec = config.speculative_config
+        self.drafter = DraftModel(config) if spec is not None and spec.method == "draft_model" else None
         self.states = self._recurrent_states() if mc.linear_layers is not None else None
         config = self.config  # max_num_seqs may be lowered to fit the recurrent states
-        self.weight_bytes = model_weight_bytes(self.model)
+        self.weight_bytes = model_weight_bytes(self.model) + (self.drafter.weight_bytes if self.drafter else 0)
         self.file_tensor_bytes = files.tensor_bytes()
         self.activation_bytes = self._profile_activations() if self.device.type == "cuda" else 0
         self.encoder = mc.bidirectional  # whole prompts, no KV cache, no decode step to capture
@@ -181,6 +184,8 @@ class ModelRunner:
         # zeroed: padded block-table entries and the null block are read (then masked), never NaN
         self.kv_cache = _zeros(shape, config.kv_cache_torch_dtype, self.device)
         self._attach_kv_cache()
+        if self.drafter is not None:  # its own cache over the same block ids
+            self.drafter.allocate_cache(self.num_blocks + self.num_null_blocks)
         self.sampler = Sampler(config.seed)
         if config.runner == "generate":
             self.sampler.warm_up(mc.vocab_size, config.max_num_seqs, config.torch_dtype, self.device)
@@ -281,6 +286,8 @@ class ModelRunner:
 
     def sleep(self, level: int) -> None:
         """Free the KV pool (its contents are gone) and, at level 2, the weights (EngineCore.sleep)."""
+        if self.drafter is not None:
+            raise ValueError("sleep is not supported with a draft model (speculative_config): start without it")
         if self.graphs is not None or self.piecewise is not None:
             raise ValueError("sleep is not supported with CUDA graphs (they hold the KV pool's addresses): start "
                              "the server with --enforce-eager")
@@ -311,8 +318,9 @@ class ModelRunner:
         """K and V of one block in every layer (MLA: the latent alone), in the cache dtype (fp8:
         half of bfloat16's); 0 for an encoder, whose blocks are bookkeeping only."""
         mc, c = self.config.model_config, self.config
+        draft = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
         return mc.kv_planes * _num_kv_layers(mc) * c.block_size * rank_kv_heads(mc) * mc.cache_head_dim \
-            * c.kv_cache_torch_dtype.itemsize
+            * c.kv_cache_torch_dtype.itemsize + draft
 
     @property
     def max_num_seqs(self) -> int:
@@ -414,6 +422,8 @@ class ModelRunner:
         Logprobs and prompt logprobs are computed here and read back by `collect`."""
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if self.drafter is not None:
+            self.drafter.copy_blocks(plan.block_copies)
         if self.states is not None:
             for req in plan.preempted:  # recomputed from its first token, into a fresh slot
                 self.states.release(req.request_id)
@@ -431,6 +441,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         if plan.state_saves:  # states where chunks ended on a block boundary, for the prefix cache
             self.states.save(plan.state_saves)
+        if self.drafter is not None:  # speculative decoding's draft model: its KV for the same tokens
+            self.drafter.follow(input_ids, positions, meta)
         clock("forward")
         step = LaunchedStep(plan)
         if self.pooler is not None:  # no sampling: the prompts that end here give their vectors
@@ -487,6 +499,20 @@ class ModelRunner:
         if self.profile_steps:
             self.step_times["steps"] += 1
         return step
+
+    def propose_for(self, requests: list[Request]) -> list[list[int]]:
+        """The draft model's drafts for each request's next step (speculative decoding's
+        draft_model method): up to K, as far as max_tokens, max_model_len and the blocks the
+        request holds go (the draft writes its KV there)."""
+        k, c = self.config.speculative_config.num_speculative_tokens, self.config
+        limits = []
+        for r in requests:
+            room = len(r.block_ids) * c.block_size - r.num_computed_tokens
+            limit = min(k, room, c.max_model_len - r.num_tokens - 1)
+            if r.max_tokens is not None:
+                limit = min(limit, r.max_tokens - len(r.output_token_ids) - 1)
+            limits.append(max(limit, 0))
+        return self.drafter.propose(requests, limits, [self._table_row(r) for r in requests])
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids (and logprobs); request id -> its tokens

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-METHODS = ("ngram",)
-NOT_YET = {"draft_model": "a draft model", "eagle3": "EAGLE-3 heads", "eagle": "EAGLE heads",
+from ember.models.config import ModelConfig
+
+METHODS = ("ngram", "draft_model")
+NOT_YET = {"eagle3": "EAGLE-3 heads", "eagle": "EAGLE heads",
            "medusa": "Medusa heads", "mlp_speculator": "MLP speculators", "suffix": "suffix decoding",
            "mtp": "multi-token-prediction layers", "deepseek_mtp": "multi-token-prediction layers"}
 
@@ -21,6 +23,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     # no drafts in a step whose running requests are more than this (None: always draft)
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: a smaller model of the target's vocabulary (a path, as --model takes)
+    # filled by EngineConfig.resolve() for draft_model: the draft's config and weight format
+    draft_model_config: ModelConfig | None = field(default=None, compare=False)
+    draft_quantization: str = field(default="none", compare=False)
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
@@ -28,6 +34,11 @@ class SpeculativeConfig:
                              f"yet; ember speculates with: {', '.join(METHODS)}")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {self.method!r} (ember's: {', '.join(METHODS)})")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs \"model\": the draft model's path")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no model (drafts come from the request's own "
+                             "tokens): leave \"model\" out, or use method 'draft_model'")
         if not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool) \
                 or self.num_speculative_tokens < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be an integer >= 1 (the drafts a "
@@ -58,9 +69,11 @@ class SpeculativeConfig:
                                  f"{value!r:.80}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object; got {value!r:.80}")
-        if value.get("method") in NOT_YET or (value.get("method") is None and value.get("model") is not None):
-            cls(method=value.get("method") or "draft_model", num_speculative_tokens=1)  # refused by name
-        known = {f.name for f in fields(cls)}
+        if value.get("method") in NOT_YET:
+            cls(method=value["method"], num_speculative_tokens=1)  # refused by name
+        if value.get("method") is None and value.get("model") is not None:  # vLLM: a model alone is a draft model
+            value = value | {"method": "draft_model"}
+        known = {f.name for f in fields(cls) if f.name not in ("draft_model_config", "draft_quantization")}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: key {unknown[0]!r} is not supported (ember's keys: "

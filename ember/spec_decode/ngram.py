@@ -9,8 +9,10 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from ember.spec_decode.proposer import Proposer
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int) -> None:
         self.k = num_speculative_tokens
         self.lookup_min = lookup_min

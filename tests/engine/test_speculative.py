@@ -17,6 +17,7 @@ from ember import LLM, SamplingParams
 from ember.request import Request
 from ember.sampling_params import StructuredOutputsParams
 from ember.spec_decode.ngram import NgramProposer
+from ember.spec_decode.proposer import Proposer
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ def token_prompts(llm: LLM, texts: list[str]) -> list[dict]:
     return [{"prompt_token_ids": llm.get_tokenizer().encode(t)} for t in texts]
 
 
-class Oracle:
+class Oracle(Proposer):
     """Drafts from known continuations: the next k tokens of the reference sequence the context
     is a prefix of (`wrong`: each shifted by one, never the model's)."""
 
@@ -231,7 +232,7 @@ def test_sampled_tokens_keep_the_models_distribution(engines, oracle):
     start = len(prompts[0]["prompt_token_ids"])
     path = list(plain.generate(prompts, greedy(3))[0].outputs[0].token_ids)
 
-    class GreedyPathDrafts:
+    class GreedyPathDrafts(Proposer):
         def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
             return path[len(token_ids) - start:]
 
@@ -260,6 +261,56 @@ def test_sampled_tokens_keep_the_models_distribution(engines, oracle):
     cells = sorted(set(want) | set(blind))
     table = [[want.get(c, 0) + 0.5 for c in cells], [blind.get(c, 0) + 0.5 for c in cells]]
     assert scipy_stats.chi2_contingency(table).pvalue < 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A random 2-layer Llama of SmolLM2's vocabulary, saved by transformers: a draft that is
+    mostly wrong."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                                      tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("draft")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("draft", ["itself", "tiny random"])
+def test_a_draft_model_drafts_and_the_output_is_the_targets(engines, gguf_path, tiny_draft, live_engines, draft):
+    """--speculative-config '{"model": ...}': the default model drafting for itself (its drafts
+    mostly right) and a tiny random model of its vocabulary (mostly wrong); greedy tokens and
+    logprobs are the plain engine's either way, through n = 2 forks, a prefix hit and a stop."""
+    path = gguf_path if draft == "itself" else tiny_draft
+    spec = LLM(str(gguf_path), speculative_config={"model": str(path), "num_speculative_tokens": 3})
+    live_engines.append(spec)
+    try:
+        prompts = token_prompts(spec, GROUNDED[:2] + OPEN[:1])
+        params = greedy(24, ignore_eos=True, logprobs=0)
+        assert_same(results(spec.generate(prompts, params)), results(engines["plain"].generate(prompts, params)),
+                    f"draft model: {draft}")
+        counts = spec.engine.scheduler.spec
+        rate = counts.num_accepted_tokens / counts.num_draft_tokens
+        assert counts.num_drafts > 0 and (rate > 0.8 if draft == "itself" else rate < 0.5), rate
+        forks = SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True, stop=["left"])
+        want = engines["plain"].generate(prompts[:1], forks)[0].outputs
+        got = spec.generate(prompts[:1], forks)[0].outputs  # its prompt's blocks from the prefix cache
+        assert [(list(c.token_ids), c.text) for c in got] == [(list(c.token_ids), c.text) for c in want]
+        assert spec.engine.runner.drafter.kv_cache.shape[2] == spec.engine.runner.kv_cache.shape[2]
+    finally:
+        live_engines.remove(spec)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(gguf_path, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="the draft model's vocabulary has 1000 tokens and the target's 49152"):
+        LLM(str(gguf_path), speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3})
 
 
 def test_the_proposer_is_prompt_lookup_with_the_configured_sizes(engines):

@@ -41,13 +41,16 @@ def test_vllm_json_parses_with_vllm_defaults():
         ("ngram", 2, 4, 8)
     config = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
     assert config.speculative_config == SpeculativeConfig("ngram", 2)
+    draft = SpeculativeConfig.parse({"model": "/models/small", "num_speculative_tokens": 3})  # vLLM: a model alone
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/small", 3)
 
 
 @pytest.mark.parametrize("value, message", [
     ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}', "method 'eagle3' .EAGLE-3 heads. is not "
                                                                          "supported yet"),
-    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3}, "'draft_model' .a draft model."),
-    ({"model": "some/draft", "num_speculative_tokens": 3}, "'draft_model' .a draft model."),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "method 'draft_model' needs \"model\""),
+    ({"method": "ngram", "model": "d", "num_speculative_tokens": 3}, "method 'ngram' takes no model"),
+    ({"method": "medusa", "model": "d", "num_speculative_tokens": 3}, "'medusa' .Medusa heads. is not supported"),
     ({"method": "lookahead", "num_speculative_tokens": 3}, "unknown method 'lookahead'"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),

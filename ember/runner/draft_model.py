@@ -1,0 +1,98 @@
+"""The draft_model method of speculative decoding: a smaller model of the target's vocabulary
+runs beside it in the same process, with a KV cache of its own over the target's block ids.
+
+Its cache has one block for each of the target's (same block size, its own layers, heads and
+dims), so the scheduler's block tables, slots, prefix-cache hits, forks and rollbacks serve both:
+every step the draft runs the same tokens at the same positions as the target (`follow`), and
+after the step's tokens are known it drafts K more for each decoding request, greedily, one
+batched forward a position (`propose`), writing its KV into the blocks the request holds (a
+draft never takes a block: the drafts stop where the request's last block ends). A rejected
+draft's KV is overwritten when the position is computed again, in both caches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from ember.config import EngineConfig
+from ember.layers.attention import AttentionMetadata
+from ember.layers.quant import model_weight_bytes
+from ember.layers.quant.unquantized import cpu_packing_supported
+from ember.loader.model_files import load_model, locate_model
+from ember.request import Request
+from ember.runner.sampler import to_device
+
+
+class DraftModel:
+    def __init__(self, config: EngineConfig) -> None:
+        spec = config.speculative_config
+        self.config = spec.draft_model_config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.cache_dtype = config.kv_cache_torch_dtype
+        self.model = load_model(locate_model(spec.model, "auto"), self.config, config.max_model_len,
+                                config.torch_dtype, config.device, config.attention_backend, config.seed,
+                                spec.draft_quantization)
+        if self.device.type == "cpu" and cpu_packing_supported(config.torch_dtype):
+            for module in self.model.modules():
+                if hasattr(module, "pack_for_cpu"):
+                    module.pack_for_cpu()
+        self.weight_bytes = model_weight_bytes(self.model)
+        self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.cache_kv_heads if self.config.mla else self.config.num_kv_heads
+
+    def kv_bytes_per_block(self) -> int:
+        mc = self.config
+        return mc.kv_planes * mc.num_attention_layers * self.block_size * self.num_kv_heads * mc.cache_head_dim \
+            * self.cache_dtype.itemsize
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        """A cache of `num_blocks` blocks (the target pool's, its null block included)."""
+        mc = self.config
+        self.kv_cache = torch.zeros(mc.kv_planes, mc.num_attention_layers, num_blocks, self.block_size,
+                                    self.num_kv_heads, mc.cache_head_dim, dtype=self.cache_dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[-1, i]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for src, dst in copies:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The step's tokens through the draft, for its KV at their positions (its own plans:
+        a backend's plan depends on the model's heads)."""
+        self.model(input_ids, positions, dataclasses.replace(meta, plans={}))
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], limits: list[int], tables: list[np.ndarray]) -> list[list[int]]:
+        """Up to limits[i] greedy drafts for requests[i], whose last token (its KV not yet computed)
+        starts them; `tables`: each request's block-table row."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        tokens = [r.all_token_ids[-1] for r in requests]
+        positions = [r.num_computed_tokens for r in requests]
+        bs = self.block_size
+        for step in range(max(limits, default=0)):
+            active = [i for i, limit in enumerate(limits) if limit > step]
+            pos = [positions[i] + step for i in active]
+            slots = [requests[i].block_ids[p // bs] * bs + p % bs for i, p in zip(active, pos)]
+            width = max(len(requests[i].block_ids) for i in active)
+            n = len(active)
+            flat = to_device([tokens[i] for i in active] + pos + slots + [p + 1 for p in pos] + list(range(n + 1)),
+                             self.device, torch.int64)
+            ids, pos_t, slot_t, lens, starts = flat.split([n, n, n, n, n + 1])
+            meta = AttentionMetadata(
+                slot_mapping=slot_t, query_start_loc=starts.to(torch.int32), seq_lens=lens.to(torch.int32),
+                block_tables=torch.from_numpy(np.stack([tables[i][:width] for i in active])).to(self.device),
+                query_lens_cpu=[1] * n, seq_lens_cpu=[p + 1 for p in pos])
+            hidden = self.model(ids, pos_t, meta)
+            drafted = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            for i, token in zip(active, drafted):
+                drafts[i].append(token)
+                tokens[i] = token
+        return drafts
