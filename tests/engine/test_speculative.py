@@ -188,10 +188,12 @@ def test_a_constrained_request_verifies_the_drafts_its_grammar_accepts(engines, 
     assert counts.num_accepted_tokens - before >= 8
 
 
-def test_preempted_and_aborted_requests_hold_no_block(engines, gguf_path, live_engines):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_preempted_and_aborted_requests_hold_no_block(engines, gguf_path, live_engines, method):
     """A pool of 14 blocks for three requests that grow to 6 blocks each: preemptions, and the
     drafts' blocks come and go; an abort mid-run. Tokens equal the plain run's."""
-    small = LLM(str(gguf_path), speculative_config=SPEC, num_kv_blocks=14, max_model_len=96)
+    config = SPEC if method == "ngram" else {"model": str(gguf_path), "num_speculative_tokens": 3}
+    small = LLM(str(gguf_path), speculative_config=config, num_kv_blocks=14, max_model_len=96)
     live_engines.append(small)
     try:
         prompts = token_prompts(small, GROUNDED)
