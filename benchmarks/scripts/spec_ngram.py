@@ -1,7 +1,8 @@
 """Prompt-lookup speculative decoding against none, one request at a time, on the input-grounded
 prompts of benchmarks/spec_ngram_prompts.json (rewrite / rename / restyle / proofread a text or
 code given in the prompt, built from the Python standard library's sources): output tokens per
-second of each engine, end to end and after the first token (the time of a max_tokens=1 run of
+second of each engine (one request at a time, or --batch copies at once), end to end and after
+the first token (the time of a max_tokens=1 run of
 the same prompt taken off: the prefix cache is off), the mean accepted length, and whether every
 greedy output is the same. The engines alternate prompt by prompt, so a slower spell of the
 machine hits both.
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[4], help="num_speculative_tokens values to race")
     ap.add_argument("--lookup", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"))
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts (the first warms up)")
+    ap.add_argument("--batch", type=int, default=1, help="requests at once: each prompt this many times (copies "
+                                                          "of a prompt decode alike: the batch's cost, not its mix)")
     ap.add_argument("--output-json", default=os.path.join(os.environ.get("OUT", "/tmp"), "spec_ngram.json"))
     args = ap.parse_args()
     items = json.loads(PROMPTS.read_text())
@@ -46,19 +49,21 @@ def main() -> None:
     for rep in range(args.repeats):
         for item in items:
             for name, llm in engines.items():
+                batch = [item["messages"]] * args.batch
                 start = time.perf_counter()
-                llm.chat(item["messages"], first)
+                llm.chat(batch, first)
                 to_first = time.perf_counter() - start
                 start = time.perf_counter()
-                out = llm.chat(item["messages"], params)[0].outputs[0]
+                outs = [o.outputs[0] for o in llm.chat(batch, params)]
                 took = time.perf_counter() - start
                 if rep == args.repeats - 1 or args.repeats == 1:
                     seconds[name] += took
                     prefill[name] += to_first
-                    tokens[name] += len(out.token_ids)
-                    outputs[name].append(list(out.token_ids))
+                    tokens[name] += sum(len(o.token_ids) for o in outs)
+                    outputs[name] += [list(o.token_ids) for o in outs]
     result = {"model": str(engines["none"].config.model), "device": engines["none"].config.device,
-              "prompts": len(items), "max_tokens": args.max_tokens, "lookup": args.lookup, "engines": {}}
+              "prompts": len(items), "batch": args.batch, "max_tokens": args.max_tokens, "lookup": args.lookup,
+              "engines": {}}
     for name, llm in engines.items():
         rate = tokens[name] / seconds[name]
         decode = (tokens[name] - len(outputs[name])) / (seconds[name] - prefill[name])
