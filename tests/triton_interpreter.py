@@ -1,4 +1,4 @@
-"""Two fixes to Triton 3.6's interpreter, so the kernels run on the CPU as they do on a GPU,
+"""Three fixes to Triton 3.6's interpreter, so the kernels run on the CPU as they do on a GPU,
 applied on import where TRITON_INTERPRET is 1 and triton is installed (tests/kernels' conftest
 imports it; a test elsewhere that runs the fused MoE kernels' loops, or spawns ranks that do,
 imports it too).
@@ -9,7 +9,9 @@ imports it too).
 2. Its float -> float8e4nv conversion drops the carry when rounding up crosses a power of
    two (1.9973 becomes 1.0 instead of 2.0; ~2% of random values are off by a factor 2),
    and reads the e4m3fn NaN code as 480. The GPU converts with cvt.rn.satfinite (round to
-   nearest even), as torch does: convert fp8 through torch instead."""
+   nearest even), as torch does: convert fp8 through torch instead.
+3. Its float32 -> bfloat16 conversion truncates the mantissa; the GPU's (cvt.rn) rounds to
+   nearest even, as torch does: convert it through torch too."""
 
 import importlib.util
 import os
@@ -33,7 +35,8 @@ if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("trito
               tl.float8e4nv: torch.float8_e4m3fn}
 
     def _convert_float_fp8(data, input_dtype, output_dtype, rounding_mode):
-        if tl.float8e4nv not in (input_dtype, output_dtype):
+        downcast = input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode is None
+        if tl.float8e4nv not in (input_dtype, output_dtype) and not downcast:
             return _convert_float(data, input_dtype, output_dtype, rounding_mode)
         # the interpreter keeps bfloat16 as uint16 and fp8 as uint8: reinterpret the bits
         bits = torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(_TORCH[input_dtype])

@@ -39,12 +39,51 @@ FP8_SCALE_BLOCK = 128  # block-scaled fp8 weights: one scale per 128 x 128 block
 
 
 @triton.jit
-def _residual_sum(x_ptr, res_ptr, stride_x, stride_r, m, k, mask, HAS_RES: tl.constexpr):
-    h = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
+def _residual_sum(x_ptr, res_ptr, rows, cols, mask, stride_x, stride_r, HAS_RES: tl.constexpr):
+    """h = x + residual (rounded to x's dtype; x alone without one) at rows x cols."""
+    h = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
-        r = tl.load(res_ptr + m[:, None] * stride_r + k[None, :], mask=mask, other=0.0)
+        r = tl.load(res_ptr + rows * stride_r + cols, mask=mask, other=0.0)
         h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
     return h
+
+
+@triton.jit
+def inv_rms(x_ptr, res_ptr, m, mmask, stride_x, stride_r, eps, K: tl.constexpr, M_PAD: tl.constexpr,
+            BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr):
+    """1 / rms(h) of each row m of h = x + residual: float32 [M_PAD] (the norm prologue's first pass)."""
+    kk = tl.arange(0, BLOCK_K)
+    sumsq = tl.zeros([M_PAD], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        h = _residual_sum(x_ptr, res_ptr, m[:, None], k[None, :], mmask[:, None] & (k < K)[None, :], stride_x,
+                          stride_r, HAS_RES)
+        hf = h.to(tl.float32)
+        sumsq += tl.sum(hf * hf, 1)
+    return tl.rsqrt(sumsq / K + eps)
+
+
+@triton.jit
+def prologue_input(x_ptr, res_ptr, nw_ptr, h_ptr, rows, cols, mask, cmask, inv, write_h, stride_x, stride_r,
+                   stride_h, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
+    """The GEMV's input a = prologue(x) in float32 at rows x cols (offset tensors that broadcast
+    to `mask`'s shape; `cmask` the columns' mask, `inv` shaped as rows: inv_rms's). "norm"
+    writes h = x + residual where `write_h` (one program) and there is a residual."""
+    if PROLOGUE == 0:
+        a = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    elif PROLOGUE == 1:
+        h = _residual_sum(x_ptr, res_ptr, rows, cols, mask, stride_x, stride_r, HAS_RES)
+        if HAS_RES:
+            tl.store(h_ptr + rows * stride_h + cols, h, mask=mask & write_h)
+        nw = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        normed = (h.to(tl.float32) * inv).to(h.dtype).to(tl.float32)
+        a = (nw * normed).to(h.dtype).to(tl.float32)
+    else:
+        gate = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + rows * stride_x + K + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    return a
 
 
 @triton.jit
@@ -61,33 +100,15 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_pt
     m = tl.arange(0, M_PAD)
     mmask = m < M
     kk = tl.arange(0, BLOCK_K)
+    inv = tl.zeros([M_PAD], tl.float32)
     if PROLOGUE == 1:
-        sumsq = tl.zeros([M_PAD], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + kk
-            h = _residual_sum(x_ptr, res_ptr, stride_x, stride_r, m, k, mmask[:, None] & (k < K)[None, :], HAS_RES)
-            hf = h.to(tl.float32)
-            sumsq += tl.sum(hf * hf, 1)
-        inv = tl.rsqrt(sumsq / K + eps)
+        inv = inv_rms(x_ptr, res_ptr, m, mmask, stride_x, stride_r, eps, K, M_PAD, BLOCK_K, HAS_RES)
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
         kmask = k < K
-        xmask = mmask[:, None] & kmask[None, :]
-        if PROLOGUE == 0:
-            a = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
-        elif PROLOGUE == 1:
-            h = _residual_sum(x_ptr, res_ptr, stride_x, stride_r, m, k, xmask, HAS_RES)
-            if HAS_RES:
-                tl.store(h_ptr + m[:, None] * stride_h + k[None, :], h, mask=xmask & (pid == 0))
-            nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            normed = (h.to(tl.float32) * inv[:, None]).to(h.dtype).to(tl.float32)
-            a = (nw[None, :] * normed).to(h.dtype).to(tl.float32)
-        else:
-            gate = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0)
-            up = tl.load(x_ptr + m[:, None] * stride_x + K + k[None, :], mask=xmask, other=0.0)
-            g = gate.to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+        a = prologue_input(x_ptr, res_ptr, nw_ptr, h_ptr, m[:, None], k[None, :], mmask[:, None] & kmask[None, :],
+                           kmask[None, :], inv[:, None], pid == 0, stride_x, stride_r, stride_h, K, PROLOGUE, HAS_RES)
         wmask = nmask[:, None] & kmask[None, :]
         if SCALE == 3:
             w = unpack_tile(w_ptr, s_ptr, z_ptr, g_ptr, n, nmask, k0, stride_w, stride_s, stride_z, K, BITS, GROUP,

@@ -1,5 +1,6 @@
 """The token embedding and the LM head. A GGUF embedding stays in its blocks (rows are
-dequantized as they are looked up), and a head tied to it multiplies those blocks. A head
+dequantized as they are looked up: the CPU kernels, or kernels/gguf.py's gather on CUDA),
+and a head tied to it multiplies those blocks. A head
 an FP8 checkpoint stores in FP8 keeps it (--quantization fp8 itself leaves the head and the
 embedding in the model dtype).
 
@@ -17,6 +18,7 @@ from ember.layers.batch_invariant import invariant_linear
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight
 from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks
+from ember.layers.quant.gguf_cuda import GGUFCudaBlocks, gguf_format
 from ember.layers.quant.unquantized import OneDNNPacked
 
 
@@ -24,11 +26,11 @@ def _to_meta(weight: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
 
 
-def _take_blocks(weight: nn.Parameter, tensor: BlockTensor) -> tuple[GGUFBlocks, nn.Parameter]:
-    """GGUF blocks in place of a [vocab, hidden] weight: (the format, the parameter on meta)."""
+def _take_blocks(weight: nn.Parameter, tensor: BlockTensor) -> tuple[GGUFBlocks | GGUFCudaBlocks, nn.Parameter]:
+    """GGUF blocks in place of a [vocab, hidden] weight, on its device: (the format, the parameter on meta)."""
     if tensor.shape != tuple(weight.shape):
         raise ValueError(f"parameter {tuple(weight.shape)}, checkpoint {tensor.shape}")
-    return GGUFBlocks(tensor), _to_meta(weight)
+    return gguf_format(tensor.to(weight.device)), _to_meta(weight)
 
 
 class VocabRows(nn.Module):
@@ -67,7 +69,7 @@ class VocabRows(nn.Module):
 class VocabEmbedding(VocabRows):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
-        self.blocks: GGUFBlocks | None = None
+        self.blocks: GGUFBlocks | GGUFCudaBlocks | None = None
 
     def load_blocks(self, tensor: BlockTensor, shard: None = None) -> None:
         self.blocks, self.weight = _take_blocks(self.weight, self._local_rows(tensor, self.weight))

@@ -1,7 +1,7 @@
 """The op before a linear layer fused into it where the layer runs as ember's GEMV kernel
 (one row on CUDA: a decode step of one sequence, where a layer's time is mostly kernel
-launches; see layers/kernel_paths.py; FP8 and integer weights at a few rows take the GEMV
-too) or on GGUF blocks on the CPU (integer weights mapped to blocks too; their kernel
+launches; see layers/kernel_paths.py; FP8 and integer weights and GGUF blocks at a few rows
+take their GEMVs too) or on GGUF blocks on the CPU (integer weights mapped to blocks too; their kernel
 quantizes its input anyway, and a step's time is mostly calls):
 RMSNorm with the residual add into q|k|v and gate|up, the gated activation into down. One
 kernel each instead of two (kernels/gemv.py, kernels/cpu/quant_gemm.cpp); elsewhere the two
@@ -30,13 +30,19 @@ def norm_linear(norm: RMSNorm | LayerNorm, layer: Linear, x: torch.Tensor,
         from ember.kernels.gemv import gemv
 
         return gemv(x, layer.weight, layer.bias, "norm", residual, norm.weight, norm.eps)
-    if isinstance(layer.format, KernelFormat) and layer.format.uses_gemv(x) and norm.weight.dtype == x.dtype:
+    if _format_gemv(layer, x) and norm.weight.dtype == x.dtype:
         return layer.format.gemv(x, layer.bias, "norm", residual, norm.weight, norm.eps)
     if isinstance(layer.format, GGUFBlocks) and norm.weight.dtype == x.dtype:
         if residual is None:
             return layer.format.apply(x, layer.bias, "norm", norm.weight, norm.eps), x
         return layer.format.apply(x, layer.bias, "norm", norm.weight, norm.eps, residual), residual
     return _unfused(norm, layer, x, residual)
+
+
+def _format_gemv(layer: Linear, x: torch.Tensor) -> bool:
+    """The layer's format has a GEMV (FP8, integer weights, GGUF blocks on CUDA) and x takes it; never
+    in deterministic mode, whose matmuls take fixed blocks of rows (layers/batch_invariant.py)."""
+    return isinstance(layer.format, KernelFormat) and not layer.batch_invariant and layer.format.uses_gemv(x)
 
 
 def add_norm(norm: RMSNorm | LayerNorm, x: torch.Tensor,
@@ -57,7 +63,7 @@ def silu_linear(layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
         from ember.kernels.gemv import gemv
 
         return layer.reduce_output(gemv(gate_up, layer.weight, layer.fused_bias, "silu"))
-    if isinstance(layer.format, KernelFormat) and layer.format.uses_gemv(gate_up):
+    if _format_gemv(layer, gate_up):
         return layer.reduce_output(layer.format.gemv(gate_up, layer.fused_bias, "silu"))
     if isinstance(layer.format, GGUFBlocks):
         return layer.reduce_output(layer.format.apply(gate_up, layer.fused_bias, "silu"))

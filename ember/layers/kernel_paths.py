@@ -1,9 +1,9 @@
 """Which matmul a linear layer's input takes: ember's CUDA paths (the small-batch GEMV,
-kernels/gemv.py; the FP8 and integer-weight kernels, layers/quant/fp8.py and int_weight.py)
-for CUDA tensors, cuBLAS / plain torch otherwise. `gemv_on_cpu()` sends CPU tensors down
-the CUDA paths too, through Triton's interpreter, for tests. `EMBER_SMALL_BATCH_GEMV=0`
-leaves every size to cuBLAS (FP8 weights to torch._scaled_mm, integer weights to
-kernels/wna16.py's matmul)."""
+kernels/gemv.py; the FP8, integer-weight and GGUF kernels, layers/quant/fp8.py, int_weight.py,
+gguf_cuda.py) for CUDA tensors, cuBLAS / plain torch otherwise. `gemv_on_cpu()` sends CPU
+tensors down the CUDA paths too, through Triton's interpreter, for tests.
+`EMBER_SMALL_BATCH_GEMV=0` leaves every size to cuBLAS (FP8 weights to torch._scaled_mm,
+integer weights to kernels/wna16.py's matmul, GGUF blocks to kernels/gguf.py's)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ FP8_GEMV_MAX_ROWS = 4
 # integer weights (layers/quant/int_weight.py): rows up to this go to the GEMV (weight-only, its
 # prologues fused), more to kernels/wna16.py's tensor-core matmul. A first guess, as for FP8.
 INT_GEMV_MAX_ROWS = 4
+# GGUF blocks on CUDA (layers/quant/gguf_cuda.py): rows up to this go to the GEMV, more to the
+# tensor-core matmul of kernels/gguf.py. A first guess, as for integer weights.
+GGUF_GEMV_MAX_ROWS = 4
 _GEMV_ENABLED = os.environ.get("EMBER_SMALL_BATCH_GEMV", "1") != "0"
 _ON_CPU = False  # tests run the kernels on CPU tensors through Triton's interpreter
 
@@ -70,3 +73,8 @@ def uses_fp8_gemv(x: torch.Tensor) -> bool:
 def uses_int_gemv(x: torch.Tensor) -> bool:
     """Whether a layer holding integer weights runs x [M, K] as the GEMV, not the matmul."""
     return _few_rows(x, INT_GEMV_MAX_ROWS)
+
+
+def uses_gguf_gemv(x: torch.Tensor) -> bool:
+    """Whether a layer holding GGUF blocks on CUDA runs x [M, K] as the GEMV, not the matmul."""
+    return _few_rows(x, GGUF_GEMV_MAX_ROWS)

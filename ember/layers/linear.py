@@ -28,7 +28,8 @@ from ember.layers.batch_invariant import invariant_linear
 from ember.layers.kernel_paths import gemv_on_cpu, uses_gemv  # noqa: F401 (tests take gemv_on_cpu from here)
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.fp8 import FP8Tensor, FP8Weight, quantize_weight, stack_fp8
-from ember.layers.quant.gguf_blocks import BlockTensor, GGUFBlocks, stack_rows
+from ember.layers.quant.gguf_blocks import BlockTensor, stack_rows
+from ember.layers.quant.gguf_cuda import gguf_format
 from ember.layers.quant.int_weight import IntTensor, int_format, quantize_int, stack_int
 from ember.layers.quant.split import Dense, Split
 from ember.layers.quant.unquantized import OneDNNPacked
@@ -39,7 +40,7 @@ Quantized = BlockTensor | FP8Tensor | IntTensor  # a weight the loader hands ove
 def _format(tensor: Quantized, dtype: torch.dtype) -> WeightFormat:
     if isinstance(tensor, IntTensor):
         return int_format(tensor, dtype)
-    return GGUFBlocks(tensor) if isinstance(tensor, BlockTensor) else FP8Weight(tensor)
+    return gguf_format(tensor) if isinstance(tensor, BlockTensor) else FP8Weight(tensor)
 
 
 def _stack(parts: list[Quantized]) -> Quantized | None:
@@ -78,7 +79,7 @@ class Linear(nn.Module):
 
     def load_blocks(self, tensor: BlockTensor, shard: int | None) -> None:
         """A GGUF weight kept in its blocks: the whole weight (shard None) or one shard's rows."""
-        self._keep(tensor, shard)
+        self._keep(tensor.to(self.weight.device), shard)
 
     def load_fp8(self, tensor: FP8Tensor, shard: int | None) -> None:
         """An FP8 checkpoint's weight (values and scales): the whole weight or one shard's rows."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
+from ggml_blocks import random_blocks  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
@@ -37,24 +38,6 @@ def isa(request, ops):
     ops.quant_isa(request.param)
     yield request.param
     ops.quant_isa("best")
-
-
-def random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
-    """n rows of k values: random bytes, with the scales set to finite float16 values."""
-    rng = np.random.default_rng(seed)
-    values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
-
-    def f16(lo: float, hi: float) -> np.ndarray:
-        return rng.uniform(lo, hi, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
-
-    if qtype in (T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K):  # d and a minimum (K: dmin)
-        raw[..., 0:2], raw[..., 2:4] = f16(-0.1, 0.1), f16(-0.1, 0.1)
-    elif qtype == T.Q6_K:
-        raw[..., 208:210] = f16(-0.01, 0.01)
-    else:
-        raw[..., 0:2] = f16(-0.1, 0.1)
-    return raw.reshape(n, -1)
 
 
 def torch_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

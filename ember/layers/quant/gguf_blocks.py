@@ -1,10 +1,11 @@
 """GGUF's block-quantized weights, kept as the file stores them and multiplied by the CPU
 kernels (kernels/cpu/quant_gemm.cpp): the activations are quantized to int8 per block of 32
 on the fly and the dot products are integer, block by block, as llama.cpp's CPU path does.
+On CUDA the same blocks take gguf_cuda.py's format instead.
 
     BlockTensor   one weight's rows of blocks as read from the file (what the loader yields)
-    GGUFBlocks    the format a layer holds, the rows repacked for the kernels: apply(x), and
-                  rows(ids) for an embedding table
+    GGUFBlocks    the format a layer holds on the CPU, the rows repacked for the kernels:
+                  apply(x), and rows(ids) for an embedding table
 """
 
 from __future__ import annotations
@@ -57,12 +58,16 @@ class BlockTensor:
 
     def pad_rows(self, rows: int) -> BlockTensor:
         """Zero rows appended up to `rows` (zero blocks decode to zeros in every type)."""
-        data = torch.zeros(rows, self.data.shape[1], dtype=torch.uint8)
+        data = torch.zeros(rows, self.data.shape[1], dtype=torch.uint8, device=self.data.device)
         data[: self.shape[0]] = self.data
         return BlockTensor(self.qtype, (rows, self.shape[1]), data)
 
+    def to(self, device: torch.device | str) -> BlockTensor:
+        return BlockTensor(self.qtype, self.shape, self.data.to(device))
+
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.data.numpy(), self.qtype, self.shape)
+        """The weight in float32 (on the CPU), as ggml decodes it."""
+        return dequantize(self.data.cpu().numpy(), self.qtype, self.shape)
 
 
 def stack_rows(parts: list[BlockTensor]) -> BlockTensor:
