@@ -72,8 +72,8 @@ class EngineConfig:
         "float32 elsewhere")
     # resolve() names what runs: gguf | fp8 | awq | gptq | compressed-tensors | none
     quantization: Literal["auto", "none", "gguf", "fp8", "awq", "gptq", "compressed-tensors"] = flag(
-        "auto", "auto: a GGUF file's quantized weights stay in their blocks on the CPU (int8 kernels, as "
-        "llama.cpp), an FP8 checkpoint's stay in FP8 on CUDA, an AWQ / GPTQ / compressed-tensors pack-quantized "
+        "auto", "auto: a GGUF file's quantized weights stay in their blocks (int8 kernels on the CPU, as "
+        "llama.cpp; Triton kernels on CUDA), an FP8 checkpoint's stay in FP8 on CUDA, an AWQ / GPTQ / compressed-tensors pack-quantized "
         "checkpoint's integer weights stay packed (Triton kernels on CUDA, GGUF blocks on the CPU); none: "
         "dequantize every weight to --dtype; fp8: every linear layer in FP8 (an FP8 checkpoint's own scales; a "
         "bf16 checkpoint or dummy weights quantized per output row at load; the LM head and embedding stay in "
@@ -457,7 +457,7 @@ def _resolve_draft_model(spec: SpeculativeConfig, target: ModelConfig, device: s
 
 
 def _quantization(asked: str, files, device: str) -> str:
-    """What multiplies the weights: gguf (blocks kept, CPU kernels), fp8 (FP8 weights), awq /
+    """What multiplies the weights: gguf (blocks kept: CPU kernels, Triton's on CUDA), fp8 (FP8 weights), awq /
     gptq / compressed-tensors (integer weights kept) or none (dequantized)."""
     from ember.loader.int_checkpoint import INT_METHODS, IntScheme
 
@@ -480,11 +480,8 @@ def _quantization(asked: str, files, device: str) -> str:
             raise ValueError("quantization='gguf' needs a .gguf model file's own weights, and load_format='dummy' "
                              "makes dense random ones: use quantization='auto'")
         return "none"
-    if device != "cpu":
-        if asked == "gguf":
-            raise ValueError("quantization='gguf' runs on the CPU only: use device='cpu', or quantization='auto' "
-                             "to dequantize the file for the GPU")
-        return "none"
+    if device != "cpu":  # the Triton kernels of kernels/gguf.py
+        return "gguf"
     from ember.kernels import cpu
 
     if cpu.ops() is None:

@@ -241,9 +241,10 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     cfg: the model's config; its HF tensor names (`hf_weight_shapes`) are the names asked for.
     consumed: GGUF tensor names the caller reads itself (e.g. "rope_freqs.weight" where the
     config takes RoPE scaling from it); they are not yielded.
-    keep_quantized: 2-D weights of a type the CPU kernels multiply come out as BlockTensor,
-    their bytes as stored (rows reordered where the converter reordered them); other
-    quantized types are dequantized, named in one warning. llama.cpp's stacked experts
+    keep_quantized: 2-D weights of a type the block kernels multiply (gguf_blocks.KERNEL_TYPES:
+    the CPU's, and kernels/gguf.py's on CUDA) come out as BlockTensor, their bytes as stored
+    (rows reordered where the converter reordered them); other quantized types are
+    dequantized, named in one warning. llama.cpp's stacked experts
     (blk.N.ffn_gate_exps, ...) come out dequantized, one tensor per expert under its HF name
     (loader/gguf_experts.py).
 
@@ -304,8 +305,8 @@ def iter_hf_weights(f: GGUFFile, cfg: ModelConfig, consumed: Collection[str] = (
     if no_kernel:
         listed = "; ".join(f"{t}: {', '.join(n[:4])}{' ...' if len(n) > 4 else ''} ({len(n)})"
                            for t, n in no_kernel.items())
-        logger.warning("%s: no CPU kernel multiplies these types (or stacked experts' weights) yet, so these "
-                       "tensors were dequantized to the run dtype: %s", f.path.name, listed)
+        logger.warning("%s: no kernel of ember's (CPU or CUDA) multiplies these types (or stacked experts' weights) "
+                       "yet, so these tensors were dequantized to the run dtype: %s", f.path.name, listed)
 
 
 _DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: plain weights, not quantized
