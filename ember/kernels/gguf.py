@@ -127,40 +127,36 @@ def _group_values(q_ptr, h_ptr, d_ptr, m_ptr, s_ptr, mn_ptr, n, nmask, g, gmask,
 
 @triton.jit
 def _gguf_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s_ptr, mn_ptr, b_ptr, y_ptr, hout_ptr,
-                      stride_x, stride_r, stride_y, stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr,
-                      K: tl.constexpr, QTYPE: tl.constexpr, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GROUPS: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # program p: outputs [p * BLOCK_N, (p + 1) * BLOCK_N) of every row; the weight read once,
-    # GROUPS groups (GROUPS x 32 values) a step along K
+                      stride_x, stride_r, stride_y, stride_h, N, eps, K: tl.constexpr, QTYPE: tl.constexpr,
+                      SPAN: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PROLOGUE: tl.constexpr,
+                      HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # program (p, m): outputs [p * BLOCK_N, (p + 1) * BLOCK_N) of row m, GROUPS groups (GROUPS x 32
+    # values) a step along K; the rows of x (at most 4) read the same weight tiles, from L2 after the first
     pid = tl.program_id(0)
+    m = tl.program_id(1)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    m = tl.arange(0, M_PAD)
-    mmask = m < M
-    inv = tl.zeros([M_PAD], tl.float32)
+    inv = 0.0
     if PROLOGUE == 1:
-        inv = inv_rms(x_ptr, res_ptr, m, mmask, stride_x, stride_r, eps, K, M_PAD, 512, HAS_RES)
-    rows = m[:, None, None]
-    inv3 = inv[:, None, None]
+        inv = tl.sum(inv_rms(x_ptr + m * stride_x, res_ptr + m * stride_r, tl.arange(0, 1), tl.full([1], True, tl.int1),
+                             stride_x, stride_r, eps, K, 1, 512, HAS_RES), 0)
     l = tl.arange(0, 16)[None, :]
-    acc = tl.zeros([M_PAD, BLOCK_N, GROUPS, 16], tl.float32)
+    acc = tl.zeros([BLOCK_N, GROUPS, 16], tl.float32)
     for g0 in range(0, K // 32, GROUPS):
         g = g0 + tl.arange(0, GROUPS)
         gmask = g < K // 32
         lo, hi = _group_values(q_ptr, h_ptr, d_ptr, m_ptr, s_ptr, mn_ptr, n, nmask, g, gmask, K, QTYPE)
-        cols = (_columns(g, SPAN)[:, None] + l)[None, :, :]  # [1, GROUPS, 16]
-        cmask = gmask[None, :, None]
-        xmask = mmask[:, None, None] & cmask
-        a_lo = prologue_input(x_ptr, res_ptr, nw_ptr, hout_ptr, rows, cols, xmask, cmask, inv3, pid == 0, stride_x,
+        cols = _columns(g, SPAN)[:, None] + l  # [GROUPS, 16]
+        cmask = gmask[:, None]
+        a_lo = prologue_input(x_ptr, res_ptr, nw_ptr, hout_ptr, m, cols, cmask, cmask, inv, pid == 0, stride_x,
                               stride_r, stride_h, K, PROLOGUE, HAS_RES)
-        a_hi = prologue_input(x_ptr, res_ptr, nw_ptr, hout_ptr, rows, cols + SPAN // 2, xmask, cmask, inv3, pid == 0,
+        a_hi = prologue_input(x_ptr, res_ptr, nw_ptr, hout_ptr, m, cols + SPAN // 2, cmask, cmask, inv, pid == 0,
                               stride_x, stride_r, stride_h, K, PROLOGUE, HAS_RES)
-        acc += a_lo[:, None, :, :] * lo[None, :, :, :] + a_hi[:, None, :, :] * hi[None, :, :, :]
-    y = tl.sum(tl.sum(acc, 3), 2)
+        acc += a_lo[None, :, :] * lo + a_hi[None, :, :] * hi
+    y = tl.sum(tl.sum(acc, 2), 1)
     if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+        y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_y + n, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -233,17 +229,16 @@ def _pointers(planes: Planes) -> list[torch.Tensor]:
     return [p if p is not None else planes[0] for p in planes]
 
 
-def gemv_config(rows: int, n: int, fill_gpu: bool = True) -> tuple[int, int, int]:
+def gemv_config(n: int, fill_gpu: bool = True) -> tuple[int, int, int]:
     """(BLOCK_N, GROUPS, num_warps): a first guess for the H100 / H200, not yet measured: 4 rows of the
-    weight a program, 32 groups (1024 values) a step, fewer rows when the output is short; more rows
-    of x shrink the tile. On Triton's interpreter the fewest programs run fastest."""
-    m_pad = triton.next_power_of_2(rows)
+    weight a program, 32 groups (1024 values) a step, fewer rows when the output is short. On
+    Triton's interpreter the fewest programs run fastest."""
     if not fill_gpu:
         return 32, 16, 4
     block_n = 4
     while block_n > 1 and triton.cdiv(n, block_n) < 264:
         block_n //= 2
-    return block_n, max(4, 32 // m_pad), 4
+    return block_n, 32, 4
 
 
 def gguf_gemv(x: torch.Tensor, qtype: int, planes: Planes, n: int, bias: torch.Tensor | None = None,
@@ -269,13 +264,12 @@ def gguf_gemv(x: torch.Tensor, qtype: int, planes: Planes, n: int, bias: torch.T
         raise ValueError(f"residual goes with the norm prologue and x's shape {tuple(x.shape)}")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty_like(x) if residual is not None else x
-    block_n, groups, warps = config or gemv_config(rows, n, x.is_cuda)
-    _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](
+    block_n, groups, warps = config or gemv_config(n, x.is_cuda)
+    _gguf_gemv_kernel[(triton.cdiv(n, block_n), rows)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, *_pointers(planes),
         bias if bias is not None else x, y, h, x.stride(0), residual.stride(0) if residual is not None else 0,
-        y.stride(0), h.stride(0), n, eps, M=rows, M_PAD=triton.next_power_of_2(rows), K=k, QTYPE=qtype,
-        SPAN=SPANS[qtype], BLOCK_N=block_n, GROUPS=groups, PROLOGUE=PROLOGUES[prologue],
-        HAS_RES=residual is not None, HAS_BIAS=bias is not None, num_warps=warps)
+        y.stride(0), h.stride(0), n, eps, K=k, QTYPE=qtype, SPAN=SPANS[qtype], BLOCK_N=block_n, GROUPS=groups,
+        PROLOGUE=PROLOGUES[prologue], HAS_RES=residual is not None, HAS_BIAS=bias is not None, num_warps=warps)
     return (y, h) if prologue == "norm" else y
 
 

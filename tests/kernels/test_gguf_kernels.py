@@ -247,11 +247,11 @@ PLANES = {2: ("*u8", "*u8", "*fp16", "*fp16", "*u8", "*u8"), 3: ("*u8", "*u8", "
           8: ("*i8", "*i8", "*fp16", "*fp16", "*i8", "*i8"), 12: ("*u8", "*u8", "*fp16", "*fp16", "*u8", "*u8"),
           13: ("*u8", "*u8", "*fp16", "*fp16", "*u8", "*u8"), 14: ("*u8", "*u8", "*fp16", "*fp16", "*i8", "*i8")}
 NAMES = ("q_ptr", "h_ptr", "d_ptr", "m_ptr", "s_ptr", "mn_ptr")
-block_n, groups, warps = gemv_config(1, 4096)
+block_n, groups, warps = gemv_config(4096)
 block_m, mblock_n, mgroups, mwarps, stages = matmul_config(512)
 for qtype, planes in PLANES.items():
     for kernel, constants, options in [
-            (_gguf_gemv_kernel, dict(M=1, M_PAD=1, BLOCK_N=block_n, GROUPS=groups, PROLOGUE=1, HAS_RES=True),
+            (_gguf_gemv_kernel, dict(BLOCK_N=block_n, GROUPS=groups, PROLOGUE=1, HAS_RES=True),
              {"num_warps": warps}),
             (_gguf_matmul_kernel, dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=mblock_n, GROUPS=mgroups,
                                        GROUP_M=8), {"num_warps": mwarps, "num_stages": stages}),
@@ -263,13 +263,17 @@ for qtype, planes in PLANES.items():
         types = dict(zip(NAMES, planes), ids_ptr="*i64", eps="fp32")
         signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
                      for a in names}
-        source = ASTSource(kernel, signature, {(names.index(c),): v for c, v in constants.items()})
+        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)  # as a launch specializes them
+                   if a.endswith("_ptr") or a.startswith("stride")}
+        source = ASTSource(kernel, signature, {(names.index(c),): v for c, v in constants.items()}, attrs=aligned)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         what = f"{kernel.fn.__name__} on GGML type {qtype}"
         assert "st.local" not in compiled.asm["ptx"], f"{what} spills registers to local memory"
         assert compiled.metadata.shared <= H100_SHARED, f"{what}: {compiled.metadata.shared} bytes of shared memory"
         if kernel is _gguf_matmul_kernel:
             assert "mma" in compiled.asm["ptx"], f"{what}: no tensor-core instruction in the PTX"
+        else:  # a program's 16 bytes of qs (Q8_0: 16 values) in one load
+            assert "ld.global.v4.b32" in compiled.asm["ptx"], f"{what}: the quants are read a byte at a time"
 print("compiled")
 """
 
@@ -278,5 +282,6 @@ print("compiled")
 def test_the_kernels_compile_for_hopper():
     """Triton compiles the GEMV (with the norm prologue), the matmul and the rows gather of every
     type at K = 4096 to sm_90 PTX here, without a GPU, at the tiles their wrappers launch: none
-    spills registers, each fits the H100's shared memory, and the matmul uses tensor cores."""
+    spills registers, each fits the H100's shared memory, the matmul uses tensor cores, and the
+    GEMV and the gather read the quants 16 bytes a load."""
     assert "compiled" in run_compile_script(_COMPILE)
