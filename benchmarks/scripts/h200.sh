@@ -26,6 +26,11 @@
 #                       and Qwen3-30B-A3B's shapes, in CUDA graphs) and of the engine with AWQ / GPTQ Mixtral and
 #                       Qwen3-MoE checkpoints, then moe_tune.py --int 4 at both shapes (--no-write: each choice
 #                       against the heuristic)
+#   gguf-cuda           GGUF blocks kept on CUDA (kernels/gguf.py): their GPU tests (every type at the Llama-8B shapes,
+#                       in CUDA graphs; the engine on a Q4_K_M file and, where cached, the default model against the
+#                       CPU's tokens), then a Q4_K_M file at the Llama-3.1-8B shape (random blocks in llama.cpp's type
+#                       mix, ember/bench/dummy_gguf.py, 4.6 GiB, written here) one request 128/512, and ember's bf16
+#                       at the same shape (needs the gguf wheel carried, as serve's: SERVE_WHEELS, default .whl)
 #   kernels-fp8         fp8_gemm_bench.py --sweep at the Llama-8B shapes, M = 1 .. 2048 (its last line
 #                       says what FP8_GEMV_MAX_ROWS in ember/layers/kernel_paths.py should be)
 #   check-moe           the GPU tests of the MoE kernels and families, moe_tune.py (writes
@@ -101,6 +106,7 @@
 # manylinux2014_x86_64 -d .whl` fastapi starlette uvicorn pydantic pydantic_core typing-inspection
 # annotated-types annotated-doc typing_extensions opentelemetry-api openai httpx2 httpcore2 truststore
 # anyio idna h11 httptools uvloop distro jiter sniffio partial-json-parser gguf pyzmq, at the versions of .venv).
+# gguf-cuda needs the gguf wheel of that list alone.
 #
 # vLLM, the peer: stage it here first (/work/shared/peers/vllm-gpu/stage), copy its parts into /root/st
 # in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
@@ -260,6 +266,30 @@ mode_check_int_moe() {
   local secs; secs=$(cap "moe_tune --int 4" 240) || return 0
   timeout "$secs" python3 benchmarks/scripts/moe_tune.py --int 4 --tokens 1 64 512 --no-write 2>&1 \
     | grep -E "TUNED|Error" | tee "$J/moe_tune_int4.log"
+}
+
+# gguf_kit: the carried gguf wheel (the device has no GGUF reader) on PYTHONPATH, or say what is missing and fail
+gguf_kit() {
+  local whl=${SERVE_WHEELS:-.whl}
+  if ! ls "$whl"/gguf-*.whl >/dev/null 2>&1; then
+    echo "== gguf-cuda needs $whl/gguf-*.whl carried (see the head of this script)"
+    return 1
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$whl"/gguf-*.whl || return 1
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+  python3 -c "import gguf" || return 1
+}
+
+mode_gguf_cuda() {
+  local f=/tmp/llama-3.1-8b-q4_k_m.gguf secs
+  gguf_kit || return 0
+  gpu_tests 200 tests/kernels/test_gguf_kernels.py tests/models/test_cuda_gguf.py
+  if secs=$(cap "the Q4_K_M file" 120); then
+    timeout "$secs" python3 -m ember.bench.dummy_gguf $L/config.json $f 2>&1 | tee "$J/dummy_gguf.log" | tail -3
+  fi
+  B="python3 -m ember.server.cli bench throughput --seed 0" bench llama_latency_q4_k_m 150 $f $LAT
+  bench llama_latency_bf16 90 $L $LAT
 }
 
 mode_kernels_fp8() {
@@ -527,6 +557,7 @@ case "$mode" in
   check-fp8) mode_env; mode_check_fp8 ;;
   check-int) mode_env; mode_check_int ;;
   check-int-moe) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_check_int_moe ;;
+  gguf-cuda) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gguf_cuda ;;
   kernels-fp8) mode_env; mode_kernels_fp8 ;;
   check-moe) mode_env; mode_check_moe ;;
   race-moe) mode_env; mode_race_moe "$@" ;;

@@ -50,7 +50,8 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
     listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
-                      "check-fp8", "check-int", "check-int-moe", "kernels-fp8", "check-moe", "race-moe", "families", "new-families",
+                      "check-fp8", "check-int", "check-int-moe", "gguf-cuda", "kernels-fp8", "check-moe",
+                      "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
                       "serve-race", "serve-sweep", "spec"]
@@ -241,6 +242,29 @@ def test_tp_70b_runs_ember_at_two_ranks_then_vllm_on_the_same_workloads(tmp_path
         f"python3 benchmarks/scripts/vllm_race.py --config llama-3.1-70b --tensor-parallel-size 2 throughput128 "
         f"latency {env}",
     ]
+
+
+def test_gguf_cuda_installs_the_gguf_wheel_tests_then_races_a_q4_k_m_file_against_bf16(tmp_path):
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "gguf-0.19.0-py3-none-any.whl").write_text("")
+    calls, done = run_mode(tmp_path, "gguf-cuda", extra_env={"SERVE_WHEELS": str(wheels)})
+    assert done.returncode == 0, done.stderr
+    out, env, f = tmp_path / "out", "[decode_config=]", "/tmp/llama-3.1-8b-q4_k_m.gguf"
+    assert calls == [
+        "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+        f"{wheels}/gguf-0.19.0-py3-none-any.whl {env}",
+        f"python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_gguf_kernels.py "
+        f"tests/models/test_cuda_gguf.py {env}",
+        f"python3 -m ember.bench.dummy_gguf benchmarks/configs/llama-3.1-8b/config.json {f} {env}",
+        f"python3 -m ember.server.cli bench throughput --seed 0 {f} {LAT} --output-json "
+        f"{out}/llama_latency_q4_k_m.json {env}",
+        f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {LAT} --output-json {out}/llama_latency_bf16.json {env}",
+    ]
+    alone = tmp_path / "without"
+    alone.mkdir()
+    calls, done = run_mode(alone, "gguf-cuda", extra_env={"SERVE_WHEELS": str(alone / "none")})
+    assert f"== gguf-cuda needs {alone}/none/gguf-*.whl carried" in done.stdout and calls == []
 
 
 def test_serve_installs_the_carried_wheels_then_tests_serves_and_runs_offline_the_same_load(tmp_path):
