@@ -122,7 +122,7 @@ def test_gemv_prologues_equal_the_plain_ops_then_the_layer(device, qtype):
     assert torch.equal(h.cpu(), want_res)
     _assert_close(y, F.linear(want_h.float(), w), 1e-2)
     y, h = gguf_gemv(x.to(device), int(qtype), planes, n, None, "norm", None, norm.weight.to(device), 1e-6)
-    assert h.data_ptr() == x.to(device).data_ptr() or torch.equal(h.cpu(), x)
+    assert torch.equal(h.cpu(), x)  # no residual: x itself
     _assert_close(y, F.linear(norm(x).float(), w), 1e-2)
     gate_up = torch.randn(1, 2 * k, generator=g).to(dtype)
     got = gguf_gemv(gate_up.to(device), int(qtype), planes, n, None, "silu")

@@ -6,6 +6,7 @@ weights are loaded and owns what it holds:
 
     unquantized.py   OneDNNPacked: a dense weight prepacked for oneDNN (CPU)
     gguf_blocks.py   GGUFBlocks: GGUF's block-quantized rows (Q4_0 ... Q6_K), int8 kernels (CPU)
+    gguf_cuda.py     GGUFCudaBlocks: the same blocks on CUDA, dequantized in registers (Triton)
     fp8.py           FP8Weight: float8_e4m3fn with per-row or 128 x 128 block scales (CUDA
                      kernels; dequantized on the CPU)
     int_weight.py    IntWeight: 4- or 8-bit integers with group scales and zeros (W4A16, W8A16;
@@ -44,9 +45,10 @@ class WeightFormat(ABC):
 
 
 class KernelFormat(WeightFormat):
-    """A format with CUDA kernels of its own (FP8, integer weights): a few rows through the
-    weight-only GEMV (kernels/gemv.py, whose prologues layers/fused.py fuses in), more through
-    `matmul`; off the CUDA paths F.linear on the weight dequantized to x's dtype, the reference."""
+    """A format with CUDA kernels of its own (FP8, integer weights, GGUF blocks): a few rows
+    through a weight-only GEMV (kernels/gemv.py; GGUF's in kernels/gguf.py), whose prologues
+    layers/fused.py fuses in, more through `matmul`; off the CUDA paths F.linear on the weight
+    dequantized to x's dtype, the reference."""
 
     @abstractmethod
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
