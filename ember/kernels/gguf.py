@@ -278,7 +278,7 @@ def matmul_config(rows: int, on_gpu: bool = True) -> tuple[int, int, int, int, i
     values of K a step (GROUPS 4: two dots of 64). A first guess, as kernels/wna16.py's. On Triton's
     interpreter the fewest programs run fastest."""
     if not on_gpu:
-        return (16 if rows <= 16 else 64), 64, 16, 4, 1
+        return min(64, max(16, triton.next_power_of_2(rows))), 256, 16, 4, 1
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     return block_m, 128 if block_m >= 64 else 64, 4, 4 if block_m <= 64 else 8, 3
 

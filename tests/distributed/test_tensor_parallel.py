@@ -567,6 +567,31 @@ def test_smollm2_in_its_gguf_blocks_at_three_ranks(gguf_path, smollm2_logits, tm
         assert one[row, theirs[row]] - one[row, ours[row]] < (ranks[0][row] - one[row]).abs().max()
 
 
+@pytest.fixture(scope="module")
+def tiny_q4_k_m_gguf(tmp_path_factory) -> str:
+    """A Q4_K_M file (llama.cpp's mix: layer 1's v and down, and the output, in Q6_K; random blocks
+    by gguf-py's writer) whose K-quant rows of 256 values split on whole blocks at two ranks."""
+    pytest.importorskip("gguf")
+    from ember.bench.dummy_gguf import write_dummy_gguf
+
+    config = TINY_LLAMA | {"hidden_size": 512, "intermediate_size": 512, "head_dim": 64}
+    return str(write_dummy_gguf(config, tmp_path_factory.mktemp("tiny-q4-k-m") / "tiny.gguf", seed=1))
+
+
+def test_q4_k_m_blocks_split_through_the_cuda_kernels(tiny_q4_k_m_gguf, tmp_path):
+    """GGUF blocks kept on the CUDA paths (kernels/gguf.py on Triton's interpreter: the matmul for
+    the prompts, the embedding's gather, the tied-free Q6_K head): the float32 logits of the file
+    dequantized, and at two ranks (rows of q|k|v, gate|up and the vocabulary, whole super-blocks
+    of o's and down's columns) the same."""
+    pytest.importorskip("triton")
+    expected = prefill_logits(tiny_q4_k_m_gguf, PROMPTS, quantization="none")
+    one = prefill_logits(tiny_q4_k_m_gguf, PROMPTS, "gguf", cuda_paths=True)
+    torch.testing.assert_close(one, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+    ranks = run_task(2, tmp_path, prefill_logits, (tiny_q4_k_m_gguf, PROMPTS, "gguf", "auto", True))
+    torch.testing.assert_close(ranks[0], one, rtol=0, atol=1e-4 * expected.abs().max().item())
+    assert torch.equal(ranks[0].argmax(-1), expected.argmax(-1))
+
+
 def test_a_split_that_does_not_fit_fails_every_rank_with_the_fix(tiny_llama, tmp_path):
     with pytest.raises(RuntimeError, match=r"(?s)rank \d of 3 failed:.*ValueError: 8 attention heads \(2 KV heads\) "
                                            r"do not divide among 3 tensor-parallel ranks: use a tensor_parallel_size "
