@@ -30,7 +30,8 @@
 #                       in CUDA graphs; the engine on a Q4_K_M file and, where cached, the default model against the
 #                       CPU's tokens), then a Q4_K_M file at the Llama-3.1-8B shape (random blocks in llama.cpp's type
 #                       mix, ember/bench/dummy_gguf.py, 4.6 GiB, written here) one request 128/512, and ember's bf16
-#                       at the same shape (needs the gguf wheel carried, as serve's: SERVE_WHEELS, default .whl)
+#                       at the same shape (needs the gguf wheel carried, as serve's: SERVE_WHEELS, default .whl), then
+#                       the GEMV's time a layer at the 8B shapes against cuBLAS in bf16 (gguf_gemv_bench.py)
 #   kernels-fp8         fp8_gemm_bench.py --sweep at the Llama-8B shapes, M = 1 .. 2048 (its last line
 #                       says what FP8_GEMV_MAX_ROWS in ember/layers/kernel_paths.py should be)
 #   check-moe           the GPU tests of the MoE kernels and families, moe_tune.py (writes
@@ -290,6 +291,9 @@ mode_gguf_cuda() {
   fi
   B="python3 -m ember.server.cli bench throughput --seed 0" bench llama_latency_q4_k_m 150 $f $LAT
   bench llama_latency_bf16 90 $L $LAT
+  if secs=$(cap "gguf_gemv_bench" 60); then  # the GEMV's bandwidth a layer (--sweep: its tiles; a call of its own)
+    (cd benchmarks/scripts && timeout "$secs" python3 gguf_gemv_bench.py) 2>&1 | tee "$J/gguf_gemv_bench.log"
+  fi
 }
 
 mode_kernels_fp8() {

@@ -260,6 +260,7 @@ def test_gguf_cuda_installs_the_gguf_wheel_tests_then_races_a_q4_k_m_file_agains
         f"python3 -m ember.server.cli bench throughput --seed 0 {f} {LAT} --output-json "
         f"{out}/llama_latency_q4_k_m.json {env}",
         f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {LAT} --output-json {out}/llama_latency_bf16.json {env}",
+        f"python3 gguf_gemv_bench.py {env}",
     ]
     alone = tmp_path / "without"
     alone.mkdir()
