@@ -172,6 +172,7 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s_ptr, mn_ptr, b_ptr,
     mmask = m < M
     nmask = n < N
     p = tl.arange(0, GROUPS * 16)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for g0 in range(0, K // 32, GROUPS):
         g = g0 + tl.arange(0, GROUPS)
@@ -179,15 +180,15 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s_ptr, mn_ptr, b_ptr,
         gp = g0 + p // 16
         cols = _columns(gp, SPAN) + p % 16
         xmask = mmask[:, None] & (gp < K // 32)[None, :]
-        a_lo = tl.load(x_ptr + m[:, None] * stride_x + cols[None, :], mask=xmask, other=0.0)
-        a_hi = tl.load(x_ptr + m[:, None] * stride_x + (cols + SPAN // 2)[None, :], mask=xmask, other=0.0)
+        a_lo = tl.load(x_rows + cols[None, :], mask=xmask, other=0.0)
+        a_hi = tl.load(x_rows + (cols + SPAN // 2)[None, :], mask=xmask, other=0.0)
         w_lo = tl.reshape(lo, [BLOCK_N, GROUPS * 16]).to(a_lo.dtype)
         w_hi = tl.reshape(hi, [BLOCK_N, GROUPS * 16]).to(a_lo.dtype)
         acc = tl.dot(a_lo, tl.trans(w_lo), acc, input_precision=PRECISION)
         acc = tl.dot(a_hi, tl.trans(w_hi), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
