@@ -425,12 +425,10 @@ def _fp8_tensor(rows, cols, blockwise, g):
 
 
 def _as_the_kernel_rounds(w, dtype, device):
-    """Dequantized float32 weights in dtype, as the kernels' cast of value * scale rounds them:
-    to nearest even on the GPU (as torch), toward zero on Triton 3.6's interpreter (its float32
-    -> bfloat16 cast keeps the top 16 bits)."""
-    if dtype == torch.float32 or device != "cpu":
-        return w.to(dtype)
-    return (w.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    """Dequantized float32 weights in dtype, as the kernels' cast of value * scale rounds them: to
+    nearest even, on the GPU as torch does, and on the interpreter as tests/kernels/conftest.py
+    makes its cast do."""
+    return w.to(dtype)
 
 
 # BLOCK_K under, at and over a scale block's 128 (over: block scales take 128, row scales keep it);
@@ -453,8 +451,7 @@ def test_fp8_experts_equal_the_dense_kernels_on_their_dequantized_weights(device
     (on weights rounded as the kernel rounds them); CUDA: to 1e-2 of the output's scale. Both
     against the torch path in float32 on the dequantized weights: float32 to 1e-5 of the
     output's scale (the sums' order; measured at most 7.9e-7 on the interpreter), bfloat16 to
-    3e-2 (the activations, each pass's output and, on the interpreter, the weights truncated to
-    bfloat16; measured 1.6e-2)."""
+    3e-2 (the activations, each pass's output and the weights rounded to bfloat16; measured 1.6e-2)."""
     experts, hidden, inter, tokens, top_k = 4, 200, 136, 5, 2
     w13, d13 = _fp8(experts, 2 * inter, hidden, 2, blockwise, device, seed=1)
     w2, d2 = _fp8(experts, hidden, inter, 1, blockwise, device, seed=2)
