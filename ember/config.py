@@ -449,6 +449,9 @@ def _resolve_draft_model(spec: SpeculativeConfig, target: ModelConfig, device: s
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary has {draft.vocab_size} tokens and the "
                          f"target's {target.vocab_size}: a draft model must share the target's tokenizer")
+    if target.layer_windows and all(w is not None for w in target.layer_windows):
+        raise ValueError(f"speculative_config: {target.architecture} has a sliding window on every layer, so the pool "
+                         "gives back blocks no window reaches, which a draft model may still read: use method 'ngram'")
     if draft.linear_layers is not None or draft.bidirectional:
         raise ValueError(f"speculative_config: {draft.architecture} cannot draft (linear-attention layers or an "
                          "encoder): choose a decoder with attention layers only")

@@ -420,8 +420,8 @@ class Scheduler:
             req.num_pending_tokens -= chunk.samples
             if req.status.is_finished:
                 continue  # finished or aborted while the step ran: its token is dropped
-            # steps still in flight or to come query from this chunk's end on
-            self._release_unseen(req, chunk.start + chunk.num_new_tokens)
+            # steps still in flight or to come query from this chunk's end on (its drafts' end only if kept)
+            self._release_unseen(req, chunk.start + chunk.num_new_tokens - len(chunk.draft_token_ids))
             tokens = sampled.get(req.request_id) if chunk.samples else None
             if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the prompt

@@ -16,6 +16,7 @@ from ember.loader.dummy import iter_dummy_weights
 from ember.models.config import ModelConfig
 from ember.request import Request
 from ember.scheduler.sliding_window import SlidingWindowBlocks
+from ember.spec_decode.proposer import Proposer
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
@@ -148,3 +149,29 @@ def test_a_model_with_global_layers_gives_back_nothing(tmp_path_factory):
     with pytest.raises(ValueError, match="whose KV needs 19 blocks, but the whole pool has 6"):
         LLM(path, dtype="float32", block_size=BLOCK, num_kv_blocks=6, max_model_len=128).generate(
             [{"prompt_token_ids": PROMPTS[1]}], PARAMS)
+
+
+class _Oracle(Proposer):
+    """Drafts from the expected tokens (`shift`: each one off, never the model's)."""
+
+    def __init__(self, sequences: list[list[int]], shift: int) -> None:
+        self.sequences, self.shift = sequences, shift
+
+    def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
+        seq = next((s for s in self.sequences if s[:len(token_ids)] == token_ids), [])
+        return [(t + self.shift) % 320 for t in seq[len(token_ids): len(token_ids) + 3]]
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["drafts right", "drafts wrong"])
+def test_speculative_drafts_and_their_rollbacks_while_blocks_go_back(windowed, shift):
+    """A verifying step's chunk reaches past what it keeps: the blocks its window gives back are
+    counted from the kept tokens, so a rolled-back request still has every block its next query
+    sees; in 6 blocks the tokens are transformers' either way."""
+    path, expected = windowed
+    llm = LLM(path, dtype="float32", block_size=BLOCK, num_kv_blocks=6, max_model_len=128, max_num_batched_tokens=16,
+              speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    llm.engine.proposer = _Oracle([p + e for p, e in zip(PROMPTS, expected)], shift)
+    tokens, _, _, most_in_use = run(llm, "spec")
+    assert tokens == expected and most_in_use <= 6
+    counts = llm.engine.scheduler.spec
+    assert counts.num_draft_tokens > 0 and counts.num_accepted_tokens == (0 if shift else counts.num_draft_tokens)
