@@ -12,8 +12,9 @@ What varies with the batch, and what this mode does about it:
 - CPU dense layers (oneDNN, BLAS): their kernel follows the row count. Here they run on
   blocks of ROWS rows, the last padded (in_row_blocks).
 Everything else is per row already: RMSNorm, RoPE, the activations, the embedding, sampling
-(a seeded request draws from its own generator), and on the CPU the GGUF block kernels and
-paged attention (kernels/cpu), which is why the CPU's default path needs no flag.
+(a seeded request draws from its own generator), W8A8 layers (layers/quant/w8a8.py: exact int32
+sums, per-row scales) on any device, and on the CPU the GGUF block kernels and paged attention
+(kernels/cpu), which is why the CPU's default path needs no flag.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from ember.layers.quant import WeightFormat
 from ember.layers.quant.gguf_blocks import GGUFBlocks
+from ember.layers.quant.w8a8 import W8A8Weight
 
 # rows a dense CPU matmul takes at a time, padded with zeros: BLAS picks its kernel (and its
 # order of arithmetic) by a call's row count, so fixed-size calls give a row fixed bits
@@ -45,7 +47,7 @@ def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, fmt: WeightFormat | None,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T + bias (or fmt's matmul) with each row's bits independent of x's row count."""
-    if isinstance(fmt, GGUFBlocks):  # the block kernels are per row by construction
+    if isinstance(fmt, (GGUFBlocks, W8A8Weight)):  # per row by construction
         return fmt.apply(x, bias)
     if x.is_cuda and fmt is None:
         from ember.kernels.matmul import invariant_matmul  # triton is imported on CUDA only

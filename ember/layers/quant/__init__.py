@@ -11,7 +11,11 @@ weights are loaded and owns what it holds:
                      kernels; dequantized on the CPU)
     int_weight.py    IntWeight: 4- or 8-bit integers with group scales and zeros (W4A16, W8A16;
                      CUDA kernels; GGUF blocks on the CPU), read from AWQ (awq.py), GPTQ
-                     (gptq.py) and compressed-tensors pack-quantized (compressed_tensors.py)
+                     (gptq.py) and compressed-tensors pack-quantized / weight-only
+                     int-quantized (compressed_tensors.py)
+    w8a8.py          W8A8Weight: int8 weights with a scale a row times int8 activations (per
+                     token, or a static scale): compressed-tensors int-quantized W8A8 (CUDA
+                     kernels; torch._int_mm on the CPU)
     split.py         Split: pieces of a merged layer in different formats, side by side
 
 Model files never see formats: they call the layer.
