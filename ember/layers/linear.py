@@ -1,9 +1,9 @@
 """Linear layers. A merged layer takes several checkpoint tensors, one per shard, through
 the `weight_loader` its parameters carry; plain ones are copied whole by the loader. A layer
 multiplies its `weight` parameter unless it has a weight format (layers/quant/): GGUF blocks,
-FP8 or integer (AWQ, GPTQ, compressed-tensors) weights the loader handed it (`load_blocks` /
-`load_fp8` / `load_int`, then `finish_loading`), its own weight quantized to FP8 at load
-(`quantize_fp8`, --quantization fp8), or on the CPU the dense weight prepacked once for
+FP8, integer (AWQ, GPTQ, compressed-tensors) or W8A8 weights the loader handed it (`load_blocks`
+/ `load_fp8` / `load_int` / `load_w8a8`, then `finish_loading`), its own weight quantized to FP8
+at load (`quantize_fp8`, --quantization fp8), or on the CPU the dense weight prepacked once for
 oneDNN (`pack_for_cpu`). On CUDA, one row (a decode step of
 one sequence) times a weight of a small model goes through ember's GEMV kernel
 (kernels/gemv.py), which is faster than cuBLAS there and can take the op before it
@@ -33,13 +33,17 @@ from ember.layers.quant.gguf_cuda import gguf_format
 from ember.layers.quant.int_weight import IntTensor, int_format, quantize_int, stack_int
 from ember.layers.quant.split import Dense, Split
 from ember.layers.quant.unquantized import OneDNNPacked
+from ember.layers.quant.w8a8 import W8A8Tensor, W8A8Weight, quantize_w8a8, stack_w8a8
 
-Quantized = BlockTensor | FP8Tensor | IntTensor  # a weight the loader hands over in its checkpoint format
+# a weight the loader hands over in its checkpoint format
+Quantized = BlockTensor | FP8Tensor | IntTensor | W8A8Tensor
 
 
 def _format(tensor: Quantized, dtype: torch.dtype) -> WeightFormat:
     if isinstance(tensor, IntTensor):
         return int_format(tensor, dtype)
+    if isinstance(tensor, W8A8Tensor):
+        return W8A8Weight(tensor)
     return gguf_format(tensor) if isinstance(tensor, BlockTensor) else FP8Weight(tensor)
 
 
@@ -51,6 +55,8 @@ def _stack(parts: list[Quantized]) -> Quantized | None:
         return stack_fp8(parts)
     if all(isinstance(p, IntTensor) for p in parts):
         return stack_int(parts)
+    if all(isinstance(p, W8A8Tensor) for p in parts):
+        return stack_w8a8(parts)
     return None
 
 
@@ -90,6 +96,11 @@ class Linear(nn.Module):
         the whole weight or one shard's rows."""
         self._keep(tensor.to(self.weight.device), shard)
 
+    def load_w8a8(self, tensor: W8A8Tensor, shard: int | None) -> None:
+        """A W8A8 (compressed-tensors int-quantized) weight: int8 values, a scale a row and the
+        static input scale if any; the whole weight or one shard's rows."""
+        self._keep(tensor.to(self.weight.device), shard)
+
     def _keep(self, tensor: Quantized, shard: int | None) -> None:
         rows = self.weight.shape[0] if shard is None else self.out_sizes[shard]
         if tuple(tensor.shape) != (rows, self.weight.shape[1]):
@@ -99,7 +110,8 @@ class Linear(nn.Module):
     def finish_loading(self) -> None:
         """Once every checkpoint tensor is in: the quantized weights become the layer's
         format, one where the shards stack (GGUF blocks of one type, FP8 of one kind, integer
-        weights of one scheme), else a Split of the shards side by side, dense ones among them."""
+        weights of one scheme, W8A8 weights whose activations quantize alike), else a Split of
+        the shards side by side, dense ones among them."""
         quantized, self._quantized = self._quantized, {}
         if not quantized:
             return
@@ -123,6 +135,12 @@ class Linear(nn.Module):
         GPTQ / compressed-tensors config)."""
         if self.format is None:
             self.set_format(int_format(quantize_int(self.weight, bits, group_size, symmetric), self.weight.dtype))
+
+    def quantize_w8a8(self, input_scale: float | None) -> None:
+        """The loaded dense weight in int8 with a scale a row, its activations quantized per token
+        (input_scale None) or by input_scale (dummy weights under a W8A8 config)."""
+        if self.format is None:
+            self.set_format(W8A8Weight(quantize_w8a8(self.weight, input_scale)))
 
     @property
     def fused_bias(self) -> torch.Tensor | None:

@@ -66,15 +66,21 @@ class FP8Scheme:
     ignore: tuple[str, ...] = ()  # modules left in the model dtype: names, or "re:<regex>"
 
     def ignores(self, module: str) -> bool:
-        """The ignore-list names this module (HF name, e.g. model.layers.0.mlp.down_proj):
-        exactly, by its last parts (lm_head), by a parent (model.layers.0), or by a regex."""
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if re.match(entry[3:], module):
-                    return True
-            elif module == entry or module.endswith("." + entry) or module.startswith(entry + "."):
+        """The ignore-list names this module (HF name, e.g. model.layers.0.mlp.down_proj)."""
+        return ignored(self.ignore, module)
+
+
+def ignored(ignore: tuple[str, ...], module: str) -> bool:
+    """A checkpoint's ignore-list (compressed-tensors' `ignore`, fp8's modules_to_not_convert)
+    names this module (HF name, e.g. model.layers.0.mlp.down_proj): exactly, by its last parts
+    (lm_head), by a parent (model.layers.0), or by a regex ("re:<regex>")."""
+    for entry in ignore:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], module):
                 return True
-        return False
+        elif module == entry or module.endswith("." + entry) or module.startswith(entry + "."):
+            return True
+    return False
 
 
 def fp8_scheme(qc: dict[str, Any], source: str = "config.json") -> FP8Scheme:
@@ -102,7 +108,7 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> FP8Scheme:
     where = f"{source}: compressed-tensors"
     if qc.get("format") not in _CT_FORMATS:
         raise ValueError(f"{where} format {qc.get('format')!r} is not supported: ember reads {', '.join(_CT_FORMATS)} "
-                         f"(fp8 values stored as they are) and pack-quantized (int weights). {SUPPORTED}")
+                         f"(fp8 values stored as they are), pack-quantized and int-quantized (int weights). {SUPPORTED}")
     for key in ("sparsity_config", "transform_config"):
         if qc.get(key):
             raise ValueError(f"{where} with a {key} is not supported (it changes the weights' meaning): {SUPPORTED}")

@@ -1,10 +1,12 @@
-"""Integer-weight checkpoints (W4A16, W8A16): AWQ, GPTQ and compressed-tensors pack-quantized.
+"""Integer-weight checkpoints: W4A16 / W8A16 (AWQ, GPTQ, compressed-tensors pack-quantized and
+weight-only int-quantized) and W8A8 (compressed-tensors int-quantized with int8 activations).
 
     int_scheme(qc, source)           config.json's quantization_config -> IntScheme, or a
                                      ValueError naming what ember does not read
     int_weights(tensors, scheme)     the checkpoint's tensors with each quantized module's
-                                     parts as one IntTensor under `X.weight` (or, with
-                                     `dequantize`, its float32 weight), the others as they are
+                                     parts as one IntTensor (a W8A8Tensor for W8A8) under
+                                     `X.weight` (or, with `dequantize`, its float32 weight),
+                                     the others as they are
     int_experts(cfg, scheme, ...)    how the checkpoint's routed experts stay packed in
                                      FusedMoE where the fused MoE kernels run, or None
 
@@ -20,6 +22,14 @@ format files' in layers/quant/: awq.py, gptq.py, compressed_tensors.py):
                          or 8, symmetric, strategy group (group_size) or channel, actorder
                          (group: X.weight_g_idx); no input activations (weight-only);
                          X.weight_packed, X.weight_scale, X.weight_shape
+                         format "int-quantized" (llm-compressor's W8A8): weights type int,
+                         num_bits 8, symmetric, strategy channel or tensor; input_activations
+                         type int, num_bits 8, symmetric, strategy token with dynamic true (per
+                         token, at run time) or strategy tensor with dynamic false (X.input_scale);
+                         X.weight (int8), X.weight_scale. Without input_activations: W8A16,
+                         strategy group too
+                         (compressed-tensors omits zero points of symmetric schemes; where a file
+                         has them they must be 0)
 
 Modules a checkpoint leaves unquantized (its ignore-list, the LM head) hold a plain X.weight.
 """
@@ -34,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ember.layers.quant.awq import awq_tensor
-from ember.layers.quant.compressed_tensors import pack_quantized_tensor
+from ember.layers.quant.compressed_tensors import int_quantized_tensor, pack_quantized_tensor
 from ember.layers.quant.gptq import gptq_tensor
 from ember.layers.quant.int_weight import IntTensor
-from ember.loader.fp8_checkpoint import note_unknown
+from ember.layers.quant.w8a8 import W8A8Tensor
+from ember.loader.fp8_checkpoint import ignored, note_unknown
 
 if TYPE_CHECKING:
     from ember.models.config import ModelConfig
@@ -45,10 +56,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 INT_METHODS = ("awq", "gptq", "compressed-tensors")
-# each method's module parts: those every quantized module has, and those read where present
+CT_FORMATS = ("pack-quantized", "int-quantized")  # compressed-tensors' integer formats ember reads
+# each method's (compressed-tensors: format's) module parts: those every quantized module has, and its g_idx
 PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales"),
-         "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape")}
-G_IDX = {"awq": None, "gptq": "g_idx", "compressed-tensors": "weight_g_idx"}
+         "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape"),
+         "int-quantized": ("weight", "weight_scale")}
+G_IDX = {"awq": None, "gptq": "g_idx", "compressed-tensors": "weight_g_idx", "int-quantized": None}
 
 _AWQ_KEYS = {"quant_method", "bits", "w_bit", "group_size", "q_group_size", "zero_point", "version",
              "modules_to_not_convert", "backend", "do_fuse", "fuse_max_seq_len"}
@@ -63,6 +76,7 @@ _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_s
             "sparsity_config", "global_compression_ratio", "version", "transform_config"}
 _CT_WEIGHT_KEYS = {"num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic",
                    "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
+_CT_GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
 
 
 @dataclass(frozen=True)
@@ -73,16 +87,34 @@ class IntScheme:
     act_order: bool  # the modules carry a g_idx (GPTQ's desc_act, compressed-tensors' actorder "group")
     symmetric: bool  # no zero points (the tensors say; this is what dummy weights are quantized to)
     zeros_minus_one: bool = False  # GPTQ's v1 format ("gptq") stores each zero point one less
+    layout: str = "pack-quantized"  # compressed-tensors' format: pack-quantized or int-quantized
+    activations: str | None = None  # W8A8: "dynamic" (per token) or "static" (X.input_scale); None: weight-only
+    ignore: tuple[str, ...] = ()  # modules the checkpoint leaves in the model dtype (compressed-tensors' ignore)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The tensors every quantized module holds."""
+        return PARTS[self._layout] + (("input_scale",) if self.activations == "static" else ())
+
+    @property
+    def g_idx(self) -> str | None:
+        """The name of a module's act-order tensor."""
+        return G_IDX[self._layout]
+
+    @property
+    def _layout(self) -> str:
+        return "int-quantized" if self.method == "compressed-tensors" and self.layout == "int-quantized" else self.method
 
 
 def int_scheme(qc: dict[str, Any], source: str = "config.json") -> IntScheme:
-    """The scheme of an awq, gptq or compressed-tensors pack-quantized quantization_config."""
+    """The scheme of an awq, gptq or compressed-tensors (pack-quantized, int-quantized)
+    quantization_config."""
     method = qc.get("quant_method")
     if method == "awq":
         return _awq(qc, source)
     if method == "gptq":
         return _gptq(qc, source)
-    return _pack_quantized(qc, source)
+    return _compressed_tensors(qc, source)
 
 
 def _group_size(value: Any, where: str) -> int:
@@ -133,9 +165,13 @@ def _gptq(qc: dict[str, Any], source: str) -> IntScheme:
                      qc.get("sym", True) is not False, zeros_minus_one=layout == "gptq")
 
 
-def _pack_quantized(qc: dict[str, Any], source: str) -> IntScheme:
+def _compressed_tensors(qc: dict[str, Any], source: str) -> IntScheme:
     note_unknown(qc, _CT_KEYS, source)
-    where = f"{source}: compressed-tensors pack-quantized"
+    layout = qc.get("format")
+    where = f"{source}: compressed-tensors {layout}"
+    if layout not in CT_FORMATS:
+        raise ValueError(f"{source}: compressed-tensors format {layout!r} is not supported for integer weights: ember "
+                         "reads pack-quantized (W4A16, W8A16) and int-quantized (W8A8, W8A16)")
     for key in ("sparsity_config", "transform_config"):
         if qc.get(key):
             raise ValueError(f"{where} with a {key} is not supported (it changes the weights' meaning)")
@@ -146,49 +182,93 @@ def _pack_quantized(qc: dict[str, Any], source: str) -> IntScheme:
     for name, group in groups.items():
         weights = group.get("weights") or {}
         at = f"{where} config_groups.{name}"
+        note_unknown(group, _CT_GROUP_KEYS, at)
         note_unknown(weights, _CT_WEIGHT_KEYS, f"{at}.weights")
-        if weights.get("type") != "int" or weights.get("num_bits") not in (4, 8):
-            raise ValueError(f"{at}: weights of {weights.get('num_bits')} bits, type {weights.get('type')!r}, are "
-                             "not supported: ember reads 4- and 8-bit int weights")
+        if group.get("format", layout) != layout:
+            raise ValueError(f"{at}: format {group['format']!r} beside the config's {layout!r} (mixed formats) is "
+                             "not supported")
+        bits = weights.get("num_bits")
+        if weights.get("type") != "int" or bits not in ((4, 8) if layout == "pack-quantized" else (8,)):
+            raise ValueError(f"{at}: weights of {bits} bits, type {weights.get('type')!r}, are not supported: ember "
+                             f"reads {'4- and 8-bit' if layout == 'pack-quantized' else '8-bit'} int weights in "
+                             f"{layout}")
         if weights.get("symmetric") is False:
             raise ValueError(f"{at}: asymmetric weights (zero points) are not supported yet: ember reads symmetric "
-                             "pack-quantized weights")
-        strategy = weights.get("strategy")
-        if strategy not in ("group", "channel"):
-            raise ValueError(f"{at}: weight strategy {strategy!r} is not supported (group or channel)")
+                             "integer weights")
         if weights.get("dynamic"):
             raise ValueError(f"{at}: dynamic weight quantization is not supported")
-        if group.get("input_activations") or group.get("output_activations"):
-            raise ValueError(f"{at}: quantized activations (W4A8, W8A8) are not supported yet: ember reads "
-                             "weight-only pack-quantized schemes (input_activations null)")
+        if group.get("output_activations"):
+            raise ValueError(f"{at}: quantized output activations are not supported")
+        activations = _activations(group.get("input_activations"), bits, layout, at)
+        strategy = weights.get("strategy")
+        if activations:  # W8A8: a scale a row (the epilogue's)
+            strategies = ("channel", "tensor")
+        else:
+            strategies = ("group", "channel", "tensor") if layout == "int-quantized" else ("group", "channel")
+        if strategy not in strategies:
+            scheme = "W8A8" if activations else layout
+            raise ValueError(f"{at}: weight strategy {strategy!r} is not supported for {scheme}: ember reads "
+                             f"{' or '.join(strategies)} weight scales there")
         actorder = weights.get("actorder")
         if actorder not in (None, False, True, "group", "weight", "static", "dynamic"):
             raise ValueError(f"{at}: actorder {actorder!r} is not supported")
+        act_order = actorder in (True, "group", "dynamic")  # dynamic: group's alias
+        if act_order and layout == "int-quantized":
+            raise ValueError(f"{at}: actorder {actorder!r} (a g_idx) is not supported in int-quantized checkpoints")
         size = _group_size(weights.get("group_size"), at) if strategy == "group" else -1
         if strategy == "group" and size == -1:
             raise ValueError(f"{at}: strategy group without a group_size")
-        schemes.add((weights["num_bits"], size, actorder in (True, "group", "dynamic")))  # dynamic: group's alias
+        schemes.add((bits, size, act_order, activations))
     if len(schemes) > 1:
-        raise ValueError(f"{where}: config groups with different weight schemes {sorted(schemes)} are not supported")
+        raise ValueError(f"{where}: config groups with different weight schemes {sorted(schemes, key=str)} are not "
+                         "supported")
     if qc.get("kv_cache_scheme"):
         logger.warning("%s: kv_cache_scheme is not read: the KV cache takes --kv-cache-dtype with scale 1.0", where)
-    bits, size, act_order = schemes.pop()
-    return IntScheme("compressed-tensors", bits, size, act_order, True)
+    bits, size, act_order, activations = schemes.pop()
+    return IntScheme("compressed-tensors", bits, size, act_order, True, layout=layout, activations=activations,
+                     ignore=tuple(qc.get("ignore") or ()))
+
+
+def _activations(act: dict[str, Any] | None, weight_bits: int, layout: str, at: str) -> str | None:
+    """A config group's input_activations: None (weight-only), "dynamic" (int8 per token) or
+    "static" (int8 with a per-tensor X.input_scale); anything else refused by name."""
+    if not act:
+        return None
+    note_unknown(act, _CT_WEIGHT_KEYS, f"{at}.input_activations")
+    if (act.get("type"), act.get("num_bits")) != ("int", 8):
+        raise ValueError(f"{at}: input activations of {act.get('num_bits')} bits, type {act.get('type')!r}, are not "
+                         "supported: ember quantizes activations to 8-bit ints (W8A8)")
+    if weight_bits != 8 or layout != "int-quantized":
+        raise ValueError(f"{at}: {weight_bits}-bit weights with int8 activations (W{weight_bits}A8, {layout}) are not "
+                         "supported: ember runs W8A8 (int-quantized) and weight-only W4A16 / W8A16")
+    if act.get("symmetric") is False:
+        raise ValueError(f"{at}: asymmetric input activations (input zero points) are not supported: ember "
+                         "quantizes activations symmetrically")
+    strategy, dynamic = act.get("strategy"), act.get("dynamic")
+    if strategy == "token" and dynamic is True:
+        return "dynamic"
+    if strategy == "tensor" and dynamic is False:
+        return "static"
+    raise ValueError(f"{at}: input activations of strategy {strategy!r}, dynamic {dynamic!r}, are not supported: "
+                     "ember reads dynamic per-token (strategy 'token', dynamic true) and static per-tensor "
+                     "(strategy 'tensor', dynamic false) int8 activations")
 
 
 def int_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: IntScheme, dequantize: bool = False,
-                source: str = "checkpoint") -> Iterator[tuple[str, torch.Tensor | IntTensor]]:
-    """Each quantized module's parts (PARTS, and its g_idx) as one IntTensor `X.weight` (with
-    `dequantize`, its float32 weight), yielded once they are all read; other tensors as they
-    are. A module left without a part at the end is an error, and so is a checkpoint with no
-    quantized module at all; a GPTQ module without g_idx (an old checkpoint) is read at the
-    end with groups in order, unless the scheme is act-order."""
-    parts, g_idx = PARTS[scheme.method], G_IDX[scheme.method]
+                source: str = "checkpoint") -> Iterator[tuple[str, torch.Tensor | IntTensor | W8A8Tensor]]:
+    """Each quantized module's parts (IntScheme.parts, and its g_idx) as one IntTensor, or
+    W8A8Tensor, `X.weight` (with `dequantize`, its float32 weight), yielded once they are all
+    read; other tensors as they are (an int-quantized module's X.weight is a part where it is
+    int8: an ignored module's float weight passes). A module left without a part at the end is
+    an error, and so is a checkpoint with no quantized module at all; a GPTQ module without
+    g_idx (an old checkpoint) is read at the end with groups in order, unless the scheme is
+    act-order."""
+    parts, g_idx = scheme.parts, scheme.g_idx
     wanted = parts + ((g_idx,) if g_idx is not None and (scheme.act_order or scheme.method == "gptq") else ())
     pending: dict[str, dict[str, torch.Tensor]] = {}
     built = 0
 
-    def build(module: str, got: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor | IntTensor]:
+    def build(module: str, got: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor | IntTensor | W8A8Tensor]:
         nonlocal built
         try:
             tensor = _tensor(scheme, got)
@@ -199,11 +279,11 @@ def int_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: IntScheme, 
 
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
-        if leaf == "weight_zero_point":
+        if leaf in ("weight_zero_point", "input_zero_point"):
             if bool(tensor.any()):
                 raise ValueError(f"{source}: {name}: zero points in a symmetric scheme are not supported")
             continue  # some compressed-tensors versions write zeros for a symmetric scheme
-        if leaf not in wanted:
+        if leaf not in wanted or (leaf == "weight" and tensor.dtype != torch.int8):
             yield name, tensor
             continue
         got = pending.setdefault(module, {})
@@ -243,13 +323,16 @@ def int_experts(cfg: ModelConfig, scheme: IntScheme, tensor_names: Callable[[], 
     if not experts:
         return None
     reason = None
-    if not fused_kernels:
+    if scheme.activations:
+        reason = "W8A8 (int8 activations): no fused MoE kernel quantizes the activations; the experts run dense"
+    elif not fused_kernels:
         reason = ("on the CPU FusedMoE multiplies dense experts (GGUF experts are dequantized there too: no "
                   "block-kept expert path)")
     elif scheme.act_order:
         reason = "act-order groups (g_idx): the fused MoE kernels read each expert's groups in column order"
     else:
-        stored, part = set(tensor_names()), PARTS[scheme.method][0]
+        # qzeros / weight_scale: held by a quantized module alone (an int-quantized one's weight is any module's)
+        stored, part = set(tensor_names()), scheme.parts[1]
         plain = [m for m in experts if f"{m}.{part}" not in stored]
         if plain:
             reason = f"{len(plain)} of {len(experts)} expert projections are stored unquantized (e.g. {plain[0]})"
@@ -260,18 +343,36 @@ def int_experts(cfg: ModelConfig, scheme: IntScheme, tensor_names: Callable[[], 
     return scheme.bits, scheme.group_size, scheme.symmetric
 
 
+# dummy weights under a static W8A8 config: an input scale for inputs within +-16 (random
+# weights' activations mean nothing; this keeps them in range)
+DUMMY_INPUT_SCALE = 16 / 127
+
+
 def quantize_int_layers(model: torch.nn.Module, scheme: IntScheme) -> int:
-    """Every linear layer of the model (not the LM head or the embedding) in the scheme's
-    integers, rounded to nearest (dummy weights under an integer checkpoint's config); returns how many."""
+    """Every linear layer of the model (not the LM head or the embedding, nor what the scheme's
+    ignore-list names) in the scheme's integers, rounded to nearest (dummy weights under an
+    integer checkpoint's config); returns how many."""
     from ember.layers.linear import Linear
+    from ember.loader.weights import hf_module_names
 
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    for layer in layers:
-        layer.quantize_int(scheme.bits, scheme.group_size, scheme.symmetric)
-    return len(layers)
+    done = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or any(ignored(scheme.ignore, n) for n in hf_module_names(name)):
+            continue
+        if scheme.activations:
+            layer.quantize_w8a8(DUMMY_INPUT_SCALE if scheme.activations == "static" else None)
+        else:
+            layer.quantize_int(scheme.bits, scheme.group_size, scheme.symmetric)
+        done += 1
+    return done
 
 
-def _tensor(scheme: IntScheme, got: dict[str, torch.Tensor]) -> IntTensor:
+def _tensor(scheme: IntScheme, got: dict[str, torch.Tensor]) -> IntTensor | W8A8Tensor:
+    if scheme.activations:
+        return W8A8Tensor.from_checkpoint(got["weight"], got["weight_scale"], got.get("input_scale"))
+    if scheme.method == "compressed-tensors" and scheme.layout == "int-quantized":
+        return int_quantized_tensor(got["weight"], got["weight_scale"],
+                                    None if scheme.group_size == -1 else scheme.group_size)
     if scheme.method == "awq":
         return awq_tensor(got["qweight"], got["qzeros"], got["scales"], scheme.group_size)
     if scheme.method == "gptq":

@@ -4,7 +4,8 @@ tensors: FP8 (loader/fp8_checkpoint.py) or integer weights (loader/int_checkpoin
     quant_method            reader
     fp8                     fp8_checkpoint
     compressed-tensors      fp8_checkpoint for float-quantized / naive-quantized (fp8 values),
-                            int_checkpoint for pack-quantized (int4 / int8 weights)
+                            int_checkpoint for pack-quantized (int4 / int8 weights) and
+                            int-quantized (int8 weights: W8A8, or weight-only)
     awq, gptq               int_checkpoint
     mxfp4                   none here: gpt-oss's experts, decoded where they load (loader/weights.py)
 
@@ -16,11 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 from ember.loader.fp8_checkpoint import FP8Scheme, fp8_scheme
-from ember.loader.int_checkpoint import IntScheme, int_scheme
+from ember.loader.int_checkpoint import CT_FORMATS, IntScheme, int_scheme
 
 SUPPORTED = ("ember loads quant_method 'fp8' (e4m3, scales per tensor or per 128 x 128 block), 'awq' (4-bit GEMM "
              "packing), 'gptq' (4 and 8 bits) and 'compressed-tensors' (fp8 float-quantized, int pack-quantized "
-             "weight-only)")
+             "weight-only, int-quantized W8A8)")
 
 
 def checkpoint_scheme(config: dict[str, Any], source: str = "config.json") -> FP8Scheme | IntScheme | None:
@@ -31,7 +32,7 @@ def checkpoint_scheme(config: dict[str, Any], source: str = "config.json") -> FP
     if not isinstance(qc, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {type(qc).__name__}")
     method = qc.get("quant_method")
-    if method in ("awq", "gptq") or (method == "compressed-tensors" and qc.get("format") == "pack-quantized"):
+    if method in ("awq", "gptq") or (method == "compressed-tensors" and qc.get("format") in CT_FORMATS):
         return int_scheme(qc, source)
     if method in ("fp8", "compressed-tensors"):
         return fp8_scheme(qc, source)

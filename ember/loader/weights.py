@@ -16,6 +16,7 @@ from torch import nn
 from ember.layers.quant.fp8 import FP8Tensor
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.layers.quant.int_weight import IntTensor
+from ember.layers.quant.w8a8 import W8A8Tensor
 from ember.models.config import ModelConfig
 from ember.models.families import FAMILIES
 
@@ -432,16 +433,18 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | BlockTensor | FP8Tensor | IntTensor]],
+def load_weights(model: nn.Module,
+                 weights: Iterable[tuple[str, torch.Tensor | BlockTensor | FP8Tensor | IntTensor | W8A8Tensor]],
                  source: str) -> None:
     """Copy every checkpoint tensor into its parameter; each parameter (shard) exactly once.
     A BlockTensor (GGUF blocks kept quantized), an FP8Tensor (an FP8 checkpoint's weight
-    with its scales) or an IntTensor (an AWQ / GPTQ / compressed-tensors weight) goes to the
+    with its scales), an IntTensor (an AWQ / GPTQ / compressed-tensors weight) or a W8A8Tensor
+    (an int-quantized W8A8 weight with its scales) goes to the
     layer owning the parameter, which takes it as its weight format once all are in
     (`finish_loading`), or to the weight loader of a parameter that `loads_quantized`
-    (FusedMoE's FP8 and integer experts, which hold their scales beside them); an FP8Tensor or
-    IntTensor for a parameter no such kernel takes (dense experts, as on the CPU; MLA's
-    kv_b_proj; an LM head) loads dequantized, logged once.
+    (FusedMoE's FP8 and integer experts, which hold their scales beside them); an FP8Tensor,
+    IntTensor or W8A8Tensor for a parameter no such kernel takes (dense experts, as on the CPU;
+    W8A8 experts; MLA's kv_b_proj; an LM head) loads dequantized, logged once.
 
     Raises ValueError naming unknown, duplicated and missing tensors."""
     params = dict(model.named_parameters())
@@ -462,6 +465,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
             raise ValueError(f"{source}: tensor {name!r} is {tensor.dtype} with no scale paired to it: an FP8 "
                              "checkpoint's config.json names its scheme in quantization_config (ember reads "
                              "quant_method 'fp8' and 'compressed-tensors')")
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int8:
+            raise ValueError(f"{source}: tensor {name!r} is int8 with no scale paired to it: an int8 (W8A8) "
+                             "checkpoint's config.json names its scheme in quantization_config (ember reads "
+                             "compressed-tensors int-quantized)")
         pname, shard = _target(name)
         if pname not in params and name in params:  # a name PACKED merges that this model keeps apart (MLA's q_proj)
             pname, shard = name, None
@@ -472,7 +479,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
             raise ValueError(f"{source}: tensor {name!r} appears twice")
         param = params[pname]
         owner = model.get_submodule(pname.rpartition(".")[0])
-        kept = isinstance(tensor, (BlockTensor, FP8Tensor, IntTensor)) and not getattr(param, "loads_quantized", False)
+        kept = isinstance(tensor, (BlockTensor, FP8Tensor, IntTensor, W8A8Tensor)) \
+            and not getattr(param, "loads_quantized", False)
         if kept and not isinstance(tensor, BlockTensor) and not hasattr(owner, _KEEPS[type(tensor)]):
             tensor = tensor.dequantize()
             kept = False
@@ -516,7 +524,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | B
 
 
 # the method of a layer that keeps each quantized kind as it is (Linear, the embedding, the LM head)
-_KEEPS = {BlockTensor: "load_blocks", FP8Tensor: "load_fp8", IntTensor: "load_int"}
+_KEEPS = {BlockTensor: "load_blocks", FP8Tensor: "load_fp8", IntTensor: "load_int", W8A8Tensor: "load_w8a8"}
 
 
 def _num_shards(model: nn.Module, pname: str) -> int | None:

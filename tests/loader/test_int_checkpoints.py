@@ -28,8 +28,8 @@ def test_each_tools_config_reads_as_its_scheme():
     assert got["gptq-int4-g128"] == IntScheme("gptq", 4, 128, False, True, zeros_minus_one=True)
     assert got["gptq-int4-asym-actorder-g64-v2"] == IntScheme("gptq", 4, 64, True, False, zeros_minus_one=False)
     assert got["gptq-int8-channel"] == IntScheme("gptq", 8, -1, False, True, zeros_minus_one=True)
-    assert got["ct-w4a16-actorder-g64"] == IntScheme("compressed-tensors", 4, 64, True, True)
-    assert got["ct-w8a16-channel"] == IntScheme("compressed-tensors", 8, -1, False, True)
+    assert got["ct-w4a16-actorder-g64"] == IntScheme("compressed-tensors", 4, 64, True, True, ignore=("lm_head",))
+    assert got["ct-w8a16-channel"] == IntScheme("compressed-tensors", 8, -1, False, True, ignore=("lm_head",))
     # AutoAWQ's own names (w_bit, q_group_size) and its upper-case version; Qwen's GPTQ configs
     assert checkpoint_scheme({"quantization_config": {"quant_method": "awq", "w_bit": 4, "q_group_size": 64,
                                                       "zero_point": True, "version": "GEMM"}}).group_size == 64
@@ -66,7 +66,8 @@ def _ct_weights(**change) -> dict:
     (GPTQ | {"is_marlin_format": True}, "GPTQ checkpoint_format 'marlin' is not supported"),
     (GPTQ | {"pack_dtype": "int16"}, "GPTQ pack_dtype 'int16' is not supported"),
     (GPTQ | {"dynamic": {"+:.*down": {"bits": 8}}}, "GPTQ with per-module `dynamic` overrides is not supported"),
-    (CT | {"format": "int-quantized"}, "compressed-tensors format 'int-quantized' is not supported"),
+    (CT | {"format": "int-quantized"}, "int-quantized .* weights of 4 bits, type 'int', are not supported: ember "
+                                       "reads 8-bit int weights in int-quantized"),
     (CT | {"format": "marlin-24"}, "compressed-tensors format 'marlin-24' is not supported"),
     (_ct_weights(symmetric=False), r"asymmetric weights \(zero points\) are not supported yet"),
     (_ct_weights(num_bits=2), "weights of 2 bits, type 'int', are not supported"),
@@ -76,7 +77,7 @@ def _ct_weights(**change) -> dict:
     (_ct_weights(group_size=None), "strategy group without a group_size"),
     (CT | {"config_groups": {"group_0": CT["config_groups"]["group_0"] | {"input_activations": {
         "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}}}},
-     r"quantized activations \(W4A8, W8A8\) are not supported yet"),
+     r"4-bit weights with int8 activations \(W4A8, pack-quantized\) are not supported: ember runs W8A8"),
     (CT | {"config_groups": {"a": CT["config_groups"]["group_0"], "b": _ct_weights(group_size=64)[
         "config_groups"]["group_0"]}}, "config groups with different weight schemes"),
     (CT | {"sparsity_config": {"format": "sparse-24-bitmask"}}, "with a sparsity_config is not supported"),

@@ -1,5 +1,5 @@
-"""compressed-tensors `pack-quantized` weights (llm-compressor's W4A16 / W8A16 schemes),
-read into int_weight.py's layout, which is theirs:
+"""compressed-tensors integer weights read into int_weight.py's layout: `pack-quantized`
+(llm-compressor's W4A16 / W8A16 schemes), whose layout is int_weight.py's own,
 
     weight_packed      int32 [N, ceil(K / per)]   per = 32 / bits values a word along K, value
                                                   k at bits (k % per) * bits, stored as the
@@ -10,7 +10,14 @@ read into int_weight.py's layout, which is theirs:
     weight_g_idx       int32 [K]                  actorder "group": column k's group
     W[n, k] = (stored[n, k] - 2^(bits - 1)) * s[n, g(k)]   (symmetric: no zero point)
 
-(compressed-tensors' pack_to_int32 / unpack_from_int32 pack and unpack so.)
+(compressed-tensors' pack_to_int32 / unpack_from_int32 pack and unpack so), and weight-only
+`int-quantized` (8-bit values stored one a byte):
+
+    weight             int8 [N, K]                the signed value
+    weight_scale       [N, G] or one number       strategy group, channel (G = 1) or tensor
+    W[n, k] = weight[n, k] * s[n, g(k)]
+
+(an int-quantized checkpoint that quantizes the activations too is W8A8: layers/quant/w8a8.py.)
 """
 
 from __future__ import annotations
@@ -37,3 +44,17 @@ def pack_quantized_tensor(packed: torch.Tensor, scale: torch.Tensor, shape: torc
                          group_size, k)
     except ValueError as e:
         raise ValueError(f"a pack-quantized weight {[n, k]} of {bits} bits in groups of {group_size}: {e}") from None
+
+
+def int_quantized_tensor(weight: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> IntTensor:
+    """One weight-only int-quantized weight (int8 values, symmetric) as an IntTensor [N, K];
+    group_size None: one scale a row, or one for the whole weight (strategy tensor)."""
+    if weight.dtype != torch.int8 or weight.dim() != 2:
+        raise ValueError(f"an int-quantized weight is int8 [out, in]; got {weight.dtype} {list(weight.shape)}")
+    n, k = weight.shape
+    if scale.numel() == 1:
+        scale = scale.reshape(1, 1).expand(n, 1)
+    elif scale.dim() == 1:
+        scale = scale[:, None]
+    return IntTensor.from_values((weight.to(torch.int16) + 128).to(torch.uint8), scale, None, None, 8,
+                                 k if group_size is None else group_size)
