@@ -32,6 +32,12 @@
 #                       mix, ember/bench/dummy_gguf.py, 4.6 GiB, written here) one request 128/512, and ember's bf16
 #                       at the same shape (needs the gguf wheel carried, as serve's: SERVE_WHEELS, default .whl), then
 #                       the GEMV's time a layer at the 8B shapes against cuBLAS in bf16 (gguf_gemv_bench.py)
+#   w8a8 [PART]         W8A8 (compressed-tensors int-quantized) at the Llama-3.1-8B shape with dummy weights under
+#                       llm-compressor's W8A8 config (benchmarks/configs/llama-3.1-8b-w8a8). PART check (default):
+#                       the GPU tests of the int8 kernels and of the engine on W8A8 checkpoints, int8_gemm_bench.py
+#                       (with --sweep when PART is sweep), then ember 512 x 1000/1000; PART race: vLLM first
+#                       (vllm_race.py --config llama-3.1-8b-w8a8; its W8A8 path imports compressed-tensors: stage
+#                       its wheels with vLLM's), then ember 512 x 1000/1000 and the bf16 shape's, in the time left
 #   kernels-fp8         fp8_gemm_bench.py --sweep at the Llama-8B shapes, M = 1 .. 2048 (its last line
 #                       says what FP8_GEMV_MAX_ROWS in ember/layers/kernel_paths.py should be)
 #   check-moe           the GPU tests of the MoE kernels and families, moe_tune.py (writes
@@ -294,6 +300,22 @@ mode_gguf_cuda() {
   if secs=$(cap "gguf_gemv_bench" 60); then  # the GEMV's bandwidth a layer (--sweep: its tiles; a call of its own)
     (cd benchmarks/scripts && timeout "$secs" python3 gguf_gemv_bench.py) 2>&1 | tee "$J/gguf_gemv_bench.log"
   fi
+}
+
+mode_w8a8() {  # w8a8 [check|sweep|race]: one part a call
+  local W=benchmarks/configs/llama-3.1-8b-w8a8 secs part=${1:-check}
+  if [ "$part" = race ]; then
+    vllm_race w8a8 300 --config llama-3.1-8b-w8a8 throughput
+    bench llama_w8a8 200 $W $TP
+    bench llama_bf16 200 $L $TP
+    return
+  fi
+  gpu_tests 240 tests/kernels/test_int8_kernels.py tests/models/test_cuda_w8a8.py
+  if secs=$(cap int8_gemm_bench 200); then
+    (cd benchmarks/scripts && timeout "$secs" python3 int8_gemm_bench.py $([ "$part" = sweep ] && echo --sweep)) 2>&1 \
+      | tee "$J/int8_gemm_bench.log"
+  fi
+  bench llama_w8a8 200 $W $TP
 }
 
 mode_kernels_fp8() {
@@ -562,6 +584,7 @@ case "$mode" in
   check-int) mode_env; mode_check_int ;;
   check-int-moe) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_check_int_moe ;;
   gguf-cuda) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gguf_cuda ;;
+  w8a8) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_w8a8 "$@" ;;
   kernels-fp8) mode_env; mode_kernels_fp8 ;;
   check-moe) mode_env; mode_check_moe ;;
   race-moe) mode_env; mode_race_moe "$@" ;;

@@ -50,7 +50,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
     listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
-                      "check-fp8", "check-int", "check-int-moe", "gguf-cuda", "kernels-fp8", "check-moe",
+                      "check-fp8", "check-int", "check-int-moe", "gguf-cuda", "w8a8", "kernels-fp8", "check-moe",
                       "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
@@ -139,6 +139,29 @@ def test_race_llama_and_race_fp8_give_both_engines_the_same_cache_and_weights(tm
         "[decode_config=]"
         for q, w in (("fp8", "fp8"), ("none", "bf16"))
         for args, name in ((TP, f"llama_{w}_weights_fp8_kv"), (LAT, f"llama_latency_{w}_weights_fp8_kv"))
+    ]
+
+
+def test_w8a8_checks_the_kernels_then_runs_the_w8a8_shape_and_races_vllm_on_the_same_config(tmp_path):
+    out, w = tmp_path / "out", "benchmarks/configs/llama-3.1-8b-w8a8"
+    for part, bench_flags in (("check", ""), ("sweep", " --sweep")):
+        calls, done = run_mode(tmp_path, "w8a8", *([part] if part != "check" else []))
+        assert done.returncode == 0, done.stderr
+        assert calls == [
+            "python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_int8_kernels.py "
+            "tests/models/test_cuda_w8a8.py [decode_config=]",
+            f"python3 int8_gemm_bench.py{bench_flags} [decode_config=]",
+            f"python3 {BENCH[8:]} {w} {TP} --output-json {out}/llama_w8a8.json [decode_config=]",
+        ]
+        (tmp_path / "calls.log").unlink()
+    calls, done = run_mode(tmp_path, "w8a8", "race")
+    assert done.returncode == 0, done.stderr
+    assert calls == [
+        "run-on-device none [decode_config=]",
+        "python3 benchmarks/scripts/vllm_race.py --config llama-3.1-8b-w8a8 throughput [decode_config=]",
+        f"python3 {BENCH[8:]} {w} {TP} --output-json {out}/llama_w8a8.json [decode_config=]",
+        f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {TP} --output-json {out}/llama_bf16.json "
+        "[decode_config=]",
     ]
 
 
