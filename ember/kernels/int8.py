@@ -112,7 +112,7 @@ def _int8_matmul_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, stride
              mask=mmask[:, None] & nmask[None, :])
 
 
-SMS = 132  # the H100's and H200's multiprocessors: a tile shape is kept where it gives them 1.5 waves of programs
+MIN_PROGRAMS = 160  # a tile shape is kept where it makes this many programs (1.2 for each of the H100's 132 SMs)
 # row tiles over 16 rows, largest first: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 TILES = ((128, 128, 128, 8, 3), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4))
 
@@ -121,17 +121,17 @@ def int8_config(rows: int, n: int, on_gpu: bool = True) -> tuple[int, int, int, 
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep on the H100 at Llama-3.1-8B's
     shapes (benchmarks/scripts/int8_gemm_bench.py --sweep; BENCHMARKS.md). Up to 16 rows (decode)
     16-row tiles, 32 columns wide (128 for the widest weights, gate|up's 28672 rows: 9 % faster):
-    the weight read is the cost. More rows: the largest of TILES that still makes 1.5 programs
-    an SM (M = 512: 128 x 128 for q|k|v and gate|up, 64 x 128 for o and down; M = 256 and 64: 64 x
-    64 for all but gate|up; up to 1.6x the fixed 128 x 128 tile at those M). On Triton's
-    interpreter the fewest programs run fastest."""
+    the weight read is the cost. More rows: the largest of TILES that still makes MIN_PROGRAMS
+    programs (M = 512: 128 x 128 for q|k|v and gate|up, 64 x 128 for o and down; M = 256: 64 x
+    128 for q|k|v, 64 x 64 for o and down; up to 1.6x the fixed 128 x 128 tile at those M). On
+    Triton's interpreter the fewest programs run fastest."""
     if not on_gpu:
         return (16 if rows <= 16 else 32), 64, 64, 4, 1
     if rows <= 16:
         return (16, 128, 256, 4, 3) if n >= 16384 else (16, 32, 256, 4, 4)
     for block_m, block_n, block_k, warps, stages in TILES:
         block_m = min(block_m, triton.next_power_of_2(rows))
-        if triton.cdiv(rows, block_m) * triton.cdiv(n, block_n) >= 1.5 * SMS:
+        if triton.cdiv(rows, block_m) * triton.cdiv(n, block_n) >= MIN_PROGRAMS:
             break
     return block_m, block_n, block_k, warps, stages
 

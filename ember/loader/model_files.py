@@ -19,6 +19,7 @@ from ember.pooling import PoolerConfig
 
 if TYPE_CHECKING:
     from ember.layers.quant.int_weight import IntTensor
+    from ember.layers.quant.w8a8 import W8A8Tensor
     from ember.loader.fp8_checkpoint import FP8Scheme
     from ember.loader.int_checkpoint import IntScheme
 
@@ -59,11 +60,11 @@ class ModelFiles:
 
     def weights(self, cfg: ModelConfig, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
                 quantization: str = "none"
-                ) -> Iterator[tuple[str, torch.Tensor | BlockTensor | FP8Tensor | IntTensor]]:
+                ) -> Iterator[tuple[str, torch.Tensor | BlockTensor | FP8Tensor | IntTensor | W8A8Tensor]]:
         """HF-named tensors; with quantization 'gguf', a GGUF's block-quantized weights as
         BlockTensor; an FP8 checkpoint's weights as FP8Tensor with quantization 'fp8', an
-        AWQ / GPTQ / compressed-tensors one's as IntTensor with quantization its method, else
-        dequantized (float32)."""
+        AWQ / GPTQ / compressed-tensors one's as IntTensor (W8A8Tensor for int-quantized W8A8)
+        with quantization its method, else dequantized (float32)."""
         if self.load_format == "dummy":
             from ember.loader.dummy import iter_dummy_weights
 

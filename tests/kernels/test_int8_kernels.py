@@ -88,10 +88,11 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(static):
 
 
 def test_config_and_refusals():
-    # Llama-8B's o (4096 rows): 1.5 programs an SM from the largest tile that gives them
+    # Llama-8B's o (4096 rows): the largest tile that makes MIN_PROGRAMS programs
     assert [int8_config(m, 4096)[:3] for m in (1, 16, 17, 64, 256, 512, 1024)] == [
         (16, 32, 256), (16, 32, 256), (32, 64, 128), (64, 64, 128), (64, 64, 128), (64, 128, 128), (128, 128, 128)]
     assert int8_config(1, 28672)[:3] == (16, 128, 256) and int8_config(64, 28672)[:3] == (64, 128, 128)
+    assert int8_config(512, 6144)[:3] == (128, 128, 128) and int8_config(256, 6144)[:3] == (64, 128, 128)  # q|k|v
     t = _weight(64, 128)
     q = torch.zeros(2, 128, dtype=torch.int8)
     s = torch.ones(2, 1)
