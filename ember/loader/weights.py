@@ -507,8 +507,8 @@ def load_weights(model: nn.Module,
         done.add((pname, shard))
     if dequantized:
         logger.info("%s: %d quantized weights dequantized to the run dtype at load (%s%s): no FP8 or integer-weight "
-                    "kernel of ember's takes them here (experts: FP8 and integer ones on CUDA only; latent "
-                    "projections and LM heads: none yet)", source, len(dequantized),
+                    "kernel of ember's takes them here (experts: FP8 and integer ones on CUDA only, W8A8 ones "
+                    "nowhere; latent projections and LM heads: none yet)", source, len(dequantized),
                     ", ".join(dequantized[:3]), " ..." if len(dequantized) > 3 else "")
     missing = sorted(expected - done, key=str)
     if unknown or missing:
