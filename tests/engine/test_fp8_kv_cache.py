@@ -46,7 +46,7 @@ def fp8_chunked(extra_llm):
 
 def _bytes_per_block(gguf_path, **kw) -> int:
     cfg = EngineConfig(model=str(gguf_path), **kw).resolve()
-    return ModelRunner.kv_bytes_per_block(types.SimpleNamespace(config=cfg))
+    return ModelRunner.kv_bytes_per_block(types.SimpleNamespace(config=cfg, drafter=None))
 
 
 def test_the_pool_is_fp8_and_holds_more_blocks(gguf_path, llm, fp8_llm):

@@ -191,15 +191,16 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 def test_speculative_decoding_serves_the_same_answers_and_counts_its_drafts(server, gguf_path, tmp_path_factory):
     """`--speculative-config` (vLLM's JSON): every request of the mix that does not sample at a
     temperature (those draw other random numbers) gets the plain server's answer, streamed or
-    not, with logprobs, stop strings inside accepted runs, structured output and tools; the
-    drafts are counted under vLLM's metric names."""
-    reqs = [(path, body) for path, body in _requests()
-            if body["temperature"] == 0 or "response_format" in body]
+    not, with logprobs, stop strings inside accepted runs, a guided choice and tools; the drafts
+    are counted under vLLM's metric names."""
+    reqs = [(path, body) for path, body in _requests() if body["temperature"] == 0]
     spec_server = make_server(gguf_path, tmp_path_factory, "--speculative-config", SPEC)
     for spec in running(spec_server):
         got = asyncio.run(_all(spec.url, reqs))
         want = asyncio.run(_all(server.url, reqs))
         for (path, body), g, w in zip(reqs, got, want):
+            for answer in (g, w):  # prefix-cache hits follow the timing, which speculation changes
+                (answer.get("usage") or {}).pop("prompt_tokens_details", None)
             assert g == w, (path, body)
         m = spec.wait_idle()
         assert m["spec_decode_num_drafts_total"] > 0
