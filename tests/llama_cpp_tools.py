@@ -102,3 +102,20 @@ def greedy(server_tool: Path, gguf_path: Path, prompts: list[list[int]], max_tok
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def assert_greedy_agrees(outputs, theirs: list[list[int]], gap: float = 1e-3) -> None:
+    """ember's greedy outputs (asked with logprobs >= 5) against llama.cpp's tokens: equal, or
+    equal up to a position where the two picks are a near-tie in ember's own logprobs (within
+    `gap` nats: float32 sums in another order pick the other one of a tiny random model's nearly
+    flat top two); after such a position the texts go their own ways and are not compared."""
+    for i, (out, want) in enumerate(zip(outputs, theirs, strict=True)):
+        got = list(out.outputs[0].token_ids)
+        at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if at is None:
+            assert len(got) == len(want), f"prompt {i}: {len(got)} tokens against llama.cpp's {len(want)}"
+            continue
+        mine = out.outputs[0].logprobs[at]
+        assert want[at] in mine, f"prompt {i}, token {at}: llama.cpp's {want[at]} is not in ember's top tokens"
+        assert mine[got[at]].logprob - mine[want[at]].logprob < gap, \
+            f"prompt {i}, token {at}: ember's {got[at]} beats llama.cpp's {want[at]} by more than a near-tie"

@@ -29,6 +29,7 @@ from family_checks import (
     greedy_tokens,
     hf_greedy,
 )
+from llama_cpp_tools import assert_greedy_agrees
 
 from ember import LLM, SamplingParams
 from ember.loader.dummy import iter_dummy_weights
@@ -196,12 +197,17 @@ def test_gguf_logits_and_greedy_match_transformers(converted, forward_logits):
 
 
 def test_gguf_greedy_matches_llama_cpp(converted, llama_greedy):
-    """llama.cpp's own greedy tokens on the same file (where its llama-server is built)."""
-    _, _, path, _ = converted
+    """llama.cpp's own greedy tokens on the same file (where its llama-server is built), up to a
+    near-tie of a random model's logits."""
+    name, _, path, _ = converted
+    if name == "v2_lite":  # its converter writes no q_lora_rank for a model without one, which its loader needs
+        pytest.skip("llama.cpp 0.3.36 does not load a DeepSeek-V2-Lite GGUF (\"key not found in model: "
+                    "deepseek2.attention.q_lora_rank\")")
     llm = LLM(str(path), **GGUF_ENGINE)
-    ours = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    ours = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5))
     theirs = llama_greedy(path, PROMPTS, MAX_TOKENS, ctx=GGUF_ENGINE["max_model_len"])
-    assert [list(o.outputs[0].token_ids) for o in ours] == theirs.tokens
+    assert_greedy_agrees(ours, theirs.tokens)
 
 
 def test_q8_0_gguf_keeps_its_blocks(converted, gguf_convert):

@@ -21,6 +21,7 @@ from family_checks import (
     greedy_tokens,
     hf_greedy,
 )
+from llama_cpp_tools import assert_greedy_agrees
 
 from ember import LLM, SamplingParams
 from ember.loader.weights import checkpoint_names, hf_weight_shapes
@@ -212,9 +213,10 @@ def test_gguf_greedy_and_logits_match_transformers(converted, forward_logits):
 
 
 def test_gguf_greedy_matches_llama_cpp(converted, llama_greedy):
-    """llama.cpp's own greedy tokens on the same file (where its llama-server is built)."""
+    """llama.cpp's own greedy tokens on the same file (where its llama-server is built), up to a
+    near-tie of a random model's logits."""
     _, _, path, _ = converted
     llm = LLM(str(path), **GGUF_ENGINE)
-    ours = llm.generate(GGUF_PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    ours = llm.generate(GGUF_PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5))
     theirs = llama_greedy(path, [list(o.prompt_token_ids) for o in ours], MAX_TOKENS, ctx=GGUF_ENGINE["max_model_len"])
-    assert [list(o.outputs[0].token_ids) for o in ours] == theirs.tokens
+    assert_greedy_agrees(ours, theirs.tokens)
