@@ -10,14 +10,13 @@ with is kept, plus one token of the target's own.
 
 Where the rest lives: the scheduler plans a request's drafts as extra query tokens of its decode
 chunk (scheduler.py `_add_drafts`) and rolls back the KV of the rejected ones (`_accept_drafts`);
-the runner gives
-every drafted position its own sampling row, whose context holds the drafts before it
-(model_runner.py); the engine core asks the proposer for the next drafts after each step (core.py).
+the runner gives every drafted position its own sampling row, whose context holds the drafts
+before it (model_runner.py); the engine core asks for the next drafts after each step (core.py).
 
 Why the rows alone keep the target's distribution: a draft from a proposer without probabilities
 (n-gram, a draft model's argmax) is a point mass q = 1 on one token d. Speculative sampling then
-accepts d with probability min(1, p(d) / q(d)) = p(d) and, on rejection, draws from max(p - q, 0) normalized = p without d.
-Drawing x ~ p at the position and keeping d iff x == d does exactly that, so each row samples as
+accepts d with probability min(1, p(d) / q(d)) = p(d) and, on rejection, draws from
+max(p - q, 0) normalized = p without d. Drawing x ~ p at the position and keeping d iff x == d does exactly that, so each row samples as
 it would without speculation (temperature, top-k/p, penalties over its own context, a seed), and
 the run is cut at the first row whose token differs from its draft. Greedy rows are the special
 case: the output is token for token the output without speculation.
