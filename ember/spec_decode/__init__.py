@@ -16,8 +16,9 @@ before it (model_runner.py); the engine core asks for the next drafts after each
 Why the rows alone keep the target's distribution: a draft from a proposer without probabilities
 (n-gram, a draft model's argmax) is a point mass q = 1 on one token d. Speculative sampling then
 accepts d with probability min(1, p(d) / q(d)) = p(d) and, on rejection, draws from
-max(p - q, 0) normalized = p without d. Drawing x ~ p at the position and keeping d iff x == d does exactly that, so each row samples as
-it would without speculation (temperature, top-k/p, penalties over its own context, a seed), and
-the run is cut at the first row whose token differs from its draft. Greedy rows are the special
-case: the output is token for token the output without speculation.
+max(p - q, 0) normalized = p without d. Drawing x ~ p at the position and keeping d iff x == d
+does exactly that, so each row samples as it would without speculation (temperature, top-k/p,
+penalties over its own context, a seed), and the run is cut at the first row whose token differs
+from its draft. Greedy rows are the special case: the output is token for token the output
+without speculation.
 """
