@@ -12,34 +12,22 @@ bits / 16 of bf16's."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from cuda_llama_shape import ARGS, CONFIG, random_prompts
+from cuda_llama_shape import ARGS, LINEAR_WEIGHTS, random_prompts, write_dense_checkpoint
 from int_checkpoints import FORMS, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 CUDA_FORMS = ["awq-g128", "gptq-int4-g128", "gptq-int4-asym-actorder-g64-v2", "gptq-int8-channel", "ct-w4a16-g128",
               "ct-w8a16-channel"]
-LINEAR_WEIGHTS = 6 * (1024 * (1024 + 2 * 512) + 1024 * 1024 + 3 * 1024 * 3072)
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from safetensors.torch import save_file
-
-    from ember.loader.dummy import iter_dummy_weights
-    from ember.models.config import ModelConfig
-
-    path = tmp_path_factory.mktemp("llama-int")
-    weights = {n: t.contiguous() for n, t in iter_dummy_weights(ModelConfig.from_hf_config(CONFIG), seed=11)}
-    (path / "config.json").write_text(json.dumps(CONFIG))
-    save_file(weights, str(path / "model.safetensors"))
-    return path
+    return write_dense_checkpoint(tmp_path_factory.mktemp("llama-int"))
 
 
 def _compare(name: str, got: list[torch.Tensor], want: list[torch.Tensor]) -> None:

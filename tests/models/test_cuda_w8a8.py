@@ -18,16 +18,13 @@ path computes the same W8A8 numbers (tests/layers/test_w8a8_weights.py):
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from cuda_llama_shape import ARGS, CONFIG, random_prompts
+from cuda_llama_shape import ARGS, LINEAR_WEIGHTS, random_prompts, write_dense_checkpoint
 from w8a8_checkpoints import calibrate, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-LINEAR_WEIGHTS = 6 * (1024 * (1024 + 2 * 512) + 1024 * 1024 + 3 * 1024 * 3072)
 # (float32, bfloat16) activations: (largest mean |diff| / mean |logit|, least argmax agreement)
 BOUNDS = {False: ((0.05, 0.85), (0.07, 0.8)), True: ((0.1, 0.75), (0.12, 0.7))}
 
@@ -36,16 +33,7 @@ BOUNDS = {False: ((0.05, 0.85), (0.07, 0.8)), True: ((0.1, 0.75), (0.12, 0.7))}
 def base(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from safetensors.torch import save_file
-
-    from ember.loader.dummy import iter_dummy_weights
-    from ember.models.config import ModelConfig
-
-    path = tmp_path_factory.mktemp("llama-w8a8")
-    weights = {n: t.contiguous() for n, t in iter_dummy_weights(ModelConfig.from_hf_config(CONFIG), seed=11)}
-    (path / "config.json").write_text(json.dumps(CONFIG))
-    save_file(weights, str(path / "model.safetensors"))
-    return path
+    return write_dense_checkpoint(tmp_path_factory.mktemp("llama-w8a8"))
 
 
 def _compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[float, float]:
