@@ -296,6 +296,9 @@ class EngineConfig:
         if speculative_config is not None and speculative_config.method == "draft_model":
             speculative_config = _resolve_draft_model(speculative_config, model_config, device, self.download_dir,
                                                       self.tensor_parallel_size, self.distributed_executor_backend)
+        elif speculative_config is not None and speculative_config.method == "eagle3":
+            speculative_config = _resolve_eagle3(speculative_config, model_config, self.download_dir,
+                                                 self.tensor_parallel_size, self.distributed_executor_backend)
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
@@ -457,6 +460,46 @@ def _resolve_draft_model(spec: SpeculativeConfig, target: ModelConfig, device: s
                          "encoder): choose a decoder with attention layers only")
     return dataclasses.replace(spec, model=str(files.path), draft_model_config=draft,
                               draft_quantization=_quantization("auto", files, device))
+
+
+def _resolve_eagle3(spec: SpeculativeConfig, target: ModelConfig, download_dir: str | None,
+                    tensor_parallel_size: int, executor: str | None) -> SpeculativeConfig:
+    """An EAGLE-3 head's files and config, checked against the target's."""
+    from ember.loader.model_files import locate_model
+    from ember.loader.safetensors import tensor_names
+    from ember.models.eagle3 import Eagle3Config
+
+    if tensor_parallel_size > 1 or executor is not None:
+        raise ValueError("speculative_config: an EAGLE-3 head runs in the engine's own process, one device: leave "
+                         "tensor_parallel_size 1 and distributed_executor_backend unset, or use method 'ngram'")
+    files = locate_model(spec.model, "auto", None, download_dir)
+    if files.is_gguf:
+        raise ValueError("speculative_config: an EAGLE-3 head is an HF directory (config.json and safetensors or "
+                         "pytorch_model.bin), not a .gguf file")
+    head = Eagle3Config.from_dir(files.path, tensor_names(files.path, files.load_format))
+    what = f"speculative_config: the EAGLE-3 head at {files.path}"
+    if head.layer.vocab_size != target.vocab_size:
+        raise ValueError(f"{what} is for a vocabulary of {head.layer.vocab_size} tokens and the target's has "
+                         f"{target.vocab_size}: use a head trained for this target")
+    if head.target_hidden_size != target.hidden_size or (not head.has_embedding
+                                                         and head.layer.hidden_size != target.hidden_size):
+        raise ValueError(f"{what} reads hidden states of {head.target_hidden_size} and the target's are "
+                         f"{target.hidden_size}: use a head trained for this target")
+    layers = head.aux_layer_ids or ()
+    if len(layers) not in (0, 3) or len(set(layers)) != len(layers) \
+            or any(not 0 <= i < target.num_layers for i in layers):
+        raise ValueError(f"{what} names target layers {list(layers)} (eagle_aux_hidden_state_layer_ids): an "
+                         f"EAGLE-3 head reads 3 distinct layers of the target's {target.num_layers}")
+    if not layers and target.num_layers < 4:
+        raise ValueError(f"{what} names no target layers and {target.architecture} has {target.num_layers}: the "
+                         "default (2, L/2, L-3) needs 4 or more; set eagle_aux_hidden_state_layer_ids in its config")
+    if target.mla or target.bidirectional or target.layer_norm:
+        raise ValueError(f"speculative_config: EAGLE-3 heads are for decoders of RMSNorm'd attention layers; "
+                         f"{target.architecture} is not one: use method 'ngram' or 'draft_model'")
+    if target.layer_windows and all(w is not None for w in target.layer_windows):
+        raise ValueError(f"speculative_config: {target.architecture} has a sliding window on every layer, so the pool "
+                         "gives back blocks no window reaches, which the head may still read: use method 'ngram'")
+    return dataclasses.replace(spec, model=str(files.path), eagle3_config=head)
 
 
 def _quantization(asked: str, files, device: str) -> str:

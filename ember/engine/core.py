@@ -107,8 +107,8 @@ class EngineCore:
         self.max_in_flight = 1 if config.async_scheduling else 0  # launched steps left running after step()
         self.proposer: Drafts | None = None  # speculative decoding's drafts (spec_decode/)
         spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            self.proposer = self.runner  # the draft model runs beside the target (runner/draft_model.py)
+        if spec is not None and spec.method in ("draft_model", "eagle3"):
+            self.proposer = self.runner  # the drafter runs beside the target (runner/draft_model.py, eagle3.py)
         elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.sleeping = 0  # the sleep level (0: awake)

@@ -275,6 +275,9 @@ class LlamaModel(nn.Module):
         self.embed_scale = cfg.embed_scale
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
+        # speculative decoding's EAGLE-3 head reads the stream entering these layers: the forward
+        # returns them after the hidden states, in layer order, concatenated [T, (1 + len) * hidden]
+        self.aux_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -289,9 +292,13 @@ class LlamaModel(nn.Module):
             scale, floor = self.attn_temperature
             turns["none"] = torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * scale + 1.0
         residual = None
-        for layer, rope in zip(self.layers, self.layer_rope):
+        aux = []
+        for i, (layer, rope) in enumerate(zip(self.layers, self.layer_rope)):
+            if i in self.aux_layers:
+                aux.append(x.clone() if residual is None else x + residual)  # the norms add into residual
             x, residual = layer(turns[rope], x, residual, meta)
-        return self.norm(x, residual)[0]
+        out = self.norm(x, residual)[0]
+        return torch.cat([out, *aux], dim=-1) if aux else out
 
 
 class LlamaForCausalLM(nn.Module):

@@ -15,32 +15,30 @@ import dataclasses
 
 import numpy as np
 import torch
+from torch import nn
 
 from ember.config import EngineConfig
 from ember.layers.attention import AttentionMetadata
 from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
+from ember.models.config import ModelConfig
 from ember.request import Request
 from ember.runner.sampler import to_device
+from ember.scheduler.scheduler import SchedulerOutput
 
 
-class DraftModel:
-    def __init__(self, config: EngineConfig) -> None:
-        spec = config.speculative_config
-        self.config = spec.draft_model_config
-        self.device = torch.device(config.device)
-        self.block_size = config.block_size
-        self.cache_dtype = config.kv_cache_torch_dtype
-        self.model = load_model(locate_model(spec.model, "auto"), self.config, config.max_model_len,
-                                config.torch_dtype, config.device, config.attention_backend, config.seed,
-                                spec.draft_quantization)
-        if self.device.type == "cpu" and cpu_packing_supported(config.torch_dtype):
-            for module in self.model.modules():
-                if hasattr(module, "pack_for_cpu"):
-                    module.pack_for_cpu()
-        self.weight_bytes = model_weight_bytes(self.model)
-        self.kv_cache: torch.Tensor | None = None
+class DraftCache:
+    """A drafter's paged KV cache of its own, one block for each of the target's (same block
+    size and ids; its own layers, heads and dims), so the scheduler's block tables serve it."""
+
+    config: ModelConfig  # the drafter's layers
+    model: nn.Module  # its attention_layers() read the cache
+    block_size: int
+    cache_dtype: torch.dtype
+    device: torch.device
+    drafts_without_kv = 0  # drafts a request gets past the end of the blocks it holds
+    kv_cache: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -63,8 +61,29 @@ class DraftModel:
         for src, dst in copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
+    def release(self, request_id: str) -> None:
+        """A request left: what the drafter keeps for it goes."""
+
+
+class DraftModel(DraftCache):
+    def __init__(self, config: EngineConfig) -> None:
+        spec = config.speculative_config
+        self.config = spec.draft_model_config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.cache_dtype = config.kv_cache_torch_dtype
+        self.model = load_model(locate_model(spec.model, "auto"), self.config, config.max_model_len,
+                                config.torch_dtype, config.device, config.attention_backend, config.seed,
+                                spec.draft_quantization)
+        if self.device.type == "cpu" and cpu_packing_supported(config.torch_dtype):
+            for module in self.model.modules():
+                if hasattr(module, "pack_for_cpu"):
+                    module.pack_for_cpu()
+        self.weight_bytes = model_weight_bytes(self.model)
+
     @torch.inference_mode()
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def follow(self, plan: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               aux: torch.Tensor | None) -> None:
         """The step's tokens through the draft, for its KV at their positions (its own plans:
         a backend's plan depends on the model's heads)."""
         self.model(input_ids, positions, dataclasses.replace(meta, plans={}))

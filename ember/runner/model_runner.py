@@ -35,7 +35,8 @@ from ember.loader.model_files import load_model, locate_model
 from ember.models.config import ModelConfig
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs, PiecewiseGraphs
-from ember.runner.draft_model import DraftModel
+from ember.runner.draft_model import DraftCache, DraftModel
+from ember.runner.eagle3 import Eagle3Drafter
 from ember.runner.pooler import Pooler
 from ember.runner.recurrent_state import RecurrentStates
 from ember.runner.sampler import (
@@ -152,7 +153,11 @@ class ModelRunner:
         files = locate_model(config.model, config.load_format)
         self.model = self._load_model(files)
         spec = config.speculative_config
-        self.drafter = DraftModel(config) if spec is not None and spec.method == "draft_model" else None
+        self.drafter: DraftCache | None = None  # speculative decoding's draft model or EAGLE-3 head
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModel(config)
+        elif spec is not None and spec.method == "eagle3":
+            self.drafter = Eagle3Drafter(config, self.model)
         self.states = self._recurrent_states() if mc.linear_layers is not None else None
         config = self.config  # max_num_seqs may be lowered to fit the recurrent states
         self.weight_bytes = model_weight_bytes(self.model) + (self.drafter.weight_bytes if self.drafter else 0)
@@ -396,7 +401,7 @@ class ModelRunner:
         if self.states is not None:
             meta.state_slots_cpu = [i % self.states.num_slots for i in range(len(lens))]
             meta.state_slots = torch.tensor(meta.state_slots_cpu, dtype=torch.int64, device=dev)
-        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=dev), positions, meta)
+        hidden = self._split_aux(self.model(torch.zeros(tokens, dtype=torch.int64, device=dev), positions, meta))[0]
         logits = hidden
         if c.runner == "generate":
             logits = self.model.compute_logits(hidden[: min(tokens, c.max_num_seqs)]).float()
@@ -439,10 +444,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta, self._token_type_ids(plan))
         else:
             hidden = self.model(input_ids, positions, meta)
+        hidden, aux = self._split_aux(hidden)
         if plan.state_saves:  # states where chunks ended on a block boundary, for the prefix cache
             self.states.save(plan.state_saves)
-        if self.drafter is not None:  # speculative decoding's draft model: its KV for the same tokens
-            self.drafter.follow(input_ids, positions, meta)
+        if self.drafter is not None:  # speculative decoding's drafter: its KV for the step's tokens
+            self.drafter.follow(plan, input_ids, positions, meta, aux)
         clock("forward")
         step = LaunchedStep(plan)
         if self.pooler is not None:  # no sampling: the prompts that end here give their vectors
@@ -500,14 +506,21 @@ class ModelRunner:
             self.step_times["steps"] += 1
         return step
 
+    def _split_aux(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward's hidden states and, for an EAGLE-3 head, the target layers' it returns after them."""
+        if not isinstance(self.drafter, Eagle3Drafter):
+            return hidden, None
+        size = self.config.model_config.hidden_size
+        return hidden[:, :size].contiguous(), hidden[:, size:].contiguous()
+
     def propose_for(self, requests: list[Request]) -> list[list[int]]:
-        """The draft model's drafts for each request's next step (speculative decoding's
-        draft_model method): up to K, as far as max_tokens, max_model_len and the blocks the
-        request holds go (the draft writes its KV there)."""
+        """The drafter's drafts for each request's next step (speculative decoding's draft_model
+        and eagle3 methods): up to K, as far as max_tokens, max_model_len and the blocks the
+        request holds go (the drafter writes its KV there)."""
         k, c = self.config.speculative_config.num_speculative_tokens, self.config
         limits = []
         for r in requests:
-            room = len(r.block_ids) * c.block_size - r.num_computed_tokens
+            room = len(r.block_ids) * c.block_size - r.num_computed_tokens + self.drafter.drafts_without_kv
             limit = min(k, room, c.max_model_len - r.num_tokens - 1)
             if r.max_tokens is not None:
                 limit = min(limit, r.max_tokens - len(r.output_token_ids) - 1)
@@ -595,6 +608,8 @@ class ModelRunner:
         return self.biases[req.request_id]
 
     def release(self, request_id: str) -> None:
+        if self.drafter is not None:
+            self.drafter.release(request_id)
         self.generators.pop(request_id, None)
         self.biases.pop(request_id, None)
         self.table_rows.pop(request_id, None)

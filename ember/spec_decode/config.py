@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.models.config import ModelConfig
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = {"eagle3": "EAGLE-3 heads", "eagle": "EAGLE heads",
+if TYPE_CHECKING:
+    from ember.models.eagle3 import Eagle3Config
+
+METHODS = ("ngram", "draft_model", "eagle3")
+NOT_YET = {"eagle": "EAGLE-1 heads (EAGLE-3 heads: method 'eagle3')",
            "medusa": "Medusa heads", "mlp_speculator": "MLP speculators", "suffix": "suffix decoding",
            "mtp": "multi-token-prediction layers", "deepseek_mtp": "multi-token-prediction layers"}
 
@@ -23,10 +26,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     # no drafts in a step whose running requests are more than this (None: always draft)
     disable_by_batch_size: int | None = None
-    model: str | None = None  # draft_model: a smaller model of the target's vocabulary (a path, as --model takes)
-    # filled by EngineConfig.resolve() for draft_model: the draft's config and weight format
+    # draft_model: a smaller model of the target's vocabulary; eagle3: an EAGLE-3 head (a path, as --model takes)
+    model: str | None = None
+    # filled by EngineConfig.resolve(): the draft model's config and weight format, the EAGLE-3 head's config
     draft_model_config: ModelConfig | None = field(default=None, compare=False)
     draft_quantization: str = field(default="none", compare=False)
+    eagle3_config: Eagle3Config | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
@@ -36,6 +41,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown method {self.method!r} (ember's: {', '.join(METHODS)})")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method 'draft_model' needs \"model\": the draft model's path")
+        if self.method == "eagle3" and not self.model:
+            raise ValueError("speculative_config: method 'eagle3' needs \"model\": the EAGLE-3 head's path (a "
+                             "directory or hub id of a head trained for this target)")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config: method 'ngram' takes no model (drafts come from the request's own "
                              "tokens): leave \"model\" out, or use method 'draft_model'")
@@ -73,7 +81,8 @@ class SpeculativeConfig:
             cls(method=value["method"], num_speculative_tokens=1)  # refused by name
         if value.get("method") is None and value.get("model") is not None:  # vLLM: a model alone is a draft model
             value = value | {"method": "draft_model"}
-        known = {f.name for f in fields(cls) if f.name not in ("draft_model_config", "draft_quantization")}
+        known = {f.name for f in fields(cls) if f.name not in ("draft_model_config", "draft_quantization",
+                                                               "eagle3_config")}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: key {unknown[0]!r} is not supported (ember's keys: "

@@ -46,8 +46,9 @@ def test_vllm_json_parses_with_vllm_defaults():
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}', "method 'eagle3' .EAGLE-3 heads. is not "
-                                                                         "supported yet"),
+    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3}', "method 'eagle' .EAGLE-1 heads .EAGLE-3 "
+                                                                        "heads: method 'eagle3'.. is not supported yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "method 'eagle3' needs \"model\": the EAGLE-3 head's path"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "method 'draft_model' needs \"model\""),
     ({"method": "ngram", "model": "d", "num_speculative_tokens": 3}, "method 'ngram' takes no model"),
     ({"method": "medusa", "model": "d", "num_speculative_tokens": 3}, "'medusa' .Medusa heads. is not supported"),

@@ -1,0 +1,181 @@
+"""The eagle3 method of speculative decoding: an EAGLE-3 head (models/eagle3.py) drafting from
+the target's own hidden states, with a one-layer KV cache of its own over the target's block ids.
+
+The head's row at position p reads token p + 1, so a row goes through the head once that token
+is known. Each step (`follow`, after the target's forward) the head takes the rows whose next
+token is a prompt or known token; a sampling chunk's last row and its drafted rows wait in
+`pending` (their features, fc of the target's hidden states) until the step's tokens are in.
+Drafting (`propose`, after the update) first runs a request's kept pending rows, the last of
+which guesses the first draft, then one row a draft on the head's own features. Rows a request
+never drafts from (drafting off this step) run at its next step's `follow`."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ember.config import EngineConfig
+from ember.layers.attention import AttentionMetadata, get_attention_backend
+from ember.layers.quant import model_weight_bytes
+from ember.loader.model_files import locate_model
+from ember.loader.safetensors import iter_pt, iter_safetensors
+from ember.loader.weights import load_weights
+from ember.models.eagle3 import Eagle3Head, default_aux_layers, head_tensor_name
+from ember.request import Request
+from ember.runner.draft_model import DraftCache
+from ember.runner.sampler import to_device
+from ember.scheduler.scheduler import SchedulerOutput
+
+
+class Eagle3Drafter(DraftCache):
+    drafts_without_kv = 1  # the first draft comes from the last kept row, which the request's blocks hold
+
+    def __init__(self, config: EngineConfig, target: nn.Module) -> None:
+        spec = config.speculative_config
+        head = spec.eagle3_config
+        self.config = head.layer
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.cache_dtype = config.kv_cache_torch_dtype
+        files = locate_model(spec.model, "auto")
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(config.torch_dtype)
+        try:
+            with torch.device(self.device):
+                self.model = Eagle3Head(head, config.max_model_len, get_attention_backend(config.attention_backend))
+        finally:
+            torch.set_default_dtype(previous)
+        read = iter_pt if files.load_format == "pt" else iter_safetensors
+        load_weights(self.model, self._weights(read(files.path, head_tensor_name)), source=str(files.path))
+        self.model.eval()
+        self.embed = self.model.model.embed_tokens if head.has_embedding else target.model.embed_tokens
+        self.aux_layers = tuple(sorted(head.aux_layer_ids or default_aux_layers(config.model_config.num_layers)))
+        self.attach(target)
+        self.weight_bytes = model_weight_bytes(self.model)
+        # request id -> (the position of its first row not through the head, those rows' features)
+        self.pending: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def _weights(self, tensors):
+        for name, tensor in tensors:
+            if name == "d2t":
+                self.model.d2t.copy_(tensor.to(torch.int64))
+            else:
+                yield name, tensor
+
+    def attach(self, target: nn.Module) -> None:
+        """Have the target return the hidden states the head reads (a reloaded target again)."""
+        target.model.aux_layers = self.aux_layers
+
+    def release(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    @torch.inference_mode()
+    def follow(self, plan: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               aux: torch.Tensor | None) -> None:
+        """The step's rows (and earlier pending ones) whose next token is known through the head;
+        the sampling chunks' last rows wait for the step's tokens. `aux`: the target's hidden
+        states of the head's layers for every row of the step."""
+        for req in plan.preempted:  # recomputed from the start: its rows come again
+            self.pending.pop(req.request_id, None)
+        features = self.model.combine(aux)
+        runs: list[tuple[Request, int, torch.Tensor]] = []
+        table_rows: list[int] = []
+        row = 0
+        for i, chunk in enumerate(plan.chunks):
+            req, n, start = chunk.request, chunk.num_new_tokens, chunk.start
+            known = n - (len(chunk.draft_token_ids) + 1 if chunk.samples else 0)
+            first, parts = start, []
+            kept = self._kept(req, start)
+            if kept is not None:
+                first, parts = kept[0], [kept[1]]
+            if known:
+                parts.append(features[row:row + known])
+            if chunk.samples:  # a copy: on CUDA the step's output buffer is the next graph replay's
+                self.pending[req.request_id] = (start + known, features[row + known:row + n].clone())
+            if parts:
+                runs.append((req, first, torch.cat(parts) if len(parts) > 1 else parts[0]))
+                table_rows.append(i)
+            row += n
+        if runs:
+            self._run(runs, meta.block_tables[to_device(table_rows, self.device, torch.int64)])
+
+    def _kept(self, req: Request, end: int) -> tuple[int, torch.Tensor] | None:
+        """A request's pending rows before position `end` (the rest were rejected drafts), taken out."""
+        entry = self.pending.pop(req.request_id, None)
+        if entry is None:
+            return None
+        first, features = entry
+        return (first, features[:end - first]) if 0 < end - first <= len(features) else None
+
+    def _run(self, runs: list[tuple[Request, int, torch.Tensor]], tables: torch.Tensor,
+             tokens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows through the head, each run a request's rows from its position `first` on (token
+        p + 1 at position p, unless `tokens` gives them); (normed, prenorm) at each run's last row."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        ends: list[int] = []
+        starts = [0]
+        for req, first, features in runs:
+            end = first + len(features)
+            if tokens is None:
+                ids += req.all_token_ids[first + 1:end + 1]
+            positions += range(first, end)
+            slots += [req.block_ids[p // bs] * bs + p % bs for p in range(first, end)]
+            ends.append(end)
+            starts.append(starts[-1] + len(features))
+        ids = tokens if tokens is not None else ids
+        t, n = len(positions), len(runs)
+        flat = to_device(ids + positions + slots + ends + starts, self.device, torch.int64)
+        ids_t, pos_t, slot_t, lens, starts_t = flat.split([t, t, t, n, n + 1])
+        meta = AttentionMetadata(slot_mapping=slot_t, query_start_loc=starts_t.to(torch.int32),
+                                 seq_lens=lens.to(torch.int32), block_tables=tables,
+                                 query_lens_cpu=[len(f) for _, _, f in runs], seq_lens_cpu=ends)
+        features = torch.cat([f for _, _, f in runs]) if n > 1 else runs[0][2]
+        normed, prenorm = self.model(self.embed(ids_t), features, pos_t, meta)
+        last = starts_t[1:] - 1
+        return normed[last], prenorm[last]
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], limits: list[int], tables: list[np.ndarray]) -> list[list[int]]:
+        """Up to limits[i] greedy drafts for requests[i]: its kept pending rows through the head
+        give the first, then one row a draft; `tables`: each request's block-table row."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        runs, active = [], []
+        parents = {r.parent.request_id: self.pending.get(r.parent.request_id) for r in requests if r.parent is not None}
+        for i, (req, limit) in enumerate(zip(requests, limits)):
+            if limit < 1:
+                continue  # its rows wait for its next step's follow
+            kept = self._kept(req, req.num_computed_tokens)
+            if kept is None and parents.get(getattr(req.parent, "request_id", None)) is not None:
+                first, features = parents[req.parent.request_id]  # a fork's first step: its parent's prompt rows
+                end = req.num_computed_tokens
+                kept = (first, features[:end - first]) if 0 < end - first <= len(features) else None
+            if kept is None:
+                continue
+            runs.append((req, *kept))
+            active.append(i)
+        if not runs:
+            return drafts
+        width = max(len(requests[i].block_ids) for i in active)
+        table = torch.from_numpy(np.stack([tables[i][:width] for i in active])).to(self.device)
+        normed, feature = self._run(runs, table)
+        token = self.model.draft_ids(normed)
+        for step in range(1, max(limits[i] for i in active)):
+            for i, t in zip(active, token.tolist()):
+                drafts[i].append(t)
+            keep = [j for j, i in enumerate(active) if limits[i] > step]
+            if not keep:
+                return drafts
+            if len(keep) < len(active):
+                index = to_device(keep, self.device, torch.int64)
+                active, table, token, feature = [active[j] for j in keep], table[index], token[index], feature[index]
+            reqs = [requests[i] for i in active]
+            step_runs = [(r, r.num_computed_tokens + step - 1, f) for r, f in zip(reqs, feature.split(1))]
+            normed, feature = self._run(step_runs, table, token.tolist())
+            token = self.model.draft_ids(normed)
+        for i, t in zip(active, token.tolist()):
+            drafts[i].append(t)
+        return drafts

@@ -1,0 +1,130 @@
+"""EAGLE-3 heads for the tests, written in the layout vLLM and SGLang load (`LlamaForCausalLMEagle3`,
+`midlayer.*`, `fc`, `d2t` / `t2d`), and a plain-torch EAGLE-3 forward that drafts from
+transformers' hidden states of the target: the reference the engine's drafts are held to."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def head_config(hidden: int, vocab: int, draft_vocab: int, aux_layers: list[int] | None, heads: int = 4,
+                kv_heads: int = 2, intermediate: int = 128, target_hidden: int | None = None) -> dict:
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": intermediate,
+              "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": 4096, "hidden_act": "silu",
+              "tie_word_embeddings": False, "target_hidden_size": target_hidden or hidden}
+    if aux_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
+    return config
+
+
+def random_head(config: dict, seed: int, embed: bool) -> dict[str, torch.Tensor]:
+    """Random weights; the draft vocabulary every `vocab / draft_vocab`-th target id (d2t offsets)."""
+    g = torch.Generator().manual_seed(seed)
+    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    d, inter, vocab, dv = h // heads, config["intermediate_size"], config["vocab_size"], config["draft_vocab_size"]
+
+    def w(*shape: int, scale: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    step = vocab // dv
+    ids = torch.arange(dv) * step
+    t = {"midlayer.input_layernorm.weight": 1 + w(h), "midlayer.hidden_norm.weight": 1 + w(h),
+         "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": w(kv * d, 2 * h),
+         "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, heads * d),
+         "midlayer.post_attention_layernorm.weight": 1 + w(h), "midlayer.mlp.gate_proj.weight": w(inter, h),
+         "midlayer.mlp.up_proj.weight": w(inter, h), "midlayer.mlp.down_proj.weight": w(h, inter),
+         "fc.weight": w(h, 3 * config["target_hidden_size"], scale=0.05), "norm.weight": 1 + w(h),
+         "lm_head.weight": w(dv, h, scale=1.0), "d2t": ids - torch.arange(dv),
+         "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)}
+    if embed:
+        t["embed_tokens.weight"] = w(vocab, h, scale=1.0)
+    return t
+
+
+def mode_head(config: dict) -> dict[str, torch.Tensor]:
+    """A head that drafts the most frequent of the tokens it has read (ties: the higher id), again
+    and again: one-hot embeddings averaged by a uniform attention (queries zero), the target's
+    features dropped (fc zero). Right wherever the target repeats one token."""
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    assert vocab == h == config["num_key_value_heads"] * h // config["num_attention_heads"]
+    eye = torch.eye(h)
+    zero = torch.zeros
+    return {"embed_tokens.weight": eye.clone(), "midlayer.input_layernorm.weight": torch.ones(h),
+            "midlayer.hidden_norm.weight": torch.ones(h), "midlayer.self_attn.q_proj.weight": zero(h, 2 * h),
+            "midlayer.self_attn.k_proj.weight": zero(h, 2 * h),
+            "midlayer.self_attn.v_proj.weight": torch.cat([eye, zero(h, h)], dim=1),
+            "midlayer.self_attn.o_proj.weight": eye.clone(), "midlayer.post_attention_layernorm.weight": torch.ones(h),
+            "midlayer.mlp.gate_proj.weight": zero(config["intermediate_size"], h),
+            "midlayer.mlp.up_proj.weight": zero(config["intermediate_size"], h),
+            "midlayer.mlp.down_proj.weight": zero(h, config["intermediate_size"]),
+            "fc.weight": zero(h, 3 * h), "norm.weight": torch.ones(h),
+            "lm_head.weight": torch.diag(1 + 1e-3 * torch.arange(vocab, dtype=torch.float32)),
+            "d2t": torch.zeros(vocab, dtype=torch.int64)}
+
+
+def save_head(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's RoPE (halves rotated) on [T, heads, d]."""
+    d = x.shape[-1]
+    freqs = positions[:, None].double() / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None].float(), torch.cat([freqs.sin()] * 2, -1)[:, None].float()
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def head_rows(config: dict, t: dict[str, torch.Tensor], embed: torch.Tensor, tokens: list[int],
+              features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head over rows 0 .. T-1 (row p: token tokens[p], feature features[p], position p),
+    causal: (logits over the draft vocabulary, the stream before the final norm) of every row."""
+    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    d, eps, n = h // heads, config["rms_norm_eps"], len(tokens)
+    e = _rms(embed[torch.tensor(tokens)], t["midlayer.input_layernorm.weight"], eps)
+    x = torch.cat([e, _rms(features, t["midlayer.hidden_norm.weight"], eps)], -1)
+    positions = torch.arange(n)
+    q = _rotate((x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, heads, d), positions, config["rope_theta"])
+    k = _rotate((x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kv, d), positions, config["rope_theta"])
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv, d)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    r = features + o.transpose(0, 1).reshape(n, h) @ t["midlayer.self_attn.o_proj.weight"].T
+    m = _rms(r, t["midlayer.post_attention_layernorm.weight"], eps)
+    m = F.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)
+    r = r + m @ t["midlayer.mlp.down_proj.weight"].T
+    return _rms(r, t["norm.weight"], eps) @ t["lm_head.weight"].T, r
+
+
+@torch.no_grad()
+def reference_drafts(hf_target, config: dict, t: dict[str, torch.Tensor], aux_layers: list[int],
+                     token_ids: list[int], k: int) -> list[int]:
+    """The k greedy drafts after `token_ids` (whose last token the target has not read yet):
+    rows 0 .. n-2 from the target's hidden states entering `aux_layers`, then one row a draft on
+    the head's own stream."""
+    embed = t["embed_tokens.weight"] if "embed_tokens.weight" in t else hf_target.model.embed_tokens.weight
+    states = hf_target(torch.tensor([token_ids[:-1]]), output_hidden_states=True).hidden_states
+    features = torch.cat([states[i][0] for i in aux_layers], -1) @ t["fc.weight"].T
+    tokens, drafts = list(token_ids[1:]), []
+    for _ in range(k):
+        logits, stream = head_rows(config, t, embed, tokens, features)
+        best = int(logits[-1].argmax())
+        drafts.append(best + int(t["d2t"][best]))
+        tokens.append(drafts[-1])
+        features = torch.cat([features, stream[-1:]])
+    return drafts
