@@ -77,6 +77,18 @@ def save_head(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Pat
     return path
 
 
+def speculators_layout(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The same head as the `speculators` library saves it (`Eagle3Speculator`: the layer's config
+    nested, `layers.0.*`), with norm_before_residual on."""
+    layer = {k: v for k, v in config.items() if k not in ("architectures", "draft_vocab_size", "target_hidden_size",
+                                                          "eagle_config")}
+    outer = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+             "transformer_layer_config": layer, "draft_vocab_size": config["draft_vocab_size"],
+             "target_hidden_size": config["target_hidden_size"], "norm_before_residual": True,
+             "eagle_aux_hidden_state_layer_ids": config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]}
+    return outer, {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -97,14 +109,16 @@ def head_rows(config: dict, t: dict[str, torch.Tensor], embed: torch.Tensor, tok
     h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     d, eps, n = h // heads, config["rms_norm_eps"], len(tokens)
     e = _rms(embed[torch.tensor(tokens)], t["midlayer.input_layernorm.weight"], eps)
-    x = torch.cat([e, _rms(features, t["midlayer.hidden_norm.weight"], eps)], -1)
+    h_normed = _rms(features, t["midlayer.hidden_norm.weight"], eps)
+    x = torch.cat([e, h_normed], -1)
     positions = torch.arange(n)
     q = _rotate((x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, heads, d), positions, config["rope_theta"])
     k = _rotate((x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kv, d), positions, config["rope_theta"])
     v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv, d)
     k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    r = features + o.transpose(0, 1).reshape(n, h) @ t["midlayer.self_attn.o_proj.weight"].T
+    r = h_normed if config.get("norm_before_residual") else features
+    r = r + o.transpose(0, 1).reshape(n, h) @ t["midlayer.self_attn.o_proj.weight"].T
     m = _rms(r, t["midlayer.post_attention_layernorm.weight"], eps)
     m = F.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)
     r = r + m @ t["midlayer.mlp.down_proj.weight"].T
