@@ -6,7 +6,8 @@ with is kept, plus one token of the target's own.
     proposer.py   what the engine core asks for drafts (`propose_for`)
     ngram.py      NgramProposer: prompt lookup over the request's own prompt and output
     (runner/draft_model.py: the draft_model method, a smaller model of the same vocabulary with
-    its own KV cache on the target's block ids, drafting greedily)
+    its own KV cache on the target's block ids, drafting greedily; runner/eagle3.py: the eagle3
+    method, an EAGLE-3 head (models/eagle3.py) reading the target's hidden states, likewise)
 
 Where the rest lives: the scheduler plans a request's drafts as extra query tokens of its decode
 chunk (scheduler.py `_add_drafts`) and rolls back the KV of the rejected ones (`_accept_drafts`);
