@@ -1,50 +1,12 @@
-"""EAGLE-3 heads for the tests, written in the layout vLLM and SGLang load (`LlamaForCausalLMEagle3`,
-`midlayer.*`, `fc`, `d2t` / `t2d`), and a plain-torch EAGLE-3 forward that drafts from
-transformers' hidden states of the target: the reference the engine's drafts are held to."""
+"""EAGLE-3 heads for the tests beside ember.bench.dummy_eagle3's random ones (a head whose drafts
+are right where the target repeats itself; the speculators library's layout), and a plain-torch
+EAGLE-3 forward that drafts from transformers' hidden states of the target: the reference the
+engine's drafts are held to."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-
-
-def head_config(hidden: int, vocab: int, draft_vocab: int, aux_layers: list[int] | None, heads: int = 4,
-                kv_heads: int = 2, intermediate: int = 128, target_hidden: int | None = None) -> dict:
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": intermediate,
-              "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "max_position_embeddings": 4096, "hidden_act": "silu",
-              "tie_word_embeddings": False, "target_hidden_size": target_hidden or hidden}
-    if aux_layers is not None:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
-    return config
-
-
-def random_head(config: dict, seed: int, embed: bool) -> dict[str, torch.Tensor]:
-    """Random weights; the draft vocabulary every `vocab / draft_vocab`-th target id (d2t offsets)."""
-    g = torch.Generator().manual_seed(seed)
-    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    d, inter, vocab, dv = h // heads, config["intermediate_size"], config["vocab_size"], config["draft_vocab_size"]
-
-    def w(*shape: int, scale: float = 0.1) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale
-
-    step = vocab // dv
-    ids = torch.arange(dv) * step
-    t = {"midlayer.input_layernorm.weight": 1 + w(h), "midlayer.hidden_norm.weight": 1 + w(h),
-         "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": w(kv * d, 2 * h),
-         "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, heads * d),
-         "midlayer.post_attention_layernorm.weight": 1 + w(h), "midlayer.mlp.gate_proj.weight": w(inter, h),
-         "midlayer.mlp.up_proj.weight": w(inter, h), "midlayer.mlp.down_proj.weight": w(h, inter),
-         "fc.weight": w(h, 3 * config["target_hidden_size"], scale=0.05), "norm.weight": 1 + w(h),
-         "lm_head.weight": w(dv, h, scale=1.0), "d2t": ids - torch.arange(dv),
-         "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)}
-    if embed:
-        t["embed_tokens.weight"] = w(vocab, h, scale=1.0)
-    return t
 
 
 def mode_head(config: dict) -> dict[str, torch.Tensor]:
@@ -66,15 +28,6 @@ def mode_head(config: dict) -> dict[str, torch.Tensor]:
             "fc.weight": zero(h, 3 * h), "norm.weight": torch.ones(h),
             "lm_head.weight": torch.diag(1 + 1e-3 * torch.arange(vocab, dtype=torch.float32)),
             "d2t": torch.zeros(vocab, dtype=torch.int64)}
-
-
-def save_head(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    return path
 
 
 def speculators_layout(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -104,7 +104,8 @@
 #                       ("S B" strings; default: the serving defaults, 512/8192, 1024/8192, 256/8192, 512/4096)
 #   spec                speculative decoding's verifying step against a decode step, one request 128/512 in CUDA
 #                       graphs with 4 drafts a step always wrong, then always right (spec_verify_cost.py), at the
-#                       Llama-3.1-8B and Qwen3-0.6B shapes (goal: a verifying step <= 1.15x a decode step)
+#                       Llama-3.1-8B and Qwen3-0.6B shapes (goal: a verifying step <= 1.15x a decode step); at both,
+#                       a step with an EAGLE-3 head of random weights (--eagle3: the head's 4 forwards + the verify)
 #
 # serve: the device has none of the server's packages and no GGUF reader, so two things are made
 # here and carried: the served model (SERVED_MODEL, default .serve-model:
@@ -381,9 +382,9 @@ mode_spec() {
   local secs shape
   for shape in "$L llama_8b" "$Q qwen3_0_6b"; do
     set -- $shape
-    if secs=$(cap spec_verify_$2 240); then
+    if secs=$(cap spec_verify_$2 270); then
       timeout "$secs" python3 benchmarks/scripts/spec_verify_cost.py $1 --load-format dummy --k 4 --input-len 128 \
-        --output-len 512 --output-json "$J/spec_verify_$2.json" > "$J/spec_verify_$2.log" 2>&1
+        --output-len 512 --eagle3 --output-json "$J/spec_verify_$2.json" > "$J/spec_verify_$2.log" 2>&1
       tail -1 "$J/spec_verify_$2.log" | sed "s/^/$2: /"
     fi
   done

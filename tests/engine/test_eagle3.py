@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eagle3_heads import head_config, mode_head, random_head, reference_drafts, save_head, speculators_layout
+from eagle3_heads import mode_head, reference_drafts, speculators_layout
 from invariance import assert_same, results
 from sampling import greedy
 
 from ember import LLM, SamplingParams
+from ember.bench.dummy_eagle3 import head_config, random_head, save_head
 from ember.request import Request
 
 pytestmark = pytest.mark.slow
