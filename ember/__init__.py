@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ember.config import EngineConfig  # noqa: E402
 from ember.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from ember.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from ember.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -24,4 +24,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ember' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

@@ -235,3 +235,31 @@ def _is_real(value: object) -> bool:
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name} must be {allowed}; got {value!r:.200}")
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams, plus transformers' early_stopping (True, False or "never")."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or not 1 <= self.beam_width <= 10:
+            raise ValueError(f"beam_width must be an integer in 1..10 (2 x beam_width log-probabilities a step); got "
+                             f"{self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
+        if self.temperature != 0.0:
+            raise ValueError("beam search here is transformers' deterministic one (do_sample=False): leave "
+                             "temperature 0")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or \"never\"; got {self.early_stopping!r}")
+
+    def step_params(self) -> SamplingParams:
+        """What each beam asks the engine for a step: one token's top-2k log-probabilities."""
+        return SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * self.beam_width, ignore_eos=True)

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ember.config import EngineConfig
+from ember.engine.beam_search import BeamSearch, BeamSearchOutput
 from ember.engine.core_client import ABORT, ADD, InprocCoreClient, MPCoreClient, send_text_verdicts
 from ember.engine.input_processor import Conversation, InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
@@ -24,7 +25,7 @@ from ember.outputs import (
 )
 from ember.pooling import cosine, label_probs, pooling_sampling_params, score_pairs
 from ember.request import Request
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,25 @@ class LLM:
         requests = [self._make_request(p, sp, priority[i] if priority is not None else 0)
                     for i, (p, sp) in enumerate(zip(prompts, params))]
         return self._run(requests, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Each prompt's beam_width best sequences by transformers' beam search
+        (engine/beam_search.py), in input order. Every step asks the engine about all prompts'
+        running beams at once, as one-token requests over the prefix cache."""
+        self._require_runner("generate")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        step = params.step_params()
+        requests = [self._make_request(p, step) for p in prompts]
+        searches = [BeamSearch(r.prompt_token_ids, params, set(r.eos_token_ids)) for r in requests]
+        while live := [s for s in searches if not s.done]:
+            asks = [{"prompt_token_ids": ids} for s in live for ids in s.prompts()]
+            outs = iter(self.generate(asks, step, use_tqdm))
+            for s in live:
+                s.advance([{t: lp.logprob for t, lp in next(outs).outputs[0].logprobs[0].items()} for _ in s.running])
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return [s.result(decode) for s in searches]
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
