@@ -11,9 +11,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ember.engine.async_engine import RequestStream
+from ember.engine.beam_search import BeamSearch
 from ember.outputs import RequestOutput
 from ember.request import Request as EngineRequest
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import BeamSearchParams, SamplingParams
 from ember.server import protocol as p
 from ember.server import scoring
 from ember.server.serving import (
@@ -53,6 +54,9 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
             return params, [engine.inputs.make_request(f"{request_id}-{i}", prompt, params, body.priority)
                             for i, prompt in enumerate(prompts)]
 
+        beams = await prepare(engine, body.beam_search_params)
+        if beams is not None:
+            return JSONResponse(await beam_completion(engine, body, beams, request_id, model, raw, limits))
         params, requests = await prepare(engine, make)
         streams = submit(engine, requests)
         if body.stream:
@@ -75,6 +79,44 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
                              as_ids)
         response = p.CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info(finals))
         return JSONResponse(response.model_dump())
+
+
+async def beam_completion(engine, body: p.CompletionRequest, params: BeamSearchParams, request_id: str, model: str,
+                          raw: Request, limits) -> dict:
+    """use_beam_search: each prompt's n best sequences (engine/beam_search.py), every step's
+    beams asked of the engine at once as one-token requests; choices best first per prompt."""
+    step = params.step_params()
+
+    def make() -> list[EngineRequest]:
+        return [engine.inputs.make_request(f"{request_id}-{i}", engine_prompt(engine, prompt, body.add_special_tokens),
+                                           step, body.priority) for i, prompt in enumerate(body.prompts(limits))]
+
+    heads = await prepare(engine, make)
+    searches = [BeamSearch(r.prompt_token_ids, params, set(r.eos_token_ids)) for r in heads]
+    steps = 0
+    while live := [s for s in searches if not s.done]:
+        asks = [engine.inputs.make_request(f"{request_id}-s{steps}-{j}", {"prompt_token_ids": ids}, step,
+                                           body.priority)
+                for j, ids in enumerate(ids for s in live for ids in s.prompts())]
+        streams = submit(engine, asks)
+        outs = iter(await until_disconnected(raw, final_outputs(streams), streams))
+        for s in live:
+            s.advance([{t: lp.logprob for t, lp in next(outs).outputs[0].logprobs[0].items()} for _ in s.running])
+        steps += 1
+    tokenizer = engine.inputs.tokenizer
+    choices, generated = [], 0
+    for i, (search, head) in enumerate(zip(searches, heads)):
+        for j, seq in enumerate(search.result().sequences):
+            tokens = seq.tokens[len(head.prompt_token_ids):]
+            generated += len(tokens)
+            text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
+            choices.append(p.CompletionChoice(index=i * params.beam_width + j, text=text,
+                                              finish_reason=seq.finish_reason,
+                                              token_ids=tokens if body.return_token_ids else None))
+    prompt_tokens = sum(len(h.prompt_token_ids) for h in heads)
+    usage = p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=generated,
+                        total_tokens=prompt_tokens + generated)
+    return p.CompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump()
 
 
 async def completion_chunks(streams: list[RequestStream], request_id: str, model: str, params: SamplingParams,

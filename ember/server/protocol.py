@@ -22,6 +22,7 @@ after the caps. So a large body costs the event loop one JSON parse and no more.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema, model_serializer
 
-from ember.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
+from ember.sampling_params import SEED_RANGE, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from ember.server import field_policy
 from ember.server.limits import MAX_LOGPROBS, MAX_STOP_CHARS, RequestLimits
 
@@ -576,6 +577,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
+    honoured: ClassVar[frozenset[str]] = frozenset({"use_beam_search", "length_penalty"})  # beam_search_params
     prompt: Bulk(Union[str, list[str], list[Int64], list[list[Int64]]])
     max_tokens: Annotated[int, Field(ge=0, le=INT64[1])] | None = 16  # OpenAI's default; 0 with echo: scoring
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -597,6 +599,43 @@ class CompletionRequest(_SamplingRequest):
         if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs too
             prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
         return self._sampling_params(self.max_tokens, self.logprobs, limits, defaults, prompt_logprobs)
+
+    def beam_search_params(self) -> BeamSearchParams | None:
+        """vLLM's use_beam_search: n beams (transformers' beam search, non-streaming), with
+        length_penalty; None without it. A field that would change a sampled completion but
+        means nothing to beam search is refused by name."""
+        if not self.use_beam_search:
+            if self.use_beam_search is not None and self.use_beam_search is not False:
+                raise InvalidRequest("use_beam_search must be true or false", "use_beam_search")
+            if self.length_penalty not in (None, 1, 1.0):
+                raise InvalidRequest("length_penalty applies to beam search: send use_beam_search true with it, or "
+                                     "leave it out", "length_penalty")
+            return None
+        if self.use_beam_search is not True:
+            raise InvalidRequest("use_beam_search must be true or false", "use_beam_search")
+        self.check_policy_fields()
+        allowed = {"prompt", "model", "max_tokens", "n", "use_beam_search", "length_penalty", "temperature",
+                   "ignore_eos", "stream", "request_id", "rid", "priority", "add_special_tokens", "return_token_ids"} \
+            | field_policy.RULED
+        for name in sorted(self.model_fields_set - allowed):
+            raise InvalidRequest(f"{name} does not apply to beam search (use_beam_search: the n best sequences by "
+                                 "their summed log-probabilities): leave it out", name)
+        if self.stream:
+            raise InvalidRequest("beam search is not streamed (the best beams are known at the end): send stream "
+                                 "false", "stream")
+        if self.temperature not in (None, 0, 0.0):
+            raise InvalidRequest("beam search here is deterministic (transformers' do_sample=False): send "
+                                 "temperature 0 or leave it out", "temperature")
+        penalty = 1.0 if self.length_penalty is None else self.length_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+            raise InvalidRequest(f"length_penalty must be a number; got {penalty!r:.40}", "length_penalty")
+        if self.max_tokens is None or self.max_tokens < 1:
+            raise InvalidRequest("beam search needs max_tokens >= 1", "max_tokens")
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=self.max_tokens, ignore_eos=bool(self.ignore_eos),
+                                    length_penalty=float(penalty))
+        except ValueError as e:
+            raise InvalidRequest(str(e).replace("beam_width", "n (the beam width)"), "n") from None
 
     def prompts(self, limits: RequestLimits = RequestLimits()) -> list[str | dict[str, Any]]:
         """One engine prompt per prompt given: text, or {"prompt_token_ids": [...]}."""

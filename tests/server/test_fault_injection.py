@@ -353,6 +353,7 @@ SHARED_FIELDS = {
     "session_params": [{"id": "s"}],
 }
 COMPLETION_FIELDS = SHARED_FIELDS | {
+    "use_beam_search": ["yes", 1],  # true runs beam search here (not in chat)
     "prompt": [1, True, None, {"a": 1}, [True], [1.5], [[1, "a"]], [-1], [10**7], "", [], "\ud800"],
     "max_tokens": INTEGER + [0, -1],
     "logprobs": INTEGER + [-1, 21],

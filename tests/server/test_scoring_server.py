@@ -223,7 +223,13 @@ def server_get(server: Server, path: str) -> dict:
      ["stream"]),
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "n": 2}, "n", ["max_tokens=0"]),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", ["prompt_logprobs"]),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", ["beam search is not supported"]),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True}, "stream", ["not streamed"]),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "top_p": 0.5}, "top_p",
+     ["does not apply to beam search"]),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "temperature": 0.7}, "temperature",
+     ["deterministic"]),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 11}, "n", ["n (the beam width)"]),
+    ("/v1/completions", {"prompt": "x", "length_penalty": 0.5}, "length_penalty", ["use_beam_search true"]),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", ["best_of 2 is not supported", "n=2"]),
     ("/v1/chat/completions", {"messages": CHAT, "use_beam_search": True}, "use_beam_search",
      ["use_beam_search is not supported"]),
@@ -282,3 +288,17 @@ def test_lm_eval_local_completions_equals_offline(server, llm, tmp_path):
         ref = llm.generate({"prompt_token_ids": context},
                            SamplingParams(temperature=0, max_tokens=8, stop=["\n"]))[0].outputs[0].text
         assert s["resps"] == [[ref]]
+
+
+def test_beam_search_gives_the_offline_beams(client, llm):
+    """vLLM's use_beam_search on /v1/completions: the n best sequences, as LLM.beam_search's."""
+    from ember import BeamSearchParams
+
+    want = llm.beam_search([FRANCE, "Once upon a time"], BeamSearchParams(beam_width=3, max_tokens=8))
+    out = client.completions.create(model=MODEL, prompt=[FRANCE, "Once upon a time"], n=3, max_tokens=8,
+                                    extra_body={"use_beam_search": True, "return_token_ids": True})
+    prompt_lens = [len(llm.get_tokenizer().encode(t)) for t in (FRANCE, "Once upon a time")]
+    expected = [(s.tokens[n:], s.text, s.finish_reason) for w, n in zip(want, prompt_lens) for s in w.sequences]
+    got = [(c.model_extra["token_ids"], c.text, c.finish_reason) for c in out.choices]
+    assert got == expected and len(got) == 6 and [c.index for c in out.choices] == list(range(6))
+    assert out.usage.completion_tokens == sum(len(t) for t, _, _ in expected)
