@@ -62,11 +62,13 @@ def plain(target, live_engines):
     live_engines.remove(llm)
 
 
-def drive(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[tuple[list[int], list[int]]]]:
+def drive(llm: LLM, prompts: list[list[int]],
+          max_tokens: int | list[int]) -> tuple[list[list[int]], list[tuple[list[int], list[int]]]]:
     """The requests through the engine core step by step: each one's tokens, and every
     (context, drafts) a step proposed."""
     core = llm.engine
-    reqs = [Request(f"e3-{i}", p, greedy(max_tokens, ignore_eos=True)) for i, p in enumerate(prompts)]
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    reqs = [Request(f"e3-{i}", p, greedy(n, ignore_eos=True)) for i, (p, n) in enumerate(zip(prompts, counts))]
     for r in reqs:
         core.add_request(r)
     proposed = []
@@ -77,18 +79,25 @@ def drive(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[lis
     return [list(r.output_token_ids) for r in reqs], proposed
 
 
-@pytest.mark.parametrize("name", ["random", "mode", "speculators"])
-def test_drafts_are_the_reference_heads_and_the_tokens_the_targets(target, heads, plain, live_engines, name):
+@pytest.mark.parametrize("name, off_above", [("random", None), ("mode", None), ("speculators", None),
+                                             ("random", 2)])
+def test_drafts_are_the_reference_heads_and_the_tokens_the_targets(target, heads, plain, live_engines, name,
+                                                                   off_above):
+    """off_above 2: no drafts while 3 requests run (the head still follows every row), then drafts."""
     path, config, tensors = heads[name]
     spec = LLM(str(target[0]), **ENGINE, max_num_batched_tokens=12,  # prompts in chunks
-               speculative_config={"method": "eagle3", "model": str(path), "num_speculative_tokens": 3})
+               speculative_config={"method": "eagle3", "model": str(path), "num_speculative_tokens": 3,
+                                   "disable_by_batch_size": off_above})
     live_engines.append(spec)
     try:
-        want = [list(o.outputs[0].token_ids) for o in plain.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS], greedy(40, ignore_eos=True))]
-        got, proposed = drive(spec, PROMPTS, 40)
+        lengths = [40, 24, 12] if off_above else [40] * 3
+        want = [list(o.outputs[0].token_ids)[:n] for o, n in zip(plain.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], greedy(40, ignore_eos=True)), lengths)]
+        got, proposed = drive(spec, PROMPTS, [40, 24, 12] if off_above else 40)
         assert got == want
-        assert len(proposed) > 30
+        assert len(proposed) > (10 if off_above else 30)
+        if off_above:  # none while all three ran (the shortest ends after 12 tokens)
+            assert all(len(c) - len(next(p for p in PROMPTS if c[:len(p)] == p)) >= 12 for c, _ in proposed)
         for context, drafts in proposed:
             assert drafts == reference_drafts(target[1], config, tensors, AUX, context, len(drafts)), context
         counts = spec.engine.scheduler.spec
