@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --kv-cache-dtype: auto stores K/V in the model dtype; fp8 (= fp8_e4m3) in float8_e4m3fn
 _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, **_DTYPES}
+DEFAULT_IMAGES_PER_PROMPT = 16
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 CPU_KV_CACHE_MEMORY = 1 << 30  # default KV pool on the CPU: 1 GiB (vLLM's CPU backend uses 4)
 
 
@@ -168,6 +170,16 @@ class EngineConfig:
         "prefix-cache hits (on CUDA one Triton matmul for every batch size and decode through the prefill "
         "attention kernel: slower; on the CPU dense layers in fixed blocks of rows; the CPU's GGUF path is so "
         "already)")
+    # images (a vision-language model): what one prompt may bring, and from where
+    limit_mm_per_prompt: dict[str, int] | None = flag(  # a JSON string or dict from callers, a dict after init
+        None, 'the most items of each modality one prompt may bring (vLLM\'s JSON), e.g. \'{"image": 2}\' '
+        f'(default: {DEFAULT_IMAGES_PER_PROMPT} images)', metavar="JSON")
+    allowed_local_media_path: str | None = flag(
+        None, "image URLs file://PATH are read where PATH is under this folder (default: file:// URLs are refused)",
+        metavar="DIR")
+    max_image_pixels: int = flag(
+        DEFAULT_MAX_IMAGE_PIXELS, "the most pixels (width x height) an image may have; read from its header, "
+        "before it is decoded", metavar="N")
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")
@@ -207,6 +219,8 @@ class EngineConfig:
                 raise ValueError("speculative decoding runs each step synchronously (a request's next drafts need "
                                  "the tokens its last step accepted): leave async_scheduling unset or False")
         _choice("usage_context", self.usage_context, USAGES)
+        object.__setattr__(self, "limit_mm_per_prompt", _mm_limits(self.limit_mm_per_prompt))
+        _positive("max_image_pixels", self.max_image_pixels)
         for name, (kind, _, optional) in flag_types().items():  # sizes and counts: None is the default
             if kind is int and optional and getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
@@ -214,6 +228,11 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be True, False or None (auto); got {self.async_scheduling!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def images_per_prompt(self) -> int:
+        """The most images one prompt may bring (limit_mm_per_prompt's "image")."""
+        return self.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -292,6 +311,9 @@ class EngineConfig:
             raise ValueError(f"{model_config.architecture}: speculative decoding is not supported for models with "
                              "linear-attention layers yet (their recurrent state cannot roll back rejected drafts): "
                              "leave speculative_config unset")
+        if model_config.vision is not None and self.tensor_parallel_size > 1:
+            raise ValueError("a vision-language model's images run on one rank for now: use tensor_parallel_size 1 "
+                             "(or --data-parallel-size for more devices)")
         speculative_config = self.speculative_config
         if speculative_config is not None and speculative_config.method == "draft_model":
             speculative_config = _resolve_draft_model(speculative_config, model_config, device, self.download_dir,
@@ -363,6 +385,30 @@ def flag_types() -> dict[str, tuple[type, tuple[str, ...] | None, bool]]:
 
 # the knobs a tuner turns: logged at start with where each value came from
 TUNING_KNOBS = tuple(f.name for f in flag_fields() if f.metadata["knob"])
+
+
+MODALITIES = ("image",)
+
+
+def _mm_limits(value: str | Mapping[str, int] | None) -> dict[str, int]:
+    """limit_mm_per_prompt as a dict from a JSON object, a dict or None (no limits given)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f'limit_mm_per_prompt must be a JSON object such as \'{{"image": 2}}\'; got {value!r:.80}') \
+                from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"limit_mm_per_prompt must be a JSON object of counts; got {value!r:.80}")
+    for kind, count in value.items():
+        if kind not in MODALITIES and count != 0:
+            raise ValueError(f"limit_mm_per_prompt: ember takes no {kind!r} inputs (only {', '.join(MODALITIES)}): "
+                             f"leave it out or set it to 0")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"limit_mm_per_prompt[{kind!r}] must be an integer >= 0; got {count!r:.40}")
+    return dict(value)
 
 
 def _check_deterministic(mc: ModelConfig, quantization: str, tensor_parallel_size: int) -> None:

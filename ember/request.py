@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ember.multimodal.inputs import ImageFeature, cache_keys
 from ember.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class Request:
     priority: int = 0  # lower runs first under the "priority" policy (vLLM's convention)
     cache_salt: str | None = None  # the prefix cache shares blocks only among requests of one salt
     token_type_ids: list[int] | None = None  # an encoder's segment of each prompt token (a pair's second text: 1)
+    mm_features: list[ImageFeature] | None = None  # its images, in prompt order (their placeholder tokens)
     parent: Request | None = None  # set on the samples 1..n-1 forked from a request with n > 1
     index: int = 0  # which of the parent's n samples this is
     arrival_time: float = field(default_factory=time.monotonic)
@@ -81,6 +83,13 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def cache_token_ids(self) -> list[int]:
+        """all_token_ids as the prefix cache keys them: an image's placeholder tokens by its hash."""
+        if not self.mm_features:
+            return self.all_token_ids
+        return cache_keys(self.prompt_token_ids, self.mm_features) + self.output_token_ids
+
+    @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
 
@@ -101,7 +110,8 @@ class Request:
             params.seed += index
         child = Request(self.child_id(index), self.prompt_token_ids, params, prompt=self.prompt,
                         eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
-                        priority=self.priority, cache_salt=self.cache_salt, parent=self, index=index)
+                        priority=self.priority, cache_salt=self.cache_salt, parent=self, index=index,
+                        mm_features=self.mm_features)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_blocks_in_cache = self.num_blocks_in_cache
         child.num_cached_tokens = self.num_cached_tokens

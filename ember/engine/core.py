@@ -183,6 +183,9 @@ class EngineCore:
         snapshots.check_integrity(pool.cached)
         assert not snapshots.held_for(), f"state snapshots kept for requests that left: {snapshots.held_for()}"
         assert self.runner.pooler is None or not self.runner.pooler.partial, "a request's pooling state outlived it"
+        images = getattr(self.runner, "images", None)
+        assert images is None or not images.cache.held, f"image embeddings held for requests that left: " \
+            f"{sorted(images.cache.held)}"
         assert not self._failed, "a failed request's output was never handed back"
         assert not self.structured.holds(), "the structured-output manager still holds requests"
         assert not (self.in_flight or self.scheduler.in_flight), "a launched step was never collected"

@@ -19,13 +19,18 @@ from typing import Any, Union
 from ember.config import EngineConfig
 from ember.loader.tokenizer import Tokenizer
 from ember.loader.tokenizer_files import has_hf_tokenizer, load_tokenizer
+from ember.multimodal.inputs import ImageFeature
+from ember.multimodal.media import MediaLimits, load_image
 from ember.request import Request
 from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import check_prompt_length
 
 # "text" or {"prompt_token_ids": [...]} (+ optional "prompt"), or {"prompt": "text"}; a dict may
-# carry a "cache_salt" (the prefix cache then shares blocks only among prompts of that salt) and,
-# for an encoder with token types, "token_type_ids"
+# carry a "cache_salt" (the prefix cache then shares blocks only among prompts of that salt),
+# for an encoder with token types, "token_type_ids", and for a vision-language model
+# {"prompt": "text", "multi_modal_data": {"image": a PIL image or a list}} (vLLM's shape: one
+# image token in the text where each image goes) or, as chat_prompt makes it, its processed form
+# {"prompt_token_ids": [...], "mm_features": [ImageFeature, ...]}
 PromptType = Union[str, dict[str, Any]]
 Conversation = list[dict[str, Any]]
 
@@ -56,23 +61,59 @@ class InputProcessor:
         if not eos and config.model_config.eos_token_id is not None:
             eos = frozenset([config.model_config.eos_token_id])
         self.eos_token_ids: frozenset[int] = eos
+        self.vision = config.model_config.vision
+        self.media_limits = MediaLimits(config.max_image_pixels, config.allowed_local_media_path)
+        self.images = None  # the model's image processor (multimodal/processor.py), made on first use
+
+    def image_processor(self):
+        """The model's image processor; ValueError for a model that takes no images."""
+        if self.vision is None:
+            arch = self.config.model_config.architecture
+            served = " (ember serves its language model on text only)" if self.config.model_config.multimodal else ""
+            raise ValueError(f"this model ({arch}{served}) takes no images: send text content only, or serve a "
+                             "vision-language model ember runs images through (LlavaForConditionalGeneration)")
+        if self.images is None:
+            from ember.multimodal.processor import ImageProcessor
+
+            self.images = ImageProcessor(self.config.model, self.vision)
+        return self.images
+
+    def load_images(self, images: list[Any]) -> list[Any]:
+        """Check a prompt's images against the model and the limits; each as a PIL image."""
+        self.image_processor()
+        if len(images) > self.config.images_per_prompt:
+            raise ValueError(f"{len(images)} images in one prompt is over the limit of {self.config.images_per_prompt} "
+                             "(--limit-mm-per-prompt '{\"image\": N}')")
+        return [load_image(image, self.media_limits) for image in images]
+
+    def image_prompt(self, text: str, images: list[Any], add_special_tokens: bool = True
+                     ) -> tuple[list[int], list[ImageFeature]]:
+        """A text prompt with one image token where each image goes -> its token ids (each
+        image's placeholders expanded by the model's processor) and the images' features."""
+        tok = self.require_tokenizer()
+        if len(text) > self.config.max_model_len * tok.max_chars_per_token:
+            raise ValueError(f"the prompt has {len(text)} characters, more than {self.config.max_model_len} tokens "
+                             f"(max_model_len) of at most {tok.max_chars_per_token} characters can hold: shorten it")
+        loaded = self.load_images(images)
+        return self.image_processor().process(text, loaded, add_special_tokens)
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                      priority: int = 0) -> Request:
         """Tokenize and check one prompt; ValueError if anything in it is invalid."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams; got {type(params).__name__}")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids, features = self.tokenize_prompt(prompt)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and not (isinstance(salt, str) and salt):
             raise ValueError("cache_salt must be a non-empty string")
         self.check_prompt(ids)
+        self.check_image_tokens(ids, features)
         types = self.token_type_ids(prompt, len(ids))
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_params(params)
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, priority=priority,
-                      cache_salt=salt, token_type_ids=types)
+                      cache_salt=salt, token_type_ids=types, mm_features=features or None)
         if self._check_request is not None:
             self._check_request(req)
         return req
@@ -108,17 +149,48 @@ class InputProcessor:
             prompt["token_type_ids"] = types
         return prompt
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], list[ImageFeature]]:
+        """(text, token ids, image features) of a prompt."""
         if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
+            return prompt, self.encode(prompt), []
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            return self._multi_modal_prompt(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)):
                 raise ValueError(f"prompt_token_ids must be a list of token ids; got {type(ids).__name__}")
-            return prompt.get("prompt"), list(ids)
+            features = prompt.get("mm_features") or []
+            if not (isinstance(features, list) and all(isinstance(f, ImageFeature) for f in features)):
+                raise ValueError("mm_features must be a list of ImageFeature (as chat_prompt makes them)")
+            return prompt.get("prompt"), list(ids), features
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.encode(prompt["prompt"])
+            return prompt["prompt"], self.encode(prompt["prompt"]), []
         raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+
+    def _multi_modal_prompt(self, prompt: dict[str, Any]) -> tuple[str, list[int], list[ImageFeature]]:
+        """vLLM's {"prompt": text, "multi_modal_data": {"image": image or [images]}}."""
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            kinds = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"multi_modal_data takes {{'image': a PIL image or a list of them}}; got {kinds}")
+        if "prompt_token_ids" in prompt or not isinstance(prompt.get("prompt"), str):
+            raise ValueError("a prompt with multi_modal_data is text ({'prompt': '... <image> ...'}): the model's "
+                             "processor expands each image's placeholder in it")
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        ids, features = self.image_prompt(prompt["prompt"], images)
+        return prompt["prompt"], ids, features
+
+    def check_image_tokens(self, ids: list[int], features: list[ImageFeature]) -> None:
+        """Every image token of a vision-language model's prompt is one of its images' (a token id
+        prompt cannot bring the placeholder alone, nor truncation cut an image)."""
+        if self.vision is None:
+            return
+        placed = sum(f.length for f in features)
+        if ids.count(self.vision.image_token_id) != placed or any(f.end > len(ids) for f in features):
+            raise ValueError(f"the prompt holds image token {self.vision.image_token_id} where no image goes (or an "
+                             "image is cut): give images as multi_modal_data with a text prompt, or as chat image "
+                             "parts, and do not truncate a prompt with images")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids; ValueError, before tokenizing, for text too long to fit in
@@ -139,10 +211,14 @@ class InputProcessor:
         if not messages:
             raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
         tok = self.require_tokenizer()
+        messages, images = image_parts(messages)
         text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, chat_template=chat_template,
                                        **template_kwargs)
-        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+        if not images:
+            return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+        ids, features = self.image_prompt(text, images, add_special_tokens)
+        return {"prompt": text, "prompt_token_ids": ids, "mm_features": features}
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -187,6 +263,40 @@ class InputProcessor:
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model} has no tokenizer: pass {{'prompt_token_ids': [...]}} prompts")
         return self.tokenizer
+
+
+IMAGE_PART_TYPES = ("image_url", "image_pil")
+
+
+def image_parts(messages: Conversation) -> tuple[Conversation, list[Any]]:
+    """The messages with each image part ({"type": "image_url", "image_url": {"url": ...}} as
+    OpenAI's API sends it, or vLLM's {"type": "image_pil", "image_pil": a PIL image}) as
+    {"type": "image"}, the part chat templates write the image token for, and the images
+    (URLs or PIL images) in order."""
+    images: list[Any] = []
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+                                             for p in content):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    if not isinstance(url, str):
+                        raise ValueError("an image_url part is {'type': 'image_url', 'image_url': {'url': ...}}")
+                    images.append(url)
+                    parts.append({"type": "image"})
+                elif kind == "image_pil":
+                    images.append(part.get("image_pil"))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out, images
 
 
 def template_messages(messages: Conversation) -> Conversation:

@@ -34,10 +34,12 @@ logger = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<tag>[\w.-]+))?")
 _SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
-# what ember reads besides the weights (config, tokenizer, chat template, sampling defaults)
+# what ember reads besides the weights (config, tokenizer, chat template, sampling defaults, a
+# vision-language model's processor)
 METADATA_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "tokenizer.model", "chat_template.json", "chat_template.jinja",
+    "tokenizer.model", "chat_template.json", "chat_template.jinja", "processor_config.json",
+    "preprocessor_config.json",
 )
 
 

@@ -273,3 +273,40 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
         # KV pool's sizing (free memory) sees it
         torch.cuda.empty_cache()
     return model.eval()
+
+
+def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, device: str,
+                      seed: int = 0) -> nn.Module:
+    """A vision-language checkpoint's image side (ModelConfig.vision: its tower and projector,
+    models/llava.py), in `dtype` on `device`, its tensors read from the checkpoint (dummy
+    weights: random); ValueError naming a tensor that is missing or of the wrong shape."""
+    from ember.loader.safetensors import iter_pt, iter_safetensors
+    from ember.models.llava import LlavaVision, llava_tensor_name
+
+    vision = cfg.vision
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlavaVision(vision)
+    finally:
+        torch.set_default_dtype(previous)
+    params = dict(model.named_parameters())
+    if files.load_format == "dummy":
+        generator = torch.Generator().manual_seed(seed)
+        for param in params.values():
+            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+        return model.eval()
+    read = iter_pt if files.load_format == "pt" else iter_safetensors
+    done = set()
+    for name, tensor in read(files.path, lambda n: llava_tensor_name(n, vision)):
+        param = params.get(name)
+        if param is None or param.shape != tensor.shape:
+            raise ValueError(f"{files.path}: the image side's tensor {name!r} {tuple(tensor.shape)} fits no parameter "
+                             f"of ember's {vision.kind} vision model")
+        param.data.copy_(tensor)
+        done.add(name)
+    if missing := sorted(set(params) - done):
+        raise ValueError(f"{files.path}: the checkpoint lacks the image side's tensors {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+    return model.eval()

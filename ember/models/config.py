@@ -20,10 +20,12 @@ from ember.models.families import (
     BY_HF_ARCHITECTURE,
     BY_HF_MODEL_TYPE,
     FAMILIES,
+    TEXT_CONFIG_FAMILY_ARCHITECTURES,
     VISION_LANGUAGE_ARCHITECTURES,
     VISION_LANGUAGE_MODEL_TYPES,
     Family,
 )
+from ember.models.vision_config import VisionConfig, vision_config
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 GGUF_ARCHITECTURES = tuple(BY_GGUF_ARCHITECTURE)
@@ -70,9 +72,12 @@ class ModelConfig:
     # RoPE turns each head's first rotary_dim dims (HF's rotate-half pairs within them), the
     # rest pass through (Phi-4-mini: 96 of 128); None: the whole head
     rotary_dim: int | None = None
-    # a vision-language checkpoint (Gemma3ForConditionalGeneration): ember serves its language
-    # model on text prompts; the loader skips the vision tower and projector tensors
+    # a vision-language checkpoint (Gemma3ForConditionalGeneration, LlavaForConditionalGeneration):
+    # its language model is this config; `vision` is its image side where ember runs it (then
+    # the runner loads the tower and projector: models/llava.py), None where ember serves the
+    # language model on text prompts alone (the loader skips the vision tensors)
     multimodal: bool = False
+    vision: VisionConfig | None = None
     # mixture of experts (Mixtral, Qwen3-MoE): which layers' MLP is sparse (None: none is), the
     # number of experts, how many each token goes to, each expert's intermediate size, and
     # whether the top-k routing weights are renormalized to sum to 1
@@ -276,8 +281,10 @@ class ModelConfig:
         fam, multimodal = _family(config)
         if fam.encoder:
             return _encoder_config(config, fam)
+        vision = None
         if multimodal:
-            config = _language_model_config(config)
+            outer, config = config, _language_model_config(config)
+            vision = vision_config(outer, config["hidden_size"])
         if fam.layer_norm:
             config = _layer_norm_decoder_config(config, fam)
         config = fam.hf_config_defaults | config
@@ -337,6 +344,7 @@ class ModelConfig:
             local_rope_scaling=_rope_scaling(local_rope, config) if local_rope else None,
             rotary_dim=rotary_dim,
             multimodal=multimodal,
+            vision=vision,
             **_moe_options(config, fam, num_layers),
             **_score_head(config),
             **_layer_norm_options(fam),
@@ -474,6 +482,13 @@ def _family(config: dict[str, Any]) -> tuple[Family, bool]:
     archs = config.get("architectures") or []
     if archs:
         family = BY_HF_ARCHITECTURE.get(archs[0])
+        if archs[0] in TEXT_CONFIG_FAMILY_ARCHITECTURES:  # LLaVA: its language model's family
+            text_type = (config.get("text_config") or {}).get("model_type", "llama")
+            family = BY_HF_MODEL_TYPE.get(text_type)
+            if family is None:
+                raise ValueError(f"{archs[0]} with a {text_type!r} language model (text_config.model_type) is not "
+                                 f"supported; ember runs {', '.join(BY_HF_MODEL_TYPE)}")
+            return family, True
         if family is None:
             raise ValueError(
                 f"unsupported architecture {archs[0]!r} (model_type {config.get('model_type')!r}); ember runs "
@@ -559,6 +574,9 @@ def _qkv_bias(config: dict[str, Any], fam: Family) -> bool:
     return bool(config.get("attention_bias", False)) or bool(config.get(fam.qkv_bias_key, fam.qkv_bias_default))
 
 
+# LlamaConfig's defaults for the sizes (Llama 2 7B's)
+_LLAMA_CONFIG_SIZES = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                       "num_attention_heads": 32}
 # what a vision-language config.json may carry beside its text_config, for the language model
 _OUTER_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
 
@@ -572,6 +590,8 @@ def _language_model_config(config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise ValueError(f"a {arch} config.json needs a `text_config` (the language model's config, which ember "
                          "serves): the file is incomplete; take config.json from the original checkpoint again")
+    if arch == "LlavaForConditionalGeneration" and text.get("model_type", "llama") == "llama":
+        text = _LLAMA_CONFIG_SIZES | text  # llava-hf's LLaVA-1.5 text_configs leave LlamaConfig's sizes unsaid
     missing = [key for key in _TEXT_CONFIG_REQUIRED if key not in text]
     if missing:
         raise ValueError(f"the text_config of this {arch} config.json lacks {', '.join(missing)}: no default stands "

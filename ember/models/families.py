@@ -250,5 +250,9 @@ BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES
                    if f.moe and (f.gguf_experts_of or f.gguf_architecture)}
 # vision-language checkpoints (by `architectures`, or `model_type`): the language model's
 # config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
-VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Llama4ForConditionalGeneration")
+VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Llama4ForConditionalGeneration",
+                                 "LlavaForConditionalGeneration")
+# those whose language model is any family's: the family is their text_config's model_type's
+# (LLaVA's Llama, Vicuna or Mistral)
+TEXT_CONFIG_FAMILY_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "llama4")

@@ -279,10 +279,17 @@ class LlamaModel(nn.Module):
         # returns them after the hidden states, in layer order, concatenated [T, (1 + len) * hidden]
         self.aux_layers: tuple[int, ...] = ()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' input embeddings (Gemma's scaled), before any image embeddings replace rows."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # Gemma: the scale rounded to the model dtype first, as HF does
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: the step's input embeddings where some are not the tokens' (images')."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions + self.position_offset)
         turns = {"global": None if self.rotary is None else self.rotary.lookup(positions),
@@ -318,8 +325,9 @@ class LlamaForCausalLM(nn.Module):
                                   bias=cfg.lm_head_bias)
         self.final_logit_softcap = cfg.final_logit_softcap
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler reads them in float32 where it needs to);

@@ -31,12 +31,13 @@ from ember.layers.attention import AttentionMetadata
 from ember.layers.batch_invariant import make_batch_invariant
 from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
-from ember.loader.model_files import load_model, locate_model
+from ember.loader.model_files import load_model, load_vision_model, locate_model
 from ember.models.config import ModelConfig
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs, PiecewiseGraphs
 from ember.runner.draft_model import DraftCache, DraftModel
 from ember.runner.eagle3 import Eagle3Drafter
+from ember.runner.multimodal import ImageEmbedder
 from ember.runner.pooler import Pooler
 from ember.runner.recurrent_state import RecurrentStates
 from ember.runner.sampler import (
@@ -152,6 +153,7 @@ class ModelRunner:
         mc = config.model_config
         files = locate_model(config.model, config.load_format)
         self.model = self._load_model(files)
+        self.images = self._image_embedder(files)  # a vision-language model's image side, else None
         spec = config.speculative_config
         self.drafter: DraftCache | None = None  # speculative decoding's draft model or EAGLE-3 head
         if spec is not None and spec.method == "draft_model":
@@ -285,6 +287,13 @@ class ModelRunner:
             make_batch_invariant(model)
         return model
 
+    def _image_embedder(self, files) -> ImageEmbedder | None:
+        c = self.config
+        if c.model_config.vision is None:
+            return None
+        vision = load_vision_model(files, c.model_config, c.torch_dtype, c.device, c.seed)
+        return ImageEmbedder(vision, self.model.model.embed, self.device)
+
     def _attach_kv_cache(self) -> None:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[-1, i]  # one tensor for MLA
@@ -301,7 +310,7 @@ class ModelRunner:
             attn.k_cache = attn.v_cache = None
         self.kv_cache = None
         if level == 2:
-            self.model = None
+            self.model = self.images = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -310,7 +319,9 @@ class ModelRunner:
     def wake_up(self) -> None:
         level, shape = self._asleep
         if level == 2:
-            self.model = self._load_model(locate_model(self.config.model, self.config.load_format))
+            files = locate_model(self.config.model, self.config.load_format)
+            self.model = self._load_model(files)
+            self.images = self._image_embedder(files)
         self.kv_cache = _zeros(shape, self.config.kv_cache_torch_dtype, self.device)
         self._attach_kv_cache()
         del self._asleep
@@ -434,8 +445,15 @@ class ModelRunner:
                 self.states.release(req.request_id)
         clock = self._clock()
         input_ids, positions, meta, sample_rows, sampled_chunks = self._prepare(plan)
+        embeds = None
+        if self.images is not None:  # a vision-language model: image embeddings where chunks cover images
+            for req in plan.preempted:
+                self.images.release(req.request_id)
+            embeds = self.images.inputs_embeds(plan, input_ids)
         clock("prepare")
-        if self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
+        if embeds is not None:  # eager: the graphs embed token ids
+            hidden = self.model(input_ids, positions, meta, embeds)
+        elif self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
                                      meta.state_slots)
         elif self.piecewise is not None and len(input_ids) <= self.piecewise.max_tokens:
@@ -615,6 +633,8 @@ class ModelRunner:
         self.table_rows.pop(request_id, None)
         if self.states is not None:
             self.states.release(request_id)
+        if self.images is not None:
+            self.images.release(request_id)
         if self.pooler is not None:
             self.pooler.release(request_id)
 

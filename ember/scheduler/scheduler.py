@@ -287,7 +287,7 @@ class Scheduler:
 
     def _next_waiting(self) -> Request:
         if self.policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
-            tokens = {r.request_id: self.prefix_cache.peek(r.all_token_ids, r.cache_salt) for r in self.waiting}
+            tokens = {r.request_id: self.prefix_cache.peek(r.cache_token_ids, r.cache_salt) for r in self.waiting}
             return min(self.waiting, key=lambda r: (r.times_passed_over < LPM_MAX_PASSED_OVER,
                                                     -tokens[r.request_id], r.arrival_time))
         return self._by_policy(self.waiting)[0] if self.policy == "priority" else self.waiting[0]
@@ -297,7 +297,7 @@ class Scheduler:
         to compute (its logits give the next token); prompt logprobs need every position."""
         if req.sampling_params.prompt_logprobs is not None:
             return
-        tokens = req.all_token_ids
+        tokens = req.cache_token_ids
         hit = self.prefix_cache.match(tokens, (req.num_tokens - 1) // self.block_size, req.cache_salt).block_ids
         usable = self.snapshots.usable_hit(req, hit, self.window.usable_hit(hit, self.null_block))
         unseen = self.window.first_needed(usable * self.block_size)  # before the next query's window
@@ -329,7 +329,7 @@ class Scheduler:
         once the prefix cache has them."""
         upto = min(self.window.first_needed(position), req.num_blocks_in_cache)
         if upto > req.num_released_blocks:
-            self.prefix_cache.split(req.all_token_ids, upto, req.cache_salt)
+            self.prefix_cache.split(req.cache_token_ids, upto, req.cache_salt)
             self.pool.free(req.block_ids[req.num_released_blocks:upto])
             # a new list: the runner rebuilds its table row from a new list (see _table_row)
             req.block_ids = [self.null_block] * upto + req.block_ids[upto:]
@@ -346,7 +346,7 @@ class Scheduler:
             new = req.block_ids[req.num_blocks_in_cache:full]
             self.pool.share(new)  # held while the cache may swap in its own copy of some
             blocks = req.block_ids[:full]
-            self.prefix_cache.insert(req.all_token_ids[:full * self.block_size], blocks, req.cache_salt)
+            self.prefix_cache.insert(req.cache_token_ids[:full * self.block_size], blocks, req.cache_salt)
             if blocks != req.block_ids[:full]:  # the cache had its own copy of some: use those
                 req.block_ids = blocks + req.block_ids[full:]  # a new list, so no stale view of the old one
             self.pool.free([b for b in new if b in blocks])

@@ -459,16 +459,22 @@ class ChatMessage(_Strict):
     reasoning_content: str | None = None  # an assistant's reasoning, as answers give it (templates may show it)
 
     def as_template_dict(self) -> dict[str, Any]:
-        """{"role", "content"} with the content as one string (text parts joined)."""
+        """{"role", "content"} with the content as one string (text parts joined), or, where
+        the message has image parts, as its list of text and image_url parts (the input
+        processor loads the images and gives the template {"type": "image"} for each)."""
         content = self.content
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"only text content parts are supported; got type {part.get('type')!r:.40}",
-                                         "messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+                if part.get("type") == "image_url":
+                    _check_image_part(part)
+                elif part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"only text and image_url content parts are supported; got type "
+                                         f"{part.get('type')!r:.40}", "messages")
+                else:
+                    texts.append(part["text"])
+            if len(texts) == len(content):
+                content = "\n".join(texts)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
@@ -482,6 +488,20 @@ class ChatMessage(_Strict):
         if self.reasoning_content is not None:
             message["reasoning_content"] = self.reasoning_content
         return message
+
+
+def _check_image_part(part: dict[str, Any]) -> None:
+    """OpenAI's {"type": "image_url", "image_url": {"url": ..., "detail": "auto"}}."""
+    image = part.get("image_url")
+    if isinstance(image, str):  # vLLM takes the URL alone too
+        image = {"url": image}
+    if set(part) != {"type", "image_url"} or not isinstance(image, dict) or not isinstance(image.get("url"), str) \
+            or set(image) - {"url", "detail"}:
+        raise InvalidRequest("an image_url content part is {'type': 'image_url', 'image_url': {'url': 'data:...'}}",
+                             "messages")
+    if image.get("detail", "auto") != "auto":
+        raise InvalidRequest(f"image_url.detail {image['detail']!r:.20} is not supported: the model's processor sets "
+                             "each image's resolution; leave detail out or send 'auto'", "messages")
 
 
 def conversation(messages: Any) -> list[dict[str, Any]]:

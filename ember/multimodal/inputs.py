@@ -1,0 +1,47 @@
+"""ImageFeature: one image of a request, as the engine carries it from the boundary to the
+runner: its processed pixels, where its placeholder tokens sit in the prompt, and a hash of
+its pixels, which keys the encoder-output cache and the prefix cache's blocks over it.
+Plain data (numpy arrays): it crosses the engine core's process boundary by pickle."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class ImageFeature:
+    offset: int  # the prompt position of its first placeholder token
+    length: int  # its placeholder tokens, each one of its embeddings, in order
+    hash: str  # of the processed pixels (hex)
+    pixel_values: np.ndarray  # what the model's image processor made of it ([C, H, W] for LLaVA)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def cache_key(self) -> int:
+        """What the prefix cache keys each of its placeholder tokens by in place of the token id:
+        a negative int from the hash, so no text token and no other image share it."""
+        return -1 - int(self.hash[:15], 16)
+
+
+def pixels_hash(pixel_values: np.ndarray) -> str:
+    """The hash of an image's processed pixels (their bytes, dtype and shape)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{pixel_values.dtype}{pixel_values.shape}".encode())
+    h.update(np.ascontiguousarray(pixel_values).tobytes())
+    return h.hexdigest()
+
+
+def cache_keys(token_ids: Sequence[int], features: Sequence[ImageFeature]) -> list[int]:
+    """The prompt as the prefix cache keys it: each image's placeholder tokens replaced by its
+    cache key, so the same image in two prompts shares blocks and two images never do."""
+    keys = list(token_ids)
+    for f in features:
+        keys[f.offset:f.end] = [f.cache_key] * f.length
+    return keys

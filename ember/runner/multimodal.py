@@ -1,0 +1,146 @@
+"""The image side of a step: each chunk that covers an image's placeholder tokens gets that
+image's embeddings in those rows, in place of the tokens'. The vision model (tower and
+projector) runs once for the step's images that the encoder cache lacks, batched; a chunk
+boundary may fall inside an image (chunked prefill, a prefix-cache hit that ends there): a
+chunk takes the slice of the image's embeddings its positions cover.
+
+    prompt    t t t [i0 i1 i2 i3] t t
+    chunk 1   t t t  i0 i1|               rows 3..4 <- image[0:2]
+    chunk 2                 |i2 i3 t t    rows 0..1 <- image[2:4]
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ember.multimodal.inputs import ImageFeature
+from ember.scheduler.scheduler import SchedulerOutput
+
+ENCODER_CACHE_BYTES = 256 << 20  # image embeddings kept for reuse beyond those running requests still need
+
+
+class EncoderCache:
+    """Image embeddings by the image's hash. An entry is held by the requests whose prefill
+    has yet to pass its image (`hold`, let go by `done` or `release`); held entries stay,
+    the others are dropped least recently used first once the cache is over `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.holders: dict[str, set[str]] = {}  # hash -> ids of requests holding it
+        self.held: dict[str, set[str]] = {}  # request id -> hashes it holds
+        self.nbytes = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        value = self.entries.get(key)
+        if value is not None:
+            self.entries.move_to_end(key)
+        return value
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        self.entries[key] = value
+        self.nbytes += value.nbytes
+        self._shrink()
+
+    def hold(self, request_id: str, key: str) -> None:
+        self.holders.setdefault(key, set()).add(request_id)
+        self.held.setdefault(request_id, set()).add(key)
+
+    def done(self, request_id: str, key: str) -> None:
+        """The request's prefill has passed this image: it needs its embeddings no more."""
+        self._drop_holder(request_id, key)
+        keys = self.held.get(request_id)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.held[request_id]
+        self._shrink()
+
+    def release(self, request_id: str) -> None:
+        """The request left (finished, aborted, failed, preempted)."""
+        for key in self.held.pop(request_id, ()):
+            self._drop_holder(request_id, key)
+        self._shrink()
+
+    def _drop_holder(self, request_id: str, key: str) -> None:
+        holders = self.holders.get(key)
+        if holders is not None:
+            holders.discard(request_id)
+            if not holders:
+                del self.holders[key]
+
+    def _shrink(self) -> None:
+        for key in list(self.entries):
+            if self.nbytes <= self.max_bytes:
+                return
+            if key not in self.holders:
+                self.nbytes -= self.entries.pop(key).nbytes
+
+
+@dataclass
+class _Span:
+    row: int  # the step's row of its first covered position
+    feature: ImageFeature
+    start: int  # the covered slice of the image's embeddings
+    stop: int
+    request_id: str
+
+
+class ImageEmbedder:
+    """The step's input embeddings where its chunks cover image tokens (see the module's note)."""
+
+    def __init__(self, vision: nn.Module, embed: nn.Module, device: torch.device,
+                 max_bytes: int = ENCODER_CACHE_BYTES) -> None:
+        self.vision = vision  # pixel_values [B, C, H, W] -> [B, tokens, hidden]
+        self.embed = embed  # token ids -> input embeddings (LlamaModel.embed)
+        self.device = device
+        self.cache = EncoderCache(max_bytes)
+        self.num_encoded = 0  # images the vision model ran for (tests, stats)
+
+    def inputs_embeds(self, plan: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """None when no chunk of the step covers an image token."""
+        spans = self._spans(plan)
+        if not spans:
+            return None
+        self._encode([s.feature for s in spans])
+        x = self.embed(input_ids)
+        for s in spans:
+            x[s.row:s.row + s.stop - s.start] = self.cache.get(s.feature.hash)[s.start:s.stop].to(x.dtype)
+            if s.stop == s.feature.length:
+                self.cache.done(s.request_id, s.feature.hash)
+        return x
+
+    def release(self, request_id: str) -> None:
+        self.cache.release(request_id)
+
+    def _spans(self, plan: SchedulerOutput) -> list[_Span]:
+        spans, row = [], 0
+        for chunk in plan.chunks:
+            req = chunk.request
+            start = req.num_computed_tokens
+            end = min(start + chunk.num_new_tokens, req.num_prompt_tokens)
+            for f in req.mm_features or ():
+                lo, hi = max(start, f.offset), min(end, f.end)
+                if lo < hi:
+                    spans.append(_Span(row + lo - start, f, lo - f.offset, hi - f.offset, req.request_id))
+                    self.cache.hold(req.request_id, f.hash)
+            row += chunk.num_new_tokens
+        return spans
+
+    @torch.inference_mode()
+    def _encode(self, features: list[ImageFeature]) -> None:
+        """Run the vision model once over the images the cache lacks, those of one shape batched."""
+        missing = list({f.hash: f for f in features if self.cache.get(f.hash) is None}.values())
+        by_shape: dict[tuple[int, ...], list[ImageFeature]] = {}
+        for f in missing:
+            by_shape.setdefault(f.pixel_values.shape, []).append(f)
+        dtype = next(self.vision.parameters()).dtype
+        for group in by_shape.values():
+            pixels = torch.stack([torch.from_numpy(f.pixel_values) for f in group]).to(self.device, dtype)
+            for f, out in zip(group, self.vision(pixels)):
+                self.cache.put(f.hash, out)
+            self.num_encoded += len(group)

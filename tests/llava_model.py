@@ -1,0 +1,66 @@
+"""A tiny random LLaVA-1.5 saved by transformers (LlavaForConditionalGeneration: a 2-layer CLIP
+tower of 56-pixel images in 14-pixel patches, 16 image tokens each, the projector, a 2-layer
+Llama), with SmolLM2's tokenizer plus an <image> token, the LlavaProcessor on CLIP's PIL image
+processor, and a LLaVA-1.5 chat template; and the small generated images the tests send."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import torch
+
+# LLaVA-1.5's own template (llava-hf's): the images of a message first, then its text
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'text') %}{{ item['text'] + ' ' }}"
+    "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+TOKENS_PER_IMAGE = 16  # (56 / 14)^2, the CLS position dropped
+
+
+def save_tiny_llava(tokenizer_dir: Path, out: Path) -> Path:
+    """The model directory, as transformers writes it (model, processor, tokenizer, template)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32)
+    text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                      image_token_index=tok.convert_tokens_to_ids("<image>"),
+                                      image_seq_length=TOKENS_PER_IMAGE)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config)
+    with torch.no_grad():  # transformers' init leaves the tiny model's logits nearly flat: spread them
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    images = transformers.CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14,
+                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                chat_template=CHAT_TEMPLATE).save_pretrained(str(out))
+    return out
+
+
+def image(color: tuple[int, int, int], size: tuple[int, int] = (40, 30)):
+    """A small picture: a colored field with a lighter square, so crops and resizes matter."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", size, color)
+    ImageDraw.Draw(img).rectangle([size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2],
+                                  fill=tuple(min(255, c + 90) for c in color))
+    return img
+
+
+def data_url(img, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
