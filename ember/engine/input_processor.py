@@ -212,6 +212,8 @@ class InputProcessor:
             raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
         tok = self.require_tokenizer()
         messages, images = image_parts(messages)
+        if images:  # refused (no images here, too many, undecodable) before the template runs
+            images = self.load_images(images)
         text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, chat_template=chat_template,
                                        **template_kwargs)

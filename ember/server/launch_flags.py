@@ -69,7 +69,8 @@ def add_launch_flags(serve: argparse.ArgumentParser) -> None:
                             "mistral and custom are refused")
     serve.add_argument("--chat-template-content-format", default="auto", choices=_CONTENT_FORMATS,
                        help="vLLM's: auto and string are ember's (a message's text parts joined into one string "
-                            "for the template); openai is refused")
+                            "for the template; a message with images keeps its parts, each image as {'type': "
+                            "'image'}); openai is refused")
     serve.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
                        help="vLLM's: refused unless {} (ember reads config.json as it is)")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",

@@ -221,6 +221,10 @@ HOSTILE = [
      ["at most 512 choices"]),
     ("100-stop-strings", completion(prompt="x", stop=[f"s{i}" for i in range(100)]), 400, ["at most 32 strings"]),
     ("unknown-field", completion(prompt="x", best_of_all=2), 400, ["best_of_all", "unknown field"]),
+    # an image to a text-only model: refused by name, its payload never decoded
+    ("image-to-a-text-model", chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "text", "text": "hi"}]}]), 400, ["takes no images"]),
 ]
 
 

@@ -1,0 +1,107 @@
+"""Images over HTTP: the official `openai` client sends a base64 image to a real `ember serve`
+of a tiny LLaVA-1.5 and gets what LLM.chat answers offline; a file:// image under
+--allowed-local-media-path is the same image; and every bad image gets its own 400 in
+OpenAI's shape while the server keeps answering."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llava_model import data_url, image, save_tiny_llava
+from servers import MODEL, Server, assert_openai_error, post, running
+
+from ember import LLM, SamplingParams
+
+RED, BLUE = image((200, 30, 30)), image((20, 40, 220), (24, 36))
+MAX_PIXELS = 4000  # a 40 x 30 image passes, 100 x 100 does not
+
+
+def content(*parts: dict | str) -> list[dict]:
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+
+
+def image_part(url: str, **extra) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **extra}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(bpe_tokenizer_dir, tmp_path_factory):
+    return save_tiny_llava(bpe_tokenizer_dir, tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    RED.save(folder / "red.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vision_server(model_dir, media, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vision-server") / "server.log"
+    yield from running(Server(model_dir, log, "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels",
+                              str(MAX_PIXELS), "--allowed-local-media-path", str(media), "--max-model-len", "256"))
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> str:
+    """LLM.chat's greedy answer offline, on the same model."""
+    llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=256)
+    messages = [{"role": "user", "content": content({"type": "image_pil", "image_pil": RED}, "What is this?")}]
+    return llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+
+
+def ask(server: Server, *parts) -> str:
+    out = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content(*parts)}], temperature=0, max_tokens=8,
+        extra_body={"ignore_eos": True})
+    return out.choices[0].message.content
+
+
+def test_the_openai_client_sends_an_image_and_gets_llm_chats_answer(vision_server, media, expected):
+    assert ask(vision_server, image_part(data_url(RED)), "What is this?") == expected
+    assert ask(vision_server, image_part(data_url(RED, "WEBP")), "What is this?") != ask(
+        vision_server, image_part(data_url(BLUE)), "What is this?")
+    assert ask(vision_server, image_part((media / "red.png").as_uri()), "What is this?") == expected
+    assert ask(vision_server, image_part(data_url(RED)), image_part(data_url(BLUE)), "Which is red?")
+
+
+def _png_bytes_url(cut: int) -> str:
+    url = data_url(RED)
+    head, payload = url.split(",")
+    import base64
+
+    return f"{head},{base64.b64encode(base64.b64decode(payload)[:cut]).decode()}"
+
+
+# (name, the user message's content, words in the 400's message)
+BAD_IMAGES = [
+    ("not-an-image", content(image_part("data:image/png;base64,aGVsbG8gd29ybGQ="), "hi"), ["cannot be decoded"]),
+    ("not-base64", content(image_part("data:image/png;base64,@@@"), "hi"), ["base64"]),
+    ("truncated-png", content(image_part(_png_bytes_url(60)), "hi"), ["truncated or corrupt"]),
+    ("three-images", content(*[image_part(data_url(RED))] * 3, "hi"), ["3 images", "limit of 2"]),
+    ("too-many-pixels", content(image_part(data_url(image((1, 2, 3), (100, 100)))), "hi"),
+     ["100x100", "--max-image-pixels"]),
+    ("http-url", content(image_part("https://example.com/cat.png"), "hi"), ["--allowed-media-domains"]),
+    ("file-outside", content(image_part("file:///etc/hostname"), "hi"), ["outside --allowed-local-media-path"]),
+    ("detail-high", content(image_part(data_url(RED), detail="high"), "hi"), ["detail"]),
+    ("bad-part-shape", content({"type": "image_url", "image_url": {"link": "x"}}), ["image_url"]),
+    ("audio-part", content({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}), ["input_audio"]),
+    ("placeholder-in-text", content(image_part(data_url(RED)), "look: <image>"), ["2 image placeholders", "1 images"]),
+]
+
+
+@pytest.mark.parametrize("name,parts,words", BAD_IMAGES, ids=[c[0] for c in BAD_IMAGES])
+def test_bad_images_get_their_own_400(vision_server, name, parts, words):
+    r = post(vision_server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": parts}]})
+    assert_openai_error(r, 400, *words)
+
+
+def test_a_completion_prompt_cannot_bring_the_image_token_alone(vision_server, expected):
+    r = post(vision_server, "/v1/completions", {"model": MODEL, "max_tokens": 2, "prompt": "USER: <image>\nhi"})
+    assert_openai_error(r, 400, "image token")
+    assert ask(vision_server, image_part(data_url(RED)), "What is this?") == expected  # still serving, the same
+    vision_server.wait_idle()
+    assert json.loads(post(vision_server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}).text)
