@@ -145,17 +145,37 @@ def _chat_message(item: dict[str, Any]) -> dict[str, Any]:
                              "input")
     content = item.get("content")
     if isinstance(content, list):
-        texts = []
+        texts, parts = [], []
         for part in content:
+            if isinstance(part, dict) and part.get("type") == "input_image":
+                parts.append(_chat_image_part(part))
+                continue
             if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"),
                                                                                                     str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(f"only text content parts are supported; got {kind!r:.40}", "input")
+                raise InvalidRequest(f"only text and input_image content parts are supported; got {kind!r:.40}",
+                                     "input")
             texts.append(part["text"])
-        content = "".join(texts)
+            parts.append({"type": "text", "text": part["text"]})
+        # text alone joins into one string; with images, the parts as a chat message has them
+        content = "".join(texts) if len(texts) == len(parts) else parts
+        return {"role": role, "content": content}
     if not isinstance(content, str):
         raise InvalidRequest("a message's content must be a string or a list of text parts", "input")
     return {"role": role, "content": content}
+
+
+def _chat_image_part(part: dict[str, Any]) -> dict[str, Any]:
+    """The Responses API's {"type": "input_image", "image_url": "data:...", "detail": "auto"} as
+    a chat image_url part (a file_id names a stored file, which ember keeps none of)."""
+    if part.get("file_id") is not None or not isinstance(part.get("image_url"), str):
+        raise InvalidRequest("an input_image part needs image_url (a data: URL, or a file:// path under "
+                             "--allowed-local-media-path); ember keeps no files for file_id", "input")
+    unknown = sorted(set(part) - {"type", "image_url", "detail", "file_id"})
+    if unknown:
+        raise InvalidRequest(f"an input_image part has no field {unknown[0]!r:.40}", "input")
+    image = {"url": part["image_url"]} | ({"detail": part["detail"]} if part.get("detail") is not None else {})
+    return {"type": "image_url", "image_url": image}
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:

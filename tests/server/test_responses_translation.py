@@ -62,12 +62,23 @@ def test_text_format_becomes_response_format():
         {"input": "x", "text": {"format": {"type": "text"}}}).chat_request()
 
 
+def test_input_image_parts_become_chat_image_parts():
+    r = ResponsesRequest.model_validate({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "What is this?"},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "auto"}]}]})
+    assert r.chat_request()["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "auto"}}]}]
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "ember keeps no responses"),
     ({"input": []}, "input", "non-empty list"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "items of type 'input_image'"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
-     "only text content parts are supported; got 'input_image'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}, "input",
+     "ember keeps no files"),
+    ({"input": [{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}]}, "input",
+     "only text and input_image content parts are supported; got 'input_audio'"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "role must be one of"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "needs call_id as a string"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "only function tools are supported"),

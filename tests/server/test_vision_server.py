@@ -105,3 +105,11 @@ def test_a_completion_prompt_cannot_bring_the_image_token_alone(vision_server, e
     assert ask(vision_server, image_part(data_url(RED)), "What is this?") == expected  # still serving, the same
     vision_server.wait_idle()
     assert json.loads(post(vision_server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}).text)
+
+
+def test_the_responses_api_takes_input_image_parts(vision_server, expected):
+    out = vision_server.client().responses.create(
+        model=MODEL, temperature=0, max_output_tokens=8,
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": data_url(RED)},
+                                            {"type": "input_text", "text": "What is this?"}]}])
+    assert out.output_text == expected
