@@ -63,7 +63,9 @@ class InputProcessor:
         self.eos_token_ids: frozenset[int] = eos
         self.vision = config.model_config.vision
         self.media_limits = MediaLimits(config.max_image_pixels, config.allowed_local_media_path)
-        self.images = None  # the model's image processor (multimodal/processor.py), made on first use
+        self.images = None  # the model's image processor (multimodal/processor.py)
+        if self.vision is not None and tokenizer is not None:
+            self.image_processor()  # at start: a model directory without a processor fails here, by name
 
     def image_processor(self):
         """The model's image processor; ValueError for a model that takes no images."""

@@ -135,3 +135,17 @@ def test_the_encoder_cache_keeps_held_images_and_drops_the_rest_within_its_bytes
     assert list(cache.entries) == ["b", "c"] and not cache.held and not cache.holders
     cache.put("d", tensor.clone())
     assert list(cache.entries) == ["c", "d"]  # least recently used first
+
+
+def test_preempted_requests_with_images_recompute_the_same_tokens(model_dir, llm):
+    """A pool of 16 blocks (64 tokens) holds both prompts, not both answers: one is preempted and
+    recomputes its prompt, image embeddings included."""
+    prompts = [prompt(ONE, [RED]), prompt(ONE, [BLUE])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    small = LLM(str(model_dir), dtype="float32", quantization="none", num_kv_blocks=16, block_size=4,
+                max_model_len=64, enable_prefix_caching=False)
+    got = small.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert small.engine.stats().num_preemptions > 0
+    small.engine.check_idle()
