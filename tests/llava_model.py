@@ -64,3 +64,24 @@ def data_url(img, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     img.save(buf, format=fmt)
     return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+WORDS = ("USER ASSISTANT What is in the picture ? Which red blue : and the a of to it this that . , hi "
+         "look cat dog sea sky tree house car sun moon star one two three four five six seven eight nine").split()
+
+
+def word_tokenizer_dir(out: Path) -> Path:
+    """A word-level tokenizer (tokenizers' WordLevel over WORDS, <s> / </s> / <unk>, the
+    numbers 0-199 as words to fill a vocabulary), saved by transformers: for machines without
+    the default model's package, where bpe_tokenizer_dir cannot be made."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *WORDS, *map(str, range(200))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return out
