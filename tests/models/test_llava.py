@@ -87,7 +87,7 @@ def test_logits_and_greedy_tokens_match_transformers(llm, hf, text, images):
 def test_chat_with_image_parts_is_the_template_and_the_processor(llm, hf):
     messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": RED},
                                              {"type": "text", "text": "What is in the picture?"}]}]
-    text = hf[0].apply_chat_template(messages[:1] and [{"role": "user", "content": [
+    text = hf[0].apply_chat_template([{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}], add_generation_prompt=True)
     out = llm.chat(messages, GREEDY)[0]
     assert out.prompt == text
