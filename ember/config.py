@@ -316,11 +316,9 @@ class EngineConfig:
                              "(or --data-parallel-size for more devices)")
         speculative_config = self.speculative_config
         if speculative_config is not None and speculative_config.method == "draft_model":
-            speculative_config = _resolve_draft_model(speculative_config, model_config, device, self.download_dir,
-                                                      self.tensor_parallel_size, self.distributed_executor_backend)
+            speculative_config = _resolve_draft_model(speculative_config, model_config, device, self.download_dir)
         elif speculative_config is not None and speculative_config.method == "eagle3":
-            speculative_config = _resolve_eagle3(speculative_config, model_config, self.download_dir,
-                                                 self.tensor_parallel_size, self.distributed_executor_backend)
+            speculative_config = _resolve_eagle3(speculative_config, model_config, self.download_dir)
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
@@ -485,14 +483,11 @@ def _pooler_config(asked: PoolerConfig | None, runner: str, model_config: ModelC
     return files.pooler_defaults() or PoolerConfig("CLS" if model_config.bidirectional else "LAST")
 
 
-def _resolve_draft_model(spec: SpeculativeConfig, target: ModelConfig, device: str, download_dir: str | None,
-                         tensor_parallel_size: int, executor: str | None) -> SpeculativeConfig:
+def _resolve_draft_model(spec: SpeculativeConfig, target: ModelConfig, device: str,
+                         download_dir: str | None) -> SpeculativeConfig:
     """A draft model's files, config and weight format, checked against the target's."""
     from ember.loader.model_files import locate_model
 
-    if tensor_parallel_size > 1 or executor is not None:
-        raise ValueError("speculative_config: a draft model runs in the engine's own process, one device: leave "
-                         "tensor_parallel_size 1 and distributed_executor_backend unset, or use method 'ngram'")
     files = locate_model(spec.model, "auto", None, download_dir)
     draft = files.model_config()
     if draft.vocab_size != target.vocab_size:
@@ -508,16 +503,12 @@ def _resolve_draft_model(spec: SpeculativeConfig, target: ModelConfig, device: s
                               draft_quantization=_quantization("auto", files, device))
 
 
-def _resolve_eagle3(spec: SpeculativeConfig, target: ModelConfig, download_dir: str | None,
-                    tensor_parallel_size: int, executor: str | None) -> SpeculativeConfig:
+def _resolve_eagle3(spec: SpeculativeConfig, target: ModelConfig, download_dir: str | None) -> SpeculativeConfig:
     """An EAGLE-3 head's files and config, checked against the target's."""
     from ember.loader.model_files import locate_model
     from ember.loader.safetensors import tensor_names
     from ember.models.eagle3 import Eagle3Config
 
-    if tensor_parallel_size > 1 or executor is not None:
-        raise ValueError("speculative_config: an EAGLE-3 head runs in the engine's own process, one device: leave "
-                         "tensor_parallel_size 1 and distributed_executor_backend unset, or use method 'ngram'")
     files = locate_model(spec.model, "auto", None, download_dir)
     if files.is_gguf:
         raise ValueError("speculative_config: an EAGLE-3 head is an HF directory (config.json and safetensors or "

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from ember.config import EngineConfig
+from ember.distributed.parallel_state import tp_rank, tp_size
+from ember.distributed.sharding import shard_heads
 from ember.layers.attention import AttentionMetadata
 from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
@@ -42,7 +44,9 @@ class DraftCache:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.cache_kv_heads if self.config.mla else self.config.num_kv_heads
+        """This rank's: the drafter is sharded as the target is (tensor parallelism)."""
+        mc = self.config
+        return mc.cache_kv_heads if mc.mla else shard_heads(mc.num_heads, mc.num_kv_heads, tp_rank(), tp_size()).num_kv_heads
 
     def kv_bytes_per_block(self) -> int:
         mc = self.config

@@ -34,6 +34,17 @@ class PlanDiff:
 
 
 @dataclass
+class RequestsDiff:
+    """Requests as a drafter needs them after an update (speculative decoding under tensor
+    parallelism): their new tokens, blocks and computed count since the workers last saw them."""
+
+    new: list[Request] = field(default_factory=list)
+    # (request id, new output ids, block ids, whether those replace the list, num_computed_tokens)
+    updates: list[tuple[str, list[int], list[int], bool, int]] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)
+
+
+@dataclass
 class _Sent:
     blocks: list[int]  # the scheduler's list object the workers' copy follows
     num_blocks: int
@@ -51,19 +62,31 @@ class PlanEncoder:
                         state_saves=plan.state_saves)
         for c in plan.chunks:
             req = c.request
-            blocks, outputs = req.block_ids, req.output_token_ids
-            sent = self.sent.get(req.request_id)
-            if sent is None:
-                diff.new.append(req)
-                new_outputs, new_blocks, whole = [], [], False
-            else:
-                new_outputs = outputs[sent.num_outputs:]
-                whole = sent.blocks is not blocks or sent.num_blocks > len(blocks)
-                new_blocks = list(blocks) if whole else blocks[sent.num_blocks:]
-            self.sent[req.request_id] = _Sent(blocks, len(blocks), len(outputs))
+            new_outputs, new_blocks, whole = self._delta(req, diff.new)
             diff.chunks.append((req.request_id, c.num_new_tokens, c.start, c.samples, req.num_pending_tokens,
                                 new_outputs, new_blocks, whole, c.draft_token_ids))
         return diff
+
+    def encode_requests(self, requests: list[Request]) -> RequestsDiff:
+        diff = RequestsDiff(order=[r.request_id for r in requests])
+        for req in requests:
+            new_outputs, new_blocks, whole = self._delta(req, diff.new)
+            diff.updates.append((req.request_id, new_outputs, new_blocks, whole, req.num_computed_tokens))
+        return diff
+
+    def _delta(self, req: Request, new: list[Request]) -> tuple[list[int], list[int], bool]:
+        """What changed in a request since the workers' mirror (a request they lack: sent whole)."""
+        blocks, outputs = req.block_ids, req.output_token_ids
+        sent = self.sent.get(req.request_id)
+        if sent is None:
+            new.append(req)
+            new_outputs, new_blocks, whole = [], [], False
+        else:
+            new_outputs = outputs[sent.num_outputs:]
+            whole = sent.blocks is not blocks or sent.num_blocks > len(blocks)
+            new_blocks = list(blocks) if whole else blocks[sent.num_blocks:]
+        self.sent[req.request_id] = _Sent(blocks, len(blocks), len(outputs))
+        return new_outputs, new_blocks, whole
 
     def forget(self, request_id: str) -> None:
         self.sent.pop(request_id, None)
@@ -76,23 +99,36 @@ class PlanDecoder:
         self.requests: dict[str, Request] = {}
 
     def decode(self, diff: PlanDiff) -> SchedulerOutput:
-        for req in diff.new:
-            req.block_ids = list(req.block_ids)  # its own list: appended to in place from here on
-            self.requests[req.request_id] = req
+        self._take(diff.new)
         plan = SchedulerOutput(block_copies=diff.block_copies, state_restores=diff.state_restores,
                                state_saves=diff.state_saves)
         for request_id, num_new, start, samples, pending, outputs, blocks, whole, drafts in diff.chunks:
-            req = self.requests[request_id]
-            req.output_token_ids += outputs
-            if whole:
-                req.block_ids = blocks
-            else:
-                req.block_ids += blocks
+            req = self._apply(request_id, outputs, blocks, whole)
             req.num_computed_tokens, req.num_pending_tokens = start, pending
             chunk = ScheduledChunk(req, num_new, drafts)
             chunk.start, chunk.samples = start, samples
             plan.chunks.append(chunk)
         return plan
+
+    def decode_requests(self, diff: RequestsDiff) -> list[Request]:
+        self._take(diff.new)
+        for request_id, outputs, blocks, whole, computed in diff.updates:
+            self._apply(request_id, outputs, blocks, whole).num_computed_tokens = computed
+        return [self.requests[request_id] for request_id in diff.order]
+
+    def _take(self, new: list[Request]) -> None:
+        for req in new:
+            req.block_ids = list(req.block_ids)  # its own list: appended to in place from here on
+            self.requests[req.request_id] = req
+
+    def _apply(self, request_id: str, outputs: list[int], blocks: list[int], whole: bool) -> Request:
+        req = self.requests[request_id]
+        req.output_token_ids += outputs
+        if whole:
+            req.block_ids = blocks
+        else:
+            req.block_ids += blocks
+        return req
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -7,7 +7,9 @@ through the shared-memory broadcast (distributed/shm_broadcast.py), as a diff of
 workers hold (runner/plan_diff.py); its grammar masks follow in a second message, so
 the engine fills them while the ranks prepare and queue the forward (on Ray they travel
 with the plan). Every rank runs the same forward and sampling, and rank 0 sends back what
-it sampled over a pipe. A worker that dies, or fails, fails the engine with an error that names it; the
+it sampled over a pipe. Speculative decoding's drafter (a draft model, an EAGLE-3 head) is
+split over the ranks too: after each update every rank gets the requests as they now are
+(`propose`, a diff as the plans are) and drafts; rank 0's drafts come back. A worker that dies, or fails, fails the engine with an error that names it; the
 others are then stopped, so no process outlives the engine (they are daemons too, and a
 worker whose engine is gone stops by itself).
 """
@@ -117,6 +119,12 @@ class TensorParallelRunner:
         if self.profile_steps:
             self.step_times["wait"] += time.perf_counter() - start  # the ranks' forward and sampling
         return out
+
+    def propose_for(self, requests: list) -> list[list[int]]:
+        """Speculative decoding's drafter runs sharded on every rank, as the target does: each
+        gets the requests as they are after the update; rank 0's drafts come back."""
+        self._send(("propose", self.plans.encode_requests(requests)))
+        return self._receive(STEP_TIMEOUT_S, "drafting")
 
     def release(self, request_id: str) -> None:
         self.plans.forget(request_id)
@@ -256,6 +264,9 @@ class Worker:
         elif op == "collect":
             out = self.runner.collect(self.in_flight.popleft())
             return out if self.rank == 0 else None
+        elif op == "propose":
+            drafts = self.runner.propose_for(self.plans.decode_requests(message[1]))
+            return drafts if self.rank == 0 else None
         elif op == "release":
             self.plans.forget(message[1])
             self.runner.release(message[1])

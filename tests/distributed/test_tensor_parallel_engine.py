@@ -81,6 +81,51 @@ def kill_mid_run(llm, prompt, rank: int, after_steps: int = 3) -> WorkerFailed:
     return failed.value
 
 
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_drafters_run_sharded_on_three_ranks_and_give_one_process_tokens(gguf_path, reference, tmp_path, method):
+    """An EAGLE-3 head (6 heads, 3 KV heads) and a tiny draft model (3 and 3), each split over the
+    target's three ranks: the drafts come back from rank 0 and the tokens are TP=1's plain ones."""
+    from ember.bench.dummy_eagle3 import head_config, random_head, save_head
+
+    if method == "eagle3":
+        config = head_config(576, 49152, 4096, None, heads=6, kv_heads=3, intermediate=192)
+        save_head(tmp_path, config, random_head(config, seed=4, embed=False))
+    else:
+        transformers = pytest.importorskip("transformers")
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=49152, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=3,
+            num_key_value_heads=3, tie_word_embeddings=True)).save_pretrained(tmp_path)
+    spec = {"method": method, "model": str(tmp_path), "num_speculative_tokens": 3}
+    llm = LLM(str(gguf_path), **_engine_args(tensor_parallel_size=3, speculative_config=spec))
+    one = LLM(str(gguf_path), **_engine_args(speculative_config=spec))
+    try:
+        tokens, _, _ = reference
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
+        counts = llm.engine.scheduler.spec
+        assert counts.num_drafts > 20 and counts.num_draft_tokens > counts.num_drafts
+        llm.check_idle()
+        assert drafted(llm, PROMPTS[:2]) == drafted(one, PROMPTS[:2])  # the same drafts as one process's
+    finally:
+        llm.shutdown()
+        one.shutdown()
+
+
+def drafted(llm: LLM, prompts: list[str]) -> list[tuple[int, list[int]]]:
+    """Every (step, drafts) the engine proposed for the prompts, stepped by hand."""
+    from ember.request import Request
+
+    core, tok = llm.engine, llm.get_tokenizer()
+    reqs = [Request(f"d{i}", tok.encode(p), GREEDY) for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.add_request(r)
+    out, step = [], 0
+    while core.has_unfinished_requests():
+        core.step()
+        out += [(step, list(r.draft_token_ids)) for r in reqs if r.draft_token_ids]
+        step += 1
+    return out
+
+
 def test_a_worker_killed_mid_run_with_steps_in_flight_fails_with_the_error_that_names_it(gguf_path):
     # async scheduling (the GPU's default) keeps a step in flight: the cleanup's collect of it must
     # not replace the error that names the rank with a later one
