@@ -85,6 +85,8 @@ class EngineConfig:
         None, "the longest prompt + output in tokens (default: the model's context)",
         flags=("--max-model-len", "--context-length"))
     num_kv_blocks: int | None = flag(None, "the KV pool's size in blocks (vLLM's num_gpu_blocks_override)")
+    kv_offload_gib: float = flag(0.0, "GiB of host memory that keep the KV blocks the prefix cache evicts, so a "
+                                 "later request with that prefix loads them back instead of recomputing (0: off)")
     num_state_snapshots: int | None = flag(
         None, "models with linear-attention layers (Qwen3-Next): snapshots of their recurrent state kept at block "
         "boundaries for prefix-cache hits (default: as many as a quarter of the cache memory holds, at most one a "
@@ -305,6 +307,8 @@ class EngineConfig:
         defaults = scheduling_defaults(device, self.usage_context)
         async_scheduling = self.async_scheduling if self.async_scheduling is not None else \
             device == "cuda" and self.speculative_config is None
+        if self.kv_offload_gib:
+            _check_kv_offload(self.kv_offload_gib, self.enable_prefix_caching and runner == "generate", model_config)
         if self.speculative_config is not None and runner != "generate":
             raise ValueError("speculative_config applies to runner='generate' only: a pooling model samples nothing")
         if self.speculative_config is not None and model_config.linear_layers is not None:
@@ -501,6 +505,20 @@ def _resolve_draft_model(spec: SpeculativeConfig, target: ModelConfig, device: s
                          "encoder): choose a decoder with attention layers only")
     return dataclasses.replace(spec, model=str(files.path), draft_model_config=draft,
                               draft_quantization=_quantization("auto", files, device))
+
+
+def _check_kv_offload(gib: float, prefix_caching: bool, mc: ModelConfig) -> None:
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib < 1 << 20:
+        raise ValueError(f"kv_offload_gib must be a number of GiB >= 0; got {gib!r}")
+    if not prefix_caching:
+        raise ValueError("kv_offload_gib keeps the blocks the prefix cache evicts: it needs the prefix cache "
+                         "(enable_prefix_caching, a generating model)")
+    if mc.layer_windows is not None and any(w is not None for w in mc.layer_windows):
+        raise ValueError(f"kv_offload_gib is not supported for {mc.architecture}'s sliding-window layers yet "
+                         "(their cache gives back blocks a window passed): leave it 0")
+    if mc.linear_layers is not None:
+        raise ValueError(f"kv_offload_gib is not supported for {mc.architecture}'s linear-attention layers yet "
+                         "(a hit also needs their recurrent state): leave it 0")
 
 
 def _resolve_eagle3(spec: SpeculativeConfig, target: ModelConfig, download_dir: str | None) -> SpeculativeConfig:

@@ -32,6 +32,7 @@ from ember.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutp
 from ember.runner.sampler import TokenLogprobs
 from ember.runner.tensor_parallel import WorkerFailed
 from ember.scheduler.block_pool import BlockPool
+from ember.scheduler.host_tier import HostKVTier
 from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler, SchedulerOutput
 from ember.scheduler.sliding_window import shared_window
@@ -99,8 +100,9 @@ class EngineCore:
         snapshots = None
         if config.enable_prefix_caching and config.model_config.linear_layers is not None:
             snapshots = StateSnapshots(self.runner.num_state_snapshots, config.block_size)
+        host = HostKVTier(self.runner.num_host_blocks) if config.kv_offload_gib else None
         self.scheduler = Scheduler(self.block_pool, config, self.prefix_cache,
-                                   shared_window(config.model_config.layer_windows), snapshots)
+                                   shared_window(config.model_config.layer_windows), snapshots, host)
         self.structured = StructuredOutputManager.for_config(config, tokenizer)
         self.in_flight: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back

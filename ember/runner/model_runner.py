@@ -191,6 +191,12 @@ class ModelRunner:
         # zeroed: padded block-table entries and the null block are read (then masked), never NaN
         self.kv_cache = _zeros(shape, config.kv_cache_torch_dtype, self.device)
         self._attach_kv_cache()
+        # the host tier (scheduler/host_tier.py): slots of the same shape in host memory
+        self.num_host_blocks = int(config.kv_offload_gib * 2**30) // max(self.kv_bytes_per_block(), 1)
+        self.host_kv = None
+        if self.num_host_blocks:
+            self.host_kv = torch.zeros((*shape[:2], self.num_host_blocks, *shape[3:]), dtype=self.kv_cache.dtype,
+                                       pin_memory=self.device.type == "cuda")
         if self.drafter is not None:  # its own cache over the same block ids
             self.drafter.allocate_cache(self.num_blocks + self.num_null_blocks)
         self.sampler = Sampler(config.seed)
@@ -436,6 +442,8 @@ class ModelRunner:
         sampling; all n samples of a forking request share it. It is called once the forward
         and the LM head are queued, so on CUDA the CPU fills the masks while the GPU computes.
         Logprobs and prompt logprobs are computed here and read back by `collect`."""
+        if plan.kv_offloads or plan.kv_onloads:
+            self._move_kv(plan)
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         if self.drafter is not None:
@@ -523,6 +531,16 @@ class ModelRunner:
         if self.profile_steps:
             self.step_times["steps"] += 1
         return step
+
+    def _move_kv(self, plan: SchedulerOutput) -> None:
+        """The host tier's copies: evicted blocks out to their slots (before anything writes into
+        the blocks' new owners), then kept blocks back into the blocks a prefix hit took."""
+        if plan.kv_offloads:
+            blocks, slots = (list(x) for x in zip(*plan.kv_offloads))
+            self.host_kv[:, :, slots] = self.kv_cache[:, :, blocks].to("cpu")
+        if plan.kv_onloads:
+            slots, blocks = (list(x) for x in zip(*plan.kv_onloads))
+            self.kv_cache[:, :, blocks] = self.host_kv[:, :, slots].to(self.device, non_blocking=True)
 
     def _split_aux(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward's hidden states and, for an EAGLE-3 head, the target layers' it returns after them."""

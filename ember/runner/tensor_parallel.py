@@ -156,7 +156,7 @@ class TensorParallelRunner:
         self.num_blocks, self.weight_bytes = ready["num_blocks"], ready["weight_bytes"]
         self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
         self.max_num_seqs, self.all_reduce = ready["max_num_seqs"], ready["all_reduce"]
-        self.num_state_snapshots = ready["num_state_snapshots"]
+        self.num_state_snapshots, self.num_host_blocks = ready["num_state_snapshots"], ready["num_host_blocks"]
         self.graphs = RankGraphs(**ready["graphs"]) if ready["graphs"] is not None else None
 
     def _all_alive(self) -> bool:
@@ -243,7 +243,8 @@ class Worker:
                                          "capture_seconds": g.capture_seconds, "pool_bytes": g.pool_bytes}
         return {"num_blocks": r.num_blocks, "weight_bytes": r.weight_bytes, "activation_bytes": r.activation_bytes,
                 "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs, "graphs": graphs,
-                "all_reduce": self.all_reduce, "num_state_snapshots": r.num_state_snapshots}
+                "all_reduce": self.all_reduce, "num_state_snapshots": r.num_state_snapshots,
+                "num_host_blocks": r.num_host_blocks}
 
     def handle(self, message: tuple, next_message: Callable[[], tuple] | None = None) -> Any:
         """Rank 0's step output for ("collect",) (every rank computes it, the engine reads

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ember.scheduler.block_pool import BlockPool
+from ember.scheduler.host_tier import HostKVTier, block_hashes
 
 EVICT_BATCH_DIVISOR = 64  # an eviction frees at least 1/64 of the pool (when that much is evictable)
 
@@ -115,6 +116,7 @@ class RadixPrefixCache(PrefixCache):
         self.salted: dict[str, RadixNode] = {}  # each cache_salt's own tree
         self._clock = 0
         pool.evictor = self
+        self.host: HostKVTier | None = None  # where evicted blocks go instead of away (host_tier.py)
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -223,6 +225,9 @@ class RadixPrefixCache(PrefixCache):
         while num_blocks > 0:
             _, _, node = heapq.heappop(candidates)  # an IndexError here means the pool's count is wrong
             k = len(node.block_ids) if node.children else min(num_blocks, len(node.block_ids))
+            if self.host is not None:
+                for h, b in zip(self._chain_hashes(node)[-k:], node.block_ids[-k:]):
+                    self.host.offload(h, b)
             for b in reversed(node.block_ids[-k:]):
                 self.pool.uncache(b)
                 self.on_evict(b)
@@ -245,6 +250,17 @@ class RadixPrefixCache(PrefixCache):
                     heapq.heappush(candidates, (parent.last_access, id(parent), parent))
                 parent = parent.parent
         self.salted = {salt: root for salt, root in self.salted.items() if root.children}  # emptied salts go
+
+    def _chain_hashes(self, node: RadixNode) -> list[int]:
+        """host_tier.block_hashes of each block of `node`, from its tree's root."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        salt = next((s for s, root in self.salted.items() if root is node), None)
+        tokens = [t for n in reversed(path) for t in n.token_ids]
+        hashes = block_hashes(tokens, self.block_size, len(tokens) // self.block_size, salt)
+        return hashes[len(hashes) - len(path[0].block_ids):]
 
     def _live(self, node: RadixNode) -> bool:
         return node.block_ids[0] != self.pool.null_block

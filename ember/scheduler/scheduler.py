@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 from ember.config import EngineConfig
 from ember.request import Request, RequestStatus
 from ember.scheduler.block_pool import BlockPool
+from ember.scheduler.host_tier import HostKVTier, block_hashes
 from ember.scheduler.prefix_cache import NullPrefixCache, PrefixCache
 from ember.scheduler.sliding_window import FullContextBlocks, make_window_blocks
 from ember.scheduler.state_snapshots import NoStateSnapshots
@@ -109,6 +110,10 @@ class SchedulerOutput:
     state_restores: list[tuple[str, int]] = field(default_factory=list)
     state_saves: list[tuple[str, int]] = field(default_factory=list)
     short_of_blocks: bool = False  # running requests left out rather than preempt during a step in flight
+    # the host tier (host_tier.py): (device block, host slot) evicted blocks to keep, before the forward,
+    # then (host slot, device block) kept blocks a request's prefix hit takes back
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    kv_onloads: list[tuple[int, int]] = field(default_factory=list)
     launched: bool = False
     free_when_collected: list[int] = field(default_factory=list)  # blocks of requests that left meanwhile
 
@@ -123,17 +128,22 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_pool: BlockPool, config: EngineConfig, prefix_cache: PrefixCache | None = None,
-                 sliding_window: int | None = None, state_snapshots: NoStateSnapshots | None = None) -> None:
+                 sliding_window: int | None = None, state_snapshots: NoStateSnapshots | None = None,
+                 host_tier: HostKVTier | None = None) -> None:
         """`config`: the block size, seats, token budget, max_model_len, policy and (the CPU's)
         `attention_parity_len`: shrink prefill chunks deep in a long context, see `_chunk`.
         `sliding_window`: the largest window when every layer has one
         (`sliding_window.shared_window`), else None. `state_snapshots`: a model with recurrent
-        layers' snapshots of their state (state_snapshots.py), which its prefix-cache hits need."""
+        layers' snapshots of their state (state_snapshots.py), which its prefix-cache hits need.
+        `host_tier`: where the prefix cache's evicted blocks are kept (host_tier.py)."""
         self.policy = config.scheduling_policy  # one of EngineConfig's (fcfs, priority, lpm)
         self.pool = block_pool
         self.prefix_cache = prefix_cache or NullPrefixCache()
         self.snapshots = state_snapshots or NoStateSnapshots()
         self.prefix_cache.on_evict = self.snapshots.evicted  # a snapshot goes with its block
+        self.host = host_tier
+        if host_tier is not None:
+            self.prefix_cache.host = host_tier
         self.block_size = config.block_size
         self.window = make_window_blocks(config.block_size, sliding_window)
         self.null_block = block_pool.null_block
@@ -152,6 +162,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.host_hit_tokens = 0  # prompt tokens the host tier gave back at admission
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.spec = SpecDecodeCounts()  # speculative decoding's drafts and acceptance, since start
@@ -187,6 +198,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput(block_copies=self._pending_copies)
         self._pending_copies = []
+        if self.host is not None:
+            self.host.new_plan()
         budget = self.max_num_batched_tokens
         for req in self._by_policy(self.running):
             if budget == 0:
@@ -206,7 +219,7 @@ class Scheduler:
             req = self._next_waiting()
             if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
                 break
-            self._match_prefix(req)
+            onloads = self._match_prefix(req)
             n = self._chunk(req, budget)
             if self.whole_prompts and n < req.num_tokens:  # it waits for a step with room for all of it
                 self._release_blocks(req)
@@ -215,6 +228,10 @@ class Scheduler:
                 self._release_blocks(req)
                 break
             self._admitted(req)
+            if onloads:
+                plan.kv_onloads += onloads
+                self.host_hit_tokens += len(onloads) * self.block_size
+                self.host.num_onloaded += len(onloads)
             self.waiting.remove(req)
             self._grow(req, n)
             req.status = RequestStatus.RUNNING
@@ -228,6 +245,8 @@ class Scheduler:
             budget -= n
         if budget > 0 and not plan.preempted:
             self._add_drafts(plan, budget)
+        if self.host is not None:
+            plan.kv_offloads = self.host.take_offloads()  # those of evictions since the last plan too
         return plan
 
     def _add_drafts(self, plan: SchedulerOutput, budget: int) -> None:
@@ -292,13 +311,15 @@ class Scheduler:
                                                     -tokens[r.request_id], r.arrival_time))
         return self._by_policy(self.waiting)[0] if self.policy == "priority" else self.waiting[0]
 
-    def _match_prefix(self, req: Request) -> None:
+    def _match_prefix(self, req: Request) -> list[tuple[int, int]]:
         """Take the request's longest cached prefix as computed. At least one token is left
-        to compute (its logits give the next token); prompt logprobs need every position."""
+        to compute (its logits give the next token); prompt logprobs need every position.
+        Returns the (host slot, device block) copies of the part the host tier had."""
         if req.sampling_params.prompt_logprobs is not None:
-            return
+            return []
         tokens = req.cache_token_ids
-        hit = self.prefix_cache.match(tokens, (req.num_tokens - 1) // self.block_size, req.cache_salt).block_ids
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hit = self.prefix_cache.match(tokens, max_blocks, req.cache_salt).block_ids
         usable = self.snapshots.usable_hit(req, hit, self.window.usable_hit(hit, self.null_block))
         unseen = self.window.first_needed(usable * self.block_size)  # before the next query's window
         for cut in (usable, unseen):  # the request holds whole nodes: blocks unseen .. usable - 1
@@ -309,6 +330,16 @@ class Scheduler:
         req.num_released_blocks = unseen
         req.num_blocks_in_cache = usable
         req.num_computed_tokens = usable * self.block_size
+        if self.host is None or usable < len(hit) or usable >= max_blocks:
+            return []
+        hashes = block_hashes(tokens, self.block_size, max_blocks, req.cache_salt)[usable:]
+        slots = self.host.lookup(hashes)[:self.pool.num_available]
+        if not slots:
+            return []
+        blocks = self.pool.allocate(len(slots))  # may evict (and offload) others' idle blocks, never these slots
+        req.block_ids = req.block_ids + blocks
+        req.num_computed_tokens += len(blocks) * self.block_size
+        return list(zip(slots, blocks))
 
     def _admitted(self, req: Request) -> None:
         self.prefix_cache_queries += req.num_tokens

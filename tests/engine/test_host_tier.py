@@ -1,0 +1,96 @@
+"""The host-memory tier under the prefix cache (--kv-offload-gib, scheduler/host_tier.py) on the
+default model's batch-invariant path: a conversation whose first turn the small device pool
+evicted gets its blocks back from host memory on the next turn, and its tokens and logprobs are
+bit for bit the run without the tier (which recomputes them); the tier's LRU and pins; an abort
+while blocks load leaves nothing held."""
+
+from __future__ import annotations
+
+import pytest
+from invariance import assert_same, results
+from sampling import greedy
+
+from ember import LLM
+from ember.request import Request
+from ember.scheduler.host_tier import HostKVTier, block_hashes
+
+pytestmark = pytest.mark.slow
+
+SMALL = dict(num_kv_blocks=24, max_model_len=320)  # 384 tokens of KV: one long conversation at a time
+FIRST = ("You are a careful assistant. Here is a story to remember: " + "The lighthouse keeper counted ships "
+         "every night, wrote their names in a blue book, and waved at the last one before dawn. " * 3)
+OTHERS = [f"Write a list of {n} fruits and their colours, one per line, starting with apples. " * 12
+          for n in ("ten", "twelve", "fifteen")]
+
+
+@pytest.fixture(scope="module")
+def engines(gguf_path, live_engines):
+    plain = LLM(str(gguf_path), **SMALL)
+    block = plain.engine.runner.kv_bytes_per_block()
+    tier = LLM(str(gguf_path), **SMALL, kv_offload_gib=64 * block / 2**30)  # 64 host blocks
+    live_engines += [plain, tier]
+    yield plain, tier
+    for llm in (plain, tier):
+        live_engines.remove(llm)
+
+
+def conversation(llm: LLM) -> tuple[list, int]:
+    """Turn 1, three other prompts that push its blocks out of the device pool, turn 2 (turn 1's
+    prompt and answer and a question): every output, and turn 2's cached tokens."""
+    tok, params = llm.get_tokenizer(), greedy(24, ignore_eos=True, logprobs=0)
+    first = tok.encode(FIRST)
+    outs = llm.generate([{"prompt_token_ids": first}], params)
+    for other in OTHERS:
+        outs += llm.generate([{"prompt_token_ids": tok.encode(other)}], params)
+    second = first + list(outs[0].outputs[0].token_ids) + tok.encode(" Which colour was the book?")
+    outs += llm.generate([{"prompt_token_ids": second}], params)
+    return outs, outs[-1].num_cached_tokens
+
+
+def test_an_evicted_turn_comes_back_from_host_memory_and_changes_nothing(engines):
+    plain, tier = engines
+    want, cached_plain = conversation(plain)
+    got, cached_tier = conversation(tier)
+    assert_same(results(got), results(want), "host tier")
+    sched = tier.engine.scheduler
+    assert cached_plain == 0  # without the tier the first turn was evicted and is recomputed
+    assert cached_tier == sched.host_hit_tokens > 16 * 4 and sched.host.num_onloaded == cached_tier // 16
+    assert sched.host.num_offloaded >= sched.host.num_onloaded
+    tier.engine.check_idle()
+    tier.engine.prefix_cache.check_integrity()
+
+
+def test_an_abort_while_blocks_load_holds_nothing(engines):
+    plain, tier = engines
+    conversation(tier)  # the tier holds the first turn's blocks, the pool the last prompts'
+    core, tok = tier.engine, tier.get_tokenizer()
+    for other in OTHERS:  # push the conversation out of the device pool again
+        tier.generate([{"prompt_token_ids": tok.encode(other + " Again.")}], greedy(4))
+    req = Request("loading", tok.encode(FIRST) + tok.encode(" And the ships?"), greedy(8))
+    before = core.scheduler.host_hit_tokens
+    core.add_request(req)
+    core.step()  # admitted: its blocks are copied back in this step
+    assert core.scheduler.host_hit_tokens > before
+    core.abort_request("loading")
+    while core.has_unfinished_requests():
+        core.step()
+    assert req.block_ids == []
+    core.check_idle()
+    core.prefix_cache.check_integrity()
+
+
+def test_the_tier_keeps_the_most_recently_used_and_never_a_slot_a_plan_reads():
+    tier = HostKVTier(2)
+    tier.offload(11, block_id=5)
+    tier.offload(22, block_id=6)
+    tier.offload(11, block_id=7)  # held already: only marked recently used
+    assert tier.take_offloads() == [(5, 0), (6, 1)]
+    assert tier.lookup([22]) == [1]  # used, and pinned for the plan being built
+    tier.offload(33, block_id=8)  # the least recently used unpinned slot goes: 11's
+    assert tier.take_offloads() == [(8, 0)] and set(tier.slots) == {22, 33}
+    tier.offload(44, block_id=9)  # 22 is pinned: 33's slot goes
+    assert tier.take_offloads() == [(9, 0)] and set(tier.slots) == {22, 44}
+    tier.new_plan()
+    assert tier.lookup([99, 22]) == []  # a run from the first block only
+    a, b = block_hashes([1, 2, 3, 4], 2, 2, None), block_hashes([1, 2, 3, 4], 2, 2, "salt")
+    assert a[0] != b[0] and block_hashes([9, 9, 3, 4], 2, 2, None)[1] != a[1]  # salts and prefixes part keys
