@@ -398,6 +398,9 @@ class AsyncEngine:
         iteration.prefix_cache_queries = step.stats.prefix_cache_queries - before.prefix_cache_queries
         iteration.prefix_cache_hits = step.stats.prefix_cache_hits - before.prefix_cache_hits
         after = step.stats
+        iteration.host_hit_tokens = after.host_hit_tokens - before.host_hit_tokens
+        iteration.host_bytes_to_host = after.host_bytes_to_host - before.host_bytes_to_host
+        iteration.host_bytes_to_device = after.host_bytes_to_device - before.host_bytes_to_device
         if after.spec_num_drafts != before.spec_num_drafts:  # speculative decoding
             iteration.spec_num_drafts = after.spec_num_drafts - before.spec_num_drafts
             iteration.spec_num_draft_tokens = after.spec_num_draft_tokens - before.spec_num_draft_tokens

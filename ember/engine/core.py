@@ -208,7 +208,16 @@ class EngineCore:
                            prefix_cache_hits=sched.prefix_cache_hits, spec_num_drafts=sched.spec.num_drafts,
                            spec_num_draft_tokens=sched.spec.num_draft_tokens,
                            spec_num_accepted_tokens=sched.spec.num_accepted_tokens,
-                           spec_accepted_per_position=tuple(sched.spec.accepted_per_position))
+                           spec_accepted_per_position=tuple(sched.spec.accepted_per_position),
+                           **self._host_stats())
+
+    def _host_stats(self) -> dict[str, int]:
+        host = self.scheduler.host
+        if host is None:
+            return {}
+        block = self.runner.kv_cache_bytes // self.runner.num_blocks  # a block of every layer (one rank's)
+        return dict(host_hit_tokens=self.scheduler.host_hit_tokens, host_bytes_to_host=host.num_offloaded * block,
+                    host_bytes_to_device=host.num_onloaded * block)
 
     # -- operations (the server's /reset_prefix_cache, /start_profile, /sleep, ...) ------------
 

@@ -35,6 +35,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # the host tier under the prefix cache (--kv-offload-gib), since start
+    host_hit_tokens: int = 0  # prompt tokens it gave back at admission
+    host_bytes_to_host: int = 0  # evicted blocks kept
+    host_bytes_to_device: int = 0  # kept blocks loaded back
 
     @property
     def kv_cache_usage(self) -> float:
@@ -65,6 +69,9 @@ class IterationStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    host_hit_tokens: int = 0
+    host_bytes_to_host: int = 0
+    host_bytes_to_device: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)

@@ -6,7 +6,8 @@ Counters: prompt_tokens_total, generation_tokens_total, request_success_total{fi
     (stop, length, abort: the client left or the server stopped it, error: it failed in the
     engine), num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total (in tokens),
     and with speculative decoding spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
-    spec_decode_num_accepted_tokens_total, spec_decode_num_accepted_tokens_per_pos_total{position}
+    spec_decode_num_accepted_tokens_total, spec_decode_num_accepted_tokens_per_pos_total{position},
+    and with --kv-offload-gib kv_offload_hits_total (tokens), kv_offload_bytes_total{direction}
 Histograms (seconds): time_to_first_token, inter_token_latency, e2e_request_latency,
     request_queue_time, request_prefill_time, request_decode_time
 
@@ -75,6 +76,9 @@ class PrometheusStatLogger:
         self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Speculative decoding: drafts accepted at each draft position.",
                                              ("position",))
+        self.host_hits = counter("kv_offload_hits", "Prompt tokens loaded back from the host tier (--kv-offload-gib).")
+        self.host_bytes = counter("kv_offload_bytes", "Bytes of KV moved between the device pool and the host tier.",
+                                  ("direction",))
         self.success = counter("request_success", "Requests that finished, by finish reason.", ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a sample.",
@@ -105,6 +109,11 @@ class PrometheusStatLogger:
             self.spec_accepted.labels(m).inc(it.spec_num_accepted_tokens)
             for position, n in enumerate(it.spec_accepted_per_position):
                 self.spec_accepted_per_pos.labels(m, str(position)).inc(n)
+        if it.host_hit_tokens:
+            self.host_hits.labels(m).inc(it.host_hit_tokens)
+        for direction, n in (("to_host", it.host_bytes_to_host), ("to_device", it.host_bytes_to_device)):
+            if n:
+                self.host_bytes.labels(m, direction).inc(n)
         for t in it.time_to_first_tokens:
             self.ttft.labels(m).observe(t)
         for t in it.inter_token_latencies:

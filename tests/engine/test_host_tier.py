@@ -56,6 +56,9 @@ def test_an_evicted_turn_comes_back_from_host_memory_and_changes_nothing(engines
     assert cached_plain == 0  # without the tier the first turn was evicted and is recomputed
     assert cached_tier == sched.host_hit_tokens > 16 * 4 and sched.host.num_onloaded == cached_tier // 16
     assert sched.host.num_offloaded >= sched.host.num_onloaded
+    stats, block = tier.engine.stats(), tier.engine.runner.kv_bytes_per_block()
+    assert (stats.host_hit_tokens, stats.host_bytes_to_device, stats.host_bytes_to_host) == (
+        cached_tier, sched.host.num_onloaded * block, sched.host.num_offloaded * block)  # /metrics reads these
     tier.engine.check_idle()
     tier.engine.prefix_cache.check_integrity()
 
