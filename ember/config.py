@@ -85,6 +85,11 @@ class EngineConfig:
         None, "the longest prompt + output in tokens (default: the model's context)",
         flags=("--max-model-len", "--context-length"))
     num_kv_blocks: int | None = flag(None, "the KV pool's size in blocks (vLLM's num_gpu_blocks_override)")
+    preemption_mode: Literal["recompute", "swap", "auto"] = flag(
+        "recompute", "how a preempted request keeps its KV: recompute (drop it, compute it again), swap (copy its "
+        "blocks to --swap-space GiB of host memory and back), auto (swap a context of 512 tokens or more, recompute "
+        "a shorter one)")
+    swap_space: float = flag(4.0, "GiB of host memory for --preemption-mode swap / auto (vLLM's swap_space)")
     kv_offload_gib: float = flag(0.0, "GiB of host memory that keep the KV blocks the prefix cache evicts, so a "
                                  "later request with that prefix loads them back instead of recomputing (0: off)")
     num_state_snapshots: int | None = flag(
@@ -307,6 +312,8 @@ class EngineConfig:
         defaults = scheduling_defaults(device, self.usage_context)
         async_scheduling = self.async_scheduling if self.async_scheduling is not None else \
             device == "cuda" and self.speculative_config is None
+        if self.preemption_mode != "recompute":
+            _check_swap(self.preemption_mode, self.swap_space, model_config, self.speculative_config)
         if self.kv_offload_gib:
             _check_kv_offload(self.kv_offload_gib, self.enable_prefix_caching and runner == "generate", model_config)
         if self.speculative_config is not None and runner != "generate":
@@ -505,6 +512,17 @@ def _resolve_draft_model(spec: SpeculativeConfig, target: ModelConfig, device: s
                          "encoder): choose a decoder with attention layers only")
     return dataclasses.replace(spec, model=str(files.path), draft_model_config=draft,
                               draft_quantization=_quantization("auto", files, device))
+
+
+def _check_swap(mode: str, gib: float, mc: ModelConfig, spec) -> None:
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < 1 << 20:
+        raise ValueError(f"swap_space must be a number of GiB > 0 for preemption_mode {mode!r}; got {gib!r}")
+    if (mc.layer_windows is not None and any(w is not None for w in mc.layer_windows)) or mc.linear_layers is not None:
+        raise ValueError(f"preemption_mode {mode!r} is not supported for {mc.architecture}'s sliding-window or "
+                         "linear-attention layers yet: use recompute")
+    if spec is not None and spec.method in ("draft_model", "eagle3"):
+        raise ValueError(f"preemption_mode {mode!r} does not swap a drafter's own KV cache yet: use recompute with "
+                         "a draft model or an EAGLE-3 head")
 
 
 def _check_kv_offload(gib: float, prefix_caching: bool, mc: ModelConfig) -> None:

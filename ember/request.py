@@ -60,6 +60,8 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None  # with finish_reason "error": what its client is told
     num_preemptions: int = 0
+    # preempted by swap: its blocks' host slots (swap_space.py) and the tokens they hold, until it resumes
+    swapped: tuple[list[int], int] | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -37,6 +37,7 @@ from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler, SchedulerOutput
 from ember.scheduler.sliding_window import shared_window
 from ember.scheduler.state_snapshots import StateSnapshots
+from ember.scheduler.swap_space import SwapSpace
 from ember.spec_decode.ngram import NgramProposer
 from ember.spec_decode.proposer import Drafts
 from ember.structured.manager import StructuredOutputManager
@@ -101,8 +102,9 @@ class EngineCore:
         if config.enable_prefix_caching and config.model_config.linear_layers is not None:
             snapshots = StateSnapshots(self.runner.num_state_snapshots, config.block_size)
         host = HostKVTier(self.runner.num_host_blocks) if config.kv_offload_gib else None
+        swap = SwapSpace(self.runner.num_swap_blocks) if config.preemption_mode != "recompute" else None
         self.scheduler = Scheduler(self.block_pool, config, self.prefix_cache,
-                                   shared_window(config.model_config.layer_windows), snapshots, host)
+                                   shared_window(config.model_config.layer_windows), snapshots, host, swap)
         self.structured = StructuredOutputManager.for_config(config, tokenizer)
         self.in_flight: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back

@@ -192,11 +192,12 @@ class ModelRunner:
         self.kv_cache = _zeros(shape, config.kv_cache_torch_dtype, self.device)
         self._attach_kv_cache()
         # the host tier (scheduler/host_tier.py): slots of the same shape in host memory
-        self.num_host_blocks = int(config.kv_offload_gib * 2**30) // max(self.kv_bytes_per_block(), 1)
-        self.host_kv = None
-        if self.num_host_blocks:
-            self.host_kv = torch.zeros((*shape[:2], self.num_host_blocks, *shape[3:]), dtype=self.kv_cache.dtype,
-                                       pin_memory=self.device.type == "cuda")
+        # and preemption by swap (scheduler/swap_space.py)
+        block = max(self.kv_bytes_per_block(), 1)
+        self.num_host_blocks = int(config.kv_offload_gib * 2**30) // block
+        self.num_swap_blocks = int(config.swap_space * 2**30) // block if config.preemption_mode != "recompute" else 0
+        self.host_kv = self._host_blocks(shape, self.num_host_blocks)
+        self.swap_kv = self._host_blocks(shape, self.num_swap_blocks)
         if self.drafter is not None:  # its own cache over the same block ids
             self.drafter.allocate_cache(self.num_blocks + self.num_null_blocks)
         self.sampler = Sampler(config.seed)
@@ -442,7 +443,7 @@ class ModelRunner:
         sampling; all n samples of a forking request share it. It is called once the forward
         and the LM head are queued, so on CUDA the CPU fills the masks while the GPU computes.
         Logprobs and prompt logprobs are computed here and read back by `collect`."""
-        if plan.kv_offloads or plan.kv_onloads:
+        if plan.kv_offloads or plan.kv_onloads or plan.swap_outs or plan.swap_ins:
             self._move_kv(plan)
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
@@ -532,15 +533,25 @@ class ModelRunner:
             self.step_times["steps"] += 1
         return step
 
+    def _host_blocks(self, shape: tuple[int, ...], n: int) -> torch.Tensor | None:
+        """n blocks of the pool's shape in host memory (pinned for the GPU's copies)."""
+        if not n:
+            return None
+        return torch.zeros((*shape[:2], n, *shape[3:]), dtype=self.kv_cache.dtype,
+                           pin_memory=self.device.type == "cuda")
+
     def _move_kv(self, plan: SchedulerOutput) -> None:
-        """The host tier's copies: evicted blocks out to their slots (before anything writes into
-        the blocks' new owners), then kept blocks back into the blocks a prefix hit took."""
-        if plan.kv_offloads:
-            blocks, slots = (list(x) for x in zip(*plan.kv_offloads))
-            self.host_kv[:, :, slots] = self.kv_cache[:, :, blocks].to("cpu")
-        if plan.kv_onloads:
-            slots, blocks = (list(x) for x in zip(*plan.kv_onloads))
-            self.kv_cache[:, :, blocks] = self.host_kv[:, :, slots].to(self.device, non_blocking=True)
+        """Host memory's copies: blocks out to their slots (the host tier's evicted ones, the
+        swapped-out requests'), before anything writes into the blocks' new owners; then
+        blocks back in (a prefix hit's from the host tier, a resumed request's)."""
+        for pairs, host in ((plan.kv_offloads, self.host_kv), (plan.swap_outs, self.swap_kv)):
+            if pairs:
+                blocks, slots = (list(x) for x in zip(*pairs))
+                host[:, :, slots] = self.kv_cache[:, :, blocks].to("cpu")
+        for pairs, host in ((plan.kv_onloads, self.host_kv), (plan.swap_ins, self.swap_kv)):
+            if pairs:
+                slots, blocks = (list(x) for x in zip(*pairs))
+                self.kv_cache[:, :, blocks] = host[:, :, slots].to(self.device, non_blocking=True)
 
     def _split_aux(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward's hidden states and, for an EAGLE-3 head, the target layers' it returns after them."""

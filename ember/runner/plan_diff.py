@@ -33,6 +33,8 @@ class PlanDiff:
     state_saves: list[tuple[str, int]] = field(default_factory=list)
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)  # the host tier's copies, as they are
     kv_onloads: list[tuple[int, int]] = field(default_factory=list)
+    swap_outs: list[tuple[int, int]] = field(default_factory=list)
+    swap_ins: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -61,7 +63,8 @@ class PlanEncoder:
 
     def encode(self, plan: SchedulerOutput) -> PlanDiff:
         diff = PlanDiff(block_copies=plan.block_copies, state_restores=plan.state_restores,
-                        state_saves=plan.state_saves, kv_offloads=plan.kv_offloads, kv_onloads=plan.kv_onloads)
+                        state_saves=plan.state_saves, kv_offloads=plan.kv_offloads, kv_onloads=plan.kv_onloads,
+                        swap_outs=plan.swap_outs, swap_ins=plan.swap_ins)
         for c in plan.chunks:
             req = c.request
             new_outputs, new_blocks, whole = self._delta(req, diff.new)
@@ -103,7 +106,8 @@ class PlanDecoder:
     def decode(self, diff: PlanDiff) -> SchedulerOutput:
         self._take(diff.new)
         plan = SchedulerOutput(block_copies=diff.block_copies, state_restores=diff.state_restores,
-                               state_saves=diff.state_saves, kv_offloads=diff.kv_offloads, kv_onloads=diff.kv_onloads)
+                               state_saves=diff.state_saves, kv_offloads=diff.kv_offloads, kv_onloads=diff.kv_onloads,
+                               swap_outs=diff.swap_outs, swap_ins=diff.swap_ins)
         for request_id, num_new, start, samples, pending, outputs, blocks, whole, drafts in diff.chunks:
             req = self._apply(request_id, outputs, blocks, whole)
             req.num_computed_tokens, req.num_pending_tokens = start, pending

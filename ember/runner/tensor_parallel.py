@@ -157,6 +157,7 @@ class TensorParallelRunner:
         self.activation_bytes, self.kv_cache_bytes = ready["activation_bytes"], ready["kv_cache_bytes"]
         self.max_num_seqs, self.all_reduce = ready["max_num_seqs"], ready["all_reduce"]
         self.num_state_snapshots, self.num_host_blocks = ready["num_state_snapshots"], ready["num_host_blocks"]
+        self.num_swap_blocks = ready["num_swap_blocks"]
         self.graphs = RankGraphs(**ready["graphs"]) if ready["graphs"] is not None else None
 
     def _all_alive(self) -> bool:
@@ -244,7 +245,7 @@ class Worker:
         return {"num_blocks": r.num_blocks, "weight_bytes": r.weight_bytes, "activation_bytes": r.activation_bytes,
                 "kv_cache_bytes": r.kv_cache_bytes, "max_num_seqs": r.max_num_seqs, "graphs": graphs,
                 "all_reduce": self.all_reduce, "num_state_snapshots": r.num_state_snapshots,
-                "num_host_blocks": r.num_host_blocks}
+                "num_host_blocks": r.num_host_blocks, "num_swap_blocks": r.num_swap_blocks}
 
     def handle(self, message: tuple, next_message: Callable[[], tuple] | None = None) -> Any:
         """Rank 0's step output for ("collect",) (every rank computes it, the engine reads

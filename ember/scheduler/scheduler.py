@@ -78,6 +78,7 @@ from ember.scheduler.host_tier import HostKVTier, block_hashes
 from ember.scheduler.prefix_cache import NullPrefixCache, PrefixCache
 from ember.scheduler.sliding_window import FullContextBlocks, make_window_blocks
 from ember.scheduler.state_snapshots import NoStateSnapshots
+from ember.scheduler.swap_space import SWAP_MIN_TOKENS, SwapSpace
 
 LPM_MAX_PASSED_OVER = 32
 LPM_MAX_QUEUE = 128  # a longer queue is taken in arrival order: lpm looks up every waiting request
@@ -114,6 +115,10 @@ class SchedulerOutput:
     # then (host slot, device block) kept blocks a request's prefix hit takes back
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)
     kv_onloads: list[tuple[int, int]] = field(default_factory=list)
+    # preemption by swap (swap_space.py): (device block, slot) of the requests it preempts, (slot,
+    # device block) of those it resumes
+    swap_outs: list[tuple[int, int]] = field(default_factory=list)
+    swap_ins: list[tuple[int, int]] = field(default_factory=list)
     launched: bool = False
     free_when_collected: list[int] = field(default_factory=list)  # blocks of requests that left meanwhile
 
@@ -129,19 +134,23 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_pool: BlockPool, config: EngineConfig, prefix_cache: PrefixCache | None = None,
                  sliding_window: int | None = None, state_snapshots: NoStateSnapshots | None = None,
-                 host_tier: HostKVTier | None = None) -> None:
+                 host_tier: HostKVTier | None = None, swap_space: SwapSpace | None = None) -> None:
         """`config`: the block size, seats, token budget, max_model_len, policy and (the CPU's)
         `attention_parity_len`: shrink prefill chunks deep in a long context, see `_chunk`.
         `sliding_window`: the largest window when every layer has one
         (`sliding_window.shared_window`), else None. `state_snapshots`: a model with recurrent
         layers' snapshots of their state (state_snapshots.py), which its prefix-cache hits need.
-        `host_tier`: where the prefix cache's evicted blocks are kept (host_tier.py)."""
+        `host_tier`: where the prefix cache's evicted blocks are kept (host_tier.py).
+        `swap_space`: where preempted requests' blocks go with preemption_mode swap / auto."""
         self.policy = config.scheduling_policy  # one of EngineConfig's (fcfs, priority, lpm)
         self.pool = block_pool
         self.prefix_cache = prefix_cache or NullPrefixCache()
         self.snapshots = state_snapshots or NoStateSnapshots()
         self.prefix_cache.on_evict = self.snapshots.evicted  # a snapshot goes with its block
         self.host = host_tier
+        self.swap = swap_space
+        self.preemption_mode = config.preemption_mode
+        self.num_swapped = 0  # preemptions by swap (the rest recomputed)
         if host_tier is not None:
             self.prefix_cache.host = host_tier
         self.block_size = config.block_size
@@ -200,6 +209,8 @@ class Scheduler:
         self._pending_copies = []
         if self.host is not None:
             self.host.new_plan()
+        if self.swap is not None:
+            self.swap.new_plan()
         budget = self.max_num_batched_tokens
         for req in self._by_policy(self.running):
             if budget == 0:
@@ -219,7 +230,10 @@ class Scheduler:
             req = self._next_waiting()
             if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
                 break
-            onloads = self._match_prefix(req)
+            swap_ins = self._swap_in(req) if req.swapped is not None else None
+            if swap_ins is None and req.swapped is not None:
+                break  # its blocks do not fit yet
+            onloads = self._match_prefix(req) if swap_ins is None else []
             n = self._chunk(req, budget)
             if self.whole_prompts and n < req.num_tokens:  # it waits for a step with room for all of it
                 self._release_blocks(req)
@@ -228,6 +242,10 @@ class Scheduler:
                 self._release_blocks(req)
                 break
             self._admitted(req)
+            if swap_ins:
+                plan.swap_ins += swap_ins
+                self.swap.give_back(req.swapped[0])
+                req.swapped = None
             if onloads:
                 plan.kv_onloads += onloads
                 self.host_hit_tokens += len(onloads) * self.block_size
@@ -341,6 +359,16 @@ class Scheduler:
         req.num_computed_tokens += len(blocks) * self.block_size
         return list(zip(slots, blocks))
 
+    def _swap_in(self, req: Request) -> list[tuple[int, int]] | None:
+        """A request preempted by swap takes blocks for what it had computed, which come back
+        from their slots (None: not enough blocks yet)."""
+        slots, computed = req.swapped
+        if len(slots) > self.pool.num_available:
+            return None
+        req.block_ids = self.pool.allocate(len(slots))
+        req.num_computed_tokens, req.num_blocks_in_cache, req.num_released_blocks = computed, 0, 0
+        return list(zip(slots, req.block_ids))
+
     def _admitted(self, req: Request) -> None:
         self.prefix_cache_queries += req.num_tokens
         self.prefix_cache_hits += req.num_computed_tokens
@@ -399,7 +427,7 @@ class Scheduler:
                 plan.short_of_blocks = True
                 return False
             victim = self._victim({c.request.request_id for c in plan.chunks})
-            self._preempt(victim)
+            self._preempt(victim, plan)
             plan.preempted.append(victim)
             if victim is req:
                 return False
@@ -411,9 +439,16 @@ class Scheduler:
         if need > 0:
             req.block_ids += self.pool.allocate(need)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
         assert not req.num_steps_in_flight, "no preemption while a step computes for the request (see _reserve)"
         self.running.remove(req)
+        if self.swap is not None and (self.preemption_mode == "swap" or req.num_computed_tokens >= SWAP_MIN_TOKENS):
+            n = self.blocks_for(req.num_computed_tokens)
+            slots = self.swap.take(n) if n else None
+            if slots is not None:  # copied out before this step's forward writes into the blocks' new owners
+                plan.swap_outs += list(zip(req.block_ids[:n], slots))
+                req.swapped = slots, req.num_computed_tokens
+                self.num_swapped += 1
         self._release_blocks(req)
         self.snapshots.release(req.request_id)
         req.draft_token_ids = []
@@ -552,6 +587,9 @@ class Scheduler:
             self.waiting.remove(req)
         self._free_blocks(req, req.block_ids[req.num_released_blocks:])
         req.block_ids, req.num_released_blocks = [], 0
+        if req.swapped is not None:  # it left while swapped out
+            self.swap.give_back(req.swapped[0])
+            req.swapped = None
         self.snapshots.release(req.request_id)
         req.finish(reason, stop_reason, status)
         del self.requests[req.request_id]

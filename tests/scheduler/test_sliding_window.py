@@ -184,7 +184,7 @@ def test_abort_and_preemption_give_back_exactly_the_blocks_still_held():
     s.add_request(a)
     step(s)
     assert a.num_released_blocks == 2 and s.pool.num_in_use == 2
-    s._preempt(a)  # what running out of blocks does
+    s._preempt(a, SchedulerOutput())  # what running out of blocks does
     assert a.block_ids == [] and a.num_released_blocks == 0 and s.pool.num_free == 16
     check(s)
     step(s)  # readmitted: computes its 14 tokens again
