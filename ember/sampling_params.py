@@ -140,6 +140,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # prompt logprobs from this prompt position on (SGLang's logprob_start_len): the positions
+    # before it get None and may come from the prefix cache
+    prompt_logprobs_start: int = 0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
@@ -189,6 +192,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 0), name, value, "None or an integer >= 0")
+        _check(_is_int(self.prompt_logprobs_start) and self.prompt_logprobs_start >= 0, "prompt_logprobs_start",
+               self.prompt_logprobs_start, "an integer >= 0 (a prompt position)")
         _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             _is_int(t) and t >= 0 and _is_real(b) for t, b in self.logit_bias.items())), "logit_bias",
             self.logit_bias, "a dict of token id (integer >= 0) -> finite bias")

@@ -10,7 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "ember"
 # the layers, bottom up; the top-level modules (config, defaults, request, ...) are outside them
 LAYERS = {"kernels": 0, "distributed": 1, "layers": 2, "models": 3, "loader": 3, "scheduler": 3, "structured": 3,
-          "parsers": 3, "spec_decode": 3, "multimodal": 3, "runner": 4, "engine": 5, "server": 6, "router": 6, "bench": 6}
+          "parsers": 3, "spec_decode": 3, "multimodal": 3, "runner": 4, "engine": 5, "server": 6, "router": 6, "bench": 6,
+          "lang": 6}
 
 
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:

@@ -188,7 +188,9 @@ class OutputProcessor:
             sample.cumulative_logprob += t.logprob
 
     def _add_prompt_logprobs(self, group: _Group, first_position: int, tokens: list[TokenLogprobs]) -> None:
-        # a preempted request recomputes its prompt: keep only positions not seen yet
+        # a preempted request recomputes its prompt: keep only positions not seen yet; a
+        # prefix-cache hit before prompt_logprobs_start leaves its positions None
+        group.prompt_logprobs.extend([None] * (first_position - len(group.prompt_logprobs)))
         for position, t in enumerate(tokens, start=first_position):
             if position == len(group.prompt_logprobs):
                 group.prompt_logprobs.append(self._logprob_dict(t))

@@ -331,12 +331,15 @@ class Scheduler:
 
     def _match_prefix(self, req: Request) -> list[tuple[int, int]]:
         """Take the request's longest cached prefix as computed. At least one token is left
-        to compute (its logits give the next token); prompt logprobs need every position.
+        to compute (its logits give the next token); prompt logprobs need every position from
+        their start on (the logits before it: a hit ends before that position's predecessor).
         Returns the (host slot, device block) copies of the part the host tier had."""
-        if req.sampling_params.prompt_logprobs is not None:
-            return []
-        tokens = req.cache_token_ids
         max_blocks = (req.num_tokens - 1) // self.block_size
+        if req.sampling_params.prompt_logprobs is not None:
+            max_blocks = min(max_blocks, max(req.sampling_params.prompt_logprobs_start - 1, 0) // self.block_size)
+            if max_blocks == 0:
+                return []
+        tokens = req.cache_token_ids
         hit = self.prefix_cache.match(tokens, max_blocks, req.cache_salt).block_ids
         usable = self.snapshots.usable_hit(req, hit, self.window.usable_hit(hit, self.null_block))
         unseen = self.window.first_needed(usable * self.block_size)  # before the next query's window
