@@ -1,14 +1,16 @@
-"""SGLang's sampling parameters (its `sampling_params` dict: max_new_tokens, regex,
-json_schema, ...) as ember's SamplingParams: what SGLang's native `/generate` takes
-(server/sglang_api.py) and what ember.lang's programs ask for, one mapping for both so a
-program gives the same tokens in-process and over HTTP. A name ember does not honour is
-refused by name, never dropped."""
+"""SGLang's shapes of a request and its result: its sampling parameters (the
+`sampling_params` dict: max_new_tokens, regex, json_schema, ...) as ember's SamplingParams,
+and a RequestOutput's finish reason and logprobs as SGLang's meta_info writes them. What
+SGLang's native `/generate` takes and returns (server/sglang_api.py) and what ember.lang's
+programs ask for, one mapping for both, so a program gives the same tokens in-process and
+over HTTP. A name ember does not honour is refused by name, never dropped."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 
 # SGLang's name -> SamplingParams' (the same meaning)
@@ -58,3 +60,28 @@ def sampling_params_from_sglang(fields: dict[str, Any] | None) -> SamplingParams
             value = json.dumps(value)
         kwargs["structured_outputs"] = StructuredOutputsParams(**{kind: value})
     return SamplingParams(**kwargs)
+
+
+def finish_reason(out: RequestOutput) -> dict[str, Any] | None:
+    """SGLang's finish_reason of a request's sample: {"type": "stop", "matched": the stop
+    string or token id} or {"type": "length", "length": its tokens}."""
+    sample = out.outputs[0]
+    if sample.finish_reason == "length":
+        return {"type": "length", "length": len(sample.token_ids)}
+    if sample.finish_reason == "stop":
+        matched = sample.stop_reason if sample.stop_reason is not None else \
+            (sample.token_ids[-1] if sample.token_ids else None)
+        return {"type": "stop", "matched": matched}
+    return None if sample.finish_reason is None else {"type": sample.finish_reason}
+
+
+def token_logprobs(out: RequestOutput, with_text: bool, top_n: int) -> tuple[list, list]:
+    """(output_token_logprobs, output_top_logprobs) in SGLang's tuples: (logprob, id, text or None)."""
+    sample = out.outputs[0]
+    chosen, tops = [], []
+    for token, entry in zip(sample.token_ids, sample.logprobs or []):
+        lp = entry[token]
+        chosen.append((lp.logprob, token, lp.decoded_token if with_text else None))
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top_n]
+        tops.append([(e.logprob, t, e.decoded_token if with_text else None) for t, e in ranked])
+    return chosen, tops

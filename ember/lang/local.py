@@ -20,7 +20,7 @@ from ember.lang.backend import Backend, GenResult, ScoreResult
 from ember.outputs import RequestOutput
 from ember.request import Request
 from ember.sampling_params import SamplingParams
-from ember.sglang_params import sampling_params_from_sglang
+from ember.sglang_params import finish_reason, sampling_params_from_sglang, token_logprobs
 
 OnOutput = Callable[[RequestOutput], None]
 
@@ -228,31 +228,6 @@ class LocalBackend(Backend):
     def shutdown(self) -> None:
         if isinstance(self.driver, _AsyncDriver):
             self.driver.shutdown()
-
-
-def finish_reason(out: RequestOutput) -> dict[str, Any] | None:
-    """SGLang's finish_reason of a request's sample: {"type": "stop", "matched": the stop
-    string or token id} or {"type": "length", "length": its tokens}."""
-    sample = out.outputs[0]
-    if sample.finish_reason == "length":
-        return {"type": "length", "length": len(sample.token_ids)}
-    if sample.finish_reason == "stop":
-        matched = sample.stop_reason if sample.stop_reason is not None else \
-            (sample.token_ids[-1] if sample.token_ids else None)
-        return {"type": "stop", "matched": matched}
-    return None if sample.finish_reason is None else {"type": sample.finish_reason}
-
-
-def token_logprobs(out: RequestOutput, with_text: bool, top_n: int) -> tuple[list, list]:
-    """(output_token_logprobs, output_top_logprobs) in SGLang's tuples: (logprob, id, text or None)."""
-    sample = out.outputs[0]
-    chosen, tops = [], []
-    for token, entry in zip(sample.token_ids, sample.logprobs or []):
-        lp = entry[token]
-        chosen.append((lp.logprob, token, lp.decoded_token if with_text else None))
-        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top_n]
-        tops.append([(e.logprob, t, e.decoded_token if with_text else None) for t, e in ranked])
-    return chosen, tops
 
 
 def gen_result(out: RequestOutput, logprobs: dict[str, Any]) -> GenResult:

@@ -25,7 +25,7 @@ from ember.server import protocol as p
 from ember.server.limits import RequestLimits
 from ember.server.serving import ERRORS, APIError, ServerState, final_outputs, prepare, submit, until_disconnected
 
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate")
 EMBEDDING_ROUTES = ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/pooling",
                     "/classify")  # retrieval.py's too
 

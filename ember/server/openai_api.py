@@ -54,6 +54,7 @@ from ember.server.middleware import OPEN_PATHS, APIKeyMiddleware, BodyMiddleware
 from ember.server.operations import add_operation_routes
 from ember.server.retrieval import add_retrieval_routes
 from ember.server.serving import ERRORS, CORSOptions, ServerConfig, ServerState
+from ember.server.sglang_api import add_sglang_routes
 from ember.server.tokens import add_token_routes
 
 logger = logging.getLogger("ember.server")
@@ -127,6 +128,7 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     add_stored_response_routes(app)
     add_completion_routes(app, state)
     add_operation_routes(app, state, config.profiler_dir)
+    add_sglang_routes(app, state)
     document_errors(app)
     return app
 

@@ -121,7 +121,7 @@ def test_bad_embedding_requests_get_400(servers, body, words, param):
 
 def test_each_runner_refuses_the_others_routes(servers):
     pooling, generating = servers
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
         assert_openai_error(post(pooling, path, {"model": MODEL, "prompt": "hi"}), 400,
                             f"this server computes embeddings (--runner pooling): {path} needs a server "
                             "started without --runner pooling")

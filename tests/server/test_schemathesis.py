@@ -26,7 +26,7 @@ from servers import KEY, Server, running  # noqa: E402
 pytestmark = pytest.mark.slow
 
 # the operations routes change the server (sleep, reset the cache, profile): test_operations.py tests them
-STATEFUL = ("/sleep", "/wake_up", "/start_profile", "/stop_profile", "/reset_prefix_cache")
+STATEFUL = ("/sleep", "/wake_up", "/start_profile", "/stop_profile", "/reset_prefix_cache", "/flush_cache")
 NO_INPUT = ("/ping", "/classify", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel")
 EXAMPLES = 30  # a route and a mode: with the server's start, under a minute in all
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
