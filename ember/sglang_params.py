@@ -19,7 +19,8 @@ RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_s
 SAME = ("n", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
         "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "logit_bias")
 CONSTRAINTS = {"regex": "regex", "json_schema": "json", "ebnf": "grammar", "structural_tag": "structural_tag"}
-# SGLang's names taken at the value that is ember's behaviour, refused at any other
+# SGLang's names taken at the value that is ember's behaviour (or, where that is None, at a value
+# that asks for nothing: no stop regexes), refused at any other
 AT_DEFAULT = {"spaces_between_special_tokens": True, "stream_interval": None, "custom_params": None,
               "stop_regex": None}
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -34,7 +35,8 @@ def sampling_params_from_sglang(fields: dict[str, Any] | None) -> SamplingParams
         raise ValueError(f"sampling_params field(s) {', '.join(unknown)} are not supported by ember: leave them out")
     for name, default in AT_DEFAULT.items():
         value = fields.pop(name, None)
-        if value is not None and value != default:
+        asks_nothing = value == default if default is not None else value in (None, (), [], "", {})
+        if not asks_nothing and value is not None:
             raise ValueError(f"sampling_params.{name} is not supported by ember (only {default!r}): leave it out")
     kwargs: dict[str, Any] = {"max_tokens": DEFAULT_MAX_NEW_TOKENS}
     constraint = {}

@@ -23,6 +23,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 import ember
+from ember.loader.tokenizer import Tokenizer
 from ember.outputs import RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.server.limits import MAX_STOP_CHARS, RequestLimits
@@ -110,20 +111,21 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
                 except ValueError as e:
                     raise APIError(400, str(e), param="sampling_params") from None
                 _check_limits(params, item, limits)
-                top = item["top_logprobs_num"] or 0
-                if item["return_logprob"]:
-                    params.logprobs = top
-                    start = item["logprob_start_len"]
-                    if start is not None and start >= 0:
-                        params.prompt_logprobs, params.prompt_logprobs_start = top, start
                 rid = item["rid"] if item["rid"] is not None else f"generate-{next(ids)}"
-                requests.append(engine.inputs.make_request(rid, item["prompt"], params))
+                req = engine.inputs.make_request(rid, item["prompt"], params)
+                if item["return_logprob"]:  # SGLang's default start (None, -1): the prompt's last token
+                    start = item["logprob_start_len"]
+                    item["logprob_start_len"] = req.num_prompt_tokens - 1 if start is None or start < 0 else start
+                    top = item["top_logprobs_num"] or 0
+                    params.logprobs, params.prompt_logprobs = top, top
+                    params.prompt_logprobs_start = item["logprob_start_len"]
+                requests.append(req)
             return requests
 
         requests = await prepare(engine, make)
         started = time.monotonic()
         streams = submit(engine, requests)
-        with_text = body.return_text_in_logprobs
+        with_text = engine.inputs.tokenizer if body.return_text_in_logprobs else None
         if body.stream:
             return sse(_stream(streams, items[0], requests[0], with_text, started), streams)
         outs = await until_disconnected(raw, final_outputs(streams), streams)
@@ -152,7 +154,7 @@ def add_sglang_routes(app: FastAPI, state: ServerState) -> None:
                 "internal_states": [{"num_running_requests": stats.num_running,
                                      "num_waiting_requests": stats.num_waiting}]}
 
-    @app.post("/flush_cache", response_class=PlainTextResponse, responses=ERRORS)
+    @app.api_route("/flush_cache", methods=["GET", "POST"], response_class=PlainTextResponse, responses=ERRORS)
     async def flush_cache() -> PlainTextResponse:
         engine = state.ready_engine()
         if not await engine.call("reset_prefix_cache"):
@@ -175,38 +177,38 @@ def _check_limits(params: SamplingParams, item: dict[str, Any], limits: RequestL
         raise APIError(400, f"a stop string has at most {MAX_STOP_CHARS} characters", param="stop")
 
 
-async def _stream(streams, item: dict[str, Any], request, with_text: bool, started: float) -> AsyncIterator[str]:
+async def _stream(streams, item: dict[str, Any], request, tokenizer: Tokenizer | None, started: float) -> AsyncIterator[str]:
     """SSE events of the text so far (SGLang's: each event the whole text), then [DONE]."""
     sent = Sent()
     async for _, out in merge(streams):
         new_text(out.outputs[0], sent, request.sampling_params)
-        answer = _answer(out, item, with_text, started, out.outputs[0].text[:sent.text])
+        answer = _answer(out, item, tokenizer, started, out.outputs[0].text[:sent.text])
         yield f"data: {json.dumps(answer)}\n\n"
     yield "data: [DONE]\n\n"
 
 
-def _answer(out: RequestOutput, item: dict[str, Any], with_text: bool, started: float, text: str) -> dict[str, Any]:
-    """SGLang's response to one prompt: text, output_ids and meta_info."""
+def _answer(out: RequestOutput, item: dict[str, Any], tokenizer: Tokenizer | None, started: float,
+            text: str) -> dict[str, Any]:
+    """SGLang's response to one prompt: text, output_ids and meta_info (logprobs as
+    (logprob, token id, its text where `tokenizer` is given, else None) tuples)."""
     sample = out.outputs[0]
     meta: dict[str, Any] = {"id": out.request_id, "finish_reason": finish_reason(out) if out.finished else None,
                             "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(sample.token_ids),
                             "cached_tokens": out.num_cached_tokens, "e2e_latency": time.monotonic() - started}
     if item["return_logprob"]:
         top = item["top_logprobs_num"] or 0
-        chosen, tops = token_logprobs(out, with_text, top)
+        chosen, tops = token_logprobs(out, tokenizer is not None, top)
         meta["output_token_logprobs"] = chosen
         meta["output_top_logprobs"] = tops if top else None
-        start = item["logprob_start_len"]
-        if start is not None and start >= 0:
-            inputs, input_tops = [], []
-            for position, token in enumerate(out.prompt_token_ids[start:], start=start):
-                entry = (out.prompt_logprobs or [None])[position] if position < len(out.prompt_logprobs or []) \
-                    else None
-                lp = entry[token] if entry is not None else None
-                inputs.append((None if lp is None else lp.logprob, token,
-                               (lp.decoded_token if lp is not None else None) if with_text else None))
-                ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top] if entry is not None else []
-                input_tops.append([(e.logprob, t, e.decoded_token if with_text else None) for t, e in ranked])
-            meta["input_token_logprobs"] = inputs
-            meta["input_top_logprobs"] = input_tops if top else None
+        word = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: None)
+        entries = out.prompt_logprobs or []
+        inputs, input_tops = [], []
+        for position, token in enumerate(out.prompt_token_ids[item["logprob_start_len"]:],
+                                         start=item["logprob_start_len"]):
+            entry = entries[position] if position < len(entries) else None
+            inputs.append((None if entry is None else entry[token].logprob, token, word(token)))
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top] if entry is not None else []
+            input_tops.append([(e.logprob, t, word(t)) for t, e in ranked])
+        meta["input_token_logprobs"] = inputs
+        meta["input_top_logprobs"] = input_tops if top else None
     return {"text": text, "output_ids": list(sample.token_ids), "meta_info": meta}
