@@ -113,7 +113,7 @@ class StreamExecutor:
         return self.messages_
 
     def fork(self, size: int) -> list[StreamExecutor]:
-        if size > 1 and (self.pending or self.tokens):
+        if size > 1:  # the worker may not have reached the text yet: it decides whether there is any
             self.submit(CommitPrefix())
         self.sync()
         self._raise()
@@ -190,8 +190,8 @@ class StreamExecutor:
             self.variables[expr.name] = self.text_[self.variables[expr.name]:]
             self.variable_event[expr.name].set()
         elif isinstance(expr, CommitPrefix):
-            self._flush()
-            self.backend.prefill(self.tokens)
+            if self.pending or self.tokens:
+                self.backend.prefill(self._flush())
         elif isinstance(expr, Concatenate):
             for state in expr.states:
                 child = state.stream_executor
@@ -493,7 +493,8 @@ def run_program_batch(func: Callable[..., Any], backend: Backend, batch: list[di
     threads = min(64 if num_threads == "auto" else int(num_threads), len(batch))
     if threads < 1:
         raise ValueError(f"num_threads must be >= 1 or 'auto'; got {num_threads!r}")
-    states = [ProgramState(StreamExecutor(backend, sampling, logprobs, False)) for _ in batch]
+    states: list[ProgramState | None] = [None] * len(batch)  # made when their program starts
+    states[0] = ProgramState(StreamExecutor(backend, sampling, logprobs, False))
     bar = None
     if progress_bar:
         from tqdm import tqdm
@@ -501,6 +502,8 @@ def run_program_batch(func: Callable[..., Any], backend: Backend, batch: list[di
         bar = tqdm(total=len(batch))
 
     def one(i: int) -> None:
+        if states[i] is None:
+            states[i] = ProgramState(StreamExecutor(backend, sampling, logprobs, False))
         _run_in(states[i], func, (), batch[i])
         if bar is not None:
             bar.update()
@@ -513,7 +516,7 @@ def run_program_batch(func: Callable[..., Any], backend: Backend, batch: list[di
             f.result()
     if bar is not None:
         bar.close()
-    return states
+    return states  # type: ignore[return-value]
 
 
 def _run_in(state: ProgramState, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:

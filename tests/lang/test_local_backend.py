@@ -212,3 +212,28 @@ def test_streaming_text_iter(backend):
     pieces = list(state.text_iter("rest"))
     assert "".join(pieces) == state["rest"] and len(pieces) > 1
     assert state.text() == "Once upon a time" + state["rest"]
+
+
+def test_an_async_engine_backend_gives_the_llms_outputs(gguf_path, backend):
+    from conftest import EXACT
+
+    from ember.config import EngineConfig
+    from ember.engine.async_engine import AsyncEngine
+
+    @sgl.function
+    def chat(s, ask):
+        s += sgl.user(ask)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=6, temperature=0))
+        s += sgl.user("Sure?") + sgl.assistant(sgl.select("sure", choices=["Yes", "No"]))
+
+    engine = AsyncEngine(EngineConfig(model=str(gguf_path), **EXACT))
+    on_engine = sgl.LocalBackend(engine)
+    try:
+        asks = [{"ask": "Name a fruit."}, {"ask": "Name a tree."}]
+        for a, b in zip(chat.run_batch(asks, backend=backend), chat.run_batch(asks, backend=on_engine)):
+            assert b.error() is None and a.token_ids() == b.token_ids()
+            assert (a["answer"], a["sure"]) == (b["answer"], b["sure"])
+        assert on_engine.flush_cache()
+    finally:
+        on_engine.shutdown()
+        engine.stop()
