@@ -42,12 +42,17 @@ def test_generate_text_and_batches_of_ids_with_logprobs(server, client):
 def test_generate_streams_the_text_so_far(server):
     body = {"text": FRANCE, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     whole = post(server, "/generate", body).json()["text"]
-    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True, "return_logprob": True},
+                      timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as r:
         events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
     assert events[-1] == "[DONE]" and len(events) > 2
-    texts = [json.loads(e)["text"] for e in events[:-1]]
-    assert texts[-1] == whole and all(whole.startswith(t) for t in texts)
+    answers = [json.loads(e) for e in events[:-1]]
+    assert answers[-1]["text"] == whole and all(whole.startswith(a["text"]) for a in answers)
+    last = answers[-1]["meta_info"]
+    assert len(last["output_token_logprobs"]) == last["completion_tokens"] == len(answers[-1]["output_ids"])
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": FRANCE}, headers={"Authorization": f"Bearer {KEY}"}
+                     ).json()["tokens"]
+    assert [e[1] for e in last["input_token_logprobs"]] == ids[-1:]  # SGLang's default start: the last prompt token
 
 
 def test_fields_ember_does_not_honour_are_refused_by_name(server):
