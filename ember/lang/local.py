@@ -126,6 +126,20 @@ class _LLMDriver:
                 self.llm.processor.abort(req.request_id)
 
 
+_llm_drivers_lock = threading.Lock()
+
+
+def _llm_driver(llm: Any) -> _LLMDriver:
+    """The one driver of `llm`, kept on it: backends on the same LLM share it (one thread
+    steps its core)."""
+    with _llm_drivers_lock:
+        driver = getattr(llm, "_ember_lang_driver", None)
+        if driver is None:
+            driver = _LLMDriver(llm)
+            llm._ember_lang_driver = driver
+        return driver
+
+
 class _AsyncDriver:
     """Runs an AsyncEngine's requests as tasks on an event loop of its own thread."""
 
@@ -163,7 +177,7 @@ class LocalBackend(Backend):
         self.engine = engine
         self.inputs = engine.inputs
         self.tokenizer = engine.inputs.require_tokenizer()
-        self.driver = _AsyncDriver(engine) if isinstance(engine, AsyncEngine) else _LLMDriver(engine)
+        self.driver = _AsyncDriver(engine) if isinstance(engine, AsyncEngine) else _llm_driver(engine)
         self._ids = itertools.count()
 
     # -- the tokenizer and the chat template ------------------------------------------------
