@@ -8,6 +8,8 @@ tokens sent and found cached, per arm.
                  items through run_batch; against the same prompts scored one by one
   multi-turn     --chats conversations x 4 turns: the share of each turn's history (turns
                  2-4) found in the prefix cache
+  json           --items records extracted as JSON: one gen(json_schema) against a var_scope
+                 of one regex gen a field (every output parsed and checked)
 
     python benchmarks/scripts/frontend_bench.py [--url http://127.0.0.1:8000 --api-key K]
 """
@@ -58,6 +60,27 @@ def chat(s, topic):
     for i, ask in enumerate((f"Tell me about {topic}.", "Why?", "Give an example.", "Summarize.")):
         s += sgl.user(ask)
         s += sgl.assistant(sgl.gen(f"turn{i}", max_tokens=24, temperature=0))
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                          "age": {"type": "integer"}, "city": {"type": "string", "maxLength": 20}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+PEOPLE = ["Ada Lovelace, 36, lived in London.", "Alan Turing, 41, worked in Manchester.",
+          "Grace Hopper, 85, was born in New York.", "Edsger Dijkstra, 72, taught in Austin."]
+
+
+@sgl.function
+def extract_schema(s, text):
+    s += f"Text: {text}\nThe person as JSON: " + sgl.gen("json", max_tokens=48, temperature=0, json_schema=PERSON)
+
+
+@sgl.function
+def extract_fields(s, text):
+    s += f"Text: {text}\nThe person as JSON: "
+    with s.var_scope("json"):
+        s += '{"name": "' + sgl.gen("name", max_tokens=12, temperature=0, regex=r"[A-Za-z .]{1,20}") + '", '
+        s += '"age": ' + sgl.gen("age", max_tokens=4, temperature=0, regex=r"[0-9]{1,3}") + ", "
+        s += '"city": "' + sgl.gen("city", max_tokens=12, temperature=0, regex=r"[A-Za-z .]{1,20}") + '"}'
 
 
 def counts(states, names) -> tuple[int, int]:
@@ -125,6 +148,13 @@ def main() -> None:
             return states, ["turn0", "turn1", "turn2", "turn3"]
 
         arm("multi-turn: run_batch", backend, turns)
+        people = [{"text": PEOPLE[i % 4]} for i in range(args.items)]
+        for label, program, names in (("json: one gen(json_schema)", extract_schema, ["json"]),
+                                      ("json: var_scope of 3 regex gens", extract_fields, ["name", "age", "city"])):
+            done: list = []
+            arm(label, backend, lambda: (done.extend(program.run_batch(people, backend=backend)) or done, names))
+            parsed = [json.loads(state["json"]) for state in done]
+            assert all(set(p) == {"name", "age", "city"} and isinstance(p["age"], int) for p in parsed), parsed
         history = reused = 0  # each of turns 2-4: the earlier turns' tokens, and those found cached
         for state in states:
             for i in (1, 2, 3):
