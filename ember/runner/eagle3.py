@@ -23,9 +23,26 @@ from ember.loader.safetensors import iter_pt, iter_safetensors
 from ember.loader.weights import load_weights
 from ember.models.eagle3 import Eagle3Head, default_aux_layers, head_tensor_name
 from ember.request import Request
+from ember.runner.cuda_graph import DecodeGraphs
 from ember.runner.draft_model import DraftCache
 from ember.runner.sampler import to_device
 from ember.scheduler.scheduler import SchedulerOutput
+
+
+class _DraftStep(nn.Module):
+    """A draft step as DecodeGraphs captures a model: the features come from a static buffer;
+    out: normed | prenorm."""
+
+    def __init__(self, head: Eagle3Head, embed: nn.Module, max_rows: int) -> None:
+        super().__init__()
+        self.head, self.embed = head, embed
+        size = head.config.hidden_size
+        self.feature = torch.zeros(max_rows, size, dtype=head.model.norm.weight.dtype,
+                                   device=head.model.norm.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        normed, prenorm = self.head(self.embed(input_ids), self.feature[:input_ids.shape[0]], positions, meta)
+        return torch.cat([normed, prenorm], dim=-1)
 
 
 class Eagle3Drafter(DraftCache):
@@ -55,6 +72,14 @@ class Eagle3Drafter(DraftCache):
         self.weight_bytes = model_weight_bytes(self.model)
         # request id -> (the position of its first row not through the head, those rows' features)
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}
+        self.graphs: DecodeGraphs | None = None  # the draft steps (one row a request), on CUDA
+        self.step: _DraftStep | None = None
+
+    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """CUDA graphs of a draft step at the decode batch sizes (after the cache exists)."""
+        self.step = _DraftStep(self.model, self.embed, max_num_seqs)
+        self.graphs = DecodeGraphs(self.step, max_num_seqs, max_blocks_per_seq, self.device)
+        self.graphs.capture()
 
     def _weights(self, tensors):
         for name, tensor in tensors:
@@ -111,7 +136,8 @@ class Eagle3Drafter(DraftCache):
     def _run(self, runs: list[tuple[Request, int, torch.Tensor]], tables: torch.Tensor,
              tokens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows through the head, each run a request's rows from its position `first` on (token
-        p + 1 at position p, unless `tokens` gives them); (normed, prenorm) at each run's last row."""
+        p + 1 at position p, unless `tokens` gives them: a draft step, one row a request, which
+        replays a CUDA graph where one is captured); (normed, prenorm) at each run's last row."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -134,6 +160,10 @@ class Eagle3Drafter(DraftCache):
                                  seq_lens=lens.to(torch.int32), block_tables=tables,
                                  query_lens_cpu=[len(f) for _, _, f in runs], seq_lens_cpu=ends)
         features = torch.cat([f for _, _, f in runs]) if n > 1 else runs[0][2]
+        if tokens is not None and self.graphs is not None and n <= self.graphs.max_batch:
+            self.step.feature[:n].copy_(features)
+            out = self.graphs.run(ids_t, pos_t, slot_t, meta.seq_lens, tables)
+            return out[:, :features.shape[1]].contiguous(), out[:, features.shape[1]:]
         normed, prenorm = self.model(self.embed(ids_t), features, pos_t, meta)
         last = starts_t[1:] - 1
         return normed[last], prenorm[last]

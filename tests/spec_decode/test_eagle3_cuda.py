@@ -1,0 +1,50 @@
+"""EAGLE-3 on CUDA (-m gpu): a tiny random Llama target and a random head in vLLM's layout, float32;
+the head's draft steps replayed as CUDA graphs draft exactly what the eager head drafts, and the
+tokens are the same either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember import LLM
+from ember.bench.dummy_eagle3 import head_config, random_head, save_head
+from ember.request import Request
+from ember.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+PROMPTS = [[5, 9, 9, 9, 2, 9, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7], [3, 4] * 9]
+
+
+def drafted(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+    core = llm.engine
+    reqs = [Request(f"c{i}", p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        core.add_request(r)
+    proposals = []
+    while core.has_unfinished_requests():
+        core.step()
+        proposals += [list(r.draft_token_ids) for r in reqs if r.draft_token_ids]
+    core.check_idle()
+    return [list(r.output_token_ids) for r in reqs], proposals
+
+
+def test_graphed_draft_steps_draft_what_eager_ones_do(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096)).save_pretrained(tmp_path / "target")
+    config = head_config(128, 256, 128, [1, 4, 6], heads=4, kv_heads=2, intermediate=256)
+    save_head(tmp_path / "head", config, random_head(config, seed=1, embed=True))
+    spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    args = dict(dtype="float32", num_kv_blocks=64, max_model_len=256, seed=0, speculative_config=spec)
+    graphed = LLM(str(tmp_path / "target"), **args)
+    assert graphed.engine.runner.drafter.graphs is not None
+    eager = LLM(str(tmp_path / "target"), enforce_eager=True, **args)
+    tokens, proposals = drafted(graphed)
+    assert (tokens, proposals) == drafted(eager) and len(proposals) > 40
