@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from eagle3_heads import mode_head, reference_drafts, speculators_layout
+from engine_steps import abort_one_when
 from invariance import assert_same, results
 from sampling import greedy
 
@@ -162,14 +163,7 @@ def test_preempted_and_aborted_requests_hold_no_block(gguf_path, default_head, l
         assert spec.engine.scheduler.num_preemptions > 0
         core = spec.engine
         reqs = [Request(f"ab-{i}", p["prompt_token_ids"], greedy(30, ignore_eos=True)) for i, p in enumerate(prompts)]
-        for r in reqs:
-            core.add_request(r)
-        while not any(r.draft_token_ids for r in reqs):
-            core.step()
-        gone = next(r for r in reqs if r.draft_token_ids)
-        core.abort_request(gone.request_id)
-        while core.has_unfinished_requests():
-            core.step()
+        gone = abort_one_when(core, reqs, lambda r: bool(r.draft_token_ids))
         assert gone.finish_reason == "abort" and gone.block_ids == []
         assert all(len(r.output_token_ids) == 30 for r in reqs if r is not gone)
         assert core.runner.drafter.pending == {}

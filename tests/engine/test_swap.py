@@ -6,6 +6,7 @@ pool big enough; an abort while swapped out gives its slots back; auto recompute
 from __future__ import annotations
 
 import pytest
+from engine_steps import abort_one_when
 from invariance import assert_same, results
 from sampling import greedy
 
@@ -50,15 +51,8 @@ def test_an_abort_while_swapped_out_gives_its_slots_back(engines):
     _, swap = engines
     core, sched = swap.engine, swap.engine.scheduler
     reqs = [Request(f"sw-{i}", p["prompt_token_ids"], greedy(30, ignore_eos=True)) for i, p in enumerate(prompts(swap))]
-    for r in reqs:
-        core.add_request(r)
-    while not any(r.swapped for r in reqs):
-        core.step()
-    gone = next(r for r in reqs if r.swapped)
-    core.abort_request(gone.request_id)
+    gone = abort_one_when(core, reqs, lambda r: r.swapped is not None)
     assert gone.swapped is None and gone.finish_reason == "abort"
-    while core.has_unfinished_requests():
-        core.step()
     assert all(len(r.output_token_ids) == 30 for r in reqs if r is not gone)
     assert sched.swap.num_free == sched.swap.num_slots
     core.check_idle()
