@@ -29,6 +29,14 @@ from ember.runner.sampler import to_device
 from ember.scheduler.scheduler import SchedulerOutput
 
 
+def _rows_before(entry: tuple[int, torch.Tensor] | None, end: int) -> tuple[int, torch.Tensor] | None:
+    """Of pending rows (first position, features), those before position `end`; None if none."""
+    if entry is None:
+        return None
+    first, features = entry
+    return (first, features[:end - first]) if 0 < end - first <= len(features) else None
+
+
 class _DraftStep(nn.Module):
     """A draft step as DecodeGraphs captures a model: the features come from a static buffer;
     out: normed | prenorm."""
@@ -127,11 +135,7 @@ class Eagle3Drafter(DraftCache):
 
     def _kept(self, req: Request, end: int) -> tuple[int, torch.Tensor] | None:
         """A request's pending rows before position `end` (the rest were rejected drafts), taken out."""
-        entry = self.pending.pop(req.request_id, None)
-        if entry is None:
-            return None
-        first, features = entry
-        return (first, features[:end - first]) if 0 < end - first <= len(features) else None
+        return _rows_before(self.pending.pop(req.request_id, None), end)
 
     def _run(self, runs: list[tuple[Request, int, torch.Tensor]], tables: torch.Tensor,
              tokens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,10 +183,8 @@ class Eagle3Drafter(DraftCache):
             if limit < 1:
                 continue  # its rows wait for its next step's follow
             kept = self._kept(req, req.num_computed_tokens)
-            if kept is None and parents.get(getattr(req.parent, "request_id", None)) is not None:
-                first, features = parents[req.parent.request_id]  # a fork's first step: its parent's prompt rows
-                end = req.num_computed_tokens
-                kept = (first, features[:end - first]) if 0 < end - first <= len(features) else None
+            if kept is None and req.parent is not None:  # a fork's first step: its parent's prompt rows
+                kept = _rows_before(parents[req.parent.request_id], req.num_computed_tokens)
             if kept is None:
                 continue
             runs.append((req, *kept))
