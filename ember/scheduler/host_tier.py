@@ -33,8 +33,8 @@ class HostKVTier:
         self.free = list(range(num_slots - 1, -1, -1))
         self.pinned: set[int] = set()  # slots the plan being built reads
         self.offloads: list[tuple[int, int]] = []  # (device block, host slot) not yet handed to a plan
-        self.num_offloaded = 0  # blocks copied each way, and tokens matched here
-        self.num_onloaded = 0
+        self.num_offloaded = 0  # blocks copied to host slots, since start
+        self.num_onloaded = 0  # blocks copied back for admitted requests (the scheduler counts them)
 
     def offload(self, chain_hash: int, block_id: int) -> None:
         """An evicted block with this chain hash: kept (copied to a slot), unless the tier holds it."""
