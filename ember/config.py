@@ -40,6 +40,7 @@ def flag(default: Any, help: str, *, flags: tuple[str, ...] = (), action: str | 
     return field(default=default, metadata=dict(help=help, flags=flags, action=action, metavar=metavar, knob=knob))
 
 
+SWAP_SPACE_GIB = 4.0  # vLLM's default swap_space
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "float16", "bfloat16", "float32"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -89,7 +90,7 @@ class EngineConfig:
         "recompute", "how a preempted request keeps its KV: recompute (drop it, compute it again), swap (copy its "
         "blocks to --swap-space GiB of host memory and back), auto (swap a context of 512 tokens or more, recompute "
         "a shorter one)")
-    swap_space: float = flag(4.0, "GiB of host memory for --preemption-mode swap / auto (vLLM's swap_space)")
+    swap_space: float = flag(SWAP_SPACE_GIB, "GiB of host memory for --preemption-mode swap / auto (vLLM's swap_space)")
     kv_offload_gib: float = flag(0.0, "GiB of host memory that keep the KV blocks the prefix cache evicts, so a "
                                  "later request with that prefix loads them back instead of recomputing (0: off)")
     num_state_snapshots: int | None = flag(
@@ -314,6 +315,9 @@ class EngineConfig:
             device == "cuda" and self.speculative_config is None
         if self.preemption_mode != "recompute":
             _check_swap(self.preemption_mode, self.swap_space, model_config, self.speculative_config)
+        elif self.swap_space != SWAP_SPACE_GIB:
+            raise ValueError(f"swap_space ({self.swap_space!r} GiB) holds the blocks of requests preempted by swap: "
+                             "set preemption_mode 'swap' or 'auto' with it, or leave it out")
         if self.kv_offload_gib:
             _check_kv_offload(self.kv_offload_gib, self.enable_prefix_caching and runner == "generate", model_config)
         if self.speculative_config is not None and runner != "generate":

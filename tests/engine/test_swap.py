@@ -75,5 +75,7 @@ def test_auto_recomputes_a_short_context(gguf_path, live_engines, engines):
 def test_what_swap_does_not_cover_is_refused(gguf_path, tmp_path):
     with pytest.raises(ValueError, match="swap_space must be a number of GiB > 0"):
         LLM(str(gguf_path), preemption_mode="swap", swap_space=0)
+    with pytest.raises(ValueError, match="swap_space .2 GiB. holds the blocks of requests preempted by swap"):
+        LLM(str(gguf_path), swap_space=2)  # with recompute it would change nothing
     with pytest.raises(ValueError, match="preemption_mode must be one of recompute, swap, auto"):
         LLM(str(gguf_path), preemption_mode="sometimes")
