@@ -18,14 +18,13 @@ import torch
 from torch import nn
 
 from ember.config import EngineConfig
-from ember.distributed.parallel_state import tp_rank, tp_size
-from ember.distributed.sharding import shard_heads
 from ember.layers.attention import AttentionMetadata
 from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
 from ember.loader.model_files import load_model, locate_model
 from ember.models.config import ModelConfig
 from ember.request import Request
+from ember.runner.kv_heads import rank_kv_heads
 from ember.runner.sampler import to_device
 from ember.scheduler.scheduler import SchedulerOutput
 
@@ -45,8 +44,7 @@ class DraftCache:
     @property
     def num_kv_heads(self) -> int:
         """This rank's: the drafter is sharded as the target is (tensor parallelism)."""
-        mc = self.config
-        return mc.cache_kv_heads if mc.mla else shard_heads(mc.num_heads, mc.num_kv_heads, tp_rank(), tp_size()).num_kv_heads
+        return rank_kv_heads(self.config)
 
     def kv_bytes_per_block(self) -> int:
         mc = self.config

@@ -25,8 +25,7 @@ import torch
 
 from ember.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from ember.defaults import seats_that_fit
-from ember.distributed.parallel_state import min_over_ranks, tp_rank, tp_size
-from ember.distributed.sharding import shard_heads
+from ember.distributed.parallel_state import min_over_ranks
 from ember.layers.attention import AttentionMetadata
 from ember.layers.batch_invariant import make_batch_invariant
 from ember.layers.quant import model_weight_bytes
@@ -37,6 +36,7 @@ from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs, PiecewiseGraphs
 from ember.runner.draft_model import DraftCache, DraftModel
 from ember.runner.eagle3 import Eagle3Drafter
+from ember.runner.kv_heads import rank_kv_heads
 from ember.runner.multimodal import ImageEmbedder
 from ember.runner.pooler import Pooler
 from ember.runner.recurrent_state import RecurrentStates
@@ -95,13 +95,6 @@ class _Rows:
     start: int
     stop: int
     offset: int  # row - position
-
-
-def rank_kv_heads(mc: ModelConfig) -> int:
-    """The KV heads this rank's cache holds (all of them without tensor parallelism; MLA's one latent)."""
-    if mc.mla:
-        return mc.cache_kv_heads
-    return shard_heads(mc.num_heads, mc.num_kv_heads, tp_rank(), tp_size()).num_kv_heads
 
 
 def _num_kv_layers(mc: ModelConfig) -> int:
