@@ -98,11 +98,13 @@ class BlockPool:
         self.cached[block_id] = True
 
     def uncache(self, block_id: int) -> None:
-        """The prefix cache evicted this evictable block: it is free."""
-        assert self.cached[block_id] and self.ref_counts[block_id] == 0, f"block {block_id} is not evictable"
+        """The prefix cache let go of this block: an evictable one is free; one in use goes to
+        the free queue when its last holder frees it."""
+        assert self.cached[block_id], f"block {block_id} is not cached"
         self.cached[block_id] = False
-        self.num_evictable -= 1
-        self._free.append(block_id)
+        if self.ref_counts[block_id] == 0:
+            self.num_evictable -= 1
+            self._free.append(block_id)
 
     def check_integrity(self) -> None:
         free = set(self._free)

@@ -27,6 +27,14 @@ Rules that keep the accounting exact (`BlockPool`: free + in use + evictable == 
 - A request that computed a block the tree already holds (two requests with one prefix in
   flight at once) swaps its copy for the tree's block, which holds the same KV; one that
   computed a block where the tree has a hole fills the hole.
+- A finished request's last, partly filled block is kept as a partial leaf: fewer than
+  block_size tokens, one block, keyed by all its tokens (so a whole-block lookup never lands
+  on it). A later request whose next tokens begin the same way, after its whole-block hit,
+  copies that block, or the cached whole block agreeing longest, into a block of its own
+  (`match_partial`) and computes only the rest: a chat's next turn or a beam's next step
+  recomputes nothing, as a token-granular tree would. A partial leaf goes when eviction takes
+  it or a whole block that begins with its tokens is cached beside it (a copy in flight from
+  it keeps its block until the copying step is collected, outside the tree).
 """
 
 from __future__ import annotations
@@ -74,6 +82,17 @@ class PrefixCache(ABC):
     @abstractmethod
     def evict(self, num_blocks: int) -> None:
         """Free at least `num_blocks` evictable blocks, least recently used leaves first."""
+
+    def insert_partial(self, token_ids: Sequence[int], block_ids: list[int], salt: str | None = None) -> None:
+        """Cache a finished request's last, partly filled block `block_ids[-1]`, which holds
+        the KV of the tokens after the whole blocks `block_ids[:-1]` (already in the tree)."""
+
+    def match_partial(self, token_ids: Sequence[int], num_blocks: int, max_tokens: int,
+                      salt: str | None = None) -> tuple[int, int] | None:
+        """After a hit of `num_blocks` whole blocks: the cached block (partial or whole) whose
+        leading tokens agree longest with the next of `token_ids`, at most `max_tokens` of
+        them, as (block id, tokens that agree); None where none agrees. The caller copies it."""
+        return None
 
     def split(self, token_ids: Sequence[int], num_blocks: int, salt: str | None = None) -> None:
         """Cut the cached path of `token_ids` after its first `num_blocks` blocks: a request
@@ -157,7 +176,51 @@ class RadixPrefixCache(PrefixCache):
                 return
             node, i = child, i + n
 
+    def match_partial(self, token_ids: Sequence[int], num_blocks: int, max_tokens: int,
+                      salt: str | None = None) -> tuple[int, int] | None:
+        bs, start = self.block_size, num_blocks * self.block_size
+        node = self.root if salt is None else self.salted.get(salt, _EMPTY)
+        candidates = None
+        for child, n in self._walk(token_ids, num_blocks, salt):
+            node = child
+            if n < len(child.block_ids):  # the path goes on inside this node: its next block only
+                candidates = [(child, n)]
+        if candidates is None:
+            candidates = [(c, 0) for c in node.children.values()]
+        want = token_ids[start:start + min(bs, max_tokens)]
+        best, best_len = None, 0
+        for child, n in candidates:
+            agree = _common_length(child.token_ids[n * bs:(n + 1) * bs], want)
+            if agree > best_len and self._live(child):
+                best, best_len = (child, n), agree
+        if best is None:
+            return None
+        node, n = best
+        if n:
+            self._split(node, n)  # `node` now begins with the block
+        if len(node.block_ids) > 1:
+            node = self._split(node, 1)  # the caller holds the block: a node of its own (one ref count a node)
+        self._touch(node)
+        block = node.block_ids[0]
+        return block, best_len
+
     # -- changes --------------------------------------------------------------------------
+
+    def insert_partial(self, token_ids: Sequence[int], block_ids: list[int], salt: str | None = None) -> None:
+        bs = self.block_size
+        full = len(block_ids) - 1
+        assert 0 < len(token_ids) - full * bs < bs
+        node, walked = self._root(salt), 0
+        for child, n in self._walk(token_ids, full, salt):
+            node, walked = child, walked + n
+        if walked < full or (full and node.block_ids[-1] != block_ids[full - 1]):
+            return  # the whole blocks before it are not the tree's path (not expected: the caller holds them)
+        tail = tuple(token_ids[full * bs:])
+        if any(c.token_ids[:len(tail)] == tail for c in node.children.values()):
+            return  # a cached block already begins with these tokens
+        leaf = self._add(node, tail, [block_ids[full]])
+        self.pool.mark_cached(block_ids[full])
+        self._touch(leaf)
 
     def split(self, token_ids: Sequence[int], num_blocks: int, salt: str | None = None) -> None:
         for child, n in self._walk(token_ids, num_blocks, salt):
@@ -208,7 +271,14 @@ class RadixPrefixCache(PrefixCache):
 
     def _add(self, parent: RadixNode, token_ids: Sequence[int], block_ids: list[int]) -> RadixNode:
         node = RadixNode(tuple(token_ids), block_ids, parent=parent)
-        parent.children[node.token_ids[:self.block_size]] = node
+        first = node.token_ids[:self.block_size]
+        if len(first) == self.block_size:  # partial leaves this whole block begins like go (a copy
+            for key, leaf in list(parent.children.items()):  # in flight still holds its source)
+                if len(key) < self.block_size and first[:len(key)] == key:
+                    del parent.children[key]
+                    self.pool.uncache(leaf.block_ids[0])
+                    self.on_evict(leaf.block_ids[0])
+        parent.children[first] = node
         return node
 
     def evict(self, num_blocks: int) -> None:
@@ -225,7 +295,7 @@ class RadixPrefixCache(PrefixCache):
         while num_blocks > 0:
             _, _, node = heapq.heappop(candidates)  # an IndexError here means the pool's count is wrong
             k = len(node.block_ids) if node.children else min(num_blocks, len(node.block_ids))
-            if self.host is not None:
+            if self.host is not None and len(node.token_ids) >= self.block_size:  # (not a partial leaf)
                 for h, b in zip(self._chain_hashes(node)[-k:], node.block_ids[-k:]):
                     self.host.offload(h, b)
             for b in reversed(node.block_ids[-k:]):
@@ -302,7 +372,9 @@ class RadixPrefixCache(PrefixCache):
         bs, ref = self.block_size, self.pool.ref_counts
         seen: set[int] = set()
         for node in self._nodes():
-            assert node.block_ids and len(node.token_ids) == len(node.block_ids) * bs, "a node holds partial blocks"
+            partial_leaf = len(node.block_ids) == 1 and 0 < len(node.token_ids) < bs and not node.children
+            assert node.block_ids and (partial_leaf or len(node.token_ids) == len(node.block_ids) * bs), \
+                "a node holds partial blocks"
             assert node.parent.children[node.token_ids[:bs]] is node, "a node is not under its key"
             if not self._live(node):
                 assert set(node.block_ids) == {self.pool.null_block}, f"a hole holds blocks {node.block_ids}"
@@ -314,6 +386,13 @@ class RadixPrefixCache(PrefixCache):
                 assert self.pool.cached[b] and b not in seen, f"block {b} is cached twice or not marked"
                 seen.add(b)
         assert len(seen) == sum(self.pool.cached), "the pool marks blocks cached that the tree lacks"
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 _EMPTY = RadixNode((), [])  # the root of a salt nothing is cached under (never written to)

@@ -167,6 +167,10 @@ class Scheduler:
         # forked sample is admitted anew (a state is not shared as blocks are: its prompt comes
         # from the prefix cache's snapshot, where there is one)
         self.hold_seats = config.model_config is not None and config.model_config.linear_layers is not None
+        # a hit may end inside a block, copied from the cache's (prefix_cache.py): not where a window
+        # releases blocks, a state is kept at block ends only, or a drafter's cache may lag its last tokens
+        self.partial_hits = (sliding_window is None and state_snapshots is None and not self.whole_prompts
+                             and config.speculative_config is None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -233,15 +237,18 @@ class Scheduler:
             swap_ins = self._swap_in(req) if req.swapped is not None else None
             if swap_ins is None and req.swapped is not None:
                 break  # its blocks do not fit yet
-            onloads = self._match_prefix(req) if swap_ins is None else []
+            onloads, copy = self._match_prefix(req) if swap_ins is None else ([], None)
             n = self._chunk(req, budget)
-            if self.whole_prompts and n < req.num_tokens:  # it waits for a step with room for all of it
+            if ((self.whole_prompts and n < req.num_tokens)  # it waits for a step with room for all of it
+                    or self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available):
                 self._release_blocks(req)
-                break
-            if self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available:
-                self._release_blocks(req)
+                if copy is not None:
+                    self.pool.free([copy[0]])
                 break
             self._admitted(req)
+            if copy is not None:  # the source stays held until the step that copies it is collected
+                plan.block_copies.append(copy)
+                plan.free_when_collected.append(copy[0])
             if swap_ins:
                 plan.swap_ins += swap_ins
                 self.swap.give_back(req.swapped[0])
@@ -329,16 +336,18 @@ class Scheduler:
                                                     -tokens[r.request_id], r.arrival_time))
         return self._by_policy(self.waiting)[0] if self.policy == "priority" else self.waiting[0]
 
-    def _match_prefix(self, req: Request) -> list[tuple[int, int]]:
+    def _match_prefix(self, req: Request) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
         """Take the request's longest cached prefix as computed. At least one token is left
         to compute (its logits give the next token); prompt logprobs need every position from
         their start on (the logits before it: a hit ends before that position's predecessor).
-        Returns the (host slot, device block) copies of the part the host tier had."""
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        Returns the (host slot, device block) copies of the part the host tier had, and the
+        (cached block, own block) copy of a hit that ends inside a block (its source held)."""
+        max_tokens = req.num_tokens - 1
         if req.sampling_params.prompt_logprobs is not None:
-            max_blocks = min(max_blocks, max(req.sampling_params.prompt_logprobs_start - 1, 0) // self.block_size)
-            if max_blocks == 0:
-                return []
+            max_tokens = min(max_tokens, max(req.sampling_params.prompt_logprobs_start - 1, 0))
+        max_blocks = max_tokens // self.block_size
+        if max_tokens == 0:
+            return [], None
         tokens = req.cache_token_ids
         hit = self.prefix_cache.match(tokens, max_blocks, req.cache_salt).block_ids
         usable = self.snapshots.usable_hit(req, hit, self.window.usable_hit(hit, self.null_block))
@@ -351,9 +360,25 @@ class Scheduler:
         req.num_released_blocks = unseen
         req.num_blocks_in_cache = usable
         req.num_computed_tokens = usable * self.block_size
-        if self.host is None or usable < len(hit) or usable >= max_blocks:
+        onloads = self._host_hit(req, usable, max_blocks) if usable == len(hit) else []
+        if onloads or not self.partial_hits or not self.pool.num_available:
+            return onloads, None
+        found = self.prefix_cache.match_partial(tokens, usable, max_tokens - usable * self.block_size,
+                                                req.cache_salt)
+        if found is None:
+            return [], None
+        src, agree = found
+        self.pool.share([src])  # not evicted by the allocation below, nor reused before it is copied
+        req.block_ids = req.block_ids + self.pool.allocate(1)
+        req.num_computed_tokens += agree
+        return [], (src, req.block_ids[-1])
+
+    def _host_hit(self, req: Request, usable: int, max_blocks: int) -> list[tuple[int, int]]:
+        """The blocks after a device hit of `usable` that the host tier has: taken as computed,
+        as (host slot, device block) copies."""
+        if self.host is None or usable >= max_blocks:
             return []
-        hashes = block_hashes(tokens, self.block_size, max_blocks, req.cache_salt)[usable:]
+        hashes = block_hashes(req.cache_token_ids, self.block_size, max_blocks, req.cache_salt)[usable:]
         slots = self.host.lookup(hashes)[:self.pool.num_available]
         if not slots:
             return []
@@ -415,6 +440,18 @@ class Scheduler:
             self._free_blocks(req, [b for b in new if b not in blocks])  # a launched step may still read them
             req.num_blocks_in_cache = full
             self.snapshots.keyed(req)  # states saved where these blocks end
+
+    def _cache_partial_block(self, req: Request) -> None:
+        """A leaving request's last, partly filled block goes to the prefix cache, so a request
+        that goes on from its tokens (a chat's next turn, a beam's next step) copies it."""
+        if not self.partial_hits:
+            return
+        # its tokens whose KV a launched step writes; not the last known one (a step in flight for
+        # a request that ends is not relied on, as in update)
+        full, partial = divmod(min(req.num_computed_tokens, req.num_known_tokens - 1), self.block_size)
+        if partial and full == req.num_blocks_in_cache and len(req.block_ids) > full:
+            self.prefix_cache.insert_partial(req.cache_token_ids[:full * self.block_size + partial],
+                                             req.block_ids[:full + 1], req.cache_salt)
 
     def _victim(self, scheduled: set[str]) -> Request:
         """The last request in policy order that has no tokens in this step yet. Running
@@ -588,6 +625,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if status is not RequestStatus.FAILED:
+            self._cache_partial_block(req)
         self._free_blocks(req, req.block_ids[req.num_released_blocks:])
         req.block_ids, req.num_released_blocks = [], 0
         if req.swapped is not None:  # it left while swapped out

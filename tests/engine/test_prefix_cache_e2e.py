@@ -2,11 +2,13 @@
 cached-token counts equal to what a plain longest-common-prefix computation expects.
 
 A token has KV once the model has run on it: every prompt token, and every output token
-but the last (sampled, never fed back). A later prompt can reuse whole 16-token blocks of
-that, and always computes its own last token.
+but the last (sampled, never fed back). A later prompt reuses the longest prefix it shares
+with that, to the token (whole 16-token blocks, then a copy of the cached block it ends in),
+and always computes its own last token.
 """
 
 import pytest
+from cached_tokens import expected_cached, kv_tokens
 
 from ember import SamplingParams
 
@@ -27,21 +29,6 @@ def cache_off(extra_llm):
     return extra_llm(enable_prefix_caching=False)
 
 
-def kv_tokens(out) -> list[int]:
-    return out.prompt_token_ids + out.outputs[0].token_ids[:-1]
-
-
-def expected_cached(prompt: list[int], earlier: list[list[int]]) -> int:
-    """Whole blocks of the longest prefix shared with anything cached, leaving the last token."""
-    best = 0
-    for seen in earlier:
-        n = 0
-        while n < min(len(seen), len(prompt)) and seen[n] == prompt[n]:
-            n += 1
-        best = max(best, n)
-    return min(best, len(prompt) - 1) // BLOCK * BLOCK
-
-
 def test_shared_prefix_batches_give_the_same_tokens_with_the_cache_on_and_off(cache_on, cache_off):
     params = SamplingParams(temperature=0, max_tokens=12)
     prompts = [f"{SYSTEM}\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
@@ -54,7 +41,7 @@ def test_shared_prefix_batches_give_the_same_tokens_with_the_cache_on_and_off(ca
     seen = [kv_tokens(o) for o in first]
     cached = [o.num_cached_tokens for o in second]
     assert cached == [expected_cached(o.prompt_token_ids, seen) for o in second]
-    assert cached[0] == (len(second[0].prompt_token_ids) - 1) // BLOCK * BLOCK  # an exact repeat
+    assert cached[0] == len(second[0].prompt_token_ids) - 1  # an exact repeat: all but its last token
     assert min(cached[3:]) >= 64, "the shared system prompt is reused"
     assert all(o.num_cached_tokens == 0 for o in off)
 

@@ -75,6 +75,42 @@ def test_match_stops_at_max_blocks_and_at_a_partial_block():
     check(pool, cache)
 
 
+def test_a_partial_leaf_and_a_whole_block_answer_a_hit_that_ends_inside_a_block():
+    pool, cache = cache_with(block_size=4)
+    whole = pool.allocate(2)  # [0, 1]: 1 2 3 4 | 5 6 7 8
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], whole)
+    head = pool.allocate(1)  # [2]: 1 2 3 4 computed again by a request that goes on with 5 6 9
+    cache.insert([1, 2, 3, 4], head)
+    done = head + pool.allocate(1)  # its blocks, the last partly filled
+    assert done == [0, 3], "the tree's copy of the first block; block 2 went back to the pool"
+    cache.insert_partial([1, 2, 3, 4, 5, 6, 9], done)
+    assert tree(cache) == [([1, 2, 3, 4], [0], [([5, 6, 7, 8], [1], []), ([5, 6, 9], [3], [])])]
+    assert cache.insert_partial([1, 2, 3, 4, 5, 6], done) is None and len(tree(cache)[0][2]) == 2, \
+        "a block already beginning with 5 6 is cached: nothing added"
+    assert cache.match_partial([1, 2, 3, 4, 5, 6, 9, 9, 9], 1, max_tokens=8) == (3, 3)
+    assert cache.match_partial([1, 2, 3, 4, 5, 6, 7, 0], 1, max_tokens=8) == (1, 3)
+    assert cache.match_partial([1, 2, 3, 4, 5, 6, 7, 8], 1, max_tokens=2) == (1, 2)
+    assert cache.match_partial([1, 2, 3, 4, 0], 1, max_tokens=4) is None
+    assert cache.match_partial([1, 2, 3, 0], 0, max_tokens=3) == (0, 3), "inside the first block"
+    assert cache.match_partial([1, 2, 3, 4, 5, 6], 1, max_tokens=1, salt="x") is None
+    assert cache.peek([1, 2, 3, 4, 5, 6, 9, 9]) == 4, "a whole-block lookup never lands on a partial leaf"
+    pool.free(whole)
+    pool.free(done)
+    check(pool, cache)
+    cache.evict(1)  # the least recently used leaf: the partial one ([5 6 7 8] was hit after it)
+    assert tree(cache) == [([1, 2, 3, 4], [0], [([5, 6, 7, 8], [1], [])])]
+    more = pool.allocate(3)  # 5 6 9 9 | 10 11 12 13 | 14 15 16 17 after the first block: one node
+    cache.insert([1, 2, 3, 4, 5, 6, 9, 9, 10, 11, 12, 13, 14, 15, 16, 17], [0] + more)
+    pool.free(more)
+    assert more == [4, 5, 6] and tree(cache)[0][2][1][:2] == ([5, 6, 9, 9, 10, 11, 12, 13, 14, 15, 16, 17], [4, 5, 6])
+    assert cache.match_partial([1, 2, 3, 4, 5, 6, 9, 9, 10, 11, 0], 2, max_tokens=4) == (5, 2)
+    pool.share([5])  # the scheduler holds the source while it is copied: one block, one node
+    assert tree(cache)[0][2][1] == ([5, 6, 9, 9], [4], [([10, 11, 12, 13], [5], [([14, 15, 16, 17], [6], [])])])
+    check(pool, cache)
+    pool.free([5])
+    check(pool, cache)
+
+
 def test_insert_branches_and_reuses_the_trees_copy_of_a_block_computed_twice():
     pool, cache = cache_with()
     first = pool.allocate(3)  # [0, 1, 2]
@@ -283,7 +319,7 @@ def run(s: Scheduler, tokens: dict[str, list[int]] | None = None) -> list[tuple[
 PROMPT = list(range(100, 110))  # 10 tokens: blocks [100..103] [104..107], then 2 more
 
 
-def test_a_repeated_prompt_reuses_its_full_blocks_and_computes_the_rest():
+def test_a_repeated_prompt_reuses_its_full_blocks_and_copies_the_block_it_ends_in():
     s = make()
     first = request("a", PROMPT)
     s.add_request(first)
@@ -294,10 +330,15 @@ def test_a_repeated_prompt_reuses_its_full_blocks_and_computes_the_rest():
 
     again = request("b", PROMPT)
     s.add_request(again)
-    s.schedule()
-    assert again.block_ids == [0, 1, 3] and again.num_computed_tokens == 8
-    assert again.num_cached_tokens == 8
-    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (20, 8)
+    out = s.schedule()
+    # two whole blocks, then block 2's first token (108; 109 is left to compute) copied into block 3
+    assert again.block_ids == [0, 1, 3] and again.num_computed_tokens == 9
+    assert out.block_copies == [(2, 3)] and out.free_when_collected == [2]
+    assert s.pool.ref_counts[:4] == [1, 1, 1, 1], "the copy's source is held until the step is collected"
+    assert again.num_cached_tokens == 9
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (20, 9)
+    s.update(out, {"b": [7]})
+    assert s.pool.ref_counts[2] == 0 and s.pool.cached[2]
 
 
 def test_the_last_token_is_always_computed_even_when_all_blocks_are_cached():
@@ -306,21 +347,30 @@ def test_the_last_token_is_always_computed_even_when_all_blocks_are_cached():
     run(s)
     b = request("b", PROMPT[:8], max_tokens=1)
     s.add_request(b)
-    assert run(s) == [("b", 4)], "8 tokens cached in 2 blocks, yet the last block runs again"
-    assert b.num_cached_tokens == 4
+    assert run(s) == [("b", 1)], "8 tokens cached in 2 blocks: the second is copied, its last token runs again"
+    assert b.num_cached_tokens == 7
 
 
-def test_the_next_turn_reuses_the_previous_turns_output():
+def test_the_next_turn_reuses_the_previous_turns_output_to_its_last_token():
     s = make()
     turn1 = request("t1", PROMPT, max_tokens=6)
     s.add_request(turn1)
     run(s, {"t1": [20, 21, 22, 23, 24, 25]})
     history = PROMPT + [20, 21, 22, 23, 24, 25]  # 16 tokens; the last (25) never got KV
+    # turn 1 held blocks 0..3; its 15 tokens with KV filled 0, 1, 2 (prompt, then 108 109 20 21) and
+    # three of block 3's slots (22 23 24): kept as a partial leaf
+    assert tree(s.prefix_cache) == [(PROMPT[:8], [0, 1], [([108, 109, 20, 21], [2], [([22, 23, 24], [3], [])])])]
     turn2 = request("t2", history + [30, 31, 32])
     s.add_request(turn2)
-    s.schedule()
-    # turn 1 held blocks 0..3; its 15 tokens with KV filled 0, 1, 2 (prompt, then 108 109 20 21)
-    assert turn2.num_computed_tokens == 12 and turn2.block_ids[:3] == [0, 1, 2]
+    out = s.schedule()
+    assert turn2.num_computed_tokens == 15 and turn2.block_ids == [0, 1, 2, 4, 5]
+    assert out.block_copies == [(3, 4)] and [c.num_new_tokens for c in out.chunks] == [4]
+    s.update(out, {"t2": [7]})
+    run(s)
+    # turn 2's block 4 (22 23 24 25) is whole now: the partial leaf it began with went
+    assert [k for k in s.prefix_cache.root.children[tuple(PROMPT[:4])].children[tuple(PROMPT[8:10]) + (20, 21)]
+            .children] == [(22, 23, 24, 25)]
+    assert not s.pool.cached[3] and s.pool.ref_counts[3] == 0
 
 
 def test_prompt_logprobs_requests_do_not_read_the_cache():
@@ -489,7 +539,7 @@ def test_requests_of_another_salt_get_no_hit():
     s = make()
     s.add_request(request("a", PROMPT))
     run(s)
-    for rid, salt, hit in (("b", "x", 0), ("c", "x", 8), ("d", None, 8), ("e", "y", 0)):
+    for rid, salt, hit in (("b", "x", 0), ("c", "x", 9), ("d", None, 9), ("e", "y", 0)):
         req = request(rid, PROMPT)
         req.cache_salt = salt
         s.add_request(req)

@@ -12,10 +12,14 @@ from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
 def make(num_blocks: int = 16, budget: int = 64, max_model_len: int = 64) -> Scheduler:
     pool = BlockPool(num_blocks)
     return Scheduler(pool, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=budget,
-                                        max_model_len=max_model_len), make_prefix_cache(True, pool, 4))
+                                        max_model_len=max_model_len, speculative_config=NGRAM),
+                     make_prefix_cache(True, pool, 4))
 
 
 def prefill(s: Scheduler, rid: str = "a", prompt: int = 6, max_tokens: int = 10, first: int = 50):

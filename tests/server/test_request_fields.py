@@ -220,11 +220,12 @@ def test_allowed_token_ids_and_bad_words_equal_their_logit_bias_spelling(server,
 
 
 def test_cache_salt_keeps_a_prompts_cached_blocks_to_its_salt(server):
-    prompt = FRANCE + " and this sentence runs long enough to fill more than one block of the cache." * 2
+    # words no other request of this server begins with: a hit can come only from this test's requests
+    prompt = "Salted: " + FRANCE + " and this sentence runs long enough to fill more than one block." * 2
     cached = []
     for salt in ("team-a", "team-a", "team-b", None, None):
         body = {"prompt": prompt, "max_tokens": 1} | ({"cache_salt": salt} if salt else {})
         cached.append(completion(server, **body)["usage"]["prompt_tokens_details"]["cached_tokens"])
-    assert cached[0] == 0 and cached[1] > 0  # the second of a salt hits the first's blocks
+    assert cached[0] == 0 and cached[1] > 16  # the second of a salt hits the first's blocks
     assert cached[2:4] == [0, 0]  # another salt, or none, does not
     assert cached[4] == cached[1]
