@@ -1,6 +1,8 @@
 """Beam search's KV blocks: the most blocks in use at any step of LLM.beam_search (beams share
 their common blocks through the prefix cache) against k unshared copies of the best sequence,
-and the wall time, for k = 1, 2, 4, 8 on two prompts of the default model (CPU).
+the tokens the model ran (each beam's step after the first computes one token where the
+prefix cache gives it back everything else), and the wall time, for k = 1, 2, 4, 8 on two
+prompts of the default model (CPU).
 
     python benchmarks/scripts/beam_blocks.py [--max-tokens 48]
 """
@@ -20,25 +22,26 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
     llm = LLM(None)
-    core, peak = llm.engine, [0]
+    core, peak, computed = llm.engine, [0], [0]
     launch = core.runner.launch
 
-    def counted(*a, **kw):  # blocks held while each step runs
+    def counted(plan, *a, **kw):  # blocks held while each step runs, tokens it computes
         peak[0] = max(peak[0], core.block_pool.num_in_use)
-        return launch(*a, **kw)
+        computed[0] += plan.num_tokens
+        return launch(plan, *a, **kw)
 
     core.runner.launch = counted
     ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     bs = llm.config.block_size
     for k in (1, 2, 4, 8):
-        peak[0] = 0
+        peak[0] = computed[0] = 0
         start = time.perf_counter()
         outs = llm.beam_search([{"prompt_token_ids": i} for i in ids],
                                BeamSearchParams(beam_width=k, max_tokens=args.max_tokens, ignore_eos=True))
         took = time.perf_counter() - start
         unshared = sum(k * -(-len(o.sequences[0].tokens) // bs) for o in outs)
         print(f"k={k}: at most {peak[0]} blocks in use; k unshared copies: {unshared} ({peak[0] / unshared:.2f}x); "
-              f"{took:.1f} s")
+              f"{computed[0]} tokens computed; {took:.1f} s")
 
 
 if __name__ == "__main__":
