@@ -11,7 +11,6 @@ from ember.scheduler.block_pool import BlockPool
 from ember.scheduler.prefix_cache import make_prefix_cache
 from ember.scheduler.scheduler import Scheduler
 
-
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
