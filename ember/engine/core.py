@@ -190,6 +190,9 @@ class EngineCore:
         images = getattr(self.runner, "images", None)
         assert images is None or not images.cache.held, f"image embeddings held for requests that left: " \
             f"{sorted(images.cache.held)}"
+        mrope = getattr(self.runner, "mrope", None)
+        assert mrope is None or not mrope.requests, f"M-RoPE positions kept for requests that left: " \
+            f"{sorted(mrope.requests)}"
         assert not self._failed, "a failed request's output was never handed back"
         assert not self.structured.holds(), "the structured-output manager still holds requests"
         assert not (self.in_flight or self.scheduler.in_flight), "a launched step was never collected"

@@ -73,7 +73,8 @@ class InputProcessor:
             arch = self.config.model_config.architecture
             served = " (ember serves its language model on text only)" if self.config.model_config.multimodal else ""
             raise ValueError(f"this model ({arch}{served}) takes no images: send text content only, or serve a "
-                             "vision-language model ember runs images through (LlavaForConditionalGeneration)")
+                             "vision-language model ember runs images through (LlavaForConditionalGeneration, "
+                             "Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration)")
         if self.images is None:
             from ember.multimodal.processor import ImageProcessor
 
@@ -172,6 +173,9 @@ class InputProcessor:
     def _multi_modal_prompt(self, prompt: dict[str, Any]) -> tuple[str, list[int], list[ImageFeature]]:
         """vLLM's {"prompt": text, "multi_modal_data": {"image": image or [images]}}."""
         data = prompt["multi_modal_data"]
+        if isinstance(data, dict) and "video" in data:
+            raise ValueError("multi_modal_data 'video' is not supported: transformers' Qwen2-VL video processor needs "
+                             "torchvision, which ember does not install; give a video's frames as images")
         if not isinstance(data, dict) or set(data) - {"image"}:
             kinds = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"multi_modal_data takes {{'image': a PIL image or a list of them}}; got {kinds}")

@@ -93,7 +93,8 @@ def _yarn(rotary_dim: int, theta: float, scaling: RopeScaling, exponents: torch.
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None,
+                 mrope_section: tuple[int, ...] | None = None) -> None:
         super().__init__()
         inv_freq, attention_factor = rope_inv_freq(rotary_dim, theta, scaling, max_positions)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
@@ -103,10 +104,18 @@ class RotaryEmbedding(nn.Module):
         if attention_factor != 1.0:
             cos_sin = cos_sin * attention_factor
         self.register_buffer("cos_sin", cos_sin, persistent=False)
+        # M-RoPE: which of (t, h, w) turns each cos | sin column
+        rows = None if mrope_section is None else \
+            torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section)).repeat(2).view(1, 1, -1)
+        self.register_buffer("mrope_rows", rows, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> torch.Tensor:
         """[T, rotary_dim] float32, cos | sin of these positions: once per forward, shared by
-        every layer."""
+        every layer. M-RoPE's positions [3, T] (t, h, w) take each frequency's angle from its
+        section's row; 1-D positions are the rows of a step whose t, h and w are equal (text)."""
+        if positions.dim() == 2:
+            table = self.cos_sin[positions]  # [3, T, rotary_dim]
+            return table.gather(0, self.mrope_rows.expand(1, table.shape[1], -1)).squeeze(0)
         return self.cos_sin[positions]
 
 

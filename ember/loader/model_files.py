@@ -278,17 +278,20 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
 def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, device: str,
                       seed: int = 0) -> nn.Module:
     """A vision-language checkpoint's image side (ModelConfig.vision: its tower and projector,
-    models/llava.py), in `dtype` on `device`, its tensors read from the checkpoint (dummy
+    models/llava.py, models/qwen2_vl.py), in `dtype` on `device`, its tensors read from the checkpoint (dummy
     weights: random); ValueError naming a tensor that is missing or of the wrong shape."""
     from ember.loader.safetensors import iter_pt, iter_safetensors
     from ember.models.llava import LlavaVision, llava_tensor_name
+    from ember.models.qwen2_vl import Qwen2VisionTower, qwen2_vl_tensor_name
 
     vision = cfg.vision
+    module, tensor_name = (Qwen2VisionTower, qwen2_vl_tensor_name) if vision.dynamic_resolution else \
+        (LlavaVision, llava_tensor_name)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlavaVision(vision)
+            model = module(vision)
     finally:
         torch.set_default_dtype(previous)
     params = dict(model.named_parameters())
@@ -299,7 +302,7 @@ def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, d
         return model.eval()
     read = iter_pt if files.load_format == "pt" else iter_safetensors
     done = set()
-    for name, tensor in read(files.path, lambda n: llava_tensor_name(n, vision)):
+    for name, tensor in read(files.path, lambda n: tensor_name(n, vision)):
         param = params.get(name)
         if param is None or param.shape != tensor.shape:
             raise ValueError(f"{files.path}: the image side's tensor {name!r} {tuple(tensor.shape)} fits no parameter "

@@ -214,7 +214,7 @@ def _expert_shapes(cfg: ModelConfig, layer: str) -> dict[str, tuple[int, ...]]:
 _LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                             "language_model.lm_head.": "lm_head."}
 _VISION_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
+                    "model.multi_modal_projector.", "visual.", "model.visual.")
 
 
 def checkpoint_names(cfg: ModelConfig) -> Callable[[str], str | None] | None:

@@ -20,6 +20,7 @@ from ember.models.families import (
     BY_HF_ARCHITECTURE,
     BY_HF_MODEL_TYPE,
     FAMILIES,
+    FLAT_TEXT_CONFIG_ARCHITECTURES,
     TEXT_CONFIG_FAMILY_ARCHITECTURES,
     VISION_LANGUAGE_ARCHITECTURES,
     VISION_LANGUAGE_MODEL_TYPES,
@@ -78,6 +79,10 @@ class ModelConfig:
     # language model on text prompts alone (the loader skips the vision tensors)
     multimodal: bool = False
     vision: VisionConfig | None = None
+    # M-RoPE (Qwen2-VL, Qwen2.5-VL): a position is (t, h, w), and of each head's rotary_dim / 2
+    # frequencies the first sections[0] turn by t, the next sections[1] by h, the last by w; a
+    # text token's three are equal (plain RoPE). None: positions are one number
+    mrope_section: tuple[int, int, int] | None = None
     # mixture of experts (Mixtral, Qwen3-MoE): which layers' MLP is sparse (None: none is), the
     # number of experts, how many each token goes to, each expert's intermediate size, and
     # whether the top-k routing weights are renormalized to sum to 1
@@ -201,6 +206,10 @@ class ModelConfig:
                         f"LongRoPE's {name} has {len(factors)} entries; a RoPE over {self.rotary_dim} dims of each "
                         f"head needs {self.rotary_dim // 2} (one per frequency): the config's rope_scaling does not "
                         "fit its head_dim / partial_rotary_factor")
+        if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.rotary_dim:
+            raise ValueError(f"mrope_section {list(self.mrope_section)} covers {sum(self.mrope_section)} frequencies; "
+                             f"a RoPE over {self.rotary_dim} dims has {self.rotary_dim // 2}: the config's "
+                             "rope_parameters do not fit its head_dim")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; ember runs "
@@ -345,6 +354,7 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             multimodal=multimodal,
             vision=vision,
+            mrope_section=_mrope_section(global_rope, vision),
             **_moe_options(config, fam, num_layers),
             **_score_head(config),
             **_layer_norm_options(fam),
@@ -587,6 +597,8 @@ def _language_model_config(config: dict[str, Any]) -> dict[str, Any]:
     the text_config does not (Gemma 3 keeps eos_token_id outside)."""
     arch = (config.get("architectures") or [config.get("model_type")])[0]
     text = config.get("text_config")
+    if text is None and arch in FLAT_TEXT_CONFIG_ARCHITECTURES:  # the language model's keys at the top
+        text = {key: value for key, value in config.items() if key != "vision_config"}
     if not isinstance(text, dict):
         raise ValueError(f"a {arch} config.json needs a `text_config` (the language model's config, which ember "
                          "serves): the file is incomplete; take config.json from the original checkpoint again")
@@ -652,10 +664,28 @@ def _rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     return rope, None
 
 
+def _mrope_section(rope: dict[str, Any], vision: VisionConfig | None) -> tuple[int, int, int] | None:
+    """Qwen2-VL's M-RoPE sections (t, h, w) from its RoPE parameters (transformers' default
+    [16, 24, 24] where they name none); None for a model without M-RoPE."""
+    if vision is None or not vision.dynamic_resolution:
+        if rope.get("mrope_section") is not None or (rope.get("type") or rope.get("rope_type")) == "mrope":
+            raise ValueError("M-RoPE (mrope_section) is supported for Qwen2-VL and Qwen2.5-VL checkpoints only")
+        return None
+    if rope.get("mrope_interleaved"):
+        raise ValueError("mrope_interleaved (Qwen3-VL's interleaved M-RoPE) is not supported: ember runs Qwen2-VL's "
+                         "sectioned M-RoPE")
+    section = tuple(int(x) for x in rope.get("mrope_section") or (16, 24, 24))
+    if len(section) != 3:
+        raise ValueError(f"mrope_section {list(section)} must have three entries (t, h, w)")
+    return section
+
+
 def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling | None:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "su":  # Phi-3's first name for longrope
         kind = "longrope"
+    if kind == "mrope":  # Qwen2-VL's hub configs: M-RoPE (mrope_section, read apart) over the default RoPE
+        kind = "default"
     if kind not in ROPE_TYPES:
         raise ValueError(
             f"unsupported rope_scaling type {kind!r}; ember supports {', '.join(ROPE_TYPES)}"

@@ -166,7 +166,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("LlamaForCausalLM", "LlamaForSequenceClassification"), ("llama",), "llama",
            gguf_rope_permuted=True),
     Family("mistral", ("MistralForCausalLM", "MistralForSequenceClassification"), ("mistral",), "mistral"),
-    Family("qwen2", ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"), ("qwen2",), "qwen2", qkv_bias_key=None,
+    Family("qwen2", ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2VLForConditionalGeneration",
+                     "Qwen2_5_VLForConditionalGeneration"), ("qwen2", "qwen2_vl", "qwen2_5_vl"), "qwen2",
+           qkv_bias_key=None,
            qkv_bias_default=True, qwen_windows=True),
     Family("qwen3", ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"), ("qwen3",), "qwen3", qk_norm=True,
            qwen_windows=True),
@@ -251,8 +253,12 @@ BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES
 # vision-language checkpoints (by `architectures`, or `model_type`): the language model's
 # config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Llama4ForConditionalGeneration",
-                                 "LlavaForConditionalGeneration")
+                                 "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                                 "Qwen2_5_VLForConditionalGeneration")
 # those whose language model is any family's: the family is their text_config's model_type's
 # (LLaVA's Llama, Vicuna or Mistral)
 TEXT_CONFIG_FAMILY_ARCHITECTURES = ("LlavaForConditionalGeneration",)
-VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "llama4")
+VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "llama4", "qwen2_vl", "qwen2_5_vl")
+# those whose config.json may keep the language model's keys at its top level (the Qwen2-VL
+# checkpoints on the hub, written before transformers nested them under text_config)
+FLAT_TEXT_CONFIG_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")

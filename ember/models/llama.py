@@ -263,7 +263,7 @@ class LlamaModel(nn.Module):
             if cfg.learned_positions else None
         self.position_offset = cfg.position_offset
         self.rotary = None if cfg.learned_positions else \
-            RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+            RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section)
         # Gemma 3's sliding layers turn by their own RoPE
         self.local_rotary = None if cfg.local_rope_theta is None else \
             RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
@@ -288,7 +288,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """`inputs_embeds`: the step's input embeddings where some are not the tokens' (images')."""
+        """`inputs_embeds`: the step's input embeddings where some are not the tokens' (images').
+        `positions`: [T], or M-RoPE's [3, T] (t, h, w) in a step over image tokens."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions + self.position_offset)

@@ -1,9 +1,11 @@
 """VisionConfig: what ember reads of a vision-language checkpoint's image side (its vision
 tower, the projector into the language model, the image token), from config.json.
 
-One reader a family (`kind`): LLaVA-1.5's CLIP tower and linear-GELU-linear projector now;
-Gemma 3's SigLIP, Qwen2.5-VL's and Pixtral's towers are further kinds beside it. A field the
-family's config sets that ember does not run is refused here, by name.
+One reader a family (`kind`): LLaVA-1.5's CLIP tower and linear-GELU-linear projector;
+Qwen2-VL's and Qwen2.5-VL's towers of dynamic resolution (models/qwen2_vl.py: patches of any
+image size, merged 2 x 2 into the language model's tokens, whose positions are M-RoPE's);
+Gemma 3's SigLIP and Pixtral's towers are further kinds beside them. A field the family's
+config sets that ember does not run is refused here, by name.
 """
 
 from __future__ import annotations
@@ -14,25 +16,44 @@ from typing import Any
 
 @dataclass(frozen=True)
 class VisionConfig:
-    kind: str  # "llava": a CLIP tower, a feature layer, linear-act-linear into the text model
+    # "llava": a CLIP tower, a feature layer, linear-act-linear into the text model;
+    # "qwen2_vl" / "qwen2_5_vl": models/qwen2_vl.py's tower and patch merger
+    kind: str
     image_token_id: int  # the placeholder token each image's embeddings take the place of
     hidden_size: int  # the tower's
     intermediate_size: int
     num_layers: int  # the tower layers that run: up to the feature layer
     num_heads: int
-    image_size: int
     patch_size: int
     num_channels: int
     layer_norm_eps: float
     hidden_act: str  # the tower's MLP activation (CLIP: quick_gelu)
-    drop_cls: bool  # vision_feature_select_strategy "default": the CLS position is not an image token
-    projector_act: str
-    projector_bias: bool
     text_hidden_size: int
+    # LLaVA: a fixed image size; the CLS position dropped ("default" strategy); the projector's
+    image_size: int = 0
+    drop_cls: bool = False
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+    # Qwen2-VL: frames taken temporal_patch_size at a time into a patch (an image is repeated),
+    # merge_size x merge_size patches into one token; Qwen2.5-VL: attention within windows of
+    # window_size pixels but in full_attention_blocks, RMSNorm and a gated MLP
+    temporal_patch_size: int = 1
+    merge_size: int = 1
+    window_size: int = 0
+    full_attention_blocks: tuple[int, ...] = ()
+    rope_theta: float = 10000.0  # the tower's 2-D RoPE
+
+    @property
+    def dynamic_resolution(self) -> bool:
+        """Qwen2-VL's: an image's token count follows its size (its grid), none is fixed."""
+        return self.kind in QWEN_VL_KINDS
 
     @property
     def tokens_per_image(self) -> int:
         return (self.image_size // self.patch_size) ** 2 + (0 if self.drop_cls else 1)
+
+
+QWEN_VL_KINDS = ("qwen2_vl", "qwen2_5_vl")
 
 
 # vision-language architectures ember runs images through -> how their config.json is read
@@ -42,7 +63,58 @@ def vision_config(config: dict[str, Any], text_hidden_size: int) -> VisionConfig
     arch = (config.get("architectures") or [""])[0]
     if arch == "LlavaForConditionalGeneration":
         return _llava(config, text_hidden_size)
+    if arch in _QWEN_VL_ARCHITECTURES:
+        return _qwen_vl(config, _QWEN_VL_ARCHITECTURES[arch])
     return None
+
+
+_QWEN_VL_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
+                          "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+# the towers' MLP activations ember runs (Qwen2-VL's fc1-act-fc2, Qwen2.5-VL's gated one)
+_QWEN_VL_ACTS = {"qwen2_vl": ("quick_gelu", "gelu"), "qwen2_5_vl": ("silu", "gelu")}
+
+
+def _qwen_vl(config: dict[str, Any], kind: str) -> VisionConfig:
+    """Qwen2-VL's vision_config (embed_dim, mlp_ratio; hidden_size is the merger's output) or
+    Qwen2.5-VL's (hidden_size, intermediate_size, out_hidden_size, window attention)."""
+    arch = config["architectures"][0]
+    vc = config.get("vision_config") or {}
+    rope = vc.get("rope_parameters") or vc.get("rope_scaling") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"{arch} with a vision rope_type {rope.get('rope_type')!r} is not supported: ember runs "
+                         "the tower's axial (h, w) RoPE")
+    act = vc.get("hidden_act", "quick_gelu" if kind == "qwen2_vl" else "silu")
+    if act not in _QWEN_VL_ACTS[kind]:
+        raise ValueError(f"{arch}: the tower's hidden_act {act!r} is not supported (ember runs "
+                         f"{_QWEN_VL_ACTS[kind]})")
+    if kind == "qwen2_vl":
+        hidden = vc.get("embed_dim", 1280)
+        sizes = {"hidden_size": hidden, "intermediate_size": int(hidden * vc.get("mlp_ratio", 4)),
+                 "text_hidden_size": vc.get("hidden_size", 3584)}
+    else:
+        hidden = vc.get("hidden_size", 1280)
+        sizes = {"hidden_size": hidden, "intermediate_size": vc.get("intermediate_size", 3420),
+                 "text_hidden_size": vc.get("out_hidden_size", 3584)}
+    depth = vc.get("depth", 32)
+    full = tuple(vc.get("fullatt_block_indexes", (7, 15, 23, 31))) if kind == "qwen2_5_vl" else ()
+    if any(not 0 <= i < depth for i in full):
+        raise ValueError(f"{arch}: fullatt_block_indexes {list(full)} name blocks outside the tower's {depth}")
+    return VisionConfig(
+        kind=kind,
+        image_token_id=config.get("image_token_id", 151655),
+        num_layers=depth,
+        num_heads=vc.get("num_heads", 16),
+        patch_size=vc.get("patch_size", 14),
+        num_channels=vc.get("in_channels", vc.get("in_chans", 3)),
+        layer_norm_eps=1e-6,
+        hidden_act=act,
+        temporal_patch_size=vc.get("temporal_patch_size", 2),
+        merge_size=vc.get("spatial_merge_size", 2),
+        window_size=vc.get("window_size", 112) if kind == "qwen2_5_vl" else 0,
+        full_attention_blocks=full,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        **sizes,
+    )
 
 
 _CLIP_ACTS = ("quick_gelu", "gelu")

@@ -18,6 +18,8 @@ class ImageFeature:
     length: int  # its placeholder tokens, each one of its embeddings, in order
     hash: str  # of the processed pixels (hex)
     pixel_values: np.ndarray  # what the model's image processor made of it ([C, H, W] for LLaVA)
+    # Qwen2-VL: its (t, h, w) in patches (image_grid_thw); pixel_values are its patches [t * h * w, ...]
+    grid_thw: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:

@@ -1,7 +1,8 @@
 """ImageProcessor: a prompt's text and images -> its token ids, each image's placeholder
 tokens expanded, and one ImageFeature an image. The model's own processor from transformers
 does the work (AutoProcessor on its PIL backend: resizing, cropping, normalizing, and the
-placeholder expansion its family does); ember only finds where each image's tokens landed.
+placeholder expansion its family does; for Qwen2-VL its image processor and tokenizer, see
+`_process_grids`); ember only finds where each image's tokens landed.
 Slow (PIL and numpy): the server runs it on its input pool, off the event loop."""
 
 from __future__ import annotations
@@ -20,13 +21,22 @@ class ImageProcessor:
     def __init__(self, model_dir: str | Path, vision: VisionConfig) -> None:
         import transformers
 
+        self.vision = vision
+        self.processor = self.tokenizer = None
         try:
-            self.processor = transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+            if vision.dynamic_resolution:
+                # transformers' Qwen2VLProcessor cannot be made without its video processor, which
+                # needs torchvision: its image processor (the PIL one) and its tokenizer, and the
+                # processor's expansion of each image token into grid t * h * w / merge^2 of them here
+                self.processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+                self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+                self.image_token: str = self.tokenizer.convert_ids_to_tokens(vision.image_token_id)
+            else:
+                self.processor = transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+                self.image_token = self.processor.image_token
         except (OSError, ValueError) as e:
             raise ValueError(f"{model_dir}: the model's processor (processor_config.json / "
                              f"preprocessor_config.json) cannot be loaded: {str(e)[:300]}") from None
-        self.vision = vision
-        self.image_token: str = self.processor.image_token
         self._lock = threading.Lock()  # a transformers processor is not known to be thread-safe
 
     def process(self, text: str, images: list[Any], add_special_tokens: bool) -> tuple[list[int], list[ImageFeature]]:
@@ -36,12 +46,35 @@ class ImageProcessor:
         if found != len(images):
             raise ValueError(f"the prompt has {found} image placeholders ({self.image_token!r}) for {len(images)} "
                              f"images: put one {self.image_token!r} where each image goes")
+        if self.vision.dynamic_resolution:
+            return self._process_grids(text, images, add_special_tokens)
         with self._lock:
             enc = self.processor(text=[text], images=images, add_special_tokens=add_special_tokens,
                                  return_tensors="np")
         ids = [int(t) for t in enc["input_ids"][0]]
         pixels = np.asarray(enc["pixel_values"], dtype=np.float32)
         return ids, self._features(ids, list(pixels))
+
+    def _process_grids(self, text: str, images: list[Any], add_special_tokens: bool
+                       ) -> tuple[list[int], list[ImageFeature]]:
+        """Qwen2-VL: each image's patches and grid (t, h, w); its image token repeated
+        t * h * w / merge^2 times in the text, as Qwen2VLProcessor expands it."""
+        with self._lock:
+            enc = self.processor(images=images, return_tensors="np")
+            grids = [tuple(int(x) for x in g) for g in enc["image_grid_thw"]]
+            counts = [t * h * w // self.vision.merge_size ** 2 for t, h, w in grids]
+            parts = text.split(self.image_token)
+            text = parts[0] + "".join(self.image_token * n + part for n, part in zip(counts, parts[1:]))
+            ids = [int(t) for t in self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
+        pixels = np.split(np.asarray(enc["pixel_values"], dtype=np.float32),
+                          np.cumsum([t * h * w for t, h, w in grids])[:-1])
+        runs = _runs_of(ids, self.vision.image_token_id)
+        if [n for _, n in runs] != counts:
+            raise ValueError(f"the processor placed image tokens in runs of {[n for _, n in runs]} for images of "
+                             f"{counts}: the image token {self.image_token!r} in the text itself is not allowed")
+        # the hash sees the grid too (the patches' shape alone would not tell 2 x 8 from 8 x 2)
+        return ids, [ImageFeature(start, n, pixels_hash(p.reshape(*g, -1)), p, g)
+                     for (start, n), p, g in zip(runs, pixels, grids)]
 
     def _features(self, ids: list[int], pixels: list[np.ndarray]) -> list[ImageFeature]:
         """Each image's run of placeholder tokens, in order: the image token's positions cut
@@ -60,3 +93,15 @@ class ImageProcessor:
                                  "text itself")
             features.append(ImageFeature(start, count, pixels_hash(p), p))
         return features
+
+
+def _runs_of(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token` in ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t == token:
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    return runs

@@ -37,6 +37,7 @@ from ember.runner.cuda_graph import DecodeGraphs, PiecewiseGraphs
 from ember.runner.draft_model import DraftCache, DraftModel
 from ember.runner.eagle3 import Eagle3Drafter
 from ember.runner.kv_heads import rank_kv_heads
+from ember.runner.mrope import MRopePositions
 from ember.runner.multimodal import ImageEmbedder
 from ember.runner.pooler import Pooler
 from ember.runner.recurrent_state import RecurrentStates
@@ -147,6 +148,8 @@ class ModelRunner:
         files = locate_model(config.model, config.load_format)
         self.model = self._load_model(files)
         self.images = self._image_embedder(files)  # a vision-language model's image side, else None
+        # M-RoPE (Qwen2-VL): each request's (t, h, w) positions
+        self.mrope = MRopePositions(mc.vision.merge_size) if mc.mrope_section is not None else None
         spec = config.speculative_config
         self.drafter: DraftCache | None = None  # speculative decoding's draft model or EAGLE-3 head
         if spec is not None and spec.method == "draft_model":
@@ -455,7 +458,7 @@ class ModelRunner:
                 self.images.release(req.request_id)
             embeds = self.images.inputs_embeds(plan, input_ids)
         clock("prepare")
-        if embeds is not None:  # eager: the graphs embed token ids
+        if embeds is not None or positions.dim() == 2:  # eager: the graphs embed token ids at 1-D positions
             hidden = self.model(input_ids, positions, meta, embeds)
         elif self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
@@ -659,6 +662,8 @@ class ModelRunner:
             self.states.release(request_id)
         if self.images is not None:
             self.images.release(request_id)
+        if self.mrope is not None:
+            self.mrope.release(request_id)
         if self.pooler is not None:
             self.pooler.release(request_id)
 
@@ -718,6 +723,8 @@ class ModelRunner:
         sampled_chunks = []
         dst: list[int] = []
         src: list[int] = []
+        mrope = self.mrope
+        positions_3d: list[tuple[int, np.ndarray]] = []  # (first row, [3, n]) of chunks over images
         for chunk in plan.chunks:
             req, start = chunk.request, chunk.request.num_computed_tokens
             end = start + chunk.num_new_tokens
@@ -730,13 +737,19 @@ class ModelRunner:
                     ids.append(0)
                 else:
                     ids.append(req.output_token_ids[start - prompt] if start >= prompt else req.prompt_token_ids[start])
-                positions.append(start)
+                positions.append(start if mrope is None else start + mrope.delta(req))
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
                 assert not req.num_pending_tokens, "a pending token is its request's only new token"
                 drafts = chunk.draft_token_ids  # speculative decoding: verified after the last known token
                 ids += req.all_token_ids[start:end - len(drafts)] + drafts if drafts else req.all_token_ids[start:end]
-                positions += range(start, end)
+                if mrope is None:
+                    positions += range(start, end)
+                else:  # M-RoPE: the request's own positions; (t, h, w) apart where the chunk covers an image
+                    flat, apart = mrope.chunk(req, start, end)
+                    if apart is not None:
+                        positions_3d.append((len(positions), apart))
+                    positions += flat
                 slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(len(ids))
             seq_lens.append(end)
@@ -753,11 +766,18 @@ class ModelRunner:
             state_slots = [self.states.slot(c.request.request_id, c.request.num_computed_tokens,
                                             restores.get(c.request.request_id)) for c in plan.chunks]
             self.states.start_slots()
-        # one int64 vector: ids [t] | positions [t] | slots [t] | seq_lens [n] | query_start [n + 1] | dst | src
-        # | state slots
+        if positions_3d:  # M-RoPE's [3, t]: each row's (t, h, w), equal but in the image rows
+            rows = np.tile(np.asarray(positions, dtype=np.int64), (3, 1))
+            for first, apart in positions_3d:
+                rows[:, first:first + apart.shape[1]] = apart
+            positions = rows.ravel().tolist()
+        # one int64 vector: ids [t] | positions [t, or 3 x t] | slots [t] | seq_lens [n] | query_start [n + 1]
+        # | dst | src | state slots
         flat = to_device(ids + positions + slots + seq_lens + query_start + dst + src + state_slots, dev, torch.int64)
         input_ids, pos, slot_mapping, lens, starts, dst_idx, src_idx, state_idx = flat.split(
-            [t, t, t, n, n + 1, len(dst), len(src), len(state_slots)])
+            [t, len(positions), t, n, n + 1, len(dst), len(src), len(state_slots)])
+        if positions_3d:
+            pos = pos.view(3, t)
         if dst:
             input_ids[dst_idx] = self.last_launched.tokens[src_idx]
         block_tables = torch.from_numpy(tables)

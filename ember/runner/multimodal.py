@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -95,7 +96,9 @@ class ImageEmbedder:
 
     def __init__(self, vision: nn.Module, embed: nn.Module, device: torch.device,
                  max_bytes: int = ENCODER_CACHE_BYTES) -> None:
-        self.vision = vision  # pixel_values [B, C, H, W] -> [B, tokens, hidden]
+        # pixel_values [B, C, H, W] -> [B, tokens, hidden]; a `packed` one (Qwen2-VL): the images'
+        # patches concatenated and their grids -> each image's [tokens, hidden]
+        self.vision = vision
         self.embed = embed  # token ids -> input embeddings (LlamaModel.embed)
         self.device = device
         self.cache = EncoderCache(max_bytes)
@@ -135,10 +138,18 @@ class ImageEmbedder:
     def _encode(self, features: list[ImageFeature]) -> None:
         """Run the vision model once over the images the cache lacks, those of one shape batched."""
         missing = list({f.hash: f for f in features if self.cache.get(f.hash) is None}.values())
+        if not missing:
+            return
+        dtype = next(self.vision.parameters()).dtype
+        if getattr(self.vision, "packed", False):  # Qwen2-VL: images of any sizes in one call, patches concatenated
+            patches = torch.from_numpy(np.concatenate([f.pixel_values for f in missing])).to(self.device, dtype)
+            for f, out in zip(missing, self.vision(patches, [f.grid_thw for f in missing])):
+                self.cache.put(f.hash, out)
+            self.num_encoded += len(missing)
+            return
         by_shape: dict[tuple[int, ...], list[ImageFeature]] = {}
         for f in missing:
             by_shape.setdefault(f.pixel_values.shape, []).append(f)
-        dtype = next(self.vision.parameters()).dtype
         for group in by_shape.values():
             pixels = torch.stack([torch.from_numpy(f.pixel_values) for f in group]).to(self.device, dtype)
             for f, out in zip(group, self.vision(pixels)):

@@ -1,0 +1,219 @@
+"""Qwen2-VL's and Qwen2.5-VL's vision tower (the image side of Qwen2VLForConditionalGeneration
+and Qwen2_5_VLForConditionalGeneration less their language model, which is models/llama.py's
+Qwen2): dynamic resolution. The image processor cuts an image of any size into patches of
+temporal_patch_size x patch x patch (an image is its frame repeated), in an order where each
+merge x merge block of patches is consecutive; `grid_thw` says each image's (t, h, w) in patches.
+
+    patches [N, C * tps * p * p] -> patch_embed (a Conv3d whose kernel is the patch: one matmul)
+      -> blocks: pre-norm attention, bidirectional within each frame, q and k turned by a 2-D
+         RoPE (half the frequencies by the patch's row, half by its column), then an MLP
+      -> merger: norm, each merge x merge block's patches side by side, linear-GELU-linear
+      -> [N / merge^2, text hidden]: one embedding an image token, in the processor's order
+
+Qwen2.5-VL: RMSNorm and a gated SiLU MLP (with biases), and attention within windows of
+window_size pixels (blocks of merged patches, in a window-major order the tower permutes into
+and back out of) except in the blocks `full_attention_blocks` names.
+
+Math only, under transformers' names (the hub checkpoints' `visual.*`); the loader maps them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.layers.rotary import apply_rotary
+from ember.models.clip import vision_activation
+from ember.models.vision_config import VisionConfig
+
+Grid = tuple[int, int, int]  # an image's (t, h, w) in patches
+
+
+class VisionRMSNorm(nn.Module):
+    """Qwen2.5-VL's RMSNorm, as transformers computes it (float32, then the weight in the input's dtype)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def _norm(cfg: VisionConfig, size: int) -> nn.Module:
+    return VisionRMSNorm(size, 1e-6) if cfg.kind == "qwen2_5_vl" else nn.LayerNorm(size, eps=1e-6)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.num_channels, cfg.hidden_size, kernel, kernel, bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """[N, C * tps * p * p] -> [N, hidden]: the kernel covers the whole patch, so the
+        convolution is one matmul with the kernel flattened."""
+        weight = self.proj.weight
+        return F.linear(patches.to(weight.dtype), weight.view(weight.shape[0], -1))
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+        """x [N, hidden]; rope [N, head_dim] (cos | sin); segments: the (start, end) runs of rows
+        that attend to each other (a frame, or a window)."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, _ = apply_rotary(q.contiguous(), k.contiguous(), rope)
+        return self.proj(segment_attention(q, k, v, segments, self.head_dim ** -0.5).reshape(n, -1))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, int]],
+                      scale: float) -> torch.Tensor:
+    """Bidirectional attention within each segment of rows ([N, heads, dim] each); segments of
+    one length run as one batch."""
+    out = torch.empty_like(q)
+    by_length: dict[int, list[int]] = {}
+    for start, end in segments:
+        by_length.setdefault(end - start, []).append(start)
+    for length, starts in by_length.items():
+        rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
+        qs, ks, vs = (t[rows].view(len(starts), length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
+    return out
+
+
+class VisionMLP(nn.Module):
+    """Qwen2-VL: fc2(act(fc1(x))); Qwen2.5-VL: down(act(gate(x)) * up(x)), every projection biased."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.act, self.gated = cfg.hidden_act, cfg.kind == "qwen2_5_vl"
+        size, inter = cfg.hidden_size, cfg.intermediate_size
+        if self.gated:
+            self.gate_proj, self.up_proj = nn.Linear(size, inter), nn.Linear(size, inter)
+            self.down_proj = nn.Linear(inter, size)
+        else:
+            self.fc1, self.fc2 = nn.Linear(size, inter), nn.Linear(inter, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(vision_activation(self.act, self.gate_proj(x)) * self.up_proj(x))
+        return self.fc2(vision_activation(self.act, self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = _norm(cfg, cfg.hidden_size), _norm(cfg, cfg.hidden_size)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.merged = cfg.hidden_size * cfg.merge_size ** 2
+        self.ln_q = _norm(cfg, cfg.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged), nn.GELU(),
+                                 nn.Linear(self.merged, cfg.text_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged))
+
+
+class Qwen2VisionTower(nn.Module):
+    """Images of any sizes in one call: their patches concatenated [sum N, C * tps * p * p] and
+    their grids -> each image's embeddings [N / merge^2, text hidden]."""
+
+    packed = True  # runner/multimodal.py: images of any size go in one call, not batched by shape
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.num_layers))
+        self.merger = PatchMerger(cfg)
+        head_dim = cfg.hidden_size // cfg.num_heads
+        # a quarter of head_dim's frequencies for the row, as many for the column (HF's axial RoPE)
+        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** quarter, persistent=False)
+
+    def forward(self, patches: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
+        cfg, unit = self.config, self.config.merge_size ** 2
+        x = self.patch_embed(patches)
+        rope = self._rope(grids, x.device)
+        frames = _runs([h * w for t, h, w in grids for _ in range(t)])
+        order = None
+        if cfg.window_size:  # window-major order of merge blocks: each window's rows consecutive
+            order, windows = _window_order(grids, cfg.window_size // cfg.merge_size // cfg.patch_size, cfg.merge_size)
+            rows = (torch.from_numpy(order).to(x.device)[:, None] * unit + torch.arange(unit, device=x.device)).flatten()
+            x, rope = x[rows], rope[rows]
+        for i, block in enumerate(self.blocks):
+            full = not cfg.window_size or i in cfg.full_attention_blocks
+            x = block(x, rope, frames if full else windows)
+        merged = self.merger(x)
+        if order is not None:
+            merged = merged[torch.from_numpy(np.argsort(order)).to(x.device)]
+        return list(merged.split([t * h * w // unit for t, h, w in grids]))
+
+    def _rope(self, grids: list[Grid], device: torch.device) -> torch.Tensor:
+        """[N, head_dim]: cos | sin of each patch's angles, its row's frequencies then its column's."""
+        m = self.config.merge_size
+        rows, cols = [], []
+        for t, h, w in grids:  # each merge block's patches consecutive, as the processor orders them
+            hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+            for pos, out in ((hh, rows), (ww, cols)):
+                out.append(np.tile(pos.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).ravel(), t))
+        pos = torch.from_numpy(np.stack([np.concatenate(rows), np.concatenate(cols)], axis=1)).to(device)
+        angles = (pos[..., None].float() * self.inv_freq.to(device)).flatten(1)  # [N, head_dim / 2]
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _runs(lengths: list[int]) -> list[tuple[int, int]]:
+    ends = np.cumsum(lengths).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _window_order(grids: list[Grid], window: int, merge: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Qwen2.5-VL's windows: each frame's merge blocks ([h / merge, w / merge] of them) cut into
+    windows of window x window blocks (the last row and column of windows smaller). Returns the
+    merge blocks in window-major order (indices into the processor's order) and each window's
+    (start, end) rows in that order."""
+    order, lengths, base = [], [], 0
+    for t, h, w in grids:
+        bh, bw = h // merge, w // merge
+        index = np.arange(t * bh * bw).reshape(t, bh, bw) + base
+        for frame in index:
+            for r in range(0, bh, window):
+                for c in range(0, bw, window):
+                    cell = frame[r:r + window, c:c + window].ravel()
+                    order.append(cell)
+                    lengths.append(len(cell) * merge * merge)
+        base += t * bh * bw
+    return np.concatenate(order), _runs(lengths)
+
+
+# a checkpoint's names for the tower (the hub's visual.*, transformers 5's modules' model.visual.*)
+_PREFIXES = ("model.visual.", "visual.")
+
+
+def qwen2_vl_tensor_name(name: str, cfg: VisionConfig) -> str | None:
+    """Qwen2VisionTower's name for a checkpoint tensor of the image side; None for any other."""
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return None

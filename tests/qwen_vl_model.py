@@ -1,0 +1,63 @@
+"""Tiny random Qwen2-VL and Qwen2.5-VL saved by transformers (Qwen2VLForConditionalGeneration,
+Qwen2_5_VLForConditionalGeneration: a 2-block vision tower of 14-pixel patches merged 2 x 2, a
+2-layer Qwen2 language model with M-RoPE sections [2, 3, 3] of its 16-dim heads), with
+SmolLM2's tokenizer plus Qwen's vision tokens, the Qwen2VLProcessor on the PIL image processor
+(images resized to multiples of 28 pixels between MIN_PIXELS and MAX_PIXELS) and a Qwen2-VL chat
+template. Qwen2.5-VL's tower attends in windows of 2 x 2 merged patches in block 0 and over the
+whole image in block 1 (fullatt_block_indexes [1])."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Qwen2-VL's template, reduced: each image of a message is <|vision_start|><|image_pad|><|vision_end|>
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 12  # at most 12 image tokens an image
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def save_tiny_qwen_vl(tokenizer_dir: Path, out: Path, family: str = "qwen2_vl") -> Path:
+    """The model directory, as transformers writes it (model, processor, tokenizer, template)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class = transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=48,
+                      window_size=56, fullatt_block_indexes=[1])
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():  # transformers' init leaves the tiny model's logits nearly flat: spread them
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    # the image processor and the tokenizer apart: transformers' Qwen2VLProcessor cannot be made
+    # without its video processor, which needs torchvision
+    images = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+    images.save_pretrained(str(out))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    return out
