@@ -1,7 +1,8 @@
 """A tiny random LLaVA-1.5 saved by transformers (LlavaForConditionalGeneration: a 2-layer CLIP
 tower of 56-pixel images in 14-pixel patches, 16 image tokens each, the projector, a 2-layer
 Llama), with SmolLM2's tokenizer plus an <image> token, the LlavaProcessor on CLIP's PIL image
-processor, and a LLaVA-1.5 chat template; and the small generated images the tests send."""
+processor, and a LLaVA-1.5 chat template; and what every vision-language test shares: the
+small generated images they send, and one forward of a prompt with images through the engine."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import io
 from pathlib import Path
 
 import torch
+
+from ember import LLM, SamplingParams
+from ember.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 # LLaVA-1.5's own template (llava-hf's): the images of a message first, then its text
 CHAT_TEMPLATE = (
@@ -85,3 +89,25 @@ def word_tokenizer_dir(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
     return out
+
+
+def prompt(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+def ember_logits(llm: LLM, text: str, images: list) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """One forward of the whole prompt (its images embedded by the runner): its token ids, the
+    positions its rows turned by ([T], or M-RoPE's [3, T]) and every position's logits."""
+    core = llm.engine
+    req = llm.inputs.make_request("logits", prompt(text, images), SamplingParams(max_tokens=1))
+    req.block_ids = core.block_pool.allocate(core.scheduler.blocks_for(req.num_tokens))
+    try:
+        plan = SchedulerOutput([ScheduledChunk(req, req.num_tokens)])
+        ids, positions, meta, _, _ = core.runner._prepare(plan)
+        with torch.inference_mode():
+            embeds = core.runner.images.inputs_embeds(plan, ids)
+            logits = core.runner.model.compute_logits(core.runner.model(ids, positions, meta, embeds)).float()
+    finally:
+        core.block_pool.free(req.block_ids)
+        core.runner.release(req.request_id)
+    return req.prompt_token_ids, positions.cpu(), logits

@@ -61,3 +61,19 @@ def save_tiny_qwen_vl(tokenizer_dir: Path, out: Path, family: str = "qwen2_vl") 
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))
     return out
+
+
+def hf_inputs(model_dir: Path, text: str, images: list) -> dict:
+    """transformers' model inputs for a prompt with one <|image_pad|> where each image goes, as
+    Qwen2VLProcessor makes them: its image processor's patches and grids, each image token
+    repeated t * h * w / 4 times, the tokens, and each token's modality (mm_token_type_ids)."""
+    import transformers
+
+    enc = transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")(images=images,
+                                                                                         return_tensors="pt")
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    parts = text.split("<|image_pad|>")
+    counts = (enc["image_grid_thw"].prod(-1) // 4).tolist()
+    inputs = tok(parts[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, parts[1:])), return_tensors="pt")
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    return {**inputs, **enc, "mm_token_type_ids": (inputs["input_ids"] == pad).int()}

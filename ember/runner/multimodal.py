@@ -144,7 +144,7 @@ class ImageEmbedder:
         if getattr(self.vision, "packed", False):  # Qwen2-VL: images of any sizes in one call, patches concatenated
             patches = torch.from_numpy(np.concatenate([f.pixel_values for f in missing])).to(self.device, dtype)
             for f, out in zip(missing, self.vision(patches, [f.grid_thw for f in missing])):
-                self.cache.put(f.hash, out)
+                self.cache.put(f.hash, out.clone())  # its own memory, which the cache's byte count sees
             self.num_encoded += len(missing)
             return
         by_shape: dict[tuple[int, ...], list[ImageFeature]] = {}

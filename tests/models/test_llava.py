@@ -11,11 +11,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from llava_model import TOKENS_PER_IMAGE, image, save_tiny_llava  # noqa: E402
+from llava_model import TOKENS_PER_IMAGE, ember_logits, image, prompt, save_tiny_llava  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
 from ember.runner.multimodal import EncoderCache  # noqa: E402
-from ember.scheduler.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
 
 RED, BLUE = image((200, 30, 30)), image((20, 40, 220), (24, 36))
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
@@ -45,35 +44,14 @@ def llm(model_dir):
     return make_llm(model_dir)
 
 
-def prompt(text: str, images: list) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
-
-
 def hf_inputs(hf, text: str, images: list):
     return hf[0](text=[text], images=images, return_tensors="pt")
-
-
-def ember_logits(llm: LLM, text: str, images: list) -> tuple[list[int], torch.Tensor]:
-    """One forward of the whole prompt (its images embedded by the runner): every position's logits."""
-    core = llm.engine
-    req = llm.inputs.make_request("logits", prompt(text, images), SamplingParams(max_tokens=1))
-    req.block_ids = core.block_pool.allocate(core.scheduler.blocks_for(req.num_tokens))
-    try:
-        plan = SchedulerOutput([ScheduledChunk(req, req.num_tokens)])
-        ids, positions, meta, _, _ = core.runner._prepare(plan)
-        with torch.inference_mode():
-            embeds = core.runner.images.inputs_embeds(plan, ids)
-            logits = core.runner.model.compute_logits(core.runner.model(ids, positions, meta, embeds)).float()
-    finally:
-        core.block_pool.free(req.block_ids)
-        core.runner.release(req.request_id)
-    return req.prompt_token_ids, logits
 
 
 @pytest.mark.parametrize("text,images", [(ONE, [RED]), (TWO, [RED, BLUE])], ids=["one-image", "two-images"])
 def test_logits_and_greedy_tokens_match_transformers(llm, hf, text, images):
     inputs = hf_inputs(hf, text, images)
-    ids, logits = ember_logits(llm, text, images)
+    ids, _, logits = ember_logits(llm, text, images)
     assert ids == inputs["input_ids"][0].tolist()
     assert ids.count(llm.config.model_config.vision.image_token_id) == TOKENS_PER_IMAGE * len(images)
     with torch.no_grad():

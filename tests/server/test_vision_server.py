@@ -1,7 +1,8 @@
 """Images over HTTP: the official `openai` client sends a base64 image to a real `ember serve`
 of a tiny LLaVA-1.5 and gets what LLM.chat answers offline; a file:// image under
 --allowed-local-media-path is the same image; and every bad image gets its own 400 in
-OpenAI's shape while the server keeps answering."""
+OpenAI's shape while the server keeps answering. A tiny Qwen2.5-VL server answers images of
+two sizes (M-RoPE, dynamic resolution) as LLM.chat does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 
 import pytest
 from llava_model import data_url, image, save_tiny_llava
+from qwen_vl_model import save_tiny_qwen_vl
 from servers import MODEL, Server, assert_openai_error, post, running
 
 from ember import LLM, SamplingParams
@@ -44,12 +46,18 @@ def vision_server(model_dir, media, tmp_path_factory):
                               str(MAX_PIXELS), "--allowed-local-media-path", str(media), "--max-model-len", "256"))
 
 
+def chat_answer(model_dir, *parts) -> str:
+    """LLM.chat's greedy answer offline to one user message of these parts (PIL images, text)."""
+    llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=256)
+    parts = [p if isinstance(p, str) else {"type": "image_pil", "image_pil": p} for p in parts]
+    messages = [{"role": "user", "content": content(*parts)}]
+    return llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+
+
 @pytest.fixture(scope="module")
 def expected(model_dir) -> str:
     """LLM.chat's greedy answer offline, on the same model."""
-    llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=256)
-    messages = [{"role": "user", "content": content({"type": "image_pil", "image_pil": RED}, "What is this?")}]
-    return llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+    return chat_answer(model_dir, RED, "What is this?")
 
 
 def ask(server: Server, *parts) -> str:
@@ -113,3 +121,21 @@ def test_the_responses_api_takes_input_image_parts(vision_server, expected):
         input=[{"role": "user", "content": [{"type": "input_image", "image_url": data_url(RED)},
                                             {"type": "input_text", "text": "What is this?"}]}])
     assert out.output_text == expected
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(bpe_tokenizer_dir, tmp_path_factory):
+    return save_tiny_qwen_vl(bpe_tokenizer_dir, tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def qwen_server(qwen_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("qwen-server") / "server.log"
+    yield from running(Server(qwen_dir, log, "--max-model-len", "256"))
+
+
+def test_the_openai_client_sends_images_of_two_sizes_to_qwen2_5_vl(qwen_server, qwen_dir):
+    wide, tall = image((200, 30, 30), (84, 56)), image((20, 40, 220), (60, 100))  # 6 and 8 image tokens
+    want = chat_answer(qwen_dir, wide, tall, "Which is red?")
+    assert ask(qwen_server, image_part(data_url(wide)), image_part(data_url(tall)), "Which is red?") == want
+    assert ask(qwen_server, image_part(data_url(tall)), image_part(data_url(wide)), "Which is red?") != want
