@@ -25,38 +25,51 @@ MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 12  # at most 12 image tokens an ima
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
-def save_tiny_qwen_vl(tokenizer_dir: Path, out: Path, family: str = "qwen2_vl") -> Path:
-    """The model directory, as transformers writes it (model, processor, tokenizer, template)."""
+# Qwen2.5-VL-3B's shapes but for the depths (2 decoder layers, 2 tower blocks, the second of full
+# attention), the MLPs' widths, and images of at most 16 x 16 merged patches: the -m gpu test's
+SMALL = {"text": dict(hidden_size=2048, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                       "mrope_section": [16, 24, 24]}),
+         "vision": dict(hidden_size=1280, out_hidden_size=2048, num_heads=16, intermediate_size=1024,
+                        window_size=112, fullatt_block_indexes=[1]),
+         "max_pixels": 448 * 448, "std": 0.03}
+
+
+def save_tiny_qwen_vl(tokenizer_dir: Path, out: Path, family: str = "qwen2_vl", shape: dict | None = None) -> Path:
+    """The model directory, as transformers writes it (model, processor, tokenizer, template);
+    `shape` (SMALL) overrides the tiny sizes."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    shape = shape or {}
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id) | shape.get("text", {})
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if family == "qwen2_vl":
-        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2) | shape.get("vision", {})
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
         model_class = transformers.Qwen2VLForConditionalGeneration
     else:
         vision = dict(depth=2, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=48,
-                      window_size=56, fullatt_block_indexes=[1])
+                      window_size=56, fullatt_block_indexes=[1]) | shape.get("vision", {})
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
         model_class = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
     model = model_class(config)
     with torch.no_grad():  # transformers' init leaves the tiny model's logits nearly flat: spread them
         for p in model.parameters():
-            p.normal_(0, 0.2)
+            p.normal_(0, shape.get("std", 0.2))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     # the image processor and the tokenizer apart: transformers' Qwen2VLProcessor cannot be made
     # without its video processor, which needs torchvision
-    images = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+    images = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS,
+                                                         "longest_edge": shape.get("max_pixels", MAX_PIXELS)})
     images.save_pretrained(str(out))
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))

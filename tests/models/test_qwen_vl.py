@@ -111,3 +111,50 @@ def test_chunk_boundaries_inside_images_change_nothing(model_dir, llm):
     assert chunked.generate(prompt(TWO, [RED, BLUE]), GREEDY)[0].outputs[0].token_ids == want
     assert chunked.engine.runner.images.num_encoded == 2
     chunked.engine.check_idle()
+
+
+# Qwen2-VL-7B-Instruct's config.json as the hub has it: the language model's keys at the top level,
+# M-RoPE as rope_scaling type "mrope"
+HUB_CONFIG = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "bos_token_id": 151643,
+    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 3584,
+    "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28, "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 152064,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                      "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+}
+
+
+def test_the_hubs_flat_config_reads_as_qwen2_with_m_rope():
+    from ember.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_config(HUB_CONFIG)
+    assert (cfg.architecture, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias) == \
+        ("qwen2", 3584, 4, 128, True)
+    assert cfg.rope_scaling is None and cfg.rope_theta == 1e6 and cfg.mrope_section == (16, 24, 24)
+    v = cfg.vision
+    assert (v.kind, v.hidden_size, v.intermediate_size, v.num_layers, v.num_heads, v.text_hidden_size,
+            v.merge_size, v.temporal_patch_size, v.hidden_act) == \
+        ("qwen2_vl", 1280, 5120, 32, 16, 3584, 2, 2, "quick_gelu")
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 16]}}, ["mrope_section", "covers 56"]),
+    ({"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24], "mrope_interleaved": True}},
+     ["mrope_interleaved", "not supported"]),
+    ({"vision_config": HUB_CONFIG["vision_config"] | {"hidden_act": "relu"}}, ["hidden_act 'relu'"]),
+], ids=["sections-do-not-fit", "interleaved", "tower-activation"])
+def test_configs_ember_does_not_run_are_refused_by_name(change, words):
+    from ember.models.config import ModelConfig
+
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf_config(HUB_CONFIG | change)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_video_is_refused_by_name(llm):
+    with pytest.raises(ValueError, match="'video' is not supported.*torchvision.*frames as images"):
+        llm.generate({"prompt": ONE, "multi_modal_data": {"video": [RED, RED]}}, GREEDY)
