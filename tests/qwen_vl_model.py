@@ -32,7 +32,7 @@ SMALL = {"text": dict(hidden_size=2048, intermediate_size=2048, num_attention_he
                                        "mrope_section": [16, 24, 24]}),
          "vision": dict(hidden_size=1280, out_hidden_size=2048, num_heads=16, intermediate_size=1024,
                         window_size=112, fullatt_block_indexes=[1]),
-         "max_pixels": 448 * 448, "std": 0.03}
+         "max_pixels": 448 * 448, "std": 0.1}
 
 
 def save_tiny_qwen_vl(tokenizer_dir: Path, out: Path, family: str = "qwen2_vl", shape: dict | None = None) -> Path:

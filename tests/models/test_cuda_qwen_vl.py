@@ -25,7 +25,7 @@ WIDE, TALL = image((200, 30, 30), (448, 336)), image((20, 40, 220), (200, 300))
 PROMPTS = [(f"USER What is in the picture ? {V} ASSISTANT", [WIDE]),
            (f"USER {V} and {V} Which is red ? ASSISTANT", [TALL, WIDE]),
            ("USER What is in the picture ? ASSISTANT", [])]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,8 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
+def expected(model_dir) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens of each prompt and their logprobs (of the raw logits)."""
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
     hf = hf.cuda().eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
@@ -46,16 +47,27 @@ def expected(model_dir):
         enc = hf_inputs(model_dir, text, images) if images else tok(text, return_tensors="pt")
         enc = {k: v.cuda() for k, v in enc.items()}
         with torch.no_grad():
-            tokens = hf.generate(**enc, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        out.append(tokens[0, enc["input_ids"].shape[1]:].tolist())
+            gen = hf.generate(**enc, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+        tokens = gen.sequences[0, enc["input_ids"].shape[1]:]
+        logprobs = torch.stack(gen.logits)[:, 0].float().log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        out.append((tokens.tolist(), logprobs.tolist()))
     return out
+
+
+def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
+    c = output.outputs[0]
+    return c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 64}], ids=["graphs", "chunks-cut-images"])
 def test_greedy_tokens_match_transformers_on_cuda(model_dir, expected, kw):
     llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=1024, block_size=16, **kw)
     prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in PROMPTS]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    again = llm.generate(prompts[1], GREEDY)[0]  # its images' blocks from the batch: a hit
-    assert again.num_cached_tokens >= 256 and again.outputs[0].token_ids == expected[1]
+    again = llm.generate(prompts, GREEDY) + llm.generate(prompts[1], GREEDY)  # the last: a hit over its images
+    assert again[-1].num_cached_tokens >= 256
+    for output, (tokens, logprobs) in zip(again, expected + expected[1:2]):
+        got_tokens, got_logprobs = tokens_and_logprobs(output)
+        assert got_tokens == tokens
+        torch.testing.assert_close(got_logprobs, logprobs, rtol=0, atol=2e-3)
     llm.engine.check_idle()
