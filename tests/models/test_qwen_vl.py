@@ -23,6 +23,8 @@ V = "<|vision_start|><|image_pad|><|vision_end|>"
 ONE = f"<|im_start|>user\n{V}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
 TWO = f"<|im_start|>user\n{V}and {V}Which is red?<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# the engine's handling (the prefix cache, chunks, preemption) is the families' one path: tested on one
+ONE_FAMILY = pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)
 HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
@@ -84,6 +86,7 @@ def test_chat_with_image_parts_is_the_template_and_the_processor(llm):
     assert out.outputs[0].token_ids == llm.generate(prompt(ONE, [RED]), GREEDY)[0].outputs[0].token_ids
 
 
+@ONE_FAMILY
 def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
     """The same image after the same text hits past its tokens (its positions resume there); a
     different image of the same size shares no block over its tokens."""
@@ -104,6 +107,7 @@ def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
     llm.engine.check_idle()
 
 
+@ONE_FAMILY
 def test_chunk_boundaries_inside_images_change_nothing(model_dir, llm):
     """A budget of 4 tokens a step cuts the 6- and 8-token images across chunks."""
     chunked = make_llm(model_dir, max_num_batched_tokens=4, enable_prefix_caching=False)
@@ -111,6 +115,28 @@ def test_chunk_boundaries_inside_images_change_nothing(model_dir, llm):
     assert chunked.generate(prompt(TWO, [RED, BLUE]), GREEDY)[0].outputs[0].token_ids == want
     assert chunked.engine.runner.images.num_encoded == 2
     chunked.engine.check_idle()
+
+
+@ONE_FAMILY
+def test_preempted_requests_recompute_their_prompt_and_answer_at_the_same_positions(model_dir, llm):
+    """A pool of 16 blocks (64 tokens) holds both prompts, not both answers: one is preempted and
+    recomputes its prompt and its tokens so far in one chunk (image rows 3-D, rows past the
+    prompt at position + delta)."""
+    prompts = [prompt(ONE, [BLUE]), prompt(ONE, [RED])]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+
+    def answers(engine: LLM) -> list[tuple[list[int], list[float]]]:
+        return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                for c in (o.outputs[0] for o in engine.generate(prompts, params))]
+
+    want = answers(llm)
+    small = LLM(str(model_dir), dtype="float32", quantization="none", num_kv_blocks=16, block_size=4,
+                max_model_len=64, enable_prefix_caching=False)
+    got = answers(small)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    torch.testing.assert_close([lp for _, lp in got], [lp for _, lp in want], rtol=0, atol=1e-5)
+    assert small.engine.stats().num_preemptions > 0
+    small.engine.check_idle()
 
 
 # Qwen2-VL-7B-Instruct's config.json as the hub has it: the language model's keys at the top level,
