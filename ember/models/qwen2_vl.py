@@ -67,26 +67,35 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
-        """x [N, hidden]; rope [N, head_dim] (cos | sin); segments: the (start, end) runs of rows
-        that attend to each other (a frame, or a window)."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: Segments) -> torch.Tensor:
+        """x [N, hidden]; rope [N, head_dim] (cos | sin); segments: the runs of rows that attend
+        to each other (a frame, or a window)."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k, _ = apply_rotary(q.contiguous(), k.contiguous(), rope)
         return self.proj(segment_attention(q, k, v, segments, self.head_dim ** -0.5).reshape(n, -1))
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, int]],
-                      scale: float) -> torch.Tensor:
-    """Bidirectional attention within each segment of rows ([N, heads, dim] each); segments of
-    one length run as one batch."""
-    out = torch.empty_like(q)
+# runs of rows that attend only to each other, grouped by length: (count, length, their rows [count * length])
+Segments = list[tuple[int, int, torch.Tensor]]
+
+
+def segments_of(runs: list[tuple[int, int]], device: torch.device) -> Segments:
+    """(start, end) runs as Segments, built once a forward for every block."""
     by_length: dict[int, list[int]] = {}
-    for start, end in segments:
+    for start, end in runs:
         by_length.setdefault(end - start, []).append(start)
-    for length, starts in by_length.items():
-        rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
-        qs, ks, vs = (t[rows].view(len(starts), length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    return [(len(starts), length, (torch.tensor(starts)[:, None] + torch.arange(length)).flatten().to(device))
+            for length, starts in by_length.items()]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
+                      scale: float) -> torch.Tensor:
+    """Bidirectional attention within each segment of rows ([N, heads, dim] each); the segments
+    of one length as one batch."""
+    out = torch.empty_like(q)
+    for count, length, rows in segments:
+        qs, ks, vs = (t[rows].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
@@ -118,7 +127,7 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: Segments) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, segments)
         return x + self.mlp(self.norm2(x))
 
@@ -156,10 +165,11 @@ class Qwen2VisionTower(nn.Module):
         cfg, unit = self.config, self.config.merge_size ** 2
         x = self.patch_embed(patches)
         rope = self._rope(grids, x.device)
-        frames = _runs([h * w for t, h, w in grids for _ in range(t)])
+        frames = segments_of(_runs([h * w for t, h, w in grids for _ in range(t)]), x.device)
         order = None
         if cfg.window_size:  # window-major order of merge blocks: each window's rows consecutive
-            order, windows = _window_order(grids, cfg.window_size // cfg.merge_size // cfg.patch_size, cfg.merge_size)
+            order, runs = _window_order(grids, cfg.window_size // cfg.merge_size // cfg.patch_size, cfg.merge_size)
+            windows = segments_of(runs, x.device)
             rows = (torch.from_numpy(order).to(x.device)[:, None] * unit + torch.arange(unit, device=x.device)).flatten()
             x, rope = x[rows], rope[rows]
         for i, block in enumerate(self.blocks):
