@@ -91,6 +91,12 @@ def word_tokenizer_dir(out: Path) -> Path:
     return out
 
 
+def make_llm(model_dir, **kw) -> LLM:
+    """The exact path (float32, no quantization) over a small pool of 4-token blocks."""
+    return LLM(str(model_dir), dtype="float32", quantization="none", num_kv_blocks=96, block_size=4,
+               max_model_len=256, **kw)
+
+
 def prompt(text: str, images: list) -> dict:
     return {"prompt": text, "multi_modal_data": {"image": images}}
 

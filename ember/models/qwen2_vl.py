@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.layers.norm import RMSNorm
 from ember.layers.rotary import apply_rotary
 from ember.models.clip import vision_activation
 from ember.models.vision_config import VisionConfig
@@ -30,21 +31,8 @@ from ember.models.vision_config import VisionConfig
 Grid = tuple[int, int, int]  # an image's (t, h, w) in patches
 
 
-class VisionRMSNorm(nn.Module):
-    """Qwen2.5-VL's RMSNorm, as transformers computes it (float32, then the weight in the input's dtype)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 def _norm(cfg: VisionConfig, size: int) -> nn.Module:
-    return VisionRMSNorm(size, 1e-6) if cfg.kind == "qwen2_5_vl" else nn.LayerNorm(size, eps=1e-6)
+    return RMSNorm(size, 1e-6) if cfg.kind == "qwen2_5_vl" else nn.LayerNorm(size, eps=1e-6)
 
 
 class PatchEmbed(nn.Module):

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from llava_model import TOKENS_PER_IMAGE, ember_logits, image, prompt, save_tiny_llava  # noqa: E402
+from llava_model import TOKENS_PER_IMAGE, ember_logits, image, make_llm, prompt, save_tiny_llava  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
 from ember.runner.multimodal import EncoderCache  # noqa: E402
@@ -32,11 +32,6 @@ def hf(model_dir):
     processor = transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
     model = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     return processor, model
-
-
-def make_llm(model_dir, **kw) -> LLM:
-    return LLM(str(model_dir), dtype="float32", quantization="none", num_kv_blocks=96, block_size=4,
-               max_model_len=256, **kw)
 
 
 @pytest.fixture(scope="module")

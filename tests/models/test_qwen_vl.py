@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from llava_model import ember_logits, image, prompt  # noqa: E402
+from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
 from qwen_vl_model import FAMILIES, hf_inputs, save_tiny_qwen_vl  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
@@ -41,11 +41,6 @@ def model_dir(bpe_tokenizer_dir, tmp_path_factory, family):
 @pytest.fixture(scope="module")
 def hf(model_dir, family):
     return getattr(transformers, HF_CLASSES[family]).from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-def make_llm(model_dir, **kw) -> LLM:
-    return LLM(str(model_dir), dtype="float32", quantization="none", num_kv_blocks=96, block_size=4,
-               max_model_len=256, **kw)
 
 
 @pytest.fixture(scope="module")
