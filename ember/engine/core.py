@@ -441,6 +441,8 @@ class EngineCore:
         if spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size:
             return
         asking = [req for req in stepped if not req.status.is_finished]
+        for req in asking:
+            self.scheduler.reserve_lookahead(req, spec.lookahead_slots)
         for req, drafts in zip(asking, self.proposer.propose_for(asking) if asking else []):
             if drafts and req.sampling_params.structured_outputs is not None:
                 drafts = self.structured.draftable(req, drafts)

@@ -5,8 +5,9 @@ Its cache has one block for each of the target's (same block size, its own layer
 dims), so the scheduler's block tables, slots, prefix-cache hits, forks and rollbacks serve both:
 every step the draft runs the same tokens at the same positions as the target (`follow`), and
 after the step's tokens are known it drafts K more for each decoding request, greedily, one
-batched forward a position (`propose`), writing its KV into the blocks the request holds (a
-draft never takes a block: the drafts stop where the request's last block ends). A rejected
+batched forward a position (`propose`), writing its KV into the blocks the request holds (the
+scheduler reserves them beforehand, `reserve_lookahead`, where blocks are free; without them the
+drafts stop where the request's last block ends). A rejected
 draft's KV is overwritten when the position is computed again, in both caches."""
 
 from __future__ import annotations

@@ -295,6 +295,16 @@ class Scheduler:
                 plan.chunks[i] = ScheduledChunk(req, 1 + k, req.draft_token_ids[:k])
                 budget -= k
 
+    def reserve_lookahead(self, req: Request, num_slots: int) -> None:
+        """Blocks for the KV of the request's next `num_slots` positions, which a drafter writes
+        before the step that verifies its drafts (vLLM's lookahead slots), as far as free and
+        evictable blocks go: a draft never preempts. The next step's tokens use them; a
+        request that leaves gives them back with the rest."""
+        need = min(self.blocks_for(min(req.num_computed_tokens + num_slots, self.max_model_len)) - len(req.block_ids),
+                   self.pool.num_available)
+        if need > 0:
+            req.block_ids += self.pool.allocate(need)
+
     def _add_chunk(self, plan: SchedulerOutput, req: Request, n: int) -> None:
         """Plan `n` tokens of the request; a recurrent state saved where they end on a block boundary."""
         plan.chunks.append(ScheduledChunk(req, n))

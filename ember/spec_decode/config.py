@@ -63,6 +63,13 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots past a request's computed tokens its drafter writes before the step that
+        verifies the drafts: a draft model's K positions, an EAGLE-3 head's K - 1 (its first
+        draft comes from the target's last row), none for prompt lookup."""
+        return {"draft_model": self.num_speculative_tokens, "eagle3": self.num_speculative_tokens - 1}.get(self.method, 0)
+
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
         """From a JSON object (the command line's), a dict, or a SpeculativeConfig."""

@@ -314,6 +314,17 @@ def test_a_draft_model_drafts_and_the_output_is_the_targets(engines, gguf_path, 
         got = spec.generate(prompts[:1], forks)[0].outputs  # its prompt's blocks from the prefix cache
         assert [(list(c.token_ids), c.text) for c in got] == [(list(c.token_ids), c.text) for c in want]
         assert spec.engine.runner.drafter.kv_cache.shape[2] == spec.engine.runner.kv_cache.shape[2]
+        if draft == "itself":  # every step drafts all it may, block boundary or not: the blocks for the
+            # drafts' KV are reserved ahead (16-token blocks; 24 tokens after a 12-token prompt cross two)
+            core = spec.engine
+            req = Request("ahead", prompts[0]["prompt_token_ids"][:12], greedy(24, ignore_eos=True))
+            core.add_request(req)
+            while core.has_unfinished_requests():
+                core.step()
+                if not req.status.is_finished:
+                    assert len(req.draft_token_ids) == min(3, 24 - len(req.output_token_ids) - 1)
+                    assert len(req.block_ids) == -(-(req.num_computed_tokens + 3) // 16)
+            assert not core.block_pool.num_in_use
     finally:
         live_engines.remove(spec)
 

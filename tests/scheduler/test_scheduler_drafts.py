@@ -120,3 +120,17 @@ def test_preemption_drops_the_drafts():
     out = s.schedule()  # a's next token needs a block: b (the newest) is preempted, and its drafts go
     assert [r.request_id for r in out.preempted] == ["b"] and b.draft_token_ids == []
     assert out.chunks[0].request is a and out.chunks[0].draft_token_ids == []  # no drafts in a step that preempts
+
+
+def test_lookahead_blocks_come_from_free_blocks_only_and_stop_at_max_model_len():
+    s = make(num_blocks=4, max_model_len=14)
+    req = prefill(s)  # 6 prompt tokens computed in blocks [0, 1]; its first output token pending
+    s.reserve_lookahead(req, 3)  # positions 6..8: block 2
+    assert req.block_ids == [0, 1, 2]
+    s.reserve_lookahead(req, 20)  # as far as max_model_len: 14 tokens, block 3
+    assert req.block_ids == [0, 1, 2, 3] and s.pool.num_available == 0
+    other = make(num_blocks=3)
+    busy = prefill(other, max_tokens=2)  # blocks [0, 1]
+    other.pool.allocate(1)  # someone else holds the last block
+    other.reserve_lookahead(busy, 4)
+    assert busy.block_ids == [0, 1] and other.num_preemptions == 0  # nothing free: no block, nobody preempted
