@@ -2,7 +2,8 @@
 tower of 56-pixel images in 14-pixel patches, 16 image tokens each, the projector, a 2-layer
 Llama), with SmolLM2's tokenizer plus an <image> token, the LlavaProcessor on CLIP's PIL image
 processor, and a LLaVA-1.5 chat template; and what every vision-language test shares: the
-small generated images they send, and one forward of a prompt with images through the engine."""
+small generated images they send, and one forward of a prompt with images through the engine.
+With `anyres`, the same model as a LLaVA-NeXT."""
 
 from __future__ import annotations
 
@@ -24,10 +25,14 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 TOKENS_PER_IMAGE = 16  # (56 / 14)^2, the CLS position dropped
+# LLaVA-NeXT's default pinpoints' shapes at 56-pixel tiles (1 x 2, 2 x 1, 2 x 2, 3 x 1, 1 x 3)
+PINPOINTS = [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]]
 
 
-def save_tiny_llava(tokenizer_dir: Path, out: Path) -> Path:
-    """The model directory, as transformers writes it (model, processor, tokenizer, template)."""
+def save_tiny_llava(tokenizer_dir: Path, out: Path, anyres: bool = False) -> Path:
+    """The model directory, as transformers writes it (model, processor, tokenizer, template).
+    anyres: a LLaVA-NeXT (LlavaNextForConditionalGeneration, its image processor tiling each
+    image over PINPOINTS, its processor expanding the image token to the image's count)."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -37,20 +42,28 @@ def save_tiny_llava(tokenizer_dir: Path, out: Path) -> Path:
     text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
-                                      image_token_index=tok.convert_tokens_to_ids("<image>"),
-                                      image_seq_length=TOKENS_PER_IMAGE)
+    image_token = tok.convert_tokens_to_ids("<image>")
+    if anyres:
+        config = transformers.LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                                              image_grid_pinpoints=PINPOINTS)
+        model_class, processor_class = transformers.LlavaNextForConditionalGeneration, transformers.LlavaNextProcessor
+        images = transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 56},
+                                                         crop_size={"height": 56, "width": 56},
+                                                         image_grid_pinpoints=PINPOINTS)
+    else:
+        config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                                          image_seq_length=TOKENS_PER_IMAGE)
+        model_class, processor_class = transformers.LlavaForConditionalGeneration, transformers.LlavaProcessor
+        images = transformers.CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
     torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(config)
+    model = model_class(config)
     with torch.no_grad():  # transformers' init leaves the tiny model's logits nearly flat: spread them
         for p in model.parameters():
             p.normal_(0, 0.2)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    images = transformers.CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
-    transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14,
-                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                                chat_template=CHAT_TEMPLATE).save_pretrained(str(out))
+    processor_class(image_processor=images, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                    num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE).save_pretrained(str(out))
     return out
 
 

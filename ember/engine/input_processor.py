@@ -74,7 +74,8 @@ class InputProcessor:
             served = " (ember serves its language model on text only)" if self.config.model_config.multimodal else ""
             raise ValueError(f"this model ({arch}{served}) takes no images: send text content only, or serve a "
                              "vision-language model ember runs images through (LlavaForConditionalGeneration, "
-                             "Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration)")
+                             "LlavaNextForConditionalGeneration, Qwen2VLForConditionalGeneration, "
+                             "Qwen2_5_VLForConditionalGeneration)")
         if self.images is None:
             from ember.multimodal.processor import ImageProcessor
 

@@ -215,6 +215,7 @@ _LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_m
                             "language_model.lm_head.": "lm_head."}
 _VISION_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.",
                     "model.multi_modal_projector.", "visual.", "model.visual.")
+_VISION_NAMES = ("image_newline", "model.image_newline")  # LLaVA-NeXT's
 
 
 def checkpoint_names(cfg: ModelConfig) -> Callable[[str], str | None] | None:
@@ -404,7 +405,7 @@ def _encoder_name(name: str, pooler: bool) -> str | None:
 
 
 def _language_model_name(name: str) -> str | None:
-    if name.startswith(_VISION_PREFIXES):
+    if name.startswith(_VISION_PREFIXES) or name in _VISION_NAMES:
         return None
     for prefix, ours in _LANGUAGE_MODEL_PREFIXES.items():
         if name.startswith(prefix):

@@ -602,8 +602,8 @@ def _language_model_config(config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise ValueError(f"a {arch} config.json needs a `text_config` (the language model's config, which ember "
                          "serves): the file is incomplete; take config.json from the original checkpoint again")
-    if arch == "LlavaForConditionalGeneration" and text.get("model_type", "llama") == "llama":
-        text = _LLAMA_CONFIG_SIZES | text  # llava-hf's LLaVA-1.5 text_configs leave LlamaConfig's sizes unsaid
+    if arch in TEXT_CONFIG_FAMILY_ARCHITECTURES and text.get("model_type", "llama") == "llama":
+        text = _LLAMA_CONFIG_SIZES | text  # llava-hf's LLaVA text_configs leave LlamaConfig's sizes unsaid
     missing = [key for key in _TEXT_CONFIG_REQUIRED if key not in text]
     if missing:
         raise ValueError(f"the text_config of this {arch} config.json lacks {', '.join(missing)}: no default stands "

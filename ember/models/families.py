@@ -253,11 +253,11 @@ BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES
 # vision-language checkpoints (by `architectures`, or `model_type`): the language model's
 # config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Llama4ForConditionalGeneration",
-                                 "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                                 "Qwen2_5_VLForConditionalGeneration")
+                                 "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                 "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # those whose language model is any family's: the family is their text_config's model_type's
 # (LLaVA's Llama, Vicuna or Mistral)
-TEXT_CONFIG_FAMILY_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+TEXT_CONFIG_FAMILY_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "llama4", "qwen2_vl", "qwen2_5_vl")
 # those whose config.json may keep the language model's keys at its top level (the Qwen2-VL
 # checkpoints on the hub, written before transformers nested them under text_config)

@@ -1,7 +1,8 @@
 """VisionConfig: what ember reads of a vision-language checkpoint's image side (its vision
 tower, the projector into the language model, the image token), from config.json.
 
-One reader a family (`kind`): LLaVA-1.5's CLIP tower and linear-GELU-linear projector;
+One reader a family (`kind`): LLaVA-1.5's CLIP tower and linear-GELU-linear projector, and
+LLaVA-NeXT's (the same over the tiles of its anyres grid: models/llava_next.py);
 Qwen2-VL's and Qwen2.5-VL's towers of dynamic resolution (models/qwen2_vl.py: patches of any
 image size, merged 2 x 2 into the language model's tokens, whose positions are M-RoPE's);
 Gemma 3's SigLIP and Pixtral's towers are further kinds beside them. A field the family's
@@ -10,13 +11,14 @@ config sets that ember does not run is refused here, by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
 @dataclass(frozen=True)
 class VisionConfig:
     # "llava": a CLIP tower, a feature layer, linear-act-linear into the text model;
+    # "llava_next": the same over an image's base view and the tiles of its anyres grid;
     # "qwen2_vl" / "qwen2_5_vl": models/qwen2_vl.py's tower and patch merger
     kind: str
     image_token_id: int  # the placeholder token each image's embeddings take the place of
@@ -42,6 +44,8 @@ class VisionConfig:
     window_size: int = 0
     full_attention_blocks: tuple[int, ...] = ()
     rope_theta: float = 10000.0  # the tower's 2-D RoPE
+    # LLaVA-NeXT: the (height, width) in pixels an image's tiles may cover (image_grid_pinpoints)
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
 
     @property
     def dynamic_resolution(self) -> bool:
@@ -65,6 +69,8 @@ def vision_config(config: dict[str, Any], text_hidden_size: int) -> VisionConfig
         return _llava(config, text_hidden_size)
     if arch in _QWEN_VL_ARCHITECTURES:
         return _qwen_vl(config, _QWEN_VL_ARCHITECTURES[arch])
+    if arch == "LlavaNextForConditionalGeneration":
+        return _llava_next(config, text_hidden_size)
     return None
 
 
@@ -129,14 +135,15 @@ _PROJECTOR_ACTS = ("gelu",)
 
 
 def _llava(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
+    arch = config["architectures"][0]
     given = config.get("vision_config")
     vc = (_CLIP_DEFAULTS | given) if given else _LLAVA_TOWER
     if vc["model_type"] != "clip_vision_model":
-        raise ValueError(f"LlavaForConditionalGeneration with a {vc.get('model_type')!r} vision tower is not "
-                         "supported: ember runs LLaVA-1.5's CLIP tower (clip_vision_model)")
+        raise ValueError(f"{arch} with a {vc.get('model_type')!r} vision tower is not supported: ember runs "
+                         "LLaVA's CLIP tower (clip_vision_model)")
     layer = config.get("vision_feature_layer", -2)
     if not isinstance(layer, int):
-        raise ValueError(f"LlavaForConditionalGeneration with vision_feature_layer {layer!r} (several layers "
+        raise ValueError(f"{arch} with vision_feature_layer {layer!r} (several layers "
                          "concatenated) is not supported: ember takes one layer's features (an int)")
     layers = vc["num_hidden_layers"]
     used = layers + layer + 1 if layer < 0 else layer  # hidden_states[0] is the embeddings' output
@@ -148,7 +155,7 @@ def _llava(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
                          "(the CLS position dropped) and 'full'")
     act, projector_act = vc["hidden_act"], config.get("projector_hidden_act", "gelu")
     if act not in _CLIP_ACTS or projector_act not in _PROJECTOR_ACTS:
-        raise ValueError(f"LlavaForConditionalGeneration: the tower's hidden_act {act!r} / projector_hidden_act "
+        raise ValueError(f"{arch}: the tower's hidden_act {act!r} / projector_hidden_act "
                          f"{projector_act!r} is not supported (ember runs {_CLIP_ACTS} / {_PROJECTOR_ACTS})")
     return VisionConfig(
         kind="llava",
@@ -167,3 +174,23 @@ def _llava(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
         projector_bias=bool(config.get("multimodal_projector_bias", True)),
         text_hidden_size=text_hidden_size,
     )
+
+
+# LlavaNextConfig's image_grid_pinpoints where config.json names none
+_LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+
+
+def _llava_next(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
+    """LLaVA-1.5's reading, plus the anyres grid: each pinpoint a whole number of tiles of the
+    tower's image_size (what transformers' tiling and unpadding assume)."""
+    if config.get("vision_feature_select_strategy", "default") != "default":
+        raise ValueError(f"LlavaNextForConditionalGeneration with vision_feature_select_strategy "
+                         f"{config['vision_feature_select_strategy']!r} is not supported: its tiles' features are a "
+                         "grid of patches only with the CLS position dropped ('default')")
+    base = _llava(config, text_hidden_size)
+    pinpoints = tuple(tuple(int(x) for x in p) for p in config.get("image_grid_pinpoints") or _LLAVA_NEXT_PINPOINTS)
+    side = base.image_size
+    if any(len(p) != 2 or p[0] < side or p[1] < side or p[0] % side or p[1] % side for p in pinpoints):
+        raise ValueError(f"LlavaNextForConditionalGeneration: image_grid_pinpoints {[list(p) for p in pinpoints]} "
+                         f"must each be (height, width) multiples of the tower's image_size {side}")
+    return replace(base, kind="llava_next", grid_pinpoints=pinpoints)

@@ -20,6 +20,9 @@ class ImageFeature:
     pixel_values: np.ndarray  # what the model's image processor made of it ([C, H, W] for LLaVA)
     # Qwen2-VL: its (t, h, w) in patches (image_grid_thw); pixel_values are its patches [t * h * w, ...]
     grid_thw: tuple[int, int, int] | None = None
+    # LLaVA-NeXT: the image's (height, width), which its tiling and unpadding follow;
+    # pixel_values are its views [1 + tiles, C, H, W]
+    image_size: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -32,10 +35,11 @@ class ImageFeature:
         return -1 - int(self.hash[:15], 16)
 
 
-def pixels_hash(pixel_values: np.ndarray) -> str:
-    """The hash of an image's processed pixels (their bytes, dtype and shape)."""
+def pixels_hash(pixel_values: np.ndarray, image_size: tuple[int, int] | None = None) -> str:
+    """The hash of an image's processed pixels (their bytes, dtype and shape, and the image's
+    size where its embeddings follow it too)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{pixel_values.dtype}{pixel_values.shape}".encode())
+    h.update(f"{pixel_values.dtype}{pixel_values.shape}{image_size or ''}".encode())
     h.update(np.ascontiguousarray(pixel_values).tobytes())
     return h.hexdigest()
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.models.llava_next import feature_count, num_views
 from ember.models.vision_config import VisionConfig
 from ember.multimodal.inputs import ImageFeature, pixels_hash
 
@@ -37,6 +38,8 @@ class ImageProcessor:
         except (OSError, ValueError) as e:
             raise ValueError(f"{model_dir}: the model's processor (processor_config.json / "
                              f"preprocessor_config.json) cannot be loaded: {str(e)[:300]}") from None
+        if vision.kind == "llava_next":
+            _check_tiling(self.processor.image_processor, vision, model_dir)
         self._lock = threading.Lock()  # a transformers processor is not known to be thread-safe
 
     def process(self, text: str, images: list[Any], add_special_tokens: bool) -> tuple[list[int], list[ImageFeature]]:
@@ -53,6 +56,9 @@ class ImageProcessor:
                                  return_tensors="np")
         ids = [int(t) for t in enc["input_ids"][0]]
         pixels = np.asarray(enc["pixel_values"], dtype=np.float32)
+        if self.vision.kind == "llava_next":  # each image's views (padded to the most views of the prompt's) and size
+            sizes = [(int(h), int(w)) for h, w in enc["image_sizes"]]
+            return ids, self._features(ids, [p[:num_views(s, self.vision)] for p, s in zip(pixels, sizes)], sizes)
         return ids, self._features(ids, list(pixels))
 
     def _process_grids(self, text: str, images: list[Any], add_special_tokens: bool
@@ -76,22 +82,30 @@ class ImageProcessor:
         return ids, [ImageFeature(start, n, pixels_hash(p.reshape(*g, -1)), p, g)
                      for (start, n), p, g in zip(runs, pixels, grids)]
 
-    def _features(self, ids: list[int], pixels: list[np.ndarray]) -> list[ImageFeature]:
+    def _features(self, ids: list[int], pixels: list[np.ndarray], sizes: list[tuple[int, int]] | None = None
+                  ) -> list[ImageFeature]:
         """Each image's run of placeholder tokens, in order: the image token's positions cut
-        into len(pixels) equal runs (every LLaVA-1.5 image has tokens_per_image of them)."""
+        into runs of each image's embeddings (LLaVA-1.5: tokens_per_image; LLaVA-NeXT: as
+        many as its size gives)."""
         token = self.vision.image_token_id
         positions = [i for i, t in enumerate(ids) if t == token]
-        count = self.vision.tokens_per_image
-        if len(positions) != count * len(pixels):
+        if sizes is None:
+            counts = [self.vision.tokens_per_image] * len(pixels)
+        else:
+            counts = [feature_count(s, self.vision) for s in sizes]
+        if len(positions) != sum(counts):
             raise ValueError(f"the processor placed {len(positions)} image tokens for {len(pixels)} images of "
-                             f"{count}: a token id {token} in the text itself is not allowed")
-        features = []
-        for i, p in enumerate(pixels):
-            start = positions[i * count]
-            if positions[(i + 1) * count - 1] != start + count - 1:
+                             f"{counts} embeddings: a token id {token} in the text itself is not allowed, and the "
+                             "model's processor files must tile and count as its config.json does "
+                             "(image_grid_pinpoints, patch_size, vision_feature_select_strategy)")
+        features, cut = [], 0
+        for p, count, size in zip(pixels, counts, sizes or [None] * len(pixels)):
+            start = positions[cut]
+            if positions[cut + count - 1] != start + count - 1:
                 raise ValueError("an image's placeholder tokens are not one run: the image token appears in the "
                                  "text itself")
-            features.append(ImageFeature(start, count, pixels_hash(p), p))
+            cut += count
+            features.append(ImageFeature(start, count, pixels_hash(p, size), p, image_size=size))
         return features
 
 
@@ -105,3 +119,15 @@ def _runs_of(ids: list[int], token: int) -> list[tuple[int, int]]:
             else:
                 runs.append((i, 1))
     return runs
+
+
+def _check_tiling(images: Any, vision: VisionConfig, model_dir: str | Path) -> None:
+    """LLaVA-NeXT: the image processor cuts tiles as config.json's model puts them back together
+    (its pinpoints, tiles of the tower's image_size), else the tower would get other views."""
+    pinpoints = tuple(tuple(int(x) for x in p) for p in images.image_grid_pinpoints)
+    tile = (images.crop_size.height, images.crop_size.width)
+    if pinpoints != vision.grid_pinpoints or tile != (vision.image_size, vision.image_size):
+        raise ValueError(f"{model_dir}: the image processor tiles at {[list(p) for p in pinpoints]} in tiles of "
+                         f"{tile[0]} x {tile[1]}; config.json's model at {[list(p) for p in vision.grid_pinpoints]} "
+                         f"in tiles of {vision.image_size}: make the processor's image_grid_pinpoints and crop_size "
+                         "those of config.json")

@@ -98,6 +98,8 @@ class ImageEmbedder:
                  max_bytes: int = ENCODER_CACHE_BYTES) -> None:
         # pixel_values [B, C, H, W] -> [B, tokens, hidden]; a `packed` one (Qwen2-VL): the images'
         # patches concatenated and their grids -> each image's [tokens, hidden]
+        # a `tiled` one (LLaVA-NeXT): the images' views concatenated and their sizes -> each image's
+        # [tokens, hidden]
         self.vision = vision
         self.embed = embed  # token ids -> input embeddings (LlamaModel.embed)
         self.device = device
@@ -145,6 +147,12 @@ class ImageEmbedder:
             patches = torch.from_numpy(np.concatenate([f.pixel_values for f in missing])).to(self.device, dtype)
             for f, out in zip(missing, self.vision(patches, [f.grid_thw for f in missing])):
                 self.cache.put(f.hash, out.clone())  # its own memory, which the cache's byte count sees
+            self.num_encoded += len(missing)
+            return
+        if getattr(self.vision, "tiled", False):  # LLaVA-NeXT: every view of every image in one batch
+            views = torch.from_numpy(np.concatenate([f.pixel_values for f in missing])).to(self.device, dtype)
+            for f, out in zip(missing, self.vision(views, [f.image_size for f in missing])):
+                self.cache.put(f.hash, out)
             self.num_encoded += len(missing)
             return
         by_shape: dict[tuple[int, ...], list[ImageFeature]] = {}

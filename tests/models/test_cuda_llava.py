@@ -1,7 +1,7 @@
-"""On CUDA (`-m gpu`): the tiny LLaVA-1.5 through the whole engine (CUDA graphs for the steps
-without image tokens, eager with image embeddings; the CLIP tower in plain torch) in float32,
-against transformers on the GPU: greedy tokens of prompts with one and two images, in one
-batch, with chunks that cut the images and with a prefix-cache hit over an image."""
+"""On CUDA (`-m gpu`): the tiny LLaVA-1.5 and LLaVA-NeXT through the whole engine (CUDA graphs
+for the steps without image tokens, eager with image embeddings; the CLIP tower in plain torch)
+in float32, against transformers on the GPU: greedy tokens of prompts with one and two images,
+in one batch, with chunks that cut the images and with a prefix-cache hit over an image."""
 
 from __future__ import annotations
 
@@ -24,17 +24,18 @@ PROMPTS = [("USER : <image>\nWhat is in the picture ? ASSISTANT :", [RED]),
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["llava", "llava-next"])
+def model_dir(request, tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    return save_tiny_llava(word_tokenizer_dir(tmp_path_factory.mktemp("words")), tmp_path_factory.mktemp("llava"))
+    return save_tiny_llava(word_tokenizer_dir(tmp_path_factory.mktemp("words")), tmp_path_factory.mktemp("llava"),
+                           anyres=request.param)
 
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
     processor = transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
-    hf = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).cuda().eval()
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).cuda().eval()
     out = []
     for text, images in PROMPTS:
         enc = processor(text=[text], images=images, return_tensors="pt").to("cuda")
