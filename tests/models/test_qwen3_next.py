@@ -343,25 +343,41 @@ QWEN3_NEXT_CUDA = QWEN3_NEXT | {
 
 
 @pytest.mark.gpu
-def test_cuda_bfloat16_agrees_with_transformers(tmp_path, forward_logits):
-    """The engine on CUDA in bfloat16 (Triton attention, the fused MoE kernels, the linear layers'
-    conv and delta-rule kernels; decode steps in CUDA graphs, the rest eager) against
-    transformers in float32 on CUDA, as test_cuda_families.py measures the mixtures of experts
-    (a flipped expert moves a row: their floors)."""
+def test_cuda_float32_equals_and_bfloat16_drifts_no_more_than_transformers_own(tmp_path, forward_logits):
+    """The engine on CUDA (Triton attention, the fused MoE kernels, the linear layers' conv and
+    delta-rule kernels; decode steps in CUDA graphs, the rest eager) against transformers in
+    float32 on CUDA: in float32 within 2e-3 of the mean |logit| (measured 5e-4 on the H200); in
+    bfloat16 each prompt's mean |diff| at most 1.5x transformers' own bfloat16 run's (this random
+    model's bf16 rounding moves its logits by ~15 % of their mean in either engine; measured
+    1.03-1.24x), and the argmax agreement within 0.05 of transformers' bf16's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from hf_agreement import greedy_agreement, logits_agreement
 
     save_qwen3_next(QWEN3_NEXT_CUDA, tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).cuda().eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 8192, (n,), generator=g).tolist() for n in (3, 17, 129, 300, 1, 250)]
-    llm = LLM(str(tmp_path), max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.3)
-    runner = llm.engine.runner
-    assert runner.graphs is not None and runner.piecewise is None and llm.config.attention_backend == "triton"
-    assert logits_agreement("qwen3_next", llm, hf, prompts, forward_logits) >= 0.90
-    assert greedy_agreement("qwen3_next", llm, hf, prompts) >= 0.90
-    llm.engine.check_idle()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        want = [hf(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
+        hf16 = hf.to(torch.bfloat16)
+        floor = [hf16(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
+    del hf, hf16
+    floor_agree = sum((f.argmax(-1) == w.argmax(-1)).sum().item() for f, w in zip(floor, want)) / sum(map(len, prompts))
+
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(tmp_path), max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.3, dtype=dtype)
+        runner = llm.engine.runner
+        assert runner.graphs is not None and runner.piecewise is None and llm.config.attention_backend == "triton"
+        got = [x.float() for x in forward_logits(llm, prompts)]
+        for p, ours, w, f in zip(prompts, got, want, floor):
+            err, floor_err = (ours - w).abs().mean().item(), (f - w).abs().mean().item()
+            print(f"qwen3_next {dtype} prompt {len(p):4d}: mean |diff| {err:.4f}, transformers bf16's {floor_err:.4f}")
+            assert err <= (2e-3 * w.abs().mean().item() if dtype == "float32" else 1.5 * floor_err)
+        agree = sum((o.argmax(-1) == w.argmax(-1)).sum().item() for o, w in zip(got, want)) / sum(map(len, prompts))
+        assert agree >= (0.99 if dtype == "float32" else floor_agree - 0.05), (dtype, agree, floor_agree)
+        llm.engine.check_idle()
+        del llm, runner
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu
