@@ -8,7 +8,12 @@ join its block table and count as computed. After each step every block that fil
 enters the cache, so a finished request leaves its prompt and output behind for the next
 turn. Policies: fcfs (arrival order), priority (then arrival), lpm (longest cached prefix
 first, SGLang's; a request passed over LPM_MAX_PASSED_OVER times goes first, and past
-LPM_MAX_QUEUE waiting requests it falls back to arrival order, as SGLang does).
+LPM_MAX_QUEUE waiting requests it falls back to arrival order, as SGLang does). A waiting
+request whose first uncached block another prefill chunk of the same step computes (the same
+tokens after the same cached blocks, one salt) waits for a later step, where it hits that block
+in the cache instead of computing it again (SGLang's in-batch prefix deferral): a select's
+choices or a batch over one fresh prefix compute the prefix once. Only the first block of each
+is compared, and the request that computes it is already in the step, so nobody waits forever.
 
 Out of blocks, the most recently admitted running request (under the "priority"
 policy: the lowest-priority one) is preempted by recompute: its blocks are freed and it
@@ -230,14 +235,26 @@ class Scheduler:
                 continue
             self._add_chunk(plan, req, n)
             budget -= n
-        while self.waiting and budget > 0 and not (plan.preempted or plan.short_of_blocks):
-            req = self._next_waiting()
+        # the first block each prefill chunk of this step computes; a waiting request whose first
+        # uncached block is one of them waits for it to enter the cache
+        computing = {key for c in plan.chunks if c.num_new_tokens > 1
+                     and (key := self._block_key(c.request, c.start // self.block_size)) is not None}
+        deferred: set[str] = set()
+        while len(self.waiting) > len(deferred) and budget > 0 and not (plan.preempted or plan.short_of_blocks):
+            req = self._next_waiting(deferred)
             if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
                 break
             swap_ins = self._swap_in(req) if req.swapped is not None else None
             if swap_ins is None and req.swapped is not None:
                 break  # its blocks do not fit yet
             onloads, copy = self._match_prefix(req) if swap_ins is None else ([], None)
+            first = self._first_uncached_block(req) if swap_ins is None and not onloads and copy is None else None
+            if first is not None:
+                if first in computing:  # next step it hits the cache instead of computing the block again
+                    self._release_blocks(req)
+                    deferred.add(req.request_id)
+                    continue
+                computing.add(first)
             n = self._chunk(req, budget)
             if ((self.whole_prompts and n < req.num_tokens)  # it waits for a step with room for all of it
                     or self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available):
@@ -339,12 +356,34 @@ class Scheduler:
             return sorted(requests, key=lambda r: (r.priority, r.arrival_time))
         return list(requests)
 
-    def _next_waiting(self) -> Request:
-        if self.policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
-            tokens = {r.request_id: self.prefix_cache.peek(r.cache_token_ids, r.cache_salt) for r in self.waiting}
-            return min(self.waiting, key=lambda r: (r.times_passed_over < LPM_MAX_PASSED_OVER,
-                                                    -tokens[r.request_id], r.arrival_time))
-        return self._by_policy(self.waiting)[0] if self.policy == "priority" else self.waiting[0]
+    def _next_waiting(self, deferred: set[str]) -> Request:
+        """The waiting request to admit next, of those not `deferred` this step."""
+        waiting = [r for r in self.waiting if r.request_id not in deferred] if deferred else self.waiting
+        if self.policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+            tokens = {r.request_id: self.prefix_cache.peek(r.cache_token_ids, r.cache_salt) for r in waiting}
+            return min(waiting, key=lambda r: (r.times_passed_over < LPM_MAX_PASSED_OVER,
+                                               -tokens[r.request_id], r.arrival_time))
+        return self._by_policy(waiting)[0] if self.policy == "priority" else waiting[0]
+
+    def _first_uncached_block(self, req: Request) -> tuple | None:
+        """`_block_key` of the first block a request just matched computes, if a later match
+        could take that block from the cache (a hit never takes the block of the last token)."""
+        index, partial = divmod(req.num_computed_tokens, self.block_size)
+        if partial or index >= (req.num_tokens - 1) // self.block_size:
+            return None
+        return self._block_key(req, index)
+
+    def _block_key(self, req: Request, index: int) -> tuple | None:
+        """What names the request's block `index`: (its salt, the block before it, its tokens).
+        Two requests with one key compute the same KV there, as the blocks before are the
+        prefix cache's. None when that block is not full of known tokens, when the block before
+        is a window's null block, or with no prefix cache."""
+        if isinstance(self.prefix_cache, NullPrefixCache) or (index + 1) * self.block_size > req.num_known_tokens:
+            return None
+        parent = req.block_ids[index - 1] if index else None
+        if parent == self.null_block:
+            return None
+        return req.cache_salt, parent, tuple(req.cache_token_ids[index * self.block_size:(index + 1) * self.block_size])
 
     def _match_prefix(self, req: Request) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
         """Take the request's longest cached prefix as computed. At least one token is left

@@ -439,6 +439,35 @@ def test_forks_of_an_n_request_cache_their_blocks_once():
     assert tree(s.prefix_cache)[0][1] == [0, 1]
 
 
+def test_requests_over_one_fresh_prefix_compute_it_once():
+    """b and d start with a's uncached blocks: they wait one step and hit them (c, another
+    prompt, is not held up); a request also waits while a chunked prefill computes its block."""
+    s = make()
+    prefix = list(range(100, 112))  # three blocks
+    a, b, d = (request(rid, prefix + tail, max_tokens=1) for rid, tail in (("a", [1, 2]), ("b", [3, 4]), ("d", [5, 6])))
+    c = request("c", list(range(500, 511)), max_tokens=1)
+    for r in (a, b, c, d):
+        s.add_request(r)
+    out = s.schedule()
+    assert [(ch.request.request_id, ch.num_new_tokens) for ch in out.chunks] == [("a", 14), ("c", 11)]
+    assert (a.block_ids, c.block_ids, b.block_ids, d.block_ids) == ([0, 1, 2, 3], [4, 5, 6], [], [])
+    assert [r.request_id for r in s.waiting] == ["b", "d"]
+    s.update(out, {"a": [7], "c": [7]})
+    out = s.schedule()
+    assert [(ch.request.request_id, ch.num_new_tokens) for ch in out.chunks] == [("b", 2), ("d", 2)]
+    assert (b.block_ids, d.block_ids) == ([0, 1, 2, 7], [0, 1, 2, 8])  # the hit, then a fresh block
+    assert (b.num_cached_tokens, d.num_cached_tokens) == (12, 12)
+    s.update(out, {"b": [7], "d": [7]})
+    assert (s.prefix_cache_queries - s.prefix_cache_hits) == 14 + 11 + 2 + 2
+
+    s = make(budget=8)  # a's prefill takes two steps: b waits for each block a's chunks compute
+    a, b = request("a", prefix + [1, 2], max_tokens=1), request("b", prefix + [3, 4], max_tokens=1)
+    s.add_request(a)
+    s.add_request(b)
+    assert run(s) == [("a", 8), ("a", 6), ("b", 2)]
+    assert b.num_cached_tokens == 12
+
+
 # ---- 1000 random requests through a small pool ---------------------------------------------
 
 PREFIXES = [[1000 + 37 * p + i for i in range(length)] for p, length in enumerate([0, 5, 9, 16, 23, 40])]

@@ -158,16 +158,17 @@ def test_a_decode_step_whose_token_is_pending_keys_its_snapshot_once_the_token_i
         out = launched.pop(0)
         s.update(out, {c.request.request_id: [T] for c in out.chunks if c.samples})
 
-    assert plan_of(launch())[:2] == ([("a", 0, 4), ("b", 0, 4)], [("a", 0), ("b", 1)])
-    assert keyed(s) == {0: 0}  # b's prefix is a's: b's copy went back, and so did its snapshot
-    launch(), launch()  # the prompts' tails, then the steps that end at 8, their tokens pending
+    assert plan_of(launch()) == ([("a", 0, 4)], [("a", 0)], [])  # b waits for a's first block
+    assert keyed(s) == {0: 0}
+    assert plan_of(launch()) == ([("a", 4, 3), ("b", 4, 3)], [], [("b", 0)])  # b resumes from a's snapshot
+    launch()  # the steps that end at 8, their tokens pending
     assert plan_of(launched[-1])[:2] == ([("a", 7, 1), ("b", 7, 1)], [("a", 1), ("b", 2)])
     assert s.snapshots.pending == {"a": [(8, 1)], "b": [(8, 2)]}
     s.abort("b")
     assert s.snapshots.pending == {"a": [(8, 1)]} and s.snapshots.held_for() == {"a"}
     update()
     update()  # the tails' tokens: 7 is known, the block ending at 8 cached, a's snapshot keyed
-    assert s.snapshots.pending == {} and keyed(s) == {0: 0, 2: 1}  # a's block 2 holds 4 to 8
+    assert s.snapshots.pending == {} and keyed(s) == {0: 0, 1: 1}  # a's block 1 holds 4 to 8
     while s.has_unfinished() or launched:
         if s.has_unfinished():
             launch()
