@@ -105,6 +105,33 @@ def test_select_scores_are_hf_logprobs_in_one_engine_call(backend, llm, hf_model
     assert state.token_ids() == prefix + llm.get_tokenizer().encode(state["city"], add_special_tokens=False)
 
 
+def test_a_select_over_a_fresh_prefix_computes_it_once(backend, llm, hf_model):
+    block = llm.config.block_size
+    def length(notes: str) -> int:
+        return len(backend.encode_first(notes + "\nAnswer:"))
+
+    notes = "Notes:" + "".join(f" item {i} is {['red', 'green', 'blue'][i % 3]}." for i in range(45))
+    while length(notes) % block != 1:
+        notes += " a"
+    prompt = notes + "\nAnswer:"  # ~300 tokens, one past a block boundary: a later hit can take all its blocks
+    choices = [" yes", " no", " maybe so", " not at all"]
+
+    @sgl.function
+    def pick(s):
+        s += prompt + sgl.select("answer", choices=choices)
+
+    backend.flush_cache()
+    meta = pick.run(backend=backend).get_meta_info("answer")
+    prefix, own = backend.encode_first(prompt), [backend.encode(c, False) for c in choices]
+    computed = sum(p - c for p, c in zip(meta["prompt_tokens"], meta["cached_tokens"]))
+    # the first choice computes the prefix; the others wait a step and take its blocks from the
+    # cache, computing only the prefix's last token (whose logits score their first) and their own
+    assert 290 < len(prefix) < 340
+    assert computed == len(prefix) + sum(map(len, own)) + len(choices) - 1, meta
+    for tokens, ids in zip(meta["input_token_logprobs"], own):
+        assert [t[0] for t in tokens] == pytest.approx(_hf_logprobs(hf_model, prefix, ids), abs=1e-3)
+
+
 def test_select_methods(backend):
     @sgl.function
     def pick(s, method):
