@@ -175,7 +175,7 @@ class _Budget:
         return time.monotonic() - self.start
 
 
-class _Server:
+class LocalServer:
     """`ember serve --config FILE` on a free local port, until stop()."""
 
     def __init__(self, config: Path, log: Path) -> None:
@@ -266,7 +266,7 @@ class _Tuner:
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(config_yaml(self.config_for(run.values), f"setting {index}: {run.label}"))
         started = time.monotonic()
-        server = _Server(config, self.out / "logs" / f"{index:02d}.log")
+        server = LocalServer(config, self.out / "logs" / f"{index:02d}.log")
         try:
             server.wait_ready(max(self.budget.left(), 0.1))
             run.startup_s = time.monotonic() - started

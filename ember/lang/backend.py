@@ -53,7 +53,8 @@ class Backend(ABC):
     def __init__(self) -> None:
         self._roles: dict[tuple[str, tuple[str, ...]], tuple[str, str]] = {}
         self._lock = threading.Lock()
-        self.num_engine_calls = 0  # generate, score and prefill calls sent (a batch is one)
+        self.num_engine_calls = 0  # generate and score calls sent (a select's is one)
+        self.num_engine_requests = 0  # the engine requests of those calls (a select's: one a choice)
 
     # -- the tokenizer and the chat template ------------------------------------------------
 
@@ -109,10 +110,6 @@ class Backend(ABC):
         """Every choice's tokens after `prefix` scored in one engine call (and alone, where
         `unconditional`)."""
 
-    def prefill(self, input_ids: list[int]) -> None:
-        """Compute `input_ids` into the prefix cache (a fork's shared prefix)."""
-        self.generate(input_ids, {"max_new_tokens": 0, "temperature": 0}, {})
-
     def flush_cache(self) -> bool:
         return False
 
@@ -122,9 +119,10 @@ class Backend(ABC):
     def shutdown(self) -> None:
         """Release what the backend started (threads, connections)."""
 
-    def count_call(self) -> None:
+    def count_call(self, num_requests: int = 1) -> None:
         with self._lock:
             self.num_engine_calls += 1
+            self.num_engine_requests += num_requests
 
 
 def kept_tokens(output_ids: list[int], text: str, decode: Callable[[list[int]], str],

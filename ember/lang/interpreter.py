@@ -190,8 +190,8 @@ class StreamExecutor:
             self.variables[expr.name] = self.text_[self.variables[expr.name]:]
             self.variable_event[expr.name].set()
         elif isinstance(expr, CommitPrefix):
-            if self.pending or self.tokens:
-                self.backend.prefill(self._flush())
+            if self.pending:
+                self._flush()
         elif isinstance(expr, Concatenate):
             for state in expr.states:
                 child = state.stream_executor

@@ -99,7 +99,9 @@ class VarScopeEnd(Expr):
 
 @dataclass(eq=False)
 class CommitPrefix(Expr):
-    """Prefill the state's tokens so far (fork's children then find them cached)."""
+    """Tokenize the state's text so far, so that fork's children share its tokens: their calls
+    then share its blocks, which the scheduler computes once (a child whose first uncached block
+    another child computes in the same step waits a step and finds it cached)."""
 
 
 @dataclass(eq=False)

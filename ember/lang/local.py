@@ -198,7 +198,7 @@ class LocalBackend(Backend):
         requests = [self.inputs.make_request(f"lang-{next(self._ids)}", {"prompt_token_ids": ids}, p)
                     for ids, p in zip(prompts, params)]  # bad input raises here, before anything is sent
         call = _Call(requests, on_output)
-        self.count_call()
+        self.count_call(len(requests))
         self.driver.submit(call)
         return call.wait()
 

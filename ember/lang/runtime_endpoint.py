@@ -68,7 +68,7 @@ class RuntimeEndpoint(Backend):
     def score(self, prefix: list[int], choices: list[list[int]], unconditional: bool) -> ScoreResult:
         prompts = [prefix + c for c in choices] + (list(choices) if unconditional else [])
         starts = [len(prefix)] * len(choices) + ([0] * len(choices) if unconditional else [])
-        self.count_call()
+        self.count_call(len(prompts))
         answers = self._request("POST", "/generate", {
             "input_ids": prompts, "sampling_params": [SCORE] * len(prompts), "return_logprob": [True] * len(prompts),
             "logprob_start_len": starts})

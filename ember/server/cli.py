@@ -180,6 +180,12 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     run_serve_bench(ns)
 
 
+def cmd_bench_frontend(ns: argparse.Namespace) -> None:
+    from ember.bench.frontend import run_frontend_bench
+
+    run_frontend_bench(ns, engine_args(ns))
+
+
 def cmd_tune(ns: argparse.Namespace) -> None:
     from ember.bench.tune import run_tune
 
@@ -293,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench_args(serve_bench)
     serve_bench.set_defaults(func=cmd_bench_serve)
+    frontend_bench = bench_sub.add_parser("frontend", help="ember.lang's programs in-process, over HTTP and as "
+                                          "one-by-one openai client calls (issue #41's four programs)")
+    add_engine_args(frontend_bench)
+    from ember.bench.frontend import add_frontend_bench_args
+
+    add_frontend_bench_args(frontend_bench)
+    frontend_bench.set_defaults(func=cmd_bench_frontend)
 
     tune = sub.add_parser("tune", help="the serving config with the highest request rate within latency SLOs: "
                           "sweeps, plots, a --config file")
