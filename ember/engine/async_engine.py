@@ -208,6 +208,7 @@ class AsyncEngine:
         self._input_pool = cf.ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="ember-input")
         self._ended: list[FinishedRequestStats] = []  # aborted, for the stats
         self.stats = EngineStats(num_kv_blocks=self.client.num_kv_blocks)
+        self._recorded_stats = self.stats
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
         self._thread.start()
 
@@ -380,7 +381,9 @@ class AsyncEngine:
             self._ended = []
 
     def _on_step(self, step: CoreStep) -> None:
-        before = self.stats
+        # the counters as last recorded: a step without outputs (a chunk of a long prompt) records
+        # nothing, and its counts (the prefix-cache lookups of its admissions) go with the next step's
+        before = self._recorded_stats
         with self._lock:
             self.stats, self._num_taken = step.stats, step.num_added  # before the outputs: fresh numbers
             answered = [(self._calls.pop(call_id), ok, value) for call_id, ok, value in step.results]
@@ -409,6 +412,7 @@ class AsyncEngine:
             iteration.spec_accepted_per_position = [n - (earlier[i] if i < len(earlier) else 0)
                                                     for i, n in enumerate(after.spec_accepted_per_position)]
         self._record(iteration)
+        self._recorded_stats = after
         deliveries = []
         with self._lock:
             for out in outputs:

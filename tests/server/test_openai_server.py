@@ -233,6 +233,13 @@ def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server, cl
     assert second.choices[0].text == first.choices[0].text
     assert after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"] == 2 * 45
     assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] == 44
+    # a prompt over the step's token budget (512 on the CPU): its admission step has no output
+    long = client.completions.create(model=MODEL, prompt=prompt * 14, max_tokens=1, temperature=0)
+    assert long.usage.prompt_tokens == 630 and long.usage.prompt_tokens_details.cached_tokens >= 32
+    final = server.metrics()
+    assert final["prefix_cache_queries_total"] - after["prefix_cache_queries_total"] == 630
+    assert final["prefix_cache_hits_total"] - after["prefix_cache_hits_total"] == \
+        long.usage.prompt_tokens_details.cached_tokens
 
 
 # ---- bad input: its status, OpenAI's error shape, and the server keeps serving ----------------
