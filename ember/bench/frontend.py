@@ -230,8 +230,10 @@ def lang_rows(arm: str, backend: sgl.Backend, counts: Callable[[], Counts], work
     return rows
 
 
-def openai_rows(url: str, api_key: str | None, work: Work, programs: list[str]) -> list[dict[str, Any]]:
-    """The programs' calls one by one with the `openai` client."""
+def openai_rows(url: str, api_key: str | None, work: Work, programs: list[str],
+                scored_items: int | None = None) -> list[dict[str, Any]]:
+    """The programs' calls one by one with the `openai` client; few-shot's labels scored for
+    the first `scored_items` items (None: all)."""
     try:
         import openai
     except ImportError as e:
@@ -292,10 +294,13 @@ def openai_rows(url: str, api_key: str | None, work: Work, programs: list[str]) 
             lambda: [summarize_one(d) for d in work.docs])
     if "few-shot" in programs:
         def scored() -> None:
-            for item in work.items:
+            for item in work.items[:scored_items]:
                 text = item["prefix"] + f"Review: {item['review']}\nLabel: "
                 max((score(text, label), label) for label in LABELS)
-        row("few-shot", "each label scored (echo + logprobs)", scored)
+        scored_items = len(work.items) if scored_items is None else min(scored_items, len(work.items))
+        if scored_items:
+            row("few-shot", "each label scored (echo + logprobs)" + (
+                f", the first {scored_items} items" if scored_items < len(work.items) else ""), scored)
         row("few-shot", "one guided_choice completion an item",
             lambda: [complete(i["prefix"] + f"Review: {i['review']}\nLabel: ", 8, guided_choice=LABELS)
                      for i in work.items])
@@ -322,6 +327,10 @@ def add_frontend_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--docs", type=int, default=4, help="fork-join: documents summarized")
     parser.add_argument("--tokens", type=int, default=64, help="fork-join: tokens each gen")
     parser.add_argument("--items", type=int, default=128, help="few-shot: reviews classified")
+    parser.add_argument("--scored-items", type=int, default=None,
+                        help="few-shot, openai arm: score the labels of only the first N items (each such call "
+                        "computes its whole prompt: prompt logprobs from the first token find nothing cached); "
+                        "default: all")
     parser.add_argument("--prefix-tokens", type=int, default=1000, help="few-shot: the shared prefix's size")
     parser.add_argument("--chats", type=int, default=32, help="multi-turn: conversations")
     parser.add_argument("--turn-tokens", type=int, default=24, help="multi-turn: tokens a turn")
@@ -365,7 +374,7 @@ def run_frontend_bench(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) ->
                 finally:
                     endpoint.shutdown()
             if "openai" in arms:
-                rows += openai_rows(url, ns.api_key, work, programs)
+                rows += openai_rows(url, ns.api_key, work, programs, ns.scored_items)
     print(format_table(rows))
     if ns.out:
         Path(ns.out).write_text(json.dumps({"flags": {k: v for k, v in vars(ns).items() if k != "func"
