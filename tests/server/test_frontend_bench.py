@@ -25,9 +25,12 @@ def test_the_three_arms_of_the_four_programs(server, gguf_path, tmp_path, capsys
     rows = {(r["program"], r["arm"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
     assert "| few-shot | in-process | select |" in capsys.readouterr().out
     by_arm = {arm: {k[0] + "/" + k[2]: r for k, r in rows.items() if k[1] == arm} for arm in ("in-process", "http")}
-    # the same token-exact calls on the same engine, in-process or over HTTP
-    assert {k: (r["requests"], r["prompt_tokens"], r["computed_tokens"]) for k, r in by_arm["in-process"].items()} == \
-        {k: (r["requests"], r["prompt_tokens"], r["computed_tokens"]) for k, r in by_arm["http"].items()}
+    # the same token-exact calls on the same engine, in-process or over HTTP; what they compute
+    # differs only by the partial blocks a request finds cached or not, as calls finish sooner or later
+    assert {k: (r["requests"], r["prompt_tokens"]) for k, r in by_arm["in-process"].items()} == \
+        {k: (r["requests"], r["prompt_tokens"]) for k, r in by_arm["http"].items()}
+    for k, r in by_arm["in-process"].items():
+        assert abs(r["computed_tokens"] - by_arm["http"][k]["computed_tokens"]) < r["requests"] * 16, k
     requests = {k: r["requests"] for k, r in rows.items() if k[1] != "http"}
     assert requests == {
         ("fork-join", "in-process", "outline, fork(4), join, summary"): 6,  # outline, 4 expansions, summary
