@@ -74,12 +74,12 @@ class InputProcessor:
             served = " (ember serves its language model on text only)" if self.config.model_config.multimodal else ""
             raise ValueError(f"this model ({arch}{served}) takes no images: send text content only, or serve a "
                              "vision-language model ember runs images through (LlavaForConditionalGeneration, "
-                             "LlavaNextForConditionalGeneration, Qwen2VLForConditionalGeneration, "
-                             "Qwen2_5_VLForConditionalGeneration)")
+                             "LlavaNextForConditionalGeneration, Mistral3ForConditionalGeneration, "
+                             "Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration)")
         if self.images is None:
             from ember.multimodal.processor import ImageProcessor
 
-            self.images = ImageProcessor(self.config.model, self.vision)
+            self.images = ImageProcessor(self.config.model, self.vision, self.require_tokenizer())
         return self.images
 
     def load_images(self, images: list[Any]) -> list[Any]:
@@ -193,8 +193,9 @@ class InputProcessor:
         prompt cannot bring the placeholder alone, nor truncation cut an image)."""
         if self.vision is None:
             return
-        placed = sum(f.length for f in features)
-        if ids.count(self.vision.image_token_id) != placed or any(f.end > len(ids) for f in features):
+        token = self.vision.image_token_id
+        placed = sum(ids[f.offset:f.end].count(token) for f in features)  # Pixtral's runs hold break tokens too
+        if ids.count(token) != placed or any(f.end > len(ids) for f in features):
             raise ValueError(f"the prompt holds image token {self.vision.image_token_id} where no image goes (or an "
                              "image is cut): give images as multi_modal_data with a text prompt, or as chat image "
                              "parts, and do not truncate a prompt with images")

@@ -278,18 +278,21 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
 def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, device: str,
                       seed: int = 0) -> nn.Module:
     """A vision-language checkpoint's image side (ModelConfig.vision: its tower and projector,
-    models/llava.py, llava_next.py, qwen2_vl.py), in `dtype` on `device`, its tensors read from
+    models/llava.py, llava_next.py, qwen2_vl.py, pixtral.py), in `dtype` on `device`, its tensors read from
     the checkpoint (dummy weights: random); ValueError naming a tensor missing or of the wrong shape."""
     from ember.loader.safetensors import iter_pt, iter_safetensors
     from ember.models.llava import LlavaVision, llava_tensor_name
     from ember.models.llava_next import LlavaNextVision, llava_next_tensor_name
+    from ember.models.pixtral import PixtralVision, pixtral_tensor_name
     from ember.models.qwen2_vl import Qwen2VisionTower, qwen2_vl_tensor_name
 
     vision = cfg.vision
     module, tensor_name = {"llava": (LlavaVision, llava_tensor_name),
                            "llava_next": (LlavaNextVision, llava_next_tensor_name),
                            "qwen2_vl": (Qwen2VisionTower, qwen2_vl_tensor_name),
-                           "qwen2_5_vl": (Qwen2VisionTower, qwen2_vl_tensor_name)}[vision.kind]
+                           "qwen2_5_vl": (Qwen2VisionTower, qwen2_vl_tensor_name),
+                           "pixtral": (PixtralVision, pixtral_tensor_name),
+                           "mistral3": (PixtralVision, pixtral_tensor_name)}[vision.kind]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -254,10 +254,12 @@ BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES
 # config is their `text_config`, its tensors sit under `language_model`, beside a vision tower
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Llama4ForConditionalGeneration",
                                  "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                                 "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+                                 "Mistral3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                                 "Qwen2_5_VLForConditionalGeneration")
 # those whose language model is any family's: the family is their text_config's model_type's
-# (LLaVA's Llama, Vicuna or Mistral)
-TEXT_CONFIG_FAMILY_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+# (LLaVA's Llama, Vicuna or Mistral; Mistral 3's Mistral)
+TEXT_CONFIG_FAMILY_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                    "Mistral3ForConditionalGeneration")
 VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "llama4", "qwen2_vl", "qwen2_5_vl")
 # those whose config.json may keep the language model's keys at its top level (the Qwen2-VL
 # checkpoints on the hub, written before transformers nested them under text_config)

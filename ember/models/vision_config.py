@@ -5,8 +5,11 @@ One reader a family (`kind`): LLaVA-1.5's CLIP tower and linear-GELU-linear proj
 LLaVA-NeXT's (the same over the tiles of its anyres grid: models/llava_next.py);
 Qwen2-VL's and Qwen2.5-VL's towers of dynamic resolution (models/qwen2_vl.py: patches of any
 image size, merged 2 x 2 into the language model's tokens, whose positions are M-RoPE's);
-Gemma 3's SigLIP and Pixtral's towers are further kinds beside them. A field the family's
-config sets that ember does not run is refused here, by name.
+Pixtral's tower of variable resolution (models/pixtral.py: 2-D RoPE over each image's patch grid,
+its rows of [IMG] tokens ended by [IMG_BREAK] / [IMG_END]) under LLaVA's projector ("pixtral",
+mistral-community/pixtral-12b) or Mistral 3's (RMSNorm, a merger of merge x merge patches, then
+the projector: "mistral3", Mistral-Small-3.1). A field the family's config sets that ember does
+not run is refused here, by name.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any
 class VisionConfig:
     # "llava": a CLIP tower, a feature layer, linear-act-linear into the text model;
     # "llava_next": the same over an image's base view and the tiles of its anyres grid;
-    # "qwen2_vl" / "qwen2_5_vl": models/qwen2_vl.py's tower and patch merger
+    # "qwen2_vl" / "qwen2_5_vl": models/qwen2_vl.py's tower and patch merger;
+    # "pixtral" / "mistral3": models/pixtral.py's tower and LLaVA's / Mistral 3's projector
     kind: str
     image_token_id: int  # the placeholder token each image's embeddings take the place of
     hidden_size: int  # the tower's
@@ -46,6 +50,12 @@ class VisionConfig:
     rope_theta: float = 10000.0  # the tower's 2-D RoPE
     # LLaVA-NeXT: the (height, width) in pixels an image's tiles may cover (image_grid_pinpoints)
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    # Mistral 3: the projector's RMSNorm (the text model's rms_norm_eps) before the patch merger
+    projector_norm_eps: float = 1e-5
+    # an mmproj GGUF's image normalization (clip.vision.image_mean / image_std), which its image
+    # processor is made with; empty for an HF directory, whose preprocessor_config.json has it
+    image_mean: tuple[float, ...] = ()
+    image_std: tuple[float, ...] = ()
 
     @property
     def dynamic_resolution(self) -> bool:
@@ -53,11 +63,18 @@ class VisionConfig:
         return self.kind in QWEN_VL_KINDS
 
     @property
+    def row_tokens(self) -> bool:
+        """Pixtral's: an image's tokens are rows of image tokens, each row ended by a break token
+        (the last by an end token) that keeps its text embedding."""
+        return self.kind in PIXTRAL_KINDS
+
+    @property
     def tokens_per_image(self) -> int:
         return (self.image_size // self.patch_size) ** 2 + (0 if self.drop_cls else 1)
 
 
 QWEN_VL_KINDS = ("qwen2_vl", "qwen2_5_vl")
+PIXTRAL_KINDS = ("pixtral", "mistral3")
 
 
 # vision-language architectures ember runs images through -> how their config.json is read
@@ -71,6 +88,8 @@ def vision_config(config: dict[str, Any], text_hidden_size: int) -> VisionConfig
         return _qwen_vl(config, _QWEN_VL_ARCHITECTURES[arch])
     if arch == "LlavaNextForConditionalGeneration":
         return _llava_next(config, text_hidden_size)
+    if arch == "Mistral3ForConditionalGeneration":
+        return _pixtral(config, text_hidden_size, "mistral3")
     return None
 
 
@@ -137,10 +156,12 @@ _PROJECTOR_ACTS = ("gelu",)
 def _llava(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
     arch = config["architectures"][0]
     given = config.get("vision_config")
+    if given and given.get("model_type") == "pixtral" and arch == "LlavaForConditionalGeneration":
+        return _pixtral(config, text_hidden_size, "pixtral")
     vc = (_CLIP_DEFAULTS | given) if given else _LLAVA_TOWER
     if vc["model_type"] != "clip_vision_model":
         raise ValueError(f"{arch} with a {vc.get('model_type')!r} vision tower is not supported: ember runs "
-                         "LLaVA's CLIP tower (clip_vision_model)")
+                         "LLaVA's CLIP tower (clip_vision_model) and Pixtral's (pixtral)")
     layer = config.get("vision_feature_layer", -2)
     if not isinstance(layer, int):
         raise ValueError(f"{arch} with vision_feature_layer {layer!r} (several layers "
@@ -194,3 +215,57 @@ def _llava_next(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
         raise ValueError(f"LlavaNextForConditionalGeneration: image_grid_pinpoints {[list(p) for p in pinpoints]} "
                          f"must each be (height, width) multiples of the tower's image_size {side}")
     return replace(base, kind="llava_next", grid_pinpoints=pinpoints)
+
+
+# PixtralVisionConfig's defaults, for the keys a vision_config leaves out
+_PIXTRAL_DEFAULTS = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+                     "num_channels": 3, "image_size": 1024, "patch_size": 16, "hidden_act": "gelu"}
+_PIXTRAL_ACTS = ("gelu", "silu")
+
+
+def _pixtral(config: dict[str, Any], text_hidden_size: int, kind: str) -> VisionConfig:
+    """Pixtral's tower under LLaVA's projector (kind "pixtral": LlavaConfig, the feature select
+    strategy "full") or Mistral 3's (kind "mistral3": Mistral3Config's RMSNorm and patch merger,
+    no projector bias by default)."""
+    arch = config["architectures"][0]
+    vc = _PIXTRAL_DEFAULTS | (config.get("vision_config") or {})
+    rope = vc.get("rope_parameters") or vc.get("rope_scaling") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"{arch} with a vision rope_type {rope.get('rope_type')!r} is not supported: ember runs "
+                         "Pixtral's axial (row, column) RoPE")
+    layer = config.get("vision_feature_layer", -1 if kind == "mistral3" else -2)  # Mistral3Config's / LlavaConfig's
+    if not isinstance(layer, int):
+        raise ValueError(f"{arch} with vision_feature_layer {layer!r} (several layers concatenated) is not "
+                         "supported: ember takes one layer's features (an int)")
+    layers = vc["num_hidden_layers"]
+    used = layers + layer + 1 if layer < 0 else layer
+    if not 0 < used <= layers:
+        raise ValueError(f"vision_feature_layer {layer} is outside the tower's {layers} layers")
+    if kind == "pixtral" and config.get("vision_feature_select_strategy", "default") != "full":
+        raise ValueError(f"{arch} with a pixtral tower and vision_feature_select_strategy "
+                         f"{config.get('vision_feature_select_strategy', 'default')!r} is not supported: a Pixtral "
+                         "tower has no CLS position to drop; ember runs 'full' (as pixtral-12b's config.json)")
+    act, projector_act = vc["hidden_act"], config.get("projector_hidden_act", "gelu")
+    if act not in _PIXTRAL_ACTS or projector_act not in _PROJECTOR_ACTS:
+        raise ValueError(f"{arch}: the tower's hidden_act {act!r} / projector_hidden_act {projector_act!r} is not "
+                         f"supported (ember runs {_PIXTRAL_ACTS} / {_PROJECTOR_ACTS})")
+    text = config.get("text_config") or {}
+    return VisionConfig(
+        kind=kind,
+        image_token_id=config.get("image_token_index", config.get("image_token_id", 10 if kind == "mistral3" else 32000)),
+        hidden_size=vc["hidden_size"],
+        intermediate_size=vc["intermediate_size"],
+        num_layers=used,
+        num_heads=vc["num_attention_heads"],
+        image_size=vc["image_size"],
+        patch_size=vc["patch_size"],
+        num_channels=vc["num_channels"],
+        layer_norm_eps=1e-5,  # modeling_pixtral.py's, not in config.json
+        hidden_act=act,
+        projector_act=projector_act,
+        projector_bias=bool(config.get("multimodal_projector_bias", kind == "pixtral")),
+        merge_size=config.get("spatial_merge_size", 2) if kind == "mistral3" else 1,
+        rope_theta=float(rope.get("rope_theta", vc.get("rope_theta", 10000.0))),
+        projector_norm_eps=float(text.get("rms_norm_eps", 1e-6)),  # MistralConfig's
+        text_hidden_size=text_hidden_size,
+    )

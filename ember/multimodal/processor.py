@@ -2,28 +2,40 @@
 tokens expanded, and one ImageFeature an image. The model's own processor from transformers
 does the work (AutoProcessor on its PIL backend: resizing, cropping, normalizing, and the
 placeholder expansion its family does; for Qwen2-VL its image processor and tokenizer, see
-`_process_grids`); ember only finds where each image's tokens landed.
+`_process_grids`; for Pixtral and Mistral 3 its image processor and PixtralProcessor's layout,
+see `_process_rows`); ember only finds where each image's tokens landed.
 Slow (PIL and numpy): the server runs it on its input pool, off the event loop."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ember.models.llava_next import feature_count, num_views
+from ember.models.pixtral import row_tokens
 from ember.models.vision_config import VisionConfig
 from ember.multimodal.inputs import ImageFeature, pixels_hash
 
+if TYPE_CHECKING:
+    from ember.loader.tokenizer import Tokenizer
+
 
 class ImageProcessor:
-    def __init__(self, model_dir: str | Path, vision: VisionConfig) -> None:
+    def __init__(self, model_dir: str | Path, vision: VisionConfig, tokenizer: Tokenizer | None = None) -> None:
+        """`tokenizer`: the engine's, which Pixtral's expanded prompts are tokenized with (the
+        other families' processors carry their own)."""
         import transformers
 
         self.vision = vision
         self.processor = self.tokenizer = None
+        if vision.row_tokens:
+            self._init_rows(Path(model_dir), tokenizer)
+            self._lock = threading.Lock()
+            return
         try:
             if vision.dynamic_resolution:
                 # transformers' Qwen2VLProcessor cannot be made without its video processor, which
@@ -51,6 +63,8 @@ class ImageProcessor:
                              f"images: put one {self.image_token!r} where each image goes")
         if self.vision.dynamic_resolution:
             return self._process_grids(text, images, add_special_tokens)
+        if self.vision.row_tokens:
+            return self._process_rows(text, images, add_special_tokens)
         with self._lock:
             enc = self.processor(text=[text], images=images, add_special_tokens=add_special_tokens,
                                  return_tensors="np")
@@ -81,6 +95,81 @@ class ImageProcessor:
         # the hash sees the grid too (the patches' shape alone would not tell 2 x 8 from 8 x 2)
         return ids, [ImageFeature(start, n, pixels_hash(p.reshape(*g, -1)), p, g)
                      for (start, n), p, g in zip(runs, pixels, grids)]
+
+    def _init_rows(self, model_dir: Path, tokenizer: Tokenizer | None) -> None:
+        """Pixtral / Mistral 3: the image processor (PixtralImageProcessorPil) and the placeholder
+        layout PixtralProcessor would use (transformers' PixtralProcessor needs torchvision):
+        from the model directory's processor files, or for a GGUF model from its mmproj's
+        metadata (VisionConfig.image_mean / image_std) and its vocabulary's [IMG] tokens."""
+        import transformers
+
+        if tokenizer is None:
+            raise ValueError(f"{self.vision.kind} images need the model's tokenizer")
+        vision, self.encode = self.vision, tokenizer.encode
+        if model_dir.suffix == ".gguf":
+            layout = {"patch_size": vision.patch_size, "spatial_merge_size": vision.merge_size}
+            self.processor = transformers.PixtralImageProcessorPil(
+                size={"longest_edge": vision.image_size}, patch_size={"height": vision.patch_size,
+                                                                      "width": vision.patch_size},
+                image_mean=list(vision.image_mean), image_std=list(vision.image_std))
+        else:
+            file = model_dir / "processor_config.json"
+            try:
+                layout = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+                self.processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{model_dir}: the model's image processor (preprocessor_config.json) cannot be "
+                                 f"loaded: {str(e)[:300]}") from None
+        # PixtralProcessor's defaults, where processor_config.json leaves them out
+        patch, merge = layout.get("patch_size", 16), layout.get("spatial_merge_size", 1)
+        names = [layout.get(key, default) for key, default in (("image_token", "[IMG]"),
+                                                               ("image_break_token", "[IMG_BREAK]"),
+                                                               ("image_end_token", "[IMG_END]"))]
+        ids = [tokenizer.backend.token_to_id(name) for name in names]
+        if None in ids:
+            raise ValueError(f"{model_dir}: the tokenizer has no {names[ids.index(None)]!r} token, which the "
+                             "processor lays images out with")
+        if (patch, merge, ids[0]) != (vision.patch_size, vision.merge_size, vision.image_token_id):
+            raise ValueError(f"{model_dir}: the processor lays images out in patches of {patch} merged {merge} x "
+                             f"{merge} with image token {ids[0]}; config.json's model in patches of "
+                             f"{vision.patch_size} merged {vision.merge_size} x {vision.merge_size} with image token "
+                             f"{vision.image_token_id}: make processor_config.json's patch_size, spatial_merge_size "
+                             "and image_token those of config.json")
+        self.image_token, self.row_names, self.row_ids = names[0], names, ids
+
+    def _process_rows(self, text: str, images: list[Any], add_special_tokens: bool
+                      ) -> tuple[list[int], list[ImageFeature]]:
+        """Pixtral / Mistral 3: each image resized to whole tokens (patch x merge pixels) and its
+        image token expanded into rows of tokens, as PixtralProcessor does; its pixels as
+        patches [h * w, C * p * p] and its grid (1, h, w) in patches."""
+        p, unit = self.vision.patch_size, self.vision.patch_size * self.vision.merge_size
+        with self._lock:
+            enc = self.processor(images=images, patch_size={"height": unit, "width": unit}, return_tensors="np")
+        sizes = [(int(h), int(w)) for h, w in enc["image_sizes"]]
+        token, (image, row_break, end) = self.vision.image_token_id, self.row_names
+        runs = [row_tokens(h // unit, w // unit, *self.row_ids) for h, w in sizes]
+        parts = text.split(image)
+        text = parts[0] + "".join("".join(row_tokens(h // unit, w // unit, image, row_break, end)) + part
+                                  for (h, w), part in zip(sizes, parts[1:]))
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        positions = [i for i, t in enumerate(ids) if t == token]
+        features, cut = [], 0
+        for run, (h, w), pixels in zip(runs, sizes, enc["pixel_values"]):
+            start = positions[cut] if cut < len(positions) else len(ids)
+            if ids[start:start + len(run)] != run:
+                raise ValueError(f"the prompt's image tokens are not each image's rows: the image tokens "
+                                 f"({self.image_token!r} and its break and end tokens) in the text itself are not "
+                                 "allowed")
+            cut += run.count(token)
+            grid = (1, h // p, w // p)
+            patches = (np.asarray(pixels[:, :h, :w], dtype=np.float32).reshape(-1, grid[1], p, grid[2], p)
+                       .transpose(1, 3, 0, 2, 4).reshape(grid[1] * grid[2], -1))
+            features.append(ImageFeature(start, len(run), pixels_hash(patches.reshape(grid[1], grid[2], -1)),
+                                         patches, grid))
+        if cut != len(positions):
+            raise ValueError(f"the prompt has {len(positions) - cut} image tokens ({self.image_token!r}) of no image: "
+                             "the image token in the text itself is not allowed")
+        return ids, features
 
     def _features(self, ids: list[int], pixels: list[np.ndarray], sizes: list[tuple[int, int]] | None = None
                   ) -> list[ImageFeature]:

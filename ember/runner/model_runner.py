@@ -297,7 +297,7 @@ class ModelRunner:
         if c.model_config.vision is None:
             return None
         vision = load_vision_model(files, c.model_config, c.torch_dtype, c.device, c.seed)
-        return ImageEmbedder(vision, self.model.model.embed, self.device)
+        return ImageEmbedder(vision, self.model.model.embed, self.device, c.model_config.vision.image_token_id)
 
     def _attach_kv_cache(self) -> None:
         for i, attn in enumerate(self.model.attention_layers()):

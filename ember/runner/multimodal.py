@@ -2,7 +2,9 @@
 image's embeddings in those rows, in place of the tokens'. The vision model (tower and
 projector) runs once for the step's images that the encoder cache lacks, batched; a chunk
 boundary may fall inside an image (chunked prefill, a prefix-cache hit that ends there): a
-chunk takes the slice of the image's embeddings its positions cover.
+chunk takes the slice of the image's embeddings its positions cover. Only the rows whose token is
+the image token take an embedding: Pixtral's runs hold [IMG_BREAK] / [IMG_END] tokens too, which
+keep their own.
 
     prompt    t t t [i0 i1 i2 i3] t t
     chunk 1   t t t  i0 i1|               rows 3..4 <- image[0:2]
@@ -94,7 +96,7 @@ class _Span:
 class ImageEmbedder:
     """The step's input embeddings where its chunks cover image tokens (see the module's note)."""
 
-    def __init__(self, vision: nn.Module, embed: nn.Module, device: torch.device,
+    def __init__(self, vision: nn.Module, embed: nn.Module, device: torch.device, image_token_id: int,
                  max_bytes: int = ENCODER_CACHE_BYTES) -> None:
         # pixel_values [B, C, H, W] -> [B, tokens, hidden]; a `packed` one (Qwen2-VL): the images'
         # patches concatenated and their grids -> each image's [tokens, hidden]
@@ -102,6 +104,7 @@ class ImageEmbedder:
         # [tokens, hidden]
         self.vision = vision
         self.embed = embed  # token ids -> input embeddings (LlamaModel.embed)
+        self.image_token_id = image_token_id
         self.device = device
         self.cache = EncoderCache(max_bytes)
         self.num_encoded = 0  # images the vision model ran for (tests, stats)
@@ -114,7 +117,9 @@ class ImageEmbedder:
         self._encode([s.feature for s in spans])
         x = self.embed(input_ids)
         for s in spans:
-            x[s.row:s.row + s.stop - s.start] = self.cache.get(s.feature.hash)[s.start:s.stop].to(x.dtype)
+            rows = slice(s.row, s.row + s.stop - s.start)
+            image = self.cache.get(s.feature.hash)[s.start:s.stop].to(x.dtype)
+            x[rows] = torch.where((input_ids[rows] == self.image_token_id)[:, None], image, x[rows])
             if s.stop == s.feature.length:
                 self.cache.done(s.request_id, s.feature.hash)
         return x

@@ -1,0 +1,78 @@
+"""Tiny random Pixtral and Mistral 3 saved by transformers: Pixtral as mistral-community/pixtral-12b
+is on the hub (LlavaForConditionalGeneration over a `pixtral` tower), Mistral 3 as
+Mistral-Small-3.1 (Mistral3ForConditionalGeneration: the same tower, its projector's RMSNorm
+and 2 x 2 patch merger). A 2-layer Pixtral tower of 8-pixel patches (images at most 64 pixels a
+side), a 2-layer Mistral language model, SmolLM2's tokenizer plus [IMG] / [IMG_BREAK] /
+[IMG_END], PixtralImageProcessorPil's preprocessor_config.json and PixtralProcessor's
+processor_config.json as the hub checkpoints have it (transformers' PixtralProcessor itself
+needs torchvision, which is not installed, so it is written here rather than by save_pretrained)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+IMAGE_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+PATCH, LONGEST_EDGE = 8, 64
+FAMILIES = ("pixtral", "mistral3")
+# Pixtral's chat template, reduced: a message's images ([IMG] each) before its text
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST]' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '[IMG]' }}{% endfor %}"
+    "{% for item in message['content'] | selectattr('type', 'equalto', 'text') %}{{ item['text'] }}{% endfor %}"
+    "{% endif %}{{ '[/INST]' }}{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+)
+
+
+def save_tiny_pixtral(tokenizer_dir: Path, out: Path, family: str = "pixtral") -> Path:
+    """The model directory, as transformers writes it (model, processor, tokenizer, template)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]", *IMAGE_TOKENS]})
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, image_size=LONGEST_EDGE, patch_size=PATCH,
+                                              rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    text = transformers.MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=512, sliding_window=None,
+                                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    image_token = tok.convert_tokens_to_ids("[IMG]")
+    merge = 2 if family == "mistral3" else 1
+    if family == "mistral3":
+        config = transformers.Mistral3Config(vision_config=vision, text_config=text, image_token_index=image_token,
+                                             spatial_merge_size=merge, vision_feature_layer=-1,
+                                             tie_word_embeddings=False)
+        model_class = transformers.Mistral3ForConditionalGeneration
+    else:
+        config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                                          vision_feature_layer=-1, vision_feature_select_strategy="full",
+                                          projector_hidden_act="gelu")
+        model_class = transformers.LlavaForConditionalGeneration
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():  # transformers' init leaves the tiny model's logits nearly flat: spread them
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") or "ln_pre" in name else 0.0, 0.2)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    images = transformers.PixtralImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
+                                                   patch_size={"height": PATCH, "width": PATCH})
+    images.save_pretrained(str(out))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    layout = {"image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]", "image_token": "[IMG]",
+              "patch_size": PATCH, "spatial_merge_size": merge, "processor_class": "PixtralProcessor"}
+    (out / "processor_config.json").write_text(json.dumps(layout, indent=2))
+    return out
+
+
+def row_layout(rows: int, cols: int) -> list[str]:
+    """PixtralProcessor.replace_image_token's expansion of one image of rows x cols tokens,
+    written out as its source has it."""
+    run = [t for _ in range(rows) for t in ["[IMG]"] * cols + ["[IMG_BREAK]"]]
+    run[-1] = "[IMG_END]"
+    return run
