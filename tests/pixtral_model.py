@@ -76,3 +76,19 @@ def row_layout(rows: int, cols: int) -> list[str]:
     run = [t for _ in range(rows) for t in ["[IMG]"] * cols + ["[IMG_BREAK]"]]
     run[-1] = "[IMG_END]"
     return run
+
+
+def hf_inputs(model_dir: Path, text: str, images: list, merge: int) -> dict:
+    """transformers' model inputs for a prompt with one [IMG] where each image goes, as
+    PixtralProcessor makes them: its image processor at patches of PATCH x merge pixels, each
+    [IMG] expanded by `row_layout`, the tokens."""
+    import transformers
+
+    unit = PATCH * merge
+    enc = transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")(
+        images=images, patch_size={"height": unit, "width": unit}, return_tensors="pt")
+    parts = text.split("[IMG]")
+    text = parts[0] + "".join("".join(row_layout(h // unit, w // unit)) + part
+                              for (h, w), part in zip(enc["image_sizes"].tolist(), parts[1:]))
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    return {**tok(text, return_tensors="pt"), **enc}
