@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -188,6 +189,9 @@ class EngineConfig:
     max_image_pixels: int = flag(
         DEFAULT_MAX_IMAGE_PIXELS, "the most pixels (width x height) an image may have; read from its header, "
         "before it is decoded", metavar="N")
+    mmproj: str | None = flag(
+        None, "a GGUF model's vision tower and projector: the mmproj file llama.cpp's convert_hf_to_gguf.py --mmproj "
+        "writes beside it (as llama-server's --mmproj; Pixtral and Mistral 3)", metavar="FILE")
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")
@@ -268,6 +272,8 @@ class EngineConfig:
 
         files = locate_model(self.model, self.load_format, self.revision, self.download_dir)
         model_config = files.model_config()
+        if self.mmproj is not None:
+            model_config = _with_mmproj(model_config, files, self.mmproj)
         tokenizer = str(locate_tokenizer(self.tokenizer, self.download_dir)) if self.tokenizer else None
         chat_template = load_chat_template(self.chat_template) if self.chat_template else None
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -582,6 +588,18 @@ def _resolve_eagle3(spec: SpeculativeConfig, target: ModelConfig, download_dir: 
         raise ValueError(f"speculative_config: {target.architecture} has a sliding window on every layer, so the pool "
                          "gives back blocks no window reaches, which the head may still read: use method 'ngram'")
     return dataclasses.replace(spec, model=str(files.path), eagle3_config=head)
+
+
+def _with_mmproj(model_config: ModelConfig, files, mmproj: str) -> ModelConfig:
+    """A GGUF model's config with the image side its mmproj file gives (loader/mmproj.py)."""
+    from ember.loader.mmproj import mmproj_vision_config
+
+    if not files.is_gguf:
+        raise ValueError(f"--mmproj goes with a GGUF model; {files.path} is an HF directory, whose config.json has its "
+                         "image side already: leave --mmproj out")
+    if not Path(mmproj).is_file():
+        raise ValueError(f"--mmproj {mmproj}: no such file")
+    return dataclasses.replace(model_config, vision=mmproj_vision_config(mmproj, model_config, files.gguf_tokens()))
 
 
 def _quantization(asked: str, files, device: str) -> str:

@@ -110,10 +110,10 @@ def forward_logits():
 
 @pytest.fixture(scope="session")
 def gguf_convert(tmp_path_factory):
-    """convert(hf_dir, outtype="f32", vocab_only=False) -> Path of the GGUF file that
-    llama.cpp's convert_hf_to_gguf.py writes for the HF directory, made once a session for
-    each (directory, outtype, vocab_only). Skips the test where the converter cannot be
-    fetched (tests/gguf_convert.py)."""
+    """convert(hf_dir, outtype="f32", vocab_only=False, mmproj=False) -> Path of the GGUF file
+    that llama.cpp's convert_hf_to_gguf.py writes for the HF directory (mmproj: its vision
+    tower's mmproj file), made once a session for each (directory, outtype, vocab_only,
+    mmproj). Skips the test where the converter cannot be fetched (tests/gguf_convert.py)."""
     from gguf_convert import ConverterUnavailable, convert, converter_dir
 
     try:
@@ -121,13 +121,14 @@ def gguf_convert(tmp_path_factory):
     except ConverterUnavailable as e:
         pytest.skip(f"llama.cpp's converter is not available: {e}")
     out = tmp_path_factory.mktemp("gguf-converted")
-    made: dict[tuple[Path, str, bool], Path] = {}
+    made: dict[tuple[Path, str, bool, bool], Path] = {}
 
-    def convert_cached(hf_dir: Path, outtype: str = "f32", vocab_only: bool = False) -> Path:
-        key = (Path(hf_dir).resolve(), outtype, vocab_only)
+    def convert_cached(hf_dir: Path, outtype: str = "f32", vocab_only: bool = False, mmproj: bool = False) -> Path:
+        key = (Path(hf_dir).resolve(), outtype, vocab_only, mmproj)
         if key not in made:
-            name = f"{len(made)}-{Path(hf_dir).name}-{outtype}{'-vocab' if vocab_only else ''}.gguf"
-            made[key] = convert(key[0], out / name, outtype, vocab_only)
+            name = (f"{len(made)}-{'mmproj-' if mmproj else ''}{Path(hf_dir).name}-{outtype}"
+                    f"{'-vocab' if vocab_only else ''}.gguf")
+            made[key] = convert(key[0], out / name, outtype, vocab_only, mmproj)
         return made[key]
 
     return convert_cached

@@ -57,15 +57,18 @@ def converter_dir() -> Path:
     return target
 
 
-def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", vocab_only: bool = False) -> Path:
+def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", vocab_only: bool = False, mmproj: bool = False) -> Path:
     """Run llama.cpp's convert_hf_to_gguf.py on `hf_dir` (config.json, safetensors, tokenizer
-    files); return `outfile`. vocab_only: write the tokenizer and metadata, no tensors."""
+    files); return `outfile`. vocab_only: write the tokenizer and metadata, no tensors; mmproj:
+    write the vision tower and projector of a vision-language model (--mmproj), not its text model."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")
     script = converter_dir() / "convert_hf_to_gguf.py"
     cmd = [sys.executable, str(script), str(hf_dir), "--outfile", str(outfile), "--outtype", outtype]
     if vocab_only:
         cmd.append("--vocab-only")
+    if mmproj:
+        cmd.append("--mmproj")
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0 or not outfile.is_file():
         tail = "\n".join((done.stderr or done.stdout).splitlines()[-15:])

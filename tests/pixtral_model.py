@@ -33,12 +33,12 @@ def save_tiny_pixtral(tokenizer_dir: Path, out: Path, family: str = "pixtral") -
 
     tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tok.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]", *IMAGE_TOKENS]})
-    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                               num_attention_heads=2, image_size=LONGEST_EDGE, patch_size=PATCH,
                                               rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
     text = transformers.MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=512, sliding_window=None,
+                                      max_position_embeddings=512, sliding_window=None, rms_norm_eps=1e-5,
                                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     image_token = tok.convert_tokens_to_ids("[IMG]")
     merge = 2 if family == "mistral3" else 1

@@ -161,6 +161,10 @@ class ModelFiles:
                              "by one of the CLS token, the mean or the last token: pass pooler_config to choose")
         return PoolerConfig(kind[modes[0]], normalize="Normalize" in kinds)
 
+    def gguf_tokens(self) -> list[str]:
+        """A GGUF model's vocabulary (tokenizer.ggml.tokens)."""
+        return list(self._gguf().metadata.get("tokenizer.ggml.tokens") or [])
+
     def _gguf(self):
         from ember.loader.gguf import open_gguf
 
@@ -276,10 +280,11 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
 
 
 def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, device: str,
-                      seed: int = 0) -> nn.Module:
+                      seed: int = 0, mmproj: str | None = None) -> nn.Module:
     """A vision-language checkpoint's image side (ModelConfig.vision: its tower and projector,
-    models/llava.py, llava_next.py, qwen2_vl.py, pixtral.py), in `dtype` on `device`, its tensors read from
-    the checkpoint (dummy weights: random); ValueError naming a tensor missing or of the wrong shape."""
+    models/llava.py, llava_next.py, qwen2_vl.py, pixtral.py), in `dtype` on `device`, its tensors
+    read from the checkpoint, or from the `mmproj` GGUF beside a GGUF model (dummy weights:
+    random); ValueError naming a tensor missing or of the wrong shape."""
     from ember.loader.safetensors import iter_pt, iter_safetensors
     from ember.models.llava import LlavaVision, llava_tensor_name
     from ember.models.llava_next import LlavaNextVision, llava_next_tensor_name
@@ -306,16 +311,22 @@ def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, d
         for param in params.values():
             param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
         return model.eval()
-    read = iter_pt if files.load_format == "pt" else iter_safetensors
+    if mmproj is not None:
+        from ember.loader.mmproj import iter_mmproj_weights
+
+        source, tensors = mmproj, iter_mmproj_weights(mmproj, vision, list(params))
+    else:
+        read = iter_pt if files.load_format == "pt" else iter_safetensors
+        source, tensors = files.path, read(files.path, lambda n: tensor_name(n, vision))
     done = set()
-    for name, tensor in read(files.path, lambda n: tensor_name(n, vision)):
+    for name, tensor in tensors:
         param = params.get(name)
         if param is None or param.shape != tensor.shape:
-            raise ValueError(f"{files.path}: the image side's tensor {name!r} {tuple(tensor.shape)} fits no parameter "
+            raise ValueError(f"{source}: the image side's tensor {name!r} {tuple(tensor.shape)} fits no parameter "
                              f"of ember's {vision.kind} vision model")
         param.data.copy_(tensor)
         done.add(name)
     if missing := sorted(set(params) - done):
-        raise ValueError(f"{files.path}: the checkpoint lacks the image side's tensors {', '.join(missing[:5])}"
+        raise ValueError(f"{source}: the checkpoint lacks the image side's tensors {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}")
     return model.eval()

@@ -386,6 +386,9 @@ class ModelConfig:
                 f"unsupported GGUF architecture {arch!r}; ember runs {', '.join(GGUF_ARCHITECTURES)}"
             )
         fam = BY_GGUF_ARCHITECTURE[arch]
+        if md.get(f"{arch}.attention.temperature_scale") is not None:
+            raise ValueError(f"a {arch} GGUF with {arch}.attention.temperature_scale (Ministral 3's llama_4_scaling_beta) "
+                             "is not supported: ember does not scale queries by their position")
 
         def get(key: str, default: Any = None) -> Any:
             value = md.get(f"{arch}.{key}", default)

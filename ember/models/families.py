@@ -166,6 +166,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("LlamaForCausalLM", "LlamaForSequenceClassification"), ("llama",), "llama",
            gguf_rope_permuted=True),
     Family("mistral", ("MistralForCausalLM", "MistralForSequenceClassification"), ("mistral",), "mistral"),
+    # Mistral 3's language model as llama.cpp's converter writes it (Mistral3ForConditionalGeneration's
+    # text GGUF, Q and K permuted as llama's); its HF checkpoints are the mistral family's (text_config)
+    Family("mistral3", (), (), "mistral3", gguf_rope_permuted=True),
     Family("qwen2", ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2VLForConditionalGeneration",
                      "Qwen2_5_VLForConditionalGeneration"), ("qwen2", "qwen2_vl", "qwen2_5_vl"), "qwen2",
            qkv_bias_key=None,

@@ -296,7 +296,7 @@ class ModelRunner:
         c = self.config
         if c.model_config.vision is None:
             return None
-        vision = load_vision_model(files, c.model_config, c.torch_dtype, c.device, c.seed)
+        vision = load_vision_model(files, c.model_config, c.torch_dtype, c.device, c.seed, c.mmproj)
         return ImageEmbedder(vision, self.model.model.embed, self.device, c.model_config.vision.image_token_id)
 
     def _attach_kv_cache(self) -> None:

@@ -7,12 +7,15 @@ from ember.models.families import BY_GGUF_ARCHITECTURE, BY_GGUF_EXPERTS, BY_HF_A
 
 
 def test_the_lookups_name_each_family_once():
-    assert SUPPORTED_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                                       "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4",
-                                       "qwen3_next", "gpt2", "opt", "phi", "bert", "xlm_roberta")
-    assert GGUF_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "qwen3moe",
-                                  "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "llama4", "qwen3next", "gpt2", "phi2")
+    assert SUPPORTED_ARCHITECTURES == ("llama", "mistral", "mistral3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+                                       "phi3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3",
+                                       "glm4_moe", "gpt_oss", "llama4", "qwen3_next", "gpt2", "opt", "phi", "bert",
+                                       "xlm_roberta")
+    assert GGUF_ARCHITECTURES == ("llama", "mistral", "mistral3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+                                  "qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "llama4", "qwen3next",
+                                  "gpt2", "phi2")
     assert BY_GGUF_ARCHITECTURE["phi2"].name == "phi"
+    assert BY_GGUF_ARCHITECTURE["mistral3"].gguf_rope_permuted  # Mistral 3's text GGUF: no HF architecture of its own
     assert {a: f.name for a, f in BY_GGUF_EXPERTS.items()} == {"llama": "mixtral", "qwen3moe": "qwen3_moe",
                                                                "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v2",
                                                                "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
