@@ -27,19 +27,34 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_pixtral(tokenizer_dir: Path, out: Path, family: str = "pixtral") -> Path:
-    """The model directory, as transformers writes it (model, processor, tokenizer, template)."""
+# Mistral-Small-3.1's tower widths (1024, 16 heads of 64, 14-pixel patches) but 3 layers and a
+# narrower MLP, a 2-layer language model of 16 heads of 128 dims, images at most 448 pixels a
+# side (up to 16 x 16 merged tokens): the -m gpu test's
+SMALL = {"vision": dict(hidden_size=1024, intermediate_size=1024, num_attention_heads=16, patch_size=14),
+         "text": dict(hidden_size=2048, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                      head_dim=128, max_position_embeddings=2048),
+         "longest_edge": 448, "std": 0.05}
+
+
+def save_tiny_pixtral(tokenizer_dir: Path, out: Path, family: str = "pixtral", shape: dict | None = None) -> Path:
+    """The model directory, as transformers writes it (model, processor, tokenizer, template);
+    `shape` (SMALL) overrides the tiny sizes."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tok.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]", *IMAGE_TOKENS]})
-    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                              num_attention_heads=2, image_size=LONGEST_EDGE, patch_size=PATCH,
-                                              rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
-    text = transformers.MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=512, sliding_window=None, rms_norm_eps=1e-5,
-                                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    shape = shape or {}
+    longest = shape.get("longest_edge", LONGEST_EDGE)
+    vision = transformers.PixtralVisionConfig(**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                                     num_attention_heads=2, image_size=longest, patch_size=PATCH,
+                                                     rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+                                              | shape.get("vision", {}))
+    text = transformers.MistralConfig(**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             head_dim=16, max_position_embeddings=512, sliding_window=None,
+                                             rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
+                                             eos_token_id=tok.eos_token_id) | shape.get("text", {}))
+    patch = vision.patch_size
     image_token = tok.convert_tokens_to_ids("[IMG]")
     merge = 2 if family == "mistral3" else 1
     if family == "mistral3":
@@ -56,16 +71,16 @@ def save_tiny_pixtral(tokenizer_dir: Path, out: Path, family: str = "pixtral") -
     model = model_class(config)
     with torch.no_grad():  # transformers' init leaves the tiny model's logits nearly flat: spread them
         for name, p in model.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") or "ln_pre" in name else 0.0, 0.2)
+            p.normal_(1.0 if name.endswith("norm.weight") or "ln_pre" in name else 0.0, shape.get("std", 0.2))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    images = transformers.PixtralImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
-                                                   patch_size={"height": PATCH, "width": PATCH})
+    images = transformers.PixtralImageProcessorPil(size={"longest_edge": longest},
+                                                   patch_size={"height": patch, "width": patch})
     images.save_pretrained(str(out))
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))
     layout = {"image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]", "image_token": "[IMG]",
-              "patch_size": PATCH, "spatial_merge_size": merge, "processor_class": "PixtralProcessor"}
+              "patch_size": patch, "spatial_merge_size": merge, "processor_class": "PixtralProcessor"}
     (out / "processor_config.json").write_text(json.dumps(layout, indent=2))
     return out
 
@@ -78,13 +93,14 @@ def row_layout(rows: int, cols: int) -> list[str]:
     return run
 
 
-def hf_inputs(model_dir: Path, text: str, images: list, merge: int) -> dict:
+def hf_inputs(model_dir: Path, text: str, images: list) -> dict:
     """transformers' model inputs for a prompt with one [IMG] where each image goes, as
-    PixtralProcessor makes them: its image processor at patches of PATCH x merge pixels, each
-    [IMG] expanded by `row_layout`, the tokens."""
+    PixtralProcessor makes them from processor_config.json: its image processor at patches of
+    patch_size x spatial_merge_size pixels, each [IMG] expanded by `row_layout`, the tokens."""
     import transformers
 
-    unit = PATCH * merge
+    layout = json.loads((model_dir / "processor_config.json").read_text())
+    unit = layout["patch_size"] * layout["spatial_merge_size"]
     enc = transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")(
         images=images, patch_size={"height": unit, "width": unit}, return_tensors="pt")
     parts = text.split("[IMG]")

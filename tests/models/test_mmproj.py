@@ -52,7 +52,7 @@ def test_the_gguf_pair_answers_as_the_checkpoint_it_came_from(model_dir, pair, f
     # the mmproj's metadata gives config.json's image side, and the normalization of preprocessor_config.json
     assert llm.config.model_config.vision == dataclasses.replace(
         from_dir, image_mean=pytest.approx(OPENAI_CLIP_MEAN), image_std=pytest.approx(OPENAI_CLIP_STD))
-    inputs = hf_inputs(model_dir, TWO, [RED, BLUE], 2 if family == "mistral3" else 1)
+    inputs = hf_inputs(model_dir, TWO, [RED, BLUE])
     ids, _, logits = ember_logits(llm, TWO, [RED, BLUE])
     assert ids == inputs["input_ids"][0].tolist()
     hf = getattr(transformers, HF_CLASSES[family]).from_pretrained(str(model_dir), dtype=torch.float32).eval()

@@ -55,7 +55,7 @@ def llm(model_dir):
 
 @pytest.mark.parametrize("text,images", [(ONE, [RED]), (TWO, [RED, BLUE])], ids=["one-image", "two-images"])
 def test_rows_logits_and_greedy_tokens_match_transformers(llm, hf, model_dir, family, text, images):
-    inputs = hf_inputs(model_dir, text, images, 2 if family == "mistral3" else 1)
+    inputs = hf_inputs(model_dir, text, images)
     ids, _, logits = ember_logits(llm, text, images)
     assert ids == inputs["input_ids"][0].tolist()
     tokens = llm.get_tokenizer().convert_ids_to_tokens(ids)

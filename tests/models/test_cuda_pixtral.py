@@ -1,0 +1,72 @@
+"""On CUDA (`-m gpu`): Mistral 3 at a small real shape (pixtral_model.py's SMALL: Mistral-Small-3.1's
+tower widths, 16 heads of 64 dims, 14-pixel patches merged 2 x 2; a language model of 16 heads of
+128 dims) through the whole engine in float32 against transformers on the GPU: greedy tokens of
+prompts with images of different sizes (up to 16 x 16 merged tokens, [IMG_BREAK]s among them) and
+one without, in one batch (decode steps replay the CUDA graphs), with chunks that cut the images'
+rows and with a prefix-cache hit over an image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu]
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from llava_model import image, word_tokenizer_dir  # noqa: E402
+from pixtral_model import SMALL, hf_inputs, save_tiny_pixtral  # noqa: E402
+
+from ember import LLM, SamplingParams  # noqa: E402
+
+WIDE, TALL = image((200, 30, 30), (448, 336)), image((20, 40, 220), (200, 300))
+PROMPTS = [("[INST] What is in the picture ? [IMG] [/INST]", [WIDE]),
+           ("[INST] [IMG] and [IMG] Which is red ? [/INST]", [TALL, WIDE]),
+           ("[INST] What is in the picture ? [/INST]", [])]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    words = word_tokenizer_dir(tmp_path_factory.mktemp("words"))
+    return save_tiny_pixtral(words, tmp_path_factory.mktemp("mistral3"), "mistral3", SMALL)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens of each prompt and their logprobs (of the raw logits)."""
+    hf = transformers.Mistral3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf = hf.cuda().eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    out = []
+    for text, images in PROMPTS:
+        enc = hf_inputs(model_dir, text, images) if images else tok(text, return_tensors="pt")
+        enc = {k: v.cuda() for k, v in enc.items()}
+        with torch.no_grad():
+            gen = hf.generate(**enc, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+        tokens = gen.sequences[0, enc["input_ids"].shape[1]:]
+        logprobs = torch.stack(gen.logits)[:, 0].float().log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        out.append((tokens.tolist(), logprobs.tolist()))
+    return out
+
+
+def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
+    c = output.outputs[0]
+    return c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 64}], ids=["graphs", "chunks-cut-images"])
+def test_greedy_tokens_match_transformers_on_cuda(model_dir, expected, kw):
+    llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=1024, block_size=16, **kw)
+    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in PROMPTS]
+    again = llm.generate(prompts, GREEDY) + llm.generate(prompts[1], GREEDY)  # the last: a hit over its images
+    assert again[-1].num_cached_tokens >= 128
+    for output, (tokens, logprobs) in zip(again, expected + expected[1:2]):
+        got_tokens, got_logprobs = tokens_and_logprobs(output)
+        assert got_tokens == tokens
+        torch.testing.assert_close(got_logprobs, logprobs, rtol=0, atol=2e-3)
+    llm.engine.check_idle()
