@@ -130,3 +130,24 @@ def ember_logits(llm: LLM, text: str, images: list) -> tuple[list[int], torch.Te
         core.block_pool.free(req.block_ids)
         core.runner.release(req.request_id)
     return req.prompt_token_ids, positions.cpu(), logits
+
+
+def hf_greedy(hf, inputs: list[dict], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens of each prompt's inputs (on hf's device) and their logprobs
+    (of the raw logits): what the -m gpu tests compare the engine's with."""
+    out = []
+    for enc in inputs:
+        enc = {k: v.to(hf.device) for k, v in enc.items()}
+        with torch.no_grad():
+            gen = hf.generate(**enc, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+        tokens = gen.sequences[0, enc["input_ids"].shape[1]:]
+        logprobs = torch.stack(gen.logits)[:, 0].float().log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        out.append((tokens.tolist(), logprobs.tolist()))
+    return out
+
+
+def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
+    """An engine output's tokens and each one's logprob (sampled with logprobs=0)."""
+    c = output.outputs[0]
+    return c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]

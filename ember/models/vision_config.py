@@ -142,6 +142,19 @@ def _qwen_vl(config: dict[str, Any], kind: str) -> VisionConfig:
     )
 
 
+def _feature_layers(config: dict[str, Any], layers: int, default: int) -> int:
+    """The tower layers that run: up to vision_feature_layer (`default` where config.json has
+    none; one layer, an int; hidden_states[0] is the embeddings' output)."""
+    layer = config.get("vision_feature_layer", default)
+    if not isinstance(layer, int):
+        raise ValueError(f"{config['architectures'][0]} with vision_feature_layer {layer!r} (several layers "
+                         "concatenated) is not supported: ember takes one layer's features (an int)")
+    used = layers + layer + 1 if layer < 0 else layer
+    if not 0 < used <= layers:
+        raise ValueError(f"vision_feature_layer {layer} is outside the tower's {layers} layers")
+    return used
+
+
 _CLIP_ACTS = ("quick_gelu", "gelu")
 # CLIPVisionConfig's defaults, for the keys a vision_config leaves out; LlavaConfig's tower
 # where there is no vision_config at all
@@ -162,14 +175,7 @@ def _llava(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
     if vc["model_type"] != "clip_vision_model":
         raise ValueError(f"{arch} with a {vc.get('model_type')!r} vision tower is not supported: ember runs "
                          "LLaVA's CLIP tower (clip_vision_model) and Pixtral's (pixtral)")
-    layer = config.get("vision_feature_layer", -2)
-    if not isinstance(layer, int):
-        raise ValueError(f"{arch} with vision_feature_layer {layer!r} (several layers "
-                         "concatenated) is not supported: ember takes one layer's features (an int)")
-    layers = vc["num_hidden_layers"]
-    used = layers + layer + 1 if layer < 0 else layer  # hidden_states[0] is the embeddings' output
-    if not 0 < used <= layers:
-        raise ValueError(f"vision_feature_layer {layer} is outside the tower's {layers} layers")
+    used = _feature_layers(config, vc["num_hidden_layers"], -2)
     strategy = config.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
         raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported: ember runs 'default' "
@@ -233,14 +239,8 @@ def _pixtral(config: dict[str, Any], text_hidden_size: int, kind: str) -> Vision
     if rope.get("rope_type", "axial") != "axial":
         raise ValueError(f"{arch} with a vision rope_type {rope.get('rope_type')!r} is not supported: ember runs "
                          "Pixtral's axial (row, column) RoPE")
-    layer = config.get("vision_feature_layer", -1 if kind == "mistral3" else -2)  # Mistral3Config's / LlavaConfig's
-    if not isinstance(layer, int):
-        raise ValueError(f"{arch} with vision_feature_layer {layer!r} (several layers concatenated) is not "
-                         "supported: ember takes one layer's features (an int)")
-    layers = vc["num_hidden_layers"]
-    used = layers + layer + 1 if layer < 0 else layer
-    if not 0 < used <= layers:
-        raise ValueError(f"vision_feature_layer {layer} is outside the tower's {layers} layers")
+    # Mistral3Config's default feature layer / LlavaConfig's
+    used = _feature_layers(config, vc["num_hidden_layers"], -1 if kind == "mistral3" else -2)
     if kind == "pixtral" and config.get("vision_feature_select_strategy", "default") != "full":
         raise ValueError(f"{arch} with a pixtral tower and vision_feature_select_strategy "
                          f"{config.get('vision_feature_select_strategy', 'default')!r} is not supported: a Pixtral "
@@ -252,7 +252,8 @@ def _pixtral(config: dict[str, Any], text_hidden_size: int, kind: str) -> Vision
     text = config.get("text_config") or {}
     return VisionConfig(
         kind=kind,
-        image_token_id=config.get("image_token_index", config.get("image_token_id", 10 if kind == "mistral3" else 32000)),
+        image_token_id=config.get("image_token_index", config.get("image_token_id",
+                                                                  10 if kind == "mistral3" else 32000)),
         hidden_size=vc["hidden_size"],
         intermediate_size=vc["intermediate_size"],
         num_layers=used,

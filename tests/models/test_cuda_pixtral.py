@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu]
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from llava_model import image, word_tokenizer_dir  # noqa: E402
+from llava_model import hf_greedy, image, tokens_and_logprobs, word_tokenizer_dir  # noqa: E402
 from pixtral_model import SMALL, hf_inputs, save_tiny_pixtral  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
@@ -37,26 +37,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(model_dir) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy tokens of each prompt and their logprobs (of the raw logits)."""
     hf = transformers.Mistral3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
-    hf = hf.cuda().eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    out = []
-    for text, images in PROMPTS:
-        enc = hf_inputs(model_dir, text, images) if images else tok(text, return_tensors="pt")
-        enc = {k: v.cuda() for k, v in enc.items()}
-        with torch.no_grad():
-            gen = hf.generate(**enc, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
-        tokens = gen.sequences[0, enc["input_ids"].shape[1]:]
-        logprobs = torch.stack(gen.logits)[:, 0].float().log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-        out.append((tokens.tolist(), logprobs.tolist()))
-    return out
-
-
-def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
-    c = output.outputs[0]
-    return c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+    inputs = [hf_inputs(model_dir, text, images) if images else tok(text, return_tensors="pt") for text, images in PROMPTS]
+    return hf_greedy(hf.cuda().eval(), inputs, 12)
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 64}], ids=["graphs", "chunks-cut-images"])
