@@ -9,9 +9,12 @@ ember's readers:
     pack_gptq / gptq_reference        AutoGPTQ / GPTQModel's pack (qweight [K/per, N] along K,
                                       qzeros along N; the v1 format stores each zero one less)
                                       and their dequantize_weight (scales[g_idx] * (w - z[g_idx]))
-    pack_ct / ct_reference            compressed-tensors' pack_to_int32 / unpack_from_int32
-                                      (value + 2^(bits - 1), along K, padded) and its group
-                                      dequantization
+    pack_ct / ct_reference            compressed-tensors' own pack_to_int32 / unpack_from_int32
+                                      (the library's functions: value + 2^(bits - 1), along K,
+                                      padded) and its group dequantization; whole checkpoints
+                                      the library writes itself (tests/ct_checkpoints.py), but
+                                      act-order groups (actorder "group", a weight_g_idx), which
+                                      the library no longer writes and older checkpoints hold
 
 `Quantized` is what a quantizer decided (the integers, scales and zeros a row of groups); its
 `dequantized()` is the reference weight every format must reproduce exactly.
@@ -147,11 +150,16 @@ def gptq_reference(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 
 def pack_ct(qz: Quantized) -> dict[str, torch.Tensor]:
     """weight_packed [N, ceil(K / per)] (the signed value + 2^(bits - 1), along K), weight_scale
-    [N, G], weight_shape [N, K]; act-order: weight_g_idx."""
-    signed = qz.q.to(torch.int16) - 2 ** (qz.bits - 1)  # what the quantizer gives compressed-tensors
-    stored = (signed + 2 ** (qz.bits - 1)).numpy()  # pack_to_int32's offset
-    out = {"weight_packed": _words(stored, qz.bits, 1), "weight_scale": qz.scales.clone(),
+    [N, G], weight_shape [N, K]; act-order: weight_g_idx; asymmetric: weight_zero_point [ceil(N /
+    per), G] (the signed zeros packed along N)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    half = 2 ** (qz.bits - 1)
+    signed = (qz.q.to(torch.int16) - half).to(torch.int8)  # what the quantizer gives the packer
+    out = {"weight_packed": pack_to_int32(signed, qz.bits), "weight_scale": qz.scales.clone(),
            "weight_shape": torch.tensor(list(qz.q.shape))}
+    if bool((qz.zeros != half).any()):
+        out["weight_zero_point"] = pack_to_int32((qz.zeros - half).to(torch.int8), qz.bits, packed_dim=0)
     k = qz.q.shape[1]
     if not torch.equal(qz.g_idx.long(), torch.arange(k) // (k if qz.group_size == -1 else qz.group_size)):
         out["weight_g_idx"] = qz.g_idx.clone()
@@ -159,17 +167,17 @@ def pack_ct(qz: Quantized) -> dict[str, torch.Tensor]:
 
 
 def ct_reference(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, bits: int,
-                 g_idx: torch.Tensor | None, group_size: int) -> torch.Tensor:
-    """unpack_from_int32 (unpacked[:, i::per] = (value >> bits * i) & mask, cut to the shape,
-    minus the offset), then times each column's group scale; [N, K]."""
-    per, mask = 32 // bits, (1 << bits) - 1
-    unpacked = torch.zeros(packed.shape[0], packed.shape[1] * per, dtype=torch.int32)
-    for i in range(per):
-        unpacked[:, i::per] = (packed >> (bits * i)) & mask
-    signed = unpacked[:, : int(shape[1])] - 2 ** bits // 2
+                 g_idx: torch.Tensor | None, group_size: int, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """The library's unpack_from_int32 (cut to the shape, minus the offset; the zero points
+    alike, along N), then (value - zero) times each column's group scale; [N, K]."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    signed = unpack_from_int32(packed, bits, torch.Size(shape.tolist())).float()
     k = signed.shape[1]
     g = g_idx.long() if g_idx is not None else torch.arange(k) // (k if group_size == -1 else group_size)
-    return signed.float() * scale.float()[:, g]
+    if zero_point is not None:
+        signed -= unpack_from_int32(zero_point, bits, scale.shape, packed_dim=0).float()[:, g]
+    return signed * scale.float()[:, g]
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -185,9 +193,8 @@ FORMS = {
     "gptq-int4-asym-actorder-g64-v2": ("gptq", 4, 64, False, True, False),
     "gptq-int8-channel": ("gptq", 8, -1, True, False, True),
     "gptq-int8-asym-g128-v2": ("gptq", 8, 128, False, False, False),  # no GGUF block: dequantized on the CPU
-    "ct-w4a16-g128": ("compressed-tensors", 4, 128, True, False, False),
+    # the library writes the others itself (ct_checkpoints.py), not act-order groups any more
     "ct-w4a16-actorder-g64": ("compressed-tensors", 4, 64, True, True, False),
-    "ct-w8a16-channel": ("compressed-tensors", 8, -1, True, False, False),
 }
 # the tiny models' sizes (transformers' config keys): every group size divides 256 and 384
 SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,

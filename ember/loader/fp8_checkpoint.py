@@ -51,7 +51,7 @@ SCALE_NAMES = ("weight_scale", "weight_scale_inv")  # X.weight's dequantization 
 _FP8_KEYS = {"quant_method", "activation_scheme", "weight_block_size", "fmt", "modules_to_not_convert",
              "ignored_layers"}
 _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "kv_cache_scheme",
-            "sparsity_config", "global_compression_ratio", "version", "transform_config"}
+            "sparsity_config", "global_compression_ratio", "version", "transform_config", "moe_sparsity_config"}
 _CT_FORMATS = ("float-quantized", "naive-quantized")  # fp8 values stored as they are
 _CT_WEIGHT_KEYS = {"num_bits", "type", "symmetric", "strategy", "block_structure", "dynamic", "group_size",
                    "observer", "observer_kwargs", "actorder"}
@@ -109,7 +109,7 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> FP8Scheme:
     if qc.get("format") not in _CT_FORMATS:
         raise ValueError(f"{where} format {qc.get('format')!r} is not supported: ember reads {', '.join(_CT_FORMATS)} "
                          f"(fp8 values stored as they are), pack-quantized and int-quantized (int weights). {SUPPORTED}")
-    for key in ("sparsity_config", "transform_config"):
+    for key in ("sparsity_config", "transform_config", "moe_sparsity_config"):
         if qc.get(key):
             raise ValueError(f"{where} with a {key} is not supported (it changes the weights' meaning): {SUPPORTED}")
     groups = qc.get("config_groups")

@@ -19,9 +19,10 @@ format files' in layers/quant/: awq.py, gptq.py, compressed_tensors.py):
                          checkpoint_format "gptq" (zero points stored one less) or "gptq_v2";
                          X.qweight, X.qzeros, X.scales, X.g_idx
     compressed-tensors   format "pack-quantized", config_groups.*.weights: type int, num_bits 4
-                         or 8, symmetric, strategy group (group_size) or channel, actorder
-                         (group: X.weight_g_idx); no input activations (weight-only);
-                         X.weight_packed, X.weight_scale, X.weight_shape
+                         or 8, strategy group (group_size) or channel, actorder (group:
+                         X.weight_g_idx); no input activations (weight-only);
+                         X.weight_packed, X.weight_scale, X.weight_shape, and where
+                         symmetric is false X.weight_zero_point (W4A16_ASYM)
                          format "int-quantized" (llm-compressor's W8A8): weights type int,
                          num_bits 8, symmetric, strategy channel or tensor; input_activations
                          type int, num_bits 8, symmetric, strategy token with dynamic true (per
@@ -73,7 +74,7 @@ _GPTQ_KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoi
               "cache_block_outputs", "modules_in_block_to_quantize", "backend", "mse", "v2", "v2_alpha",
               "act_group_aware", "hyb_act", "rotation", "adapter", "device"}
 _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "kv_cache_scheme",
-            "sparsity_config", "global_compression_ratio", "version", "transform_config"}
+            "sparsity_config", "global_compression_ratio", "version", "transform_config", "moe_sparsity_config"}
 _CT_WEIGHT_KEYS = {"num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic",
                    "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
 _CT_GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
@@ -94,7 +95,8 @@ class IntScheme:
     @property
     def parts(self) -> tuple[str, ...]:
         """The tensors every quantized module holds."""
-        return PARTS[self._layout] + (("input_scale",) if self.activations == "static" else ())
+        zeros = ("weight_zero_point",) if self._layout == "compressed-tensors" and not self.symmetric else ()
+        return PARTS[self._layout] + zeros + (("input_scale",) if self.activations == "static" else ())
 
     @property
     def g_idx(self) -> str | None:
@@ -175,6 +177,9 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> IntScheme:
     for key in ("sparsity_config", "transform_config"):
         if qc.get(key):
             raise ValueError(f"{where} with a {key} is not supported (it changes the weights' meaning)")
+    if qc.get("moe_sparsity_config"):
+        raise ValueError(f"{where} with a moe_sparsity_config (experts pruned or merged per layer) is not supported: "
+                         "ember runs every layer's experts as config.json counts them")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{where} without config_groups: the file names no quantization scheme")
@@ -192,9 +197,10 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> IntScheme:
             raise ValueError(f"{at}: weights of {bits} bits, type {weights.get('type')!r}, are not supported: ember "
                              f"reads {'4- and 8-bit' if layout == 'pack-quantized' else '8-bit'} int weights in "
                              f"{layout}")
-        if weights.get("symmetric") is False:
-            raise ValueError(f"{at}: asymmetric weights (zero points) are not supported yet: ember reads symmetric "
-                             "integer weights")
+        symmetric = weights.get("symmetric") is not False
+        if not symmetric and layout != "pack-quantized":
+            raise ValueError(f"{at}: asymmetric weights (zero points) are not supported yet in {layout}: ember reads "
+                             "zero points in pack-quantized weight-only checkpoints (W4A16_ASYM)")
         if weights.get("dynamic"):
             raise ValueError(f"{at}: dynamic weight quantization is not supported")
         if group.get("output_activations"):
@@ -218,14 +224,15 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> IntScheme:
         size = _group_size(weights.get("group_size"), at) if strategy == "group" else -1
         if strategy == "group" and size == -1:
             raise ValueError(f"{at}: strategy group without a group_size")
-        schemes.add((bits, size, act_order, activations))
+        schemes.add((bits, size, act_order, activations, symmetric))
     if len(schemes) > 1:
         raise ValueError(f"{where}: config groups with different weight schemes {sorted(schemes, key=str)} are not "
                          "supported")
     if qc.get("kv_cache_scheme"):
-        logger.warning("%s: kv_cache_scheme is not read: the KV cache takes --kv-cache-dtype with scale 1.0", where)
-    bits, size, act_order, activations = schemes.pop()
-    return IntScheme("compressed-tensors", bits, size, act_order, True, layout=layout, activations=activations,
+        logger.warning("%s: kv_cache_scheme is not read: the KV cache takes --kv-cache-dtype with scale 1.0, and "
+                       "the checkpoint's k_scale / v_scale tensors are skipped", where)
+    bits, size, act_order, activations, symmetric = schemes.pop()
+    return IntScheme("compressed-tensors", bits, size, act_order, symmetric, layout=layout, activations=activations,
                      ignore=tuple(qc.get("ignore") or ()))
 
 
@@ -279,7 +286,10 @@ def int_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: IntScheme, 
 
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
-        if leaf in ("weight_zero_point", "input_zero_point"):
+        if scheme.method == "compressed-tensors" and (leaf in ("k_scale", "v_scale") or name.endswith(
+                ("k_proj.output_scale", "v_proj.output_scale"))):
+            continue  # a kv_cache_scheme's scales: not read (int_scheme logs it), as in fp8_checkpoint
+        if leaf in ("weight_zero_point", "input_zero_point") and leaf not in wanted:
             if bool(tensor.any()):
                 raise ValueError(f"{source}: {name}: zero points in a symmetric scheme are not supported")
             continue  # some compressed-tensors versions write zeros for a symmetric scheme
@@ -380,4 +390,4 @@ def _tensor(scheme: IntScheme, got: dict[str, torch.Tensor]) -> IntTensor | W8A8
                            scheme.group_size, scheme.zeros_minus_one)
     group = None if scheme.group_size == -1 else scheme.group_size
     return pack_quantized_tensor(got["weight_packed"], got["weight_scale"], got["weight_shape"],
-                                 got.get("weight_g_idx"), scheme.bits, group)
+                                 got.get("weight_g_idx"), scheme.bits, group, got.get("weight_zero_point"))

@@ -70,16 +70,19 @@ def test_gptq_packing_reads_back_through_gptq_and_ember(bits, sym, act, v1, grou
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group,act", [(32, False), (128, False), (-1, False), (64, True)])
-def test_pack_quantized_reads_back_through_compressed_tensors_and_ember(bits, group, act):
+@pytest.mark.parametrize("group,act,sym", [(32, False, True), (128, False, True), (-1, False, True), (64, True, True),
+                                           (128, False, False), (-1, False, False)])
+def test_pack_quantized_reads_back_through_compressed_tensors_and_ember(bits, group, act, sym):
     k = 200 if group == -1 else 256  # per channel: a row of 200 values pads its last word
-    qz = quantize(_weight(k=k), bits, group, True, act, torch.bfloat16)
+    qz = quantize(_weight(k=k), bits, group, sym, act, torch.bfloat16)
     p = pack_ct(qz)
-    g_idx = p.get("weight_g_idx")
+    g_idx, zeros = p.get("weight_g_idx"), p.get("weight_zero_point")
+    assert (zeros is None) == sym
     want = qz.dequantized()
-    assert torch.equal(ct_reference(p["weight_packed"], p["weight_scale"], p["weight_shape"], bits, g_idx, group), want)
+    assert torch.equal(ct_reference(p["weight_packed"], p["weight_scale"], p["weight_shape"], bits, g_idx, group,
+                                    zeros), want)
     t = pack_quantized_tensor(p["weight_packed"], p["weight_scale"], p["weight_shape"], g_idx, bits,
-                              None if group == -1 else group)
+                              None if group == -1 else group, zeros)
     assert torch.equal(t.dequantize(), want) and t.scales.dtype == torch.bfloat16
     assert t.qweight is p["weight_packed"]  # the layout is theirs: nothing repacked
 

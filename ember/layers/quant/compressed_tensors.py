@@ -8,9 +8,14 @@
                                                   channel (G = 1), in the model's dtype
     weight_shape       int [2]                    [N, K]
     weight_g_idx       int32 [K]                  actorder "group": column k's group
-    W[n, k] = (stored[n, k] - 2^(bits - 1)) * s[n, g(k)]   (symmetric: no zero point)
+    weight_zero_point  int32 [ceil(N / per), G]   asymmetric (W4A16_ASYM): the zero points
+                                                  packed alike but along N (the rows), each
+                                                  the signed zero + 2^(bits - 1)
+    W[n, k] = (stored[n, k] - 2^(bits - 1)) * s[n, g(k)]   symmetric
+    W[n, k] = (stored[n, k] - stored_zero[n, g(k)]) * s[n, g(k)]   asymmetric
 
-(compressed-tensors' pack_to_int32 / unpack_from_int32 pack and unpack so), and weight-only
+(compressed-tensors' pack_to_int32 / unpack_from_int32 pack and unpack so: 32 values in `bits`
+words, value i at bit i * bits, which for 4 and 8 bits is one word's values in order), and weight-only
 `int-quantized` (8-bit values stored one a byte):
 
     weight             int8 [N, K]                the signed value
@@ -24,12 +29,13 @@ from __future__ import annotations
 
 import torch
 
-from ember.layers.quant.int_weight import IntTensor, act_order
+from ember.layers.quant.int_weight import IntTensor, act_order, unpack_words
 
 
 def pack_quantized_tensor(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, g_idx: torch.Tensor | None,
-                          bits: int, group_size: int | None) -> IntTensor:
-    """One symmetric pack-quantized weight as an IntTensor [N, K]; group_size None: per channel."""
+                          bits: int, group_size: int | None, zero_point: torch.Tensor | None = None) -> IntTensor:
+    """One pack-quantized weight as an IntTensor [N, K]; group_size None: per channel;
+    zero_point: an asymmetric weight's packed zero points (None: symmetric)."""
     if shape.numel() != 2:
         raise ValueError(f"weight_shape holds [out, in]; got {shape.tolist()}")
     n, k = (int(v) for v in shape.tolist())
@@ -40,10 +46,21 @@ def pack_quantized_tensor(packed: torch.Tensor, scale: torch.Tensor, shape: torc
         if packed.shape[0] != n:
             raise ValueError(f"weight_packed holds {packed.shape[0]} rows")
         group_size = min(group_size, k)
-        return IntTensor(packed, scale.contiguous(), None, act_order(g_idx, k, group_size, scale.shape[1]), bits,
+        zeros = None if zero_point is None else _zero_points(zero_point, n, scale.shape[1], bits)
+        return IntTensor(packed, scale.contiguous(), zeros, act_order(g_idx, k, group_size, scale.shape[1]), bits,
                          group_size, k)
     except ValueError as e:
         raise ValueError(f"a pack-quantized weight {[n, k]} of {bits} bits in groups of {group_size}: {e}") from None
+
+
+def _zero_points(packed: torch.Tensor, n: int, groups: int, bits: int) -> torch.Tensor:
+    """weight_zero_point int32 [ceil(N / per), G] -> uint8 [N, G], each stored as its signed
+    zero + 2^(bits - 1) (IntTensor's unsigned zero, as the values are stored)."""
+    per = 32 // bits
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (-(-n // per), groups):
+        raise ValueError(f"weight_zero_point of {groups} group(s) a row packs into int32 [{-(-n // per)}, {groups}]; "
+                         f"got {packed.dtype} {list(packed.shape)}")
+    return unpack_words(packed.t(), bits)[:, :n].t().contiguous()
 
 
 def int_quantized_tensor(weight: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> IntTensor:
