@@ -1,6 +1,6 @@
-"""W8A8 checkpoints made here as llm-compressor writes them (compressed-tensors `int-quantized`;
-installing llm-compressor would move torch), and the plain-torch meaning of one, written from
-the scheme's definition and independent of ember's code:
+"""The plain-torch meaning of a W8A8 checkpoint (compressed-tensors `int-quantized`), written
+from the scheme's definition and independent of ember's code, and the pieces of one for unit
+tests (whole checkpoints the compressed-tensors library writes itself: tests/ct_checkpoints.py):
 
     quantization_config(static, weights)   config.json's quantization_config as compressed-tensors
                                            0.13 serializes llm-compressor's W8A8 preset (weights
@@ -17,16 +17,13 @@ the scheme's definition and independent of ember's code:
                                            * s_x * s_w (+ bias) in float32
     calibrate(source, prompts)             each linear layer's largest |input| over the prompts in
                                            transformers (a minmax observer: static input scales)
-    write_checkpoint(source, out, ...)     a transformers-saved model's linear layers so
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -95,28 +92,3 @@ def calibrate(source: Path, prompts: list[list[int]]) -> dict[str, float]:
     for h in hooks:
         h.remove()
     return amax
-
-
-def write_checkpoint(source: Path, out: Path, static: bool = False, weights: str = "channel",
-                     ignore: tuple[str, ...] = ("lm_head",), input_amax: dict[str, float] | None = None) -> Path:
-    """The model in `source` (config.json + model.safetensors saved by transformers) with every
-    linear layer the ignore-list leaves quantized: X.weight int8, X.weight_scale (bfloat16, as a
-    bf16 model's); static: X.input_scale = input_amax[X] / 127.5 (bfloat16, one number), the
-    minmax observer's scale. Returns `out`."""
-    tensors = load_file(str(source / "model.safetensors"))
-    config = json.loads((source / "config.json").read_text())
-    packed = {}
-    for name, t in sorted(tensors.items()):
-        module, _, leaf = name.rpartition(".")
-        if leaf != "weight" or not module.endswith(LINEAR) or module in ignore:
-            packed[name] = t
-            continue
-        q, scale = quantize_weight(t, weights)
-        packed |= {f"{module}.weight": q, f"{module}.weight_scale": scale}
-        if static:
-            packed[f"{module}.input_scale"] = torch.tensor([input_amax[module] / 127.5]).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config | {"quantization_config": quantization_config(
-        static, weights, ignore)}))
-    save_file({n: t.contiguous() for n, t in packed.items()}, str(out / "model.safetensors"))
-    return out

@@ -29,7 +29,6 @@ def test_each_tools_config_reads_as_its_scheme():
     assert got["gptq-int4-asym-actorder-g64-v2"] == IntScheme("gptq", 4, 64, True, False, zeros_minus_one=False)
     assert got["gptq-int8-channel"] == IntScheme("gptq", 8, -1, False, True, zeros_minus_one=True)
     assert got["ct-w4a16-actorder-g64"] == IntScheme("compressed-tensors", 4, 64, True, True, ignore=("lm_head",))
-    assert got["ct-w8a16-channel"] == IntScheme("compressed-tensors", 8, -1, False, True, ignore=("lm_head",))
     # AutoAWQ's own names (w_bit, q_group_size) and its upper-case version; Qwen's GPTQ configs
     assert checkpoint_scheme({"quantization_config": {"quant_method": "awq", "w_bit": 4, "q_group_size": 64,
                                                       "zero_point": True, "version": "GEMM"}}).group_size == 64
@@ -69,7 +68,8 @@ def _ct_weights(**change) -> dict:
     (CT | {"format": "int-quantized"}, "int-quantized .* weights of 4 bits, type 'int', are not supported: ember "
                                        "reads 8-bit int weights in int-quantized"),
     (CT | {"format": "marlin-24"}, "compressed-tensors format 'marlin-24' is not supported"),
-    (_ct_weights(symmetric=False), r"asymmetric weights \(zero points\) are not supported yet"),
+    (CT | {"moe_sparsity_config": {"method": "prune", "num_experts": [6, 8]}}, "with a moe_sparsity_config "
+                                                                               r"\(experts pruned or merged per layer"),
     (_ct_weights(num_bits=2), "weights of 2 bits, type 'int', are not supported"),
     (_ct_weights(type="float"), "weights of 4 bits, type 'float', are not supported"),
     (_ct_weights(strategy="tensor"), "weight strategy 'tensor' is not supported"),
@@ -87,6 +87,59 @@ def _ct_weights(**change) -> dict:
 def test_variants_ember_does_not_read_are_refused_by_name(qc, error):
     with pytest.raises(ValueError, match=error):
         checkpoint_scheme({"quantization_config": qc})
+
+
+def test_the_librarys_own_configs_read_as_their_schemes(caplog):
+    """config.json's quantization_config as compressed-tensors 0.20 writes it (ModelCompressor.
+    update_config) for llm-compressor's presets: every key known, the scheme each names."""
+    ct_checkpoints = pytest.importorskip("ct_checkpoints")
+    with caplog.at_level(logging.WARNING):
+        got = {form: checkpoint_scheme({"quantization_config": ct_checkpoints.quantization_config(form)})
+               for form in ct_checkpoints.FORMS}
+    assert caplog.text == ""
+    lm_head = ("lm_head",)
+    assert got["w4a16-g128"] == IntScheme("compressed-tensors", 4, 128, False, True, ignore=lm_head)
+    assert got["w4a16-asym-g128"] == IntScheme("compressed-tensors", 4, 128, False, False, ignore=lm_head)
+    assert got["w4a16-asym-g128"].parts == ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+    assert got["w8a16-g128"] == IntScheme("compressed-tensors", 8, 128, False, True, ignore=lm_head)
+    assert got["w8a16-channel"] == IntScheme("compressed-tensors", 8, -1, False, True, ignore=lm_head)
+    assert got["w8a8-dynamic"] == IntScheme("compressed-tensors", 8, -1, False, True, layout="int-quantized",
+                                            activations="dynamic", ignore=lm_head)
+    assert got["w8a8-static"] == IntScheme("compressed-tensors", 8, -1, False, True, layout="int-quantized",
+                                           activations="static", ignore=lm_head)
+
+
+@pytest.mark.parametrize("form", ["w4a16-g32", "w4a16-asym-g128", "w8a16-channel", "w8a8-static-tensor"])
+def test_the_librarys_checkpoints_read_as_its_own_dequantized_weights(form, tmp_path):
+    """A checkpoint the library wrote (odd rows: 72 and 200), each module's weight as ember reads
+    it equal to the library's own dequantizer's (W8A8: the int8 weight times its scale)."""
+    from safetensors.torch import load_file, save_file
+
+    ct_checkpoints = pytest.importorskip("ct_checkpoints")
+    g = torch.Generator().manual_seed(0)
+    source = tmp_path / "dense"
+    source.mkdir()
+    dense = {"model.layers.0.mlp.down_proj.weight": torch.randn(72, 256, generator=g),
+             "model.layers.0.mlp.up_proj.weight": torch.randn(200, 128, generator=g),
+             "model.layers.0.input_layernorm.weight": torch.ones(256), "lm_head.weight": torch.randn(8, 256)}
+    save_file(dense, str(source / "model.safetensors"))
+    (source / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    path = ct_checkpoints.write_checkpoint(source, tmp_path / form, form, input_amax={
+        "model.layers.0.mlp.up_proj": 3.0})
+    scheme = checkpoint_scheme(json.loads((path / "config.json").read_text()))
+    ours = dict(int_weights(load_file(str(path / "model.safetensors")).items(), scheme, dequantize=True))
+    assert sorted(ours) == sorted(dense)
+    if scheme.activations:
+        packed = load_file(str(path / "model.safetensors"))
+        want = {n: packed[n].float() * packed[n.replace(".weight", ".weight_scale")].float() if packed[n].dtype ==
+                torch.int8 else packed[n] for n in dense}
+        assert packed["model.layers.0.mlp.up_proj.input_scale"].item() == pytest.approx(3.0 / 127.5)
+    else:
+        want = load_file(str(ct_checkpoints.dequantize_checkpoint(path) / "model.safetensors"))
+    for name in dense:
+        assert torch.equal(ours[name], want[name]), name
+    assert (ours["model.layers.0.mlp.down_proj.weight"] - dense["model.layers.0.mlp.down_proj.weight"]).abs().max() \
+        < (0.02 if "w8" in form else 0.3) * dense["model.layers.0.mlp.down_proj.weight"].abs().max()
 
 
 def test_unknown_keys_are_logged(caplog):
@@ -140,6 +193,31 @@ def test_zero_points_in_a_symmetric_compressed_tensors_scheme():
     assert [n for n, _ in int_weights([zeros] + module, scheme)] == ["a.weight"]  # zeros some versions write: dropped
     with pytest.raises(ValueError, match="a.weight_zero_point: zero points in a symmetric scheme"):
         list(int_weights([("a.weight_zero_point", torch.ones(64, 1, dtype=torch.int8))] + module, scheme))
+
+
+def test_an_asymmetric_compressed_tensors_module_pairs_its_zero_points():
+    w = 0.05 * torch.randn(72, 128, generator=torch.Generator().manual_seed(0))
+    qz = quantize(w, 4, 64, False)
+    module = [(f"a.{k}", v) for k, v in pack_ct(qz).items()]
+    scheme = IntScheme("compressed-tensors", 4, 64, False, False)
+    (name, t), = int_weights(module, scheme)
+    assert name == "a.weight" and torch.equal(t.zeros, qz.zeros.to(torch.uint8)) and torch.equal(
+        t.dequantize(), qz.dequantized())
+    with pytest.raises(ValueError, match=r"a \(no weight_zero_point\)"):
+        list(int_weights([(n, v) for n, v in module if not n.endswith("zero_point")], scheme))
+
+
+def test_a_kv_cache_schemes_scales_are_skipped_with_a_warning(caplog):
+    """llm-compressor's W4A16 with an fp8 KV cache recipe: the k / v scales are not read (the cache
+    takes --kv-cache-dtype), as for FP8 checkpoints, and the config says so in a warning."""
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    with caplog.at_level(logging.WARNING):
+        scheme = checkpoint_scheme({"quantization_config": CT | {"kv_cache_scheme": kv}})
+    assert "kv_cache_scheme is not read" in caplog.text
+    w = 0.05 * torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    module = [(f"a.{k}", v) for k, v in pack_ct(quantize(w, 4, 128, True)).items()]
+    scales = [("self_attn.k_scale", torch.ones(1)), ("self_attn.v_scale", torch.ones(1))]
+    assert [n for n, _ in int_weights(scales + module, scheme)] == ["a.weight"]
 
 
 def test_a_config_that_does_not_describe_its_tensors_is_refused():

@@ -19,8 +19,9 @@ from int_checkpoints import FORMS, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-CUDA_FORMS = ["awq-g128", "gptq-int4-g128", "gptq-int4-asym-actorder-g64-v2", "gptq-int8-channel", "ct-w4a16-g128",
-              "ct-w8a16-channel"]
+# the forms in int_checkpoints.FORMS packed here; the others ct_checkpoints.FORMS, the compressed-tensors library's
+CUDA_FORMS = ["awq-g128", "gptq-int4-g128", "gptq-int4-asym-actorder-g64-v2", "gptq-int8-channel", "w4a16-g128",
+              "w4a16-asym-g128", "w8a16-channel"]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,15 @@ def test_checkpoint_on_cuda_stays_close_to_its_dequantized_weights(base, form, f
     from ember import LLM, SamplingParams
     from ember.layers.quant.int_weight import IntWeight
 
-    method, bits, group, symmetric, act, v1 = FORMS[form]
-    qdir, ddir = write_checkpoint(base, base.parent / f"llama-int-{form}", method, bits, group, symmetric, act, v1)
+    if form in FORMS:
+        method, bits, group, symmetric, act, v1 = FORMS[form]
+        qdir, ddir = write_checkpoint(base, base.parent / f"llama-int-{form}", method, bits, group, symmetric, act, v1)
+    else:
+        import ct_checkpoints
+
+        method, bits = "compressed-tensors", ct_checkpoints.FORMS[form][0]().weights.num_bits
+        qdir = ct_checkpoints.write_checkpoint(base, base.parent / f"llama-int-{form}", form)
+        ddir = ct_checkpoints.dequantize_checkpoint(qdir)
     llm = LLM(str(qdir), **ARGS)
     runner = llm.engine.runner
     assert llm.config.quantization == method and runner.graphs is not None

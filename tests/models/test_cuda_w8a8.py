@@ -1,4 +1,5 @@
-"""On CUDA (`-m gpu`): compressed-tensors W8A8 checkpoints (tests/w8a8_checkpoints.py; dynamic
+"""On CUDA (`-m gpu`): compressed-tensors W8A8 checkpoints (written by the library:
+tests/ct_checkpoints.py; dynamic
 per-token and static per-tensor activations) in the whole engine at the small Llama shape
 (cuda_llama_shape.py), against ember's CPU engine on the same checkpoint, whose torch._int_mm
 path computes the same W8A8 numbers (tests/layers/test_w8a8_weights.py):
@@ -21,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cuda_llama_shape import ARGS, LINEAR_WEIGHTS, random_prompts, write_dense_checkpoint
-from w8a8_checkpoints import calibrate, write_checkpoint
+from w8a8_checkpoints import calibrate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -50,8 +51,10 @@ def test_w8a8_checkpoint_on_cuda_computes_the_cpu_paths_numbers(base, static, fo
     from ember.layers.quant.w8a8 import W8A8Weight
 
     prompts = random_prompts(8)
-    path = write_checkpoint(base, base.parent / f"llama-w8a8-{'static' if static else 'dynamic'}", static=static,
-                            input_amax=calibrate(base, prompts) if static else None)
+    from ct_checkpoints import write_checkpoint  # the compressed-tensors library writes it
+
+    form = "w8a8-static" if static else "w8a8-dynamic"
+    path = write_checkpoint(base, base.parent / f"llama-{form}", form, calibrate(base, prompts) if static else None)
     cpu = LLM(str(path), device="cpu", dtype="float32", **ARGS)
     want = forward_logits(cpu, prompts)
     name = f"w8a8 {'static' if static else 'dynamic'}"

@@ -1,5 +1,6 @@
-"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints of tiny random Llama and Qwen3
-models saved by transformers, quantized and packed here as each tool writes them
+"""AWQ, GPTQ and compressed-tensors pack-quantized act-order checkpoints of tiny random Llama
+and Qwen3 models saved by transformers, quantized and packed here as each tool writes them
+(the compressed-tensors library writes the other compressed-tensors forms: test_ct_models.py)
 (tests/int_checkpoints.py, whose unpacking the formats' reference code reads back:
 tests/layers/test_int_weights.py), with config.json's quantization_config as the tools write
 it. The reference is transformers on the dequantized weights in float32. Three ways ember
@@ -46,7 +47,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 8, 77, 12, 19, 200, 6, 3], [7],
            [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]]
 ENGINE = dict(num_kv_blocks=64, block_size=8, max_model_len=128)
 BLOCKS_BOUND = 0.02  # the CPU blocks path's max |logit error| over the reference's max |logit|; measured <= 0.0153
-KERNEL_FORMS = ["awq-g128", "gptq-int4-asym-actorder-g64-v2", "gptq-int8-channel", "ct-w4a16-g128"]
+KERNEL_FORMS = ["awq-g128", "gptq-int4-asym-actorder-g64-v2", "gptq-int8-channel"]  # compressed-tensors': test_ct_models
 
 
 def _save_tiny(model_type: str, tmp_path_factory) -> Path:
