@@ -52,5 +52,6 @@ def test_greedy_tokens_match_transformers_on_cuda(model_dir, expected, kw):
     for output, (tokens, logprobs) in zip(again, expected + expected[1:2]):
         got_tokens, got_logprobs = tokens_and_logprobs(output)
         assert got_tokens == tokens
-        torch.testing.assert_close(got_logprobs, logprobs, rtol=0, atol=2e-3)
+        # 3.2e-3 at most on the H200 (the Triton kernels' float32 dots run in TF32 over up to ~300 tokens)
+        torch.testing.assert_close(got_logprobs, logprobs, rtol=0, atol=5e-3)
     llm.engine.check_idle()
