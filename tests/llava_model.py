@@ -151,3 +151,23 @@ def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
     """An engine output's tokens and each one's logprob (sampled with logprobs=0)."""
     c = output.outputs[0]
     return c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+
+
+def assert_engine_matches_on_cuda(model_dir: Path, prompts: list[tuple[str, list]],
+                                  expected: list[tuple[list[int], list[float]]], min_hit: int, atol: float,
+                                  **engine) -> None:
+    """The whole engine in float32 on CUDA against `expected` (hf_greedy's, the same prompts):
+    every prompt's greedy tokens equal and their logprobs within `atol`, batched (decode steps in
+    the CUDA graphs), then the second prompt again, which hits its images' blocks (>= min_hit
+    tokens); no block held after."""
+    greedy = SamplingParams(temperature=0, max_tokens=len(expected[0][0]), ignore_eos=True, logprobs=0)
+    llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=1024, block_size=16, **engine)
+    asks = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in prompts]
+    outs = llm.generate(asks, greedy) + llm.generate(asks[1], greedy)
+    assert outs[-1].num_cached_tokens >= min_hit
+    for output, (tokens, logprobs) in zip(outs, expected + expected[1:2]):
+        got_tokens, got_logprobs = tokens_and_logprobs(output)
+        assert got_tokens == tokens
+        torch.testing.assert_close(got_logprobs, logprobs, rtol=0, atol=atol)
+    llm.engine.check_idle()
+

@@ -15,16 +15,13 @@ pytestmark = [pytest.mark.gpu]
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from llava_model import hf_greedy, image, tokens_and_logprobs, word_tokenizer_dir  # noqa: E402
+from llava_model import assert_engine_matches_on_cuda, hf_greedy, image, word_tokenizer_dir  # noqa: E402
 from pixtral_model import SMALL, hf_inputs, save_tiny_pixtral  # noqa: E402
-
-from ember import LLM, SamplingParams  # noqa: E402
 
 WIDE, TALL = image((200, 30, 30), (448, 336)), image((20, 40, 220), (200, 300))
 PROMPTS = [("[INST] What is in the picture ? [IMG] [/INST]", [WIDE]),
            ("[INST] [IMG] and [IMG] Which is red ? [/INST]", [TALL, WIDE]),
            ("[INST] What is in the picture ? [/INST]", [])]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +42,5 @@ def expected(model_dir) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 64}], ids=["graphs", "chunks-cut-images"])
 def test_greedy_tokens_match_transformers_on_cuda(model_dir, expected, kw):
-    llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=1024, block_size=16, **kw)
-    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in PROMPTS]
-    again = llm.generate(prompts, GREEDY) + llm.generate(prompts[1], GREEDY)  # the last: a hit over its images
-    assert again[-1].num_cached_tokens >= 128
-    for output, (tokens, logprobs) in zip(again, expected + expected[1:2]):
-        got_tokens, got_logprobs = tokens_and_logprobs(output)
-        assert got_tokens == tokens
-        # 3.2e-3 at most on the H200 (the Triton kernels' float32 dots run in TF32 over up to ~300 tokens)
-        torch.testing.assert_close(got_logprobs, logprobs, rtol=0, atol=5e-3)
-    llm.engine.check_idle()
+    # 3.2e-3 at most on the H200 (the Triton kernels' float32 dots run in TF32 over up to ~300 tokens)
+    assert_engine_matches_on_cuda(model_dir, PROMPTS, expected, 128, 5e-3, **kw)

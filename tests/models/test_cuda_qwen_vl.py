@@ -15,17 +15,14 @@ pytestmark = [pytest.mark.gpu]
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from llava_model import hf_greedy, image, tokens_and_logprobs, word_tokenizer_dir  # noqa: E402
+from llava_model import assert_engine_matches_on_cuda, hf_greedy, image, word_tokenizer_dir  # noqa: E402
 from qwen_vl_model import SMALL, hf_inputs, save_tiny_qwen_vl  # noqa: E402
-
-from ember import LLM, SamplingParams  # noqa: E402
 
 V = "<|vision_start|><|image_pad|><|vision_end|>"
 WIDE, TALL = image((200, 30, 30), (448, 336)), image((20, 40, 220), (200, 300))
 PROMPTS = [(f"USER What is in the picture ? {V} ASSISTANT", [WIDE]),
            (f"USER {V} and {V} Which is red ? ASSISTANT", [TALL, WIDE]),
            ("USER What is in the picture ? ASSISTANT", [])]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +43,4 @@ def expected(model_dir) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 64}], ids=["graphs", "chunks-cut-images"])
 def test_greedy_tokens_match_transformers_on_cuda(model_dir, expected, kw):
-    llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=1024, block_size=16, **kw)
-    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in PROMPTS]
-    again = llm.generate(prompts, GREEDY) + llm.generate(prompts[1], GREEDY)  # the last: a hit over its images
-    assert again[-1].num_cached_tokens >= 256
-    for output, (tokens, logprobs) in zip(again, expected + expected[1:2]):
-        got_tokens, got_logprobs = tokens_and_logprobs(output)
-        assert got_tokens == tokens
-        torch.testing.assert_close(got_logprobs, logprobs, rtol=0, atol=2e-3)
-    llm.engine.check_idle()
+    assert_engine_matches_on_cuda(model_dir, PROMPTS, expected, 256, 2e-3, **kw)
