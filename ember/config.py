@@ -109,6 +109,10 @@ class EngineConfig:
         None, "the token budget of a step: prefill chunks and decodes together (default: per device and use, "
         "defaults.py, e.g. 16384 offline on a large GPU, 2048 serving, 512 on the CPU)", knob=True,
         flags=("--max-num-batched-tokens", "--chunked-prefill-size"))
+    max_num_encoder_input_tokens: int | None = flag(
+        None, "vision-language models: the image placeholder tokens whose encoding one step may start (vLLM's "
+        "encoder budget); a prefill chunk that would start an image past it stops right before that image, and "
+        "a step's first image always goes (default: max_num_batched_tokens)", metavar="N")
     gpu_memory_utilization: float = flag(
         0.9, "the share of the GPU's memory for weights, activations, CUDA graphs and the KV pool", knob=True,
         flags=("--gpu-memory-utilization", "--mem-fraction-static"))
@@ -233,6 +237,11 @@ class EngineConfig:
         _choice("usage_context", self.usage_context, USAGES)
         object.__setattr__(self, "limit_mm_per_prompt", _mm_limits(self.limit_mm_per_prompt))
         _positive("max_image_pixels", self.max_image_pixels)
+        if self.max_num_encoder_input_tokens is not None and (
+                not isinstance(self.max_num_encoder_input_tokens, int) or self.max_num_encoder_input_tokens < 1):
+            raise ValueError(f"max_num_encoder_input_tokens must be an integer >= 1 (the image tokens a step may "
+                             f"start encoding); got {self.max_num_encoder_input_tokens!r}: pass a positive count, "
+                             "or leave it unset for max_num_batched_tokens")
         for name, (kind, _, optional) in flag_types().items():  # sizes and counts: None is the default
             if kind is int and optional and getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
@@ -348,6 +357,9 @@ class EngineConfig:
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
+        # an encoder runs each prompt in one step: the default budget holds the longest
+        max_num_batched_tokens = self.max_num_batched_tokens or max(
+            defaults.max_num_batched_tokens, max_model_len if model_config.bidirectional else 0)
         resolved = dataclasses.replace(
             self,
             model=str(files.path),
@@ -362,9 +374,8 @@ class EngineConfig:
             else self.kv_cache_dtype,
             max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs or defaults.max_num_seqs,
-            # an encoder runs each prompt in one step: the default budget holds the longest
-            max_num_batched_tokens=self.max_num_batched_tokens or max(
-                defaults.max_num_batched_tokens, max_model_len if model_config.bidirectional else 0),
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens or max_num_batched_tokens,
             block_size=self.block_size or (128 if device == "cuda" else 16),
             attention_backend=backend,
             async_scheduling=async_scheduling,

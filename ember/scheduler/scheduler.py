@@ -15,6 +15,12 @@ in the cache instead of computing it again (SGLang's in-batch prefix deferral): 
 choices or a batch over one fresh prefix compute the prefix once. Only the first block of each
 is compared, and the request that computes it is already in the step, so nobody waits forever.
 
+A request with images (`Request.mm_features`) starts, each step, only the images that fit the
+step's encoder budget (encoder_budget.py, `--max-num-encoder-input-tokens`, in placeholder
+tokens): its chunk is cut right before the first image past it, and one cut to nothing waits
+(a running request is passed over, a waiting one is not admitted, as vLLM's). The first image of
+a step always goes; text-only requests never consult it.
+
 Out of blocks, the most recently admitted running request (under the "priority"
 policy: the lowest-priority one) is preempted by recompute: its blocks are freed and it
 goes back to the front of the waiting queue.
@@ -79,6 +85,7 @@ from dataclasses import dataclass, field
 from ember.config import EngineConfig
 from ember.request import Request, RequestStatus
 from ember.scheduler.block_pool import BlockPool
+from ember.scheduler.encoder_budget import EncoderBudget
 from ember.scheduler.host_tier import HostKVTier, block_hashes
 from ember.scheduler.prefix_cache import NullPrefixCache, PrefixCache
 from ember.scheduler.sliding_window import FullContextBlocks, make_window_blocks
@@ -165,6 +172,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.attention_parity_len = config.attention_parity_len
+        # images (encoder_budget.py): only a request with images ever consults it
+        self.encoder_budget = EncoderBudget(config.max_num_encoder_input_tokens or config.max_num_batched_tokens)
         # an encoder's prompt runs in one step (its attention sees the whole prompt at once)
         self.whole_prompts = config.model_config is not None and config.model_config.bidirectional
         # a model with recurrent layers (runner/recurrent_state.py): a running request keeps its
@@ -221,6 +230,7 @@ class Scheduler:
         if self.swap is not None:
             self.swap.new_plan()
         budget = self.max_num_batched_tokens
+        self.encoder_budget.new_step()
         for req in self._by_policy(self.running):
             if budget == 0:
                 break
@@ -228,12 +238,18 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.num_pending_tokens and self._ends_on_pending_token(req):
                 continue
-            n = self._chunk(req, budget)
+            n, images = self._chunk(req, budget), None
+            if req.mm_features:
+                n, images = self.encoder_budget.cut(req, n, admitted=False)
+                if n == 0:
+                    continue  # its next image waits for the next step's encoder budget
             if not self._reserve(req, n, plan):
                 if plan.short_of_blocks:
                     break
                 continue
             self._add_chunk(plan, req, n)
+            if images:
+                self.encoder_budget.spend(images)
             budget -= n
         # the first block each prefill chunk of this step computes; a waiting request whose first
         # uncached block is one of them waits for it to enter the cache
@@ -255,8 +271,10 @@ class Scheduler:
                     deferred.add(req.request_id)
                     continue
                 computing.add(first)
-            n = self._chunk(req, budget)
-            if ((self.whole_prompts and n < req.num_tokens)  # it waits for a step with room for all of it
+            n, images = self._chunk(req, budget), None
+            if req.mm_features:  # n == 0: its first image waits for the next step's encoder budget
+                n, images = self.encoder_budget.cut(req, n, admitted=True)
+            if (n == 0 or (self.whole_prompts and n < req.num_tokens)  # it waits for a step with room for all of it
                     or self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available):
                 self._release_blocks(req)
                 if copy is not None:
@@ -284,6 +302,8 @@ class Scheduler:
             if snapshot is not None:
                 plan.state_restores.append((req.request_id, snapshot))
             self._add_chunk(plan, req, n)
+            if images:
+                self.encoder_budget.spend(images)
             budget -= n
         if budget > 0 and not plan.preempted:
             self._add_drafts(plan, budget)

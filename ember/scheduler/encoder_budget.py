@@ -1,0 +1,63 @@
+"""EncoderBudget: how much image encoding one step may start (vLLM's encoder compute budget,
+`--max-num-encoder-input-tokens`), so one prompt with many images cannot hold every other
+request's next token up behind its vision tower.
+
+An image's cost is its placeholder tokens (`ImageFeature.length`), as vLLM counts it: known for
+every family without asking its tower, in the same units as the step's token budget, and the
+tower's work in proportion within a family (LLaVA: a patch a token; Qwen2-VL: merge^2 patches a
+token; Pixtral: a patch a token plus its row breaks). A chunk *starts* an image when it covers
+the image's first token, or when it is a request's first chunk since admission and begins inside
+the image (a prefix hit or a swap-in that ends there: the runner has to encode it again, unless
+its encoder cache still has it, which the scheduler does not see). Then:
+
+- an image that a prefix hit covers entirely, or that an earlier chunk of the running request
+  started, costs nothing (the runner holds its embeddings until the prefill passes it);
+- the same image (hash) started twice in a step is paid once: the runner encodes it once;
+- the first image of a step always goes, so an image larger than the budget is never starved;
+- a chunk that would start an image past what is left is cut right before that image's first
+  token (a chunk cut to nothing waits for the next step).
+
+Images are in prompt order (`Request.mm_features`), so the walk stops at the chunk's end."""
+
+from __future__ import annotations
+
+from ember.multimodal.inputs import ImageFeature
+from ember.request import Request
+
+
+class EncoderBudget:
+    """Placeholder tokens of the images a step starts, at most `max_tokens` (but one image)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.used = 0
+        self.started: set[str] = set()  # hashes of the images this step starts
+
+    def new_step(self) -> None:
+        self.used = 0
+        self.started.clear()
+
+    def cut(self, req: Request, n: int, admitted: bool) -> tuple[int, list[ImageFeature]]:
+        """The request's next `n` tokens cut before the first image they would start past the
+        budget, and the images the cut chunk starts (pay for them with `spend` once the chunk
+        is in the plan). `admitted`: the chunk is the request's first since admission."""
+        start = req.num_computed_tokens
+        end = start + n
+        cost, starts, hashes = 0, [], set(self.started)
+        for f in req.mm_features:
+            if f.offset >= end:
+                break
+            if f.end <= start or (f.offset < start and not admitted) or f.hash in hashes:
+                continue
+            if self.used + cost and self.used + cost + f.length > self.max_tokens:
+                return max(f.offset - start, 0), starts
+            cost += f.length
+            starts.append(f)
+            hashes.add(f.hash)
+        return n, starts
+
+    def spend(self, features: list[ImageFeature]) -> None:
+        for f in features:
+            if f.hash not in self.started:
+                self.started.add(f.hash)
+                self.used += f.length
