@@ -108,6 +108,7 @@ class ImageEmbedder:
         self.device = device
         self.cache = EncoderCache(max_bytes)
         self.num_encoded = 0  # images the vision model ran for (tests, stats)
+        self.num_encoder_steps = 0  # steps in which it ran (the scheduler's encoder budget spreads images over more)
 
     def inputs_embeds(self, plan: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
         """None when no chunk of the step covers an image token."""
@@ -147,6 +148,7 @@ class ImageEmbedder:
         missing = list({f.hash: f for f in features if self.cache.get(f.hash) is None}.values())
         if not missing:
             return
+        self.num_encoder_steps += 1
         dtype = next(self.vision.parameters()).dtype
         if getattr(self.vision, "packed", False):  # Qwen2-VL: images of any sizes in one call, patches concatenated
             patches = torch.from_numpy(np.concatenate([f.pixel_values for f in missing])).to(self.device, dtype)

@@ -95,6 +95,22 @@ def test_chunk_boundaries_inside_images_change_nothing(model_dir, llm):
     chunked.engine.check_idle()
 
 
+def test_an_encoder_budget_of_one_image_spreads_a_four_image_prompt_over_four_steps(model_dir, llm):
+    """--max-num-encoder-input-tokens 16 (one image): the tower runs once for each image, in four
+    steps (the prompt's chunks cut before each image), where the default budget runs it once for
+    all four; the greedy tokens are the same."""
+    images = [image(c) for c in ((250, 120, 0), (0, 200, 200), (120, 0, 160), (90, 90, 90))]
+    text = "USER: " + "<image>\n" * 4 + "Which is red? ASSISTANT:"
+    steps, encoded = llm.engine.runner.images.num_encoder_steps, llm.engine.runner.images.num_encoded
+    want = llm.generate(prompt(text, images), GREEDY)[0].outputs[0].token_ids
+    assert (llm.engine.runner.images.num_encoder_steps - steps, llm.engine.runner.images.num_encoded - encoded) \
+        == (1, 4)
+    budgeted = make_llm(model_dir, max_num_encoder_input_tokens=TOKENS_PER_IMAGE)
+    assert budgeted.generate(prompt(text, images), GREEDY)[0].outputs[0].token_ids == want
+    assert (budgeted.engine.runner.images.num_encoder_steps, budgeted.engine.runner.images.num_encoded) == (4, 4)
+    budgeted.engine.check_idle()
+
+
 def test_the_encoder_cache_keeps_held_images_and_drops_the_rest_within_its_bytes():
     cache = EncoderCache(max_bytes=2 * 64)
     tensor = torch.zeros(16)  # 64 bytes
