@@ -52,12 +52,18 @@ _PREFIXES = (("model.vision_tower.vision_model.", "vision_tower."), ("model.visi
 def llava_tensor_name(name: str, cfg: VisionConfig) -> str | None:
     """LlavaVision's name for a checkpoint tensor of the image side; None for any other tensor
     (the language model's) and for the tower's parts LLaVA does not read."""
-    for prefix, ours in _PREFIXES:
+    return image_side_name(name, _PREFIXES, "encoder.layers.", cfg.num_layers, unread=("post_layernorm.",))
+
+
+def image_side_name(name: str, prefixes: tuple[tuple[str, str], ...], layers: str, num_layers: int,
+                    unread: tuple[str, ...] = ()) -> str | None:
+    """A tower's name for a checkpoint tensor of the image side: the first of `prefixes` (the
+    checkpoint's, ours) it starts with, swapped; None for any other tensor, for the tower's
+    layers (`layers` + index) from `num_layers` on (past the feature layer) and for `unread` parts."""
+    for prefix, ours in prefixes:
         if name.startswith(prefix):
             rest = name[len(prefix):]
-            if rest.startswith("post_layernorm."):
-                return None
-            if rest.startswith("encoder.layers.") and int(rest.split(".")[2]) >= cfg.num_layers:
+            if rest.startswith(unread) or (rest.startswith(layers) and int(rest[len(layers):].split(".")[0]) >= num_layers):
                 return None
             return ours + rest
     return None

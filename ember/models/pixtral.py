@@ -28,7 +28,7 @@ from torch import nn
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import apply_rotary
 from ember.models.clip import vision_activation
-from ember.models.llava import LlavaMultiModalProjector
+from ember.models.llava import LlavaMultiModalProjector, image_side_name
 from ember.models.qwen2_vl import Segments, segment_attention, segments_of
 from ember.models.vision_config import VisionConfig
 
@@ -183,10 +183,4 @@ _PREFIXES = (("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision
 def pixtral_tensor_name(name: str, cfg: VisionConfig) -> str | None:
     """PixtralVision's name for a checkpoint tensor of the image side; None for any other tensor
     (the language model's) and for the tower's layers past the feature layer."""
-    for prefix, ours in _PREFIXES:
-        if name.startswith(prefix):
-            rest = name[len(prefix):]
-            if rest.startswith("transformer.layers.") and int(rest.split(".")[2]) >= cfg.num_layers:
-                return None
-            return ours + rest
-    return None
+    return image_side_name(name, _PREFIXES, "transformer.layers.", cfg.num_layers)
