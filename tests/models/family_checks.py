@@ -1,7 +1,8 @@
 """The checks every family's CPU test makes against HF transformers on a tiny random model
 (float32): one forward's logits, greedy tokens, and the same tokens through 5-token chunks of
-prefill and then over the prefix cache. The prompts' lengths (13, 1, 27) put whole 8-token
-blocks in the cache the second time (8 and 24 tokens)."""
+prefill and then over the prefix cache. The second time a prompt (13, 1, 27 tokens) finds all but
+its last token cached (12, 0, 26: whole 8-token blocks, then a copy of the block it ends in), or
+only whole blocks (8, 0, 24) where a hit stops at a block's end (a recurrent state's snapshot)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ PROMPTS = [
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE = dict(num_kv_blocks=128, block_size=8, max_model_len=256, dtype="float32")
-CACHED = [[0, 0, 0], [8, 0, 24]]  # each prompt's cached tokens, the first time and the second
+CACHED = [[0, 0, 0], [12, 0, 26]]  # each prompt's cached tokens, the first time and the second
+WHOLE_BLOCKS = [[0, 0, 0], [8, 0, 24]]  # the same where hits end on block boundaries
 
 
 def hf_greedy(hf, ids: list[int], n: int = MAX_TOKENS) -> list[int]:
@@ -47,8 +49,7 @@ def greedy_tokens(llm, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
 def assert_chunked_and_cached(model: str, expected: list[list[int]], cached_tokens: list[list[int]] = CACHED,
                               **engine) -> LLM:
     """PROMPTS in 5-token chunks, then again over their cached prefix: the same greedy tokens
-    both times, and every whole block of a prompt from the cache the second time (or, for a
-    model without a prefix cache, `cached_tokens`). Returns the engine."""
+    both times, and `cached_tokens` from the cache each time. Returns the engine."""
     llm = LLM(model, **(ENGINE | engine | dict(max_num_batched_tokens=5)))
     cached = []
     for _ in range(2):

@@ -19,6 +19,7 @@ from family_checks import (
     GREEDY,
     MAX_TOKENS,
     PROMPTS,
+    WHOLE_BLOCKS,
     assert_chunked_and_cached,
     assert_logits_match,
     greedy_tokens,
@@ -136,7 +137,7 @@ def test_chunked_prefill_carries_the_state_and_a_repeated_prompt_hits_the_cache(
     """5-token chunks, cut to end on the 8-token blocks: prompts of 13 and 27 tokens span 3 and
     7 steps and leave state snapshots at 8, and at 8, 16 and 24; the second run resumes there."""
     path, _, expected = qwen3_next
-    llm = assert_chunked_and_cached(path, expected)
+    llm = assert_chunked_and_cached(path, expected, WHOLE_BLOCKS)
     assert llm.engine.config.enable_prefix_caching
     llm.engine.check_idle()
 
@@ -144,7 +145,7 @@ def test_chunked_prefill_carries_the_state_and_a_repeated_prompt_hits_the_cache(
 def test_a_worker_process_restores_and_saves_states_as_planned(qwen3_next):
     """--distributed-executor-backend mp at size 1: the plan's restores and saves reach the rank."""
     path, _, expected = qwen3_next
-    llm = assert_chunked_and_cached(path, expected, distributed_executor_backend="mp")
+    llm = assert_chunked_and_cached(path, expected, WHOLE_BLOCKS, distributed_executor_backend="mp")
     assert llm.engine.runner.num_state_snapshots == 128
     llm.engine.check_idle()
     llm.engine.shutdown()
