@@ -17,6 +17,9 @@ import torch
 IMAGE_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 PATCH, LONGEST_EDGE = 8, 64
 FAMILIES = ("pixtral", "mistral3")
+HF_CLASSES = {"pixtral": "LlavaForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
+ONE = "[INST][IMG]What is in the picture?[/INST]"  # the tests' prompts: one image, two
+TWO = "[INST][IMG]and [IMG]Which is red?[/INST]"
 # Pixtral's chat template, reduced: a message's images ([IMG] each) before its text
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST]' }}"
@@ -108,3 +111,11 @@ def hf_inputs(model_dir: Path, text: str, images: list) -> dict:
                               for (h, w), part in zip(enc["image_sizes"].tolist(), parts[1:]))
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     return {**tok(text, return_tensors="pt"), **enc}
+
+
+def load_hf(model_dir: Path, family: str):
+    """transformers' model of a tiny checkpoint, float32, for the references."""
+    import transformers
+
+    return getattr(transformers, HF_CLASSES[family]).from_pretrained(str(model_dir), dtype=torch.float32).eval()
+

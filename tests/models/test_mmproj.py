@@ -18,16 +18,14 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("PIL")
 
 from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
-from pixtral_model import FAMILIES, hf_inputs, save_tiny_pixtral  # noqa: E402
+from pixtral_model import FAMILIES, TWO, hf_inputs, load_hf, save_tiny_pixtral  # noqa: E402
 from transformers.utils.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # noqa: E402
 
 from ember import SamplingParams  # noqa: E402
 from ember.loader.default_model import fetch_default_model  # noqa: E402
 
 RED, BLUE = image((200, 30, 30), (40, 30)), image((20, 40, 220), (100, 50))
-TWO = "[INST][IMG]and [IMG]Which is red?[/INST]"
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-HF_CLASSES = {"pixtral": "LlavaForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -55,7 +53,7 @@ def test_the_gguf_pair_answers_as_the_checkpoint_it_came_from(model_dir, pair, f
     inputs = hf_inputs(model_dir, TWO, [RED, BLUE])
     ids, _, logits = ember_logits(llm, TWO, [RED, BLUE])
     assert ids == inputs["input_ids"][0].tolist()
-    hf = getattr(transformers, HF_CLASSES[family]).from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = load_hf(model_dir, family)
     with torch.no_grad():
         want = hf(**inputs).logits[0]
         expected = hf.generate(**inputs, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):]

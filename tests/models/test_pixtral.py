@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
-from pixtral_model import FAMILIES, hf_inputs, row_layout, save_tiny_pixtral  # noqa: E402
+from pixtral_model import FAMILIES, ONE, TWO, hf_inputs, load_hf, row_layout, save_tiny_pixtral  # noqa: E402
 
 from ember import SamplingParams  # noqa: E402
 from ember.models.vision_config import vision_config  # noqa: E402
@@ -26,10 +26,7 @@ from ember.models.vision_config import vision_config  # noqa: E402
 # 4 x 8 patches (2 x 4 tokens)
 RED, BLUE = image((200, 30, 30), (40, 30)), image((20, 40, 220), (100, 50))
 GRIDS = {"pixtral": [(4, 5), (4, 8)], "mistral3": [(2, 3), (2, 4)]}  # each image's (rows, cols) of tokens
-ONE = "[INST][IMG]What is in the picture?[/INST]"
-TWO = "[INST][IMG]and [IMG]Which is red?[/INST]"
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-HF_CLASSES = {"pixtral": "LlavaForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
 ONE_FAMILY = pytest.mark.parametrize("family", ["mistral3"], indirect=True)
 
 
@@ -45,7 +42,7 @@ def model_dir(bpe_tokenizer_dir, tmp_path_factory, family):
 
 @pytest.fixture(scope="module")
 def hf(model_dir, family):
-    return getattr(transformers, HF_CLASSES[family]).from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return load_hf(model_dir, family)
 
 
 @pytest.fixture(scope="module")
