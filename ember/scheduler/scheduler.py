@@ -469,8 +469,8 @@ class Scheduler:
     def _admitted(self, req: Request) -> None:
         self.prefix_cache_queries += req.num_tokens
         self.prefix_cache_hits += req.num_computed_tokens
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = req.num_computed_tokens
+        if req.num_cached_tokens is None:  # of the prompt: a grammar's forced tokens are output
+            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
         if self.policy == "lpm":  # the starvation bound only lpm reads
             for other in self.waiting:
                 if other.arrival_time < req.arrival_time:
