@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ember.layers.quant.fp8 import FP8, FP8Tensor
+from ember.loader.kv_scales import check_kv_cache_scheme
 from ember.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -143,9 +144,7 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> FP8Scheme:
                         "for batches over the decode GEMV's rows", where, name)
     if len(blocks) > 1:
         raise ValueError(f"{where}: groups with different block structures {sorted(blocks)}")
-    if qc.get("kv_cache_scheme"):
-        logger.warning("%s: kv_cache_scheme is not read: the KV cache takes --kv-cache-dtype with scale 1.0, and "
-                       "the checkpoint's k_scale / v_scale tensors are skipped", where)
+    check_kv_cache_scheme(qc, where)
     ignore = qc.get("ignore") or ()
     return FP8Scheme("compressed-tensors", next(iter(blocks), None), static, tuple(ignore))
 
@@ -172,10 +171,11 @@ def fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: FP8Scheme, 
     """Each fp8 `X.weight` with its scale as one FP8Tensor under `X.weight` (or with
     `dequantize`, W * scale as float32), other tensors as they are. A weight and its scale
     may come in either order (or in different shards); one left without the other at the end
-    is an error. Static input scales and KV-cache scales are skipped (logged once)."""
+    is an error. Static input scales are skipped (logged once); KV-cache scales pass as
+    they are (load_weights reads them)."""
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
-    skipped = {"input_scale": 0, "kv": 0}
+    skipped = {"input_scale": 0}
 
     def pair(module: str, weight: torch.Tensor, scale: torch.Tensor) -> tuple[str, torch.Tensor | FP8Tensor]:
         try:
@@ -188,8 +188,6 @@ def fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: FP8Scheme, 
         module, _, leaf = name.rpartition(".")
         if leaf == "input_scale":
             skipped["input_scale"] += 1
-        elif leaf in ("k_scale", "v_scale") or name.endswith(("k_proj.output_scale", "v_proj.output_scale")):
-            skipped["kv"] += 1
         elif leaf in ("weight_zero_point", "input_zero_point"):
             raise ValueError(f"{source}: {name}: asymmetric fp8 (zero points) is not supported")
         elif leaf in SCALE_NAMES:
@@ -215,9 +213,6 @@ def fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: FP8Scheme, 
     if skipped["input_scale"]:
         logger.warning("%s: %d static input_scale tensors not used: ember quantizes activations per token, "
                        "dynamically", source, skipped["input_scale"])
-    if skipped["kv"]:
-        logger.warning("%s: %d KV-cache scale tensors not used (the KV cache's scales stay 1.0)", source,
-                       skipped["kv"])
 
 
 def fp8_experts(cfg: ModelConfig, scheme: FP8Scheme | None) -> Literal["block", "row"] | None:

@@ -50,6 +50,7 @@ from ember.layers.quant.gptq import gptq_tensor
 from ember.layers.quant.int_weight import IntTensor
 from ember.layers.quant.w8a8 import W8A8Tensor
 from ember.loader.fp8_checkpoint import ignored, note_unknown
+from ember.loader.kv_scales import check_kv_cache_scheme
 
 if TYPE_CHECKING:
     from ember.models.config import ModelConfig
@@ -228,9 +229,7 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> IntScheme:
     if len(schemes) > 1:
         raise ValueError(f"{where}: config groups with different weight schemes {sorted(schemes, key=str)} are not "
                          "supported")
-    if qc.get("kv_cache_scheme"):
-        logger.warning("%s: kv_cache_scheme is not read: the KV cache takes --kv-cache-dtype with scale 1.0, and "
-                       "the checkpoint's k_scale / v_scale tensors are skipped", where)
+    check_kv_cache_scheme(qc, where)
     bits, size, act_order, activations, symmetric = schemes.pop()
     return IntScheme("compressed-tensors", bits, size, act_order, symmetric, layout=layout, activations=activations,
                      ignore=tuple(qc.get("ignore") or ()))
@@ -286,9 +285,6 @@ def int_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: IntScheme, 
 
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
-        if scheme.method == "compressed-tensors" and (leaf in ("k_scale", "v_scale") or name.endswith(
-                ("k_proj.output_scale", "v_proj.output_scale"))):
-            continue  # a kv_cache_scheme's scales: not read (int_scheme logs it), as in fp8_checkpoint
         if leaf in ("weight_zero_point", "input_zero_point") and leaf not in wanted:
             if bool(tensor.any()):
                 raise ValueError(f"{source}: {name}: zero points in a symmetric scheme are not supported")

@@ -8,6 +8,8 @@ tensors: FP8 (loader/fp8_checkpoint.py) or integer weights (loader/int_checkpoin
                             int-quantized (int8 weights: W8A8, or weight-only)
     awq, gptq               int_checkpoint
     mxfp4                   none here: gpt-oss's experts, decoded where they load (loader/weights.py)
+    compressed-tensors      none when it quantizes only the KV cache (no config_groups, a
+                            kv_cache_scheme): dense weights and the KV scales (loader/kv_scales.py)
 
 Anything else is refused with a ValueError naming it.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 from ember.loader.fp8_checkpoint import FP8Scheme, fp8_scheme
 from ember.loader.int_checkpoint import CT_FORMATS, IntScheme, int_scheme
+from ember.loader.kv_scales import check_kv_cache_scheme
 
 SUPPORTED = ("ember loads quant_method 'fp8' (e4m3, scales per tensor or per 128 x 128 block), 'awq' (4-bit GEMM "
              "packing), 'gptq' (4 and 8 bits) and 'compressed-tensors' (fp8 float-quantized, int pack-quantized "
@@ -32,6 +35,8 @@ def checkpoint_scheme(config: dict[str, Any], source: str = "config.json") -> FP
     if not isinstance(qc, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {type(qc).__name__}")
     method = qc.get("quant_method")
+    if method == "compressed-tensors" and not qc.get("config_groups") and check_kv_cache_scheme(qc, source):
+        return None  # llm-compressor's KV-cache-only recipe: dense weights, the KV scales (loader/kv_scales.py)
     if method in ("awq", "gptq") or (method == "compressed-tensors" and qc.get("format") in CT_FORMATS):
         return int_scheme(qc, source)
     if method in ("fp8", "compressed-tensors"):

@@ -17,6 +17,7 @@ from ember.layers.quant.fp8 import FP8Tensor
 from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.layers.quant.int_weight import IntTensor
 from ember.layers.quant.w8a8 import W8A8Tensor
+from ember.loader.kv_scales import kv_scale_target
 from ember.models.config import ModelConfig
 from ember.models.families import FAMILIES
 
@@ -459,9 +460,13 @@ def load_weights(model: nn.Module,
     done: set[tuple[str, int | None]] = set()
     unknown: list[str] = []
     dequantized: list[str] = []
+    kv_scales: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         if tied and name == "lm_head.weight":
             continue  # some tied checkpoints store a copy of the embedding
+        if name not in params and (kv_scale := kv_scale_target(name)) is not None:  # an fp8 KV cache's
+            kv_scales[kv_scale] = tensor
+            continue
         if isinstance(tensor, torch.Tensor) and tensor.dtype in _FP8_DTYPES:
             raise ValueError(f"{source}: tensor {name!r} is {tensor.dtype} with no scale paired to it: an FP8 "
                              "checkpoint's config.json names its scheme in quantization_config (ember reads "
@@ -511,6 +516,7 @@ def load_weights(model: nn.Module,
                     "kernel of ember's takes them here (experts: FP8 and integer ones on CUDA only, W8A8 ones "
                     "nowhere; latent projections and LM heads: none yet)", source, len(dequantized),
                     ", ".join(dequantized[:3]), " ..." if len(dequantized) > 3 else "")
+    unknown += _load_kv_scales(model, kv_scales, source)
     missing = sorted(expected - done, key=str)
     if unknown or missing:
         msg = [f"{source} does not match the model ({type(model).__name__}):"]
@@ -522,6 +528,30 @@ def load_weights(model: nn.Module,
     for module in model.modules():
         if hasattr(module, "finish_loading"):
             module.finish_loading()
+
+
+def _load_kv_scales(model: nn.Module, scales: dict[str, torch.Tensor], source: str) -> list[str]:
+    """A checkpoint's KV-cache scales into its attention layers' k_scale / v_scale buffers:
+    every layer's or none (ValueError), each one positive number; returns the names no
+    attention layer has."""
+    if not scales:
+        return []
+    buffers = dict(model.named_buffers())
+    unknown = [name for name in scales if name not in buffers]
+    wanted = {n for n in buffers if n.endswith((".k_scale", ".v_scale"))}
+    if missing := sorted(wanted - set(scales)):
+        raise ValueError(f"{source}: KV-cache scales for some attention layers only: no {', '.join(missing[:4])}"
+                         f"{' ...' if len(missing) > 4 else ''}")
+    for name in wanted:
+        value = scales[name].float().reshape(-1)
+        if value.numel() != 1 or not bool(value[0] > 0) or not bool(value.isfinite().all()):
+            raise ValueError(f"{source}: KV-cache scale {name} must be one positive number (per-tensor), got "
+                             f"{tuple(scales[name].shape)} {value[:4].tolist()}")
+        buffers[name].copy_(value)
+    logger.info("%s: the KV-cache scales of %d attention layers read (an fp8 cache, --kv-cache-dtype fp8, "
+                "stores K / k_scale and V / v_scale; a cache in the model's dtype needs none)", source,
+                len(wanted) // 2)
+    return unknown
 
 
 # the method of a layer that keeps each quantized kind as it is (Linear, the embedding, the LM head)

@@ -154,13 +154,14 @@ def test_other_quantization_methods_are_refused_by_name(qc, error):
         checkpoint_scheme({"quantization_config": qc})
 
 
-def test_unknown_keys_and_kv_cache_schemes_are_logged_not_dropped(caplog):
+def test_unknown_keys_are_logged_and_a_kv_cache_scheme_ember_cannot_run_is_refused(caplog):
     with caplog.at_level(logging.INFO, logger="ember.loader.fp8_checkpoint"):
         checkpoint_scheme({"quantization_config": FORMS["fp8-block"][0] | {"new_knob": 1}})
-        checkpoint_scheme({"quantization_config": _ct("channel", None, []) | {"kv_cache_scheme": {"num_bits": 8}}})
+        checkpoint_scheme({"quantization_config": _ct("channel", None, [])})
     text = caplog.text
-    assert "quantization keys ember does not read: new_knob" in text
-    assert "kv_cache_scheme is not read" in text and "weight-only FP8" in text
+    assert "quantization keys ember does not read: new_knob" in text and "weight-only FP8" in text
+    with pytest.raises(ValueError, match=r"kv_cache_scheme: num_bits 8, type None.*per-head 'attn_head' scales"):
+        checkpoint_scheme({"quantization_config": _ct("channel", None, []) | {"kv_cache_scheme": {"num_bits": 8}}})
 
 
 def test_ignore_lists_match_names_parents_suffixes_and_regexes():

@@ -207,17 +207,18 @@ def test_an_asymmetric_compressed_tensors_module_pairs_its_zero_points():
         list(int_weights([(n, v) for n, v in module if not n.endswith("zero_point")], scheme))
 
 
-def test_a_kv_cache_schemes_scales_are_skipped_with_a_warning(caplog):
-    """llm-compressor's W4A16 with an fp8 KV cache recipe: the k / v scales are not read (the cache
-    takes --kv-cache-dtype), as for FP8 checkpoints, and the config says so in a warning."""
+def test_a_kv_cache_schemes_scales_pass_to_the_attention_layers():
+    """llm-compressor's W4A16 with an fp8 KV cache recipe: the k / v scales pass under their names
+    (load_weights puts them in the attention layers: tests/models/test_kv_cache_scales.py)."""
     kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-    with caplog.at_level(logging.WARNING):
-        scheme = checkpoint_scheme({"quantization_config": CT | {"kv_cache_scheme": kv}})
-    assert "kv_cache_scheme is not read" in caplog.text
+    scheme = checkpoint_scheme({"quantization_config": CT | {"kv_cache_scheme": kv}})
     w = 0.05 * torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     module = [(f"a.{k}", v) for k, v in pack_ct(quantize(w, 4, 128, True)).items()]
-    scales = [("self_attn.k_scale", torch.ones(1)), ("self_attn.v_scale", torch.ones(1))]
-    assert [n for n, _ in int_weights(scales + module, scheme)] == ["a.weight"]
+    scales = [("self_attn.k_scale", torch.ones(1)), ("self_attn.v_proj.output_scale", torch.ones(1))]
+    assert [n for n, _ in int_weights(scales + module, scheme)] == ["self_attn.k_scale", "self_attn.v_proj.output_scale",
+                                                                    "a.weight"]
+    with pytest.raises(ValueError, match="kv_cache_scheme: num_bits 8, type 'int'"):
+        checkpoint_scheme({"quantization_config": CT | {"kv_cache_scheme": kv | {"type": "int"}}})
 
 
 def test_a_config_that_does_not_describe_its_tensors_is_refused():
