@@ -465,6 +465,8 @@ def load_weights(model: nn.Module,
         if tied and name == "lm_head.weight":
             continue  # some tied checkpoints store a copy of the embedding
         if name not in params and (kv_scale := kv_scale_target(name)) is not None:  # an fp8 KV cache's
+            if kv_scale in kv_scales:
+                raise ValueError(f"{source}: two tensors give {kv_scale} (the second: {name!r})")
             kv_scales[kv_scale] = tensor
             continue
         if isinstance(tensor, torch.Tensor) and tensor.dtype in _FP8_DTYPES:
