@@ -62,7 +62,7 @@ class Backend(ABC):
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
     @abstractmethod
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
     @abstractmethod
     def render(self, messages: list[dict[str, str]]) -> str:
@@ -128,11 +128,15 @@ class Backend(ABC):
 def kept_tokens(output_ids: list[int], text: str, decode: Callable[[list[int]], str],
                 encode: Callable[[str], list[int]]) -> list[int]:
     """The tokens a state keeps for a gen's `text`: the model's own ids as far as they spell
-    the text (an EOS or a stop string's tokens after it are dropped), then the rest of the
-    text tokenized."""
+    the text, `decode` spelling them as the gen's text was (special tokens skipped or not),
+    so a special token the model wrote inside the text stays; then the rest of the text
+    tokenized. Trailing ids that spell nothing (the EOS that ended it) and a stop string's
+    tokens are dropped."""
     for k in range(len(output_ids), -1, -1):
         spelled = decode(output_ids[:k]) if k else ""
         if text.startswith(spelled):
+            while k and decode(output_ids[:k - 1]) == spelled:
+                k -= 1
             rest = text[len(spelled):]
             return output_ids[:k] + (encode(rest) if rest else [])
     raise AssertionError("unreachable: the empty prefix spells every text")

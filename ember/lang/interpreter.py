@@ -221,10 +221,11 @@ class StreamExecutor:
         prompt = self._flush()
         start, name = len(self.text_), expr.name
         on_text = self._streamer(start, name) if self.stream else None
-        result = self.backend.generate(prompt, {**self.sampling, **expr.sampling}, {**self.logprobs, **expr.logprobs},
-                                       on_text)
+        sampling = {**self.sampling, **expr.sampling}
+        result = self.backend.generate(prompt, sampling, {**self.logprobs, **expr.logprobs}, on_text)
         self.first_call.set()
-        self.tokens = prompt + kept_tokens(result.output_ids, result.text, self.backend.decode,
+        skip = sampling.get("skip_special_tokens", True)  # as the text was decoded
+        self.tokens = prompt + kept_tokens(result.output_ids, result.text, lambda ids: self.backend.decode(ids, skip),
                                            lambda t: self.backend.encode(t, False))
         self.text_ = self.text_[:start] + result.text
         self._set(name, result.text, result.meta_info())

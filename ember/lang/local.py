@@ -185,8 +185,8 @@ class LocalBackend(Backend):
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.inputs.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens)
 
     def render(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=False)

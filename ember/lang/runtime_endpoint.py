@@ -36,8 +36,9 @@ class RuntimeEndpoint(Backend):
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._request("POST", "/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens})["tokens"]
 
-    def decode(self, ids: list[int]) -> str:
-        return self._request("POST", "/detokenize", {"tokens": ids})["prompt"]
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        body = {"tokens": ids} | ({"skip_special_tokens": True} if skip_special_tokens else {})
+        return self._request("POST", "/detokenize", body)["prompt"]
 
     def render(self, messages: list[dict[str, str]]) -> str:
         ids = self._request("POST", "/tokenize", {"messages": messages, "add_generation_prompt": False})["tokens"]

@@ -688,6 +688,7 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: Bulk(list[Int64])
+    skip_special_tokens: bool = False  # ember's: the text a completion with it would show (ember.lang's state)
 
 
 # -- responses -------------------------------------------------------------------------------

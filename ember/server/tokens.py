@@ -47,7 +47,7 @@ def add_token_routes(app: FastAPI, state: ServerState) -> None:
             vocab = engine.inputs.vocab_size
             if tokens and max(tokens) >= vocab:
                 raise p.InvalidRequest(f"token ids must be in [0, {vocab}); got {max(tokens)}", "tokens")
-            return engine.inputs.require_tokenizer().decode(tokens)
+            return engine.inputs.require_tokenizer().decode(tokens, body.skip_special_tokens)
 
         return {"prompt": await prepare(engine, text)}
 

@@ -70,6 +70,26 @@ def test_four_turns_reuse_every_earlier_token(backend, llm):
         assert meta["cached_tokens"] >= computed // block * block > computed - block, (i, before, meta)
 
 
+def test_special_tokens_the_model_wrote_stay_in_the_state(backend, llm):
+    """With ignore_eos the model writes <|im_end|> (2) and <|im_start|> (1) inside a gen; its text
+    skips them, its state keeps them, so the next call's prompt is the model's own tokens and
+    hits the cache up to its last one."""
+    @sgl.function
+    def answer(s):
+        s += sgl.user("What is 2+2?") + sgl.assistant_begin()
+        s += sgl.gen("a", max_tokens=24, temperature=0, ignore_eos=True) + "\nNext:" + sgl.gen("b", max_tokens=2)
+
+    state = answer.run(backend=backend)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ref = llm.chat(messages, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    ids = list(ref.outputs[0].token_ids)
+    assert ids[11:16] == [2, 198, 2, 1, 9690] and state["a"] == ref.outputs[0].text  # the text without them
+    tokens = state.token_ids()
+    meta = state.get_meta_info("b")
+    assert tokens[:meta["prompt_tokens"]] == ref.prompt_token_ids + ids + backend.encode("\nNext:", False)
+    assert meta["cached_tokens"] == meta["prompt_tokens"] - 1 - len(backend.encode("\nNext:", False))
+
+
 def _hf_logprobs(hf_model, prefix: list[int], choice: list[int]) -> list[float]:
     ids = torch.tensor([prefix + choice])
     with torch.no_grad():

@@ -66,6 +66,10 @@ def test_tokenize_and_detokenize(server, llm):
     r = post(server, "/tokenize", {"messages": CHAT}).json()
     assert r["tokens"] == llm.inputs.chat_prompt(CHAT)["prompt_token_ids"]
     assert post(server, "/detokenize", {"tokens": tok.encode(FRANCE)}).json() == {"prompt": FRANCE}
+    ids = [1, 4093, 198] + tok.encode(FRANCE) + [2]  # <|im_start|>user\n ... <|im_end|>
+    assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == f"<|im_start|>user\n{FRANCE}<|im_end|>"
+    assert post(server, "/detokenize", {"tokens": ids, "skip_special_tokens": True}).json() == {
+        "prompt": f"user\n{FRANCE}"}
     assert_openai_error(post(server, "/detokenize", {"tokens": [10**9]}), 400, "token ids")
 
 
