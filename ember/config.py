@@ -360,6 +360,11 @@ class EngineConfig:
         # an encoder runs each prompt in one step: the default budget holds the longest
         max_num_batched_tokens = self.max_num_batched_tokens or max(
             defaults.max_num_batched_tokens, max_model_len if model_config.bidirectional else 0)
+        vision = model_config.vision
+        if vision is not None and vision.bidirectional_images and max_num_batched_tokens < vision.tokens_per_image:
+            raise ValueError(f"{model_config.architecture}: an image's {vision.tokens_per_image} tokens attend to each "
+                             f"other both ways, so they run in one step: max_num_batched_tokens="
+                             f"{max_num_batched_tokens} must be at least {vision.tokens_per_image}")
         resolved = dataclasses.replace(
             self,
             model=str(files.path),

@@ -29,6 +29,10 @@ the same way from f = the first row's chunk start; a later row's chunk may start
 
 A soft cap (Gemma 2) bends each score before the mask and the softmax (paged.soft_cap).
 
+With `key_ends` (Gemma 3's images: layers/attention/base.py) a row sees keys k < key_ends[row]
+in place of k <= its position (an image token: its whole image), and a program walks keys up to
+the furthest of its rows' ends; the lower bound (a window's) stays its position's.
+
 A head's D dims are computed on BLOCK_D, D padded to a power of two (kernels/paged.py). The
 tiles are BLOCK_M x BLOCK_N = 64 x 64 up to BLOCK_D 256; past it (MLA's 576 -> 1024) they
 shrink (`prefill_tiles`) so that q, K, V and the float32 accumulator fit shared memory and
@@ -74,12 +78,12 @@ def prefill_tiles(padded_dim: int) -> tuple[int, int, int | None, int | None]:
 # nor the window (paged.layer_options)
 @triton.jit(do_not_specialize=["stride_tb", "window", "first_seq"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, k_scale_ptr,
-                    v_scale_ptr, sinks_ptr, scale_log2, window, softcap, first_seq, stride_qt, stride_qh, stride_ot,
+                    v_scale_ptr, sinks_ptr, key_ends_ptr, scale_log2, window, softcap, first_seq, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_tb,
                     stride_cb, stride_cs, stride_ch, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
                     DOT_FP16: tl.constexpr, SLIDING: tl.constexpr, CHUNKED: tl.constexpr, SOFTCAP: tl.constexpr, PACK_GQA: tl.constexpr,
-                    SHARED_KV: tl.constexpr, SINKS: tl.constexpr):
+                    SHARED_KV: tl.constexpr, SINKS: tl.constexpr, KEY_ENDS: tl.constexpr):
     mb = tl.program_id(0)
     b = tl.program_id(2) + first_seq
     q_start = tl.load(query_start_ptr + b)
@@ -111,6 +115,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
     # keys up to the block's last query position; nothing for a block past the new tokens
     toks_here = tl.maximum(tl.minimum(q_len - first_tok, tile_toks), 0)
     end = tl.minimum(prefix + first_tok + toks_here, toks_here * seq_len)
+    if KEY_ENDS:  # each row's own end of keys; the walk reaches the furthest (rows past the tokens: 0)
+        row_end = tl.load(key_ends_ptr + q_start + tok, mask=rmask, other=0)
+        end = tl.maximum(end, tl.max(row_end, 0))
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -133,7 +140,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, tables_ptr, query_st
         qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
         if SOFTCAP:
             qk = soft_cap(qk, softcap)
-        visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if KEY_ENDS:
+            visible = pmask[None, :] & (pos[None, :] < row_end[:, None])
+        else:
+            visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:  # a row may see nothing in a tile before its own first key: m_safe covers it
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         if CHUNKED:  # nor before its own chunk's first key
@@ -163,12 +173,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       sliding_window: int | None = None, logit_softcap: float | None = None,
                       pack_gqa: bool = False, first_seq: int = 0, num_warps: int | None = None,
                       num_stages: int | None = None, sinks: torch.Tensor | None = None,
-                      attention_chunk: int | None = None) -> torch.Tensor:
+                      attention_chunk: int | None = None, key_ends: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] flattened new tokens (any D >= 8), caches [num_blocks, block_size, Hkv, D]
     holding every sequence's context (new tokens included) in q's dtype or fp8 (then k_scale /
     v_scale: [1] float32, None: 1.0; k_cache may be v_cache: MLA's one plane), block_tables
     [B, W] int32, query_start_loc [B + 1] int32, seq_lens [B] int32; sliding_window /
-    logit_softcap / sinks ([H] float32) / attention_chunk as in layers/attention/base.py.
+    logit_softcap / sinks ([H] float32) / attention_chunk / key_ends ([T] int32, each within
+    its row's sequence length) as in layers/attention/base.py.
     pack_gqa: a program takes the rows of all the query heads of one KV head (see the top).
     first_seq: attend sequences first_seq .. B-1 only (their rows of `out`; a mixed step's
     leading decode rows go to flash-decoding), by an offset rather than sliced tensors, whose
@@ -193,6 +204,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                          f"got {tuple(query_start_loc.shape)}, {tuple(block_tables.shape)}")
     if any(t.dtype != torch.int32 for t in (block_tables, query_start_loc, seq_lens)):
         raise ValueError("block_tables, query_start_loc and seq_lens must be int32")
+    if key_ends is not None and (key_ends.shape != (tokens,) or key_ends.dtype != torch.int32):
+        raise ValueError(f"key_ends must be int32 [{tokens}] (one a query row), got {tuple(key_ends.shape)} "
+                         f"{key_ends.dtype}")
     check_head_dim(dim)
     out = torch.empty_like(q) if out is None else out
     if tokens == 0:
@@ -207,10 +221,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (triton.cdiv(max_query_len * group, block_m), kv_heads, batch - first_seq) if pack_gqa else \
         (triton.cdiv(max_query_len, block_m), heads, batch - first_seq)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
-                          sinks_arg(sinks, heads, q), scale * LOG2E, window, softcap, first_seq, q.stride(0), q.stride(1), out.stride(0),
+                          sinks_arg(sinks, heads, q), q if key_ends is None else key_ends, scale * LOG2E, window, softcap, first_seq, q.stride(0), q.stride(1), out.stride(0),
                           out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                           GROUP=group, D=dim, BLOCK_D=padded, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8,
                           DOT_FP16=dot_in_fp16(q, k_cache), PACK_GQA=pack_gqa, SHARED_KV=shared_kv(k_cache, v_cache),
-                          SINKS=sinks is not None,
+                          SINKS=sinks is not None, KEY_ENDS=key_ends is not None,
                           **launch, **options)
     return out

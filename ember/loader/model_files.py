@@ -284,8 +284,10 @@ def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, d
     """A vision-language checkpoint's image side (ModelConfig.vision: its tower and projector,
     models/llava.py, llava_next.py, qwen2_vl.py, pixtral.py), in `dtype` on `device`, its tensors
     read from the checkpoint, or from the `mmproj` GGUF beside a GGUF model (dummy weights:
-    random); ValueError naming a tensor missing or of the wrong shape."""
+    random); ValueError naming a tensor missing or of the wrong shape. A parameter with a
+    `weight_loader` (a Gemma norm's 1 + w) loads through it."""
     from ember.loader.safetensors import iter_pt, iter_safetensors
+    from ember.models.gemma3_vision import Gemma3Vision, gemma3_tensor_name
     from ember.models.llava import LlavaVision, llava_tensor_name
     from ember.models.llava_next import LlavaNextVision, llava_next_tensor_name
     from ember.models.pixtral import PixtralVision, pixtral_tensor_name
@@ -297,7 +299,8 @@ def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, d
                            "qwen2_vl": (Qwen2VisionTower, qwen2_vl_tensor_name),
                            "qwen2_5_vl": (Qwen2VisionTower, qwen2_vl_tensor_name),
                            "pixtral": (PixtralVision, pixtral_tensor_name),
-                           "mistral3": (PixtralVision, pixtral_tensor_name)}[vision.kind]
+                           "mistral3": (PixtralVision, pixtral_tensor_name),
+                           "gemma3": (Gemma3Vision, gemma3_tensor_name)}[vision.kind]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -324,7 +327,11 @@ def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, d
         if param is None or param.shape != tensor.shape:
             raise ValueError(f"{source}: the image side's tensor {name!r} {tuple(tensor.shape)} fits no parameter "
                              f"of ember's {vision.kind} vision model")
-        param.data.copy_(tensor)
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:
+            loader(param, tensor)
+        else:
+            param.data.copy_(tensor)
         done.add(name)
     if missing := sorted(set(params) - done):
         raise ValueError(f"{source}: the checkpoint lacks the image side's tensors {', '.join(missing[:5])}"

@@ -21,6 +21,8 @@ def vision_activation(name: str, x: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(1.702 * x)
     if name == "gelu":
         return F.gelu(x)
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
     if name == "silu":
         return F.silu(x)
     raise ValueError(f"unsupported vision activation {name!r}")

@@ -40,10 +40,10 @@ class LlavaVision(nn.Module):
         return self.multi_modal_projector(features)
 
 
-# a checkpoint's names for the image side (transformers 5's, model.vision_tower.*; llava-hf's,
-# vision_tower.vision_model.*) -> LlavaVision's; the tower's layers past the feature layer and
-# its post_layernorm are not read
-_PREFIXES = (("model.vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
+# a checkpoint's names for the image side (transformers 5's, model.vision_tower.*; llava-hf's and
+# Gemma 3's on the hub, vision_tower.vision_model.*) -> LlavaVision's (and Gemma3Vision's); for
+# LLaVA the tower's layers past the feature layer and its post_layernorm are not read
+TOWER_PREFIXES = (("model.vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
              ("vision_tower.vision_model.", "vision_tower."), ("vision_tower.", "vision_tower."),
              ("model.multi_modal_projector.", "multi_modal_projector."),
              ("multi_modal_projector.", "multi_modal_projector."))
@@ -52,7 +52,7 @@ _PREFIXES = (("model.vision_tower.vision_model.", "vision_tower."), ("model.visi
 def llava_tensor_name(name: str, cfg: VisionConfig) -> str | None:
     """LlavaVision's name for a checkpoint tensor of the image side; None for any other tensor
     (the language model's) and for the tower's parts LLaVA does not read."""
-    return image_side_name(name, _PREFIXES, "encoder.layers.", cfg.num_layers, unread=("post_layernorm.",))
+    return image_side_name(name, TOWER_PREFIXES, "encoder.layers.", cfg.num_layers, unread=("post_layernorm.",))
 
 
 def image_side_name(name: str, prefixes: tuple[tuple[str, str], ...], layers: str, num_layers: int,

@@ -8,8 +8,10 @@ image size, merged 2 x 2 into the language model's tokens, whose positions are M
 Pixtral's tower of variable resolution (models/pixtral.py: 2-D RoPE over each image's patch grid,
 its rows of [IMG] tokens ended by [IMG_BREAK] / [IMG_END]) under LLaVA's projector ("pixtral",
 mistral-community/pixtral-12b) or Mistral 3's (RMSNorm, a merger of merge x merge patches, then
-the projector: "mistral3", Mistral-Small-3.1). A field the family's config sets that ember does
-not run is refused here, by name.
+the projector: "mistral3", Mistral-Small-3.1); Gemma 3's SigLIP tower and its projector (models/siglip.py,
+gemma3_vision.py: a fixed image size, the patches average-pooled to mm_tokens_per_image, whose
+tokens attend to each other both ways in the language model: `bidirectional_images`). A field the
+family's config sets that ember does not run is refused here, by name.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class VisionConfig:
     # "llava": a CLIP tower, a feature layer, linear-act-linear into the text model;
     # "llava_next": the same over an image's base view and the tiles of its anyres grid;
     # "qwen2_vl" / "qwen2_5_vl": models/qwen2_vl.py's tower and patch merger;
-    # "pixtral" / "mistral3": models/pixtral.py's tower and LLaVA's / Mistral 3's projector
+    # "pixtral" / "mistral3": models/pixtral.py's tower and LLaVA's / Mistral 3's projector;
+    # "gemma3": models/siglip.py's tower and models/gemma3_vision.py's projector
     kind: str
     image_token_id: int  # the placeholder token each image's embeddings take the place of
     hidden_size: int  # the tower's
@@ -33,7 +36,7 @@ class VisionConfig:
     patch_size: int
     num_channels: int
     layer_norm_eps: float
-    hidden_act: str  # the tower's MLP activation (CLIP: quick_gelu)
+    hidden_act: str  # the tower's MLP activation (CLIP: quick_gelu; SigLIP: gelu_pytorch_tanh)
     text_hidden_size: int
     # LLaVA: a fixed image size; the CLS position dropped ("default" strategy); the projector's
     image_size: int = 0
@@ -56,6 +59,8 @@ class VisionConfig:
     # processor is made with; empty for an HF directory, whose preprocessor_config.json has it
     image_mean: tuple[float, ...] = ()
     image_std: tuple[float, ...] = ()
+    # Gemma 3: the tokens an image's patches are average-pooled to (a square number)
+    mm_tokens_per_image: int = 0
 
     @property
     def dynamic_resolution(self) -> bool:
@@ -69,7 +74,15 @@ class VisionConfig:
         return self.kind in PIXTRAL_KINDS
 
     @property
+    def bidirectional_images(self) -> bool:
+        """Gemma 3's: an image's tokens attend to each other both ways in the language model
+        (transformers' token_type_ids mask), so a prefill chunk never ends inside an image."""
+        return self.kind == "gemma3"
+
+    @property
     def tokens_per_image(self) -> int:
+        if self.mm_tokens_per_image:
+            return self.mm_tokens_per_image
         return (self.image_size // self.patch_size) ** 2 + (0 if self.drop_cls else 1)
 
 
@@ -80,7 +93,7 @@ PIXTRAL_KINDS = ("pixtral", "mistral3")
 # vision-language architectures ember runs images through -> how their config.json is read
 def vision_config(config: dict[str, Any], text_hidden_size: int) -> VisionConfig | None:
     """The image side of a vision-language config.json; None for one ember serves as text only
-    (Gemma 3's and Llama 4's vision towers are not run yet)."""
+    (Llama 4's vision tower is not run yet)."""
     arch = (config.get("architectures") or [""])[0]
     if arch == "LlavaForConditionalGeneration":
         return _llava(config, text_hidden_size)
@@ -90,6 +103,8 @@ def vision_config(config: dict[str, Any], text_hidden_size: int) -> VisionConfig
         return _llava_next(config, text_hidden_size)
     if arch == "Mistral3ForConditionalGeneration":
         return _pixtral(config, text_hidden_size, "mistral3")
+    if arch == "Gemma3ForConditionalGeneration":
+        return _gemma3(config, text_hidden_size)
     return None
 
 
@@ -268,5 +283,46 @@ def _pixtral(config: dict[str, Any], text_hidden_size: int, kind: str) -> Vision
         merge_size=config.get("spatial_merge_size", 2) if kind == "mistral3" else 1,
         rope_theta=float(rope.get("rope_theta", vc.get("rope_theta", 10000.0))),
         projector_norm_eps=float(text.get("rms_norm_eps", 1e-6)),  # MistralConfig's
+        text_hidden_size=text_hidden_size,
+    )
+
+
+# SiglipVisionConfig's defaults, for the keys a vision_config leaves out
+_SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                    "num_channels": 3, "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
+                    "layer_norm_eps": 1e-6, "model_type": "siglip_vision_model"}
+_SIGLIP_ACTS = ("gelu_pytorch_tanh", "gelu")
+
+
+def _gemma3(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
+    """Gemma3Config's image side: a SigLIP tower (its last layer, post_layernorm; the pooling head,
+    where vision_use_head keeps one, is not read) and the projector pooling its patch grid to
+    mm_tokens_per_image tokens."""
+    arch = config["architectures"][0]
+    vc = _SIGLIP_DEFAULTS | (config.get("vision_config") or {})
+    if vc["model_type"] != "siglip_vision_model":
+        raise ValueError(f"{arch} with a {vc['model_type']!r} vision tower is not supported: ember runs Gemma 3's "
+                         "SigLIP tower (siglip_vision_model)")
+    if vc["hidden_act"] not in _SIGLIP_ACTS:
+        raise ValueError(f"{arch}: the tower's hidden_act {vc['hidden_act']!r} is not supported (ember runs "
+                         f"{_SIGLIP_ACTS})")
+    tokens = int(config.get("mm_tokens_per_image", 256))
+    side, per_side = vc["image_size"] // vc["patch_size"], round(tokens ** 0.5)
+    if vc["image_size"] % vc["patch_size"] or per_side * per_side != tokens or side % per_side:
+        raise ValueError(f"{arch}: mm_tokens_per_image {tokens} must be a square whose side divides the tower's "
+                         f"{vc['image_size']} / {vc['patch_size']} patches a side (its average pool's kernel)")
+    return VisionConfig(
+        kind="gemma3",
+        image_token_id=config.get("image_token_index", config.get("image_token_id", 262144)),
+        hidden_size=vc["hidden_size"],
+        intermediate_size=vc["intermediate_size"],
+        num_layers=vc["num_hidden_layers"],
+        num_heads=vc["num_attention_heads"],
+        image_size=vc["image_size"],
+        patch_size=vc["patch_size"],
+        num_channels=vc["num_channels"],
+        layer_norm_eps=float(vc["layer_norm_eps"]),
+        hidden_act=vc["hidden_act"],
+        mm_tokens_per_image=tokens,
         text_hidden_size=text_hidden_size,
     )

@@ -1,7 +1,8 @@
 """ImageProcessor: a prompt's text and images -> its token ids, each image's placeholder
 tokens expanded, and one ImageFeature an image. The model's own processor from transformers
 does the work (AutoProcessor on its PIL backend: resizing, cropping, normalizing, and the
-placeholder expansion its family does; for Qwen2-VL its image processor and tokenizer, see
+placeholder expansion its family does (Gemma 3's <start_of_image> into its image tokens between
+<start_of_image> and <end_of_image>); for Qwen2-VL its image processor and tokenizer, see
 `_process_grids`; for Pixtral and Mistral 3 its image processor and PixtralProcessor's layout,
 see `_process_rows`); ember only finds where each image's tokens landed.
 Slow (PIL and numpy): the server runs it on its input pool, off the event loop."""
@@ -52,6 +53,8 @@ class ImageProcessor:
                              f"preprocessor_config.json) cannot be loaded: {str(e)[:300]}") from None
         if vision.kind == "llava_next":
             _check_tiling(self.processor.image_processor, vision, model_dir)
+        if vision.kind == "gemma3":
+            _check_gemma3(self.processor, vision, model_dir)
         self._lock = threading.Lock()  # a transformers processor is not known to be thread-safe
 
     def process(self, text: str, images: list[Any], add_special_tokens: bool) -> tuple[list[int], list[ImageFeature]]:
@@ -208,6 +211,26 @@ def _runs_of(ids: list[int], token: int) -> list[tuple[int, int]]:
             else:
                 runs.append((i, 1))
     return runs
+
+
+def _check_gemma3(processor: Any, vision: VisionConfig, model_dir: str | Path) -> None:
+    """Gemma 3: the processor expands each <start_of_image> into as many image tokens (of the id)
+    as config.json's projector makes embeddings, at the tower's image size, without pan-and-scan's
+    crops (transformers' default; ember does not run them)."""
+    images = processor.image_processor
+    if images.do_pan_and_scan:
+        raise ValueError(f"{model_dir}: the image processor has do_pan_and_scan on, which ember does not run (each "
+                         "image's pan-and-scan crops as more images): set do_pan_and_scan to false in "
+                         "preprocessor_config.json")
+    size = (images.size["height"], images.size["width"])
+    token = processor.tokenizer.convert_tokens_to_ids(processor.tokenizer.image_token)
+    if (processor.image_seq_length, token, size) != (vision.mm_tokens_per_image, vision.image_token_id,
+                                                     (vision.image_size, vision.image_size)):
+        raise ValueError(f"{model_dir}: the processor expands an image into {processor.image_seq_length} tokens of id "
+                         f"{token} at {size[0]} x {size[1]} pixels; config.json's model into mm_tokens_per_image="
+                         f"{vision.mm_tokens_per_image} of image_token_index {vision.image_token_id} at "
+                         f"{vision.image_size} x {vision.image_size}: make processor_config.json's image_seq_length, "
+                         "the tokenizer's image_token and preprocessor_config.json's size those of config.json")
 
 
 def _check_tiling(images: Any, vision: VisionConfig, model_dir: str | Path) -> None:

@@ -38,7 +38,7 @@ from ember.runner.draft_model import DraftCache, DraftModel
 from ember.runner.eagle3 import Eagle3Drafter
 from ember.runner.kv_heads import rank_kv_heads
 from ember.runner.mrope import MRopePositions
-from ember.runner.multimodal import ImageEmbedder
+from ember.runner.multimodal import ImageEmbedder, image_key_ends
 from ember.runner.pooler import Pooler
 from ember.runner.recurrent_state import RecurrentStates
 from ember.runner.sampler import (
@@ -150,6 +150,8 @@ class ModelRunner:
         self.images = self._image_embedder(files)  # a vision-language model's image side, else None
         # M-RoPE (Qwen2-VL): each request's (t, h, w) positions
         self.mrope = MRopePositions(mc.vision.merge_size) if mc.mrope_section is not None else None
+        # Gemma 3: image tokens see their whole image (the steps over images carry key_ends)
+        self.bidirectional_images = mc.vision is not None and mc.vision.bidirectional_images
         spec = config.speculative_config
         self.drafter: DraftCache | None = None  # speculative decoding's draft model or EAGLE-3 head
         if spec is not None and spec.method == "draft_model":
@@ -766,16 +768,18 @@ class ModelRunner:
             state_slots = [self.states.slot(c.request.request_id, c.request.num_computed_tokens,
                                             restores.get(c.request.request_id)) for c in plan.chunks]
             self.states.start_slots()
+        key_ends = (image_key_ends(plan, positions) if self.bidirectional_images else None) or []
         if positions_3d:  # M-RoPE's [3, t]: each row's (t, h, w), equal but in the image rows
             rows = np.tile(np.asarray(positions, dtype=np.int64), (3, 1))
             for first, apart in positions_3d:
                 rows[:, first:first + apart.shape[1]] = apart
             positions = rows.ravel().tolist()
         # one int64 vector: ids [t] | positions [t, or 3 x t] | slots [t] | seq_lens [n] | query_start [n + 1]
-        # | dst | src | state slots
-        flat = to_device(ids + positions + slots + seq_lens + query_start + dst + src + state_slots, dev, torch.int64)
-        input_ids, pos, slot_mapping, lens, starts, dst_idx, src_idx, state_idx = flat.split(
-            [t, len(positions), t, n, n + 1, len(dst), len(src), len(state_slots)])
+        # | dst | src | state slots | key ends
+        flat = to_device(ids + positions + slots + seq_lens + query_start + dst + src + state_slots + key_ends, dev,
+                         torch.int64)
+        input_ids, pos, slot_mapping, lens, starts, dst_idx, src_idx, state_idx, ends = flat.split(
+            [t, len(positions), t, n, n + 1, len(dst), len(src), len(state_slots), len(key_ends)])
         if positions_3d:
             pos = pos.view(3, t)
         if dst:
@@ -791,4 +795,6 @@ class ModelRunner:
         )
         if self.states is not None:
             meta.state_slots, meta.state_slots_cpu = state_idx, state_slots
+        if key_ends:
+            meta.key_ends = ends.to(torch.int32)
         return input_ids, pos, meta, sample_rows, sampled_chunks

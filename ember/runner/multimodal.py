@@ -9,12 +9,18 @@ keep their own.
     prompt    t t t [i0 i1 i2 i3] t t
     chunk 1   t t t  i0 i1|               rows 3..4 <- image[0:2]
     chunk 2                 |i2 i3 t t    rows 0..1 <- image[2:4]
+
+Gemma 3 (`VisionConfig.bidirectional_images`): an image's tokens see each other both ways, so a
+step's attention takes `image_key_ends` (layers/attention/base.py's key_ends) and the scheduler
+never ends a chunk inside an image (encoder_budget.py); a chunk may begin inside one, after a
+prefix hit whose cached blocks hold the image's first tokens, computed seeing all of it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -170,3 +176,26 @@ class ImageEmbedder:
             for f, out in zip(group, self.vision(pixels)):
                 self.cache.put(f.hash, out)
             self.num_encoded += len(group)
+
+
+def image_key_ends(plan: SchedulerOutput, positions: Sequence[int]) -> list[int] | None:
+    """A step's key_ends (layers/attention/base.py) for a model whose image tokens see their whole
+    image (Gemma 3): each row's position + 1, an image token's its image's end; None when no
+    chunk covers an image token (the step stays causal). `positions`: the step's rows'."""
+    ends, row = None, 0
+    for chunk in plan.chunks:
+        req = chunk.request
+        start = req.num_computed_tokens
+        end = start + chunk.num_new_tokens
+        for f in req.mm_features or ():
+            lo, hi = max(start, f.offset), min(end, f.end)
+            if lo >= hi:
+                continue
+            if f.end > end:
+                raise RuntimeError(f"request {req.request_id}: a chunk of tokens {start}..{end} ends inside an image "
+                                   f"of tokens {f.offset}..{f.end}, whose tokens must be computed in one step")
+            if ends is None:
+                ends = [p + 1 for p in positions]
+            ends[row + lo - start:row + hi - start] = [f.end] * (hi - lo)
+        row += chunk.num_new_tokens
+    return ends

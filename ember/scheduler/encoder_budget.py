@@ -17,7 +17,13 @@ its encoder cache still has it, which the scheduler does not see). Then:
 - a chunk that would start an image past what is left is cut right before that image's first
   token (a chunk cut to nothing waits for the next step).
 
-Images are in prompt order (`Request.mm_features`), so the walk stops at the chunk's end."""
+Images are in prompt order (`Request.mm_features`), so the walk stops at the chunk's end.
+
+A model whose image tokens attend to each other both ways (Gemma 3: `whole_images`) computes an
+image's tokens in one step: first, a chunk whose end falls inside an image ends before it, and
+one that begins at or inside that image (a prefix hit may end inside one) grows to the image's
+end, within the step's budget, else it waits for a step with room (EngineConfig makes sure
+max_num_batched_tokens holds an image)."""
 
 from __future__ import annotations
 
@@ -28,8 +34,9 @@ from ember.request import Request
 class EncoderBudget:
     """Placeholder tokens of the images a step starts, at most `max_tokens` (but one image)."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, whole_images: bool = False) -> None:
         self.max_tokens = max_tokens
+        self.whole_images = whole_images
         self.used = 0
         self.started: set[str] = set()  # hashes of the images this step starts
 
@@ -37,10 +44,14 @@ class EncoderBudget:
         self.used = 0
         self.started.clear()
 
-    def cut(self, req: Request, n: int, admitted: bool) -> tuple[int, list[ImageFeature]]:
+    def cut(self, req: Request, n: int, admitted: bool, budget: int) -> tuple[int, list[ImageFeature]]:
         """The request's next `n` tokens cut before the first image they would start past the
         budget, and the images the cut chunk starts (pay for them with `spend` once the chunk
-        is in the plan). `admitted`: the chunk is the request's first since admission."""
+        is in the plan). `admitted`: the chunk is the request's first since admission.
+        `budget`: the step's tokens left, into which a chunk grows to finish an image it begins
+        in (`whole_images`)."""
+        if self.whole_images:
+            n = _whole_images(req, n, budget)
         start = req.num_computed_tokens
         end = start + n
         cost, starts, hashes = 0, [], set(self.started)
@@ -61,3 +72,20 @@ class EncoderBudget:
             if f.hash not in self.started:
                 self.started.add(f.hash)
                 self.used += f.length
+
+
+def _whole_images(req: Request, n: int, budget: int) -> int:
+    """The request's next `n` tokens, ending outside every image (see the module's note): before
+    the image their end falls inside, or at its end when they begin at or inside it and `budget`
+    holds that (else 0)."""
+    start = req.num_computed_tokens
+    end = start + n
+    for f in req.mm_features:
+        if f.offset >= end:
+            break
+        if f.end <= end:
+            continue
+        if f.offset > start:
+            return f.offset - start
+        return f.end - start if f.end - start <= budget else 0
+    return n

@@ -19,7 +19,8 @@ A request with images (`Request.mm_features`) starts, each step, only the images
 step's encoder budget (encoder_budget.py, `--max-num-encoder-input-tokens`, in placeholder
 tokens): its chunk is cut right before the first image past it, and one cut to nothing waits
 (a running request is passed over, a waiting one is not admitted, as vLLM's). The first image of
-a step always goes; text-only requests never consult it.
+a step always goes; text-only requests never consult it. Gemma 3's image tokens see each other
+both ways: a chunk never ends inside an image (encoder_budget.py's `whole_images`).
 
 Out of blocks, the most recently admitted running request (under the "priority"
 policy: the lowest-priority one) is preempted by recompute: its blocks are freed and it
@@ -173,7 +174,9 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.attention_parity_len = config.attention_parity_len
         # images (encoder_budget.py): only a request with images ever consults it
-        self.encoder_budget = EncoderBudget(config.max_num_encoder_input_tokens or config.max_num_batched_tokens)
+        vision = config.model_config.vision if config.model_config is not None else None
+        self.encoder_budget = EncoderBudget(config.max_num_encoder_input_tokens or config.max_num_batched_tokens,
+                                            whole_images=vision is not None and vision.bidirectional_images)
         # an encoder's prompt runs in one step (its attention sees the whole prompt at once)
         self.whole_prompts = config.model_config is not None and config.model_config.bidirectional
         # a model with recurrent layers (runner/recurrent_state.py): a running request keeps its
@@ -240,7 +243,7 @@ class Scheduler:
                 continue
             n, images = self._chunk(req, budget), None
             if req.mm_features:
-                n, images = self.encoder_budget.cut(req, n, admitted=False)
+                n, images = self.encoder_budget.cut(req, n, admitted=False, budget=budget)
                 if n == 0:
                     continue  # its next image waits for the next step's encoder budget
             if not self._reserve(req, n, plan):
@@ -273,7 +276,7 @@ class Scheduler:
                 computing.add(first)
             n, images = self._chunk(req, budget), None
             if req.mm_features:  # n == 0: its first image waits for the next step's encoder budget
-                n, images = self.encoder_budget.cut(req, n, admitted=True)
+                n, images = self.encoder_budget.cut(req, n, admitted=True, budget=budget)
             if (n == 0 or (self.whole_prompts and n < req.num_tokens)  # it waits for a step with room for all of it
                     or self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available):
                 self._release_blocks(req)

@@ -3,6 +3,8 @@ with images built by hand (ImageFeature placeholders at chosen offsets), exact c
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from test_scheduler import TOKEN, assert_all_free, check_invariants, make_request, run_to_end, step
@@ -126,4 +128,44 @@ def test_an_image_two_requests_start_in_one_step_is_paid_once():
     s.add_request(image_request("a", [2, "s:6", 2]))
     s.add_request(image_request("b", [3, "s:6", "t:6", 1]))
     assert step(s)[0] == [("a", 10, True), ("b", 9, False)]  # b: s free, t (6 + 6 > 8) next step
+    run_to_end(s)
+
+
+# Gemma 3: a language model whose image tokens attend to each other both ways (whole_images)
+GEMMA3 = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 4,
+          "vision_config": {"image_size": 16, "patch_size": 4},
+          "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}}
+
+
+def test_a_chunk_never_ends_inside_an_image_whose_tokens_see_each_other():
+    """Budget 10, images of 6 (Gemma 3: `whole_images`). `cut`'s chunk of 10 would end inside its
+    image: it stops before it. `grow` (attention parity shrinking its chunk to 8 tokens at context
+    4) grows to the end of the image it starts at. `wait`, behind a decoding request, has 9 tokens
+    of budget left for an image of 10 it starts at: it waits until the decoding one is done."""
+    from ember.models.config import ModelConfig
+
+    pool = BlockPool(64)
+    config = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=10, max_model_len=256,
+                          model_config=ModelConfig.from_hf_config(GEMMA3))
+    s = Scheduler(pool, config)
+    s.add_request(image_request("cut", [6, "a:6", 2]))
+    assert step(s)[0] == [("cut", 6, False)]
+    assert step(s)[0] == [("cut", 8, True)]
+    run_to_end(s)
+
+    s = Scheduler(pool, dataclasses.replace(config, max_num_batched_tokens=16, attention_parity_len=4))
+    s.add_request(image_request("grow", [12, "b:10", 2]))
+    assert step(s)[0] == [("grow", 12, False)]
+    assert step(s)[0] == [("grow", 10, False)]  # parity alone: 16 * 4 / (4 + 12) = 4
+    assert step(s)[0] == [("grow", 2, True)]
+    run_to_end(s)
+
+    s = Scheduler(pool, config)
+    s.add_request(make_request("text", 4, max_tokens=3))
+    assert step(s)[0] == [("text", 4, True)]
+    s.add_request(image_request("wait", [3, "c:10", 1]))
+    assert step(s)[0] == [("text", 1, True), ("wait", 3, False)]
+    assert step(s)[0] == [("text", 1, True)]
+    assert step(s)[0] == [("wait", 10, False)]
     run_to_end(s)

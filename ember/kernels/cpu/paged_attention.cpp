@@ -26,6 +26,8 @@
 // cache holds K / k_scale and V / v_scale (float8_e4m3fn): read back times the scale. With
 // attention sinks (gpt-oss: a learned logit a head) the softmax's denominator has one more
 // term, as if a key of score sink[h] and value 0 were seen: m = max(m, sink), sum += exp(sink - m).
+// With key_ends (Gemma 3's images, a step's: int32 a query row) the row sees keys up to
+// key_ends[row] - 1 in place of p (an image token its whole image; a window still bounds it below).
 //
 // Work item = (sequence, KV head, tile of up to kTileRows query rows): the query heads that
 // share the KV head read each key row once per tile. Rows of the cache:
@@ -241,6 +243,7 @@ struct Args {
   int64_t window;
   int64_t chunk;
   const float* sinks;                      // a logit per query head, or null
+  const int32_t* key_ends;                 // a query row's end of keys (exclusive), or null: p + 1
   RowIn load_q;
   RowsIn load_kv;
   RowOut store_out;
@@ -343,12 +346,15 @@ void attend(const Args& a, const Item& it) {
   const int64_t rows = it.row1 - it.row0, vectors = rows * group;  // query vectors: (row, head) pairs
   const int32_t* table = a.tables + it.seq * a.max_blocks;
   const int64_t slot_stride = a.kv_heads * dim, block_stride = a.block_size * slot_stride;
-  // row r (0-based in the tile) at position pos(r) sees keys [first(r), pos(r)]
+  // row r (0-based in the tile) at position pos(r) sees keys [first(r), last(r)]
   auto pos = [&](int64_t r) { return len - nq + it.row0 + r; };
   auto first = [&](int64_t r) {
     return a.window > 0 ? std::max<int64_t>(0, pos(r) + 1 - a.window) : a.chunk > 0 ? pos(r) / a.chunk * a.chunk : 0;
   };
-  const int64_t lo_key = first(0), hi = pos(rows - 1);
+  auto last = [&](int64_t r) -> int64_t { return a.key_ends ? a.key_ends[a.starts[it.seq] + it.row0 + r] - 1 : pos(r); };
+  const int64_t lo_key = first(0);
+  int64_t hi = pos(rows - 1);
+  for (int64_t r = 0; a.key_ends && r < rows; ++r) hi = std::max(hi, last(r));
   const int64_t lo = lo_key / kLanes * kLanes, end = hi / kLanes * kLanes + kLanes;  // whole groups of 16
   const int64_t span = end - lo;
   thread_local std::vector<float> qf, scores, converted, acc, zeros, inv_totals;
@@ -405,7 +411,7 @@ void attend(const Args& a, const Item& it) {
     }
   }
   for (int64_t vi = 0; vi < vectors; ++vi) {  // softmax numerators in place, and their sums
-    const int64_t r = vi / group, f = first(r), p = pos(r);
+    const int64_t r = vi / group, f = first(r), p = last(r);
     float* s = scores.data() + vi * span;
     const v16 lo_v = splat(static_cast<float>(f - lo)), hi_v = splat(static_cast<float>(p - lo));
     v16 top = splat(-std::numeric_limits<float>::infinity());
@@ -489,7 +495,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            double scale, int64_t window, double softcap, const std::optional<at::Tensor>& k_scale,
                            const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
-                           int64_t chunk) {
+                           int64_t chunk, const std::optional<at::Tensor>& key_ends) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(chunk >= 0 && (chunk == 0 || window == 0), "chunk must be >= 0 (0: none), and not beside a window");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
@@ -514,6 +520,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(starts[b + 1] >= starts[b] && lens[b] >= starts[b + 1] - starts[b] &&
                 (lens[b] + k_cache.size(1) - 1) / k_cache.size(1) <= block_tables.size(1),
                 "sequence ", b, ": its new tokens must fit its length, and its length its block table");
+  TORCH_CHECK(!key_ends.has_value() || (key_ends->scalar_type() == at::kInt && key_ends->is_contiguous() &&
+              key_ends->dim() == 1 && key_ends->size(0) == q.size(0)), "key_ends must be contiguous int32 [num_tokens]");
+  const int32_t* ends = key_ends.has_value() ? key_ends->data_ptr<int32_t>() : nullptr;
+  for (int64_t b = 0; ends && b < seqs; ++b)
+    for (int64_t t = starts[b]; t < starts[b + 1]; ++t)
+      TORCH_CHECK(ends[t] > lens[b] - (starts[b + 1] - t) && ends[t] <= lens[b], "sequence ", b, ": key_ends[", t,
+                  "] must be past its query's position and within its length");
   auto scale_of = [](const std::optional<at::Tensor>& s) {
     return s.has_value() ? s->to(at::kFloat).item<float>() : 1.f;
   };
@@ -550,6 +563,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   a.window = window;
   a.chunk = chunk;
   a.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  a.key_ends = ends;
   a.load_q = qt == at::kFloat ? &q_row<float> : qt == at::kBFloat16 ? &q_row<at::BFloat16> : &q_row<at::Half>;
   a.store_out = qt == at::kFloat ? &out_row<float> : qt == at::kBFloat16 ? &out_row<at::BFloat16> : &out_row<at::Half>;
   a.load_kv = ct == at::kFloat ? &cache_rows<float> : ct == at::kHalf ? &cache_rows<at::Half>
@@ -577,10 +591,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   // window 0: the whole context; softcap 0: plain scores; k_scale / v_scale: an fp8 cache's;
-  // sinks: a softmax logit a query head (gpt-oss); chunk 0: no attention chunks
+  // sinks: a softmax logit a query head (gpt-oss); chunk 0: no attention chunks; key_ends: each
+  // query row's end of keys (Gemma 3's image tokens see their whole image)
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, int window=0, float softcap=0.0, Tensor? k_scale=None, "
-        "Tensor? v_scale=None, Tensor? sinks=None, int chunk=0) -> Tensor");
+        "Tensor? v_scale=None, Tensor? sinks=None, int chunk=0, Tensor? key_ends=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {

@@ -30,6 +30,14 @@ Per-layer options change what a query sees (Mistral, Phi-3, Gemma, Llama 4):
 - `logit_softcap` c: each score s = scale * q.k becomes c * tanh(s / c) before the
   softmax (Gemma 2). None: scores as they are.
 
+Per step, `AttentionMetadata.key_ends` (Gemma 3's images) moves each query's last key: the row
+at position p sees keys k < key_ends[row] in place of k <= p; a window still bounds it from
+below (p - W < k), as transformers' Gemma 3 masks its sliding layers (window AND (causal OR
+same image)). The runner sets it to the image's end for an image token, whose image is wholly
+in the step (the scheduler never ends a chunk inside one), and to p + 1 for every other row;
+None (every step without such an image): causal. A row of one new token is never an image token
+that sees past itself, so decode kernels ignore it.
+
 Multi-head latent attention (models/mla.py) passes `value_dim` r: its k_cache is its
 v_cache (one plane of one latent a token) and a value is the first r dims of its key row,
 so the output is [num_tokens, num_heads, r] (the weighted latents alone). None: values are
@@ -60,6 +68,9 @@ class AttentionMetadata:
     # [num_seqs] int64 on the device and on the host; None otherwise
     state_slots: torch.Tensor | None = None
     state_slots_cpu: list[int] | None = None
+    # Gemma 3's images: [num_tokens] int32 on the device, each query row's end of the keys it
+    # sees (exclusive; see the module's note); None: causal
+    key_ends: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

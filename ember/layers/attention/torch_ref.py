@@ -96,7 +96,7 @@ class TorchReferenceBackend(AttentionBackend):
             return cpu_kernels.ops().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                                      meta.seq_lens, scale, sliding_window or 0, logit_softcap or 0.0,
                                                      k_scale, v_scale, None if sinks is None else sinks.float(),
-                                                     attention_chunk or 0)
+                                                     attention_chunk or 0, meta.key_ends)
         seen = _Seen(sliding_window, attention_chunk)
         key = (self.name, seen)  # layers that see other keys: their own plan
         groups = meta.plans.get(key)
@@ -163,10 +163,11 @@ class _Seen(NamedTuple):
     attention_chunk: int | None
 
 
-def _visible(keys: torch.Tensor, q_pos: torch.Tensor, seen: _Seen) -> torch.Tensor:
+def _visible(keys: torch.Tensor, q_pos: torch.Tensor, seen: _Seen, q_end: torch.Tensor | None = None) -> torch.Tensor:
     """keys [..., L] and query positions [..., 1] -> True where the query may see the key:
-    causal, and inside the window or the chunk when there is one (base.py)."""
-    mask = keys <= q_pos
+    causal (or, given the queries' `q_end` [..., 1], before it: base.py's key_ends), and inside
+    the window or the chunk when there is one (base.py)."""
+    mask = keys <= q_pos if q_end is None else keys < q_end
     if seen.sliding_window is not None:
         mask &= keys > q_pos - seen.sliding_window
     if seen.attention_chunk is not None:
@@ -177,7 +178,7 @@ def _visible(keys: torch.Tensor, q_pos: torch.Tensor, seen: _Seen) -> torch.Tens
 def _plan(meta: AttentionMetadata, block_size: int, seen: _Seen) -> list[_Group]:
     device = meta.block_tables.device
     groups = []
-    decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+    decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]  # causal, key_ends or not (base.py)
     if decode:
         longest = -(-max(meta.seq_lens_cpu[i] for i in decode) // block_size) * block_size
         if len(decode) == meta.num_seqs:
@@ -196,7 +197,8 @@ def _plan(meta: AttentionMetadata, block_size: int, seen: _Seen) -> list[_Group]
             length = meta.seq_lens_cpu[i]
             padded = -(-length // block_size) * block_size
             q_pos = torch.arange(length - n, length, device=device)
-            mask = _visible(torch.arange(padded, device=device)[None, :], q_pos[:, None], seen)  # [n, L]
+            q_end = None if meta.key_ends is None else meta.key_ends[starts[i]:starts[i] + n, None]
+            mask = _visible(torch.arange(padded, device=device)[None, :], q_pos[:, None], seen, q_end)  # [n, L]
             groups.append(_Group(slice(starts[i], starts[i] + n), meta.block_tables[i:i + 1], mask[None, None]))
     return groups
 
@@ -218,6 +220,8 @@ def _short_chunks(meta: AttentionMetadata, seqs: list[int], starts: list[int], b
         positions += [length - n + min(j, n - 1) for j in range(width)]
     longest = -(-max(meta.seq_lens_cpu[i] for i in seqs) // block_size) * block_size
     q_pos = torch.tensor(positions, device=device).view(len(seqs), width)
-    mask = _visible(torch.arange(longest, device=device)[None, None, :], q_pos[:, :, None], seen)
+    rows = torch.tensor(rows, device=device)
+    q_end = None if meta.key_ends is None else meta.key_ends[rows].view(len(seqs), width, 1)
+    mask = _visible(torch.arange(longest, device=device)[None, None, :], q_pos[:, :, None], seen, q_end)
     tables = meta.block_tables[torch.tensor(seqs, device=device)]
-    return _Group(torch.tensor(rows, device=device), tables, mask[:, None])
+    return _Group(rows, tables, mask[:, None])

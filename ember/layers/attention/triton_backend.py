@@ -9,7 +9,8 @@ by the batch size, and a decode row must get the bits the same token gets in a p
 (after preemption, or as part of another request's cached prefix). Reads only device tensors and
 the host query lengths, so a decode step can be captured in a CUDA graph. An fp8 cache:
 see kernels/paged.py. A layer's sliding window (or attention chunk) and soft cap go to the kernels as
-arguments (constant per layer, so a graph captures them with the layer's launch).
+arguments (constant per layer, so a graph captures them with the layer's launch). A step's
+key_ends (Gemma 3's images) go to the prefill kernel; decode rows never need them (base.py).
 
 Multi-head latent attention (`value_dim`: base.py) sends its decode rows, a decode step's
 or a mixed step's leading ones, to its own kernel (kernels/mla_decode.py: the latent and
@@ -86,13 +87,14 @@ class TritonBackend(AttentionBackend):
                                 **options)
         if not plan.decode_rows:
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                 plan.max_query_len, scale, pack_gqa=self.batch_invariant, **options)
+                                 plan.max_query_len, scale, pack_gqa=self.batch_invariant, key_ends=meta.key_ends,
+                                 **options)
         n = plan.decode_rows  # they are tokens 0 .. n-1
         out = torch.empty_like(q)
         self._decode(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, plan.decode_splits,
                      out=out[:n], **options)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                             plan.max_query_len, scale, out=out, first_seq=n, **options)
+                             plan.max_query_len, scale, out=out, first_seq=n, key_ends=meta.key_ends, **options)
 
     def _latent(self, q, cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale,
                 sliding_window: int | None, logit_softcap: float | None, sinks: torch.Tensor | None,
