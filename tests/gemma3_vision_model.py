@@ -23,6 +23,16 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'model: ' }}{% endif %}"
 )
 
+# Gemma 3 4B's tower (1152 wide, 16 heads of 72, 896-pixel images in 14-pixel patches pooled 4 x 4
+# into 256 tokens) and attention heads (8 of 256 dims, 4 KV heads) but 2 layers each, narrower
+# MLPs, and a sliding window of 128 (shorter than an image) on the first layer: the -m gpu test's
+SMALL = {"vision": dict(hidden_size=1152, intermediate_size=1024, num_attention_heads=16, image_size=896,
+                        patch_size=14),
+         "text": dict(hidden_size=2560, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256, sliding_window=128,
+                      layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048),
+         "tokens": 256, "std": 0.02}
+
 
 def save_tiny_gemma3(tokenizer_dir: Path, out: Path, shape: dict | None = None) -> Path:
     """The model directory, as transformers writes it (model, processor, tokenizer, template);

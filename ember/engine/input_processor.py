@@ -73,9 +73,10 @@ class InputProcessor:
             arch = self.config.model_config.architecture
             served = " (ember serves its language model on text only)" if self.config.model_config.multimodal else ""
             raise ValueError(f"this model ({arch}{served}) takes no images: send text content only, or serve a "
-                             "vision-language model ember runs images through (LlavaForConditionalGeneration, "
-                             "LlavaNextForConditionalGeneration, Mistral3ForConditionalGeneration, "
-                             "Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration)")
+                             "vision-language model ember runs images through (Gemma3ForConditionalGeneration, "
+                             "LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, "
+                             "Mistral3ForConditionalGeneration, Qwen2VLForConditionalGeneration, "
+                             "Qwen2_5_VLForConditionalGeneration)")
         if self.images is None:
             from ember.multimodal.processor import ImageProcessor
 

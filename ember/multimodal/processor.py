@@ -48,9 +48,10 @@ class ImageProcessor:
             else:
                 self.processor = transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
                 self.image_token = self.processor.image_token
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, AttributeError) as e:  # AttributeError: a tokenizer without a token it names
             raise ValueError(f"{model_dir}: the model's processor (processor_config.json / "
-                             f"preprocessor_config.json) cannot be loaded: {str(e)[:300]}") from None
+                             f"preprocessor_config.json, the tokenizer's special tokens) cannot be loaded: "
+                             f"{str(e)[:300]}") from None
         if vision.kind == "llava_next":
             _check_tiling(self.processor.image_processor, vision, model_dir)
         if vision.kind == "gemma3":

@@ -123,7 +123,7 @@ class Case:
         kc, vc = ((c.clone() if c.dtype == FP8 else c.float().clone()) for c in (self.k_cache, self.v_cache))
         meta = AttentionMetadata(**{f: getattr(self.meta, f) for f in
                                     ("slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                                     "query_lens_cpu", "seq_lens_cpu")})
+                                     "query_lens_cpu", "seq_lens_cpu", "key_ends")})
         return get_attention_backend("torch").forward(self.q.float(), self.k.float(), self.v.float(), kc, vc,
                                                       meta, self.scale, **self.scales, sliding_window=sliding_window,
                                                       logit_softcap=logit_softcap, sinks=sinks,
@@ -304,6 +304,32 @@ def test_triton_backend_matches_reference_on_a_mixed_step(device, lens, decode_r
     got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
     assert backend.plan(case.meta, 2).decode_rows == decode_rows
     torch.testing.assert_close(got.float(), want, **_tol(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 6], ids=["causal", "window"])
+def test_key_ends_let_image_tokens_see_their_whole_image(device, window):
+    """Gemma 3's images (key_ends, layers/attention/base.py) in a step of a decode row (first: to
+    flash-decoding), a prefill with images at 10..25 (past its first 16-row tile) and 30..34, and
+    an extend of 20..31 over a cached prefix with an image at 22..29: the backend, and the prefill
+    kernel alone in 16 x 16 tiles, both layouts, against the torch reference; its image rows are
+    not the causal ones."""
+    case = Case([5, 0, 20], [1, 40, 12], 4, 2, 16, 4, device, seed=5)
+    ends = [6] + list(range(1, 41)) + list(range(21, 33))  # each row's position + 1
+    for first, start, end in ((1, 10, 26), (1, 30, 35), (41 - 20, 22, 30)):  # rows: first + position
+        ends[first + start:first + end] = [end] * (end - start)
+    want_causal = case.reference(sliding_window=window)
+    case.meta.key_ends = torch.tensor(ends, dtype=torch.int32, device=device)
+    want = case.reference(sliding_window=window)
+    assert (want - want_causal).abs().amax(dim=(1, 2)).gt(1e-3).sum() >= 20
+    got = get_attention_backend("triton").forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta,
+                                                  case.scale, sliding_window=window)
+    torch.testing.assert_close(got.float(), want, **_tol(device))
+    for pack_gqa in (False, True):
+        tiled = prefill_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
+                                  case.meta.query_start_loc, case.meta.seq_lens, 40, case.scale, block_m=16,
+                                  block_n=16, sliding_window=window, pack_gqa=pack_gqa, key_ends=case.meta.key_ends)
+        torch.testing.assert_close(tiled.float(), want, **_tol(device))
 
 
 def test_decode_checks_layouts():

@@ -10,7 +10,8 @@ import torch
 
 from ember.kernels import cpu as cpu_kernels
 from ember.layers.activation import silu_and_mul
-from ember.layers.attention.torch_ref import _matmul_attention, context_blocks
+from ember.layers.attention import AttentionMetadata
+from ember.layers.attention.torch_ref import TorchReferenceBackend, _matmul_attention, context_blocks
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -320,6 +321,48 @@ def test_paged_attention_refuses_bad_layouts():
         ops.paged_attention(q, cache, cache, tables, torch.tensor([0, 2], dtype=torch.int32), lens, 1.0)
     with pytest.raises(RuntimeError, match="its length its block table"):
         ops.paged_attention(q, cache, cache, tables, starts, torch.tensor([17], dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("window", [0, 37])
+def test_paged_attention_key_ends_let_image_tokens_see_their_whole_image(window):
+    """Gemma 3's images (key_ends, layers/attention/base.py): A's chunk of positions 200..299 holds
+    images at 230..269 and 280..289, whose rows see keys up to their image's end (a window, shorter
+    than the first image, still bounds them below), beside B's decode row. The C++ kernel and plain
+    torch's plan (what the Triton kernels are tested against) both match the mask written out."""
+    q, k_cache, v_cache, tables, lens = invariance_case(torch.float32, torch.float32, 4, 2, 32)
+    scale, n = 32 ** -0.5, lens["a"]
+    positions = torch.arange(200, n)
+    ends = positions + 1
+    for start, end in ((230, 270), (280, 290)):
+        ends[start - 200:end - 200] = end
+    key_ends = torch.cat([torch.tensor([70]), ends]).to(torch.int32)
+    queries = torch.cat([q["b"][69:70], q["a"][200:]])
+    width = max(len(t) for t in tables.values())
+    meta = AttentionMetadata(slot_mapping=torch.zeros(101, dtype=torch.int64),
+                             query_start_loc=torch.tensor([0, 1, 101], dtype=torch.int32),
+                             seq_lens=torch.tensor([70, n], dtype=torch.int32),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in (tables["b"], tables["a"])],
+                                                       dtype=torch.int32),
+                             query_lens_cpu=[1, 100], seq_lens_cpu=[70, n], key_ends=key_ends)
+    got = cpu_kernels.ops().paged_attention(queries, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                            meta.seq_lens, scale, window, 0.0, None, None, None, 0, key_ends)
+    with cpu_kernels.disabled():
+        planned = TorchReferenceBackend().forward(queries, None, None, k_cache, v_cache, meta, scale, kv_written=True,
+                                                  sliding_window=window or None)
+    table = torch.tensor([tables["a"]], dtype=torch.int32)
+    keys, values = (context_blocks(c, table, n)[:, :n] for c in (k_cache, v_cache))
+    mask = torch.arange(n)[None, :] < ends[:, None]
+    if window:
+        mask &= torch.arange(n)[None, :] > positions[:, None] - window
+    want = _matmul_attention(q["a"][200:][None], keys, values, mask[None, None], scale, None)[0]
+    assert not torch.equal(mask, torch.arange(n)[None, :] <= positions[:, None])  # some rows see past themselves
+    torch.testing.assert_close(got[1:], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(planned[1:], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:1], attend_rows(q, k_cache, v_cache, tables, [("b", 69, 1)], scale, window)[0])
+    torch.testing.assert_close(planned[:1], got[:1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="key_ends.*within its length"):
+        cpu_kernels.ops().paged_attention(queries, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                          meta.seq_lens, scale, window, 0.0, None, None, None, 0, key_ends + 1)
 
 
 def invariance_case(cache_dtype, q_dtype, heads, kv_heads, dim, context=300, block_size=16, seed=0):

@@ -2,7 +2,7 @@
 transformers: ember's logits and greedy tokens equal transformers' (float32). Sliding
 windows are shorter than the prompts, and are also run through chunked prefill and a
 prefix-cache hit. Partial RoPE (Phi-4-mini's), from HF files and from llama.cpp's GGUF; and
-Gemma 3's vision-language checkpoints (Gemma3ForConditionalGeneration) served as text."""
+Gemma 3's vision-language checkpoints (Gemma3ForConditionalGeneration) on text prompts."""
 
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ def test_partial_rope_from_a_llama_cpp_gguf_matches_hf(tmp_path_factory, gguf_co
     assert_logits_match(LLM(str(gguf), num_kv_blocks=64, block_size=8, max_model_len=256, kv_cache_dtype="float32"), hf, PROMPTS, forward_logits)
 
 
-# -- Gemma 3 4B/12B/27B: Gemma3ForConditionalGeneration, served as text ---------------------
+# -- Gemma 3 4B/12B/27B: Gemma3ForConditionalGeneration on text prompts (images: test_gemma3_vision.py)
 
 GEMMA_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 # a Gemma 3 style chat template (string or text-part contents, the system text in the first user turn)
@@ -290,7 +290,9 @@ def write_gemma3_processor_files(path) -> None:
     files = {
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
                                   "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-                                  "add_bos_token": True, "processor_class": "Gemma3Processor"},
+                                  "add_bos_token": True, "processor_class": "Gemma3Processor",
+                                  "boi_token": image_tokens[0], "eoi_token": image_tokens[1],
+                                  "image_token": image_tokens[2]},
         "chat_template.json": {"chat_template": GEMMA3_TEMPLATE},
         "processor_config.json": {"image_seq_length": 4, "processor_class": "Gemma3Processor"},
         "preprocessor_config.json": {"image_processor_type": "Gemma3ImageProcessor",
@@ -398,9 +400,10 @@ def test_gemma3_vl_logits_and_greedy_match_hf(gemma3_vl, gemma3_vl_llm, forward_
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_gemma3_vl_vision_tensors_are_not_read(gemma3_vl, gemma3_vl_llm, monkeypatch):
-    """Of the checkpoint, only the language model's tensors are read (the header lists the
-    vision tower's, get_tensor is never asked for them), under the causal LM's names."""
+def test_gemma3_vl_language_model_reads_only_its_tensors(gemma3_vl, gemma3_vl_llm, monkeypatch):
+    """The language model's loader reads only its tensors (the header lists the vision tower's,
+    which models/gemma3_vision.py's loader reads: get_tensor is never asked for them here), under
+    the causal LM's names."""
     import safetensors
 
     path = gemma3_vl_llm[0]
