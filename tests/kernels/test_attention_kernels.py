@@ -16,6 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from float_order import same_bits  # noqa: E402
+from hopper_compile import run_compile_script  # noqa: E402
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
 from ember.kernels.decode_attention import _decode_split_kernel, decode_attention, num_decode_splits  # noqa: E402
@@ -330,6 +331,35 @@ def test_key_ends_let_image_tokens_see_their_whole_image(device, window):
                                   case.meta.query_start_loc, case.meta.seq_lens, 40, case.scale, block_m=16,
                                   block_n=16, sliding_window=window, pack_gqa=pack_gqa, key_ends=case.meta.key_ends)
         torch.testing.assert_close(tiled.float(), want, **_tol(device))
+
+
+_COMPILE_KEY_ENDS = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ember.kernels.prefill_attention import _prefill_kernel
+
+names = list(_prefill_kernel.arg_names)
+types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "o_ptr": "*bf16", "tables_ptr": "*i32",
+         "query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+         "sinks_ptr": "*bf16", "key_ends_ptr": "*i32", "scale_log2": "fp32", "softcap": "fp32"}
+for pack_gqa in (False, True):
+    constants = dict(GROUP=2, D=256, BLOCK_D=256, BLOCK_M=64, BLOCK_N=64, PAGE=16, FP8=False, DOT_FP16=False,
+                     SLIDING=True, CHUNKED=False, SOFTCAP=False, PACK_GQA=pack_gqa, SHARED_KV=False, SINKS=False,
+                     KEY_ENDS=True)
+    signature = {n: types.get(n, "constexpr" if n in constants else "i32") for n in names}
+    source = ASTSource(_prefill_kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_the_prefill_kernel_with_key_ends_compiles_for_hopper():
+    """Gemma 3's image rows (KEY_ENDS) with a window, at its 256-dim heads, both layouts: Triton
+    compiles the prefill kernel to sm_90 here, without a GPU."""
+    assert "compiled" in run_compile_script(_COMPILE_KEY_ENDS)
 
 
 def test_decode_checks_layouts():
