@@ -124,8 +124,9 @@ def ember_logits(llm: LLM, text: str, images: list) -> tuple[list[int], torch.Te
         plan = SchedulerOutput([ScheduledChunk(req, req.num_tokens)])
         ids, positions, meta, _, _ = core.runner._prepare(plan)
         with torch.inference_mode():
-            embeds = core.runner.images.inputs_embeds(plan, ids)
-            logits = core.runner.model.compute_logits(core.runner.model(ids, positions, meta, embeds)).float()
+            images = core.runner.images.inputs(plan, ids)
+            hidden = core.runner.model(ids, positions, meta, images.embeds, images.deepstack)
+            logits = core.runner.model.compute_logits(hidden).float()
     finally:
         core.block_pool.free(req.block_ids)
         core.runner.release(req.request_id)

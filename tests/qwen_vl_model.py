@@ -4,7 +4,10 @@ Qwen2_5_VLForConditionalGeneration: a 2-block vision tower of 14-pixel patches m
 SmolLM2's tokenizer plus Qwen's vision tokens, the Qwen2VLProcessor on the PIL image processor
 (images resized to multiples of 28 pixels between MIN_PIXELS and MAX_PIXELS) and a Qwen2-VL chat
 template. Qwen2.5-VL's tower attends in windows of 2 x 2 merged patches in block 0 and over the
-whole image in block 1 (fullatt_block_indexes [1])."""
+whole image in block 1 (fullatt_block_indexes [1]). Qwen3-VL (Qwen3VLForConditionalGeneration):
+a 3-block tower of 16-pixel patches with learned positions on a 3 x 3 grid (interpolated to each
+image's), deepstack mergers after blocks 0 and 1 (added to the text model's first two layers'
+outputs), and a 3-layer Qwen3 language model with interleaved M-RoPE."""
 
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ CHAT_TEMPLATE = (
 )
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 12  # at most 12 image tokens an image
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+              "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 
 
 # Qwen2.5-VL-3B's shapes but for the depths (2 decoder layers, 2 tower blocks, the second of full
@@ -33,6 +38,13 @@ SMALL = {"text": dict(hidden_size=2048, intermediate_size=2048, num_attention_he
          "vision": dict(hidden_size=1280, out_hidden_size=2048, num_heads=16, intermediate_size=1024,
                         window_size=112, fullatt_block_indexes=[1]),
          "max_pixels": 448 * 448, "std": 0.1}
+# Qwen3-VL-2B's widths likewise (head_dim 128 with interleaved M-RoPE [24, 20, 20], a tower of 16
+# heads of 64 dims on a 48 x 48 grid of learned positions), 3 tower blocks, 2 deepstack mergers
+SMALL_QWEN3 = {"text": dict(hidden_size=2048, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=8,
+                            head_dim=128, rope_parameters={"rope_theta": 5000000.0, "mrope_section": [24, 20, 20]}),
+               "vision": dict(hidden_size=1024, out_hidden_size=2048, num_heads=16, intermediate_size=1024,
+                              num_position_embeddings=2304),
+               "max_pixels": 448 * 448, "std": 0.1}
 
 
 def save_tiny_qwen_vl(tokenizer_dir: Path, out: Path, family: str = "qwen2_vl", shape: dict | None = None) -> Path:
@@ -50,17 +62,24 @@ def save_tiny_qwen_vl(tokenizer_dir: Path, out: Path, family: str = "qwen2_vl", 
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id) | shape.get("text", {})
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    patch = 14
     if family == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2) | shape.get("vision", {})
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
-        model_class = transformers.Qwen2VLForConditionalGeneration
+    elif family == "qwen3_vl":
+        patch = 16
+        text |= dict(num_hidden_layers=3, head_dim=16, tie_word_embeddings=False) | shape.get("text", {})
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                   "mrope_interleaved": True} | shape.get("text", {}).get("rope_parameters", {})
+        vision = dict(depth=3, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=48,
+                      num_position_embeddings=9, deepstack_visual_indexes=[0, 1]) | shape.get("vision", {})
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
     else:
         vision = dict(depth=2, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=48,
                       window_size=56, fullatt_block_indexes=[1]) | shape.get("vision", {})
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
-        model_class = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
-    model = model_class(config)
+    model = getattr(transformers, HF_CLASSES[family])(config)
     with torch.no_grad():  # transformers' init leaves the tiny model's logits nearly flat: spread them
         for p in model.parameters():
             p.normal_(0, shape.get("std", 0.2))
@@ -68,8 +87,10 @@ def save_tiny_qwen_vl(tokenizer_dir: Path, out: Path, family: str = "qwen2_vl", 
     model.save_pretrained(str(out))
     # the image processor and the tokenizer apart: transformers' Qwen2VLProcessor cannot be made
     # without its video processor, which needs torchvision
-    images = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS,
-                                                         "longest_edge": shape.get("max_pixels", MAX_PIXELS)})
+    unit = (2 * patch) ** 2  # a merged token's pixels
+    images = transformers.Qwen2VLImageProcessorPil(
+        size={"shortest_edge": unit, "longest_edge": shape.get("max_pixels", MAX_PIXELS // 28 ** 2 * unit)},
+        patch_size=patch, **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family == "qwen3_vl" else {}))
     images.save_pretrained(str(out))
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))

@@ -76,7 +76,7 @@ class InputProcessor:
                              "vision-language model ember runs images through (Gemma3ForConditionalGeneration, "
                              "LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, "
                              "Mistral3ForConditionalGeneration, Qwen2VLForConditionalGeneration, "
-                             "Qwen2_5_VLForConditionalGeneration)")
+                             "Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration)")
         if self.images is None:
             from ember.multimodal.processor import ImageProcessor
 

@@ -94,7 +94,7 @@ def _yarn(rotary_dim: int, theta: float, scaling: RopeScaling, exponents: torch.
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None,
-                 mrope_section: tuple[int, ...] | None = None) -> None:
+                 mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False) -> None:
         super().__init__()
         inv_freq, attention_factor = rope_inv_freq(rotary_dim, theta, scaling, max_positions)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
@@ -105,8 +105,7 @@ class RotaryEmbedding(nn.Module):
             cos_sin = cos_sin * attention_factor
         self.register_buffer("cos_sin", cos_sin, persistent=False)
         # M-RoPE: which of (t, h, w) turns each cos | sin column
-        rows = None if mrope_section is None else \
-            torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section)).repeat(2).view(1, 1, -1)
+        rows = None if mrope_section is None else mrope_rows(mrope_section, mrope_interleaved).repeat(2).view(1, 1, -1)
         self.register_buffer("mrope_rows", rows, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> torch.Tensor:
@@ -117,6 +116,19 @@ class RotaryEmbedding(nn.Module):
             table = self.cos_sin[positions]  # [3, T, rotary_dim]
             return table.gather(0, self.mrope_rows.expand(1, table.shape[1], -1)).squeeze(0)
         return self.cos_sin[positions]
+
+
+def mrope_rows(section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """Which of M-RoPE's (t, h, w) turns each of the sum(section) frequencies: Qwen2-VL's
+    sections in turn (t's, then h's, then w's), or Qwen3-VL's interleaved t h w t h w ...
+    (h at i % 3 == 1 below 3 * section[1], w at i % 3 == 2 below 3 * section[2], t elsewhere)."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    i = torch.arange(sum(section))
+    rows = torch.zeros_like(i)
+    for axis in (1, 2):
+        rows[(i % 3 == axis) & (i < 3 * section[axis])] = axis
+    return rows
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,7 @@ def load_model(files: ModelFiles, cfg: ModelConfig, max_positions: int, dtype: t
 def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, device: str,
                       seed: int = 0, mmproj: str | None = None) -> nn.Module:
     """A vision-language checkpoint's image side (ModelConfig.vision: its tower and projector,
-    models/llava.py, llava_next.py, qwen2_vl.py, pixtral.py), in `dtype` on `device`, its tensors
+    models/llava.py, llava_next.py, qwen2_vl.py, qwen3_vl.py, pixtral.py), in `dtype` on `device`, its tensors
     read from the checkpoint, or from the `mmproj` GGUF beside a GGUF model (dummy weights:
     random); ValueError naming a tensor missing or of the wrong shape. A parameter with a
     `weight_loader` (a Gemma norm's 1 + w) loads through it."""
@@ -292,12 +292,14 @@ def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, d
     from ember.models.llava_next import LlavaNextVision, llava_next_tensor_name
     from ember.models.pixtral import PixtralVision, pixtral_tensor_name
     from ember.models.qwen2_vl import Qwen2VisionTower, qwen2_vl_tensor_name
+    from ember.models.qwen3_vl import Qwen3VisionTower, qwen3_vl_tensor_name
 
     vision = cfg.vision
     module, tensor_name = {"llava": (LlavaVision, llava_tensor_name),
                            "llava_next": (LlavaNextVision, llava_next_tensor_name),
                            "qwen2_vl": (Qwen2VisionTower, qwen2_vl_tensor_name),
                            "qwen2_5_vl": (Qwen2VisionTower, qwen2_vl_tensor_name),
+                           "qwen3_vl": (Qwen3VisionTower, qwen3_vl_tensor_name),
                            "pixtral": (PixtralVision, pixtral_tensor_name),
                            "mistral3": (PixtralVision, pixtral_tensor_name),
                            "gemma3": (Gemma3Vision, gemma3_tensor_name)}[vision.kind]

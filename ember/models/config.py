@@ -83,6 +83,9 @@ class ModelConfig:
     # frequencies the first sections[0] turn by t, the next sections[1] by h, the last by w; a
     # text token's three are equal (plain RoPE). None: positions are one number
     mrope_section: tuple[int, int, int] | None = None
+    # Qwen3-VL's interleaved M-RoPE: frequency i turns by h where i % 3 == 1 and i < 3 * sections[1],
+    # by w where i % 3 == 2 and i < 3 * sections[2], by t elsewhere
+    mrope_interleaved: bool = False
     # mixture of experts (Mixtral, Qwen3-MoE): which layers' MLP is sparse (None: none is), the
     # number of experts, how many each token goes to, each expert's intermediate size, and
     # whether the top-k routing weights are renormalized to sum to 1
@@ -354,7 +357,7 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             multimodal=multimodal,
             vision=vision,
-            mrope_section=_mrope_section(global_rope, vision),
+            **_mrope(global_rope, vision),
             **_moe_options(config, fam, num_layers),
             **_score_head(config),
             **_layer_norm_options(fam),
@@ -667,20 +670,24 @@ def _rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     return rope, None
 
 
-def _mrope_section(rope: dict[str, Any], vision: VisionConfig | None) -> tuple[int, int, int] | None:
-    """Qwen2-VL's M-RoPE sections (t, h, w) from its RoPE parameters (transformers' default
-    [16, 24, 24] where they name none); None for a model without M-RoPE."""
+def _mrope(rope: dict[str, Any], vision: VisionConfig | None) -> dict[str, Any]:
+    """Qwen2-VL's M-RoPE sections (t, h, w) from its RoPE parameters (transformers' defaults
+    [16, 24, 24], Qwen3-VL's [24, 20, 20], where they name none), and whether they interleave
+    (Qwen3-VL's always do, as transformers' Qwen3-VL turns them); {} for a model without M-RoPE."""
     if vision is None or not vision.dynamic_resolution:
         if rope.get("mrope_section") is not None or (rope.get("type") or rope.get("rope_type")) == "mrope":
-            raise ValueError("M-RoPE (mrope_section) is supported for Qwen2-VL and Qwen2.5-VL checkpoints only")
-        return None
-    if rope.get("mrope_interleaved"):
-        raise ValueError("mrope_interleaved (Qwen3-VL's interleaved M-RoPE) is not supported: ember runs Qwen2-VL's "
-                         "sectioned M-RoPE")
-    section = tuple(int(x) for x in rope.get("mrope_section") or (16, 24, 24))
+            raise ValueError("M-RoPE (mrope_section) is supported for Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints "
+                             "only")
+        return {}
+    interleaved = vision.kind == "qwen3_vl"
+    if rope.get("mrope_interleaved", interleaved) != interleaved:
+        raise ValueError(f"mrope_interleaved {rope['mrope_interleaved']} is not supported for {vision.kind}: ember "
+                         f"runs {'Qwen3-VL' if interleaved else 'Qwen2-VL'}'s M-RoPE "
+                         f"({'interleaved' if interleaved else 'sectioned'}), as transformers does")
+    section = tuple(int(x) for x in rope.get("mrope_section") or ((24, 20, 20) if interleaved else (16, 24, 24)))
     if len(section) != 3:
         raise ValueError(f"mrope_section {list(section)} must have three entries (t, h, w)")
-    return section
+    return {"mrope_section": section, "mrope_interleaved": interleaved}
 
 
 def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling | None:

@@ -173,8 +173,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                      "Qwen2_5_VLForConditionalGeneration"), ("qwen2", "qwen2_vl", "qwen2_5_vl"), "qwen2",
            qkv_bias_key=None,
            qkv_bias_default=True, qwen_windows=True),
-    Family("qwen3", ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"), ("qwen3",), "qwen3", qk_norm=True,
-           qwen_windows=True),
+    Family("qwen3", ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3VLForConditionalGeneration"),
+           ("qwen3", "qwen3_vl"), "qwen3", qk_norm=True, qwen_windows=True),
     Family("gemma", ("GemmaForCausalLM",), ("gemma",), "gemma", gemma=True),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "gemma2", gemma=True, sandwich_norms=True, sliding_pattern=2,
            gguf_default_window=4096, gguf_softcaps=(50.0, 30.0), gguf_hidden_query_scale_layers=46),
@@ -258,12 +258,12 @@ BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Llama4ForConditionalGeneration",
                                  "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                                 "Qwen2_5_VLForConditionalGeneration")
+                                 "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 # those whose language model is any family's: the family is their text_config's model_type's
 # (LLaVA's Llama, Vicuna or Mistral; Mistral 3's Mistral)
 TEXT_CONFIG_FAMILY_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                                     "Mistral3ForConditionalGeneration")
-VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "llama4", "qwen2_vl", "qwen2_5_vl")
+VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "llama4", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # those whose config.json may keep the language model's keys at its top level (the Qwen2-VL
 # checkpoints on the hub, written before transformers nested them under text_config)
 FLAT_TEXT_CONFIG_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")

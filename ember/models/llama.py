@@ -38,6 +38,8 @@ from ember.models.gated_deltanet import GatedDeltaNet
 from ember.models.mla import LatentAttention
 
 Rope = torch.Tensor  # [T, rotary_dim]: cos | sin of this step's positions
+# Qwen3-VL's deepstack: (the step's rows of image tokens [n], what layer k adds there [layers, n, hidden])
+Deepstack = tuple[torch.Tensor, torch.Tensor]
 
 
 def _norm(cfg: ModelConfig, size: int) -> RMSNorm | LayerNorm:
@@ -263,7 +265,8 @@ class LlamaModel(nn.Module):
             if cfg.learned_positions else None
         self.position_offset = cfg.position_offset
         self.rotary = None if cfg.learned_positions else \
-            RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section)
+            RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section,
+                            cfg.mrope_interleaved)
         # Gemma 3's sliding layers turn by their own RoPE
         self.local_rotary = None if cfg.local_rope_theta is None else \
             RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
@@ -287,9 +290,10 @@ class LlamaModel(nn.Module):
         return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, deepstack: Deepstack | None = None) -> torch.Tensor:
         """`inputs_embeds`: the step's input embeddings where some are not the tokens' (images').
-        `positions`: [T], or M-RoPE's [3, T] (t, h, w) in a step over image tokens."""
+        `positions`: [T], or M-RoPE's [3, T] (t, h, w) in a step over image tokens.
+        `deepstack` (Qwen3-VL): rows whose hidden states layer k's output adds to, and what."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions + self.position_offset)
@@ -305,6 +309,8 @@ class LlamaModel(nn.Module):
             if i in self.aux_layers:
                 aux.append(x.clone() if residual is None else x + residual)  # the norms add into residual
             x, residual = layer(turns[rope], x, residual, meta)
+            if deepstack is not None and i < deepstack[1].shape[0]:  # the stream is x + residual
+                x = x.index_add(0, deepstack[0], deepstack[1][i].to(x.dtype))
         out = self.norm(x, residual)[0]
         return torch.cat([out, *aux], dim=-1) if aux else out
 
@@ -327,8 +333,8 @@ class LlamaForCausalLM(nn.Module):
         self.final_logit_softcap = cfg.final_logit_softcap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, inputs_embeds)
+                inputs_embeds: torch.Tensor | None = None, deepstack: Deepstack | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, inputs_embeds, deepstack)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler reads them in float32 where it needs to);

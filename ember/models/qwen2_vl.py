@@ -36,16 +36,16 @@ def _norm(cfg: VisionConfig, size: int) -> nn.Module:
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, bias: bool = False) -> None:
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.num_channels, cfg.hidden_size, kernel, kernel, bias=False)
+        self.proj = nn.Conv3d(cfg.num_channels, cfg.hidden_size, kernel, kernel, bias=bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """[N, C * tps * p * p] -> [N, hidden]: the kernel covers the whole patch, so the
         convolution is one matmul with the kernel flattened."""
         weight = self.proj.weight
-        return F.linear(patches.to(weight.dtype), weight.view(weight.shape[0], -1))
+        return F.linear(patches.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -144,16 +144,13 @@ class Qwen2VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.num_layers))
         self.merger = PatchMerger(cfg)
-        head_dim = cfg.hidden_size // cfg.num_heads
-        # a quarter of head_dim's frequencies for the row, as many for the column (HF's axial RoPE)
-        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
-        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** quarter, persistent=False)
+        self.register_buffer("inv_freq", axial_inv_freq(cfg), persistent=False)
 
     def forward(self, patches: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
         cfg, unit = self.config, self.config.merge_size ** 2
         x = self.patch_embed(patches)
-        rope = self._rope(grids, x.device)
-        frames = segments_of(_runs([h * w for t, h, w in grids for _ in range(t)]), x.device)
+        rope = axial_rope(grids, cfg.merge_size, self.inv_freq, x.device)
+        frames = frame_segments(grids, x.device)
         order = None
         if cfg.window_size:  # window-major order of merge blocks: each window's rows consecutive
             order, runs = _window_order(grids, cfg.window_size // cfg.merge_size // cfg.patch_size, cfg.merge_size)
@@ -168,17 +165,37 @@ class Qwen2VisionTower(nn.Module):
             merged = merged[torch.from_numpy(np.argsort(order)).to(x.device)]
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
-    def _rope(self, grids: list[Grid], device: torch.device) -> torch.Tensor:
-        """[N, head_dim]: cos | sin of each patch's angles, its row's frequencies then its column's."""
-        m = self.config.merge_size
-        rows, cols = [], []
-        for t, h, w in grids:  # each merge block's patches consecutive, as the processor orders them
-            hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-            for pos, out in ((hh, rows), (ww, cols)):
-                out.append(np.tile(pos.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).ravel(), t))
-        pos = torch.from_numpy(np.stack([np.concatenate(rows), np.concatenate(cols)], axis=1)).to(device)
-        angles = (pos[..., None].float() * self.inv_freq.to(device)).flatten(1)  # [N, head_dim / 2]
-        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+def axial_inv_freq(cfg: VisionConfig) -> torch.Tensor:
+    """The tower RoPE's frequencies: a quarter of head_dim's for the row, as many for the column
+    (HF's axial RoPE)."""
+    head_dim = cfg.hidden_size // cfg.num_heads
+    quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+    return 1.0 / cfg.rope_theta ** quarter
+
+
+def axial_rope(grids: list[Grid], merge: int, inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[N, head_dim]: cos | sin of each patch's angles, its row's frequencies then its column's,
+    the patches in the processor's order (each merge block's consecutive, each frame alike)."""
+    rows, cols = [], []
+    for t, h, w in grids:
+        for pos, out in zip(merge_order(h, w, merge), (rows, cols)):
+            out.append(np.tile(pos, t))
+    pos = torch.from_numpy(np.stack([np.concatenate(rows), np.concatenate(cols)], axis=1)).to(device)
+    angles = (pos[..., None].float() * inv_freq.to(device)).flatten(1)  # [N, head_dim / 2]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def merge_order(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (row, column) of each patch of an h x w frame in the processor's order: merge x merge
+    blocks in raster order, the block's patches consecutive."""
+    hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    return tuple(pos.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).ravel() for pos in (hh, ww))
+
+
+def frame_segments(grids: list[Grid], device: torch.device) -> Segments:
+    """Each frame's patches attend to each other only."""
+    return segments_of(_runs([h * w for t, h, w in grids for _ in range(t)]), device)
 
 
 def _runs(lengths: list[int]) -> list[tuple[int, int]]:

@@ -4,7 +4,8 @@ tower, the projector into the language model, the image token), from config.json
 One reader a family (`kind`): LLaVA-1.5's CLIP tower and linear-GELU-linear projector, and
 LLaVA-NeXT's (the same over the tiles of its anyres grid: models/llava_next.py);
 Qwen2-VL's and Qwen2.5-VL's towers of dynamic resolution (models/qwen2_vl.py: patches of any
-image size, merged 2 x 2 into the language model's tokens, whose positions are M-RoPE's);
+image size, merged 2 x 2 into the language model's tokens, whose positions are M-RoPE's), and
+Qwen3-VL's (models/qwen3_vl.py: learned positions interpolated to the grid, deepstack mergers);
 Pixtral's tower of variable resolution (models/pixtral.py: 2-D RoPE over each image's patch grid,
 its rows of [IMG] tokens ended by [IMG_BREAK] / [IMG_END]) under LLaVA's projector ("pixtral",
 mistral-community/pixtral-12b) or Mistral 3's (RMSNorm, a merger of merge x merge patches, then
@@ -24,7 +25,8 @@ from typing import Any
 class VisionConfig:
     # "llava": a CLIP tower, a feature layer, linear-act-linear into the text model;
     # "llava_next": the same over an image's base view and the tiles of its anyres grid;
-    # "qwen2_vl" / "qwen2_5_vl": models/qwen2_vl.py's tower and patch merger;
+    # "qwen2_vl" / "qwen2_5_vl": models/qwen2_vl.py's tower and patch merger; "qwen3_vl":
+    # models/qwen3_vl.py's (the same blocks, learned positions, deepstack mergers);
     # "pixtral" / "mistral3": models/pixtral.py's tower and LLaVA's / Mistral 3's projector;
     # "gemma3": models/siglip.py's tower and models/gemma3_vision.py's projector
     kind: str
@@ -51,6 +53,15 @@ class VisionConfig:
     window_size: int = 0
     full_attention_blocks: tuple[int, ...] = ()
     rope_theta: float = 10000.0  # the tower's 2-D RoPE
+    # Qwen2-VL's family: the placeholder token of a video's frames (0: the family takes no video)
+    video_token_id: int = 0
+    # Qwen2.5-VL: a video's temporal position per second of it (vision_config.tokens_per_second)
+    tokens_per_second: float = 0.0
+    # Qwen3-VL: the learned position table (a side x side grid, interpolated to each image's), and
+    # the tower blocks after which a deepstack merger's output goes to the text model's layers
+    # 0, 1, ... (added at the image tokens' rows)
+    num_position_embeddings: int = 0
+    deepstack_blocks: tuple[int, ...] = ()
     # LLaVA-NeXT: the (height, width) in pixels an image's tiles may cover (image_grid_pinpoints)
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     # Mistral 3: the projector's RMSNorm (the text model's rms_norm_eps) before the patch merger
@@ -86,7 +97,7 @@ class VisionConfig:
         return (self.image_size // self.patch_size) ** 2 + (0 if self.drop_cls else 1)
 
 
-QWEN_VL_KINDS = ("qwen2_vl", "qwen2_5_vl")
+QWEN_VL_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 PIXTRAL_KINDS = ("pixtral", "mistral3")
 
 
@@ -109,42 +120,49 @@ def vision_config(config: dict[str, Any], text_hidden_size: int) -> VisionConfig
 
 
 _QWEN_VL_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
-                          "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
-# the towers' MLP activations ember runs (Qwen2-VL's fc1-act-fc2, Qwen2.5-VL's gated one)
-_QWEN_VL_ACTS = {"qwen2_vl": ("quick_gelu", "gelu"), "qwen2_5_vl": ("silu", "gelu")}
+                          "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+                          "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+# the towers' MLP activations ember runs (Qwen2-VL's and Qwen3-VL's fc1-act-fc2, Qwen2.5-VL's gated one)
+_QWEN_VL_ACTS = {"qwen2_vl": ("quick_gelu", "gelu"), "qwen2_5_vl": ("silu", "gelu"),
+                 "qwen3_vl": ("gelu_pytorch_tanh", "gelu")}
 
 
 def _qwen_vl(config: dict[str, Any], kind: str) -> VisionConfig:
-    """Qwen2-VL's vision_config (embed_dim, mlp_ratio; hidden_size is the merger's output) or
-    Qwen2.5-VL's (hidden_size, intermediate_size, out_hidden_size, window attention)."""
+    """Qwen2-VL's vision_config (embed_dim, mlp_ratio; hidden_size is the merger's output),
+    Qwen2.5-VL's (hidden_size, intermediate_size, out_hidden_size, window attention) or Qwen3-VL's
+    (Qwen2.5-VL's sizes, learned positions, deepstack_visual_indexes)."""
     arch = config["architectures"][0]
     vc = config.get("vision_config") or {}
     rope = vc.get("rope_parameters") or vc.get("rope_scaling") or {}
     if rope.get("rope_type", "axial") != "axial":
         raise ValueError(f"{arch} with a vision rope_type {rope.get('rope_type')!r} is not supported: ember runs "
                          "the tower's axial (h, w) RoPE")
-    act = vc.get("hidden_act", "quick_gelu" if kind == "qwen2_vl" else "silu")
+    act = vc.get("hidden_act", {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh"}[kind])
     if act not in _QWEN_VL_ACTS[kind]:
         raise ValueError(f"{arch}: the tower's hidden_act {act!r} is not supported (ember runs "
                          f"{_QWEN_VL_ACTS[kind]})")
+    depth = vc.get("depth", 27 if kind == "qwen3_vl" else 32)
     if kind == "qwen2_vl":
         hidden = vc.get("embed_dim", 1280)
         sizes = {"hidden_size": hidden, "intermediate_size": int(hidden * vc.get("mlp_ratio", 4)),
                  "text_hidden_size": vc.get("hidden_size", 3584)}
-    else:
+    elif kind == "qwen2_5_vl":
         hidden = vc.get("hidden_size", 1280)
         sizes = {"hidden_size": hidden, "intermediate_size": vc.get("intermediate_size", 3420),
                  "text_hidden_size": vc.get("out_hidden_size", 3584)}
-    depth = vc.get("depth", 32)
+    else:
+        sizes = _qwen3_vl(vc, arch, depth)
     full = tuple(vc.get("fullatt_block_indexes", (7, 15, 23, 31))) if kind == "qwen2_5_vl" else ()
     if any(not 0 <= i < depth for i in full):
         raise ValueError(f"{arch}: fullatt_block_indexes {list(full)} name blocks outside the tower's {depth}")
     return VisionConfig(
         kind=kind,
         image_token_id=config.get("image_token_id", 151655),
+        video_token_id=config.get("video_token_id", 151656),
+        tokens_per_second=float(vc.get("tokens_per_second", 4)) if kind == "qwen2_5_vl" else 0.0,
         num_layers=depth,
         num_heads=vc.get("num_heads", 16),
-        patch_size=vc.get("patch_size", 14),
+        patch_size=vc.get("patch_size", 16 if kind == "qwen3_vl" else 14),
         num_channels=vc.get("in_channels", vc.get("in_chans", 3)),
         layer_norm_eps=1e-6,
         hidden_act=act,
@@ -155,6 +173,21 @@ def _qwen_vl(config: dict[str, Any], kind: str) -> VisionConfig:
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         **sizes,
     )
+
+
+def _qwen3_vl(vc: dict[str, Any], arch: str, depth: int) -> dict[str, Any]:
+    """Qwen3-VL's sizes, learned position grid and deepstack blocks (Qwen3VLVisionConfig's defaults)."""
+    positions = int(vc.get("num_position_embeddings", 2304))
+    side = int(positions ** 0.5)
+    if side * side != positions:
+        raise ValueError(f"{arch}: num_position_embeddings {positions} is not a square grid of learned positions")
+    deepstack = tuple(int(i) for i in vc.get("deepstack_visual_indexes", (8, 16, 24)))
+    if any(not 0 <= i < depth for i in deepstack) or list(deepstack) != sorted(set(deepstack)):
+        raise ValueError(f"{arch}: deepstack_visual_indexes {list(deepstack)} must name distinct tower blocks in "
+                         f"order, within the tower's {depth}")
+    return {"num_position_embeddings": positions, "deepstack_blocks": deepstack,
+            "hidden_size": vc.get("hidden_size", 1152), "intermediate_size": vc.get("intermediate_size", 4304),
+            "text_hidden_size": vc.get("out_hidden_size", 3584)}
 
 
 def _feature_layers(config: dict[str, Any], layers: int, default: int) -> int:

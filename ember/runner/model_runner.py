@@ -299,7 +299,9 @@ class ModelRunner:
         if c.model_config.vision is None:
             return None
         vision = load_vision_model(files, c.model_config, c.torch_dtype, c.device, c.seed, c.mmproj)
-        return ImageEmbedder(vision, self.model.model.embed, self.device, c.model_config.vision.image_token_id)
+        v = c.model_config.vision
+        return ImageEmbedder(vision, self.model.model.embed, self.device,
+                             (v.image_token_id, v.video_token_id) if v.video_token_id else (v.image_token_id,))
 
     def _attach_kv_cache(self) -> None:
         for i, attn in enumerate(self.model.attention_layers()):
@@ -454,14 +456,16 @@ class ModelRunner:
                 self.states.release(req.request_id)
         clock = self._clock()
         input_ids, positions, meta, sample_rows, sampled_chunks = self._prepare(plan)
-        embeds = None
+        images = None
         if self.images is not None:  # a vision-language model: image embeddings where chunks cover images
             for req in plan.preempted:
                 self.images.release(req.request_id)
-            embeds = self.images.inputs_embeds(plan, input_ids)
+            images = self.images.inputs(plan, input_ids)
         clock("prepare")
-        if embeds is not None or positions.dim() == 2:  # eager: the graphs embed token ids at 1-D positions
-            hidden = self.model(input_ids, positions, meta, embeds)
+        if images is not None:  # eager: the graphs embed token ids at 1-D positions
+            hidden = self.model(input_ids, positions, meta, images.embeds, images.deepstack)
+        elif positions.dim() == 2:
+            hidden = self.model(input_ids, positions, meta)
         elif self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
                                      meta.state_slots)

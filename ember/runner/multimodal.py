@@ -3,8 +3,9 @@ image's embeddings in those rows, in place of the tokens'. The vision model (tow
 projector) runs once for the step's images that the encoder cache lacks, batched; a chunk
 boundary may fall inside an image (chunked prefill, a prefix-cache hit that ends there): a
 chunk takes the slice of the image's embeddings its positions cover. Only the rows whose token is
-the image token take an embedding: Pixtral's runs hold [IMG_BREAK] / [IMG_END] tokens too, which
-keep their own.
+the image token (or the video token) take an embedding: Pixtral's runs hold [IMG_BREAK] /
+[IMG_END] tokens too, which keep their own. Qwen3-VL's tower gives each image token deepstack rows
+too, which the text model adds to its first layers' outputs at those rows (`ImageInputs.deepstack`).
 
     prompt    t t t [i0 i1 i2 i3] t t
     chunk 1   t t t  i0 i1|               rows 3..4 <- image[0:2]
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ember.models.llama import Deepstack
 from ember.multimodal.inputs import ImageFeature
 from ember.scheduler.scheduler import SchedulerOutput
 
@@ -91,6 +93,14 @@ class EncoderCache:
 
 
 @dataclass
+class ImageInputs:
+    """What a step over image tokens gives the model beside its token ids."""
+
+    embeds: torch.Tensor  # [T, hidden]: the tokens' embeddings, image rows replaced
+    deepstack: Deepstack | None = None  # Qwen3-VL: the rows and what each of the first layers adds there
+
+
+@dataclass
 class _Span:
     row: int  # the step's row of its first covered position
     feature: ImageFeature
@@ -102,7 +112,7 @@ class _Span:
 class ImageEmbedder:
     """The step's input embeddings where its chunks cover image tokens (see the module's note)."""
 
-    def __init__(self, vision: nn.Module, embed: nn.Module, device: torch.device, image_token_id: int,
+    def __init__(self, vision: nn.Module, embed: nn.Module, device: torch.device, token_ids: tuple[int, ...],
                  max_bytes: int = ENCODER_CACHE_BYTES) -> None:
         # pixel_values [B, C, H, W] -> [B, tokens, hidden]; a `packed` one (Qwen2-VL): the images'
         # patches concatenated and their grids -> each image's [tokens, hidden]
@@ -110,26 +120,33 @@ class ImageEmbedder:
         # [tokens, hidden]
         self.vision = vision
         self.embed = embed  # token ids -> input embeddings (LlamaModel.embed)
-        self.image_token_id = image_token_id
+        self.token_ids = torch.tensor(token_ids, device=device)  # the placeholders an embedding replaces
+        self.deepstack_layers = getattr(vision, "deepstack_layers", 0)  # Qwen3-VL's
         self.device = device
         self.cache = EncoderCache(max_bytes)
         self.num_encoded = 0  # images the vision model ran for (tests, stats)
         self.num_encoder_steps = 0  # steps in which it ran (the scheduler's encoder budget spreads images over more)
 
-    def inputs_embeds(self, plan: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def inputs(self, plan: SchedulerOutput, input_ids: torch.Tensor) -> ImageInputs | None:
         """None when no chunk of the step covers an image token."""
         spans = self._spans(plan)
         if not spans:
             return None
         self._encode([s.feature for s in spans])
         x = self.embed(input_ids)
+        hidden, rows, stacked = x.shape[-1], [], []
         for s in spans:
-            rows = slice(s.row, s.row + s.stop - s.start)
-            image = self.cache.get(s.feature.hash)[s.start:s.stop].to(x.dtype)
-            x[rows] = torch.where((input_ids[rows] == self.image_token_id)[:, None], image, x[rows])
+            span = slice(s.row, s.row + s.stop - s.start)
+            out = self.cache.get(s.feature.hash)[s.start:s.stop].to(x.dtype)
+            placed = torch.isin(input_ids[span], self.token_ids)
+            x[span] = torch.where(placed[:, None], out[:, :hidden], x[span])
+            if self.deepstack_layers:  # Qwen3-VL: every row of its runs is an image token
+                rows.append(torch.arange(span.start, span.stop, device=x.device))
+                stacked.append(out[:, hidden:].view(-1, self.deepstack_layers, hidden))
             if s.stop == s.feature.length:
                 self.cache.done(s.request_id, s.feature.hash)
-        return x
+        deepstack = (torch.cat(rows), torch.cat(stacked).transpose(0, 1)) if rows else None
+        return ImageInputs(x, deepstack)
 
     def release(self, request_id: str) -> None:
         self.cache.release(request_id)

@@ -1,8 +1,10 @@
-"""Qwen2-VL and Qwen2.5-VL (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration)
-on tiny random checkpoints saved by transformers, against transformers on the same inputs:
-images of different sizes (so different token counts), M-RoPE positions as get_rope_index makes
-them, logits of prompts with one and two images, greedy tokens (decode turns by position +
-delta), a chunk boundary inside an image, the prefix cache over a repeated image."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (Qwen2VLForConditionalGeneration,
+Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration) on tiny random checkpoints
+saved by transformers, against transformers on the same inputs: images of different sizes (so
+different token counts), M-RoPE positions as get_rope_index makes them (Qwen3-VL's interleaved),
+logits of prompts with one and two images (Qwen3-VL's deepstack rows added in its first layers),
+greedy tokens (decode turns by position + delta), a chunk boundary inside an image, the prefix
+cache over a repeated image."""
 
 from __future__ import annotations
 
@@ -13,19 +15,23 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
-from qwen_vl_model import FAMILIES, hf_inputs, save_tiny_qwen_vl  # noqa: E402
+from qwen_vl_model import FAMILIES, HF_CLASSES, hf_inputs, save_tiny_qwen_vl  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
 
-# 84 x 56 pixels: 4 x 6 patches, 6 tokens; 100 x 60: resized to 4 x 8 patches, 8 tokens
+# 84 x 56 pixels: 4 x 6 patches, 6 tokens; 100 x 60: resized to 4 x 8 patches, 8 tokens (Qwen3-VL's
+# 16-pixel patches: both 4 x 6, 6 tokens)
+TOKENS = {"qwen2_vl": (6, 8), "qwen2_5_vl": (6, 8), "qwen3_vl": (6, 6)}
 RED, BLUE = image((200, 30, 30), (84, 56)), image((20, 40, 220), (100, 60))
 V = "<|vision_start|><|image_pad|><|vision_end|>"
 ONE = f"<|im_start|>user\n{V}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
 TWO = f"<|im_start|>user\n{V}and {V}Which is red?<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-# the engine's handling (the prefix cache, chunks, preemption) is the families' one path: tested on one
+GREEDY_TOKENS = {"qwen2_vl": 8, "qwen2_5_vl": 8, "qwen3_vl": 16}  # transformers' generate takes ~0.2 s a token here
+# the engine's handling (the prefix cache, chunks, preemption) is the families' one path: tested on
+# one, and on Qwen3-VL's deepstack rows, which a chunk or a hit cuts as it cuts the embeddings
 ONE_FAMILY = pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)
-HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+AND_DEEPSTACK = pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"], indirect=True)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -49,20 +55,22 @@ def llm(model_dir):
 
 
 @pytest.mark.parametrize("text,images", [(ONE, [RED]), (TWO, [RED, BLUE])], ids=["one-image", "two-images"])
-def test_positions_logits_and_greedy_tokens_match_transformers(llm, hf, model_dir, text, images):
+def test_positions_logits_and_greedy_tokens_match_transformers(llm, hf, model_dir, family, text, images):
     inputs = hf_inputs(model_dir, text, images)
     ids, positions, logits = ember_logits(llm, text, images)
     assert ids == inputs["input_ids"][0].tolist()
     pad = llm.config.model_config.vision.image_token_id
-    assert [ids.count(pad)] == [[6], [6 + 8]][len(images) - 1]
+    assert ids.count(pad) == sum(TOKENS[family][:len(images)])
     with torch.no_grad():
         want_positions, _ = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                                    inputs["image_grid_thw"])
         want = hf(**inputs).logits[0]
-        expected = hf.generate(**inputs, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):]
+        n = GREEDY_TOKENS[family]
+        expected = hf.generate(**inputs, max_new_tokens=n, do_sample=False, min_new_tokens=n)[0, len(ids):]
     assert torch.equal(positions, want_positions[:, 0])
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
-    assert llm.generate(prompt(text, images), GREEDY)[0].outputs[0].token_ids == expected.tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    assert llm.generate(prompt(text, images), greedy)[0].outputs[0].token_ids == expected.tolist()
     llm.engine.check_idle()
 
 
@@ -81,7 +89,7 @@ def test_chat_with_image_parts_is_the_template_and_the_processor(llm):
     assert out.outputs[0].token_ids == llm.generate(prompt(ONE, [RED]), GREEDY)[0].outputs[0].token_ids
 
 
-@ONE_FAMILY
+@AND_DEEPSTACK
 def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
     """The same image after the same text hits past its tokens (its positions resume there); a
     different image of the same size shares no block over its tokens."""
@@ -94,7 +102,7 @@ def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
     other = llm.generate(prompt(TWO, [yellow, purple]), GREEDY)[0]
     start = first.prompt_token_ids.index(llm.config.model_config.vision.image_token_id)
     assert first.num_cached_tokens == 0
-    assert again.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 4 * 4  # every whole block before the last
+    assert again.num_cached_tokens == len(first.prompt_token_ids) - 1  # all but the last token
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert other.num_cached_tokens == start // 4 * 4  # the text's whole blocks before the image, no more
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
@@ -102,9 +110,9 @@ def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
     llm.engine.check_idle()
 
 
-@ONE_FAMILY
+@AND_DEEPSTACK
 def test_chunk_boundaries_inside_images_change_nothing(model_dir, llm):
-    """A budget of 4 tokens a step cuts the 6- and 8-token images across chunks."""
+    """A budget of 4 tokens a step cuts the 6- and 8-token (Qwen3-VL: 6-token) images across chunks."""
     chunked = make_llm(model_dir, max_num_batched_tokens=4, enable_prefix_caching=False)
     want = llm.generate(prompt(TWO, [RED, BLUE]), GREEDY)[0].outputs[0].token_ids
     assert chunked.generate(prompt(TWO, [RED, BLUE]), GREEDY)[0].outputs[0].token_ids == want
@@ -160,6 +168,71 @@ def test_the_hubs_flat_config_reads_as_qwen2_with_m_rope():
     assert (v.kind, v.hidden_size, v.intermediate_size, v.num_layers, v.num_heads, v.text_hidden_size,
             v.merge_size, v.temporal_patch_size, v.hidden_act) == \
         ("qwen2_vl", 1280, 5120, 32, 16, 3584, 2, 2, "quick_gelu")
+
+
+# Qwen3-VL-4B-Instruct's config.json as the hub has it (transformers 4.57's spelling: rope_scaling)
+QWEN3_VL_CONFIG = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
+    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "tie_word_embeddings": True,
+    "text_config": {"model_type": "qwen3_vl_text", "attention_bias": False, "bos_token_id": 151643,
+                    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560,
+                    "intermediate_size": 9728, "max_position_embeddings": 262144, "num_attention_heads": 32,
+                    "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+                    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+                    "rope_theta": 5000000, "tie_word_embeddings": True, "vocab_size": 151936},
+    "vision_config": {"model_type": "qwen3_vl", "deepstack_visual_indexes": [5, 11, 17], "depth": 24,
+                      "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1024, "in_channels": 3,
+                      "intermediate_size": 4096, "num_heads": 16, "num_position_embeddings": 2304,
+                      "out_hidden_size": 2560, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+}
+
+
+def test_the_hubs_qwen3_vl_config_reads_as_qwen3_with_interleaved_m_rope_and_deepstack():
+    from ember.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_config(QWEN3_VL_CONFIG)
+    assert (cfg.architecture, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.qk_norm, cfg.tie_word_embeddings) \
+        == ("qwen3", 2560, 8, 128, True, True)
+    assert (cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved) == (5e6, (24, 20, 20), True)
+    v = cfg.vision
+    assert (v.kind, v.hidden_size, v.intermediate_size, v.num_layers, v.text_hidden_size, v.patch_size,
+            v.num_position_embeddings, v.deepstack_blocks, v.hidden_act, v.video_token_id) == \
+        ("qwen3_vl", 1024, 4096, 24, 2560, 16, 2304, (5, 11, 17), "gelu_pytorch_tanh", 151656)
+
+
+@pytest.mark.parametrize("section", [(2, 3, 3), (24, 20, 20)])
+def test_interleaved_m_rope_turns_each_frequency_by_its_axis(section):
+    """Qwen3-VL's layout (t h w t h w ... while h's and w's sections last, then t), as
+    transformers' Qwen3VLTextRotaryEmbedding.recomposition_frequencies picks each frequency's axis."""
+    from types import SimpleNamespace
+
+    from ember.layers.rotary import mrope_rows
+
+    axes = torch.arange(3.0)[:, None, None, None].expand(3, 1, 1, sum(section)).clone()
+    picked = transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding.recomposition_frequencies(
+        SimpleNamespace(mrope_section=list(section)), axes)  # [1, 1, 2 * n]: the n axes, twice
+    assert mrope_rows(section, True).tolist() == picked[0, 0, :sum(section)].long().tolist()
+    assert mrope_rows((2, 3, 3), False).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe"},
+     ["Qwen3VLMoeForConditionalGeneration", "unsupported architecture"]),
+    ({"vision_config": QWEN3_VL_CONFIG["vision_config"] | {"deepstack_visual_indexes": [5, 30]}},
+     ["deepstack_visual_indexes [5, 30]", "24"]),
+    ({"vision_config": QWEN3_VL_CONFIG["vision_config"] | {"num_position_embeddings": 2300}},
+     ["num_position_embeddings 2300", "square"]),
+    ({"text_config": QWEN3_VL_CONFIG["text_config"] | {"rope_scaling": {"mrope_interleaved": False,
+                                                                         "mrope_section": [24, 20, 20]}}},
+     ["mrope_interleaved False", "qwen3_vl", "interleaved"]),
+], ids=["moe", "deepstack-outside-tower", "position-grid", "not-interleaved"])
+def test_qwen3_vl_configs_ember_does_not_run_are_refused_by_name(change, words):
+    from ember.models.config import ModelConfig
+
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf_config(QWEN3_VL_CONFIG | change)
+    assert all(w in str(e.value) for w in words), str(e.value)
 
 
 @pytest.mark.parametrize("change,words", [
