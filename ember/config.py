@@ -27,6 +27,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # --kv-cache-dtype: auto stores K/V in the model dtype; fp8 (= fp8_e4m3) in float8_e4m3fn
 _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, **_DTYPES}
 DEFAULT_IMAGES_PER_PROMPT = 16
+DEFAULT_VIDEOS_PER_PROMPT = 1
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 CPU_KV_CACHE_MEMORY = 1 << 30  # default KV pool on the CPU: 1 GiB (vLLM's CPU backend uses 4)
 
@@ -186,7 +187,7 @@ class EngineConfig:
     # images (a vision-language model): what one prompt may bring, and from where
     limit_mm_per_prompt: dict[str, int] | None = flag(  # a JSON string or dict from callers, a dict after init
         None, 'the most items of each modality one prompt may bring (vLLM\'s JSON), e.g. \'{"image": 2}\' '
-        f'(default: {DEFAULT_IMAGES_PER_PROMPT} images)', metavar="JSON")
+        f'(default: {DEFAULT_IMAGES_PER_PROMPT} images, {DEFAULT_VIDEOS_PER_PROMPT} video)', metavar="JSON")
     allowed_local_media_path: str | None = flag(
         None, "image URLs file://PATH are read where PATH is under this folder (default: file:// URLs are refused)",
         metavar="DIR")
@@ -254,6 +255,11 @@ class EngineConfig:
     def images_per_prompt(self) -> int:
         """The most images one prompt may bring (limit_mm_per_prompt's "image")."""
         return self.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT)
+
+    @property
+    def videos_per_prompt(self) -> int:
+        """The most videos one prompt may bring (limit_mm_per_prompt's "video")."""
+        return self.limit_mm_per_prompt.get("video", DEFAULT_VIDEOS_PER_PROMPT)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -427,7 +433,7 @@ def flag_types() -> dict[str, tuple[type, tuple[str, ...] | None, bool]]:
 TUNING_KNOBS = tuple(f.name for f in flag_fields() if f.metadata["knob"])
 
 
-MODALITIES = ("image",)
+MODALITIES = ("image", "video")
 
 
 def _mm_limits(value: str | Mapping[str, int] | None) -> dict[str, int]:

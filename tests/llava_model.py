@@ -110,15 +110,17 @@ def make_llm(model_dir, **kw) -> LLM:
                max_model_len=256, **kw)
 
 
-def prompt(text: str, images: list) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
+def prompt(text: str, images: list, video: object = None) -> dict:
+    """vLLM's prompt of text and images (and a video, its frames or (frames, metadata))."""
+    return {"prompt": text, "multi_modal_data": {"image": images} | ({"video": video} if video is not None else {})}
 
 
-def ember_logits(llm: LLM, text: str, images: list) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+def ember_logits(llm: LLM, text: str, images: list, video: object = None
+                 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """One forward of the whole prompt (its images embedded by the runner): its token ids, the
     positions its rows turned by ([T], or M-RoPE's [3, T]) and every position's logits."""
     core = llm.engine
-    req = llm.inputs.make_request("logits", prompt(text, images), SamplingParams(max_tokens=1))
+    req = llm.inputs.make_request("logits", prompt(text, images, video), SamplingParams(max_tokens=1))
     req.block_ids = core.block_pool.allocate(core.scheduler.blocks_for(req.num_tokens))
     try:
         plan = SchedulerOutput([ScheduledChunk(req, req.num_tokens)])

@@ -11,15 +11,18 @@ outputs), and a 3-layer Qwen3 language model with interleaved M-RoPE."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-# Qwen2-VL's template, reduced: each image of a message is <|vision_start|><|image_pad|><|vision_end|>
+# Qwen2-VL's template, reduced: each image of a message is <|vision_start|><|image_pad|><|vision_end|>,
+# each video <|vision_start|><|video_pad|><|vision_end|>
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
     "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -92,8 +95,40 @@ def save_tiny_qwen_vl(tokenizer_dir: Path, out: Path, family: str = "qwen2_vl", 
         size={"shortest_edge": unit, "longest_edge": shape.get("max_pixels", MAX_PIXELS // 28 ** 2 * unit)},
         patch_size=patch, **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family == "qwen3_vl" else {}))
     images.save_pretrained(str(out))
+    if family == "qwen3_vl":  # Qwen3VLVideoProcessor's file (it cannot be made without torchvision): its
+        # pixels are every frame's, so 4 frames of 4 x 6 merged patches fit
+        video = {"video_processor_type": "Qwen3VLVideoProcessor", "size": {"shortest_edge": unit,
+                                                                           "longest_edge": 4 * 24 * unit},
+                 "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3,
+                 "image_std": [0.5] * 3, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+                 "do_normalize": True, "do_convert_rgb": True, "resample": 3, "do_sample_frames": True, "fps": 2,
+                 "min_frames": 4, "max_frames": 768}
+        (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))
+    return out
+
+
+def hf_media_inputs(ids: list[int], features: list, vision, second_per_grid: float | None = None) -> dict:
+    """transformers' model inputs for a prompt as ember processed it (its token ids and its images'
+    and videos' features, in prompt order): each token's modality (mm_token_type_ids: 1 image, 2
+    video), the images' patches and grids, the videos' (Qwen3-VL's one a temporal patch, rejoined
+    into its video's grid) and Qwen2.5-VL's second_per_grid_ts."""
+    import numpy as np
+
+    t = torch.tensor([ids])
+    out = {"input_ids": t, "mm_token_type_ids": (t == vision.image_token_id).int() + 2 * (t == vision.video_token_id).int()}
+    for token, pixels, grids in ((vision.image_token_id, "pixel_values", "image_grid_thw"),
+                                 (vision.video_token_id, "pixel_values_videos", "video_grid_thw")):
+        mine = [f for f in features if ids[f.offset] == token]
+        if mine:
+            out[pixels] = torch.from_numpy(np.concatenate([f.pixel_values for f in mine]))
+            out[grids] = torch.tensor([f.grid_thw for f in mine])
+    if vision.kind == "qwen3_vl" and "video_grid_thw" in out:  # one video: its temporal patches
+        grid = out["video_grid_thw"]
+        out["video_grid_thw"] = torch.tensor([[int(grid[:, 0].sum()), int(grid[0, 1]), int(grid[0, 2])]])
+    if second_per_grid is not None:
+        out["second_per_grid_ts"] = torch.tensor([second_per_grid])
     return out
 
 

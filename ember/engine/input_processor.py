@@ -29,8 +29,9 @@ from ember.scheduler.scheduler import check_prompt_length
 # carry a "cache_salt" (the prefix cache then shares blocks only among prompts of that salt),
 # for an encoder with token types, "token_type_ids", and for a vision-language model
 # {"prompt": "text", "multi_modal_data": {"image": a PIL image or a list}} (vLLM's shape: one
-# image token in the text where each image goes) or, as chat_prompt makes it, its processed form
-# {"prompt_token_ids": [...], "mm_features": [ImageFeature, ...]}
+# image token in the text where each image goes; Qwen2-VL's family takes "video" too: a video's
+# frames as a list of PIL images, or (frames, {"fps": ...}), or a list of those) or, as
+# chat_prompt makes it, its processed form {"prompt_token_ids": [...], "mm_features": [ImageFeature, ...]}
 PromptType = Union[str, dict[str, Any]]
 Conversation = list[dict[str, Any]]
 
@@ -91,16 +92,29 @@ class InputProcessor:
                              "(--limit-mm-per-prompt '{\"image\": N}')")
         return [load_image(image, self.media_limits) for image in images]
 
-    def image_prompt(self, text: str, images: list[Any], add_special_tokens: bool = True
+    def load_videos(self, videos: list[Any]) -> list[tuple[list[Any], float | None]]:
+        """Check a prompt's videos against the model and the limits; each as (its frames as PIL
+        images, their fps or None)."""
+        if self.image_processor().videos is None:
+            raise ValueError(f"this model ({self.config.model_config.architecture}) takes no video: give a video's "
+                             "frames as images, or serve Qwen2-VL, Qwen2.5-VL or Qwen3-VL")
+        if len(videos) > self.config.videos_per_prompt:
+            raise ValueError(f"{len(videos)} videos in one prompt is over the limit of {self.config.videos_per_prompt} "
+                             "(--limit-mm-per-prompt '{\"video\": N}')")
+        return [([load_image(f, self.media_limits) for f in frames], fps) for frames, fps in map(_video, videos)]
+
+    def image_prompt(self, text: str, images: list[Any], add_special_tokens: bool = True, videos: list[Any] = ()
                      ) -> tuple[list[int], list[ImageFeature]]:
-        """A text prompt with one image token where each image goes -> its token ids (each
-        image's placeholders expanded by the model's processor) and the images' features."""
+        """A text prompt with one image token where each image goes (and one video token where
+        each video goes) -> its token ids (each placeholder expanded by the model's processor)
+        and the images' and videos' features, in prompt order."""
         tok = self.require_tokenizer()
         if len(text) > self.config.max_model_len * tok.max_chars_per_token:
             raise ValueError(f"the prompt has {len(text)} characters, more than {self.config.max_model_len} tokens "
                              f"(max_model_len) of at most {tok.max_chars_per_token} characters can hold: shorten it")
-        loaded = self.load_images(images)
-        return self.image_processor().process(text, loaded, add_special_tokens)
+        loaded = self.load_images(images) if images or not videos else []
+        clips = self.load_videos(list(videos)) if videos else []
+        return self.image_processor().process(text, loaded, add_special_tokens, clips)
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                      priority: int = 0) -> Request:
@@ -175,18 +189,16 @@ class InputProcessor:
     def _multi_modal_prompt(self, prompt: dict[str, Any]) -> tuple[str, list[int], list[ImageFeature]]:
         """vLLM's {"prompt": text, "multi_modal_data": {"image": image or [images]}}."""
         data = prompt["multi_modal_data"]
-        if isinstance(data, dict) and "video" in data:
-            raise ValueError("multi_modal_data 'video' is not supported: transformers' Qwen2-VL video processor needs "
-                             "torchvision, which ember does not install; give a video's frames as images")
-        if not isinstance(data, dict) or set(data) - {"image"}:
+        if not isinstance(data, dict) or set(data) - {"image", "video"}:
             kinds = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"multi_modal_data takes {{'image': a PIL image or a list of them}}; got {kinds}")
+            raise ValueError(f"multi_modal_data takes {{'image': a PIL image or a list of them, 'video': a video's "
+                             f"frames (Qwen2-VL's family)}}; got {kinds}")
         if "prompt_token_ids" in prompt or not isinstance(prompt.get("prompt"), str):
             raise ValueError("a prompt with multi_modal_data is text ({'prompt': '... <image> ...'}): the model's "
                              "processor expands each image's placeholder in it")
-        images = data.get("image")
+        images = data.get("image", [])
         images = list(images) if isinstance(images, (list, tuple)) else [images]
-        ids, features = self.image_prompt(prompt["prompt"], images)
+        ids, features = self.image_prompt(prompt["prompt"], images, videos=_videos(data.get("video")))
         return prompt["prompt"], ids, features
 
     def check_image_tokens(self, ids: list[int], features: list[ImageFeature]) -> None:
@@ -194,9 +206,13 @@ class InputProcessor:
         prompt cannot bring the placeholder alone, nor truncation cut an image)."""
         if self.vision is None:
             return
-        token = self.vision.image_token_id
-        placed = sum(ids[f.offset:f.end].count(token) for f in features)  # Pixtral's runs hold break tokens too
-        if ids.count(token) != placed or any(f.end > len(ids) for f in features):
+        tokens = {self.vision.image_token_id, self.vision.video_token_id} - {0}
+
+        def count(ids: list[int]) -> int:
+            return sum(t in tokens for t in ids)
+
+        placed = sum(count(ids[f.offset:f.end]) for f in features)  # Pixtral's runs hold break tokens too
+        if count(ids) != placed or any(f.end > len(ids) for f in features):
             raise ValueError(f"the prompt holds image token {self.vision.image_token_id} where no image goes (or an "
                              "image is cut): give images as multi_modal_data with a text prompt, or as chat image "
                              "parts, and do not truncate a prompt with images")
@@ -220,15 +236,17 @@ class InputProcessor:
         if not messages:
             raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
         tok = self.require_tokenizer()
-        messages, images = image_parts(messages)
+        messages, images, videos = image_parts(messages)
         if images:  # refused (no images here, too many, undecodable) before the template runs
             images = self.load_images(images)
+        if videos:
+            self.load_videos(videos)
         text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, chat_template=chat_template,
                                        **template_kwargs)
-        if not images:
+        if not images and not videos:
             return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=add_special_tokens)}
-        ids, features = self.image_prompt(text, images, add_special_tokens)
+        ids, features = self.image_prompt(text, images, add_special_tokens, videos)
         return {"prompt": text, "prompt_token_ids": ids, "mm_features": features}
 
     def check_prompt(self, ids: list[int]) -> None:
@@ -277,18 +295,21 @@ class InputProcessor:
 
 
 IMAGE_PART_TYPES = ("image_url", "image_pil")
+MEDIA_PART_TYPES = (*IMAGE_PART_TYPES, "video", "video_url")
 
 
-def image_parts(messages: Conversation) -> tuple[Conversation, list[Any]]:
+def image_parts(messages: Conversation) -> tuple[Conversation, list[Any], list[Any]]:
     """The messages with each image part ({"type": "image_url", "image_url": {"url": ...}} as
     OpenAI's API sends it, or vLLM's {"type": "image_pil", "image_pil": a PIL image}) as
-    {"type": "image"}, the part chat templates write the image token for, and the images
-    (URLs or PIL images) in order."""
+    {"type": "image"}, the part chat templates write the image token for, and each video part
+    ({"type": "video", "video": its frames as PIL images, or (frames, {"fps": ...})}) as
+    {"type": "video"}; the images (URLs or PIL images) and the videos, each in order."""
     images: list[Any] = []
+    videos: list[Any] = []
     out = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in MEDIA_PART_TYPES
                                              for p in content):
             parts = []
             for part in content:
@@ -303,11 +324,52 @@ def image_parts(messages: Conversation) -> tuple[Conversation, list[Any]]:
                 elif kind == "image_pil":
                     images.append(part.get("image_pil"))
                     parts.append({"type": "image"})
+                elif kind == "video":
+                    videos.append(part.get("video"))
+                    parts.append({"type": "video"})
+                elif kind == "video_url":
+                    raise ValueError("video_url parts are not supported: ember decodes no video files; give a video's "
+                                     "frames offline as {'type': 'video', 'video': [PIL images]}")
                 else:
                     parts.append(part)
             message = {**message, "content": parts}
         out.append(message)
-    return out, images
+    return out, images, videos
+
+
+def _videos(value: Any) -> list[Any]:
+    """multi_modal_data's "video" as a list of videos: one video (its frames, or (frames,
+    metadata)) or a list of them."""
+    if value is None:
+        return []
+    if _is_video(value):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(_is_video(v) for v in value):
+        return list(value)
+    raise ValueError("multi_modal_data 'video' is a video's frames (a list of PIL images), (frames, {'fps': ...}), "
+                     "or a list of those")
+
+
+def _is_video(value: Any) -> bool:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        return True
+    return isinstance(value, (list, tuple)) and bool(value) and not isinstance(value[0], (list, tuple, dict))
+
+
+def _video(video: Any) -> tuple[list[Any], float | None]:
+    """(frames, fps or None) of one video; its metadata may give fps alone (the frames are the
+    sampled ones: ember samples none)."""
+    frames, meta = (video if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], dict)
+                    else (video, {}))
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise ValueError("a video is its frames: a non-empty list of images")
+    if set(meta) - {"fps"}:
+        raise ValueError(f"a video's metadata {sorted(set(meta) - {'fps'})} is not supported: ember takes the frames "
+                         "as sampled, and their fps")
+    fps = meta.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+        raise ValueError(f"a video's fps must be a number > 0; got {fps!r:.40}")
+    return list(frames), None if fps is None else float(fps)
 
 
 def template_messages(messages: Conversation) -> Conversation:

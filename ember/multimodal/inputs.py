@@ -1,6 +1,8 @@
 """ImageFeature: one image of a request, as the engine carries it from the boundary to the
 runner: its processed pixels, where its placeholder tokens sit in the prompt, and a hash of
-its pixels, which keys the encoder-output cache and the prefix cache's blocks over it.
+its pixels, which keys the encoder-output cache and the prefix cache's blocks over it. A video
+is one too (Qwen2-VL, Qwen2.5-VL: its frames' patches, grid (T, h, w), one run of video tokens)
+or one a temporal patch (Qwen3-VL, whose frames' runs of video tokens have their times between).
 Plain data (numpy arrays): it crosses the engine core's process boundary by pickle."""
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ class ImageFeature:
     # LLaVA-NeXT: the image's (height, width), which its tiling and unpadding follow;
     # pixel_values are its views [1 + tiles, C, H, W]
     image_size: tuple[int, int] | None = None
+    # Qwen2.5-VL's video: the M-RoPE temporal position step of each patch in time (transformers'
+    # tokens_per_second * second_per_grid_t); 1 for an image and every other family's video
+    time_interval: float = 1.0
 
     @property
     def end(self) -> int:
@@ -35,11 +40,12 @@ class ImageFeature:
         return -1 - int(self.hash[:15], 16)
 
 
-def pixels_hash(pixel_values: np.ndarray, image_size: tuple[int, int] | None = None) -> str:
-    """The hash of an image's processed pixels (their bytes, dtype and shape, and the image's
-    size where its embeddings follow it too)."""
+def pixels_hash(pixel_values: np.ndarray, extra: object = None) -> str:
+    """The hash of an image's processed pixels (their bytes, dtype and shape) and of `extra`,
+    what else its embeddings or its tokens' positions follow (LLaVA-NeXT's image size, a video's
+    time_interval)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{pixel_values.dtype}{pixel_values.shape}{image_size or ''}".encode())
+    h.update(f"{pixel_values.dtype}{pixel_values.shape}{'' if extra is None else extra}".encode())
     h.update(np.ascontiguousarray(pixel_values).tobytes())
     return h.hexdigest()
 

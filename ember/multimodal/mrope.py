@@ -9,6 +9,9 @@ plus the larger of its rows and columns:
     h        0  1    2   2   3   3   4   4    5
     w        0  1    2   3   2   3   2   3    5
 
+A video's (Qwen2.5-VL's) t is its patch in time times its time_interval, truncated as
+transformers' float32 product is; the text after it counts on from max(rows, columns) too.
+
 A token past the prompt (decode, or an output token recomputed) at position p turns by
 p + delta in all three, delta = (the prompt's largest position + 1) - its length.
 """
@@ -36,7 +39,8 @@ def mrope_positions(num_tokens: int, features: Sequence[ImageFeature], merge_siz
         if t * h * w != f.length:
             raise ValueError(f"an image of grid {f.grid_thw} (merged {merge_size} x {merge_size}) has {t * h * w} "
                              f"tokens, its placeholder run {f.length}")
-        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
+        times = (np.arange(t, dtype=np.float32) * np.float32(f.time_interval)).astype(np.int64)
+        grid = np.stack(np.meshgrid(times, np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
         pos[:, f.offset:f.end] = grid + current
         current += max(h, w)
         cursor = f.end

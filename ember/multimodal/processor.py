@@ -10,7 +10,9 @@ Slow (PIL and numpy): the server runs it on its input pool, off the event loop."
 from __future__ import annotations
 
 import json
+import re
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ from ember.models.llava_next import feature_count, num_views
 from ember.models.pixtral import row_tokens
 from ember.models.vision_config import VisionConfig
 from ember.multimodal.inputs import ImageFeature, pixels_hash
+from ember.multimodal.video import VideoPatches, VideoProcessor, frame_times
 
 if TYPE_CHECKING:
     from ember.loader.tokenizer import Tokenizer
@@ -32,7 +35,7 @@ class ImageProcessor:
         import transformers
 
         self.vision = vision
-        self.processor = self.tokenizer = None
+        self.processor = self.tokenizer = self.videos = None
         if vision.row_tokens:
             self._init_rows(Path(model_dir), tokenizer)
             self._lock = threading.Lock()
@@ -45,6 +48,8 @@ class ImageProcessor:
                 self.processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
                 self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
                 self.image_token: str = self.tokenizer.convert_ids_to_tokens(vision.image_token_id)
+                self.video_token: str = self.tokenizer.convert_ids_to_tokens(vision.video_token_id)
+                self.videos = VideoProcessor(Path(model_dir), vision, self.processor)
             else:
                 self.processor = transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
                 self.image_token = self.processor.image_token
@@ -58,15 +63,23 @@ class ImageProcessor:
             _check_gemma3(self.processor, vision, model_dir)
         self._lock = threading.Lock()  # a transformers processor is not known to be thread-safe
 
-    def process(self, text: str, images: list[Any], add_special_tokens: bool) -> tuple[list[int], list[ImageFeature]]:
-        """Token ids of `text` with its images' placeholders expanded, and the images' features.
-        `text` has one image token (`image_token`) where each image goes, in order."""
+    def process(self, text: str, images: list[Any], add_special_tokens: bool,
+                videos: Sequence[tuple[list[Any], float | None]] = ()) -> tuple[list[int], list[ImageFeature]]:
+        """Token ids of `text` with its images' (and videos') placeholders expanded, and their
+        features in prompt order. `text` has one image token (`image_token`) where each image goes
+        and one video token where each video (its frames, and their fps or None) goes, in order."""
         found = text.count(self.image_token)
         if found != len(images):
             raise ValueError(f"the prompt has {found} image placeholders ({self.image_token!r}) for {len(images)} "
                              f"images: put one {self.image_token!r} where each image goes")
+        if videos and self.videos is None:
+            raise ValueError(f"this model ({self.vision.kind}) takes no video: give its frames as images")
         if self.vision.dynamic_resolution:
-            return self._process_grids(text, images, add_special_tokens)
+            if text.count(self.video_token) != len(videos):
+                raise ValueError(f"the prompt has {text.count(self.video_token)} video placeholders "
+                                 f"({self.video_token!r}) for {len(videos)} videos: put one {self.video_token!r} "
+                                 "where each video goes")
+            return self._process_grids(text, images, videos, add_special_tokens)
         if self.vision.row_tokens:
             return self._process_rows(text, images, add_special_tokens)
         with self._lock:
@@ -79,26 +92,82 @@ class ImageProcessor:
             return ids, self._features(ids, [p[:num_views(s, self.vision)] for p, s in zip(pixels, sizes)], sizes)
         return ids, self._features(ids, list(pixels))
 
-    def _process_grids(self, text: str, images: list[Any], add_special_tokens: bool
-                       ) -> tuple[list[int], list[ImageFeature]]:
-        """Qwen2-VL: each image's patches and grid (t, h, w); its image token repeated
-        t * h * w / merge^2 times in the text, as Qwen2VLProcessor expands it."""
+    def _process_grids(self, text: str, images: list[Any], videos: Sequence[tuple[list[Any], float | None]],
+                       add_special_tokens: bool) -> tuple[list[int], list[ImageFeature]]:
+        """Qwen2-VL's family: each image's patches and grid (t, h, w), its image token repeated
+        t * h * w / merge^2 times in the text, as Qwen2VLProcessor expands it; each video's
+        (multimodal/video.py) likewise in video tokens, and Qwen3-VL's laid out as
+        Qwen3VLProcessor does: each temporal patch its time, then its own run between
+        <|vision_start|> and <|vision_end|> (the template's wrapper around the video token dropped)."""
+        unit, qwen3 = self.vision.merge_size ** 2, self.vision.kind == "qwen3_vl"
         with self._lock:
-            enc = self.processor(images=images, return_tensors="np")
-            grids = [tuple(int(x) for x in g) for g in enc["image_grid_thw"]]
-            counts = [t * h * w // self.vision.merge_size ** 2 for t, h, w in grids]
-            parts = text.split(self.image_token)
-            text = parts[0] + "".join(self.image_token * n + part for n, part in zip(counts, parts[1:]))
-            ids = [int(t) for t in self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
+            enc = self.processor(images=images, return_tensors="np") if images else {"image_grid_thw": []}
+            clips = [self.videos.process(frames, fps) for frames, fps in videos]
+        grids = [tuple(int(x) for x in g) for g in enc["image_grid_thw"]]
+        counts = [t * h * w // unit for t, h, w in grids]
+        vstart, vend = (getattr(self.tokenizer, name, default) for name, default in
+                      (("vision_start_token", "<|vision_start|>"), ("vision_end_token", "<|vision_end|>")))
+        video = re.escape(self.video_token)
+        wrapped = f"{re.escape(vstart)}{video}{re.escape(vend)}|" if qwen3 else ""
+        parts = re.split(f"({re.escape(self.image_token)}|{wrapped}{video})", text)
+        expanded, next_image, next_video = [parts[0]], iter(counts), iter(clips)
+        for placeholder, after in zip(parts[1::2], parts[2::2]):
+            if placeholder == self.image_token:
+                expanded.append(self.image_token * next(next_image))
+            else:
+                expanded.append(self._video_text(next(next_video), vstart, vend))
+            expanded.append(after)
+        with self._lock:
+            ids = [int(t) for t in self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens)["input_ids"]]
         pixels = np.split(np.asarray(enc["pixel_values"], dtype=np.float32),
-                          np.cumsum([t * h * w for t, h, w in grids])[:-1])
-        runs = _runs_of(ids, self.vision.image_token_id)
-        if [n for _, n in runs] != counts:
-            raise ValueError(f"the processor placed image tokens in runs of {[n for _, n in runs]} for images of "
-                             f"{counts}: the image token {self.image_token!r} in the text itself is not allowed")
+                          np.cumsum([t * h * w for t, h, w in grids])[:-1]) if images else []
+        image_runs = _runs_of(ids, self.vision.image_token_id)
+        if [n for _, n in image_runs] != counts:
+            raise ValueError(f"the processor placed image tokens in runs of {[n for _, n in image_runs]} for images "
+                             f"of {counts}: the image token {self.image_token!r} in the text itself is not allowed")
         # the hash sees the grid too (the patches' shape alone would not tell 2 x 8 from 8 x 2)
-        return ids, [ImageFeature(start, n, pixels_hash(p.reshape(*g, -1)), p, g)
-                     for (start, n), p, g in zip(runs, pixels, grids)]
+        features = [ImageFeature(start, n, pixels_hash(p.reshape(*g, -1)), p, g)
+                    for (start, n), p, g in zip(image_runs, pixels, grids)]
+        video_runs = iter(_runs_of(ids, self.vision.video_token_id))
+        for clip in clips:
+            features += self._video_features(clip, video_runs)
+        if next(video_runs, None) is not None:
+            raise ValueError(f"the prompt has video tokens ({self.video_token!r}) of no video: the video token in the "
+                             "text itself is not allowed")
+        return ids, sorted(features, key=lambda f: f.offset)
+
+    def _video_text(self, clip: VideoPatches, start: str, end: str) -> str:
+        """A video's placeholder, expanded as its family's processor expands it."""
+        t, h, w = clip.grid
+        if self.vision.kind != "qwen3_vl":
+            return self.video_token * (t * h * w // self.vision.merge_size ** 2)
+        run = start + self.video_token * (h * w // self.vision.merge_size ** 2) + end
+        times = frame_times(t * self.vision.temporal_patch_size, clip.fps, self.vision.temporal_patch_size)
+        return "".join(f"<{time:.1f} seconds>" + run for time in times)
+
+    def _video_features(self, clip: VideoPatches, runs: Iterator[tuple[int, int]]) -> list[ImageFeature]:
+        """A video's features: Qwen2-VL's one over its run of video tokens, Qwen2.5-VL's with its
+        temporal positions' step; Qwen3-VL's one a temporal patch (the tower attends within each
+        frame, so a temporal patch is an image of grid (1, h, w))."""
+        t, h, w = clip.grid
+        if self.vision.kind == "qwen3_vl":
+            pieces = [(p, (1, h, w), 1.0) for p in np.split(clip.patches, t)]
+        else:
+            interval = 1.0  # Qwen2.5-VL: tokens_per_second * second_per_grid_t, as its get_rope_index
+            if self.vision.kind == "qwen2_5_vl":
+                interval = self.vision.tokens_per_second * self.vision.temporal_patch_size / clip.fps
+            pieces = [(clip.patches, clip.grid, interval)]
+        features = []
+        for patches, grid, interval in pieces:
+            run = next(runs, None)
+            want = grid[0] * grid[1] * grid[2] // self.vision.merge_size ** 2
+            if run is None or run[1] != want:
+                raise ValueError(f"the processor placed a video's tokens in a run of {run and run[1]} for {want}: the "
+                                 f"video token {self.video_token!r} in the text itself is not allowed")
+            extra = interval if interval != 1.0 else None
+            features.append(ImageFeature(run[0], run[1], pixels_hash(patches.reshape(*grid, -1), extra), patches,
+                                         grid, time_interval=interval))
+        return features
 
     def _init_rows(self, model_dir: Path, tokenizer: Tokenizer | None) -> None:
         """Pixtral / Mistral 3: the image processor (PixtralImageProcessorPil) and the placeholder

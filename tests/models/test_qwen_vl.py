@@ -4,10 +4,12 @@ saved by transformers, against transformers on the same inputs: images of differ
 different token counts), M-RoPE positions as get_rope_index makes them (Qwen3-VL's interleaved),
 logits of prompts with one and two images (Qwen3-VL's deepstack rows added in its first layers),
 greedy tokens (decode turns by position + delta), a chunk boundary inside an image, the prefix
-cache over a repeated image."""
+cache over a repeated image; a video's frames (Qwen2.5-VL's temporal positions by fps, Qwen3-VL's
+times as text between its temporal patches' runs)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
-from qwen_vl_model import FAMILIES, HF_CLASSES, hf_inputs, save_tiny_qwen_vl  # noqa: E402
+from qwen_vl_model import FAMILIES, HF_CLASSES, hf_inputs, hf_media_inputs, save_tiny_qwen_vl  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
 
@@ -31,7 +33,7 @@ GREEDY_TOKENS = {"qwen2_vl": 8, "qwen2_5_vl": 8, "qwen3_vl": 16}  # transformers
 # the engine's handling (the prefix cache, chunks, preemption) is the families' one path: tested on
 # one, and on Qwen3-VL's deepstack rows, which a chunk or a hit cuts as it cuts the embeddings
 ONE_FAMILY = pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)
-AND_DEEPSTACK = pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"], indirect=True)
+QWEN25_AND_QWEN3 = pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"], indirect=True)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -89,7 +91,7 @@ def test_chat_with_image_parts_is_the_template_and_the_processor(llm):
     assert out.outputs[0].token_ids == llm.generate(prompt(ONE, [RED]), GREEDY)[0].outputs[0].token_ids
 
 
-@AND_DEEPSTACK
+@QWEN25_AND_QWEN3
 def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
     """The same image after the same text hits past its tokens (its positions resume there); a
     different image of the same size shares no block over its tokens."""
@@ -110,7 +112,7 @@ def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
     llm.engine.check_idle()
 
 
-@AND_DEEPSTACK
+@QWEN25_AND_QWEN3
 def test_chunk_boundaries_inside_images_change_nothing(model_dir, llm):
     """A budget of 4 tokens a step cuts the 6- and 8-token (Qwen3-VL: 6-token) images across chunks."""
     chunked = make_llm(model_dir, max_num_batched_tokens=4, enable_prefix_caching=False)
@@ -249,6 +251,82 @@ def test_configs_ember_does_not_run_are_refused_by_name(change, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
-def test_video_is_refused_by_name(llm):
-    with pytest.raises(ValueError, match="'video' is not supported.*torchvision.*frames as images"):
-        llm.generate({"prompt": ONE, "multi_modal_data": {"video": [RED, RED]}}, GREEDY)
+# four frames of 84 x 56 pixels, reddening: two patches in time of 4 x 6 patches (Qwen3-VL: 4 x 6 of 16 pixels)
+FRAMES = [image((200 - 30 * i, 30 + 30 * i, 40), (84, 56)) for i in range(4)]
+VIDEO = f"<|im_start|>user\n{V}then <|vision_start|><|video_pad|><|vision_end|>What happens?<|im_end|>\n" \
+        "<|im_start|>assistant\n"
+
+
+@QWEN25_AND_QWEN3
+def test_a_video_matches_transformers(llm, hf, family):
+    """An image, then a 4-frame video: Qwen2.5-VL's at 1 fps (its temporal positions 8 apart:
+    tokens_per_second 4 x 2 frames a patch), Qwen3-VL's at transformers' default 24 fps (each
+    temporal patch's time, its frames' mean, as text before its own run)."""
+    video = (FRAMES, {"fps": 1.0}) if family == "qwen2_5_vl" else FRAMES
+    ids, positions, logits = ember_logits(llm, VIDEO, [BLUE], video)
+    features = llm.inputs.make_request("v", prompt(VIDEO, [BLUE], video), GREEDY).mm_features
+    vision = llm.config.model_config.vision
+    assert [(f.length, f.grid_thw) for f in features] == \
+        {"qwen2_5_vl": [(8, (1, 4, 8)), (12, (2, 4, 6))], "qwen3_vl": [(6, (1, 4, 6)), (6, (1, 4, 6)), (6, (1, 4, 6))]}[family]
+    if family == "qwen3_vl":
+        run = "<|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>"
+        assert llm.inputs.tokenizer.decode(ids).endswith(f"then <0.0 seconds>{run}<0.1 seconds>{run}What happens?"
+                                                         "<|im_end|>\n<|im_start|>assistant\n")
+    inputs = hf_media_inputs(ids, features, vision, 2.0 if family == "qwen2_5_vl" else None)
+    with torch.no_grad():
+        rope_args = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+        want_positions, _ = hf.model.get_rope_index(**{k: inputs[k] for k in rope_args if k in inputs})
+        want = hf(**inputs).logits[0]
+        expected = hf.generate(**inputs, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):]
+    assert torch.equal(positions, want_positions[:, 0])
+    if family == "qwen2_5_vl":  # the video's two patches in time at t + 0 and t + 8
+        start = features[1].offset
+        assert positions[0, start + 11] - positions[0, start] == 8
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
+    assert llm.generate(prompt(VIDEO, [BLUE], video), GREEDY)[0].outputs[0].token_ids == expected.tolist()
+    llm.engine.check_idle()
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl"], indirect=True)
+def test_video_patches_are_the_video_processors_layout(llm):
+    """Three frames (padded with the last to two patches in time), resized, rescaled and normalized
+    here by hand, patchified by transformers' Qwen3VLVideoProcessor.patchify: ember's patches."""
+    from PIL import Image
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    clip = llm.inputs.image_processor().videos.process(FRAMES[:3], None)
+    t, h, w = clip.grid
+    frames = np.stack([np.asarray(f.resize((w * 16, h * 16), Image.Resampling.BICUBIC), dtype=np.float32)
+                       for f in FRAMES[:3]]) / 255
+    frames = torch.from_numpy(((frames - 0.5) / 0.5).transpose(0, 3, 1, 2))[None]  # [1, F, C, H, W]
+    want, *grid = Qwen3VLVideoProcessor.patchify(None, frames, 16, 2, 2)
+    assert tuple(grid) == clip.grid == (2, 4, 6)
+    torch.testing.assert_close(torch.from_numpy(clip.patches), want[0], rtol=0, atol=1e-6)
+
+
+@ONE_FAMILY
+@pytest.mark.parametrize("ask,words", [
+    ({"prompt": "What happens?", "multi_modal_data": {"video": FRAMES}}, ["0 video placeholders", "for 1 videos"]),
+    ({"prompt": VIDEO, "multi_modal_data": {"image": [BLUE], "video": (FRAMES, {"fps": 2, "duration": 2})}},
+     ["metadata ['duration']", "as sampled"]),
+    ({"prompt": VIDEO, "multi_modal_data": {"image": [BLUE], "video": [FRAMES[0], BLUE]}}, ["differ in size"]),
+    ({"prompt": VIDEO, "multi_modal_data": {"image": [BLUE], "video": [FRAMES, FRAMES]}},
+     ["2 videos in one prompt", "limit of 1"]),
+], ids=["no-placeholder", "metadata", "frame-sizes", "too-many"])
+def test_videos_ember_cannot_take_are_refused_by_name(llm, ask, words):
+    with pytest.raises(ValueError) as e:
+        llm.generate(ask, GREEDY)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@ONE_FAMILY
+def test_chat_takes_video_parts_and_refuses_video_urls(llm):
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": BLUE}, {"type": "text", "text": "then "},
+                                             {"type": "video", "video": FRAMES},
+                                             {"type": "text", "text": "What happens?"}]}]
+    out = llm.chat(messages, GREEDY)[0]
+    assert out.prompt == VIDEO
+    assert out.outputs[0].token_ids == llm.generate(prompt(VIDEO, [BLUE], FRAMES), GREEDY)[0].outputs[0].token_ids
+    messages[0]["content"][2] = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    with pytest.raises(ValueError, match="video_url parts are not supported"):
+        llm.chat(messages, GREEDY)
