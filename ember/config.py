@@ -350,7 +350,7 @@ class EngineConfig:
         if self.speculative_config is not None and self.speculative_config.method in ("draft_model", "eagle3") \
                 and model_config.mrope_section is not None:
             raise ValueError(f"speculative decoding by {self.speculative_config.method} is not supported with M-RoPE "
-                             "(Qwen2-VL, Qwen2.5-VL) yet: the drafter turns its keys by 1-D positions; use method "
+                             "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL) yet: the drafter turns its keys by 1-D positions; use method "
                              "'ngram' or leave speculative_config unset")
         if model_config.vision is not None and self.tensor_parallel_size > 1:
             raise ValueError("a vision-language model's images run on one rank for now: use tensor_parallel_size 1 "

@@ -79,7 +79,7 @@ class ModelConfig:
     # language model on text prompts alone (the loader skips the vision tensors)
     multimodal: bool = False
     vision: VisionConfig | None = None
-    # M-RoPE (Qwen2-VL, Qwen2.5-VL): a position is (t, h, w), and of each head's rotary_dim / 2
+    # M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a position is (t, h, w), and of each head's rotary_dim / 2
     # frequencies the first sections[0] turn by t, the next sections[1] by h, the last by w; a
     # text token's three are equal (plain RoPE). None: positions are one number
     mrope_section: tuple[int, int, int] | None = None

@@ -1,4 +1,4 @@
-"""M-RoPE positions (Qwen2-VL, Qwen2.5-VL): each prompt token's (t, h, w), as transformers'
+"""M-RoPE positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each prompt token's (t, h, w), as transformers'
 `get_rope_index` lays them out. A text token's three are equal and count on from the last
 token before it; an image's tokens are its grid of merged patches, (t, row, column) each offset
 by the position where the image starts, and the text after an image counts on from that start

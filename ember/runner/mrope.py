@@ -1,4 +1,4 @@
-"""MRopePositions: the positions a step's rows turn by in a model with M-RoPE (Qwen2-VL),
+"""MRopePositions: the positions a step's rows turn by in a model with M-RoPE (Qwen2-VL and its family),
 each request's computed once from its images (multimodal/mrope.py) and kept until it leaves.
 
 A row within the prompt takes its (t, h, w) from the request's table, so chunked prefill and a
