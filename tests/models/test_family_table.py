@@ -22,7 +22,7 @@ def test_the_lookups_name_each_family_once():
                                                                "llama4": "llama4", "qwen3next": "qwen3_next"}
     assert BY_HF_ARCHITECTURE["Gemma3ForConditionalGeneration"].name == "gemma3"
     assert BY_HF_MODEL_TYPE["gemma3_text"] is BY_HF_MODEL_TYPE["gemma3"] is BY_GGUF_ARCHITECTURE["gemma3"]
-    assert len(BY_HF_ARCHITECTURE) == 34 and len(BY_HF_MODEL_TYPE) == 28
+    assert len(BY_HF_ARCHITECTURE) == 35 and len(BY_HF_MODEL_TYPE) == 29
     assert BY_HF_ARCHITECTURE["Qwen2_5_VLForConditionalGeneration"] is BY_HF_MODEL_TYPE["qwen2_vl"] \
         is BY_HF_ARCHITECTURE["Qwen2ForCausalLM"]
     assert BY_HF_MODEL_TYPE["kimi_k2"] is BY_HF_ARCHITECTURE["DeepseekV3ForCausalLM"]
