@@ -26,6 +26,9 @@
 #                       and Qwen3-30B-A3B's shapes, in CUDA graphs) and of the engine with AWQ / GPTQ Mixtral and
 #                       Qwen3-MoE checkpoints, then moe_tune.py --int 4 at both shapes (--no-write: each choice
 #                       against the heuristic)
+#   race-int [awq|gptq] W4A16 at the Llama-3.1-8B shape with dummy weights under an AWQ (default) or GPTQ
+#                       config (benchmarks/configs/llama-3.1-8b-awq / -gptq): vLLM (its AWQ-Marlin / GPTQ-Marlin,
+#                       vllm_race.py: one request, 512 x 1000/1000), then ember on both, then ember's bf16 one request
 #   gguf-cuda           GGUF blocks kept on CUDA (kernels/gguf.py): their GPU tests (every type at the Llama-8B shapes,
 #                       in CUDA graphs; the engine on a Q4_K_M file and, where cached, the default model against the
 #                       CPU's tokens), then a Q4_K_M file at the Llama-3.1-8B shape (random blocks in llama.cpp's type
@@ -274,6 +277,16 @@ mode_check_int_moe() {
   local secs; secs=$(cap "moe_tune --int 4" 240) || return 0
   timeout "$secs" python3 benchmarks/scripts/moe_tune.py --int 4 --tokens 1 64 512 --no-write 2>&1 \
     | grep -E "TUNED|Error" | tee "$J/moe_tune_int4.log"
+}
+
+mode_race_int() {  # race-int [awq|gptq]: issue #37's goals, one request >= 1.1x vLLM and >= 1.6x ember's bf16
+  local q=${1:-awq}
+  local c=benchmarks/configs/llama-3.1-8b-$q
+  [ -d "$c" ] || { echo "race-int takes awq or gptq, got '$q'"; exit 2; }
+  vllm_race "$q" 300 --config "llama-3.1-8b-$q" latency throughput
+  bench "llama_${q}_latency" 60 $c $LAT
+  bench llama_bf16_latency 60 $L $LAT
+  bench "llama_$q" 200 $c $TP
 }
 
 # gguf_kit: the carried gguf wheel (the device has no GGUF reader) on PYTHONPATH, or say what is missing and fail
@@ -585,6 +598,7 @@ case "$mode" in
   check-int) mode_env; mode_check_int ;;
   check-int-moe) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_check_int_moe ;;
   gguf-cuda) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gguf_cuda ;;
+  race-int) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_int "$@" ;;
   w8a8) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_w8a8 "$@" ;;
   kernels-fp8) mode_env; mode_kernels_fp8 ;;
   check-moe) mode_env; mode_check_moe ;;

@@ -50,7 +50,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
     listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
-                      "check-fp8", "check-int", "check-int-moe", "gguf-cuda", "w8a8", "kernels-fp8", "check-moe",
+                      "check-fp8", "check-int", "check-int-moe", "race-int", "gguf-cuda", "w8a8", "kernels-fp8", "check-moe",
                       "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
@@ -163,6 +163,25 @@ def test_w8a8_checks_the_kernels_then_runs_the_w8a8_shape_and_races_vllm_on_the_
         f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {TP} --output-json {out}/llama_bf16.json "
         "[decode_config=]",
     ]
+
+
+def test_race_int_races_vllm_on_an_awq_or_gptq_config_then_ember_and_its_bf16_rate(tmp_path):
+    out = tmp_path / "out"
+    for q in ("awq", "gptq"):
+        calls, done = run_mode(tmp_path, "race-int", *([q] if q != "awq" else []))
+        assert done.returncode == 0, done.stderr
+        c = f"benchmarks/configs/llama-3.1-8b-{q}"
+        assert calls == [
+            "run-on-device none [decode_config=]",
+            f"python3 benchmarks/scripts/vllm_race.py --config llama-3.1-8b-{q} latency throughput [decode_config=]",
+            f"python3 {BENCH[8:]} {c} {LAT} --output-json {out}/llama_{q}_latency.json [decode_config=]",
+            f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {LAT} --output-json {out}/llama_bf16_latency.json "
+            "[decode_config=]",
+            f"python3 {BENCH[8:]} {c} {TP} --output-json {out}/llama_{q}.json [decode_config=]",
+        ]
+        (tmp_path / "calls.log").unlink()
+    _, done = run_mode(tmp_path, "race-int", "marlin")
+    assert done.returncode == 2 and "race-int takes awq or gptq" in done.stdout
 
 
 def test_defaults_runs_ember_without_seat_or_budget_flags_beside_the_candidates(tmp_path):
