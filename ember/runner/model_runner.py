@@ -469,6 +469,9 @@ class ModelRunner:
         elif self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
                                      meta.state_slots)
+        elif self.graphs is not None and plan.verifies_drafts and len(input_ids) <= self.graphs.max_batch:
+            rows = meta.as_decode_rows()  # a token a decode row: the verifying step in the decode graphs
+            hidden = self.graphs.run(input_ids, positions, rows.slot_mapping, rows.seq_lens, rows.block_tables)
         elif self.piecewise is not None and len(input_ids) <= self.piecewise.max_tokens:
             hidden = self.piecewise.run(input_ids, positions, meta)
         elif self.encoder:

@@ -143,6 +143,13 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def verifies_drafts(self) -> bool:
+        """Speculative decoding's step of decode chunks alone, some with drafts: a token each
+        and its drafts (the runner runs it as decode rows)."""
+        return any(c.draft_token_ids for c in self.chunks) and all(
+            c.num_new_tokens == 1 + len(c.draft_token_ids) for c in self.chunks)
+
 
 class Scheduler:
     def __init__(self, block_pool: BlockPool, config: EngineConfig, prefix_cache: PrefixCache | None = None,

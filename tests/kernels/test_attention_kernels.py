@@ -308,6 +308,20 @@ def test_triton_backend_matches_reference_on_a_mixed_step(device, lens, decode_r
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_verifying_step_as_decode_rows_matches_reference(device):
+    """Speculative decoding's verifying step in the decode graphs' form: decodes with 3 and 4
+    drafts and a plain decode, each token a decode row over its sequence's blocks
+    (AttentionMetadata.as_decode_rows): flash-decoding takes them all."""
+    case = Case([30, 5, 61], [4, 1, 5], 4, 2, 32, 8, device, seed=5)
+    want = case.reference()
+    backend = get_attention_backend("triton")
+    rows = case.meta.as_decode_rows()
+    got = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, rows, case.scale)
+    assert backend.plan(rows, 2).decode  # every row a decode: the decode kernel alone
+    torch.testing.assert_close(got.float(), want, **_tol(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [None, 6], ids=["causal", "window"])
 def test_key_ends_let_image_tokens_see_their_whole_image(device, window):
     """Gemma 3's images (key_ends, layers/attention/base.py) in a step of a decode row (first: to

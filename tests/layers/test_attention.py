@@ -42,9 +42,10 @@ def dense_attention(q, k, v, scale, window=None, softcap=None, chunk=None):
 
 
 def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16, block_size=4, seed=0,
-             dtype=torch.float32, fp8_scales=None, window=None, softcap=None, chunk=None):
+             dtype=torch.float32, fp8_scales=None, window=None, softcap=None, chunk=None, decode_rows=False):
     """Sequences with `cached[i]` tokens already in the cache and `new[i]` new ones; with
-    fp8_scales (k, v) the cache is float8_e4m3fn."""
+    fp8_scales (k, v) the cache is float8_e4m3fn; with decode_rows, every new token attends as a
+    sequence of its own (AttentionMetadata.as_decode_rows)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(cached, new)) + 3
     cache_dtype = dtype if fp8_scales is None else FP8
@@ -78,7 +79,8 @@ def run_case(cached: list[int], new: list[int], heads=6, kv_heads=2, head_dim=16
         seq_lens_cpu=[c + n for c, n in zip(cached, new)],
     )
     scale = 1 / math.sqrt(head_dim)
-    out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale,
+    run_meta = meta.as_decode_rows() if decode_rows else meta
+    out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, run_meta, scale, k_scale, v_scale,
                                                  sliding_window=window, logit_softcap=softcap,
                                                  attention_chunk=chunk)
     start = 0
@@ -163,6 +165,18 @@ def test_attention_chunks_in_decode_short_chunks_and_prefill(chunk):
     run_case(cached=[9, 4, 0, 17, 3, 30, 0, 7], new=[6, 1, 3, 2, 1, 20, 1, 1], seed=14, chunk=chunk)
     run_case(cached=[9, 4, 0, 31], new=[6, 1, 20, 1], seed=15, chunk=chunk, softcap=2.0, dtype=torch.bfloat16)
     run_case(cached=[9, 4, 0, 31], new=[6, 1, 20, 1], seed=15, chunk=chunk, fp8_scales=(0.5, 2.0))
+
+
+@pytest.mark.parametrize("options", [{}, {"window": 3}, {"chunk": 4}, {"fp8_scales": (0.5, 2.0)}],
+                         ids=["causal", "window", "chunk", "fp8"])
+def test_each_new_token_as_a_decode_row_of_its_own(options):
+    """A step verifying drafts runs as decode rows (the decode CUDA graphs): a row a token, its
+    sequence ending at it, over its sequence's blocks; the same attention as the chunks'."""
+    meta = run_case([5, 0, 9, 2], [4, 6, 1, 3], decode_rows=True, **options)
+    rows = meta.as_decode_rows()
+    assert rows.seq_lens_cpu == [6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 10, 3, 4, 5] == rows.seq_lens.tolist()
+    assert rows.query_lens_cpu == [1] * 14 and rows.query_start_loc.tolist() == list(range(15))
+    assert torch.equal(rows.block_tables, meta.block_tables[[0] * 4 + [1] * 6 + [2] + [3] * 3])
 
 
 def test_logit_softcap():

@@ -1,6 +1,7 @@
-"""EAGLE-3 on CUDA (-m gpu): a tiny random Llama target and a random head in vLLM's layout, float32;
-the head's draft steps replayed as CUDA graphs draft exactly what the eager head drafts, and the
-tokens are the same either way."""
+"""Speculative decoding on CUDA (-m gpu): a tiny random Llama target, float32. A random EAGLE-3 head
+in vLLM's layout: its draft steps replayed as CUDA graphs draft exactly what the eager head
+drafts, and the tokens are the same either way. Prompt lookup: the steps verifying drafts run in
+the decode graphs (a token a row), with the tokens of an eager run without speculation."""
 
 from __future__ import annotations
 
@@ -31,14 +32,34 @@ def drafted(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
     return [list(r.output_token_ids) for r in reqs], proposals
 
 
-def test_graphed_draft_steps_draft_what_eager_ones_do(tmp_path):
+def _target(path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096)).save_pretrained(tmp_path / "target")
+        num_key_value_heads=2, max_position_embeddings=4096)).save_pretrained(path)
+
+
+def test_verifying_steps_run_in_the_decode_graphs(tmp_path, monkeypatch):
+    _target(tmp_path / "target")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    args = dict(dtype="float32", num_kv_blocks=64, max_model_len=256, seed=0)
+    llm = LLM(str(tmp_path / "target"), speculative_config=spec, **args)
+    graphs, rows = llm.engine.runner.graphs, []
+    replay = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda ids, *a, **k: rows.append(len(ids)) or replay(ids, *a, **k))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path / "target"), enforce_eager=True, **args).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == want
+    assert max(rows) > len(PROMPTS)  # more rows than requests: steps with drafts replayed the graphs
+
+
+def test_graphed_draft_steps_draft_what_eager_ones_do(tmp_path):
+    _target(tmp_path / "target")
     config = head_config(128, 256, 128, [1, 4, 6], heads=4, kv_heads=2, intermediate=256)
     save_head(tmp_path / "head", config, random_head(config, seed=1, embed=True))
     spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}

@@ -76,6 +76,23 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def as_decode_rows(self) -> AttentionMetadata:
+        """The same step with every new token a sequence of its own: one query that ends its
+        context (seq_len = its position + 1) over its sequence's block-table row. The same
+        attention, as every row's K/V is written before any row attends; it is how a step that
+        verifies drafts runs the decode CUDA graphs (one row a token). Causal steps only: no
+        key_ends, no recurrent states."""
+        assert self.key_ends is None and self.state_slots is None, "decode rows hold causal attention only"
+        owner = [i for i, q in enumerate(self.query_lens_cpu) for _ in range(q)]
+        lens = [s - q + 1 + j for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu) for j in range(q)]
+        device = self.seq_lens.device
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True),
+            block_tables=self.block_tables.index_select(0, torch.tensor(owner).to(device, non_blocking=True)),
+            query_lens_cpu=[1] * len(lens), seq_lens_cpu=lens)
+
 
 class AttentionBackend(ABC):
     """Stateless: the cache tensors of one layer are passed in with each call."""
