@@ -485,6 +485,7 @@ class ModelConfig:
             o_proj_bias=not fam.layer_norm and "blk.0.attn_output.bias" in tensor_names,
             attention_output_gate=fam.attention_output_gate,
             **(_gguf_linear_attention_options(md, arch, layers) if fam.linear_attention else {}),
+            **(_gguf_mrope(md, arch, fam.gguf_mrope[1]) if fam.gguf_mrope and arch == fam.gguf_mrope[0] else {}),
         )
 
 
@@ -688,6 +689,18 @@ def _mrope(rope: dict[str, Any], vision: VisionConfig | None) -> dict[str, Any]:
     if len(section) != 3:
         raise ValueError(f"mrope_section {list(section)} must have three entries (t, h, w)")
     return {"mrope_section": section, "mrope_interleaved": interleaved}
+
+
+def _gguf_mrope(md: dict[str, Any], arch: str, interleaved: bool) -> dict[str, Any]:
+    """M-RoPE of llama.cpp's Qwen-VL language models (qwen2vl, qwen3vl: interleaved): the (t, h, w)
+    sections of rope.dimension_sections, whose fourth (llama.cpp's, for no model ember runs) is 0.
+    On text alone the three positions are equal: plain RoPE."""
+    key = f"{arch}.rope.dimension_sections"
+    sections = [int(x) for x in md.get(key) or ()]
+    if len(sections) not in (3, 4) or sections[3:] not in ([], [0]):
+        raise ValueError(f"GGUF metadata {key} {sections} is not (t, h, w[, 0]) M-RoPE sections: convert the file "
+                         "again with llama.cpp's convert_hf_to_gguf.py")
+    return {"mrope_section": tuple(sections[:3]), "mrope_interleaved": interleaved}
 
 
 def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling | None:

@@ -18,6 +18,10 @@ class Family:
     # llama.cpp's general.architecture for it; None: its GGUFs say another's (a Mixtral GGUF
     # says "llama", with experts)
     gguf_architecture: str | None
+    # llama.cpp's architecture for the language model of the family's vision-language checkpoints
+    # and whether its M-RoPE interleaves: the family's layers, M-RoPE's sections in
+    # rope.dimension_sections (Qwen2-VL's "qwen2vl" in turn, Qwen3-VL's "qwen3vl" interleaved)
+    gguf_mrope: tuple[str, bool] | None = None
     # Gemma: norms apply (1 + w), embeddings times sqrt(hidden), tied embeddings by default,
     # GeGLU (config.json's legacy "gelu" meaning the tanh one), the query scalar and soft caps read
     gemma: bool = False
@@ -171,10 +175,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mistral3", (), (), "mistral3", gguf_rope_permuted=True),
     Family("qwen2", ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2VLForConditionalGeneration",
                      "Qwen2_5_VLForConditionalGeneration"), ("qwen2", "qwen2_vl", "qwen2_5_vl"), "qwen2",
-           qkv_bias_key=None,
+           gguf_mrope=("qwen2vl", False), qkv_bias_key=None,
            qkv_bias_default=True, qwen_windows=True),
     Family("qwen3", ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3VLForConditionalGeneration"),
-           ("qwen3", "qwen3_vl"), "qwen3", qk_norm=True, qwen_windows=True),
+           ("qwen3", "qwen3_vl"), "qwen3", gguf_mrope=("qwen3vl", True), qk_norm=True, qwen_windows=True),
     Family("gemma", ("GemmaForCausalLM",), ("gemma",), "gemma", gemma=True),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "gemma2", gemma=True, sandwich_norms=True, sliding_pattern=2,
            gguf_default_window=4096, gguf_softcaps=(50.0, 30.0), gguf_hidden_query_scale_layers=46),
@@ -249,8 +253,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 # config.json `architectures[0]` / `model_type` -> family
 BY_HF_ARCHITECTURE = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
 BY_HF_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
-# llama.cpp's general.architecture -> family, and -> the family of its files with experts
-BY_GGUF_ARCHITECTURE = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
+# llama.cpp's general.architecture -> family (its M-RoPE architectures too), and -> the family of
+# its files with experts
+BY_GGUF_ARCHITECTURE = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture} | \
+    {f.gguf_mrope[0]: f for f in FAMILIES.values() if f.gguf_mrope}
 BY_GGUF_EXPERTS = {f.gguf_experts_of or f.gguf_architecture: f for f in FAMILIES.values()
                    if f.moe and (f.gguf_experts_of or f.gguf_architecture)}
 # vision-language checkpoints (by `architectures`, or `model_type`): the language model's

@@ -148,8 +148,9 @@ class ModelRunner:
         files = locate_model(config.model, config.load_format)
         self.model = self._load_model(files)
         self.images = self._image_embedder(files)  # a vision-language model's image side, else None
-        # M-RoPE (Qwen2-VL): each request's (t, h, w) positions
-        self.mrope = MRopePositions(mc.vision.merge_size) if mc.mrope_section is not None else None
+        # M-RoPE (Qwen2-VL): each request's (t, h, w) positions (a Qwen-VL GGUF without its mmproj: text
+        # alone, whose three positions are equal)
+        self.mrope = MRopePositions(mc.vision.merge_size) if mc.mrope_section is not None and mc.vision else None
         # Gemma 3: image tokens see their whole image (the steps over images carry key_ends)
         self.bidirectional_images = mc.vision is not None and mc.vision.bidirectional_images
         spec = config.speculative_config
