@@ -196,7 +196,8 @@ class EngineConfig:
         "before it is decoded", metavar="N")
     mmproj: str | None = flag(
         None, "a GGUF model's vision tower and projector: the mmproj file llama.cpp's convert_hf_to_gguf.py --mmproj "
-        "writes beside it (as llama-server's --mmproj; Pixtral and Mistral 3)", metavar="FILE")
+        "writes beside it (as llama-server's --mmproj; Pixtral, Mistral 3, Gemma 3, Qwen2-VL, Qwen2.5-VL, "
+        "Qwen3-VL)", metavar="FILE")
     # filled by resolve()
     model_config: ModelConfig | None = None
     # the request defaults taken from generation_config.json (generation_config="auto")
@@ -621,7 +622,7 @@ def _with_mmproj(model_config: ModelConfig, files, mmproj: str) -> ModelConfig:
                          "image side already: leave --mmproj out")
     if not Path(mmproj).is_file():
         raise ValueError(f"--mmproj {mmproj}: no such file")
-    return dataclasses.replace(model_config, vision=mmproj_vision_config(mmproj, model_config, files.gguf_tokens()))
+    return dataclasses.replace(model_config, vision=mmproj_vision_config(mmproj, model_config, files.gguf_metadata()))
 
 
 def _quantization(asked: str, files, device: str) -> str:

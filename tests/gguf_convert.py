@@ -74,3 +74,26 @@ def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", vocab_only: bool 
         tail = "\n".join((done.stderr or done.stdout).splitlines()[-15:])
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} (exit {done.returncode}):\n{tail}")
     return outfile
+
+
+def rewrite_metadata(src: Path, dst: Path, **overrides: str) -> Path:
+    """The GGUF file `src` written again by gguf-py as `dst`, with `overrides` of its metadata
+    ({key: str value}): a file as a converter of other keys would write it."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in overrides:
+            continue
+        sub = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, value in overrides.items():
+        writer.add_string(key, value)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -27,6 +27,9 @@ CHAT_TEMPLATE = (
     "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+V = "<|vision_start|><|image_pad|><|vision_end|>"  # an image in a prompt, as the template writes it
+ONE = f"<|im_start|>user\n{V}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"  # the tests' prompts
+TWO = f"<|im_start|>user\n{V}and {V}Which is red?<|im_end|>\n<|im_start|>assistant\n"
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 12  # at most 12 image tokens an image
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",

@@ -96,6 +96,9 @@ class InputProcessor:
         """Check a prompt's videos against the model and the limits; each as (its frames as PIL
         images, their fps or None)."""
         if self.image_processor().videos is None:
+            if self.image_processor().from_gguf:  # llama.cpp's mtmd takes no video either
+                raise ValueError(f"this model ({self.config.model_config.architecture} from a GGUF and its mmproj) "
+                                 "takes no video: give a video's frames as images, or serve the model's HF directory")
             raise ValueError(f"this model ({self.config.model_config.architecture}) takes no video: give a video's "
                              "frames as images, or serve Qwen2-VL, Qwen2.5-VL or Qwen3-VL")
         if len(videos) > self.config.videos_per_prompt:

@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -161,9 +161,9 @@ class ModelFiles:
                              "by one of the CLS token, the mean or the last token: pass pooler_config to choose")
         return PoolerConfig(kind[modes[0]], normalize="Normalize" in kinds)
 
-    def gguf_tokens(self) -> list[str]:
-        """A GGUF model's vocabulary (tokenizer.ggml.tokens)."""
-        return list(self._gguf().metadata.get("tokenizer.ggml.tokens") or [])
+    def gguf_metadata(self) -> dict[str, Any]:
+        """A GGUF model's metadata (its keys and values)."""
+        return dict(self._gguf().metadata)
 
     def _gguf(self):
         from ember.loader.gguf import open_gguf

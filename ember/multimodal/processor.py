@@ -36,9 +36,14 @@ class ImageProcessor:
 
         self.vision = vision
         self.processor = self.tokenizer = self.videos = None
+        self.from_gguf = Path(model_dir).suffix == ".gguf"
+        self.expanded: str | None = None  # Gemma 3 from a GGUF: what each <start_of_image> becomes
+        self._lock = threading.Lock()  # a transformers processor is not known to be thread-safe
         if vision.row_tokens:
             self._init_rows(Path(model_dir), tokenizer)
-            self._lock = threading.Lock()
+            return
+        if self.from_gguf:
+            self._init_gguf(tokenizer)
             return
         try:
             if vision.dynamic_resolution:
@@ -47,8 +52,11 @@ class ImageProcessor:
                 # processor's expansion of each image token into grid t * h * w / merge^2 of them here
                 self.processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
                 self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+                self.encode = lambda text, special: self.tokenizer(text, add_special_tokens=special)["input_ids"]
                 self.image_token: str = self.tokenizer.convert_ids_to_tokens(vision.image_token_id)
                 self.video_token: str = self.tokenizer.convert_ids_to_tokens(vision.video_token_id)
+                self.vision_marks = tuple(getattr(self.tokenizer, name, default) for name, default in (
+                    ("vision_start_token", "<|vision_start|>"), ("vision_end_token", "<|vision_end|>")))
                 self.videos = VideoProcessor(Path(model_dir), vision, self.processor)
             else:
                 self.processor = transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
@@ -61,7 +69,6 @@ class ImageProcessor:
             _check_tiling(self.processor.image_processor, vision, model_dir)
         if vision.kind == "gemma3":
             _check_gemma3(self.processor, vision, model_dir)
-        self._lock = threading.Lock()  # a transformers processor is not known to be thread-safe
 
     def process(self, text: str, images: list[Any], add_special_tokens: bool,
                 videos: Sequence[tuple[list[Any], float | None]] = ()) -> tuple[list[int], list[ImageFeature]]:
@@ -82,6 +89,11 @@ class ImageProcessor:
             return self._process_grids(text, images, videos, add_special_tokens)
         if self.vision.row_tokens:
             return self._process_rows(text, images, add_special_tokens)
+        if self.expanded is not None:  # Gemma 3 from a GGUF
+            with self._lock:
+                pixels = np.asarray(self.processor(images=images, return_tensors="np")["pixel_values"], np.float32)
+            ids = self.encode(text.replace(self.image_token, self.expanded), add_special_tokens)
+            return ids, self._features(ids, list(pixels))
         with self._lock:
             enc = self.processor(text=[text], images=images, add_special_tokens=add_special_tokens,
                                  return_tensors="np")
@@ -105,8 +117,7 @@ class ImageProcessor:
             clips = [self.videos.process(frames, fps) for frames, fps in videos]
         grids = [tuple(int(x) for x in g) for g in enc["image_grid_thw"]]
         counts = [t * h * w // unit for t, h, w in grids]
-        vstart, vend = (getattr(self.tokenizer, name, default) for name, default in
-                      (("vision_start_token", "<|vision_start|>"), ("vision_end_token", "<|vision_end|>")))
+        vstart, vend = self.vision_marks
         video = re.escape(self.video_token)
         wrapped = f"{re.escape(vstart)}{video}{re.escape(vend)}|" if qwen3 else ""
         parts = re.split(f"({re.escape(self.image_token)}|{wrapped}{video})", text)
@@ -118,7 +129,7 @@ class ImageProcessor:
                 expanded.append(self._video_text(next(next_video), vstart, vend))
             expanded.append(after)
         with self._lock:
-            ids = [int(t) for t in self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens)["input_ids"]]
+            ids = [int(t) for t in self.encode("".join(expanded), add_special_tokens)]
         pixels = np.split(np.asarray(enc["pixel_values"], dtype=np.float32),
                           np.cumsum([t * h * w for t, h, w in grids])[:-1]) if images else []
         image_runs = _runs_of(ids, self.vision.image_token_id)
@@ -168,6 +179,34 @@ class ImageProcessor:
             features.append(ImageFeature(run[0], run[1], pixels_hash(patches.reshape(*grid, -1), extra), patches,
                                          grid, time_interval=interval))
         return features
+
+    def _init_gguf(self, tokenizer: Tokenizer | None) -> None:
+        """Gemma 3 and the Qwen-VL families from a GGUF and its mmproj (loader/mmproj.py): the
+        family's PIL image processor made from the mmproj's metadata as llama.cpp's mtmd
+        preprocesses (Gemma 3: resized to image_size square, bilinear; Qwen: smart_resize to between
+        8 and 4096 merged patches, llama-server's --image-min-tokens / --image-max-tokens defaults,
+        bicubic; image_mean / image_std), each image's placeholder expanded as the family's
+        transformers processor expands it, the text tokenized by the engine's tokenizer. No video:
+        mtmd takes none."""
+        import transformers
+
+        if tokenizer is None:
+            raise ValueError(f"{self.vision.kind} images need the model's tokenizer")
+        vision, self.encode = self.vision, tokenizer.encode
+        mean, std = list(vision.image_mean), list(vision.image_std)
+        if vision.kind == "gemma3":  # Gemma3Processor's expansion of <start_of_image>
+            self.processor = transformers.Gemma3ImageProcessorPil(
+                size={"height": vision.image_size, "width": vision.image_size}, image_mean=mean, image_std=std)
+            self.image_token = "<start_of_image>"
+            self.expanded = f"\n\n<start_of_image>{'<image_soft_token>' * vision.mm_tokens_per_image}<end_of_image>\n\n"
+            return
+        unit = (vision.patch_size * vision.merge_size) ** 2
+        self.processor = transformers.Qwen2VLImageProcessorPil(
+            size={"shortest_edge": 8 * unit, "longest_edge": 4096 * unit}, patch_size=vision.patch_size,
+            temporal_patch_size=vision.temporal_patch_size, merge_size=vision.merge_size, image_mean=mean,
+            image_std=std)
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.vision_marks = ("<|vision_start|>", "<|vision_end|>")
 
     def _init_rows(self, model_dir: Path, tokenizer: Tokenizer | None) -> None:
         """Pixtral / Mistral 3: the image processor (PixtralImageProcessorPil) and the placeholder

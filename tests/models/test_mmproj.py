@@ -8,7 +8,6 @@ no [IMG] token, a projector type or a key ember does not run."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("PIL")
 
+from gguf_convert import rewrite_metadata  # noqa: E402
 from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
 from pixtral_model import FAMILIES, TWO, hf_inputs, load_hf, save_tiny_pixtral  # noqa: E402
 from transformers.utils.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # noqa: E402
@@ -62,36 +62,16 @@ def test_the_gguf_pair_answers_as_the_checkpoint_it_came_from(model_dir, pair, f
     llm.engine.check_idle()
 
 
-def _rewritten(src: Path, dst: Path, **overrides) -> Path:
-    """The mmproj file `src` written again by gguf-py with `overrides` of its metadata ({key: str})."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, "clip")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in overrides:
-            continue
-        sub = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub)
-    for key, value in overrides.items():
-        writer.add_string(key, value)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, t.data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
 @pytest.mark.parametrize("family", ["pixtral"], indirect=True)
 def test_what_ember_does_not_run_is_refused_by_name(model_dir, pair, tmp_path):
     with pytest.raises(ValueError, match="--mmproj goes with a GGUF model; .* is an HF directory"):
         make_llm(model_dir, mmproj=str(pair[1]))
     with pytest.raises(ValueError, match=r"has no \[IMG\] token in its vocabulary: it takes no images"):
         make_llm(fetch_default_model(), mmproj=str(pair[1]))
-    other = _rewritten(pair[1], tmp_path / "qwen.gguf", **{"clip.projector_type": "qwen2vl_merger"})
-    with pytest.raises(ValueError, match="projector type 'qwen2vl_merger' is not supported"):
+    other = rewrite_metadata(pair[1], tmp_path / "llama4.gguf", **{"clip.projector_type": "llama4"})
+    with pytest.raises(ValueError, match="projector type 'llama4' is not supported"):
         make_llm(pair[0], mmproj=str(other))
-    unread = _rewritten(pair[1], tmp_path / "layer.gguf", **{"clip.vision.feature_layer": "-2"})
+    unread = rewrite_metadata(pair[1], tmp_path / "layer.gguf", **{"clip.vision.feature_layer": "-2"})
     with pytest.raises(ValueError, match="ember does not honour clip.vision.feature_layer"):
         make_llm(pair[0], mmproj=str(unread))
 

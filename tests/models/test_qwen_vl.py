@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
-from qwen_vl_model import FAMILIES, HF_CLASSES, hf_inputs, hf_media_inputs, save_tiny_qwen_vl  # noqa: E402
+from qwen_vl_model import FAMILIES, HF_CLASSES, ONE, TWO, V, hf_inputs, hf_media_inputs, save_tiny_qwen_vl  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
 
@@ -25,9 +25,6 @@ from ember import LLM, SamplingParams  # noqa: E402
 # 16-pixel patches: both 4 x 6, 6 tokens)
 TOKENS = {"qwen2_vl": (6, 8), "qwen2_5_vl": (6, 8), "qwen3_vl": (6, 6)}
 RED, BLUE = image((200, 30, 30), (84, 56)), image((20, 40, 220), (100, 60))
-V = "<|vision_start|><|image_pad|><|vision_end|>"
-ONE = f"<|im_start|>user\n{V}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
-TWO = f"<|im_start|>user\n{V}and {V}Which is red?<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 GREEDY_TOKENS = {"qwen2_vl": 8, "qwen2_5_vl": 8, "qwen3_vl": 16}  # transformers' generate takes ~0.2 s a token here
 # the engine's handling (the prefix cache, chunks, preemption) is the families' one path: tested on
