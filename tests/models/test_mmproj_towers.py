@@ -84,13 +84,15 @@ def test_the_gguf_pair_answers_as_the_checkpoint_it_came_from(model_dir, pair, f
     std = (0.5,) * 3 if family in ("gemma3", "qwen3_vl") else transformers.utils.constants.OPENAI_CLIP_STD
     assert vision == dataclasses.replace(hf_llm.config.model_config.vision, image_mean=pytest.approx(mean),
                                          image_std=pytest.approx(std), tokens_per_second=0.0)
-    for text, images in zip(PROMPTS["gemma3" if family == "gemma3" else "qwen"], ([RED], [RED, BLUE])):
-        ids, positions, logits = ember_logits(gguf_llm, text, images)
-        want_ids, want_positions, want = ember_logits(hf_llm, text, images)
+    prompts = [prompt(text, images) for text, images in
+               zip(PROMPTS["gemma3" if family == "gemma3" else "qwen"], ([RED], [RED, BLUE]))]
+    for p in prompts:
+        ids, positions, logits = ember_logits(gguf_llm, p["prompt"], p["multi_modal_data"]["image"])
+        want_ids, want_positions, want = ember_logits(hf_llm, p["prompt"], p["multi_modal_data"]["image"])
         assert ids == want_ids and torch.equal(positions, want_positions)
         torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
-        got = gguf_llm.generate(prompt(text, images), GREEDY)[0].outputs[0].token_ids
-        assert got == hf_llm.generate(prompt(text, images), GREEDY)[0].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in gguf_llm.generate(prompts, GREEDY)] == \
+        [o.outputs[0].token_ids for o in hf_llm.generate(prompts, GREEDY)]
     if family != "gemma3":  # images of 8 and 18 merged patches (Qwen3-VL's 16-pixel patches: 8 and 16)
         assert [f.length for f in gguf_llm.inputs.make_request("r", prompt(PROMPTS["qwen"][1], [RED, BLUE]),
                                                                GREEDY).mm_features] == \
