@@ -13,8 +13,11 @@ def test_the_lookups_name_each_family_once():
                                        "xlm_roberta")
     assert GGUF_ARCHITECTURES == ("llama", "mistral", "mistral3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
                                   "qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "llama4", "qwen3next",
-                                  "gpt2", "phi2")
+                                  "gpt2", "phi2", "qwen2vl", "qwen3vl")
     assert BY_GGUF_ARCHITECTURE["phi2"].name == "phi"
+    # Qwen2-VL's and Qwen3-VL's text GGUFs: the qwen2 / qwen3 rows with M-RoPE
+    assert BY_GGUF_ARCHITECTURE["qwen2vl"] is BY_GGUF_ARCHITECTURE["qwen2"]
+    assert BY_GGUF_ARCHITECTURE["qwen3vl"].gguf_mrope == ("qwen3vl", True)
     assert BY_GGUF_ARCHITECTURE["mistral3"].gguf_rope_permuted  # Mistral 3's text GGUF: no HF architecture of its own
     assert {a: f.name for a, f in BY_GGUF_EXPERTS.items()} == {"llama": "mixtral", "qwen3moe": "qwen3_moe",
                                                                "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v2",

@@ -114,3 +114,14 @@ def test_what_ember_does_not_run_is_refused_by_name(model_dir, pair, tmp_path):
     with pytest.raises(ValueError, match=r"\(qwen2 from a GGUF and its mmproj\) takes no video"):
         llm.generate(prompt("<|vision_start|><|video_pad|><|vision_end|>", [], [RED, BLUE]), GREEDY)
     llm.engine.check_idle()
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl"], indirect=True)
+def test_a_qwen_vl_text_gguf_without_its_mmproj_answers_text(model_dir, pair):
+    """Text alone: its three M-RoPE positions are equal, plain RoPE (no images to place)."""
+    text = "<|im_start|>user\nWhich is red?<|im_end|>\n<|im_start|>assistant\n"
+    llm = make_llm(pair[0])
+    assert llm.config.model_config.vision is None and llm.config.model_config.mrope_interleaved
+    assert llm.generate(text, GREEDY)[0].outputs[0].token_ids == \
+        make_llm(model_dir).generate(text, GREEDY)[0].outputs[0].token_ids
+    llm.engine.check_idle()
