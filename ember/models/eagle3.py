@@ -155,7 +155,9 @@ class Eagle3Head(nn.Module):
         x, residual = self.model.layers[0](self.model.rotary.lookup(positions), embeds, feature, meta)
         return self.model.norm(x, residual)
 
-    def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
-        """The greedy draft of each row, as target token ids."""
-        best = self.lm_head(normed).argmax(dim=-1)
-        return best + self.d2t[best]
+    def target_logits(self, normed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[rows, vocab_size]: the draft vocabulary's logits at their target ids (draft id d is
+        target id d + d2t[d]), -inf at the target ids it lacks."""
+        logits = self.lm_head(normed)
+        full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+        return full.index_copy_(1, torch.arange(logits.shape[1], device=logits.device) + self.d2t, logits)

@@ -4,8 +4,9 @@ runs beside it in the same process, with a KV cache of its own over the target's
 Its cache has one block for each of the target's (same block size, its own layers, heads and
 dims), so the scheduler's block tables, slots, prefix-cache hits, forks and rollbacks serve both:
 every step the draft runs the same tokens at the same positions as the target (`follow`), and
-after the step's tokens are known it drafts K more for each decoding request, greedily, one
-batched forward a position (`propose`), writing its KV into the blocks the request holds (the
+after the step's tokens are known it drafts K more for each decoding request, one batched
+forward a position (`propose`; the runner's `draw` picks each draft from the logits: a draw
+from q under the request's sampling parameters, or the argmax), writing its KV into the blocks the request holds (the
 scheduler reserves them beforehand, `reserve_lookahead`, where blocks are free; without them the
 drafts stop where the request's last block ends). A rejected
 draft's KV is overwritten when the position is computed again, in both caches."""
@@ -13,6 +14,7 @@ draft's KV is overwritten when the position is computed again, in both caches.""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,6 +30,10 @@ from ember.request import Request
 from ember.runner.kv_heads import rank_kv_heads
 from ember.runner.sampler import to_device
 from ember.scheduler.scheduler import SchedulerOutput
+
+# a drafting step's pick: (logits [n, vocab] of its n requests, their indices in the requests
+# drafted for) -> one draft each (the runner's: it samples and keeps the drafter's q)
+DrawDrafts = Callable[[torch.Tensor, list[int]], list[int]]
 
 
 class DraftCache:
@@ -92,9 +98,10 @@ class DraftModel(DraftCache):
         self.model(input_ids, positions, dataclasses.replace(meta, plans={}))
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], limits: list[int], tables: list[np.ndarray]) -> list[list[int]]:
-        """Up to limits[i] greedy drafts for requests[i], whose last token (its KV not yet computed)
-        starts them; `tables`: each request's block-table row."""
+    def propose(self, requests: list[Request], limits: list[int], tables: list[np.ndarray],
+                draw: DrawDrafts) -> list[list[int]]:
+        """Up to limits[i] drafts for requests[i], whose last token (its KV not yet computed)
+        starts them, each picked by `draw`; `tables`: each request's block-table row."""
         drafts: list[list[int]] = [[] for _ in requests]
         tokens = [r.all_token_ids[-1] for r in requests]
         positions = [r.num_computed_tokens for r in requests]
@@ -113,8 +120,7 @@ class DraftModel(DraftCache):
                 block_tables=torch.from_numpy(np.stack([tables[i][:width] for i in active])).to(self.device),
                 query_lens_cpu=[1] * n, seq_lens_cpu=[p + 1 for p in pos])
             hidden = self.model(ids, pos_t, meta)
-            drafted = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
-            for i, token in zip(active, drafted):
+            for i, token in zip(active, draw(self.model.compute_logits(hidden), active)):
                 drafts[i].append(token)
                 tokens[i] = token
         return drafts

@@ -24,7 +24,7 @@ from ember.loader.weights import load_weights
 from ember.models.eagle3 import Eagle3Head, default_aux_layers, head_tensor_name
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs
-from ember.runner.draft_model import DraftCache
+from ember.runner.draft_model import DraftCache, DrawDrafts
 from ember.runner.sampler import to_device
 from ember.scheduler.scheduler import SchedulerOutput
 
@@ -76,6 +76,7 @@ class Eagle3Drafter(DraftCache):
         self.model.eval()
         self.embed = self.model.model.embed_tokens if head.has_embedding else target.model.embed_tokens
         self.aux_layers = tuple(sorted(head.aux_layer_ids or default_aux_layers(config.model_config.num_layers)))
+        self.vocab_size = config.model_config.vocab_size  # the target's: drafts and q are over its ids
         self.attach(target)
         self.weight_bytes = model_weight_bytes(self.model)
         # request id -> (the position of its first row not through the head, those rows' features)
@@ -173,9 +174,11 @@ class Eagle3Drafter(DraftCache):
         return normed[last], prenorm[last]
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], limits: list[int], tables: list[np.ndarray]) -> list[list[int]]:
-        """Up to limits[i] greedy drafts for requests[i]: its kept pending rows through the head
-        give the first, then one row a draft; `tables`: each request's block-table row."""
+    def propose(self, requests: list[Request], limits: list[int], tables: list[np.ndarray],
+                draw: DrawDrafts) -> list[list[int]]:
+        """Up to limits[i] drafts for requests[i], each picked by `draw` from the head's logits
+        over the target's vocabulary: its kept pending rows through the head give the first,
+        then one row a draft; `tables`: each request's block-table row."""
         drafts: list[list[int]] = [[] for _ in requests]
         runs, active = [], []
         parents = {r.parent.request_id: self.pending.get(r.parent.request_id) for r in requests if r.parent is not None}
@@ -194,20 +197,22 @@ class Eagle3Drafter(DraftCache):
         width = max(len(requests[i].block_ids) for i in active)
         table = torch.from_numpy(np.stack([tables[i][:width] for i in active])).to(self.device)
         normed, feature = self._run(runs, table)
-        token = self.model.draft_ids(normed)
+        vocab = self.vocab_size
+        token = draw(self.model.target_logits(normed, vocab), active)
         for step in range(1, max(limits[i] for i in active)):
-            for i, t in zip(active, token.tolist()):
+            for i, t in zip(active, token):
                 drafts[i].append(t)
             keep = [j for j, i in enumerate(active) if limits[i] > step]
             if not keep:
                 return drafts
             if len(keep) < len(active):
                 index = to_device(keep, self.device, torch.int64)
-                active, table, token, feature = [active[j] for j in keep], table[index], token[index], feature[index]
+                active, table, feature = [active[j] for j in keep], table[index], feature[index]
+                token = [token[j] for j in keep]
             reqs = [requests[i] for i in active]
             step_runs = [(r, r.num_computed_tokens + step - 1, f) for r, f in zip(reqs, feature.split(1))]
-            normed, feature = self._run(step_runs, table, token.tolist())
-            token = self.model.draft_ids(normed)
-        for i, t in zip(active, token.tolist()):
+            normed, feature = self._run(step_runs, table, token)
+            token = draw(self.model.target_logits(normed, vocab), active)
+        for i, t in zip(active, token):
             drafts[i].append(t)
         return drafts

@@ -115,6 +115,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _GREEDY = SamplingParams(temperature=0)  # the stand-in row of a request whose own row failed
+_ARGMAX = SamplingRow(_GREEDY, None, [], [], frozenset())  # a drafting row that takes the raw argmax
 GRAPH_POOL_RESERVE = 512 << 20  # kept out of the KV pool for the decode graphs' memory (logged as measured)
 # of the cache memory, what recurrent-state snapshots get by default (the KV pool the rest): one
 # snapshot of Qwen3-Next-80B's 36 linear layers is 74 MiB, the KV of ~3,000 tokens of its 12
@@ -207,6 +208,8 @@ class ModelRunner:
         self.last_launched: LaunchedStep | None = None  # where a pending input id is gathered from
         self.generators: dict[str, torch.Generator] = {}
         self.biases: dict[str, LogitBias] = {}  # a request's logit_bias as tensors, built once
+        # request id -> (its drafts, the drafter's q of each): what propose_for drew for its next step
+        self.draft_probs: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         self.table_rows: dict[str, tuple[list[int], int, np.ndarray]] = {}  # see _table_row
         # seconds per phase when `profile_steps` is on (ember bench --profile-steps): with a
         # device sync at each phase's end, or, with async scheduling, CPU time only (no sync:
@@ -497,7 +500,8 @@ class ModelRunner:
         if sampled_chunks:
             # a request that forks into n samples draws n tokens from its one row of logits; a
             # chunk with K drafts samples each of its K + 1 rows, row j after drafts[:j]
-            owners, hidden_rows, drafted = step.owners, [], []
+            # (row j verifies drafts[j] with the drafter's q where it drew from one)
+            owners, hidden_rows, drafted, verifies = step.owners, [], [], []
             for c, last in zip(sampled_chunks, sample_rows):
                 req, k = c.request, len(c.draft_token_ids)
                 step.rows[req.request_id] = len(owners)
@@ -505,17 +509,20 @@ class ModelRunner:
                     owners += [(req, 0)] * (k + 1)
                     hidden_rows += range(last - k, last + 1)
                     drafted += [c.draft_token_ids[:j] for j in range(k + 1)]
+                    q = self._verified_probs(req, c.draft_token_ids)
+                    verifies += ([None] * k if q is None else list(zip(c.draft_token_ids, q))) + [None]
                 else:
                     owners += [(req, i) for i in range(req.num_samples_to_draw)]
                     hidden_rows += [last] * req.num_samples_to_draw
                     drafted += [()] * req.num_samples_to_draw
+                    verifies += [None] * req.num_samples_to_draw
             if len(owners) == len(sample_rows) == hidden.shape[0]:  # every row samples once (decode): no gather
                 logits = self.model.compute_logits(hidden)
             else:
                 logits = self.model.compute_logits(hidden[to_device(hidden_rows, self.device, torch.int64)])
             grammar_masks = fill_grammar_masks() if fill_grammar_masks is not None else {}
             rows = [self._sampling_row(req, i, _mask_at(grammar_masks.get(req.request_id), len(after)), step.failed,
-                                       after) for (req, i), after in zip(owners, drafted)]
+                                       after, draft) for (req, i), after, draft in zip(owners, drafted, verifies)]
             result = self.sampler(logits, rows)
             step.tokens = result.tokens
             step.host_tokens = to_host(step.tokens, self.pin)
@@ -568,10 +575,14 @@ class ModelRunner:
         size = self.config.model_config.hidden_size
         return hidden[:, :size].contiguous(), hidden[:, size:].contiguous()
 
-    def propose_for(self, requests: list[Request]) -> list[list[int]]:
+    def propose_for(self, requests: list[Request], sample: bool = True) -> list[list[int]]:
         """The drafter's drafts for each request's next step (speculative decoding's draft_model
         and eagle3 methods): up to K, as far as max_tokens, max_model_len and the blocks the
-        request holds go (the drafter writes its KV there)."""
+        request holds go (the drafter writes its KV there). A request that samples draws each
+        draft from the drafter's distribution q under its own sampling parameters (its seed's
+        generator included) and keeps q for the step that verifies them (`draft_probs`); a
+        greedy one drafts the argmax. sample=False: every request drafts the raw argmax, kept
+        or not as a point mass (what vLLM's drafters do; for comparisons)."""
         k, c = self.config.speculative_config.num_speculative_tokens, self.config
         limits = []
         for r in requests:
@@ -580,7 +591,33 @@ class ModelRunner:
             if r.max_tokens is not None:
                 limit = min(limit, r.max_tokens - len(r.output_token_ids) - 1)
             limits.append(max(limit, 0))
-        return self.drafter.propose(requests, limits, [self._table_row(r) for r in requests])
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in requests]
+
+        def draw(logits: torch.Tensor, active: list[int]) -> list[int]:
+            rows = [self._sampling_row(requests[i], 0, None, {}, drafts[i]) if sample else _ARGMAX for i in active]
+            tokens, q = self.sampler.draft(logits, rows)
+            tokens = tokens.tolist()
+            for i, token, q_row in zip(active, tokens, q):
+                drafts[i].append(token)
+                probs[i].append(q_row)
+            return tokens
+
+        self.drafter.propose(requests, limits, [self._table_row(r) for r in requests], draw)
+        for req, drafted, q in zip(requests, drafts, probs):
+            self.draft_probs.pop(req.request_id, None)
+            if drafted and q[0] is not None:
+                self.draft_probs[req.request_id] = drafted, q
+        return drafts
+
+    def _verified_probs(self, req: Request, drafts: list[int]) -> list[torch.Tensor] | None:
+        """q of each draft a verifying chunk holds (a prefix of those last proposed: a grammar or
+        the step's budget may cut them), or None: the drafts are point masses (prompt lookup,
+        greedy requests)."""
+        entry = self.draft_probs.get(req.request_id)
+        if entry is None or entry[0][:len(drafts)] != drafts:
+            return None
+        return entry[1][:len(drafts)]
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids (and logprobs); request id -> its tokens
@@ -629,15 +666,17 @@ class ModelRunner:
         return clock
 
     def _sampling_row(self, req: Request, sample_index: int, allowed: torch.Tensor | None,
-                      failed: dict[str, str], drafted: list[int] | tuple = ()) -> SamplingRow:
+                      failed: dict[str, str], drafted: list[int] | tuple = (),
+                      draft: tuple[int, torch.Tensor] | None = None) -> SamplingRow:
         """Turn one request's parameters into its row (its generator, its logit_bias
-        tensors); a row that verifies a draft sees the drafts before it as output (penalties,
-        min_tokens, bad words). If that fails, the request alone fails (`failed`): it gets a
-        greedy stand-in row, and its token is dropped when the step is collected."""
+        tensors); a row at a drafted position sees the drafts before it as output (penalties,
+        min_tokens, bad words), and `draft` is the (draft, q) it verifies by speculative sampling.
+        If that fails, the request alone fails (`failed`): it gets a greedy stand-in row, and its
+        token is dropped when the step is collected."""
         try:
             output = req.output_token_ids + list(drafted) if drafted else req.output_token_ids
             return SamplingRow(req.sampling_params, self._generator(req, sample_index), req.prompt_token_ids,
-                               output, req.eos_token_ids, allowed, self._bias(req))
+                               output, req.eos_token_ids, allowed, self._bias(req), draft)
         except Exception as e:
             logger.exception("request %s: its sampling parameters could not be applied", req.request_id)
             failed[req.request_id] = f"its sampling parameters could not be applied ({type(e).__name__})"
@@ -666,6 +705,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.release(request_id)
         self.generators.pop(request_id, None)
+        self.draft_probs.pop(request_id, None)
         self.biases.pop(request_id, None)
         self.table_rows.pop(request_id, None)
         if self.states is not None:

@@ -6,6 +6,11 @@ forbidden tokens get -inf), then greedy argmax or temperature, top-k, top-p, min
 draw. Logprobs are those of the raw logits. (vLLM masks before the penalties; as every
 edit before it keeps -inf at -inf, the order gives the same tokens.)
 
+Speculative decoding: a row that verifies a draft drawn from a drafter's distribution q
+(`SamplingRow.draft`) keeps it or draws its replacement by speculative sampling
+(`verify_drafts`); `Sampler.draft` is how a drafter draws its drafts and q, by the same
+processing of its own logits.
+
 Rows come checked: SamplingParams validated every value's type and range, and the runner
 builds each row (its generator, its logit_bias tensors) in a per-request step whose
 failure fails that request alone. A constrained row whose masked logits hold a NaN or
@@ -31,6 +36,9 @@ class SamplingRow:
     eos_ids: frozenset[int]
     allowed: torch.Tensor | None = None  # structured output: int32 bits of the tokens allowed next
     bias: LogitBias | None = None  # params.logit_bias as tensors (the runner builds it once a request)
+    # speculative sampling: (the draft this row verifies, q: the [vocab] distribution the drafter
+    # drew it from, Sampler.draft's). None: the row draws from p (a draft without q is a point mass)
+    draft: tuple[int, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,7 @@ class SamplerOutput:
 def _plain(r: SamplingRow) -> bool:
     """A row that needs only temperature (or argmax): no seed, filters, penalties, grammar or logprobs."""
     p = r.params
-    return (r.generator is None and r.allowed is None and not p.logit_bias and len(r.output_ids) >= p.min_tokens
+    return (r.generator is None and r.allowed is None and r.draft is None and not p.logit_bias and len(r.output_ids) >= p.min_tokens
             and p.allowed_token_ids is None and not p.bad_words_token_ids and p.thinking_token_budget is None
             and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 and p.logprobs is None and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
@@ -135,25 +143,51 @@ class Sampler:
         device (SamplerOutput) for the caller to read back when it needs them."""
         if (self.race if self.race is not None else logits.is_cuda) and all(_plain(r) for r in rows):
             return SamplerOutput(self._race(logits, [r.params.temperature for r in rows]))
-        logits = logits.float()
-        raw = logits
-        logits = _apply_bias_and_min_tokens(logits, rows)
-        logits = _apply_allowed_and_bad_words(logits, rows)
-        logits = _apply_penalties(logits, rows)
-        logits = apply_grammar_masks(logits, rows)
+        raw = logits.float()
+        logits = _processed(raw, rows)
         invalid = _invalid_grammar_rows(logits, rows)
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if sampled:
-            idx = to_device(sampled, logits.device)
-            probs = _probs(logits[idx], [rows[i].params for i in sampled])
-            tokens[idx] = self._draw(probs, [rows[i].generator for i in sampled])
+        tokens, _ = self._tokens(logits, rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
             return SamplerOutput(tokens, invalid=invalid)
         idx = to_device(want, logits.device)
         return SamplerOutput(tokens, token_logprobs(raw[idx], tokens[idx], [rows[i].params.logprobs for i in want]),
                              want, invalid)
+
+    def draft(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """A drafter's step: one token a row, as this sampler would draw it from these logits
+        (the same processing: penalties over the row's context, which holds the drafts before
+        it, then temperature, top-k/p, min-p; greedy rows take the argmax), and the
+        distribution q each sampled row drew from ([vocab] float32; None for a greedy row)."""
+        logits = _processed(logits.float(), rows)
+        tokens, probs = self._tokens(logits, rows)
+        sampled = iter(probs if probs is not None else ())
+        return tokens, [None if r.params.greedy else next(sampled) for r in rows]
+
+    def _tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's token from its processed logits: the argmax (greedy rows), a draw from p,
+        or a draft kept or replaced by speculative sampling; and p of the sampled rows, in order."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not sampled:
+            return tokens, None
+        idx = to_device(sampled, logits.device)
+        probs = _probs(logits[idx], [rows[i].params for i in sampled])
+        generators = [rows[i].generator for i in sampled]
+        u = self._uniforms(generators, logits.device)
+        drawn = _inverse_cdf(probs, u)
+        verifying = [j for j, i in enumerate(sampled) if rows[i].draft is not None]
+        if verifying:  # the draft kept, or its replacement drawn with a second uniform
+            at = to_device(verifying, logits.device)
+            verified = [rows[sampled[j]] for j in verifying]
+            # q masked like p: a draft the grammar refuses never reaches a row (it ends the run
+            # before), so the drafts verified are q's draws conditioned on the grammar's tokens
+            q = apply_grammar_masks(torch.stack([r.draft[1] for r in verified]), verified, fill=0.0)
+            drafts = to_device([r.draft[0] for r in verified], logits.device, torch.int64)
+            drawn[at] = verify_drafts(probs[at], q, drafts, u[at], self._uniforms([generators[j] for j in verifying],
+                                                                                   logits.device))
+        tokens[idx] = drawn
+        return tokens, probs
 
     def warm_up(self, vocab_size: int, max_rows: int, dtype: torch.dtype, device: torch.device) -> None:
         """Build the Gumbel kernel's variants for one row and for `max_rows` rows of logits
@@ -189,18 +223,52 @@ class Sampler:
             drawn = torch.where(temps[:, 0] > 0, drawn, logits.argmax(dim=-1))
         return drawn
 
-    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One token per row by inverse CDF: a single uniform number per row, so a seeded
-        row's draw depends on its own generator only."""
-        if self.generator is None or self.generator.device != probs.device:
-            self.generator = torch.Generator(device=probs.device).manual_seed(self.seed)
-        u = torch.rand(probs.shape[0], 1, generator=self.generator, device=probs.device)
+    def _uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+        """[rows] uniform numbers in [0, 1), one a row: a seeded row's from its own generator,
+        so that its draws depend on its own generator only."""
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        u = torch.rand(len(generators), generator=self.generator, device=device)
         for i, g in enumerate(generators):
             if g is not None:
-                u[i] = torch.rand(1, generator=g, device=probs.device)
-        cdf = probs.cumsum(dim=-1)
-        # the first token whose cumulative mass passes u: zero-probability tokens never match
-        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+                u[i] = torch.rand(1, generator=g, device=device)
+        return u
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token a row of `probs` ([rows, vocab], not necessarily normalized) by inverse CDF
+    with the row's uniform u ([rows]): the first token whose cumulative mass passes u."""
+    cdf = probs.cumsum(dim=-1)
+    # zero-probability tokens never match
+    return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def verify_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling (Leviathan et al. 2023; vLLM's rejection sampler), one drafted
+    position a row: the token each row keeps, the draft or its replacement.
+
+    p, q: [rows, vocab] float, the target's and the drafter's distributions at the position
+    (normalized here: min-p leaves rows unnormalized); drafts: [rows] int64, d drawn from q
+    (q(d) > 0); u, v: [rows] uniform in [0, 1). As plain torch:
+
+        p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+        keep = u * q[d] < p[d]                      # probability min(1, p(d) / q(d))
+        r = (p - q).clamp(min=0); r[d] = 0          # the residual max(p - q, 0), normalized
+        token = d if keep else inverse_cdf(r, v)
+
+    so that the token is distributed as p whatever q is: P(x) = min(p(x), q(x)) + (1 - sum
+    min(p, q)) r(x) / sum r = p(x). A replacement never equals its draft (r[d] = 0: rejection
+    means p(d) < q(d)), so the caller cuts the run where token != draft. Where float rounding
+    leaves the residual no mass (p and q agree up to rounding), it is p without d."""
+    p = p / p.sum(dim=-1, keepdim=True)
+    q = q / q.sum(dim=-1, keepdim=True)
+    at = drafts[:, None]
+    keep = u * q.gather(1, at).squeeze(1) < p.gather(1, at).squeeze(1)
+    residual = (p - q).clamp_(min=0).scatter_(1, at, 0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, p.scatter(1, at, 0.0), residual)
+    return torch.where(keep, drafts, _inverse_cdf(residual, v))
 
 
 def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -218,6 +286,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int])
     ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
     top = lp.topk(max(top_n), dim=-1)
     return PendingLogprobs(tokens.view(-1), chosen, ranks, top.indices, top.values, list(top_n))
+
+
+def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """float32 logits with every row's edits and masks before temperature: logit_bias and
+    min_tokens, allowed tokens and bad words, penalties, the grammar's mask."""
+    logits = _apply_bias_and_min_tokens(logits, rows)
+    logits = _apply_allowed_and_bad_words(logits, rows)
+    logits = _apply_penalties(logits, rows)
+    return apply_grammar_masks(logits, rows)
 
 
 def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -312,18 +389,19 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, invert: bool = False)
     return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """-inf for the tokens a row's grammar forbids; rows without a grammar are untouched."""
+def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow], fill: float = float("-inf")) -> torch.Tensor:
+    """`fill` (-inf: logits; 0: probabilities) for the tokens a row's grammar forbids; rows
+    without a grammar are untouched."""
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return logits
     bitmask = torch.stack([rows[i].allowed for i in masked])
     forbidden = unpack_bitmask(bitmask, logits.shape[1], invert=True).to(logits.device)
     if len(masked) == len(rows):
-        return torch.where(forbidden, float("-inf"), logits)
+        return torch.where(forbidden, fill, logits)
     idx = to_device(masked, logits.device)
     logits = logits.clone()
-    logits[idx] = torch.where(forbidden, float("-inf"), logits[idx])
+    logits[idx] = torch.where(forbidden, fill, logits[idx])
     return logits
 
 
