@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from invariance import assert_same, results
-from sampling import greedy
+from sampling import chi2_pvalue, greedy
 
 from ember import LLM, SamplingParams
 from ember.request import Request
@@ -221,19 +221,6 @@ def test_preempted_and_aborted_requests_hold_no_block(engines, gguf_path, live_e
         core.check_idle()
     finally:
         live_engines.remove(small)
-
-
-def chi2_pvalue(table: list[list[float]]) -> float:
-    """Pearson's chi-square test of independence on a 2 x C table of counts: the p-value that the
-    two rows are draws of one distribution (scipy's chi2_contingency without its continuity
-    correction, which applies only to 2 x 2)."""
-    import torch
-
-    counts = torch.tensor(table, dtype=torch.float64)
-    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
-    statistic = ((counts - expected) ** 2 / expected).sum()
-    dof = (counts.shape[0] - 1) * (counts.shape[1] - 1)
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
 
 
 def test_sampled_tokens_keep_the_models_distribution(engines, oracle):
