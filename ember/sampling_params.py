@@ -130,6 +130,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # the request's own generator: the same seed in the same batch gives the same tokens (with
+    # speculative decoding too, though not the tokens it gives without: spec_decode/__init__.py)
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len; 0: score the prompt only (prompt_logprobs)
     min_tokens: int = 0
