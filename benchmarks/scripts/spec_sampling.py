@@ -6,7 +6,8 @@ written here from the default model's blocks), each verified two ways on the sam
 requests: drafts drawn from the drafter's q and kept with probability min(1, p/q) (ember's
 default), and the drafter's argmax kept as a point mass (what a drafter without probabilities
 gets: `ModelRunner.propose_for(sample=False)`). Prints, per drafter and way, the share of drafts
-kept, the mean accepted length (tokens a verifying step adds) and output tokens per second.
+kept, the mean accepted length (tokens a verifying step adds) and output tokens per second (and
+those of the target without speculation, the same requests).
 
     python benchmarks/scripts/spec_sampling.py [--k 4] [--layers 26] [--max-tokens 64] [--temperature 0.8]
 """
@@ -77,12 +78,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         drafters = {"itself": target, f"early exit, {args.layers} layers": early_exit(
             target, args.layers, Path(tmp) / "early.gguf")}
-        rows = []
+        plain = LLM(str(target), enable_prefix_caching=False)
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                 ignore_eos=True, seed=i) for i in range(len(chats))]
+        plain.chat(chats[:1], params[0])  # warm-up
+        start = time.perf_counter()
+        made = sum(len(plain.chat([chat], sp)[0].outputs[0].token_ids) for chat, sp in zip(chats, params))
+        rows = [("none (no speculation)", "", None, None, made / (time.perf_counter() - start))]
+        plain.shutdown()
         for name, path in drafters.items():
             llm = LLM(str(target), enable_prefix_caching=False,
                       speculative_config={"model": str(path), "num_speculative_tokens": args.k})
-            params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                                     ignore_eos=True, seed=i) for i in range(len(chats))]
             llm.chat(chats[:1], params[0])  # warm-up
             own = llm.engine.proposer
             for way, proposer in (("q", own), ("point masses", PointMasses(llm.engine.runner))):
@@ -104,7 +110,9 @@ def main() -> None:
     print("| drafter | drafts verified as | drafts kept | mean accepted length | tok/s |")
     print("|---|---|---|---|---|")
     for name, way, rate, length, speed in rows:
-        print(f"| {name} | {way} | {rate:.1%} | {length:.2f} | {speed:.1f} |")
+        kept = "" if rate is None else f"{rate:.1%}"
+        accepted = "" if length is None else f"{length:.2f}"
+        print(f"| {name} | {way} | {kept} | {accepted} | {speed:.1f} |")
 
 
 if __name__ == "__main__":
