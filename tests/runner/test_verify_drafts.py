@@ -17,10 +17,12 @@ EIGHTHS = [  # (p, q) in eighths over 6 tokens
     ([4, 2, 1, 1, 0, 0], [0, 8, 0, 0, 0, 0]),  # a point mass: kept with p(1), else p without token 1
 ]
 GRID = 24  # each ratio p(d) / q(d) < 1 and each residual probability above is a multiple of 1/24
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # one code path: the same numbers on both
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("p8, q8", EIGHTHS)
-def test_the_kept_token_is_distributed_exactly_as_p(p8, q8):
+def test_the_kept_token_is_distributed_exactly_as_p(p8, q8, device):
     """Every draft d (weight q(d)) against every (u, v) at the midpoints of a 24 x 24 grid: the
     weighted counts of the tokens kept are p, as fractions. p and q come unnormalized (x3, x0.5)."""
     mids = (torch.arange(GRID, dtype=torch.float32) + 0.5) / GRID
@@ -31,7 +33,7 @@ def test_the_kept_token_is_distributed_exactly_as_p(p8, q8):
     n = d.shape[0]
     p = torch.tensor(p8, dtype=torch.float32).repeat(n, 1) * 3
     q = torch.tensor(q8, dtype=torch.float32).repeat(n, 1) * 0.5
-    tokens = verify_drafts(p, q, d, u, v)
+    tokens = verify_drafts(*(t.to(device) for t in (p, q, d, u, v))).cpu()
     counts = [Fraction(0)] * 6
     for draft, token in zip(d.tolist(), tokens.tolist()):
         counts[token] += Fraction(q8[draft], 8) / GRID**2
@@ -45,8 +47,9 @@ def _log(probs: list[float]) -> list[float]:
     return [torch.tensor(x).log().item() if x > 0 else float("-inf") for x in probs]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grammar", [False, True])
-def test_drafts_drawn_and_verified_by_the_sampler_keep_p(grammar):
+def test_drafts_drawn_and_verified_by_the_sampler_keep_p(grammar, device):
     """100,000 seeded rows: Sampler.draft draws each draft from q (temperature 1 over log q),
     the sampler's drafted rows verify them against p. The kept tokens' frequencies are p's
     within 5 standard errors (0.008 at most), zero where p is zero, and the share kept is
@@ -61,13 +64,15 @@ def test_drafts_drawn_and_verified_by_the_sampler_keep_p(grammar):
         p, q = [0.5, 0.25, 0.125, 0.125, 0, 0], [0.125, 0.375, 0, 0.25, 0.25, 0]
         allowed = None
     sampler = Sampler(seed=7)
-    drafts, q_rows = sampler.draft(torch.tensor([_log(q)]).expand(n, 6), [SamplingRow(params, None, [1], [], frozenset())] * n)
+    drafts, q_rows = sampler.draft(torch.tensor([_log(q)], device=device).expand(n, 6),
+                                   [SamplingRow(params, None, [1], [], frozenset())] * n)
     if grammar:  # what the engine does: a draft the grammar refuses ends the run before its row
         inside = drafts < 3
         drafts, q_rows = drafts[inside], [r for r, ok in zip(q_rows, inside.tolist()) if ok]
     rows = [SamplingRow(params, None, [1], [], frozenset(), allowed, draft=(d, r))
             for d, r in zip(drafts.tolist(), q_rows)]
-    tokens = sampler(torch.tensor([_log(p)]).expand(len(rows), 6), rows).tokens
+    tokens = sampler(torch.tensor([_log(p)], device=device).expand(len(rows), 6), rows).tokens.cpu()
+    drafts = drafts.cpu()
     m = len(rows)
     freq = torch.bincount(tokens, minlength=6).double() / m
     target = torch.tensor(p, dtype=torch.float64)
