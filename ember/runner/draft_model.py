@@ -6,10 +6,10 @@ dims), so the scheduler's block tables, slots, prefix-cache hits, forks and roll
 every step the draft runs the same tokens at the same positions as the target (`follow`), and
 after the step's tokens are known it drafts K more for each decoding request, one batched
 forward a position (`propose`; the runner's `draw` picks each draft from the logits: a draw
-from q under the request's sampling parameters, or the argmax), writing its KV into the blocks the request holds (the
-scheduler reserves them beforehand, `reserve_lookahead`, where blocks are free; without them the
-drafts stop where the request's last block ends). A rejected
-draft's KV is overwritten when the position is computed again, in both caches."""
+from q under the request's sampling parameters, or the argmax), writing its KV into the blocks
+the request holds (the scheduler reserves them beforehand, `reserve_lookahead`, where blocks are
+free; without them the drafts stop where the request's last block ends). A rejected draft's KV
+is overwritten when the position is computed again, in both caches."""
 
 from __future__ import annotations
 

@@ -582,7 +582,7 @@ class ModelRunner:
         draft from the drafter's distribution q under its own sampling parameters (its seed's
         generator included) and keeps q for the step that verifies them (`draft_probs`); a
         greedy one drafts the argmax. sample=False: every request drafts the raw argmax, kept
-        or not as a point mass (what vLLM's drafters do; for comparisons)."""
+        or not as a point mass (a drafter without probabilities; for comparisons)."""
         k, c = self.config.speculative_config.num_speculative_tokens, self.config
         limits = []
         for r in requests:
