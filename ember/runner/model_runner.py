@@ -780,7 +780,8 @@ class ModelRunner:
             end = start + chunk.num_new_tokens
             prompt = req.num_prompt_tokens
             blocks = req.block_ids
-            if chunk.num_new_tokens == 1:  # decode: the hot path, no lists copied
+            # decode: the hot path, no lists copied (M-RoPE: past the prompt, where rows turn by p + delta)
+            if chunk.num_new_tokens == 1 and (mrope is None or start >= prompt):
                 if req.num_pending_tokens:  # then `start` is the pending token's position
                     dst.append(len(ids))
                     src.append(self.last_launched.rows[req.request_id])

@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
+from llava_model import ember_logits, image, make_llm, prompt, tokens_and_logprobs  # noqa: E402
 from qwen_vl_model import FAMILIES, HF_CLASSES, ONE, TWO, V, hf_inputs, hf_media_inputs, save_tiny_qwen_vl  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
@@ -111,10 +111,16 @@ def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
 
 @QWEN25_AND_QWEN3
 def test_chunk_boundaries_inside_images_change_nothing(model_dir, llm):
-    """A budget of 4 tokens a step cuts the 6- and 8-token (Qwen3-VL: 6-token) images across chunks."""
-    chunked = make_llm(model_dir, max_num_batched_tokens=4, enable_prefix_caching=False)
-    want = llm.generate(prompt(TWO, [RED, BLUE]), GREEDY)[0].outputs[0].token_ids
-    assert chunked.generate(prompt(TWO, [RED, BLUE]), GREEDY)[0].outputs[0].token_ids == want
+    """A budget of 8 tokens a step cuts the 6- and 8-token (Qwen3-VL: 6-token) images across chunks,
+    and gives the second prompt one-token chunks of its prompt beside the first's (at their
+    positions in the prompt, not decode's p + delta)."""
+    asks = [prompt(TWO, [RED, BLUE]), prompt(ONE, [BLUE])]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    chunked = make_llm(model_dir, max_num_batched_tokens=8, enable_prefix_caching=False)
+    want = [tokens_and_logprobs(o) for o in llm.generate(asks, params)]
+    got = [tokens_and_logprobs(o) for o in chunked.generate(asks, params)]
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    torch.testing.assert_close([lp for _, lp in got], [lp for _, lp in want], rtol=0, atol=1e-5)
     assert chunked.engine.runner.images.num_encoded == 2
     chunked.engine.check_idle()
 
