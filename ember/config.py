@@ -353,9 +353,6 @@ class EngineConfig:
             raise ValueError(f"speculative decoding by {self.speculative_config.method} is not supported with M-RoPE "
                              "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL) yet: the drafter turns its keys by 1-D positions; use method "
                              "'ngram' or leave speculative_config unset")
-        if model_config.vision is not None and self.tensor_parallel_size > 1:
-            raise ValueError("a vision-language model's images run on one rank for now: use tensor_parallel_size 1 "
-                             "(or --data-parallel-size for more devices)")
         speculative_config = self.speculative_config
         if speculative_config is not None and speculative_config.method == "draft_model":
             speculative_config = _resolve_draft_model(speculative_config, model_config, device, self.download_dir)

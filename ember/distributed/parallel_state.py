@@ -117,6 +117,15 @@ def min_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def gather_to_first(obj: object) -> list | None:
+    """Every rank's `obj` (picklable), in rank order, on rank 0; None on the others."""
+    if _size == 1:
+        return [obj]
+    out = [None] * _size if _rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=_group)  # NCCL: through the current device, as set
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now (for a group's init address or a local server)."""
     with socket.socket() as s:

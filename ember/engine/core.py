@@ -196,6 +196,8 @@ class EngineCore:
         assert not self._failed, "a failed request's output was never handed back"
         assert not self.structured.holds(), "the structured-output manager still holds requests"
         assert not (self.in_flight or self.scheduler.in_flight), "a launched step was never collected"
+        if hasattr(self.runner, "check_idle"):  # tensor parallelism: what each rank keeps
+            self.runner.check_idle()
 
     def shutdown(self) -> None:
         """Stop what the runner started outside this process (tensor-parallel workers)."""

@@ -37,11 +37,15 @@ ENCODER_CACHE_BYTES = 256 << 20  # image embeddings kept for reuse beyond those 
 class EncoderCache:
     """Image embeddings by the image's hash. An entry is held by the requests whose prefill
     has yet to pass its image (`hold`, let go by `done` or `release`); held entries stay,
-    the others are dropped least recently used first once the cache is over `max_bytes`."""
+    the others are dropped least recently used first once the cache is over `max_bytes`.
+    max_bytes None: it drops only what it is told to (`drop`: a tensor-parallel rank's, whose
+    drops the engine's mirror decides, EncoderCacheMirror). The mirror's entries are None: it
+    keeps each embedding's size alone."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int | None) -> None:
         self.max_bytes = max_bytes
-        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.entries: OrderedDict[str, torch.Tensor | None] = OrderedDict()
+        self.sizes: dict[str, int] = {}
         self.holders: dict[str, set[str]] = {}  # hash -> ids of requests holding it
         self.held: dict[str, set[str]] = {}  # request id -> hashes it holds
         self.nbytes = 0
@@ -52,10 +56,19 @@ class EncoderCache:
             self.entries.move_to_end(key)
         return value
 
-    def put(self, key: str, value: torch.Tensor) -> None:
+    def put(self, key: str, value: torch.Tensor | None, nbytes: int | None = None) -> None:
+        """Keep `value` (its size: nbytes, by default its own)."""
+        self.drop([key])
         self.entries[key] = value
-        self.nbytes += value.nbytes
+        self.sizes[key] = value.nbytes if nbytes is None else nbytes
+        self.nbytes += self.sizes[key]
         self._shrink()
+
+    def drop(self, keys: list[str]) -> None:
+        for key in keys:
+            if key in self.sizes:
+                del self.entries[key]
+                self.nbytes -= self.sizes.pop(key)
 
     def hold(self, request_id: str, key: str) -> None:
         self.holders.setdefault(key, set()).add(request_id)
@@ -85,11 +98,13 @@ class EncoderCache:
                 del self.holders[key]
 
     def _shrink(self) -> None:
+        if self.max_bytes is None:
+            return
         for key in list(self.entries):
             if self.nbytes <= self.max_bytes:
                 return
             if key not in self.holders:
-                self.nbytes -= self.entries.pop(key).nbytes
+                self.drop([key])
 
 
 @dataclass
@@ -152,17 +167,9 @@ class ImageEmbedder:
         self.cache.release(request_id)
 
     def _spans(self, plan: SchedulerOutput) -> list[_Span]:
-        spans, row = [], 0
-        for chunk in plan.chunks:
-            req = chunk.request
-            start = req.num_computed_tokens
-            end = min(start + chunk.num_new_tokens, req.num_prompt_tokens)
-            for f in req.mm_features or ():
-                lo, hi = max(start, f.offset), min(end, f.end)
-                if lo < hi:
-                    spans.append(_Span(row + lo - start, f, lo - f.offset, hi - f.offset, req.request_id))
-                    self.cache.hold(req.request_id, f.hash)
-            row += chunk.num_new_tokens
+        spans = image_spans(plan)
+        for s in spans:
+            self.cache.hold(s.request_id, s.feature.hash)
         return spans
 
     @torch.inference_mode()
@@ -171,6 +178,10 @@ class ImageEmbedder:
         missing = list({f.hash: f for f in features if self.cache.get(f.hash) is None}.values())
         if not missing:
             return
+        for f in missing:
+            if not f.pixel_values.size:  # a tensor-parallel rank: the engine's mirror sends them (EncoderCacheMirror)
+                raise RuntimeError(f"image {f.hash}: this rank's encoder cache lacks its embeddings and its pixels did "
+                                   "not come with the step")
         self.num_encoder_steps += 1
         dtype = next(self.vision.parameters()).dtype
         if getattr(self.vision, "packed", False):  # Qwen2-VL: images of any sizes in one call, patches concatenated
@@ -193,6 +204,79 @@ class ImageEmbedder:
             for f, out in zip(group, self.vision(pixels)):
                 self.cache.put(f.hash, out)
             self.num_encoded += len(group)
+
+
+def image_spans(plan: SchedulerOutput) -> list[_Span]:
+    """The step's rows over image tokens: each image a chunk covers, and the slice it covers."""
+    spans, row = [], 0
+    for chunk in plan.chunks:
+        req = chunk.request
+        start = req.num_computed_tokens
+        end = min(start + chunk.num_new_tokens, req.num_prompt_tokens)
+        for f in req.mm_features or ():
+            lo, hi = max(start, f.offset), min(end, f.end)
+            if lo < hi:
+                spans.append(_Span(row + lo - start, f, lo - f.offset, hi - f.offset, req.request_id))
+        row += chunk.num_new_tokens
+    return spans
+
+
+class EncoderCacheMirror:
+    """The engine's copy of the tensor-parallel ranks' encoder caches. Every rank runs the
+    (replicated) tower over the same images and keeps the same embeddings; this copy, in the
+    engine's process, runs the cache's bookkeeping as ImageEmbedder does, with each entry's
+    size (its tokens x `row_bytes`) in place of its embeddings, and decides for the ranks:
+    which images a step starts encoding, whose pixels it carries to them (the only time they
+    travel), and which entries the ranks drop (those it evicted since: with the next step, or
+    with the release that evicted them), so the ranks' caches hold what it holds, evictions
+    included."""
+
+    def __init__(self, max_bytes: int, row_bytes: int) -> None:
+        self.cache = EncoderCache(max_bytes)
+        self.row_bytes = row_bytes  # an image token's embedding (and its deepstack rows), in bytes
+        self.on_ranks: set[str] = set()  # what the ranks' caches hold once they have run the last step
+        self.num_encoded = 0  # images whose pixels went to the ranks
+        self.num_encoder_steps = 0
+
+    def step(self, plan: SchedulerOutput) -> tuple[dict[str, np.ndarray], list[str]]:
+        """(hash -> pixels of the images the ranks encode in this step, the hashes they drop
+        before it), with the cache's bookkeeping of the step done (ModelRunner.launch's order:
+        the preempted requests let go first)."""
+        dropped = self.take_dropped()
+        for req in plan.preempted:
+            self.cache.release(req.request_id)
+        spans = image_spans(plan)
+        for s in spans:
+            self.cache.hold(s.request_id, s.feature.hash)
+        missing: dict[str, ImageFeature] = {}
+        for s in spans:
+            if s.feature.hash in self.cache.entries:
+                self.cache.get(s.feature.hash)
+            else:
+                missing.setdefault(s.feature.hash, s.feature)
+        for f in missing.values():
+            self.cache.put(f.hash, None, f.length * self.row_bytes)
+        for s in spans:
+            self.cache.get(s.feature.hash)
+            if s.stop == s.feature.length:
+                self.cache.done(s.request_id, s.feature.hash)
+        pixels = {key: f.pixel_values for key, f in missing.items()}
+        self.on_ranks |= pixels.keys()
+        if pixels:
+            self.num_encoded += len(pixels)
+            self.num_encoder_steps += 1
+        return pixels, dropped
+
+    def release(self, request_id: str) -> list[str]:
+        """Let the request's images go; the hashes the ranks drop now."""
+        self.cache.release(request_id)
+        return self.take_dropped()
+
+    def take_dropped(self) -> list[str]:
+        """What the ranks hold and this copy dropped since (the last step's evictions, a release's)."""
+        dropped = sorted(self.on_ranks.difference(self.cache.entries))
+        self.on_ranks.difference_update(dropped)
+        return dropped
 
 
 def image_key_ends(plan: SchedulerOutput, positions: Sequence[int]) -> list[int] | None:

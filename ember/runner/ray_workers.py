@@ -18,8 +18,14 @@ from collections import defaultdict
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.runner.plan_diff import PlanEncoder
-from ember.runner.tensor_parallel import READY_TIMEOUT_S, TensorParallelRunner, Worker, WorkerFailed, worker_config
+from ember.runner.tensor_parallel import (
+    READY_TIMEOUT_S,
+    TensorParallelRunner,
+    Worker,
+    WorkerFailed,
+    plan_encoder,
+    worker_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +60,8 @@ class RayTensorParallelRunner(TensorParallelRunner):
         self.profile_steps, self.step_times, self.pooler = False, defaultdict(float), None
         self.graphs = self.piecewise = None
         self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
-        self.plans = PlanEncoder()
+        self.plans = plan_encoder(config)
+        self.images = self.plans.images
         try:
             if not self.group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
                 raise ValueError(f"the Ray cluster cannot place {size} workers of {self.group.bundle_specs[0]} "

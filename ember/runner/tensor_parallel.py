@@ -7,7 +7,10 @@ through the shared-memory broadcast (distributed/shm_broadcast.py), as a diff of
 workers hold (runner/plan_diff.py); its grammar masks follow in a second message, so
 the engine fills them while the ranks prepare and queue the forward (on Ray they travel
 with the plan). Every rank runs the same forward and sampling, and rank 0 sends back what
-it sampled over a pipe. Speculative decoding's drafter (a draft model, an EAGLE-3 head) is
+it sampled over a pipe. A vision-language model's tower and projector are replicated: every
+rank encodes the step's images itself (the tower is small beside the language model, and no
+collective runs in it), each image's pixels sent once, when its encoding starts, and every
+rank's encoder cache follows the engine's mirror of it (runner/multimodal.py's EncoderCacheMirror). Speculative decoding's drafter (a draft model, an EAGLE-3 head) is
 split over the ranks too: after each update every rank gets the requests as they now are
 (`propose`, a diff as the plans are) and drafts; rank 0's drafts come back. A worker that dies, or fails, fails the engine with an error that names it; the
 others are then stopped, so no process outlives the engine (they are daemons too, and a
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from ember.config import EngineConfig
-from ember.distributed.parallel_state import free_port
+from ember.distributed.parallel_state import free_port, gather_to_first
 from ember.distributed.shm_broadcast import ShmBroadcast
 from ember.runner.plan_diff import PlanDecoder, PlanEncoder
 
@@ -83,7 +86,8 @@ class TensorParallelRunner:
         self.step_times: defaultdict[str, float] = defaultdict(float)
         self.pooler, self.graphs, self.piecewise = None, None, None
         self.generators, self.biases = {}, {}  # per-request state lives in the workers: empty here
-        self.plans = PlanEncoder()
+        self.plans = plan_encoder(config)
+        self.images = self.plans.images
         self._dead: str | None = None
         try:
             for p in self.procs:
@@ -127,9 +131,21 @@ class TensorParallelRunner:
         return self._receive(STEP_TIMEOUT_S, "drafting")
 
     def release(self, request_id: str) -> None:
-        self.plans.forget(request_id)
+        dropped = self.plans.forget(request_id)
         if self._dead is None:  # dead workers hold nothing: the engine's cleanup after a failure goes on
-            self._send(("release", request_id))
+            self._send(("release", request_id, dropped))
+
+    def check_idle(self) -> None:
+        """Assert that no rank keeps anything for a request (they have all left) and that every
+        rank's encoder cache holds what the engine's mirror of it holds (EngineCore.check_idle)."""
+        self._send(("holdings",))
+        for rank, held in enumerate(self._receive(STEP_TIMEOUT_S, "reporting what the ranks hold")):
+            assert not held["requests"], f"rank {rank} keeps state for requests that left: {held['requests']}"
+            if self.images is not None:
+                mirror = self.images.cache
+                assert (held["images"], held["image_bytes"]) == (sorted(mirror.entries), mirror.nbytes), \
+                    f"rank {rank}'s encoder cache holds {held['images']} ({held['image_bytes']} bytes); the " \
+                    f"engine's mirror of it {sorted(mirror.entries)} ({mirror.nbytes} bytes)"
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent); no process is left behind."""
@@ -201,6 +217,19 @@ class TensorParallelRunner:
         raise WorkerFailed(message)
 
 
+def plan_encoder(config: EngineConfig) -> PlanEncoder:
+    """The engine's side of the plans; a vision-language model's with its mirror of the ranks'
+    encoder caches, whose entries it sizes as the ranks' embeddings are (an image token's row
+    and its deepstack rows, in the model's dtype)."""
+    vision = config.model_config.vision
+    if vision is None:
+        return PlanEncoder()
+    from ember.runner import multimodal
+
+    row_bytes = vision.text_hidden_size * (1 + len(vision.deepstack_blocks)) * config.torch_dtype.itemsize
+    return PlanEncoder(multimodal.EncoderCacheMirror(multimodal.ENCODER_CACHE_BYTES, row_bytes))
+
+
 def worker_config(config: EngineConfig) -> EngineConfig:
     """The config a worker gets: the request defaults apply where requests come in, not in
     the workers (and their mapping proxy does not pickle)."""
@@ -235,6 +264,8 @@ class Worker:
         else:
             self.all_reduce = f"peer memory up to {PEER_MAX_BYTES >> 20} MiB, NCCL above"
         self.runner = ModelRunner(config)
+        if self.runner.images is not None:  # it drops what the engine's mirror drops (PlanDiff.dropped_images)
+            self.runner.images.cache.max_bytes = None
         self.plans = PlanDecoder()
         self.in_flight: deque = deque()
 
@@ -261,6 +292,8 @@ class Worker:
                     follow.append(next_message()[1])
                 return follow[0]
 
+            if diff.dropped_images:
+                self.runner.images.cache.drop(diff.dropped_images)
             self.in_flight.append(self.runner.launch(self.plans.decode(diff), fill))
             fill()  # a step that samples nothing never asked: the masks message is read all the same
         elif op == "collect":
@@ -269,10 +302,28 @@ class Worker:
         elif op == "propose":
             drafts = self.runner.propose_for(self.plans.decode_requests(message[1]))
             return drafts if self.rank == 0 else None
-        elif op == "release":
+        elif op == "release":  # (the request, the images its leaving evicts from the encoder caches)
             self.plans.forget(message[1])
             self.runner.release(message[1])
+            if message[2]:
+                self.runner.images.cache.drop(message[2])
+        elif op == "holdings":
+            return gather_to_first(self.holdings())
         return None
+
+    def holdings(self) -> dict[str, Any]:
+        """The requests this rank keeps anything for, and its encoder cache's images (check_idle)."""
+        r = self.runner
+        requests = set(self.plans.requests) | set(r.generators) | set(r.biases) | set(r.table_rows)
+        if r.mrope is not None:
+            requests |= set(r.mrope.requests)
+        images, image_bytes = [], 0
+        if r.images is not None:
+            requests |= set(r.images.cache.held)
+            images, image_bytes = sorted(r.images.cache.entries), r.images.cache.nbytes
+        if r.states is not None and r.states.num_in_use:
+            requests.add(f"({r.states.num_in_use} recurrent-state slots)")
+        return {"requests": sorted(requests), "images": images, "image_bytes": image_bytes}
 
     def close(self) -> None:
         from ember.distributed.parallel_state import destroy

@@ -3,7 +3,8 @@
 with window and full attention; SMALL_QWEN3: 2B's widths, interleaved M-RoPE, learned positions
 and deepstack) through the whole engine in float32 against transformers on the GPU: greedy tokens of prompts with images of different sizes (up to 256 image tokens) and one
 without, in one batch (decode steps replay the CUDA graphs at 1-D positions + delta), with
-chunks that cut the images and with a prefix-cache hit over an image."""
+chunks that cut the images and with a prefix-cache hit over an image; the same at two ranks
+(tensor parallelism over NCCL)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ def expected(model_dir, family) -> list[tuple[list[int], list[float]]]:
     return hf_greedy(hf.cuda().eval(), inputs, 12)
 
 
-@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 64}], ids=["graphs", "chunks-cut-images"])
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 64},
+                                {"tensor_parallel_size": 2, "max_num_batched_tokens": 64}],
+                         ids=["graphs", "chunks-cut-images", "two-ranks"])
 def test_greedy_tokens_match_transformers_on_cuda(model_dir, expected, family, kw):
+    """two-ranks (two GPUs, NCCL): each rank's replicated tower, its shard of the LM, its decode
+    graphs; check_idle gathers every rank's encoder cache over NCCL against the engine's mirror."""
+    if kw.get("tensor_parallel_size", 1) > torch.cuda.device_count():
+        pytest.skip(f"needs {kw['tensor_parallel_size']} GPUs (nvidia-h100-x2)")
     assert_engine_matches_on_cuda(model_dir, PROMPTS, expected, IMAGE_TOKENS[family[0]], 2e-3, **kw)

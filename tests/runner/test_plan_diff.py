@@ -1,6 +1,6 @@
 """The plan diff (runner/plan_diff.py): the tensor-parallel workers' mirrors of the
 running requests, fed each step only what changed, hold exactly what the engine's requests
-hold when the runner reads them. Checked on every step of a real engine (the default model)
+hold when the runner reads them (and a step's preempted requests are theirs). Checked on every step of a real engine (the default model)
 through preemption, prefix-cache hits, n > 1 forks and async scheduling's pending tokens;
 then the same engine shape with its one rank in a worker process gives the in-process
 tokens and guided choice (the masks travel in the message after the plan), with speculative
@@ -36,7 +36,7 @@ def test_mirrors_hold_what_the_engine_holds_at_every_step(gguf_path):
               seed=0)
     runner, encoder, decoder = llm.engine.runner, PlanEncoder(), PlanDecoder()
     launch, release = runner.launch, runner.release
-    seen = {"chunks": 0, "whole": 0, "tail": 0, "pending": 0, "bytes": []}
+    seen = {"chunks": 0, "whole": 0, "tail": 0, "pending": 0, "preempted": 0, "bytes": []}
 
     def checked_launch(plan, fill=None):
         diff = encoder.encode(plan)
@@ -45,6 +45,8 @@ def test_mirrors_hold_what_the_engine_holds_at_every_step(gguf_path):
         mirrored = decoder.decode(pickle.loads(data))
         assert len(mirrored.chunks) == len(plan.chunks) and mirrored.block_copies == plan.block_copies
         assert (mirrored.state_restores, mirrored.state_saves) == (plan.state_restores, plan.state_saves)
+        assert [r.request_id for r in mirrored.preempted] == [r.request_id for r in plan.preempted]
+        seen["preempted"] += len(plan.preempted)
         for chunk, mirror in zip(plan.chunks, mirrored.chunks):
             assert (mirror.num_new_tokens, mirror.start, mirror.samples, mirror.draft_token_ids) == (
                 chunk.num_new_tokens, chunk.start, chunk.samples, chunk.draft_token_ids)
@@ -66,7 +68,7 @@ def test_mirrors_hold_what_the_engine_holds_at_every_step(gguf_path):
     outs += llm.generate(PROMPTS[:2], SamplingParams(max_tokens=12, n=3, temperature=1.0, seed=2))
     assert all(len(o.outputs[0].token_ids) == 40 for o in outs[:6]) and all(len(o.outputs) == 3 for o in outs[6:])
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.prefix_cache_hits > 0
-    assert seen["whole"] > 0 and seen["tail"] > 0 and seen["pending"] > 0, seen
+    assert seen["whole"] > 0 and seen["tail"] > 0 and seen["pending"] > 0 and seen["preempted"] > 0, seen
     assert encoder.sent == {} and decoder.requests == {}, "a finished request's mirror was kept"
     # a decode step of four requests is a few hundred bytes, whatever their length
     assert min(seen["bytes"]) < 600, seen["bytes"]
