@@ -18,6 +18,11 @@ every server sees exactly the same prompt:
   spaces the conversations' starts.
 - `--dataset FILE.jsonl`: one request a line, `{"prompt": "text" or [ids], "max_tokens": N}`
   (text is tokenized with `--tokenizer`).
+- `--dataset images`: chat requests (to /v1/chat/completions) of one `--image-width` x
+  `--image-height` image of random pixels then `--random-input-len` tokens of random text
+  (ember/bench/image_requests.py); `--shared-image` sends the same image in every request.
+  The servers' own prompt token counts (usage.prompt_tokens: text, template and image tokens)
+  are reported beside the client's text-only count.
 
 `--plot FILE.png` draws the run's TTFT and TPOT distributions (ember/bench/plots.py).
 """
@@ -35,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ember.bench.image_requests import IMAGE_FORMATS, ChatRequest, image_requests
 from ember.bench.results import RandomRequest
 from ember.bench.throughput import machine_info, random_requests
 
@@ -46,6 +52,7 @@ class RequestResult:
     text: str = ""
     turn: int = 0  # in a conversation (shared-prefix dataset)
     output_len: int = 0
+    server_prompt_len: int = 0  # the server's usage.prompt_tokens, where it reports one
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -69,9 +76,14 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     parser.add_argument("--tokenizer", default=None,
                         help="a .gguf or HF dir whose vocabulary the random prompts use (default: ember's default model)")
-    parser.add_argument("--dataset", default="random", metavar="random|shared-prefix|FILE.jsonl",
+    parser.add_argument("--dataset", default="random", metavar="random|shared-prefix|images|FILE.jsonl",
                         help='FILE.jsonl: one request a line, {"prompt": "text" or [token ids], "max_tokens": N}')
     add_workload_args(parser)
+    parser.add_argument("--image-width", type=int, default=1024, help="images: each image's width in pixels")
+    parser.add_argument("--image-height", type=int, default=768, help="images: each image's height in pixels")
+    parser.add_argument("--image-format", default="jpeg", choices=sorted(IMAGE_FORMATS),
+                        help="images: how the pixels are encoded in the data: URL")
+    parser.add_argument("--shared-image", action="store_true", help="images: the same image in every request")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
     parser.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson arrivals; gamma shape otherwise")
     parser.add_argument("--max-concurrency", type=int, default=None)
@@ -115,6 +127,7 @@ async def _send(session, url: str, payload: dict[str, Any], headers: dict[str, s
                 body = json.loads(data)
                 if body.get("usage"):
                     result.output_len = body["usage"].get("completion_tokens") or result.output_len
+                    result.server_prompt_len = body["usage"].get("prompt_tokens") or result.server_prompt_len
                 choice = (body.get("choices") or [{}])[0]
                 text = choice.get("text") or (choice.get("delta") or {}).get("content")
                 if text:
@@ -140,20 +153,25 @@ def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[flo
     return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n).tolist()
 
 
-async def _run(ns: argparse.Namespace, requests: list[RandomRequest], model: str) -> tuple[list[RequestResult], float]:
-    url = ns.base_url.rstrip("/") + ns.endpoint
+async def _run(ns: argparse.Namespace, requests: list[RandomRequest] | list[ChatRequest],
+               model: str) -> tuple[list[RequestResult], float]:
+    """Token-id prompts to `--endpoint`, chat requests to /v1/chat/completions."""
+    chat = bool(requests) and isinstance(requests[0], ChatRequest)
+    url = ns.base_url.rstrip("/") + ("/v1/chat/completions" if chat else ns.endpoint)
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     extra = json.loads(ns.extra_body) if ns.extra_body else {}
     limit = asyncio.Semaphore(ns.max_concurrency or len(requests))
     gaps = _arrival_gaps(len(requests), ns.request_rate, ns.burstiness, ns.seed)
 
     async with _session() as client:
-        async def one(req: RandomRequest) -> RequestResult:
-            payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
+        async def one(req: RandomRequest | ChatRequest) -> RequestResult:
+            prompt = {"messages": req.messages} if chat else {"prompt": req.prompt_token_ids}
+            payload = {"model": model, **prompt, "max_tokens": req.output_len,
                        "temperature": ns.temperature, "stream": True, "stream_options": {"include_usage": True},
                        **({"ignore_eos": True} if ns.ignore_eos else {}), **extra}
             async with limit:
-                return await _send(client, url, payload, headers, len(req.prompt_token_ids))
+                return await _send(client, url, payload, headers,
+                                   req.prompt_len if chat else len(req.prompt_token_ids))
 
         start = time.perf_counter()
         tasks = []
@@ -230,13 +248,16 @@ def run_workload(ns: argparse.Namespace, tok, model: str,
     if ns.dataset == "shared-prefix":
         system, conversations = shared_prefix_requests(ns, tok.vocab_size, tok.all_special_ids)
         return asyncio.run(asyncio.wait_for(_run_conversations(ns, conversations, system, model, encode), timeout))
-    if ns.dataset == "random":
+    if ns.dataset == "images":
+        requests = image_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.image_width,
+                                  ns.image_height, tok, ns.seed, ns.shared_image, ns.image_format)
+    elif ns.dataset == "random":
         requests = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
                                    tok.vocab_size, tok.all_special_ids, ns.seed)
     elif Path(ns.dataset).is_file():
         requests = file_requests(ns.dataset, encode)
     else:
-        raise ValueError(f"--dataset {ns.dataset!r}: give random, shared-prefix or an existing .jsonl file")
+        raise ValueError(f"--dataset {ns.dataset!r}: give random, shared-prefix, images or an existing .jsonl file")
     return asyncio.run(asyncio.wait_for(_run(ns, requests, model), timeout))
 
 
@@ -265,6 +286,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration, "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "server_prompt_tokens": sum(r.server_prompt_len for r in ok),
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         **stats("ttft", [r.ttft for r in ok]), **stats("tpot", tpots(ok)),
@@ -280,6 +302,7 @@ def format_summary(label: str, s: dict[str, Any]) -> str:
              row("Successful requests:", s["completed"]), row("Failed requests:", s["failed"]),
              row("Benchmark duration (s):", s["duration_s"]), row("Total input tokens:", s["total_input_tokens"]),
              row("Total generated tokens:", s["total_output_tokens"]),
+             row("Prompt tokens, the server's count:", s["server_prompt_tokens"]),
              row("Request throughput (req/s):", s["request_throughput"]),
              row("Output token throughput (tok/s):", s["output_throughput"]),
              row("Total Token throughput (tok/s):", s["total_token_throughput"])]
