@@ -102,6 +102,14 @@
 #                       at 16 requests/s, prefix_repetition at 32/s, one request 128/512, with each
 #                       process's CPU per output token (serve_race.py); then ember offline on the burst
 #                       (RACE_WORKLOADS: a subset)
+#   race-vl             issue #39's vision race at the Qwen2.5-VL-7B shape (dummy weights; VL_MODEL, default .serve-vl:
+#                       `python3 benchmarks/scripts/served_model.py --vl .serve-vl`): `vllm serve` then `ember serve`,
+#                       each at its defaults with --max-model-len 2048 and --limit-mm-per-prompt '{"image": 1, "video": 0}',
+#                       driven by ember's client (serve_race.py): 256 chat requests at once, each one 1024x768 random
+#                       image then 128 text tokens, 128 out (images), the same image in all (images-shared), then vLLM's
+#                       random-mm client at the same sizes (random-mm, the cross-check); first transformers' AutoProcessor
+#                       on the directory in vLLM's environment (VL_WORKLOADS, VL_SERVERS: subsets). Carry the server
+#                       wheels (.whl, as serve's), the directory and vLLM's last stage part
 #   serve-sweep [FLAGS...]  ember serve alone on the burst and the 16/s workload (SWEEP_WORKLOADS) at each
 #                       seat/budget pair
 #                       ("S B" strings; default: the serving defaults, 512/8192, 1024/8192, 256/8192, 512/4096)
@@ -517,6 +525,28 @@ mode_serve_race() {
   esac
 }
 
+# vl_processor DIR: transformers' AutoProcessor on the directory in vLLM's environment, as vLLM loads it
+# (Qwen2_5_VLProcessor: its video part imports torchvision, which the device image holds)
+vl_processor() {
+  PYTHONPATH=/tmp/vllm-site HF_HUB_OFFLINE=1 python3 -c "import sys, transformers; \
+p = transformers.AutoProcessor.from_pretrained(sys.argv[1]); \
+print('== AutoProcessor:', type(p).__name__, type(p.image_processor).__name__, p.image_token, p.image_token_id)" "$1"
+}
+
+mode_race_vl() {
+  local m=${VL_MODEL:-.serve-vl} servers=${VL_SERVERS:-vllm,ember} secs
+  local flags="--limit-mm-per-prompt '{\"image\": 1, \"video\": 0}'"
+  SERVED_MODEL=$m serve_kit || return 0
+  case ",$servers," in *,vllm,*)
+    if ! have_vllm || ! vl_processor "$m"; then servers=ember; echo "== race-vl: ember alone"; fi ;;
+  esac
+  secs=$(cap "race-vl" 540) || return 0
+  timeout "$secs" python3 benchmarks/scripts/serve_race.py "$m" --out "$J" --servers "$servers" \
+    --workloads "${VL_WORKLOADS:-images,images-shared,random-mm}" --max-model-len 2048 \
+    --ember-flags "$flags" --vllm-flags "$flags" --deadline $((secs - 10)) \
+    2>&1 | tee "$J/race_vl.log" | grep -E "^RESULT|^==|Error" || true
+}
+
 mode_serve_sweep() {
   local m=${SERVED_MODEL:-.serve-model} secs f flags
   serve_kit || return 0
@@ -616,6 +646,7 @@ case "$mode" in
   tp-70b) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_70b ;;
   serve) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve ;;
   serve-race) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve_race ;;
+  race-vl) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_vl ;;
   serve-sweep) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve_sweep "$@" ;;
   deterministic) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_deterministic ;;
   gpu-suite) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpu_suite ;;

@@ -4,7 +4,14 @@ BENCHMARKS.md's serving table; with each run, the CPU seconds that the server's 
 and its children (the engine core) spent per output token.
 
     python3 benchmarks/scripts/serve_race.py MODEL_DIR --out DIR [--servers vllm,ember]
-        [--workloads burst,rate16,prefix,one] [--ember-flags "..."] [--tag NAME] [--deadline S]
+        [--workloads burst,rate16,prefix,one] [--ember-flags "..."] [--vllm-flags "..."]
+        [--max-model-len N] [--tag NAME] [--deadline S]
+
+The vision workloads (issue #39, a Qwen2.5-VL directory: served_model.py --vl) are driven by
+ember's client (`ember bench serve --dataset images`, the same seeded bytes to both servers):
+`images`, 256 chat requests at once of one 1024x768 random image and 128 text tokens, 128 out;
+`images-shared`, the same with one image in every request; `random-mm`, vLLM's client on its
+random-mm dataset at the same sizes (the image after the text), a cross-check of the first.
 
 vLLM must be installed under /tmp/vllm-site (h200.sh's have_vllm); ember's server wheels on
 PYTHONPATH (serve_kit). Each workload's vLLM JSON lands in DIR/<server>_<workload>.json, one
@@ -24,7 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-COMMON = ["--load-format", "dummy", "--max-model-len", "2048", "--seed", "0"]
+COMMON = ["--load-format", "dummy", "--seed", "0"]
 VLLM_ENV = {"PYTHONPATH": "/tmp/vllm-site", "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 WORKLOADS = {
@@ -38,6 +45,15 @@ WORKLOADS = {
     "one": ["--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "512",
             "--num-prompts", "1"],
 }
+IMAGES = ["--dataset", "images", "--num-prompts", "256", "--image-width", "1024", "--image-height", "768",
+          "--random-input-len", "128", "--random-output-len", "128", "--request-rate", "inf"]
+EMBER_CLIENT = {"images": IMAGES, "images-shared": [*IMAGES, "--shared-image"]}
+WORKLOADS["random-mm"] = [
+    "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "random-mm",
+    "--random-input-len", "128", "--random-output-len", "128", "--random-range-ratio", "0",
+    "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
+    "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}', "--random-mm-bucket-config", "{(768, 1024, 1): 1.0}",
+    "--num-prompts", "256", "--request-rate", "inf"]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -72,31 +88,45 @@ def healthy(port: int) -> bool:
         return False
 
 
-def start(server: str, model: str, port: int, flags: list[str], log: Path) -> subprocess.Popen:
+def start(server: str, model: str, port: int, flags: list[str], log: Path, max_model_len: int) -> subprocess.Popen:
+    common = [*COMMON, "--max-model-len", str(max_model_len)]
     if server == "vllm":
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port), *COMMON, *flags]
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port), *common, *flags]
         env = os.environ | VLLM_ENV
     else:
-        cmd = [sys.executable, "-m", "ember.server.cli", "serve", model, "--port", str(port), *COMMON, *flags]
+        cmd = [sys.executable, "-m", "ember.server.cli", "serve", model, "--port", str(port), *common, *flags]
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
     print(f"== {server}: {shlex.join(cmd)}", flush=True)
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def run_client(model: str, port: int, workload: str, out: Path, name: str, timeout: float) -> dict | None:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
-           "--endpoint", "/v1/completions", "--model", model, "--tokenizer", model,
-           "--base-url", f"http://127.0.0.1:{port}", "--seed", "0", "--ignore-eos",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json", *WORKLOADS[workload]]
+    """One workload's run by its client (vLLM's, or ember's for EMBER_CLIENT's); its metrics."""
+    url = f"http://127.0.0.1:{port}"
+    if workload in EMBER_CLIENT:
+        cmd = [sys.executable, "-m", "ember.server.cli", "bench", "serve", "--base-url", url, "--model", model,
+               "--tokenizer", model, "--seed", "0", "--ignore-eos", "--label", name,
+               "--output-json", str(out / f"{name}.json"), *EMBER_CLIENT[workload]]
+        env = dict(os.environ)
+    else:
+        # the client's openai backend on /v1/completions unless the workload names its own
+        backend = [] if "--backend" in WORKLOADS[workload] else ["--backend", "openai", "--endpoint", "/v1/completions"]
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *backend, "--model", model,
+               "--tokenizer", model, "--base-url", url, "--seed", "0", "--ignore-eos",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+               "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json", *WORKLOADS[workload]]
+        env = os.environ | VLLM_ENV
     with (out / f"{name}.client.log").open("w") as log:
         try:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | VLLM_ENV, timeout=timeout)
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             print(f"== {name}: the client ran past {timeout:.0f} s", flush=True)
             return None
     path = out / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    r = json.loads(path.read_text())
+    return r["results"] if workload in EMBER_CLIENT else r
 
 
 def race(server: str, args, out: Path, results: list[dict], deadline: float) -> None:
@@ -104,7 +134,7 @@ def race(server: str, args, out: Path, results: list[dict], deadline: float) -> 
     flags = shlex.split(args.ember_flags) if server == "ember" else shlex.split(args.vllm_flags)
     tag = f"{server}{('_' + args.tag) if args.tag and server == 'ember' else ''}"
     log = out / f"{tag}.server.log"
-    proc = start(server, args.model, port, flags, log)
+    proc = start(server, args.model, port, flags, log, args.max_model_len)
     began = time.monotonic()
     try:
         while not healthy(port):
@@ -134,7 +164,7 @@ def race(server: str, args, out: Path, results: list[dict], deadline: float) -> 
                    "completed": r.get("completed"), "wall_s": round(wall, 1),
                    "api_cpu_ms_per_token": round(1000 * api / tokens, 4),
                    "children_cpu_ms_per_token": round(1000 * rest / tokens, 4)}
-            for k in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+            for k in ("server_prompt_tokens", "failed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
                       "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms"):
                 if k in r:
                     row[k] = round(r[k], 2)
@@ -157,6 +187,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="burst,rate16,prefix,one")
     ap.add_argument("--ember-flags", default="")
     ap.add_argument("--vllm-flags", default="")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="both servers'")
     ap.add_argument("--tag", default="", help="a name for this ember configuration (file names)")
     ap.add_argument("--deadline", type=float, default=560, help="seconds from now by which every run has ended")
     args = ap.parse_args()

@@ -54,7 +54,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
                       "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
-                      "serve-race", "serve-sweep", "spec"]
+                      "serve-race", "race-vl", "serve-sweep", "spec"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -362,6 +362,28 @@ def test_serve_race_races_both_servers_under_vllms_client_then_runs_ember_offlin
     ]
     calls, done = run_mode(tmp_path, "serve-race", extra_env=kit | {"RACE_WORKLOADS": "prefix,one"})
     assert calls[-1].startswith("python3 benchmarks/scripts/serve_race.py") and "prefix,one" in calls[-1]
+
+
+def test_race_vl_races_vllm_then_ember_on_the_vision_workloads_under_one_client(tmp_path):
+    model, kit = _serve_kit(tmp_path)
+    kit |= {"VL_MODEL": str(model)}
+    out, env = tmp_path / "out", "[decode_config=]"
+    race = (f"python3 benchmarks/scripts/serve_race.py {model} --out {out} --servers %s "
+            "--workloads images,images-shared,random-mm --max-model-len 2048 "
+            '''--ember-flags --limit-mm-per-prompt \'{"image": 1, "video": 0}\' '''
+            '''--vllm-flags --limit-mm-per-prompt \'{"image": 1, "video": 0}\' --deadline 530 ''' + env)
+    calls, done = run_mode(tmp_path, "race-vl", extra_env=kit)
+    assert done.returncode == 0, done.stderr
+    assert calls[1:] == [f"run-on-device none {env}", race % "vllm,ember"]
+    # no vLLM staged: ember alone, on the same workloads; or ember alone on one, when asked
+    (tmp_path / "unstaged").mkdir()
+    calls, done = run_mode(tmp_path / "unstaged", "race-vl", staged=False, extra_env=kit)
+    assert "== race-vl: ember alone" in done.stdout
+    assert calls[1:] == [race.replace(str(out), str(tmp_path / "unstaged" / "out")) % "ember"]
+    (tmp_path / "subset").mkdir()
+    calls, done = run_mode(tmp_path / "subset", "race-vl", extra_env=kit | {"VL_SERVERS": "ember", "VL_WORKLOADS": "images"})
+    assert calls[1:] == [(race.replace(str(out), str(tmp_path / "subset" / "out")) % "ember").replace(
+        "images,images-shared,random-mm", "images")]
 
 
 def test_serve_sweep_runs_ember_alone_at_each_seat_and_budget_pair(tmp_path):
