@@ -235,20 +235,21 @@ def _llava(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
     return VisionConfig(
         kind="llava",
         image_token_id=config.get("image_token_index", config.get("image_token_id", 32000)),
-        hidden_size=vc["hidden_size"],
-        intermediate_size=vc["intermediate_size"],
-        num_layers=used,
-        num_heads=vc["num_attention_heads"],
-        image_size=vc["image_size"],
-        patch_size=vc["patch_size"],
-        num_channels=vc["num_channels"],
-        layer_norm_eps=vc["layer_norm_eps"],
+        **_hf_tower(vc, used, vc["layer_norm_eps"]),
         hidden_act=act,
         drop_cls=strategy == "default",
         projector_act=projector_act,
         projector_bias=bool(config.get("multimodal_projector_bias", True)),
         text_hidden_size=text_hidden_size,
     )
+
+
+def _hf_tower(vc: dict[str, Any], num_layers: int, layer_norm_eps: float) -> dict[str, Any]:
+    """A CLIP-like tower's sizes from its HF vision_config (CLIP, SigLIP, Pixtral), with the
+    layers ember runs and the norms' epsilon, as VisionConfig's fields."""
+    return dict(hidden_size=vc["hidden_size"], intermediate_size=vc["intermediate_size"], num_layers=num_layers,
+                num_heads=vc["num_attention_heads"], image_size=vc["image_size"], patch_size=vc["patch_size"],
+                num_channels=vc["num_channels"], layer_norm_eps=layer_norm_eps)
 
 
 # LlavaNextConfig's image_grid_pinpoints where config.json names none
@@ -302,14 +303,7 @@ def _pixtral(config: dict[str, Any], text_hidden_size: int, kind: str) -> Vision
         kind=kind,
         image_token_id=config.get("image_token_index", config.get("image_token_id",
                                                                   10 if kind == "mistral3" else 32000)),
-        hidden_size=vc["hidden_size"],
-        intermediate_size=vc["intermediate_size"],
-        num_layers=used,
-        num_heads=vc["num_attention_heads"],
-        image_size=vc["image_size"],
-        patch_size=vc["patch_size"],
-        num_channels=vc["num_channels"],
-        layer_norm_eps=1e-5,  # modeling_pixtral.py's, not in config.json
+        **_hf_tower(vc, used, 1e-5),  # modeling_pixtral.py's eps, not in config.json
         hidden_act=act,
         projector_act=projector_act,
         projector_bias=bool(config.get("multimodal_projector_bias", kind == "pixtral")),
@@ -347,14 +341,7 @@ def _gemma3(config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
     return VisionConfig(
         kind="gemma3",
         image_token_id=config.get("image_token_index", config.get("image_token_id", 262144)),
-        hidden_size=vc["hidden_size"],
-        intermediate_size=vc["intermediate_size"],
-        num_layers=vc["num_hidden_layers"],
-        num_heads=vc["num_attention_heads"],
-        image_size=vc["image_size"],
-        patch_size=vc["patch_size"],
-        num_channels=vc["num_channels"],
-        layer_norm_eps=float(vc["layer_norm_eps"]),
+        **_hf_tower(vc, vc["num_hidden_layers"], float(vc["layer_norm_eps"])),
         hidden_act=vc["hidden_act"],
         mm_tokens_per_image=tokens,
         text_hidden_size=text_hidden_size,
