@@ -234,11 +234,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             logger.info("memory (GiB): total %.2f x utilization %.2f = %.2f; weights %.2f, peak activations %.2f, "
-                        "CUDA graphs %.2f (reserved %.2f), KV cache %.2f (%s) = %d blocks of %d tokens (%d tokens); "
-                        "free now %.2f", total / 2**30, config.gpu_memory_utilization,
+                        "CUDA graphs %.2f (reserved %.2f), drafts' probabilities %.2f, KV cache %.2f (%s) = %d "
+                        "blocks of %d tokens (%d tokens); free now %.2f", total / 2**30, config.gpu_memory_utilization,
                         config.gpu_memory_utilization * total / 2**30, self.weight_bytes / 2**30,
                         self.activation_bytes / 2**30, self.graph_pool_bytes / 2**30,
-                        self.graph_reserve / 2**30, self.kv_cache.nbytes / 2**30, _dtype_name(self.kv_cache.dtype),
+                        self.graph_reserve / 2**30, self.draft_probs_bytes / 2**30, self.kv_cache.nbytes / 2**30, _dtype_name(self.kv_cache.dtype),
                         self.num_blocks, config.block_size, self.num_blocks * config.block_size, free / 2**30)
         else:
             logger.info("memory: weights %.1f MiB (%s; %.2fx the file's %.1f MiB of tensors), KV cache %.1f MiB "
@@ -377,7 +377,8 @@ class ModelRunner:
             gc.collect()
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            return int(c.gpu_memory_utilization * total - (total - free) - self.activation_bytes - self.graph_reserve)
+            return int(c.gpu_memory_utilization * total - (total - free) - self.activation_bytes - self.graph_reserve
+                       - self.draft_probs_bytes)
         return CPU_KV_CACHE_MEMORY
 
     def _num_kv_blocks(self, memory: int) -> int:
@@ -574,6 +575,17 @@ class ModelRunner:
             return hidden, None
         size = self.config.model_config.hidden_size
         return hidden[:, :size].contiguous(), hidden[:, size:].contiguous()
+
+    @property
+    def draft_probs_bytes(self) -> int:
+        """The most the drafts' q rows (float32, a vocabulary each: `draft_probs`) hold between
+        proposing and verifying, kept out of the KV pool: K rows for each request speculation
+        runs for (disable_by_batch_size bounds them)."""
+        spec = self.config.speculative_config
+        if self.drafter is None:
+            return 0
+        seqs = min(self.config.max_num_seqs, spec.disable_by_batch_size or self.config.max_num_seqs)
+        return spec.num_speculative_tokens * seqs * self.config.model_config.vocab_size * 4
 
     def propose_for(self, requests: list[Request], sample: bool = True) -> list[list[int]]:
         """The drafter's drafts for each request's next step (speculative decoding's draft_model

@@ -152,3 +152,20 @@ def test_a_weaker_drafter_keeps_more_drafts_with_q_and_the_targets_distribution(
     finally:
         for llm in (plain, spec):
             live_engines.remove(llm)
+
+
+def test_the_drafts_probabilities_are_kept_out_of_the_kv_pool(gguf_path):
+    """q rows are float32 vocabularies, K a request: on CUDA the pool is sized without them."""
+    import types
+
+    from ember import EngineConfig
+    from ember.runner.model_runner import ModelRunner
+
+    def held(drafter, **spec) -> int:
+        cfg = EngineConfig(model=str(gguf_path), max_num_seqs=256, speculative_config={
+            "method": "draft_model", "model": str(gguf_path), "num_speculative_tokens": 4, **spec}).resolve()
+        return ModelRunner.draft_probs_bytes.fget(types.SimpleNamespace(config=cfg, drafter=drafter))
+
+    assert held(object()) == 4 * 256 * 49152 * 4
+    assert held(object(), disable_by_batch_size=8) == 4 * 8 * 49152 * 4
+    assert held(None) == 0
