@@ -89,11 +89,11 @@ def test_64_mixed_requests_give_the_in_process_outputs(config):
     finally:
         engine.stop()
     # a prompt shorter than a block hits only a finished request's partly filled block, and
-    # which have finished when a request arrives depends on the processes' timing
+    # which have finished when a request arrives depends on the processes' timing (in either
+    # run there may be none): everything else must agree
     assert all(o.num_cached_tokens <= len(o.prompt_token_ids) for o in got + want)
     assert [dataclasses.replace(o, num_cached_tokens=0) for o in got] == \
         [dataclasses.replace(o, num_cached_tokens=0) for o in want]
-    assert any(o.num_cached_tokens for o in want)  # hits did happen and changed no token
     assert [len(o.outputs) for o in got[1:7]] == [3, 1, 1, 1, 1, 1]
     assert got[2].prompt_logprobs is not None and len(got[2].outputs[0].logprobs) == 12
     assert any(o.outputs[0].stop_reason in ("\n", " the") for o in got[3::6])
