@@ -225,6 +225,9 @@ HOSTILE = [
     ("image-to-a-text-model", chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
         {"type": "text", "text": "hi"}]}]), 400, ["takes no images"]),
+    ("video-url-part", chat(messages=[{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+        {"type": "text", "text": "hi"}]}]), 400, ["only text and image_url content parts", "video_url"]),
 ]
 
 
