@@ -6,10 +6,10 @@ llm-compressor writes for an fp8 KV cache), read into the attention layers' k_sc
     kv_scale_target(name)              a checkpoint tensor's attention-layer scale name, or None
 
 The names: `X.self_attn.k_scale` / `v_scale` (compressed-tensors, ModelOpt, Quark), the older
-`X.self_attn.k_proj.output_scale` / `v_proj.output_scale` and AutoFP8's `X.self_attn.k_proj.k_scale`. Each is the
-dequantization multiplier of the fp8 cache: it holds K / k_scale (kernels/paged.py).
-The scales take effect with `--kv-cache-dtype fp8`, as in vLLM: a cache in the model's dtype
-stores K and V as they are, and needs none.
+`X.self_attn.k_proj.output_scale` / `v_proj.output_scale`, and AutoFP8's
+`X.self_attn.k_proj.k_scale`. Each is the dequantization multiplier of the fp8 cache: it holds
+K / k_scale (kernels/paged.py). The scales take effect with `--kv-cache-dtype fp8`, as in vLLM:
+a cache in the model's dtype stores K and V as they are, and needs none.
 """
 
 from __future__ import annotations
