@@ -465,3 +465,14 @@ def test_fp8_experts_stay_fp8_on_cuda(deepseek_v3_fp8, forward_logits):
                                                                                    ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [16] * len(PROMPTS)
     llm.check_idle()
+
+
+def test_kv_cache_scale_names_map_to_the_attention_layer():
+    from ember.loader.kv_scales import kv_scale_target
+
+    at = "model.layers.3.self_attn"
+    assert [kv_scale_target(f"{at}.{n}") for n in ("k_scale", "v_scale", "k_proj.output_scale",
+                                                  "v_proj.output_scale", "k_proj.k_scale", "v_proj.v_scale")] == \
+        [f"{at}.k_scale", f"{at}.v_scale"] * 3
+    assert [kv_scale_target(f"{at}.{n}") for n in ("q_proj.output_scale", "k_proj.weight_scale", "o_proj.input_scale",
+                                                  "k_proj.weight")] == [None] * 4
