@@ -135,6 +135,23 @@ def ember_logits(llm: LLM, text: str, images: list, video: object = None
     return req.prompt_token_ids, positions.cpu(), logits
 
 
+def assert_a_repeated_image_hits(llm: LLM, text: str, size: tuple[int, int], image_tokens: int,
+                                 params: SamplingParams) -> None:
+    """The same (green) image after the same one-image `text`, twice: the second hits the prefix
+    cache past the image's `image_tokens` placeholders and answers the same, the tower run once."""
+    green = image((30, 160, 40), size)
+    llm.engine.reset_prefix_cache()
+    encoded = llm.engine.runner.images.num_encoded
+    first = llm.generate(prompt(text, [green]), params)[0]
+    again = llm.generate(prompt(text, [green]), params)[0]
+    start = first.prompt_token_ids.index(llm.config.model_config.vision.image_token_id)
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens >= start + image_tokens
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.runner.images.num_encoded == encoded + 1
+    llm.engine.check_idle()
+
+
 def hf_greedy(hf, inputs: list[dict], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
     """transformers' greedy tokens of each prompt's inputs (on hf's device) and their logprobs
     (of the raw logits): what the -m gpu tests compare the engine's with."""

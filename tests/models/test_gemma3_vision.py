@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from gemma3_vision_model import ONE, TOKENS_PER_IMAGE, TWO, hf_inputs, load_hf, save_tiny_gemma3  # noqa: E402
-from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
+from llava_model import assert_a_repeated_image_hits, ember_logits, image, make_llm, prompt  # noqa: E402
 
 from ember import SamplingParams  # noqa: E402
 from ember.models.vision_config import vision_config  # noqa: E402
@@ -79,17 +79,7 @@ def test_image_tokens_see_their_whole_image(llm, hf, model_dir):
 
 
 def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
-    green = image((30, 160, 40), BLUE.size)
-    llm.engine.reset_prefix_cache()
-    encoded = llm.engine.runner.images.num_encoded
-    first = llm.generate(prompt(ONE, [green]), GREEDY)[0]
-    again = llm.generate(prompt(ONE, [green]), GREEDY)[0]
-    end = first.prompt_token_ids.index(llm.config.model_config.vision.image_token_id) + TOKENS_PER_IMAGE
-    assert first.num_cached_tokens == 0
-    assert again.num_cached_tokens >= end
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert llm.engine.runner.images.num_encoded == encoded + 1
-    llm.engine.check_idle()
+    assert_a_repeated_image_hits(llm, ONE, BLUE.size, TOKENS_PER_IMAGE, GREEDY)
 
 
 def test_chunked_prefill_computes_each_image_in_one_step(model_dir, llm):

@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from llava_model import ember_logits, image, make_llm, prompt, save_tiny_llava  # noqa: E402
+from llava_model import assert_a_repeated_image_hits, ember_logits, image, make_llm, prompt, save_tiny_llava  # noqa: E402
 
 from ember import SamplingParams  # noqa: E402
 from ember.models.vision_config import vision_config  # noqa: E402
@@ -68,17 +68,7 @@ def test_logits_and_greedy_tokens_match_transformers(llm, hf, text, images, coun
 
 def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
     """The same image after the same text hits past its tokens, the tower run once for both."""
-    green = image((30, 160, 40), TALL.size)
-    llm.engine.reset_prefix_cache()
-    encoded = llm.engine.runner.images.num_encoded
-    first = llm.generate(prompt(ONE, [green]), GREEDY)[0]
-    again = llm.generate(prompt(ONE, [green]), GREEDY)[0]
-    start = first.prompt_token_ids.index(llm.config.model_config.vision.image_token_id)
-    assert first.num_cached_tokens == 0
-    assert again.num_cached_tokens >= start + TALL_TOKENS
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert llm.engine.runner.images.num_encoded == encoded + 1
-    llm.engine.check_idle()
+    assert_a_repeated_image_hits(llm, ONE, TALL.size, TALL_TOKENS, GREEDY)
 
 
 def _config(**kw) -> dict:

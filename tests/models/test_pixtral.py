@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from llava_model import ember_logits, image, make_llm, prompt  # noqa: E402
+from llava_model import assert_a_repeated_image_hits, ember_logits, image, make_llm, prompt  # noqa: E402
 from pixtral_model import FAMILIES, ONE, TWO, hf_inputs, load_hf, row_layout, save_tiny_pixtral  # noqa: E402
 
 from ember import SamplingParams  # noqa: E402
@@ -72,17 +72,7 @@ def test_rows_logits_and_greedy_tokens_match_transformers(llm, hf, model_dir, fa
 
 @ONE_FAMILY
 def test_a_repeated_image_hits_the_prefix_cache_and_changes_nothing(llm):
-    green = image((30, 160, 40), BLUE.size)
-    llm.engine.reset_prefix_cache()
-    encoded = llm.engine.runner.images.num_encoded
-    first = llm.generate(prompt(ONE, [green]), GREEDY)[0]
-    again = llm.generate(prompt(ONE, [green]), GREEDY)[0]
-    start = first.prompt_token_ids.index(llm.config.model_config.vision.image_token_id)
-    assert first.num_cached_tokens == 0
-    assert again.num_cached_tokens >= start + len(row_layout(*GRIDS["mistral3"][1]))
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert llm.engine.runner.images.num_encoded == encoded + 1
-    llm.engine.check_idle()
+    assert_a_repeated_image_hits(llm, ONE, BLUE.size, len(row_layout(*GRIDS["mistral3"][1])), GREEDY)
 
 
 @ONE_FAMILY
