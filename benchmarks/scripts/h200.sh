@@ -117,6 +117,9 @@
 #                       graphs with 4 drafts a step always wrong, then always right (spec_verify_cost.py), at the
 #                       Llama-3.1-8B and Qwen3-0.6B shapes (goal: a verifying step <= 1.15x a decode step); at both,
 #                       a step with an EAGLE-3 head of random weights (--eagle3: the head's 4 forwards + the verify)
+#   frontend            issue #41's programs (`ember bench frontend`: fork-join, few-shot select, multi-turn, JSON) at
+#                       the Llama-3.1-8B shape with dummy weights and SmolLM2's tokenizer (the served model directory,
+#                       carried with the server wheels as serve's): in-process, over HTTP and one by one with `openai`
 #
 # serve: the device has none of the server's packages and no GGUF reader, so two things are made
 # here and carried: the served model (SERVED_MODEL, default .serve-model:
@@ -411,6 +414,17 @@ mode_spec() {
   done
 }
 
+mode_frontend() {  # each arm set in its own process: the in-process engine's GPU memory is gone before the server's
+  local m=${SERVED_MODEL:-.serve-model} secs arms
+  serve_kit || return 0
+  for arms in in-process http,openai; do
+    secs=$(cap "frontend $arms" 270) || return 0
+    timeout "$secs" python3 -m ember.server.cli bench frontend --model "$m" --load-format dummy --dtype bfloat16 \
+      --seed 0 --max-model-len 4096 --arms $arms --out "$J/frontend_${arms%%,*}.json" 2>&1 \
+      | tee "$J/frontend_${arms%%,*}.log" | grep -E "^\|" || true
+  done
+}
+
 mode_moe_speed() {  # moe-speed [kernels|engines]: one part a call
   local secs G=benchmarks/configs/gpt-oss-120b D=benchmarks/configs/deepseek-v2-lite
   if [ "${1:-kernels}" = kernels ]; then
@@ -639,6 +653,7 @@ case "$mode" in
   gpt-oss) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpt_oss ;;
   moe-speed) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_moe_speed "$@" ;;
   spec) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_spec ;;
+  frontend) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_frontend ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
   defaults) mode_env; mode_defaults ;;
   tp-check) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_check ;;

@@ -54,7 +54,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
                       "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
-                      "serve-race", "race-vl", "serve-sweep", "spec"]
+                      "serve-race", "race-vl", "serve-sweep", "spec", "frontend"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -384,6 +384,16 @@ def test_race_vl_races_vllm_then_ember_on_the_vision_workloads_under_one_client(
     calls, done = run_mode(tmp_path / "subset", "race-vl", extra_env=kit | {"VL_SERVERS": "ember", "VL_WORKLOADS": "images"})
     assert calls[1:] == [(race.replace(str(out), str(tmp_path / "subset" / "out")) % "ember").replace(
         "images,images-shared,random-mm", "images")]
+
+
+def test_frontend_runs_the_programs_bench_on_the_served_model_with_its_wheels(tmp_path):
+    model, kit = _serve_kit(tmp_path)
+    calls, done = run_mode(tmp_path, "frontend", extra_env=kit)
+    assert done.returncode == 0, done.stderr
+    out, env = tmp_path / "out", "[decode_config=]"
+    run = (f"python3 -m ember.server.cli bench frontend --model {model} --load-format dummy --dtype bfloat16 --seed 0 "
+           "--max-model-len 4096 --arms %s --out " + f"{out}/frontend_%s.json {env}")
+    assert calls[1:] == [run % ("in-process", "in-process"), run % ("http,openai", "http")]
 
 
 def test_serve_sweep_runs_ember_alone_at_each_seat_and_budget_pair(tmp_path):
