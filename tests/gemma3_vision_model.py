@@ -66,12 +66,13 @@ def save_tiny_gemma3(tokenizer_dir: Path, out: Path, shape: dict | None = None) 
     return out
 
 
-def hf_inputs(model_dir: Path, text: str, images: list) -> dict:
-    """transformers' model inputs (token_type_ids too: the bidirectional image mask's)."""
+def hf_inputs(model_dir: Path, text: str, images: list, **kwargs) -> dict:
+    """transformers' model inputs (token_type_ids too: the bidirectional image mask's);
+    `kwargs` go to the processor (do_pan_and_scan)."""
     import transformers
 
     processor = transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
-    return dict(processor(text=[text], images=images, return_tensors="pt"))
+    return dict(processor(text=[text], images=images, return_tensors="pt", **kwargs))
 
 
 def load_hf(model_dir: Path):

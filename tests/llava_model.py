@@ -110,17 +110,21 @@ def make_llm(model_dir, **kw) -> LLM:
                max_model_len=256, **kw)
 
 
-def prompt(text: str, images: list, video: object = None) -> dict:
-    """vLLM's prompt of text and images (and a video, its frames or (frames, metadata))."""
-    return {"prompt": text, "multi_modal_data": {"image": images} | ({"video": video} if video is not None else {})}
+def prompt(text: str, images: list, video: object = None, mm_processor_kwargs: dict | None = None) -> dict:
+    """vLLM's prompt of text and images (and a video, its frames or (frames, metadata)), and
+    its mm_processor_kwargs."""
+    data = {"image": images} | ({"video": video} if video is not None else {})
+    return {"prompt": text, "multi_modal_data": data} | (
+        {"mm_processor_kwargs": mm_processor_kwargs} if mm_processor_kwargs is not None else {})
 
 
-def ember_logits(llm: LLM, text: str, images: list, video: object = None
+def ember_logits(llm: LLM, text: str, images: list, video: object = None, mm_processor_kwargs: dict | None = None
                  ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """One forward of the whole prompt (its images embedded by the runner): its token ids, the
     positions its rows turned by ([T], or M-RoPE's [3, T]) and every position's logits."""
     core = llm.engine
-    req = llm.inputs.make_request("logits", prompt(text, images, video), SamplingParams(max_tokens=1))
+    req = llm.inputs.make_request("logits", prompt(text, images, video, mm_processor_kwargs),
+                                  SamplingParams(max_tokens=1))
     req.block_ids = core.block_pool.allocate(core.scheduler.blocks_for(req.num_tokens))
     try:
         plan = SchedulerOutput([ScheduledChunk(req, req.num_tokens)])

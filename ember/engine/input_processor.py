@@ -30,7 +30,8 @@ from ember.scheduler.scheduler import check_prompt_length
 # for an encoder with token types, "token_type_ids", and for a vision-language model
 # {"prompt": "text", "multi_modal_data": {"image": a PIL image or a list}} (vLLM's shape: one
 # image token in the text where each image goes; Qwen2-VL's family takes "video" too: a video's
-# frames as a list of PIL images, or (frames, {"fps": ...}), or a list of those) or, as
+# frames as a list of PIL images, or (frames, {"fps": ...}), or a list of those), with vLLM's
+# "mm_processor_kwargs" ({"do_pan_and_scan": bool}, Gemma 3's only: see `pan_and_scan`) or, as
 # chat_prompt makes it, its processed form {"prompt_token_ids": [...], "mm_features": [ImageFeature, ...]}
 PromptType = Union[str, dict[str, Any]]
 Conversation = list[dict[str, Any]]
@@ -106,18 +107,44 @@ class InputProcessor:
                              "(--limit-mm-per-prompt '{\"video\": N}')")
         return [([load_image(f, self.media_limits) for f in frames], fps) for frames, fps in map(_video, videos)]
 
-    def image_prompt(self, text: str, images: list[Any], add_special_tokens: bool = True, videos: list[Any] = ()
-                     ) -> tuple[list[int], list[ImageFeature]]:
+    def pan_and_scan(self, mm_processor_kwargs: Any) -> bool | None:
+        """vLLM's mm_processor_kwargs (the model processor's arguments for one prompt), of which
+        ember takes do_pan_and_scan alone, for a model whose processor has it (Gemma 3 from its
+        HF directory): that choice, or None (none made: the processor config's holds). Every
+        other key, and do_pan_and_scan for another model, is refused by name."""
+        if mm_processor_kwargs is None or mm_processor_kwargs == {}:
+            return None
+        if not isinstance(mm_processor_kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs must be an object such as {{'do_pan_and_scan': true}}; got "
+                             f"{type(mm_processor_kwargs).__name__}")
+        other = sorted(map(str, set(mm_processor_kwargs) - {"do_pan_and_scan"}))
+        if other:
+            raise ValueError(f"mm_processor_kwargs {other[0]!r} is not supported: ember passes the model's processor "
+                             "do_pan_and_scan alone (Gemma 3's); leave the others out")
+        value = mm_processor_kwargs["do_pan_and_scan"]
+        if not isinstance(value, bool):
+            raise ValueError(f"mm_processor_kwargs do_pan_and_scan must be true or false; got {value!r:.40}")
+        if self.vision is None or self.image_processor().pan_and_scan is None:
+            what = "a GGUF and its mmproj, preprocessed as llama.cpp's mtmd" if self.vision is not None and \
+                self.image_processor().from_gguf else self.config.model_config.architecture
+            raise ValueError(f"mm_processor_kwargs do_pan_and_scan is not supported by this model ({what}): its "
+                             "processor has no pan-and-scan (Gemma 3's from its HF directory has); leave it out")
+        return value
+
+    def image_prompt(self, text: str, images: list[Any], add_special_tokens: bool = True, videos: list[Any] = (),
+                     pan_and_scan: bool | None = None) -> tuple[list[int], list[ImageFeature]]:
         """A text prompt with one image token where each image goes (and one video token where
         each video goes) -> its token ids (each placeholder expanded by the model's processor)
-        and the images' and videos' features, in prompt order."""
+        and the images' and videos' features, in prompt order. `pan_and_scan`: Gemma 3's
+        do_pan_and_scan for this prompt (None: its processor config's); limit_mm_per_prompt
+        counts an image once however many crops it is cut into."""
         tok = self.require_tokenizer()
         if len(text) > self.config.max_model_len * tok.max_chars_per_token:
             raise ValueError(f"the prompt has {len(text)} characters, more than {self.config.max_model_len} tokens "
                              f"(max_model_len) of at most {tok.max_chars_per_token} characters can hold: shorten it")
         loaded = self.load_images(images) if images or not videos else []
         clips = self.load_videos(list(videos)) if videos else []
-        return self.image_processor().process(text, loaded, add_special_tokens, clips)
+        return self.image_processor().process(text, loaded, add_special_tokens, clips, pan_and_scan)
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                      priority: int = 0) -> Request:
@@ -177,6 +204,8 @@ class InputProcessor:
             return prompt, self.encode(prompt), []
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             return self._multi_modal_prompt(prompt)
+        if isinstance(prompt, dict):
+            self.pan_and_scan(prompt.get("mm_processor_kwargs"))  # checked on a prompt without images too
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)):
@@ -190,7 +219,8 @@ class InputProcessor:
         raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
 
     def _multi_modal_prompt(self, prompt: dict[str, Any]) -> tuple[str, list[int], list[ImageFeature]]:
-        """vLLM's {"prompt": text, "multi_modal_data": {"image": image or [images]}}."""
+        """vLLM's {"prompt": text, "multi_modal_data": {"image": image or [images]}}, and its
+        "mm_processor_kwargs"."""
         data = prompt["multi_modal_data"]
         if not isinstance(data, dict) or set(data) - {"image", "video"}:
             kinds = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
@@ -201,7 +231,8 @@ class InputProcessor:
                              "processor expands each image's placeholder in it")
         images = data.get("image", [])
         images = list(images) if isinstance(images, (list, tuple)) else [images]
-        ids, features = self.image_prompt(prompt["prompt"], images, videos=_videos(data.get("video")))
+        ids, features = self.image_prompt(prompt["prompt"], images, videos=_videos(data.get("video")),
+                                          pan_and_scan=self.pan_and_scan(prompt.get("mm_processor_kwargs")))
         return prompt["prompt"], ids, features
 
     def check_image_tokens(self, ids: list[int], features: list[ImageFeature]) -> None:
@@ -231,13 +262,15 @@ class InputProcessor:
 
     def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True, *,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    add_special_tokens: bool = False, **template_kwargs: Any) -> dict[str, Any]:
+                    add_special_tokens: bool = False, mm_processor_kwargs: dict[str, Any] | None = None,
+                    **template_kwargs: Any) -> dict[str, Any]:
         """Render one conversation with the chat template (or `chat_template`, a template's
         source): {"prompt", "prompt_token_ids"}. `continue_final_message`: the last message is
         left open, for the answer to continue; `add_special_tokens`: a BOS (and the like) on top
-        of what the template wrote."""
+        of what the template wrote; `mm_processor_kwargs`: vLLM's, see `pan_and_scan`."""
         if not messages:
             raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
+        pan_and_scan = self.pan_and_scan(mm_processor_kwargs)
         tok = self.require_tokenizer()
         messages, images, videos = image_parts(messages)
         if images:  # refused (no images here, too many, undecodable) before the template runs
@@ -249,7 +282,7 @@ class InputProcessor:
                                        **template_kwargs)
         if not images and not videos:
             return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=add_special_tokens)}
-        ids, features = self.image_prompt(text, images, add_special_tokens, videos)
+        ids, features = self.image_prompt(text, images, add_special_tokens, videos, pan_and_scan)
         return {"prompt": text, "prompt_token_ids": ids, "mm_features": features}
 
     def check_prompt(self, ids: list[int]) -> None:

@@ -86,17 +86,20 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True,
-             tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None, mm_processor_kwargs: dict[str, Any] | None = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
         """Render each conversation with the chat template and complete it. `tools`: function
         definitions in OpenAI's shape ({"type": "function", "function": {"name", ...}}) for
         templates that offer tools; read the calls out of an output with a parser
-        (`ember.parsers.get_tool_parser`). `template_kwargs` reach the template too."""
+        (`ember.parsers.get_tool_parser`). `mm_processor_kwargs`: vLLM's, of which ember takes
+        {"do_pan_and_scan": bool} (Gemma 3) alone. `template_kwargs` reach the template too."""
         if not messages:
             raise ValueError("messages is empty: pass a list of {'role', 'content'} dicts")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError('tools must be a list of {"type": "function", "function": {...}} dicts')
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.inputs.chat_prompt(conv, add_generation_prompt, tools=tools, **template_kwargs)
+        prompts = [self.inputs.chat_prompt(conv, add_generation_prompt, tools=tools,
+                                           mm_processor_kwargs=mm_processor_kwargs, **template_kwargs)
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -1,8 +1,9 @@
 """ImageProcessor: a prompt's text and images -> its token ids, each image's placeholder
-tokens expanded, and one ImageFeature an image. The model's own processor from transformers
-does the work (AutoProcessor on its PIL backend: resizing, cropping, normalizing, and the
-placeholder expansion its family does (Gemma 3's <start_of_image> into its image tokens between
-<start_of_image> and <end_of_image>); for Qwen2-VL its image processor and tokenizer, see
+tokens expanded, and one ImageFeature an image (Gemma 3 with pan-and-scan: one a view, the
+image and each of its crops). The model's own processor from transformers does the work
+(AutoProcessor on its PIL backend: resizing, cropping, normalizing, and the placeholder
+expansion its family does (Gemma 3's <start_of_image> into its image tokens between
+<start_of_image> and <end_of_image>, and pan-and-scan's crops and text); for Qwen2-VL its image processor and tokenizer, see
 `_process_grids`; for Pixtral and Mistral 3 its image processor and PixtralProcessor's layout,
 see `_process_rows`); ember only finds where each image's tokens landed.
 Slow (PIL and numpy): the server runs it on its input pool, off the event loop."""
@@ -38,6 +39,9 @@ class ImageProcessor:
         self.processor = self.tokenizer = self.videos = None
         self.from_gguf = Path(model_dir).suffix == ".gguf"
         self.expanded: str | None = None  # Gemma 3 from a GGUF: what each <start_of_image> becomes
+        # Gemma 3 from its HF directory: whether its processor config has pan-and-scan on (a
+        # request's mm_processor_kwargs may turn it on or off); None: the processor has none
+        self.pan_and_scan: bool | None = None
         self._lock = threading.Lock()  # a transformers processor is not known to be thread-safe
         if vision.row_tokens:
             self._init_rows(Path(model_dir), tokenizer)
@@ -69,12 +73,17 @@ class ImageProcessor:
             _check_tiling(self.processor.image_processor, vision, model_dir)
         if vision.kind == "gemma3":
             _check_gemma3(self.processor, vision, model_dir)
+            self.pan_and_scan = bool(self.processor.image_processor.do_pan_and_scan)
 
     def process(self, text: str, images: list[Any], add_special_tokens: bool,
-                videos: Sequence[tuple[list[Any], float | None]] = ()) -> tuple[list[int], list[ImageFeature]]:
+                videos: Sequence[tuple[list[Any], float | None]] = (), pan_and_scan: bool | None = None
+                ) -> tuple[list[int], list[ImageFeature]]:
         """Token ids of `text` with its images' (and videos') placeholders expanded, and their
         features in prompt order. `text` has one image token (`image_token`) where each image goes
-        and one video token where each video (its frames, and their fps or None) goes, in order."""
+        and one video token where each video (its frames, and their fps or None) goes, in order.
+        `pan_and_scan`: Gemma 3's do_pan_and_scan for this prompt (None: the processor config's);
+        with it on, each view of an image (the whole image, then each crop the processor cut)
+        is a feature of its own (see `_pan_and_scan`)."""
         found = text.count(self.image_token)
         if found != len(images):
             raise ValueError(f"the prompt has {found} image placeholders ({self.image_token!r}) for {len(images)} "
@@ -94,6 +103,9 @@ class ImageProcessor:
                 pixels = np.asarray(self.processor(images=images, return_tensors="np")["pixel_values"], np.float32)
             ids = self.encode(text.replace(self.image_token, self.expanded), add_special_tokens)
             return ids, self._features(ids, list(pixels))
+        if self.pan_and_scan is not None:
+            return self._pan_and_scan(text, images, add_special_tokens,
+                                      self.pan_and_scan if pan_and_scan is None else pan_and_scan)
         with self._lock:
             enc = self.processor(text=[text], images=images, add_special_tokens=add_special_tokens,
                                  return_tensors="np")
@@ -103,6 +115,23 @@ class ImageProcessor:
             sizes = [(int(h), int(w)) for h, w in enc["image_sizes"]]
             return ids, self._features(ids, [p[:num_views(s, self.vision)] for p, s in zip(pixels, sizes)], sizes)
         return ids, self._features(ids, list(pixels))
+
+    def _pan_and_scan(self, text: str, images: list[Any], add_special_tokens: bool, on: bool
+                      ) -> tuple[list[int], list[ImageFeature]]:
+        """Gemma 3 through its Gemma3Processor with do_pan_and_scan `on` or off. On, the processor
+        cuts each image too elongated (pan_and_scan_min_ratio_to_activate) into crops and writes
+        "Here is the original image <the image's run> and here are some crops to help you see
+        better <a run a crop>"; every run is its own feature (its own pixels, its own
+        bidirectional block, as transformers' token_type_ids groups them, its own encoder-budget
+        cost), the prompt-level image count (limit_mm_per_prompt) still one an image. The hash
+        of every view made with pan-and-scan on carries the setting, so the same image with and
+        without never shares the encoder cache or prefix-cache blocks."""
+        with self._lock:
+            enc = self.processor(text=[text], images=images, add_special_tokens=add_special_tokens,
+                                 do_pan_and_scan=on, return_tensors="np")
+        ids = [int(t) for t in enc["input_ids"][0]]
+        pixels = list(np.asarray(enc["pixel_values"], dtype=np.float32))
+        return ids, self._features(ids, pixels, tag=PAN_AND_SCAN if on else None)
 
     def _process_grids(self, text: str, images: list[Any], videos: Sequence[tuple[list[Any], float | None]],
                        add_special_tokens: bool) -> tuple[list[int], list[ImageFeature]]:
@@ -283,11 +312,11 @@ class ImageProcessor:
                              "the image token in the text itself is not allowed")
         return ids, features
 
-    def _features(self, ids: list[int], pixels: list[np.ndarray], sizes: list[tuple[int, int]] | None = None
-                  ) -> list[ImageFeature]:
+    def _features(self, ids: list[int], pixels: list[np.ndarray], sizes: list[tuple[int, int]] | None = None,
+                  tag: str | None = None) -> list[ImageFeature]:
         """Each image's run of placeholder tokens, in order: the image token's positions cut
         into runs of each image's embeddings (LLaVA-1.5: tokens_per_image; LLaVA-NeXT: as
-        many as its size gives)."""
+        many as its size gives). `tag`: what else every image's hash carries (pan-and-scan)."""
         token = self.vision.image_token_id
         positions = [i for i, t in enumerate(ids) if t == token]
         if sizes is None:
@@ -306,8 +335,11 @@ class ImageProcessor:
                 raise ValueError("an image's placeholder tokens are not one run: the image token appears in the "
                                  "text itself")
             cut += count
-            features.append(ImageFeature(start, count, pixels_hash(p, size), p, image_size=size))
+            features.append(ImageFeature(start, count, pixels_hash(p, size or tag), p, image_size=size))
         return features
+
+
+PAN_AND_SCAN = "pan-and-scan"  # in the hash of every view of an image processed with pan-and-scan on
 
 
 def _runs_of(ids: list[int], token: int) -> list[tuple[int, int]]:
@@ -323,14 +355,10 @@ def _runs_of(ids: list[int], token: int) -> list[tuple[int, int]]:
 
 
 def _check_gemma3(processor: Any, vision: VisionConfig, model_dir: str | Path) -> None:
-    """Gemma 3: the processor expands each <start_of_image> into as many image tokens (of the id)
-    as config.json's projector makes embeddings, at the tower's image size, without pan-and-scan's
-    crops (transformers' default; ember does not run them)."""
+    """Gemma 3: the processor expands each <start_of_image> (and with pan-and-scan, each crop's)
+    into as many image tokens (of the id) as config.json's projector makes embeddings, at the
+    tower's image size."""
     images = processor.image_processor
-    if images.do_pan_and_scan:
-        raise ValueError(f"{model_dir}: the image processor has do_pan_and_scan on, which ember does not run (each "
-                         "image's pan-and-scan crops as more images): set do_pan_and_scan to false in "
-                         "preprocessor_config.json")
     size = (images.size["height"], images.size["width"])
     token = processor.tokenizer.convert_tokens_to_ids(processor.tokenizer.image_token)
     if (processor.image_seq_length, token, size) != (vision.mm_tokens_per_image, vision.image_token_id,

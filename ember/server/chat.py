@@ -162,7 +162,7 @@ def chat_requests(engine: AsyncEngine, config: ServerConfig, body: p.ChatComplet
     prompt = engine.inputs.chat_prompt(conversation, body.add_generation_prompt, tools=tools.tools,
                                        continue_final_message=body.continue_final_message,
                                        chat_template=body.chat_template, add_special_tokens=body.add_special_tokens,
-                                       **kwargs)
+                                       mm_processor_kwargs=body.mm_processor_kwargs, **kwargs)
     params, tools = tools.gate_reasoning(params, prompt["prompt"], tokenizer, body.thinking_token_budget)
     tools = dataclasses.replace(tools, echo=body.echoed(conversation),
                                 as_ids=_as_ids(body, config), include_reasoning=body.include_reasoning)

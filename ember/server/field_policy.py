@@ -62,7 +62,8 @@ REFUSED: dict[str, Refusal] = {
                                                            "does not do"),
     "logits_processors": Refusal(_off, "ember runs no custom logits processors"),
     "vllm_xargs": Refusal(_off, "ember runs no custom logits processors to take them"),
-    "mm_processor_kwargs": Refusal(_off, "ember serves text models only"),
+    "mm_processor_kwargs": Refusal(_off, "a completion prompt takes no images: send the images and "
+                                         "mm_processor_kwargs in a chat request"),
     "kv_transfer_params": Refusal(_off, "ember does no disaggregated prefill"),
     "thinking_token_budget": Refusal(lambda v: v is None, "it applies to chat completions, where the reasoning "
                                                           "parser knows where the reasoning ends"),

@@ -541,7 +541,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None  # this request's template (with --trust-request-chat-template)
     include_reasoning: bool = True  # false: no reasoning_content in the answer (with --reasoning-parser)
     thinking_token_budget: int | None = Field(default=None, ge=0, le=INT64[1])  # then the reasoning is ended
-    honoured: ClassVar[frozenset[str]] = frozenset({"thinking_token_budget"})
+    # mm_processor_kwargs: vLLM's, {"do_pan_and_scan": bool} alone, checked by the model (InputProcessor.pan_and_scan)
+    honoured: ClassVar[frozenset[str]] = frozenset({"thinking_token_budget", "mm_processor_kwargs"})
     # SGLang's, as its router sends them: accepted at the values that are ember's behaviour
     # (reasoning is separated, and streamed, wherever --reasoning-parser is set)
     separate_reasoning: bool = True
@@ -683,6 +684,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     tools: Bulk(list[ChatTool] | None) = None  # rendered with messages
+    mm_processor_kwargs: Any = None  # vLLM's, with messages: as a chat request's
 
 
 class DetokenizeRequest(_Strict):

@@ -26,9 +26,11 @@ def add_token_routes(app: FastAPI, state: ServerState) -> None:
             if body.messages is not None:
                 return engine.inputs.chat_prompt(p.conversation(body.messages), body.add_generation_prompt,
                                                  tools=checked_tools(body.tools),
+                                                 mm_processor_kwargs=body.mm_processor_kwargs,
                                                  **config.default_chat_template_kwargs)["prompt_token_ids"]
-            if body.tools is not None:
-                raise p.InvalidRequest("tools are rendered with messages: give messages, not prompt", "tools")
+            for name in ("tools", "mm_processor_kwargs"):
+                if getattr(body, name) is not None:
+                    raise p.InvalidRequest(f"{name} apply to messages: give messages, not prompt", name)
             return engine.inputs.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
         tokens = await prepare(engine, ids)

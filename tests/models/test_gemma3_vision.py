@@ -113,15 +113,90 @@ def test_configs_ember_does_not_run_are_refused_by_name(config, message):
         ("gemma3", 16, 262144, True)  # Gemma3Config's image_token_index
 
 
-@pytest.mark.parametrize("part,change,message", [
-    ("image_processor", {"do_pan_and_scan": True}, "do_pan_and_scan on, which ember does not run"),
-    (None, {"image_seq_length": 4}, "expands an image into 4 tokens of id"),
-])
-def test_processor_settings_ember_does_not_run_are_refused_at_load(model_dir, tmp_path, part, change, message):
-    """processor_config.json as transformers 5 writes it: the image processor's settings inside."""
-    other = shutil.copytree(model_dir, tmp_path / "other")
+def _with_processor(model_dir, out, part: str | None, change: dict):
+    """A copy of the model whose processor_config.json (as transformers 5 writes it: the image
+    processor's settings inside) has `change` in `part`."""
+    other = shutil.copytree(model_dir, out)
     settings = json.loads((other / "processor_config.json").read_text())
     (settings[part] if part else settings).update(change)
     (other / "processor_config.json").write_text(json.dumps(settings))
+    return other
+
+
+def test_processor_settings_ember_does_not_run_are_refused_at_load(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="expands an image into 4 tokens of id"):
+        make_llm(_with_processor(model_dir, tmp_path / "other", None, {"image_seq_length": 4}))
+
+
+# pan-and-scan (transformers' defaults: crops of at least 256 pixels, at most 4, for an aspect
+# ratio of 1.2 or more): a 768 x 256 image is cut into 3 crops of 256 x 256, each its own view
+WIDE = image((200, 30, 30), (768, 256))
+PAN_AND_SCAN = {"do_pan_and_scan": True}
+
+
+def test_pan_and_scan_matches_transformers(llm, hf, model_dir):
+    """The image and its 3 crops, each a run of image tokens after transformers' text, each
+    encoded and attending within itself: transformers' logits and greedy tokens."""
+    inputs = hf_inputs(model_dir, ONE, [WIDE], do_pan_and_scan=True)
+    ids, _, logits = ember_logits(llm, ONE, [WIDE], mm_processor_kwargs=PAN_AND_SCAN)
+    assert ids == inputs["input_ids"][0].tolist() and inputs["pixel_values"].shape[0] == 4
+    text = llm.get_tokenizer().decode(ids)
+    assert text.count("<start_of_image>") == 4 and "Here is the original image" in text \
+        and "and here are some crops to help you see better" in text
+    torch.testing.assert_close(logits, hf_logits(hf, inputs), rtol=0, atol=1e-4)
+    out = llm.generate(prompt(ONE, [WIDE], mm_processor_kwargs=PAN_AND_SCAN), GREEDY)[0].outputs[0].token_ids
+    assert out == hf_logits(hf, inputs, out[:-1])[len(ids) - 1:].argmax(-1).tolist()
+    llm.engine.check_idle()
+
+
+def test_pan_and_scan_keys_the_caches_and_a_repeat_hits(llm):
+    """Off, then on: the image's whole view has the same pixels both ways but not the same hash,
+    so the tower runs for all 4 views and no block is shared past the common text; on again:
+    a prefix hit past the last crop, the same answer, the tower not run. (An image no other test
+    sends: the encoder cache outlives a prefix-cache reset.)"""
+    wide = image((30, 160, 40), WIDE.size)
+    llm.engine.reset_prefix_cache()
+    images = llm.engine.runner.images
+    off = llm.generate(prompt(ONE, [wide]), GREEDY)[0]
+    encoded = images.num_encoded
+    on = llm.generate(prompt(ONE, [wide], mm_processor_kwargs=PAN_AND_SCAN), GREEDY)[0]
+    again = llm.generate(prompt(ONE, [wide], mm_processor_kwargs=PAN_AND_SCAN), GREEDY)[0]
+    assert images.num_encoded == encoded + 4
+    image_token = llm.config.model_config.vision.image_token_id
+    common = next(i for i, (a, b) in enumerate(zip(off.prompt_token_ids, on.prompt_token_ids)) if a != b)
+    assert on.num_cached_tokens <= common < on.prompt_token_ids.index(image_token)
+    last_image = len(on.prompt_token_ids) - on.prompt_token_ids[::-1].index(image_token)
+    assert again.num_cached_tokens >= last_image and again.outputs[0].token_ids == on.outputs[0].token_ids
+    views = [llm.inputs.make_request(str(i), p, GREEDY).mm_features for i, p in
+             enumerate([prompt(ONE, [wide]), prompt(ONE, [wide], mm_processor_kwargs=PAN_AND_SCAN)])]
+    assert [len(v) for v in views] == [1, 4]
+    assert (views[0][0].pixel_values == views[1][0].pixel_values).all() and views[0][0].hash != views[1][0].hash
+    llm.engine.check_idle()
+
+
+def test_pan_and_scan_from_the_processor_config_counts_each_crop_in_the_encoder_budget(llm, model_dir, tmp_path):
+    """do_pan_and_scan on in preprocessor_config.json; a request's mm_processor_kwargs turns it
+    off. --limit-mm-per-prompt counts the image once (as vLLM); the encoder budget every crop's
+    tokens: at 32 tokens a step, the 4 views of 16 are encoded over 2 steps, the answer the same."""
+    on = _with_processor(model_dir, tmp_path / "on", "image_processor", PAN_AND_SCAN)
+    budget = make_llm(on, max_num_encoder_input_tokens=32, limit_mm_per_prompt={"image": 1})
+    want = llm.generate(prompt(ONE, [WIDE], mm_processor_kwargs=PAN_AND_SCAN), GREEDY)[0].outputs[0].token_ids
+    assert budget.generate(prompt(ONE, [WIDE]), GREEDY)[0].outputs[0].token_ids == want
+    assert budget.engine.runner.images.num_encoder_steps == 2
+    off = budget.generate(prompt(ONE, [WIDE], mm_processor_kwargs={"do_pan_and_scan": False}), GREEDY)[0]
+    assert off.prompt_token_ids == llm.generate(prompt(ONE, [WIDE]), GREEDY)[0].prompt_token_ids
+    with pytest.raises(ValueError, match="2 images in one prompt is over the limit of 1"):
+        budget.generate(prompt(TWO, [WIDE, WIDE]), GREEDY)
+    budget.engine.check_idle()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"do_pan_and_scan": True, "num_crops": 2}, "mm_processor_kwargs 'num_crops' is not supported"),
+    ({"do_pan_and_scan": "yes"}, "do_pan_and_scan must be true or false"),
+    ([True], "mm_processor_kwargs must be an object"),
+])
+def test_other_mm_processor_kwargs_are_refused_by_name(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        make_llm(other)
+        llm.generate(prompt(ONE, [WIDE], mm_processor_kwargs=kwargs), GREEDY)
+    with pytest.raises(ValueError, match=message):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, mm_processor_kwargs=kwargs)
