@@ -125,10 +125,14 @@ class InputProcessor:
         if not isinstance(value, bool):
             raise ValueError(f"mm_processor_kwargs do_pan_and_scan must be true or false; got {value!r:.40}")
         if self.vision is None or self.image_processor().pan_and_scan is None:
-            what = "a GGUF and its mmproj, preprocessed as llama.cpp's mtmd" if self.vision is not None and \
-                self.image_processor().from_gguf else self.config.model_config.architecture
-            raise ValueError(f"mm_processor_kwargs do_pan_and_scan is not supported by this model ({what}): its "
-                             "processor has no pan-and-scan (Gemma 3's from its HF directory has); leave it out")
+            if self.vision is None:
+                what = f"this model ({self.config.model_config.architecture}, which takes no images)"
+            elif self.image_processor().from_gguf:
+                what = f"a {self.vision.kind} GGUF and its mmproj (preprocessed as llama.cpp's mtmd)"
+            else:
+                what = f"this model ({self.vision.kind})"
+            raise ValueError(f"mm_processor_kwargs do_pan_and_scan is not supported by {what}: its processor has no "
+                             "pan-and-scan (Gemma 3's from its HF directory has); leave it out")
         return value
 
     def image_prompt(self, text: str, images: list[Any], add_special_tokens: bool = True, videos: list[Any] = (),

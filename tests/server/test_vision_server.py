@@ -2,18 +2,23 @@
 of a tiny LLaVA-1.5 and gets what LLM.chat answers offline; a file:// image under
 --allowed-local-media-path is the same image; and every bad image gets its own 400 in
 OpenAI's shape while the server keeps answering. A tiny Qwen2.5-VL server answers images of
-two sizes (M-RoPE, dynamic resolution) as LLM.chat does."""
+two sizes (M-RoPE, dynamic resolution) as LLM.chat does. vLLM's mm_processor_kwargs
+{"do_pan_and_scan": true}: a tiny Gemma 3's app takes it, a LLaVA's refuses it, both refuse
+every other key (in this process: FastAPI's TestClient over an AsyncEngine)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from gemma3_vision_model import save_tiny_gemma3
 from llava_model import data_url, image, save_tiny_llava
 from qwen_vl_model import save_tiny_qwen_vl
 from servers import MODEL, Server, assert_openai_error, post, running
 
-from ember import LLM, SamplingParams
+from ember import LLM, EngineConfig, SamplingParams
+from ember.engine.async_engine import AsyncEngine
+from ember.server.openai_api import ServerConfig, build_app
 
 RED, BLUE = image((200, 30, 30)), image((20, 40, 220), (24, 36))
 MAX_PIXELS = 4000  # a 40 x 30 image passes, 100 x 100 does not
@@ -139,3 +144,46 @@ def test_the_openai_client_sends_images_of_two_sizes_to_qwen2_5_vl(qwen_server, 
     want = chat_answer(qwen_dir, wide, tall, "Which is red?")
     assert ask(qwen_server, image_part(data_url(wide)), image_part(data_url(tall)), "Which is red?") == want
     assert ask(qwen_server, image_part(data_url(tall)), image_part(data_url(wide)), "Which is red?") != want
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(bpe_tokenizer_dir, tmp_path_factory):
+    return save_tiny_gemma3(bpe_tokenizer_dir, tmp_path_factory.mktemp("gemma3"))
+
+
+def app_client(model_dir):
+    """The server's app over an AsyncEngine of the model, in this process."""
+    from fastapi.testclient import TestClient
+
+    engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", quantization="none", max_model_len=256))
+    return TestClient(build_app(ServerConfig(engine.config, (MODEL,)), engine)), engine
+
+
+def test_mm_processor_kwargs_do_pan_and_scan_for_gemma3_alone(gemma3_dir, model_dir):
+    """A 768 x 256 image is 4 views with pan-and-scan (the image, 3 crops): the prompt the chat
+    route runs (and /tokenize counts) is the offline chat prompt's with the same
+    mm_processor_kwargs, not the one without."""
+    wide = image((200, 30, 30), (768, 256))
+    messages = [{"role": "user", "content": content(image_part(data_url(wide)), "What is this?")}]
+    offline = [{"role": "user", "content": content({"type": "image_pil", "image_pil": wide}, "What is this?")}]
+    body = {"messages": messages, "max_tokens": 2, "temperature": 0, "return_token_ids": True}
+    client, engine = app_client(gemma3_dir)
+    with client:
+        want = {on: engine.inputs.chat_prompt(offline, mm_processor_kwargs={"do_pan_and_scan": on})["prompt_token_ids"]
+                for on in (True, False)}
+        assert want[True].count(engine.tokenizer.backend.token_to_id("<start_of_image>")) == 4
+        r = client.post("/v1/chat/completions", json=body | {"mm_processor_kwargs": {"do_pan_and_scan": True}})
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_token_ids"] == want[True] != want[False]
+        r = client.post("/tokenize", json={"messages": messages, "mm_processor_kwargs": {"do_pan_and_scan": True}})
+        assert r.status_code == 200 and r.json()["tokens"] == want[True]
+        r = client.post("/v1/chat/completions", json=body | {"mm_processor_kwargs": {"do_pan_and_scan": True,
+                                                                                    "num_crops": 2}})
+        assert_openai_error(r, 400, "mm_processor_kwargs 'num_crops' is not supported")
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                 "mm_processor_kwargs": {"do_pan_and_scan": True}})
+        assert_openai_error(r, 400, "mm_processor_kwargs is not supported", "chat request")
+    client, _ = app_client(model_dir)
+    with client:
+        r = client.post("/v1/chat/completions", json=body | {"mm_processor_kwargs": {"do_pan_and_scan": True}})
+        assert_openai_error(r, 400, "do_pan_and_scan is not supported by this model (llava)")
