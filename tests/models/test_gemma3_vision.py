@@ -24,6 +24,7 @@ from ember.models.vision_config import vision_config  # noqa: E402
 
 RED, BLUE = image((200, 30, 30), (40, 30)), image((20, 40, 220), (100, 50))
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # where the prompt is what is checked
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +158,17 @@ def test_pan_and_scan_keys_the_caches_and_a_repeat_hits(llm):
     wide = image((30, 160, 40), WIDE.size)
     llm.engine.reset_prefix_cache()
     images = llm.engine.runner.images
-    off = llm.generate(prompt(ONE, [wide]), GREEDY)[0]
+    off = llm.generate(prompt(ONE, [wide]), SHORT)[0]
     encoded = images.num_encoded
-    on = llm.generate(prompt(ONE, [wide], mm_processor_kwargs=PAN_AND_SCAN), GREEDY)[0]
-    again = llm.generate(prompt(ONE, [wide], mm_processor_kwargs=PAN_AND_SCAN), GREEDY)[0]
+    on = llm.generate(prompt(ONE, [wide], mm_processor_kwargs=PAN_AND_SCAN), SHORT)[0]
+    again = llm.generate(prompt(ONE, [wide], mm_processor_kwargs=PAN_AND_SCAN), SHORT)[0]
     assert images.num_encoded == encoded + 4
     image_token = llm.config.model_config.vision.image_token_id
     common = next(i for i, (a, b) in enumerate(zip(off.prompt_token_ids, on.prompt_token_ids)) if a != b)
     assert on.num_cached_tokens <= common < on.prompt_token_ids.index(image_token)
     last_image = len(on.prompt_token_ids) - on.prompt_token_ids[::-1].index(image_token)
     assert again.num_cached_tokens >= last_image and again.outputs[0].token_ids == on.outputs[0].token_ids
-    views = [llm.inputs.make_request(str(i), p, GREEDY).mm_features for i, p in
+    views = [llm.inputs.make_request(str(i), p, SHORT).mm_features for i, p in
              enumerate([prompt(ONE, [wide]), prompt(ONE, [wide], mm_processor_kwargs=PAN_AND_SCAN)])]
     assert [len(v) for v in views] == [1, 4]
     assert (views[0][0].pixel_values == views[1][0].pixel_values).all() and views[0][0].hash != views[1][0].hash
@@ -183,8 +184,9 @@ def test_pan_and_scan_from_the_processor_config_counts_each_crop_in_the_encoder_
     want = llm.generate(prompt(ONE, [WIDE], mm_processor_kwargs=PAN_AND_SCAN), GREEDY)[0].outputs[0].token_ids
     assert budget.generate(prompt(ONE, [WIDE]), GREEDY)[0].outputs[0].token_ids == want
     assert budget.engine.runner.images.num_encoder_steps == 2
-    off = budget.generate(prompt(ONE, [WIDE], mm_processor_kwargs={"do_pan_and_scan": False}), GREEDY)[0]
-    assert off.prompt_token_ids == llm.generate(prompt(ONE, [WIDE]), GREEDY)[0].prompt_token_ids
+    off = budget.inputs.make_request("off", prompt(ONE, [WIDE], mm_processor_kwargs={"do_pan_and_scan": False}), SHORT)
+    assert off.prompt_token_ids == llm.inputs.make_request("off", prompt(ONE, [WIDE]), SHORT).prompt_token_ids
+    assert len(off.mm_features) == 1
     with pytest.raises(ValueError, match="2 images in one prompt is over the limit of 1"):
         budget.generate(prompt(TWO, [WIDE, WIDE]), GREEDY)
     budget.engine.check_idle()
