@@ -124,10 +124,11 @@ class InputProcessor:
         value = mm_processor_kwargs["do_pan_and_scan"]
         if not isinstance(value, bool):
             raise ValueError(f"mm_processor_kwargs do_pan_and_scan must be true or false; got {value!r:.40}")
-        if self.vision is None or self.image_processor().pan_and_scan is None:
-            if self.vision is None:
+        images = self.image_processor() if self.vision is not None else None
+        if images is None or images.pan_and_scan is None:
+            if images is None:
                 what = f"this model ({self.config.model_config.architecture}, which takes no images)"
-            elif self.image_processor().from_gguf:
+            elif images.from_gguf:
                 what = f"a {self.vision.kind} GGUF and its mmproj (preprocessed as llama.cpp's mtmd)"
             else:
                 what = f"this model ({self.vision.kind})"

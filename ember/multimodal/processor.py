@@ -3,9 +3,10 @@ tokens expanded, and one ImageFeature an image (Gemma 3 with pan-and-scan: one a
 image and each of its crops). The model's own processor from transformers does the work
 (AutoProcessor on its PIL backend: resizing, cropping, normalizing, and the placeholder
 expansion its family does (Gemma 3's <start_of_image> into its image tokens between
-<start_of_image> and <end_of_image>, and pan-and-scan's crops and text); for Qwen2-VL its image processor and tokenizer, see
-`_process_grids`; for Pixtral and Mistral 3 its image processor and PixtralProcessor's layout,
-see `_process_rows`); ember only finds where each image's tokens landed.
+<start_of_image> and <end_of_image>, and pan-and-scan's crops and text); for Qwen2-VL its
+image processor and tokenizer, see `_process_grids`; for Pixtral and Mistral 3 its image
+processor and PixtralProcessor's layout, see `_process_rows`); ember only finds where each
+image's tokens landed.
 Slow (PIL and numpy): the server runs it on its input pool, off the event loop."""
 
 from __future__ import annotations

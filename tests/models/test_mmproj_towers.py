@@ -93,7 +93,11 @@ def test_the_gguf_pair_answers_as_the_checkpoint_it_came_from(model_dir, pair, f
         torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
     assert [o.outputs[0].token_ids for o in gguf_llm.generate(prompts, GREEDY)] == \
         [o.outputs[0].token_ids for o in hf_llm.generate(prompts, GREEDY)]
-    if family != "gemma3":  # images of 8 and 18 merged patches (Qwen3-VL's 16-pixel patches: 8 and 16)
+    if family == "gemma3":  # llama.cpp's mtmd cuts no pan-and-scan crops
+        with pytest.raises(ValueError, match=r"do_pan_and_scan is not supported by a gemma3 GGUF and its mmproj"):
+            gguf_llm.generate(prompt(PROMPTS["gemma3"][0], [RED], mm_processor_kwargs={"do_pan_and_scan": True}),
+                              GREEDY)
+    else:  # images of 8 and 18 merged patches (Qwen3-VL's 16-pixel patches: 8 and 16)
         assert [f.length for f in gguf_llm.inputs.make_request("r", prompt(PROMPTS["qwen"][1], [RED, BLUE]),
                                                                GREEDY).mm_features] == \
             ([8, 16] if family == "qwen3_vl" else [10, 18])
