@@ -7,6 +7,8 @@ reduced chat template."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -64,6 +66,17 @@ def save_tiny_gemma3(tokenizer_dir: Path, out: Path, shape: dict | None = None) 
     transformers.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=tokens,
                                  chat_template=CHAT_TEMPLATE).save_pretrained(str(out))
     return out
+
+
+def with_processor_settings(model_dir: Path, out: Path, part: str | None, change: dict) -> Path:
+    """A copy of the model directory whose processor_config.json (as transformers 5 writes it:
+    the image processor's settings inside, under "image_processor") has `change` in `part`
+    (None: at its top)."""
+    other = shutil.copytree(model_dir, out)
+    settings = json.loads((other / "processor_config.json").read_text())
+    (settings[part] if part else settings).update(change)
+    (other / "processor_config.json").write_text(json.dumps(settings))
+    return other
 
 
 def hf_inputs(model_dir: Path, text: str, images: list, **kwargs) -> dict:

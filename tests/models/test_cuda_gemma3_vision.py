@@ -8,9 +8,6 @@ preprocessor_config.json), 768 x 512 images of 2 crops each, every crop its own 
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
@@ -19,7 +16,7 @@ pytestmark = [pytest.mark.gpu]
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from gemma3_vision_model import SMALL, hf_inputs, save_tiny_gemma3  # noqa: E402
+from gemma3_vision_model import SMALL, hf_inputs, save_tiny_gemma3, with_processor_settings  # noqa: E402
 from llava_model import assert_engine_matches_on_cuda, hf_greedy, image, word_tokenizer_dir  # noqa: E402
 
 WIDE, TALL = image((200, 30, 30), (448, 336)), image((20, 40, 220), (200, 300))
@@ -57,11 +54,8 @@ PAN_AND_SCAN = [("What is in the picture ? <start_of_image>", [image((200, 30, 3
 @pytest.fixture(scope="module")
 def pan_and_scan_dir(model_dir, tmp_path_factory):
     """The model with do_pan_and_scan on in its processor config."""
-    out = shutil.copytree(model_dir, tmp_path_factory.mktemp("pan-and-scan") / "model")
-    settings = json.loads((out / "processor_config.json").read_text())
-    settings["image_processor"]["do_pan_and_scan"] = True
-    (out / "processor_config.json").write_text(json.dumps(settings))
-    return out
+    return with_processor_settings(model_dir, tmp_path_factory.mktemp("pan-and-scan") / "model", "image_processor",
+                                   {"do_pan_and_scan": True})
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 300}], ids=["graphs", "chunks-stop-before-images"])

@@ -3,12 +3,11 @@ against transformers on the same inputs: one image and two in a prompt, each exp
 <start_of_image>, its image tokens, <end_of_image>; prompt logits (the image tokens attending to
 each other both ways, the sliding layers' window shorter than an image), greedy tokens, a
 repeated image in the prefix cache, chunked prefill that never ends inside an image, and what
-ember does not run refused by name."""
+ember does not run refused by name. Pan-and-scan (an elongated image and its crops, each a view
+of its own): transformers' logits and tokens, the caches keyed by the setting, the encoder budget
+counting every crop, and mm_processor_kwargs other than do_pan_and_scan refused by name."""
 
 from __future__ import annotations
-
-import json
-import shutil
 
 import pytest
 import torch
@@ -16,7 +15,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from gemma3_vision_model import ONE, TOKENS_PER_IMAGE, TWO, hf_inputs, load_hf, save_tiny_gemma3  # noqa: E402
+from gemma3_vision_model import (  # noqa: E402
+    ONE,
+    TOKENS_PER_IMAGE,
+    TWO,
+    hf_inputs,
+    load_hf,
+    save_tiny_gemma3,
+    with_processor_settings,
+)
 from llava_model import assert_a_repeated_image_hits, ember_logits, image, make_llm, prompt  # noqa: E402
 
 from ember import SamplingParams  # noqa: E402
@@ -114,19 +121,9 @@ def test_configs_ember_does_not_run_are_refused_by_name(config, message):
         ("gemma3", 16, 262144, True)  # Gemma3Config's image_token_index
 
 
-def _with_processor(model_dir, out, part: str | None, change: dict):
-    """A copy of the model whose processor_config.json (as transformers 5 writes it: the image
-    processor's settings inside) has `change` in `part`."""
-    other = shutil.copytree(model_dir, out)
-    settings = json.loads((other / "processor_config.json").read_text())
-    (settings[part] if part else settings).update(change)
-    (other / "processor_config.json").write_text(json.dumps(settings))
-    return other
-
-
 def test_processor_settings_ember_does_not_run_are_refused_at_load(model_dir, tmp_path):
     with pytest.raises(ValueError, match="expands an image into 4 tokens of id"):
-        make_llm(_with_processor(model_dir, tmp_path / "other", None, {"image_seq_length": 4}))
+        make_llm(with_processor_settings(model_dir, tmp_path / "other", None, {"image_seq_length": 4}))
 
 
 # pan-and-scan (transformers' defaults: crops of at least 256 pixels, at most 4, for an aspect
@@ -179,7 +176,7 @@ def test_pan_and_scan_from_the_processor_config_counts_each_crop_in_the_encoder_
     """do_pan_and_scan on in preprocessor_config.json; a request's mm_processor_kwargs turns it
     off. --limit-mm-per-prompt counts the image once (as vLLM); the encoder budget every crop's
     tokens: at 32 tokens a step, the 4 views of 16 are encoded over 2 steps, the answer the same."""
-    on = _with_processor(model_dir, tmp_path / "on", "image_processor", PAN_AND_SCAN)
+    on = with_processor_settings(model_dir, tmp_path / "on", "image_processor", PAN_AND_SCAN)
     budget = make_llm(on, max_num_encoder_input_tokens=32, limit_mm_per_prompt={"image": 1})
     want = llm.generate(prompt(ONE, [WIDE], mm_processor_kwargs=PAN_AND_SCAN), GREEDY)[0].outputs[0].token_ids
     assert budget.generate(prompt(ONE, [WIDE]), GREEDY)[0].outputs[0].token_ids == want
