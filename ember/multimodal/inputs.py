@@ -1,6 +1,7 @@
 """ImageFeature: one image of a request, as the engine carries it from the boundary to the
 runner: its processed pixels, where its placeholder tokens sit in the prompt, and a hash of
-its pixels, which keys the encoder-output cache and the prefix cache's blocks over it. A video
+its pixels, which keys the encoder-output cache and the prefix cache's blocks over it. Each view
+of a Gemma 3 image under pan-and-scan (the whole image, each crop) is one. A video
 is one too (Qwen2-VL, Qwen2.5-VL: its frames' patches, grid (T, h, w), one run of video tokens)
 or one a temporal patch (Qwen3-VL, whose frames' runs of video tokens have their times between).
 Plain data (numpy arrays): it crosses the engine core's process boundary by pickle."""
