@@ -5,8 +5,10 @@ request's next token up behind its vision tower.
 An image's cost is its placeholder tokens (`ImageFeature.length`), as vLLM counts it: known for
 every family without asking its tower, in the same units as the step's token budget, and the
 tower's work in proportion within a family (LLaVA: a patch a token; Qwen2-VL: merge^2 patches a
-token; Pixtral: a patch a token plus its row breaks). A chunk *starts* an image when it covers
-the image's first token, or when it is a request's first chunk since admission and begins inside
+token; Pixtral: a patch a token plus its row breaks). Gemma 3's pan-and-scan crops are features
+of their own: each pays its tokens and may start in a later step than its image's other views
+(vLLM's item is the image with all its crops). A chunk *starts* an image when it covers the
+image's first token, or when it is a request's first chunk since admission and begins inside
 the image (a prefix hit or a swap-in that ends there: the runner has to encode it again, unless
 its encoder cache still has it, which the scheduler does not see). Then:
 
