@@ -65,12 +65,15 @@ from ember.kernels.paged import (
 )
 
 
-def prefill_tiles(padded_dim: int) -> tuple[int, int, int | None, int | None]:
-    """BLOCK_M, BLOCK_N, num_warps, num_stages for head dims padded to `padded_dim` (None:
-    Triton's defaults): 64 x 64 up to 256, then smaller tiles (see the top)."""
+def prefill_tiles(padded_dim: int, element_size: int = 2) -> tuple[int, int, int | None, int | None]:
+    """BLOCK_M, BLOCK_N, num_warps, num_stages for head dims padded to `padded_dim` in elements
+    of `element_size` bytes (None: Triton's defaults): 64 x 64 up to 256, then smaller tiles (see
+    the top). float32 rows are twice as wide: at 256 dims 64 x 64 in 3 stages asks sm_90 for
+    328 KB of its 227 KB of shared memory, 32 x 64 in 2 stages 173 KB; past 1024 bytes a row at the
+    larger dims, 16 x 16 (197 KB at 1024 dims where 16 x 32 needs 328 KB)."""
     if padded_dim <= 256:
-        return 64, 64, None, None
-    return 16, 32, 8, 2
+        return (32, 64, None, 2) if padded_dim * element_size > 512 else (64, 64, None, None)
+    return (16, 16, 8, 2) if padded_dim * element_size > 2048 else (16, 32, 8, 2)
 
 
 # the block-table width changes from step to step outside CUDA graphs: not specialized
@@ -215,7 +218,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError(f"first_seq must be in [0, {batch}); got {first_seq}")
     group = heads // kv_heads
     padded = block_d(dim)
-    tiles = prefill_tiles(padded)
+    tiles = prefill_tiles(padded, q.element_size())
     block_m, block_n = block_m or tiles[0], block_n or tiles[1]
     launch = {k: v for k, v in dict(num_warps=num_warps or tiles[2], num_stages=num_stages or tiles[3]).items() if v}
     grid = (triton.cdiv(max_query_len * group, block_m), kv_heads, batch - first_seq) if pack_gqa else \
