@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,structured]'
+	# the real sglang frontend for tests/server/test_sglang_frontend.py: its wheel lists CUDA torch, which it does
+	# not import, so it comes without dependencies (these five are all it needs)
+	$(PY) -m pip install -q --no-deps sglang==0.5.23 pybase64==1.5.1 msgspec==0.23.0 ipython==9.19.1 traitlets==5.16.1
 	touch $(STAMP)
 
 serve: setup
