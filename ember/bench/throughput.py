@@ -174,9 +174,11 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
     }
     runner = llm.engine.runner
     runner.profile_steps = getattr(ns, "profile_steps", False)
-    preempted = llm.engine.scheduler.num_preemptions
+    scheduler = llm.engine.scheduler
+    preempted, swapped = scheduler.num_preemptions, scheduler.num_swapped
     ember = report["results"]["ember"] = bench_ember(llm, requests).to_dict() | {"startup_s": startup_s}
-    ember["preemptions"] = llm.engine.scheduler.num_preemptions - preempted
+    ember["preemptions"] = scheduler.num_preemptions - preempted
+    ember["preemptions_by_swap"] = scheduler.num_swapped - swapped  # --preemption-mode swap / auto; the rest recomputed
     ember["memory_gib"] = {"weights": runner.weight_bytes / 2**30, "peak_activations": runner.activation_bytes / 2**30,
                            "kv_cache": runner.kv_cache_bytes / 2**30, "kv_blocks": runner.num_blocks}
     if runner.graphs is not None:
@@ -253,8 +255,9 @@ def format_report(report: dict[str, Any]) -> str:
                 lines.append(f"Start-up to ready: {r['startup_s']:.1f} s")
             if "memory_gib" in r:
                 m = r["memory_gib"]
+                swapped = f" ({r['preemptions_by_swap']} by swap)" if r.get("preemptions_by_swap") else ""
                 lines.append(f"KV cache: {m['kv_blocks']} blocks, {m['kv_cache']:.2f} GiB; preemptions: "
-                             f"{r.get('preemptions', 0)}")
+                             f"{r.get('preemptions', 0)}{swapped}")
             if "roofline" in r:
                 lines.append(f"Roofline: {r['roofline']}")
             if "profile_ms_per_step" in r:

@@ -42,6 +42,7 @@ def test_fixed_lengths_and_json(gguf_path, tmp_path, capsys):
     ember = report["results"]["ember"]
     assert (ember["num_requests"], ember["prompt_tokens"], ember["output_tokens"]) == (3, 24, 12)
     assert ember["output_tokens_per_s"] == pytest.approx(12 / ember["elapsed_s"])
+    assert (ember["preemptions"], ember["preemptions_by_swap"]) == (0, 0)
     assert "hf" not in report["results"]
 
 
@@ -55,6 +56,18 @@ def test_fp8_kv_cache_flag(gguf_path, tmp_path, capsys):
     assert report["config"]["kv_cache_dtype"] == report["engine"]["kv_cache_dtype"] == "fp8"
     # 64 blocks x 16 tokens x 30 layers x K|V x 3 KV heads x 64 dims x 1 byte
     assert report["results"]["ember"]["memory_gib"]["kv_cache"] * 2**30 == 64 * 16 * 30 * 2 * 3 * 64
+
+
+def test_preemptions_by_swap_are_counted(gguf_path, tmp_path, capsys):
+    # three requests that grow to 6 blocks of 16 on a pool of 14 (tests/engine/test_swap.py's sizes)
+    path = tmp_path / "swap.json"
+    main(["bench", "throughput", "--num-prompts", "3", "--input-len", "60", "--output-len", "30", "--num-kv-blocks",
+          "14", "--max-model-len", "96", "--preemption-mode", "swap", "--swap-space", "0.01", str(gguf_path),
+          "--output-json", str(path)])
+    ember = json.loads(path.read_text())["results"]["ember"]
+    n = ember["preemptions"]
+    assert n > 0 and ember["preemptions_by_swap"] == n
+    assert f"KV cache: 14 blocks, 0.00 GiB; preemptions: {n} ({n} by swap)" in capsys.readouterr().out
 
 
 def test_range_ratio_is_seeded(gguf_path, capsys):
