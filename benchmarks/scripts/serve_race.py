@@ -21,6 +21,7 @@ RESULT line per run goes to stdout and all of them to DIR/serve_race.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 COMMON = ["--load-format", "dummy", "--seed", "0"]
@@ -88,8 +90,9 @@ def healthy(port: int) -> bool:
         return False
 
 
-def start(server: str, model: str, port: int, flags: list[str], log: Path, max_model_len: int) -> subprocess.Popen:
-    common = [*COMMON, "--max-model-len", str(max_model_len)]
+def start(server: str, model: str, port: int, flags: list[str], log: Path, max_model_len: int,
+          common: list[str] = COMMON) -> subprocess.Popen:
+    common = [*common, "--max-model-len", str(max_model_len)]
     if server == "vllm":
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port), *common, *flags]
         env = os.environ | VLLM_ENV
@@ -129,21 +132,39 @@ def run_client(model: str, port: int, workload: str, out: Path, name: str, timeo
     return r["results"] if workload in EMBER_CLIENT else r
 
 
-def race(server: str, args, out: Path, results: list[dict], deadline: float) -> None:
-    port = 8200 if server == "vllm" else 8300
-    flags = shlex.split(args.ember_flags) if server == "ember" else shlex.split(args.vllm_flags)
-    tag = f"{server}{('_' + args.tag) if args.tag and server == 'ember' else ''}"
-    log = out / f"{tag}.server.log"
-    proc = start(server, args.model, port, flags, log, args.max_model_len)
+@contextlib.contextmanager
+def serving(server: str, model: str, port: int, flags: list[str], log: Path, max_model_len: int, deadline: float,
+            tag: str, common: list[str] = COMMON) -> Iterator[subprocess.Popen | None]:
+    """`vllm serve` / `ember serve` (start()) until it answers /health 200: the process, or None (its
+    log's tail printed) when it exits first or `deadline` (time.monotonic()) passes; stopped on exit."""
+    proc = start(server, model, port, flags, log, max_model_len, common)
     began = time.monotonic()
     try:
         while not healthy(port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 print(f"== {tag}: no /health 200 ({'exited' if proc.poll() is not None else 'out of time'})")
                 print(log.read_text()[-3000:])
+                yield None
                 return
             time.sleep(1)
         print(f"== {tag}: ready after {time.monotonic() - began:.0f} s", flush=True)
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+        except Exception:
+            os.killpg(proc.pid, signal.SIGKILL)
+        print(f"== {tag}: stopped (exit {proc.returncode})", flush=True)
+
+
+def race(server: str, args, out: Path, results: list[dict], deadline: float) -> None:
+    port = 8200 if server == "vllm" else 8300
+    flags = shlex.split(args.ember_flags) if server == "ember" else shlex.split(args.vllm_flags)
+    tag = f"{server}{('_' + args.tag) if args.tag and server == 'ember' else ''}"
+    with serving(server, args.model, port, flags, out / f"{tag}.server.log", args.max_model_len, deadline, tag) as proc:
+        if proc is None:
+            return
         for workload in args.workloads.split(","):
             left = deadline - time.monotonic()
             if left < 20:
@@ -170,13 +191,6 @@ def race(server: str, args, out: Path, results: list[dict], deadline: float) -> 
                     row[k] = round(r[k], 2)
             results.append(row)
             print("RESULT " + json.dumps(row), flush=True)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-        except Exception:
-            os.killpg(proc.pid, signal.SIGKILL)
-        print(f"== {tag}: stopped (exit {proc.returncode})", flush=True)
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ class RequestResult:
     prompt_len: int
     ok: bool = False
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the streamed ones, where the request asked (return_token_ids)
     turn: int = 0  # in a conversation (shared-prefix dataset)
     output_len: int = 0
     server_prompt_len: int = 0  # the server's usage.prompt_tokens, where it reports one
@@ -130,8 +131,10 @@ async def _send(session, url: str, payload: dict[str, Any], headers: dict[str, s
                     result.server_prompt_len = body["usage"].get("prompt_tokens") or result.server_prompt_len
                 choice = (body.get("choices") or [{}])[0]
                 text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                if text:
-                    result.text += text
+                ids = choice.get("token_ids")
+                if text or ids:
+                    result.text += text or ""
+                    result.token_ids += ids or []
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft = now - start
