@@ -120,6 +120,16 @@
 #   frontend            issue #41's programs (`ember bench frontend`: fork-join, few-shot select, multi-turn, JSON) at
 #                       the Llama-3.1-8B shape with dummy weights and SmolLM2's tokenizer (the served model directory,
 #                       carried with the server wheels as serve's): in-process, over HTTP and one by one with `openai`
+#   kv-tiers PART       issue #40's goals at the Llama-3.1-8B shape (dummy weights), one PART a call. multiturn:
+#                       32 conversations x 6 turns of 1,000 new tokens (+ 32 out) on a 49,152-token KV pool, a
+#                       32 GiB host tier (multiturn.py: its docstring has the bytes): `vllm serve` without and with
+#                       --kv-offloading-size, then `ember serve` without and with --kv-offload-gib, on the served
+#                       model (carried with the server wheels, as serve's); TTFT p50 / p99 of the returning turns and
+#                       each server's prefix / tier counters. preempt: ember alone (vLLM 0.24 has no swap), 256 x
+#                       128/2000 on 2,840 KV blocks (~1/3 of the requests preempted) with --preemption-mode recompute,
+#                       swap, auto (--swap-space 32): throughput and preemptions (by swap) each. beam: LLM.beam_search,
+#                       width 4, 64 x 128/128 on the served model directory (vLLM's decodes: it needs the tokenizer):
+#                       vLLM (vllm_race.py --model DIR beam), then ember (beam_bench.py) on the same prompts
 #
 # serve: the device has none of the server's packages and no GGUF reader, so two things are made
 # here and carried: the served model (SERVED_MODEL, default .serve-model:
@@ -425,6 +435,31 @@ mode_frontend() {  # each arm set in its own process: the in-process engine's GP
   done
 }
 
+KV_PREEMPT="--num-prompts 256 --input-len 128 --output-len 2000 --max-model-len 2304 --num-kv-blocks 2840"
+
+mode_kv_tiers() {  # kv-tiers multiturn|preempt|beam: one part a call
+  local part=${1:-} m=${SERVED_MODEL:-.serve-model} secs arms=vllm,vllm-offload,ember,ember-tier pm
+  case "$part" in
+    multiturn)
+      serve_kit || return 0
+      have_vllm || arms=ember,ember-tier
+      secs=$(cap "kv-tiers multiturn" 560) || return 0
+      timeout "$secs" python3 benchmarks/scripts/multiturn.py "$m" --out "$J" --arms "$arms" --deadline $((secs - 10)) \
+        2>&1 | tee "$J/multiturn.log" | grep -E "^RESULT|^RATIO|^==|Error" || true ;;
+    preempt)
+      for pm in recompute swap auto; do
+        bench "preempt_$pm" 180 $L $KV_PREEMPT --preemption-mode $pm $([ $pm = recompute ] || echo --swap-space 32)
+      done ;;
+    beam)
+      [ -f "$m/tokenizer.json" ] || { echo "== kv-tiers beam needs $m/ carried (see the head of this script)"; return 0; }
+      vllm_race beam 300 --model "$m" beam
+      secs=$(cap "ember beam" 200) || return 0
+      timeout "$secs" python3 benchmarks/scripts/beam_bench.py "$m" --output-json "$J/beam_ember.json" 2>&1 \
+        | tee "$J/beam_ember.log" | grep -E "^RESULT|Error" || true ;;
+    *) echo "kv-tiers takes multiturn, preempt or beam, got '$part'"; exit 2 ;;
+  esac
+}
+
 mode_moe_speed() {  # moe-speed [kernels|engines]: one part a call
   local secs G=benchmarks/configs/gpt-oss-120b D=benchmarks/configs/deepseek-v2-lite
   if [ "${1:-kernels}" = kernels ]; then
@@ -654,6 +689,7 @@ case "$mode" in
   moe-speed) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_moe_speed "$@" ;;
   spec) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_spec ;;
   frontend) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_frontend ;;
+  kv-tiers) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_kv_tiers "$@" ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;
   defaults) mode_env; mode_defaults ;;
   tp-check) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_tp_check ;;

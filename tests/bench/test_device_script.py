@@ -54,7 +54,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
                       "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
-                      "serve-race", "race-vl", "serve-sweep", "spec", "frontend"]
+                      "serve-race", "race-vl", "serve-sweep", "spec", "frontend", "kv-tiers"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -394,6 +394,37 @@ def test_frontend_runs_the_programs_bench_on_the_served_model_with_its_wheels(tm
     run = (f"python3 -m ember.server.cli bench frontend --model {model} --load-format dummy --dtype bfloat16 --seed 0 "
            "--max-model-len 4096 --arms %s --out " + f"{out}/frontend_%s.json {env}")
     assert calls[1:] == [run % ("in-process", "in-process"), run % ("http,openai", "http")]
+
+
+def test_kv_tiers_runs_each_part_vllm_first_and_ember_alone_without_it(tmp_path):
+    model, kit = _serve_kit(tmp_path)
+    out, env = tmp_path / "out", "[decode_config=]"
+    multiturn = (f"python3 benchmarks/scripts/multiturn.py {model} --out {out} --arms %s --deadline 550 {env}")
+    calls, done = run_mode(tmp_path, "kv-tiers", "multiturn", extra_env=kit)
+    assert done.returncode == 0, done.stderr
+    assert calls[1:] == [f"run-on-device none {env}", multiturn % "vllm,vllm-offload,ember,ember-tier"]
+    (tmp_path / "calls.log").unlink()
+    calls, done = run_mode(tmp_path, "kv-tiers", "beam", extra_env=kit)
+    assert done.returncode == 0, done.stderr
+    assert calls == [f"run-on-device none {env}", f"python3 benchmarks/scripts/vllm_race.py --model {model} beam {env}",
+                     f"python3 benchmarks/scripts/beam_bench.py {model} --output-json {out}/beam_ember.json {env}"]
+    (tmp_path / "calls.log").unlink()
+    calls, done = run_mode(tmp_path, "kv-tiers", "preempt")
+    assert done.returncode == 0, done.stderr
+    pool = ("--num-prompts 256 --input-len 128 --output-len 2000 --max-model-len 2304 --num-kv-blocks 2840 "
+            "--preemption-mode")
+    assert calls == [f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {pool} {pm}{swap} --output-json "
+                     f"{out}/preempt_{pm}.json {env}"
+                     for pm, swap in (("recompute", ""), ("swap", " --swap-space 32"), ("auto", " --swap-space 32"))]
+    # no vLLM staged: ember's arms alone, ember's beam alone; an unknown part is refused
+    (tmp_path / "unstaged").mkdir()
+    calls, done = run_mode(tmp_path / "unstaged", "kv-tiers", "multiturn", staged=False, extra_env=kit)
+    assert calls[1:] == [(multiturn % "ember,ember-tier").replace(str(out), str(tmp_path / "unstaged" / "out"))]
+    (tmp_path / "unstaged" / "calls.log").unlink()
+    calls, done = run_mode(tmp_path / "unstaged", "kv-tiers", "beam", staged=False, extra_env=kit)
+    assert [c.split()[1] for c in calls] == ["benchmarks/scripts/beam_bench.py"]
+    _, done = run_mode(tmp_path, "kv-tiers", "swap")
+    assert done.returncode == 2 and "kv-tiers takes multiturn, preempt or beam, got 'swap'" in done.stdout
 
 
 def test_serve_sweep_runs_ember_alone_at_each_seat_and_budget_pair(tmp_path):
