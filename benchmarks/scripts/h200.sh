@@ -435,6 +435,9 @@ mode_frontend() {  # each arm set in its own process: the in-process engine's GP
   done
 }
 
+# kv-tiers preempt: a request ends at 2,128 tokens = 17 blocks of 128; 2,840 blocks hold 167 of the 256 (256 seats:
+# defaults.seats_that_fit), so once the pool fills ~1/3 are preempted (at 1/8 the lengths on the CPU, 24 x 16/250 on
+# 266 blocks of 16 tokens: 9 of 24); their swapped blocks take <= 89 x 17 x 16 MiB = 24 GiB of the 32 GiB swap space
 KV_PREEMPT="--num-prompts 256 --input-len 128 --output-len 2000 --max-model-len 2304 --num-kv-blocks 2840"
 
 mode_kv_tiers() {  # kv-tiers multiturn|preempt|beam: one part a call
