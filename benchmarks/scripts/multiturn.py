@@ -32,8 +32,9 @@ prompts: every history had been evicted), with the tier 18,368, 14,848 of them l
 Per arm one RESULT line (JSON): TTFT p50 / p99 of the returning turns (2 and later) and of the
 first, requests completed and failed, the wall time, and the server's prefix-cache, tier and
 preemption counters from /metrics (ember: prefix_cache_hits_total, kv_offload_hits_total,
-kv_offload_bytes_total; vLLM: prefix_cache_hits_total, external_prefix_cache_hits_total: the
-offloading connector's); all of them in DIR/multiturn.json, then the ratios the goal names.
+kv_offload_bytes_total; vLLM: prefix_cache_hits_total, external_prefix_cache_hits_total (the
+offloading connector's hits), kv_offload_load_bytes_total / store_bytes_total); all of them in
+DIR/multiturn.json, then the ratios the goal names.
 """
 
 from __future__ import annotations
