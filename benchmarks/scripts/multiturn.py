@@ -2,7 +2,7 @@
 `vllm serve` without and with `--kv-offloading-size`, then `ember serve` without and with
 `--kv-offload-gib`, one after the other in one device call (serve_race.py's `serving`: start,
 /health, --deadline, stop), each at its defaults plus the pool limit and the tier, driven by one
-client (ember.bench.serve's streaming `_send`):
+client (ember.bench.serve's streaming `send_request`):
 
     python3 benchmarks/scripts/multiturn.py MODEL_DIR --out DIR [--arms vllm,vllm-offload,ember,ember-tier]
         [--num-prompts 32] [--num-turns 6] [--shared-prefix-len 512] [--turn-input-len 1000]
@@ -52,7 +52,14 @@ import numpy as np
 from serve_race import serving
 
 from ember.bench.results import RandomRequest
-from ember.bench.serve import RequestResult, _send, _server_model, _session, add_workload_args, shared_prefix_requests
+from ember.bench.serve import (
+    RequestResult,
+    add_workload_args,
+    client_session,
+    send_request,
+    server_model,
+    shared_prefix_requests,
+)
 from ember.loader.tokenizer_files import load_tokenizer
 
 ARMS = ("vllm", "vllm-offload", "ember", "ember-tier")
@@ -77,7 +84,7 @@ async def converse(base_url: str, model: str, system: list[int], conversations: 
     histories = [list(system) for _ in conversations]
     limit = asyncio.Semaphore(concurrency)
     results: list[RequestResult] = []
-    async with _session() as client:
+    async with client_session() as client:
         async def one(c: int, turn: int) -> RequestResult:
             req = conversations[c][turn]
             prompt = histories[c] + req.prompt_token_ids
@@ -85,7 +92,7 @@ async def converse(base_url: str, model: str, system: list[int], conversations: 
                        "ignore_eos": True, "return_token_ids": True, "stream": True,
                        "stream_options": {"include_usage": True}}
             async with limit:
-                r = await _send(client, url, payload, {}, len(prompt))
+                r = await send_request(client, url, payload, {}, len(prompt))
             if r.ok and len(r.token_ids) != req.output_len:
                 raise ValueError(f"{base_url} streamed {len(r.token_ids)} token ids for {req.output_len} tokens: "
                                  "the client needs return_token_ids honoured on /v1/completions")
@@ -131,7 +138,7 @@ def run_arm(arm: str, args: argparse.Namespace, system: list[int], conversations
         t0 = time.monotonic()
         try:
             results = asyncio.run(asyncio.wait_for(
-                converse(base_url, _server_model(base_url, None), system, conversations, args.concurrency), left - 5))
+                converse(base_url, server_model(base_url, None), system, conversations, args.concurrency), left - 5))
         except (TimeoutError, ValueError) as e:  # the next arm still runs
             print(f"== {arm}: {str(e) or 'the conversations ran past the call time'}", flush=True)
             return None

@@ -99,7 +99,7 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="the TTFT and TPOT distributions (CDFs) of this run, as a PNG")
 
 
-def _session():
+def client_session():
     """The client's HTTP session: aiohttp, whose streamed reads take 41 µs of CPU a chunk where
     httpx took 102 (256 paced streams, BENCHMARKS.md), so one client process keeps up with a
     GPU server's thousands of chunks a second; no connection limit, no timeout, lines up to 1 MiB."""
@@ -109,7 +109,7 @@ def _session():
                                  read_bufsize=1 << 20)
 
 
-async def _send(session, url: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
+async def send_request(session, url: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
     result = RequestResult(prompt_len)
     start = last = time.perf_counter()
     try:
@@ -166,14 +166,14 @@ async def _run(ns: argparse.Namespace, requests: list[RandomRequest] | list[Chat
     limit = asyncio.Semaphore(ns.max_concurrency or len(requests))
     gaps = _arrival_gaps(len(requests), ns.request_rate, ns.burstiness, ns.seed)
 
-    async with _session() as client:
+    async with client_session() as client:
         async def one(req: RandomRequest | ChatRequest) -> RequestResult:
             prompt = {"messages": req.messages} if chat else {"prompt": req.prompt_token_ids}
             payload = {"model": model, **prompt, "max_tokens": req.output_len,
                        "temperature": ns.temperature, "stream": True, "stream_options": {"include_usage": True},
                        **({"ignore_eos": True} if ns.ignore_eos else {}), **extra}
             async with limit:
-                return await _send(client, url, payload, headers,
+                return await send_request(client, url, payload, headers,
                                    req.prompt_len if chat else len(req.prompt_token_ids))
 
         start = time.perf_counter()
@@ -194,7 +194,7 @@ async def _run_conversations(ns: argparse.Namespace, conversations: list[list[Ra
 
     gaps = _arrival_gaps(len(conversations), ns.request_rate, ns.burstiness, ns.seed)
 
-    async with _session() as client:
+    async with client_session() as client:
         async def converse(turns: list[RandomRequest], delay: float) -> list[RequestResult]:
             await asyncio.sleep(delay)
             history, results = list(system), []
@@ -203,7 +203,7 @@ async def _run_conversations(ns: argparse.Namespace, conversations: list[list[Ra
                 payload = {"model": model, "prompt": prompt, "max_tokens": turn.output_len,
                            "temperature": ns.temperature, "stream": True, "stream_options": {"include_usage": True},
                            **({"ignore_eos": True} if ns.ignore_eos else {}), **extra}
-                result = await _send(client, url, payload, headers, len(prompt))
+                result = await send_request(client, url, payload, headers, len(prompt))
                 result.turn = k
                 results.append(result)
                 history = prompt + encode(result.text)
@@ -325,7 +325,7 @@ def format_summary(label: str, s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _server_model(base_url: str, api_key: str | None) -> str:
+def server_model(base_url: str, api_key: str | None) -> str:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -345,7 +345,7 @@ def run_serve_bench(ns: argparse.Namespace) -> dict[str, Any]:
         from ember.bench.plots import require_matplotlib
 
         require_matplotlib()
-    model = ns.model or _server_model(ns.base_url, ns.api_key)
+    model = ns.model or server_model(ns.base_url, ns.api_key)
     results, duration = run_workload(ns, tok, model)
     summary = summarize(results, duration)
     label = ns.label or f"{model} @ {ns.base_url}"

@@ -249,10 +249,10 @@ class _Tuner:
 
     def _bench(self, url: str, rate: float, **override: Any) -> dict[str, Any]:
         """One benchmark run (TimeoutError at the budget's end); summarize()'s dict."""
-        from ember.bench.serve import _server_model, run_workload, summarize
+        from ember.bench.serve import run_workload, server_model, summarize
 
         ns = argparse.Namespace(**(vars(self.bench) | {"base_url": url, "request_rate": rate} | override))
-        results, duration = run_workload(ns, self.tok, _server_model(url, None), timeout=max(self.budget.left(), 0.1))
+        results, duration = run_workload(ns, self.tok, server_model(url, None), timeout=max(self.budget.left(), 0.1))
         return summarize(results, duration)
 
     def measure(self, run: SettingRun, rates: Sequence[float] | None) -> list[float]:
