@@ -55,7 +55,16 @@ from typing import Any, TypeVar
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCoreOutput
-from ember.engine.core_client import ABORT, ADD, CALL, CoreStep, InprocCoreClient, MPCoreClient, send_text_verdicts
+from ember.engine.core_client import (
+    ABORT,
+    ADD,
+    CALL,
+    CoreConnection,
+    CoreStep,
+    InprocCoreClient,
+    MPCoreClient,
+    send_text_verdicts,
+)
 from ember.engine.input_processor import InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
 from ember.engine.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
@@ -170,17 +179,21 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
                  stat_loggers: list[StatLogger] | None = None,
                  on_dead: Callable[[BaseException], None] | None = None, log_requests: bool = False,
-                 core_process: bool = False) -> None:
+                 core_process: bool = False, core_connection: CoreConnection | None = None) -> None:
         """`on_dead(error)` is called on the output thread if the engine dies; `log_requests`:
         log each submitted request's id, prompt length and sampling parameters at INFO;
-        `core_process`: run the engine core in its own process."""
+        `core_process`: run the engine core in its own process; `core_connection`: use the
+        engine core process another process started (with other clients) instead."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 (or None: no limit); got {max_waiting_requests}")
         self.config = config if config.model_config is not None else config.resolve()
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
         self.tokenizer = load_engine_tokenizer(self.config)
-        self.client = (MPCoreClient if core_process else InprocCoreClient)(self.config, self.tokenizer)
+        if core_connection is not None:
+            self.client = MPCoreClient(self.config, self.tokenizer, core_connection)
+        else:
+            self.client = (MPCoreClient if core_process else InprocCoreClient)(self.config, self.tokenizer)
         self.config = self.client.config  # the seats the KV pool allows, where max_num_seqs was the default
         self.inputs = InputProcessor(self.config, self.tokenizer, self.client.check_request)
         self._processor = OutputProcessor(self.tokenizer)
@@ -198,7 +211,6 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._num_sent = 0  # ADDs sent; the core's CoreStep.num_added says how many it took
         self._calls: dict[int, cf.Future] = {}  # CALLs sent, by id, until the core answers
-        self.sleeping = 0  # the engine core's sleep level, as the last sleep / wake_up left it
         self._num_taken = 0
         self._accepting = True
         self._stop = False
@@ -221,6 +233,12 @@ class AsyncEngine:
     def core_pid(self) -> int:
         """The process the engine core runs in (this one, without core_process)."""
         return self.client.pid
+
+    @property
+    def sleeping(self) -> int:
+        """The engine core's sleep level (0: awake) as of its last step: a sleep that another
+        API process asked for shows here too."""
+        return self.stats.sleep_level
 
     @property
     def num_kv_blocks(self) -> int:
@@ -253,10 +271,7 @@ class AsyncEngine:
             self._calls[call_id] = future
             self.client.send((CALL, call_id, operation, args))
         self.client.wake()
-        result = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
-        if operation in ("sleep", "wake_up"):
-            self.sleeping = args[0] if operation == "sleep" else 0
-        return result
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> RequestStream:

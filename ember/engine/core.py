@@ -138,6 +138,10 @@ class EngineCore:
         for req in self.scheduler.abort(request_id):
             self._release(req.request_id)
 
+    def request_ids(self) -> list[str]:
+        """Every request it holds: scheduled or waiting (forked samples too), or compiling a grammar."""
+        return [*self.scheduler.requests, *self.structured.compiling_ids()]
+
     def fail_request(self, request_id: str, message: str) -> None:
         """End a request and its samples with finish_reason "error" (`message` is what its
         client is told); the next step() returns their final outputs."""
@@ -216,7 +220,7 @@ class EngineCore:
                            spec_num_draft_tokens=sched.spec.num_draft_tokens,
                            spec_num_accepted_tokens=sched.spec.num_accepted_tokens,
                            spec_accepted_per_position=tuple(sched.spec.accepted_per_position),
-                           **self._host_stats())
+                           sleep_level=self.sleeping, **self._host_stats())
 
     def _host_stats(self) -> dict[str, int]:
         host = self.scheduler.host

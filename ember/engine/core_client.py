@@ -10,7 +10,11 @@
 Both directions carry plain data only: a `Request` as made by the input processor (before
 the core touches it), and `EngineCoreOutput`s (new token ids, logprobs, finish reason).
 `InprocCoreClient` runs the same `CoreService` on the caller's thread (one process: tests
-patch the core's objects there, and `--no-core-process` serves that way).
+patch the core's objects there, and `--no-core-process` serves that way). With `ember serve
+--api-server-count N` one core process serves N API processes, each an MPCoreClient over a
+CoreConnection: its own pair of sockets; in the core its request ids carry its index (unique
+across them) and each step's outputs go to the client whose requests they are
+(core_process.ClientTable).
 
 The transport is ZeroMQ over Unix sockets (its I/O thread queues what the other side has not
 read yet, so neither side blocks on the other) with pickle of plain tuples: a 256-request
@@ -29,6 +33,7 @@ import tempfile
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore, EngineCoreOutput
@@ -38,6 +43,7 @@ from ember.engine.core_process import (
     CALL,
     FAIL,
     FINISH,
+    HELLO,
     SHUTDOWN,
     CoreService,
     CoreStep,
@@ -56,7 +62,8 @@ from ember.structured.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 # the message kinds and wire rows are the core process's (core_process.py); its clients speak them
-__all__ = ["ABORT", "ADD", "CALL", "FAIL", "FINISH", "SHUTDOWN", "CoreDeadError", "CoreStep", "InprocCoreClient", "MPCoreClient",
+__all__ = ["ABORT", "ADD", "CALL", "FAIL", "FINISH", "SHUTDOWN", "CoreConnection", "CoreDeadError", "CoreStep",
+           "InprocCoreClient", "MPCoreClient",
            "RequestChecker", "output_row", "send_text_verdicts", "stats_row"]
 
 START_TIMEOUT_S = 600.0  # loading a model (and compiling kernels) before the core reports ready
@@ -135,38 +142,65 @@ class RequestChecker:
         self.structured.validate(req.sampling_params)
 
 
-class MPCoreClient:
-    """The core in its own process (ember/engine/core_process.py), over two ZMQ sockets."""
+@dataclass(frozen=True)
+class CoreConnection:
+    """An engine core process that another process started (`ember serve --api-server-count N`'s
+    launcher, server/api_servers.py), and the pair of its sockets that is this client's."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
+    input_address: str
+    output_address: str
+    pid: int  # the core's process
+    index: int  # which of its clients this one is
+
+
+class MPCoreClient:
+    """The core in its own process (ember/engine/core_process.py), over two ZMQ sockets: one
+    it starts for this client alone, or, given a CoreConnection, one it shares with other
+    clients (each its own requests; see ClientTable)."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None,
+                 connection: CoreConnection | None = None) -> None:
         import zmq
 
         self._zmq = zmq
-        self._dir = tempfile.mkdtemp(prefix="ember-core-")
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)  # to the core
         self._output = self._context.socket(zmq.PULL)  # from the core
         for sock in (self._input, self._output):
             sock.setsockopt(zmq.LINGER, 0)
-        input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
-        self._input.bind(input_address)
-        self._output.bind(output_address)
         self._send_lock = threading.Lock()
-        spawn = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
-        self.process = spawn.Process(target=run_core_process, args=(config, input_address, output_address),
-                                     name="ember-core", daemon=False)  # it starts TP workers of its own
-        self.process.start()
-        self._finalizer = weakref.finalize(self, _stop_process, self.process, self._context, self._dir)
+        self.process: multiprocessing.process.BaseProcess | None = None
+        if connection is None:
+            directory = tempfile.mkdtemp(prefix="ember-core-")
+            addresses = (f"ipc://{directory}/input", f"ipc://{directory}/output")
+            spawn = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
+            self.process = spawn.Process(target=run_core_process, args=(config, [addresses]),
+                                         name="ember-core", daemon=False)  # it starts TP workers of its own
+            self.process.start()
+            self.pid = self.process.pid  # the process the core runs in
+            self._core_fd = self.process.sentinel
+            self._finalizer = weakref.finalize(self, _stop_process, self.process, self._context, directory)
+        else:
+            addresses = (connection.input_address, connection.output_address)
+            self.pid = connection.pid
+            try:
+                self._core_fd = os.pidfd_open(connection.pid)
+            except ProcessLookupError:
+                self._context.destroy(linger=0)
+                raise CoreDeadError(f"the engine core process {connection.pid} is gone") from None
+            self._finalizer = weakref.finalize(self, _close, self._context, self._core_fd)
+        self._input.connect(addresses[0])
+        self._output.connect(addresses[1])
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
-        self._poller.register(self.process.sentinel, zmq.POLLIN)
+        self._poller.register(self._core_fd, zmq.POLLIN)
         try:
+            self.send((HELLO, os.getpid()))
             ready = self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
         self.config, self.num_kv_blocks = ready
-        self.pid = self.process.pid  # the process the core runs in
         self._checker = RequestChecker(self.config, self.num_kv_blocks, tokenizer)
 
     def _wait_ready(self) -> tuple[EngineConfig, int]:
@@ -187,7 +221,9 @@ class MPCoreClient:
         events = dict(self._poller.poll(timeout_ms))
         if self._output in events:
             return pickle.loads(self._output.recv(copy=False).buffer)
-        if self.process.sentinel in events:
+        if self._core_fd in events:
+            if self.process is None:
+                raise CoreDeadError(f"the engine core process {self.pid} exited")
             self.process.join(1)
             raise CoreDeadError(f"the engine core process exited (exit code {self.process.exitcode})")
         return None
@@ -219,9 +255,16 @@ class MPCoreClient:
         return CoreStep([EngineCoreOutput(*row) for row in rows], EngineStats(*stats), num_added, results)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Tell the core to stop (it aborts what is left and stops its TP workers), wait for it
-        up to `timeout` s, and clean up."""
-        if self.process.is_alive():
+        """Tell the core this client leaves: a core of its own stops (it aborts what is left
+        and stops its TP workers; waited for up to `timeout` s), a shared one aborts this
+        client's requests and serves the others. Then clean up."""
+        if self.process is None:
+            try:
+                self.send((SHUTDOWN,))
+                self._input.close(linger=int(timeout * 1000))  # delivered before the context ends
+            except Exception:
+                pass
+        elif self.process.is_alive():
             try:
                 self.send((SHUTDOWN,))
             except Exception:
@@ -240,6 +283,11 @@ def _stop_process(process, context, directory: str) -> None:
         process.join(5)
     context.destroy(linger=0)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def _close(context, core_fd: int) -> None:
+    context.destroy(linger=0)
+    os.close(core_fd)
 
 
 def send_text_verdicts(client: InprocCoreClient | MPCoreClient, done: ProcessedOutputs) -> None:

@@ -1,12 +1,17 @@
 """The engine core's side of the boundary: CoreService (apply the client's messages, run a
-step), the wire rows, and the core's own process (started by MPCoreClient): the scheduler,
-the runner, grammar masks and sampling, off the API server's interpreter.
+step), the wire rows, and the core's own process: the scheduler, the runner, grammar masks
+and sampling, off the API servers' interpreters. MPCoreClient starts it for its one client;
+`ember serve --api-server-count N` (server/api_servers.py) for N API processes, each a client
+with its own pair of sockets (ClientTable).
 
-It loads the model, says ("ready", config, num_kv_blocks), then loops: take every message
-the client sent, run a step if anything is unfinished, send one message with the step's
-outputs. It exits when told (SHUTDOWN), when its parent process is gone (a killed API
-server leaves no core holding the GPU), or after telling ("dead", why) when its loop raised;
-SIGINT and SIGTERM it leaves to the API server, which drains first.
+It loads the model, answers each client's HELLO with ("ready", config, num_kv_blocks), then
+loops: take every message the clients sent, run a step if anything is unfinished, send each
+client one message a step: the outputs of its own requests and the engine's stats. A client
+that leaves (SHUTDOWN) or whose process dies loses its requests (aborted: their blocks go
+back at once); the others go on. The core exits when every client is gone, when its parent
+process is gone (a killed `ember serve` leaves no core holding the GPU), or after telling
+("dead", why) when its loop raised; SIGINT and SIGTERM it leaves to the API servers, which
+drain first.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from ember.request import Request
 logger = logging.getLogger("ember.core")
 
 # the client's messages: (ADD, Request), (ABORT, request_id), (FINISH, request_id, stop string),
-# (FAIL, request_id, message), (SHUTDOWN,), (CALL, call_id, operation, args): one of CORE_CALLS
-ADD, ABORT, FINISH, FAIL, SHUTDOWN, CALL = range(6)
+# (FAIL, request_id, message), (SHUTDOWN,): this client leaves (the last one to leave stops the
+# core), (CALL, call_id, operation, args): one of CORE_CALLS, (HELLO, pid): a client's first,
+# answered ("ready", config, num_kv_blocks)
+ADD, ABORT, FINISH, FAIL, SHUTDOWN, CALL, HELLO = range(7)
 CORE_CALLS = frozenset({"reset_prefix_cache", "start_profile", "stop_profile", "sleep", "wake_up"})  # EngineCore's
 
 
@@ -117,31 +124,27 @@ def stats_row(s: EngineStats) -> tuple:
     return (s.num_running, s.num_waiting, s.num_kv_blocks, s.num_kv_blocks_in_use, s.num_preemptions,
             s.prefix_cache_queries, s.prefix_cache_hits, s.spec_num_drafts, s.spec_num_draft_tokens,
             s.spec_num_accepted_tokens, s.spec_accepted_per_position, s.host_hit_tokens, s.host_bytes_to_host,
-            s.host_bytes_to_device)
+            s.host_bytes_to_device, s.sleep_level)
 
 
 
 
-def run_core_process(config: EngineConfig, input_address: str, output_address: str) -> None:
+def run_core_process(config: EngineConfig, clients: list[tuple[str, str]], parent: str = "the API server process"
+                     ) -> None:
+    """The core's process: `clients` are the (input, output) ZMQ addresses of its clients, one
+    pair each (the API processes of `ember serve --api-server-count N`, or the one), which it
+    binds; `parent` names the process that started it, in the line it logs when that is gone."""
     import zmq
 
     # a terminal's Ctrl-C and a supervisor's SIGTERM reach the whole process group (systemd: the
-    # whole cgroup); the API server drains its requests, then sends SHUTDOWN. Until then the core
+    # whole cgroup); the API servers drain their requests, then send SHUTDOWN. Until then the core
     # keeps serving them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
-    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    for sock in (inbox, outbox):
-        sock.setsockopt(zmq.LINGER, 0)
-    inbox.connect(input_address)
-    outbox.connect(output_address)
-
-    def send(message: tuple) -> None:
-        outbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
-
+    table = ClientTable(context, clients)
     try:
         from ember.engine.input_processor import load_engine_tokenizer
 
@@ -149,19 +152,19 @@ def run_core_process(config: EngineConfig, input_address: str, output_address: s
         core.structured.warm_up()
     except BaseException as e:
         logger.exception("the engine core could not start")
-        send(("failed", f"{type(e).__name__}: {e}"))
+        table.broadcast(("failed", f"{type(e).__name__}: {e}"))
         context.destroy(linger=1000)
         return
-    send(("ready", core.config, core.block_pool.num_blocks))
+    table.ready = ("ready", core.config, core.block_pool.num_blocks)
     code = 0
     try:
-        _serve(core, CoreService(core), inbox, send, zmq)
+        _serve(core, CoreService(core), table, zmq)
     except _ParentGone:
-        logger.warning("the API server process is gone: the engine core stops")
+        logger.warning("%s is gone: the engine core stops", parent)
         code = 1
     except BaseException as e:
         logger.exception("the engine core loop died")
-        send(("dead", f"{type(e).__name__}: {e}"))
+        table.broadcast(("dead", f"{type(e).__name__}: {e}"))
         code = 1
     finally:
         try:
@@ -178,26 +181,176 @@ class _ParentGone(Exception):
     pass
 
 
-def _serve(core, service, inbox, send, zmq) -> None:
-    parent = multiprocessing.parent_process().sentinel
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    poller.register(parent, zmq.POLLIN)
-    while True:
-        busy = core.has_unfinished_requests()
-        events = dict(poller.poll(0 if busy else None))
-        if parent in events:
-            raise _ParentGone
-        messages = []
-        while True:
+SEPARATOR = "|"  # between an API process's index and its request ids, in the core (with several)
+
+
+class _Client:
+    """One client (an API process) as the core sees it: its sockets, its process (from its
+    HELLO), the ADDs it sent, the results of its CALLs; with several clients each one's request
+    ids are prefixed "i|" in the core, so ids are unique across API processes and every output
+    finds its client by its id."""
+
+    def __init__(self, index: int, prefix: str, inbox, outbox) -> None:
+        self.index, self.prefix, self.inbox, self.outbox = index, prefix, inbox, outbox
+        self.pid: int | None = None
+        self.pidfd: int | None = None  # readable once its process has exited
+        self.num_added = 0
+        self.results: list[tuple] = []
+        self.gone = False  # it left (SHUTDOWN) or its process died
+
+    @property
+    def connected(self) -> bool:
+        return self.pid is not None and not self.gone
+
+
+class ClientTable:
+    """The core's clients: what each one sent, made unique across them, and each output sent
+    to the client whose request it is. Its poller waits on their sockets and processes."""
+
+    def __init__(self, context, addresses: list[tuple[str, str]]) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.ready: tuple | None = None  # the reply to a HELLO, once the core has loaded
+        self.clients: list[_Client] = []
+        self.poller = zmq.Poller()
+        several = len(addresses) > 1
+        for i, (input_address, output_address) in enumerate(addresses):
+            inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+            for sock in (inbox, outbox):
+                sock.setsockopt(zmq.LINGER, 0)
+            inbox.bind(input_address)
+            outbox.bind(output_address)
+            self.poller.register(inbox, zmq.POLLIN)
+            self.clients.append(_Client(i, f"{i}{SEPARATOR}" if several else "", inbox, outbox))
+
+    def take(self, client: _Client, core: EngineCore) -> list[tuple]:
+        """What `client` sent since the last call, as CoreService messages: its request ids
+        prefixed, its CALL ids tagged with its index; HELLO and SHUTDOWN handled here."""
+        zmq, prefix, messages = self._zmq, client.prefix, []
+        while not client.gone:
             try:
-                messages.append(pickle.loads(inbox.recv(zmq.NOBLOCK, copy=False).buffer))
+                message = pickle.loads(client.inbox.recv(zmq.NOBLOCK, copy=False).buffer)
             except zmq.Again:
                 break
-        outputs, stop = service.apply(messages)
-        if stop:
+            kind = message[0]
+            if kind == ADD:
+                client.num_added += 1
+                if prefix:
+                    message[1].request_id = prefix + message[1].request_id
+            elif kind in (ABORT, FINISH, FAIL):
+                if prefix:
+                    message = (kind, prefix + message[1], *message[2:])
+            elif kind == CALL:
+                message = (CALL, (client.index, message[1]), *message[2:])
+            elif kind == HELLO:
+                client.pid, client.pidfd = message[1], _pidfd(message[1])
+                if client.pidfd is None:
+                    self.lose(client, core)
+                    break
+                self.poller.register(client.pidfd, zmq.POLLIN)
+                self.send(client, self.ready)
+                continue
+            elif kind == SHUTDOWN:
+                logger.info("API server %d (process %s) left", client.index, client.pid)
+                self.lose(client, core)
+                break
+            messages.append(message)
+        return messages
+
+    def lose_exited(self, events: dict, core: EngineCore) -> bool:
+        """Lose the clients whose process exited (polled `events`); whether there were any."""
+        exited = [c for c in self.clients if c.pidfd is not None and c.pidfd in events]
+        for c in exited:
+            logger.warning("API server %d (process %s) exited: its requests are aborted", c.index, c.pid)
+            self.lose(c, core)
+        return bool(exited)
+
+    def lose(self, client: _Client, core: EngineCore) -> None:
+        """`client` is gone: abort every request it sent (their blocks go back to the pool)."""
+        client.gone = True
+        self.poller.unregister(client.inbox)
+        if client.pidfd is not None:
+            self.poller.unregister(client.pidfd)
+            os.close(client.pidfd)
+            client.pidfd = None
+        for request_id in core.request_ids():
+            if request_id.startswith(client.prefix):
+                core.abort_request(request_id)
+
+    def all_gone(self) -> bool:
+        """Every client has left or died (one that never said HELLO has not)."""
+        return all(c.gone for c in self.clients)
+
+    def send_step(self, step: CoreStep) -> None:
+        """The step's outputs to the clients whose requests they are; the stats to every client."""
+        rows: list[list[tuple]] = [[] for _ in self.clients]
+        if len(self.clients) == 1:
+            rows[0] = [output_row(o) for o in step.outputs]
+        else:
+            for o in step.outputs:
+                index, _, o.request_id = o.request_id.partition(SEPARATOR)
+                if o.parent_id is not None:
+                    o.parent_id = o.parent_id.partition(SEPARATOR)[2]
+                rows[int(index)].append(output_row(o))
+        results: list[list[tuple]] = [[] for _ in self.clients]
+        for (index, call_id), ok, value in step.results:
+            results[index].append((call_id, ok, value))
+        stats = stats_row(step.stats)
+        for c in self.clients:
+            if c.connected:
+                self.send(c, ("step", rows[c.index], stats, c.num_added, results[c.index]))
+
+    def broadcast(self, message: tuple) -> None:
+        """`message` to every client, as far as it goes within a second each (the core is ending)."""
+        for c in self.clients:
+            if not c.gone:
+                self.send(c, message, timeout_ms=1000)
+
+    def send(self, client: _Client, message: tuple, timeout_ms: int | None = None) -> None:
+        """Send, but never hang on a client that died: while its queue is full, wait until it
+        has room or its process is gone (or `timeout_ms` passed): then the message is dropped."""
+        zmq = self._zmq
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        poller = None
+        while True:
+            try:
+                client.outbox.send(data, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if poller is None:
+                    poller = zmq.Poller()
+                    poller.register(client.outbox, zmq.POLLOUT)
+                    if client.pidfd is not None:
+                        poller.register(client.pidfd, zmq.POLLIN)
+                events = dict(poller.poll(timeout_ms if timeout_ms is not None else 1000))
+                if (client.pidfd is not None and client.pidfd in events) or (timeout_ms is not None and not events):
+                    return
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that turns readable when process `pid` exits (None if it is gone already)."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _serve(core: EngineCore, service: CoreService, table: ClientTable, zmq) -> None:
+    parent = multiprocessing.parent_process().sentinel
+    table.poller.register(parent, zmq.POLLIN)
+    while True:
+        busy = core.has_unfinished_requests()
+        events = dict(table.poller.poll(0 if busy else None))
+        if parent in events:
+            raise _ParentGone
+        lost = table.lose_exited(events, core)
+        messages = []
+        for c in table.clients:
+            if not c.gone:
+                messages += table.take(c, core)
+        if table.all_gone():
             return
-        if not (messages or busy):
-            continue
-        step = service.step(outputs)
-        send(("step", [output_row(o) for o in step.outputs], stats_row(step.stats), step.num_added, step.results))
+        outputs, _ = service.apply(messages)
+        if messages or busy or lost:
+            table.send_step(service.step(outputs))

@@ -39,6 +39,7 @@ class EngineStats:
     host_hit_tokens: int = 0  # prompt tokens it gave back at admission
     host_bytes_to_host: int = 0  # evicted blocks kept
     host_bytes_to_device: int = 0  # kept blocks loaded back
+    sleep_level: int = 0  # 0: awake; 1, 2: asleep (/sleep), so every API process refuses generation
 
     @property
     def kv_cache_usage(self) -> float:

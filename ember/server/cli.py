@@ -96,6 +96,7 @@ def cmd_chat(ns: argparse.Namespace) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
+    from ember.server.api_servers import check_api_server_count
     from ember.server.launch_flags import launch_settings
     from ember.server.limits import RequestLimits
     from ember.server.openai_api import run_server
@@ -103,6 +104,8 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
     logging.getLogger("ember").setLevel(logging.INFO)
     launch = launch_settings(ns)  # a refused flag fails here, before a model loads
+    check_api_server_count(ns.api_server_count, data_parallel_size=ns.data_parallel_size,
+                           core_process=not ns.no_core_process, executor_backend=ns.distributed_executor_backend)
     if ns.data_parallel_size != 1:
         if launch.uvicorn:
             raise ValueError(f"--{next(iter(launch.uvicorn)).replace('_', '-')} is for one server: with "
@@ -127,7 +130,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                       default_chat_template_kwargs=launch.default_chat_template_kwargs, log_stats=launch.log_stats,
                       return_tokens_as_token_ids=launch.return_tokens_as_token_ids,
                       trust_request_chat_template=launch.trust_request_chat_template,
-                      profiler_dir=launch.profiler_dir)
+                      profiler_dir=launch.profiler_dir, api_server_count=ns.api_server_count)
     sys.exit(code)
 
 
@@ -220,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-parallel-size", "--dp-size", "--dp", type=int, default=1,
                        help="N replicas of this server (each its own process: cores / N threads on the CPU, one "
                             "GPU each on CUDA) behind ember's cache-aware router on --host/--port")
+    serve.add_argument("--api-server-count", "-asc", type=int, default=1,
+                       help="N API processes (HTTP, tokenizing, detokenizing, SSE) in front of the one engine core "
+                            "process, sharing --host/--port: for when one API process is what limits many streams")
     serve.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
                        help="mp: the replicas are processes on this machine; ray: Ray actors spread over the nodes "
                             "of the cluster RAY_ADDRESS names (else a new local one), one bundle each "

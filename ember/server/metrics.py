@@ -1,19 +1,22 @@
 """Prometheus metrics under vLLM's names with the `ember:` prefix, label `model_name`.
 
-Gauges (read from `AsyncEngine.current_stats()` at scrape time):
-    num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction, 1 = full)
-Counters: prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
+The engine core's numbers (read from `AsyncEngine.current_stats()`, its last EngineStats, at
+scrape time):
+    gauges num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction, 1 = full);
+    counters num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total (in
+    tokens), and with speculative decoding spec_decode_num_drafts_total,
+    spec_decode_num_draft_tokens_total, spec_decode_num_accepted_tokens_total,
+    spec_decode_num_accepted_tokens_per_pos_total{position}, and with --kv-offload-gib
+    kv_offload_hits_total (tokens), kv_offload_bytes_total{direction}
+The API process's (fed by `PrometheusStatLogger.record()` on the engine thread after every
+step; prometheus_client is thread-safe):
+    counters prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
     (stop, length, abort: the client left or the server stopped it, error: it failed in the
-    engine), num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total (in tokens),
-    and with speculative decoding spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
-    spec_decode_num_accepted_tokens_total, spec_decode_num_accepted_tokens_per_pos_total{position},
-    and with --kv-offload-gib kv_offload_hits_total (tokens), kv_offload_bytes_total{direction}
-Histograms (seconds): time_to_first_token, inter_token_latency, e2e_request_latency,
-    request_queue_time, request_prefill_time, request_decode_time
+    engine); histograms (seconds) time_to_first_token, inter_token_latency,
+    e2e_request_latency, request_queue_time, request_prefill_time, request_decode_time
 
-Counters and histograms are fed by `PrometheusStatLogger.record()` on the engine thread
-after every step (prometheus_client is thread-safe). Each server has its own registry, so
-several can live in one process.
+Each server has its own registry, so several can live in one process. With several API
+processes (`--api-server-count`) the API side's numbers are summed over them (ServerMetrics).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ember.engine.stats import EngineStats, IterationStats
@@ -34,23 +37,55 @@ _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     480.0, 960.0, 1920.0, 7680.0]
 
 
-class _StateCollector(Collector):
-    """The engine's state at scrape time."""
+class _CoreCollector(Collector):
+    """The engine core's numbers at scrape time, from its last EngineStats: the state gauges and
+    its counters since start (the same in every API process, so they are never summed)."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
         self.model_name = model_name
         self.stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.stats() or EngineStats()
+        m = self.model_name
         for name, doc, value in [
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = all).", s.kv_cache_usage),
         ]:
             g = GaugeMetricFamily(f"ember:{name}", doc, labels=["model_name"])
-            g.add_metric([self.model_name], value)
+            g.add_metric([m], value)
             yield g
+        counters = [("num_preemptions", "Preemptions.", s.num_preemptions),
+                    ("prefix_cache_queries", "Tokens looked up in the prefix cache.", s.prefix_cache_queries),
+                    ("prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_cache_hits)]
+        if s.spec_num_drafts:  # speculative decoding
+            counters += [
+                ("spec_decode_num_drafts", "Speculative decoding: verifying steps of a request.", s.spec_num_drafts),
+                ("spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted.", s.spec_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Speculative decoding: drafts accepted.",
+                 s.spec_num_accepted_tokens)]
+        if s.host_hit_tokens:
+            counters.append(("kv_offload_hits", "Prompt tokens loaded back from the host tier (--kv-offload-gib).",
+                             s.host_hit_tokens))
+        for name, doc, value in counters:
+            c = CounterMetricFamily(f"ember:{name}", doc, labels=["model_name"])
+            c.add_metric([m], value)
+            yield c
+        if s.spec_accepted_per_position:
+            c = CounterMetricFamily("ember:spec_decode_num_accepted_tokens_per_pos",
+                                    "Speculative decoding: drafts accepted at each draft position.",
+                                    labels=["model_name", "position"])
+            for position, n in enumerate(s.spec_accepted_per_position):
+                c.add_metric([m, str(position)], n)
+            yield c
+        moved = [(d, n) for d, n in (("to_host", s.host_bytes_to_host), ("to_device", s.host_bytes_to_device)) if n]
+        if moved:
+            c = CounterMetricFamily("ember:kv_offload_bytes", "Bytes of KV moved between the device pool and the host "
+                                    "tier.", labels=["model_name", "direction"])
+            for direction, n in moved:
+                c.add_metric([m, direction], n)
+            yield c
 
 
 class PrometheusStatLogger:
@@ -67,18 +102,6 @@ class PrometheusStatLogger:
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests that got their first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.preemptions = counter("num_preemptions", "Preemptions.")
-        self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
-        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verifying steps of a request.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: drafts accepted.")
-        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                             "Speculative decoding: drafts accepted at each draft position.",
-                                             ("position",))
-        self.host_hits = counter("kv_offload_hits", "Prompt tokens loaded back from the host tier (--kv-offload-gib).")
-        self.host_bytes = counter("kv_offload_bytes", "Bytes of KV moved between the device pool and the host tier.",
-                                  ("direction",))
         self.success = counter("request_success", "Requests that finished, by finish reason.", ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a sample.",
@@ -97,23 +120,6 @@ class PrometheusStatLogger:
             self.prompt_tokens.labels(m).inc(it.num_prompt_tokens)
         if it.num_generation_tokens:
             self.generation_tokens.labels(m).inc(it.num_generation_tokens)
-        if it.num_preemptions:
-            self.preemptions.labels(m).inc(it.num_preemptions)
-        if it.prefix_cache_queries:
-            self.prefix_queries.labels(m).inc(it.prefix_cache_queries)
-        if it.prefix_cache_hits:
-            self.prefix_hits.labels(m).inc(it.prefix_cache_hits)
-        if it.spec_num_drafts:
-            self.spec_drafts.labels(m).inc(it.spec_num_drafts)
-            self.spec_draft_tokens.labels(m).inc(it.spec_num_draft_tokens)
-            self.spec_accepted.labels(m).inc(it.spec_num_accepted_tokens)
-            for position, n in enumerate(it.spec_accepted_per_position):
-                self.spec_accepted_per_pos.labels(m, str(position)).inc(n)
-        if it.host_hit_tokens:
-            self.host_hits.labels(m).inc(it.host_hit_tokens)
-        for direction, n in (("to_host", it.host_bytes_to_host), ("to_device", it.host_bytes_to_device)):
-            if n:
-                self.host_bytes.labels(m, direction).inc(n)
         for t in it.time_to_first_tokens:
             self.ttft.labels(m).observe(t)
         for t in it.inter_token_latencies:
@@ -127,18 +133,26 @@ class PrometheusStatLogger:
 
 
 class ServerMetrics:
+    """One server's /metrics. With several API processes (`multiprocess`: PROMETHEUS_MULTIPROC_DIR
+    set before they started) every process renders the same totals: its counters and histograms
+    summed over the processes' files by prometheus_client, killed ones included (a total never
+    goes back), and the core's numbers from its last EngineStats."""
+
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None], multiprocess: bool = False) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(model_name, stats))
         self.stat_logger = PrometheusStatLogger(self.registry, model_name)
-        for metric in (self.stat_logger.prompt_tokens, self.stat_logger.generation_tokens,
-                       self.stat_logger.preemptions, self.stat_logger.prefix_queries,
-                       self.stat_logger.prefix_hits, self.stat_logger.ttft, self.stat_logger.itl,
-                       self.stat_logger.e2e, self.stat_logger.queue, self.stat_logger.prefill,
+        for metric in (self.stat_logger.prompt_tokens, self.stat_logger.generation_tokens, self.stat_logger.ttft,
+                       self.stat_logger.itl, self.stat_logger.e2e, self.stat_logger.queue, self.stat_logger.prefill,
                        self.stat_logger.decode):
             metric.labels(model_name)  # present from the start, at 0
+        if multiprocess:  # render the sum of every process's files, not this process's own values
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry)
+        self.registry.register(_CoreCollector(model_name, stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

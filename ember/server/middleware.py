@@ -1,9 +1,11 @@
-"""The server's ASGI middleware (the API key, the body's size and text) and its error
+"""The server's ASGI middleware (the API key, the body's size and text, which API process
+answered) and its error
 handlers: every error in OpenAI's shape, and an OpenAPI schema that says so."""
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from http import HTTPStatus
 from typing import Any
@@ -44,6 +46,27 @@ class APIKeyMiddleware:
                 await shaped(error, path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class ServedByMiddleware:
+    """With several API processes (--api-server-count): every response names the one that
+    answered, `x-ember-api-server: <index> <pid>` (for logs, py-spy and the tests)."""
+
+    def __init__(self, app, index: int) -> None:
+        self.app = app
+        self.header = (b"x-ember-api-server", f"{index} {os.getpid()}".encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
 class BodyMiddleware:

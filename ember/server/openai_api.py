@@ -47,10 +47,18 @@ from ember.config import EngineConfig
 from ember.engine.async_engine import AsyncEngine
 from ember.engine.stats import LoggingStatLogger
 from ember.server import protocol as p
+from ember.server.api_servers import check_api_server_count, run_api_servers
 from ember.server.chat import add_chat_routes, add_messages_routes, add_stored_response_routes
 from ember.server.completions import add_completion_routes
 from ember.server.metrics import ServerMetrics
-from ember.server.middleware import OPEN_PATHS, APIKeyMiddleware, BodyMiddleware, add_error_handlers, document_errors
+from ember.server.middleware import (
+    OPEN_PATHS,
+    APIKeyMiddleware,
+    BodyMiddleware,
+    ServedByMiddleware,
+    add_error_handlers,
+    document_errors,
+)
 from ember.server.operations import add_operation_routes
 from ember.server.retrieval import add_retrieval_routes
 from ember.server.serving import ERRORS, CORSOptions, ServerConfig, ServerState
@@ -69,7 +77,8 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     """The FastAPI app. With `engine` given it serves that one (already loaded); otherwise
     it loads one from `config.engine` in the background once the server starts."""
     state = ServerState(config, engine)
-    metrics = ServerMetrics(config.model_name, lambda: state.engine.current_stats() if state.engine else None)
+    metrics = ServerMetrics(config.model_name, lambda: state.engine.current_stats() if state.engine else None,
+                            multiprocess=config.api_server_count > 1)
     state.stat_loggers = [LoggingStatLogger(), metrics.stat_logger] if config.log_stats else [metrics.stat_logger]
     limits = config.limits
     if engine is not None:
@@ -94,6 +103,8 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     if config.api_keys:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys,
                            open_paths=OPEN_PATHS | ({"/metrics"} if config.metrics_public else set()))
+    if config.core_connection is not None:
+        app.add_middleware(ServedByMiddleware, index=config.core_connection.index)
     if config.cors is not None:  # outermost: a preflight carries no API key
         cors = config.cors
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
@@ -169,22 +180,35 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
                core_process: bool = True, uvicorn_options: Mapping[str, Any] | None = None,
                force_include_usage: bool = False, default_chat_template_kwargs: Mapping[str, Any] | None = None,
                log_stats: bool = True, return_tokens_as_token_ids: bool = False,
-               trust_request_chat_template: bool = False, profiler_dir: str | None = None) -> int:
+               trust_request_chat_template: bool = False, profiler_dir: str | None = None,
+               api_server_count: int = 1) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit code: 0 after a graceful stop, 1 if
     the model failed to load or the engine loop died (a supervisor should restart it).
-    `uvicorn_options`: uvicorn.Config's root_path and ssl_* (launch_flags.py)."""
+    `uvicorn_options`: uvicorn.Config's root_path and ssl_* (launch_flags.py);
+    `api_server_count`: API processes in front of one engine core process (api_servers.py)."""
+    check_api_server_count(api_server_count, core_process=core_process,
+                           executor_backend=engine_config.distributed_executor_backend)
     names = tuple(served_model_names) or (default_model_name(engine_config.model),)
     resolved = engine_config.resolve()  # a bad model path or flag fails here, before listening
     config = ServerConfig(resolved, names, tuple(api_keys), max_waiting_requests, shutdown_timeout,
                           limits or p.RequestLimits(), metrics_public, cors, log_requests, tool_call_parser,
                           reasoning_parser, core_process, force_include_usage,
                           dict(default_chat_template_kwargs or {}), log_stats, return_tokens_as_token_ids,
-                          trust_request_chat_template, profiler_dir)
+                          trust_request_chat_template, profiler_dir, api_server_count)
+    # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left
+    options = dict(host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **(uvicorn_options or {}))
+    logger.info("serving %s (%s) on http://%s:%d", names[0], Path(resolved.model).name, host, port)
+    if api_server_count > 1:
+        return run_api_servers(config, options, serve)
+    return serve(config, options)
+
+
+def serve(config: ServerConfig, uvicorn_options: dict[str, Any], sockets: list | None = None) -> int:
+    """Run the app of `config` on uvicorn until SIGTERM / SIGINT (listening on `sockets` where
+    given: an API process of several, on the socket its launcher bound); the exit code."""
     app = build_app(config)
     state: ServerState = app.state.ember
-    # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                    timeout_graceful_shutdown=5, **(uvicorn_options or {})), state)
+    server = _Server(uvicorn.Config(app, **uvicorn_options), state)
 
     def fatal() -> None:
         server.should_exit = True
@@ -195,8 +219,7 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     terminated = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: terminated.append(signum))
-    logger.info("serving %s (%s) on http://%s:%d", names[0], Path(resolved.model).name, host, port)
-    server.run()
+    server.run(sockets=sockets)
     failed = state.load_error is not None or (state.engine is not None and state.engine.error is not None)
     code = 1 if failed else 0
     if state.engine is None and state.load_error is None:

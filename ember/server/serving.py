@@ -29,6 +29,7 @@ from ember.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from ember.engine.core_client import CoreConnection
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.request import Request as EngineRequest
 from ember.sampling_params import SamplingParams
@@ -71,6 +72,8 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:ID" unless a request says no
     trust_request_chat_template: bool = False  # a request may bring its own chat_template
     profiler_dir: str | None = None  # where /stop_profile writes traces (None: profiling off)
+    api_server_count: int = 1  # API processes in front of one engine core (--api-server-count)
+    core_connection: CoreConnection | None = None  # with several: the core the launcher started, this one's sockets
 
     @property
     def model_name(self) -> str:
@@ -170,7 +173,7 @@ class ServerState:
         try:
             engine = AsyncEngine(self.config.engine, self.config.max_waiting_requests, self.stat_loggers,
                                  on_dead=lambda e: self.engine_died(loop), log_requests=self.config.log_requests,
-                                 core_process=self.config.core_process)
+                                 core_process=self.config.core_process, core_connection=self.config.core_connection)
             engine.warm_up()
         except BaseException as e:
             logger.exception("the model failed to load")

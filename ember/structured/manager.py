@@ -247,6 +247,10 @@ class StructuredOutputManager:
     def is_compiling(self, request_id: str) -> bool:
         return request_id in self._compiling
 
+    def compiling_ids(self) -> list[str]:
+        """The requests waiting for their grammar."""
+        return list(self._compiling)
+
     @property
     def num_compiling(self) -> int:
         return len(self._compiling)
