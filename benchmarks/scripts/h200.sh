@@ -101,7 +101,8 @@
 #                       driven by vLLM's client (`vllm bench serve`): 256 x 512/256 at once, 512 x 1000/200
 #                       at 16 requests/s, prefix_repetition at 32/s, one request 128/512, with each
 #                       process's CPU per output token (serve_race.py); then ember offline on the burst
-#                       (RACE_WORKLOADS: a subset)
+#                       (RACE_WORKLOADS: a subset; RACE_EMBER_FLAGS: flags for `ember serve`, e.g.
+#                       "--api-server-count 4", its runs tagged RACE_TAG, default "flags")
 #   race-vl             issue #39's vision race at the Qwen2.5-VL-7B shape (dummy weights; VL_MODEL, default .serve-vl:
 #                       `python3 benchmarks/scripts/served_model.py --vl .serve-vl`): `vllm serve` then `ember serve`,
 #                       each at its defaults with --max-model-len 2048 and --limit-mm-per-prompt '{"image": 1, "video": 0}',
@@ -571,6 +572,7 @@ mode_serve_race() {
   local w=${RACE_WORKLOADS:-burst,rate16,prefix,one}
   secs=$(cap "serve race" 470) || return 0
   timeout "$secs" python3 benchmarks/scripts/serve_race.py "$m" --out "$J" --workloads "$w" --deadline $((secs - 10)) \
+    ${RACE_EMBER_FLAGS:+--ember-flags "$RACE_EMBER_FLAGS" --tag "${RACE_TAG:-flags}"} \
     2>&1 | tee "$J/serve_race.log" | grep -E "^RESULT|^==|Error"
   case ",$w," in *,burst,*)
     bench offline_burst 80 "$m" --num-prompts 256 --input-len 512 --output-len 256 --max-model-len 2048 ;;

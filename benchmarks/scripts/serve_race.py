@@ -1,7 +1,8 @@
 """`vllm serve` and `ember serve` on the same model directory, one after the other in one
 device call, driven by vLLM's own client (`vllm bench serve`) on the workloads of
-BENCHMARKS.md's serving table; with each run, the CPU seconds that the server's process
-and its children (the engine core) spent per output token.
+BENCHMARKS.md's serving table; with each run, the CPU seconds that the API side (the
+server's process; with ember's --api-server-count, every process but the core's) and the
+engine core (with its children) spent per output token.
 
     python3 benchmarks/scripts/serve_race.py MODEL_DIR --out DIR [--servers vllm,ember]
         [--workloads burst,rate16,prefix,one] [--ember-flags "..."] [--vllm-flags "..."]
@@ -24,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -80,6 +82,14 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / TICK
     except FileNotFoundError:
         return 0.0
+
+
+def engine_core_tree(log: Path, pid: int) -> set[int]:
+    """The engine core's process and its descendants: ember names it in its log (with
+    --api-server-count its API processes are children of the launcher too, and count as the
+    API side); otherwise (vLLM) every descendant of the server's process `pid`."""
+    found = re.search(r"the engine core runs in process (\d+)", log.read_text(errors="replace"))
+    return set(tree(int(found.group(1)))) if found else set(tree(pid)) - {pid}
 
 
 def healthy(port: int) -> bool:
@@ -179,8 +189,9 @@ def race(server: str, args, out: Path, results: list[dict], deadline: float) -> 
                 continue
             cpu = {p: cpu_seconds(p) - before[p] for p in pids}
             tokens = max(1, r.get("total_output_tokens", 0))
-            api = cpu.get(proc.pid, 0.0)
-            rest = sum(v for p, v in cpu.items() if p != proc.pid)
+            core = engine_core_tree(log, proc.pid)
+            api = sum(v for p, v in cpu.items() if p not in core)
+            rest = sum(v for p, v in cpu.items() if p in core)
             row = {"server": tag, "workload": workload, "output_throughput": r.get("output_throughput"),
                    "completed": r.get("completed"), "wall_s": round(wall, 1),
                    "api_cpu_ms_per_token": round(1000 * api / tokens, 4),

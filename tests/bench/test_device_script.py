@@ -362,6 +362,11 @@ def test_serve_race_races_both_servers_under_vllms_client_then_runs_ember_offlin
     ]
     calls, done = run_mode(tmp_path, "serve-race", extra_env=kit | {"RACE_WORKLOADS": "prefix,one"})
     assert calls[-1].startswith("python3 benchmarks/scripts/serve_race.py") and "prefix,one" in calls[-1]
+    calls, done = run_mode(tmp_path, "serve-race", extra_env=kit | {"RACE_WORKLOADS": "burst",
+                                                                   "RACE_EMBER_FLAGS": "--api-server-count 4"})
+    race = [c for c in calls if "serve_race.py" in c][-1]
+    assert race == (f"python3 benchmarks/scripts/serve_race.py {model} --out {out} --workloads burst --deadline 460 "
+                    f"--ember-flags --api-server-count 4 --tag flags {env}")
 
 
 def test_race_vl_races_vllm_then_ember_on_the_vision_workloads_under_one_client(tmp_path):
