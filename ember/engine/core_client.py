@@ -28,6 +28,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import shutil
 import tempfile
 import threading
@@ -259,11 +260,12 @@ class MPCoreClient:
         and stops its TP workers; waited for up to `timeout` s), a shared one aborts this
         client's requests and serves the others. Then clean up."""
         if self.process is None:
-            try:
-                self.send((SHUTDOWN,))
-                self._input.close(linger=int(timeout * 1000))  # delivered before the context ends
-            except Exception:
-                pass
+            if not select.select([self._core_fd], [], [], 0)[0]:  # its pidfd turns readable once it exited
+                try:
+                    self.send((SHUTDOWN,))
+                    self._input.close(linger=int(timeout * 1000))  # delivered before the context ends
+                except Exception:
+                    pass
         elif self.process.is_alive():
             try:
                 self.send((SHUTDOWN,))

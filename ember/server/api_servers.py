@@ -86,10 +86,10 @@ def run_api_servers(config: ServerConfig, uvicorn_options: dict[str, Any],
     serve(its config, uvicorn_options, [the listening socket]); wait for them; the exit code:
     0 when every API process stopped cleanly, else 1."""
     count = config.api_server_count
-    directory = tempfile.mkdtemp(prefix="ember-serve-")
     bind = uvicorn.Config("ember", host=uvicorn_options["host"], port=uvicorn_options["port"],
                           log_level=uvicorn_options.get("log_level"))
-    sock = bind.bind_socket()
+    sock = bind.bind_socket()  # a port in use ends the command here, as with one API process
+    directory = tempfile.mkdtemp(prefix="ember-serve-")
     spawn = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
     addresses = [(f"ipc://{directory}/input-{i}", f"ipc://{directory}/output-{i}") for i in range(count)]
     core = spawn.Process(target=run_core_process, args=(config.engine, addresses, "`ember serve`'s launcher"),
@@ -99,6 +99,7 @@ def run_api_servers(config: ServerConfig, uvicorn_options: dict[str, Any],
     os.mkdir(metrics)
     try:
         core.start()
+        own_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics  # read when prometheus_client is imported: the children
         try:
             for i in range(count):
@@ -108,7 +109,10 @@ def run_api_servers(config: ServerConfig, uvicorn_options: dict[str, Any],
                 server.start()
                 servers.append(server)
         finally:
-            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+            if own_dir is None:
+                del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = own_dir
             sock.close()  # theirs now: once they all close it, the port is free
         logger.info("%d API servers (processes %s) in front of the engine core (process %d)", count,
                     ", ".join(str(s.pid) for s in servers), core.pid)

@@ -92,30 +92,31 @@ def two(gguf_path, tmp_path_factory):
     assert len(started) >= 3 and gone(started, 10), [p for p in started if alive(p)]
 
 
-def _ask(server: Server, i: int) -> tuple[int, str, int, int]:
-    """Request i of a mix (completions and chat, streamed or not; greedy) on a connection of
-    its own: (which process answered, the text, prompt tokens, completion tokens)."""
+def _ask(server: Server, i: int) -> tuple[int | None, list[str], int, int]:
+    """Request i of a mix (completions and chat, streamed or not, n=2 for some; greedy) on a
+    connection of its own: (which process answered, each choice's text, prompt tokens,
+    completion tokens)."""
     client = server.client()
-    body = {"model": MODEL, "max_tokens": 6 + i % 4, "temperature": 0}
+    body = {"model": MODEL, "max_tokens": 6 + i % 4, "temperature": 0, "n": 2 if i % 8 in (4, 5) else 1}
     stream = i % 2 == 1
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
-    if i % 4 < 2:
+    completion = i % 4 < 2
+    if completion:
         raw = client.completions.with_raw_response.create(prompt=PROMPTS[i % len(PROMPTS)], **body)
     else:
         raw = client.chat.completions.with_raw_response.create(
             messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], **body)
     out = raw.parse()
     if not stream:
-        choice = out.choices[0]
-        return served_by(raw.headers), choice.text if i % 4 < 2 else choice.message.content, \
-            out.usage.prompt_tokens, out.usage.completion_tokens
-    text, usage = "", None
+        texts = [c.text if completion else c.message.content for c in out.choices]
+        return served_by(raw.headers), texts, out.usage.prompt_tokens, out.usage.completion_tokens
+    texts, usage = [""] * body["n"], None
     for chunk in out:
-        if chunk.choices:
-            text += (chunk.choices[0].text if i % 4 < 2 else chunk.choices[0].delta.content) or ""
+        for c in chunk.choices:
+            texts[c.index] += (c.text if completion else c.delta.content) or ""
         usage = chunk.usage or usage
-    return served_by(raw.headers), text, usage.prompt_tokens, usage.completion_tokens
+    return served_by(raw.headers), texts, usage.prompt_tokens, usage.completion_tokens
 
 
 def test_two_api_processes_answer_as_one_and_count_every_request_once(two, server):
@@ -126,7 +127,8 @@ def test_two_api_processes_answer_as_one_and_count_every_request_once(two, serve
     assert [g[1:] for g in got] == [w[1:] for w in want]  # text and usage, request by request
     assert {g[0] for g in got} == {0, 1}, [g[0] for g in got]  # both processes served
     assert {w[0] for w in want} == {None}
-    assert sum(len(g[1]) > 0 for g in got) > 12
+    assert sum(len(text) > 0 for g in got for text in g[1]) > 12
+    assert [len(g[1]) for g in got] == [2 if i % 8 in (4, 5) else 1 for i in range(16)]
 
     totals = {i: counters(r.text) for i, r in from_each(two, "/metrics").items()}
     assert totals[0] == totals[1]  # one set of numbers, whichever process answers
@@ -134,13 +136,27 @@ def test_two_api_processes_answer_as_one_and_count_every_request_once(two, serve
     finished = sum(after[k] - before.get(k, 0) for k in after if k.startswith("request_success_total"))
     assert finished == 16
     assert after['request_success_total,finished_reason="length"'] - before[
-        'request_success_total,finished_reason="length"'] == sum(g[3] == 6 + i % 4 for i, g in enumerate(got))
+        'request_success_total,finished_reason="length"'] == sum(g[3] == len(g[1]) * (6 + i % 4)
+                                                                  for i, g in enumerate(got))
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == sum(g[2] for g in got)
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == sum(g[3] for g in got)
     assert after["e2e_request_latency_seconds_count"] - before["e2e_request_latency_seconds_count"] == 16
     # the core's counters come from the core: every prompt token looked up once, not once a process
     assert after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"] == sum(g[2] for g in got)
     assert after["num_requests_running"] == after["kv_cache_usage_perc"] == 0
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--api-server-count", "0"], "--api-server-count must be >= 1"),
+    (["-asc", "2", "--data-parallel-size", "2"], "give one of the two flags"),
+    (["--api-server-count", "2", "--no-core-process"], "drop --no-core-process"),
+    (["--api-server-count", "2", "--distributed-executor-backend", "ray"], "use the mp backend, or one API server"),
+])
+def test_what_several_api_processes_cannot_run_with_is_refused_at_launch(flags, says):
+    from ember.server.cli import cmd_serve, parse_args
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        cmd_serve(parse_args(["serve", *flags]))
 
 
 def test_sleep_asked_of_one_process_holds_for_both(two):
