@@ -88,10 +88,12 @@ class LoggingStatLogger:
     """A line in the log every `interval` seconds while the engine works: prompt and
     generation throughput, running, waiting, KV use, prefix-cache hit rate, preemptions, and with
     speculative decoding the mean accepted length (tokens a verifying step appends) and the
-    drafts' acceptance rate."""
+    drafts' acceptance rate. `label` starts the line (with several API processes: which one; its
+    throughput is its own requests', the state the core's)."""
 
-    def __init__(self, interval: float = 5.0) -> None:
+    def __init__(self, interval: float = 5.0, label: str = "") -> None:
         self.interval = interval
+        self.label = label
         self._start = self._last = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -118,8 +120,8 @@ class LoggingStatLogger:
         spec = "" if not self._drafts else (
             f", mean accepted length: {1 + self._accepted / self._drafts:.2f}, draft acceptance rate: "
             f"{100 * self._accepted / self._draft_tokens:.1f}%")
-        logger.info("prompt: %.1f tok/s, generation: %.1f tok/s, running: %d, waiting: %d, KV cache: %.1f%%, "
-                    "prefix cache hit rate: %.1f%%, preemptions: %d%s", self._prompt_tokens / elapsed,
+        logger.info("%sprompt: %.1f tok/s, generation: %.1f tok/s, running: %d, waiting: %d, KV cache: %.1f%%, "
+                    "prefix cache hit rate: %.1f%%, preemptions: %d%s", self.label, self._prompt_tokens / elapsed,
                     self._generation_tokens / elapsed, stats.num_running, stats.num_waiting,
                     100 * stats.kv_cache_usage, 100 * self._hits / self._queries if self._queries else 0.0,
                     self._preemptions, spec)

@@ -79,7 +79,9 @@ def build_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAP
     state = ServerState(config, engine)
     metrics = ServerMetrics(config.model_name, lambda: state.engine.current_stats() if state.engine else None,
                             multiprocess=config.api_server_count > 1)
-    state.stat_loggers = [LoggingStatLogger(), metrics.stat_logger] if config.log_stats else [metrics.stat_logger]
+    label = f"API server {config.core_connection.index}: " if config.core_connection is not None else ""
+    state.stat_loggers = [LoggingStatLogger(label=label), metrics.stat_logger] if config.log_stats else \
+        [metrics.stat_logger]
     limits = config.limits
     if engine is not None:
         engine.stat_loggers.extend(state.stat_loggers)

@@ -79,14 +79,22 @@ def counters(text: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def two(gguf_path, tmp_path_factory):
-    """The two-process server; SIGTERM at the end must stop every one of its processes, exit 0."""
+    """The two-process server; SIGTERM at the end lets a request in flight finish, then stops
+    every one of its processes, exit 0."""
     s = two_servers(gguf_path, tmp_path_factory)
     started = descendants(s.proc.pid)
+    answer: list = []
+    busy = threading.Thread(target=lambda: answer.append(s.client().completions.create(
+        model=MODEL, prompt=FRANCE, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})))
     try:
         wait_both_ready(s)
         yield s
+        busy.start()
+        time.sleep(0.3)  # it runs
     finally:
         code = s.stop()
+    busy.join(30)
+    assert answer and answer[0].usage.completion_tokens == 30  # drained, not cut off
     assert code == 0, s.log_tail()
     # the core, the 2 API processes (and multiprocessing's resource tracker)
     assert len(started) >= 3 and gone(started, 10), [p for p in started if alive(p)]
