@@ -186,7 +186,7 @@ SEPARATOR = "|"  # between an API process's index and its request ids, in the co
 
 class _Client:
     """One client (an API process) as the core sees it: its sockets, its process (from its
-    HELLO), the ADDs it sent, the results of its CALLs; with several clients each one's request
+    HELLO), the ADDs it sent; with several clients each one's request
     ids are prefixed "i|" in the core, so ids are unique across API processes and every output
     finds its client by its id."""
 
@@ -195,7 +195,6 @@ class _Client:
         self.pid: int | None = None
         self.pidfd: int | None = None  # readable once its process has exited
         self.num_added = 0
-        self.results: list[tuple] = []
         self.gone = False  # it left (SHUTDOWN) or its process died
 
     @property
