@@ -59,6 +59,18 @@ class Server:
             time.sleep(0.2)
         pytest.fail(f"the server was not ready within {timeout} s:\n{self.log_tail()}")
 
+    def wait_api_servers(self, count: int, timeout: float = 120) -> None:
+        """Until each of `count` API processes (--api-server-count) has answered /health with
+        200 (each attaches to the core on its own: the first answers before the last has)."""
+        deadline = time.monotonic() + timeout
+        ready: set[str] = set()
+        while len(ready) < count:
+            if time.monotonic() > deadline:
+                pytest.fail(f"only API servers {sorted(ready)} were ready within {timeout} s:\n{self.log_tail()}")
+            r = httpx.get(f"{self.url}/health", timeout=5)  # a connection of its own: any process may take it
+            if r.status_code == 200:
+                ready.add(r.headers["x-ember-api-server"].split()[0])
+
     def log_tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
 

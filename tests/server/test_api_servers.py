@@ -55,17 +55,6 @@ def from_each(server: Server, path: str) -> dict[int, httpx.Response]:
     pytest.fail(f"only API server(s) {sorted(answers)} answered {path}")
 
 
-def wait_both_ready(server: Server) -> None:
-    """Until each API process says 200 (the first to load answers before the other has)."""
-    deadline = time.monotonic() + 60
-    ready: set[int] = set()
-    while len(ready) < 2 and time.monotonic() < deadline:
-        r = get(server, "/health")
-        if r.status_code == 200:
-            ready.add(served_by(r.headers))
-    assert len(ready) == 2, server.log_tail()
-
-
 def counters(text: str) -> dict[str, float]:
     """{'name,label="value"': value} of a /metrics text's ember: samples, model_name and histogram
     buckets left out."""
@@ -87,7 +76,7 @@ def two(gguf_path, tmp_path_factory):
     busy = threading.Thread(target=lambda: answer.append(s.client().completions.create(
         model=MODEL, prompt=FRANCE, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})))
     try:
-        wait_both_ready(s)
+        s.wait_api_servers(2)
         yield s
         busy.start()
         time.sleep(0.3)  # it runs
@@ -217,7 +206,7 @@ def test_a_killed_api_process_loses_only_its_requests_and_a_killed_core_ends_the
                                                                                         tmp_path_factory):
     s = two_servers(gguf_path, tmp_path_factory)
     try:
-        wait_both_ready(s)
+        s.wait_api_servers(2)
         processes = descendants(s.proc.pid)
         streams: list[_Stream] = []
         while len({t.index for t in streams}) < 2 and len(streams) < 12:

@@ -9,7 +9,9 @@ client:
 - 48 streams at once each get all their tokens, a client that leaves mid-stream is dropped,
   and the KV pool is empty after both;
 - with two GPUs, `--data-parallel-size 2` puts one replica on each (both GPUs fill) and answers
-  what one GPU answered, from both replicas.
+  what one GPU answered, from both replicas;
+- `--api-server-count 4` (four API processes, one core) answers what one process answered and
+  spreads 48 streams over its processes.
 
 The offline engine runs last, after the servers have exited, so each holds the GPU alone."""
 
@@ -133,6 +135,34 @@ def test_two_replicas_take_a_gpu_each_and_answer_as_one_gpu(one_gpu, served_mode
         stats = httpx.get(f"{s.url}/router/stats", timeout=10).json()["workers"]
         assert sum(w["routed"] for w in stats) == len(QUESTIONS) + len(TEXTS)
         assert min(w["routed"] for w in stats) >= 1, stats  # new text spreads over both replicas
+    finally:
+        code = s.stop()
+    assert code == 0, s.log_tail()
+
+
+def test_four_api_processes_answer_as_one_and_share_48_streams(one_gpu, served_model, tmp_path):
+    """`--api-server-count 4` in front of the one core on the GPU: the one-process answers, every
+    stream's tokens, streams spread over the processes, an empty KV pool after, a clean exit."""
+    s = Server(served_model, tmp_path / "asc.log", *ARGS, "--api-server-count", "4")
+    try:
+        s.wait_ready(timeout=600)
+        s.wait_api_servers(4)
+        assert _answers(s.client()) == one_gpu["answers"]
+
+        def stream(i: int) -> tuple[int, int]:
+            raw = s.client().completions.with_raw_response.create(
+                model=MODEL, prompt=f"Story number {i}:", max_tokens=64, temperature=0.8, seed=i, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            index = int(raw.headers["x-ember-api-server"].split()[0])
+            return index, [c.usage.completion_tokens for c in raw.parse() if c.usage][0]
+
+        with ThreadPoolExecutor(48) as pool:
+            got = list(pool.map(stream, range(48)))
+        assert [n for _, n in got] == [64] * 48
+        assert len({i for i, _ in got}) > 1, got
+        m = s.wait_idle(timeout=60)
+        assert m["num_requests_running"] == m["num_requests_waiting"] == m["kv_cache_usage_perc"] == 0
+        assert m['request_success_total{finished_reason="length"}'] >= 48
     finally:
         code = s.stop()
     assert code == 0, s.log_tail()
