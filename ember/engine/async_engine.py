@@ -14,7 +14,8 @@
 
 With `core_process=True` (what `ember serve` runs) the core is in its own process
 (core_client.MPCoreClient, core_process.py): scheduling, the model's launches and sampling
-never wait for this interpreter. Otherwise (InprocCoreClient) the output thread runs the
+never wait for this interpreter. With `core_connection` (each API process of `ember serve
+--api-server-count N`) that process is one another process started, shared with the others. Otherwise (InprocCoreClient) the output thread runs the
 core's steps itself, as one process.
 
 The event loop never runs per-request work that grows with the input: `prepare` runs it

@@ -258,7 +258,9 @@ class MPCoreClient:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tell the core this client leaves: a core of its own stops (it aborts what is left
         and stops its TP workers; waited for up to `timeout` s), a shared one aborts this
-        client's requests and serves the others. Then clean up."""
+        client's requests and serves the others. Then clean up (once: a second call does nothing)."""
+        if not self._finalizer.alive:
+            return
         if self.process is None:
             if not select.select([self._core_fd], [], [], 0)[0]:  # its pidfd turns readable once it exited
                 try:

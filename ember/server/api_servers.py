@@ -56,7 +56,7 @@ from ember.server.serving import ServerConfig
 
 logger = logging.getLogger("ember.server")
 
-CORE_STOP_S = 30.0  # how long the core gets to stop after the last API process left
+CORE_STOP_S = 10.0  # how long the core gets to stop after the last API process left
 
 
 def check_api_server_count(count: int, *, data_parallel_size: int = 1, core_process: bool = True,

@@ -85,6 +85,7 @@ def two(gguf_path, tmp_path_factory):
     busy.join(30)
     assert answer and answer[0].usage.completion_tokens == 30  # drained, not cut off
     assert code == 0, s.log_tail()
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
     # the core, the 2 API processes (and multiprocessing's resource tracker)
     assert len(started) >= 3 and gone(started, 10), [p for p in started if alive(p)]
 
