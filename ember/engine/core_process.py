@@ -154,7 +154,7 @@ def run_core_process(config: EngineConfig, clients: list[tuple[str, str]], paren
         logger.exception("the engine core could not start")
         table.broadcast(("failed", f"{type(e).__name__}: {e}"))
         context.destroy(linger=1000)
-        return
+        os._exit(1)
     table.ready = ("ready", core.config, core.block_pool.num_blocks)
     code = 0
     try:

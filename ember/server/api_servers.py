@@ -154,7 +154,7 @@ def _wait(core: multiprocessing.process.BaseProcess, servers: list[multiprocessi
             if sentinel == core.sentinel:
                 core_watched = False
                 core.join(1)
-                if not stopping or core.exitcode:
+                if core.exitcode:  # (0: it stopped when the last API process left)
                     logger.error("the engine core process exited (exit code %s): every API server stops", core.exitcode)
                     code = 1
                 continue
