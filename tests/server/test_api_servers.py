@@ -178,15 +178,15 @@ class _Stream(threading.Thread):
     """A long streamed completion on a connection of its own: which process took it, the lines
     it got; `leave` closes it early (the client goes away)."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, **fields) -> None:
         super().__init__(daemon=True)
-        self.server, self.lines, self.index = server, [], None
+        self.server, self.fields, self.lines, self.index = server, fields, [], None
         self.started, self.leave = threading.Event(), threading.Event()
         self.start()
 
     def run(self) -> None:
         body = {"model": MODEL, "prompt": FRANCE, "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+                "stream": True, **self.fields}
         try:
             with httpx.stream("POST", f"{self.server.url}/v1/completions", json=body, timeout=120,
                               headers={"Authorization": f"Bearer {KEY}"}) as r:
@@ -201,6 +201,30 @@ class _Stream(threading.Thread):
             self.lines.append(f"broken: {type(e).__name__}")
         finally:
             self.started.set()
+
+
+def test_one_request_id_in_each_api_process_is_two_requests(two, server):
+    """A client's request_id is its own process's: the core tells the two processes' apart, while
+    within one process a second request under an id in use is refused, as with one process."""
+    running = _Stream(two, request_id="twice")
+    assert running.started.wait(60) and running.index is not None, running.lines
+    want = server.client().completions.create(model=MODEL, prompt="Water boils at", max_tokens=8, temperature=0)
+    answers: dict[int, httpx.Response] = {}
+    for _ in range(200):
+        r = httpx.post(f"{two.url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": MODEL, "prompt": "Water boils at", "max_tokens": 8, "temperature": 0,
+                             "request_id": "twice"})
+        answers.setdefault(served_by(r.headers), r)
+        if len(answers) == 2:
+            break
+    running.leave.set()
+    running.join(30)
+    same, other = answers[running.index], answers[1 - running.index]
+    assert same.status_code == 400 and "already in use" in same.json()["error"]["message"]
+    assert other.status_code == 200, other.text
+    assert other.json()["id"] == "cmpl-twice" and other.json()["choices"][0]["text"] == want.choices[0].text
+    assert not running.lines[-1].startswith(("broken", "data: {\"error"))  # it ran until it was left
+    two.wait_idle()
 
 
 def test_a_killed_api_process_loses_only_its_requests_and_a_killed_core_ends_the_server(gguf_path,
