@@ -172,7 +172,8 @@ def race(server: str, args, out: Path, results: list[dict], deadline: float) -> 
     port = 8200 if server == "vllm" else 8300
     flags = shlex.split(args.ember_flags) if server == "ember" else shlex.split(args.vllm_flags)
     tag = f"{server}{('_' + args.tag) if args.tag and server == 'ember' else ''}"
-    with serving(server, args.model, port, flags, out / f"{tag}.server.log", args.max_model_len, deadline, tag) as proc:
+    log = out / f"{tag}.server.log"
+    with serving(server, args.model, port, flags, log, args.max_model_len, deadline, tag) as proc:
         if proc is None:
             return
         for workload in args.workloads.split(","):
