@@ -178,14 +178,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"x must be [M, {width}] with contiguous rows in "
                          f"{'a float dtype' if scale_mode else f'weight dtype {weight.dtype}'}; got "
                          f"{tuple(x.shape)} {x.dtype} strides {x.stride()}, weight strides {weight.stride()}")
-    if not 0 < rows <= MAX_ROWS:
-        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {rows}: use F.linear")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    if prologue == "norm" and (norm_weight is None or norm_weight.shape != (k,)):
-        raise ValueError(f"the norm prologue needs norm_weight [{k}]")
-    if residual is not None and (prologue != "norm" or residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError(f"residual goes with the norm prologue and x's shape {tuple(x.shape)}")
+    check_gemv_args(x, n, k, bias, prologue, residual, norm_weight, MAX_ROWS, "gemv", "F.linear")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty_like(x) if residual is not None else x
     block_n, block_k, warps = config or gemv_config(rows, n, k, x.is_cuda, fp8=bool(scale_mode))
@@ -201,6 +194,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         SCALE=scale_mode, SCALE_BLOCK=FP8_SCALE_BLOCK, BITS=bits or 4, GROUP=group_size or 1,
         HAS_ZEROS=weight_zeros is not None, HAS_G_IDX=g_idx is not None, num_warps=warps)
     return (y, h) if prologue == "norm" else y
+
+
+def check_gemv_args(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, prologue: str,
+                    residual: torch.Tensor | None, norm_weight: torch.Tensor | None, max_rows: int, name: str,
+                    instead: str) -> None:
+    """ValueError unless x's rows (1 to max_rows), the bias [n] and the prologue's tensors fit a GEMV
+    over K = k: what every GEMV wrapper checks (`name` and the call to use `instead` of it for
+    more rows go into the message)."""
+    rows = x.shape[0]
+    if not 0 < rows <= max_rows:
+        raise ValueError(f"{name} takes 1 to {max_rows} rows, got {rows}: use {instead}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if prologue == "norm" and (norm_weight is None or norm_weight.shape != (k,)):
+        raise ValueError(f"the norm prologue needs norm_weight [{k}]")
+    if residual is not None and (prologue != "norm" or residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual goes with the norm prologue and x's shape {tuple(x.shape)}")
 
 
 def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> int:

@@ -1,5 +1,6 @@
-"""The integer-weight kernels (W4A16 / W8A16: kernels/wna16.py's tensor-core matmul, the GEMV
-of kernels/gemv.py with its prologues) and IntWeight's choice of them (layers/quant/
+"""The integer-weight kernels (W4A16 / W8A16: kernels/wna16.py's tensor-core matmul, the word
+GEMV of kernels/int_gemv.py and the per-value one of kernels/gemv.py, with their prologues) and
+IntWeight's choice of them (layers/quant/
 int_weight.py) against plain torch: x times the weight dequantized to float32 (the reference
 every format's reader reproduces exactly, tests/layers/test_int_weights.py). Odd shapes (rows,
 columns and K not multiples of the tiles, a last group cut short), every group size (32, 64,
@@ -17,6 +18,7 @@ pytest.importorskip("triton")
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
 from ember.kernels.gemv import gemv  # noqa: E402
+from ember.kernels.int_gemv import int_gemv, int_gemv_config, words_kernel_takes  # noqa: E402
 from ember.kernels.wna16 import wna16_config, wna16_matmul  # noqa: E402
 from ember.layers.activation import silu_and_mul  # noqa: E402
 from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
@@ -117,6 +119,66 @@ def test_gemv_with_integer_weights_and_each_prologue(device, case, rows):
     gate_up = torch.randn(rows, 2 * k, generator=g).to(dtype)
     got = gemv(gate_up.to(device), t.qweight, None, "silu", **args)
     torch.testing.assert_close(got.cpu(), ref(silu_and_mul(gate_up)), **_tol(dtype))
+
+
+# (case, rows): the word kernel at every group kind (32, 64, 128, one a row, 48 and 40 words
+# of 6 and 5, K = 164 ending mid-word) and 1 to 8 rows; act-order goes to gemv.py's kernel
+WORD_CASES = [((4, 32, False, False), 1), ((4, 64, True, False), 2), ((4, 128, True, False), 3),
+              ((4, -1, False, False), 4), ((8, 128, False, False), 2), ((8, -1, True, False), 1),
+              ((4, 48, True, False), 4), ((4, 40, False, False), 3), ((8, 32, True, False), 8),
+              ((4, 64, True, True), 1)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case,rows", WORD_CASES, ids=[f"{_ids(c)}-{r}rows" for c, r in WORD_CASES])
+def test_word_gemv_and_each_prologue(device, case, rows):
+    """int_gemv (what IntWeight's GEMV calls) on the dequantized weight, after the norm (with the
+    residual, which comes back exact) and SiLU prologues; x in float32 at 8 rows."""
+    bits, group, zeros, act = case
+    dtype = torch.float32 if rows == 8 else torch.bfloat16
+    n, k = 75, 164
+    t = int_weight(n, k, bits, group, zeros, act, device=device)
+    assert words_kernel_takes(t.bits, t.group_size, k, t.g_idx) == (not act)
+    args = (t.qweight, t.scales, t.zeros, t.g_idx, t.bits, t.group_size)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+
+    def ref(a, b=None):
+        return _reference(a, t, b).to(dtype)
+
+    got = int_gemv(x.to(device), *args, bias.to(device))
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.cpu(), ref(x, bias), **_tol(dtype))
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    res = torch.randn(rows, k, generator=g).to(dtype)
+    want_h, want_res = norm(x, res.clone())
+    y, h = int_gemv(x.to(device), *args, None, "norm", res.to(device), norm.weight.detach().to(device), 1e-6)
+    torch.testing.assert_close(h.cpu(), want_res, atol=0, rtol=0)
+    torch.testing.assert_close(y.cpu(), ref(want_h), **_tol(dtype))
+    gate_up = torch.randn(rows, 2 * k, generator=g).to(dtype)
+    got = int_gemv(gate_up.to(device), *args, None, "silu")
+    torch.testing.assert_close(got.cpu(), ref(silu_and_mul(gate_up)), **_tol(dtype))
+
+
+def test_word_gemv_config_and_what_it_refuses():
+    """The tile: BLOCK_J halves as the rows double, BLOCK_N shrinks (to 4) while the programs would
+    not fill the H100 twice; groups that cut a word and act-order go to gemv.py's kernel."""
+    assert int_gemv_config(1, 28672, 4096, 4) == (16, 256, 8, 3)
+    assert int_gemv_config(1, 4096, 14336, 4) == (8, 256, 8, 3)
+    assert [int_gemv_config(m, 6144, 4096, 4)[1] for m in (1, 2, 3, 4, 8)] == [256, 128, 64, 64, 32]
+    assert int_gemv_config(1, 64, 40, 4) == (4, 8, 8, 3)  # K = 40: 5 words, one tile of 8
+    assert words_kernel_takes(4, 128, 4096, None) and words_kernel_takes(8, 4096, 4096, None)
+    assert not words_kernel_takes(4, 20, 4096, None)  # a group of 2.5 words
+    assert not words_kernel_takes(4, 128, 4096, torch.zeros(4096, dtype=torch.int32))
+    t = int_weight(16, 64, 4, 32, True, False)
+    with pytest.raises(ValueError, match="the integer GEMV takes 1 to 8 rows, got 9: use wna16_matmul"):
+        int_gemv(torch.randn(9, 64), t.qweight, t.scales, t.zeros, None, 4, 32)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\] float"):
+        int_gemv(torch.randn(2, 64).half().int(), t.qweight, t.scales, t.zeros, None, 4, 32)
+    with pytest.raises(ValueError, match=r"scales must be float \[16, 4\]"):  # groups of 16 need 4 scales a row
+        int_gemv(torch.randn(1, 64), t.qweight, t.scales, t.zeros, None, 4, 16)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,7 +13,7 @@ gptq.py, compressed_tensors.py do the reading):
 
     IntTensor     one weight so (narrow for tensor-parallel ranks, stack for merged layers)
     IntWeight     the format on CUDA: the Triton kernels dequantize in registers
-                  (kernels/wna16.py for many rows, the GEMV of kernels/gemv.py for a few)
+                  (kernels/wna16.py for many rows, kernels/int_gemv.py's GEMV for a few)
     int_format    the format a layer takes: IntWeight on CUDA; on the CPU the same numbers as
                   GGUF blocks where they are exactly one (cpu_blocks), else dequantized at load
 
@@ -327,7 +327,7 @@ def int_format(tensor: IntTensor, dtype: torch.dtype) -> WeightFormat:
 
 
 class IntWeight(KernelFormat):
-    """x @ W^T with W dequantized in registers: a few rows (decode) through the GEMV kernel
+    """x @ W^T with W dequantized in registers: a few rows (decode) through kernels/int_gemv.py
     (weight-only, its prologues fused: layers/fused.py), more through kernels/wna16.py's
     tensor-core matmul. Off the CUDA paths, F.linear on the dequantized weight (the reference)."""
 
@@ -348,11 +348,11 @@ class IntWeight(KernelFormat):
 
     def gemv(self, x: torch.Tensor, bias: torch.Tensor | None = None, prologue: str = "none",
              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
-        from ember.kernels.gemv import gemv  # triton is imported only on the CUDA paths
+        from ember.kernels.int_gemv import int_gemv  # triton is imported only on the CUDA paths
 
         t = self.tensor
-        return gemv(x, t.qweight, bias, prologue, residual, norm_weight, eps, weight_scale=t.scales,
-                    weight_zeros=t.zeros, g_idx=t.g_idx, bits=t.bits, group_size=t.group_size)
+        return int_gemv(x, t.qweight, t.scales, t.zeros, t.g_idx, t.bits, t.group_size, bias, prologue, residual,
+                        norm_weight, eps)
 
     def matmul(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from ember.kernels.wna16 import wna16_matmul

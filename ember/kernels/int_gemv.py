@@ -1,0 +1,191 @@
+"""The GEMV of 4- and 8-bit integer weights (W4A16, W8A16: kernels/wna16.py's layout) for a few
+rows (decode), word by word, with kernels/gemv.py's prologues fused in:
+
+    y[m, n] = sum_g s[n, g] * sum_{k in g} a[m, k] * (q[n, k] - z[n, g])
+
+Program p owns outputs [p * BLOCK_N, (p + 1) * BLOCK_N) and streams those rows of qweight in
+tiles of BLOCK_J int32 words a row, seen as [CHUNKS, BLOCK_N, CHUNK]: CHUNK consecutive words
+lie in one group, so a scale and a zero are loaded once a chunk, never once a value. Each word
+is read once (software-pipelined STAGES deep) and its PER = 32 / BITS values taken one bit
+position i at a time, each against x at columns word * PER + i:
+
+    v_i  = half & (0x4B000000 | (2^BITS - 1) << shift)   value i in place at bit `shift` of its
+                                                         16-bit half, under the exponent bits of
+                                                         the float 2^23: it is 2^23 + q 2^shift
+    part += a_i 2^-shift * (v_i - (2^23 + z 2^shift))    (q - z) 2^shift, exact: no shift and no
+                                                         int -> float conversion a value
+    acc  += part * s                                     once a word, after its PER values
+
+so a value costs an AND, a subtraction and an FMA a row (the sm_90 SASS: ~4.7 instructions a
+value at one row, against ~15 for gemv.py's per-value path). x's tile ([M, BLOCK_J * PER],
+the prologue applied and scaled by 2^-shift) is computed once a program and split into its PER
+columns of each word in registers (tl.split), not once a value. The accumulator keeps float32
+partial sums [M, CHUNKS, BLOCK_N, CHUNK], summed once at the end.
+
+It takes weights whose groups hold whole words (group_size a multiple of PER, or one group a
+row) in K order; act-order weights (g_idx) and groups that cut a word go to gemv.py's kernel,
+which dequantizes each value with its own group's scale (int_gemv does the choosing).
+Allocates by shape alone and never syncs with the host: CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.gemv import PROLOGUES, check_gemv_args, gemv, inv_rms, prologue_input
+from ember.kernels.wna16 import check_int_weight
+
+MAX_ROWS = 8  # the word kernel's rows (the layers send up to kernel_paths.INT_GEMV_MAX_ROWS)
+
+
+@triton.jit
+def _values_dot(part, a, half, z, BITS: tl.constexpr, I: tl.constexpr):
+    """part + a * (q - z) 2^shift for the values at bits shift = I * BITS of each half word (`half`,
+    under 2^23's exponent bits: one AND leaves the float 2^23 + q 2^shift, q 2^shift < 2^16, and
+    minus 2^23 + z 2^shift it is (q - z) 2^shift exactly); a [M_PAD, CHUNKS, CHUNK] holds x 2^-shift."""
+    f = (half & (0x4B000000 | (((1 << BITS) - 1) << (I * BITS)))).to(tl.float32, bitcast=True)
+    return part + a[:, :, None, :] * (f - (z * (1 << (I * BITS)) + 8388608.0))
+
+
+@triton.jit
+def _int_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, h_ptr, stride_x, stride_r, stride_w,
+                     stride_s, stride_z, stride_y, stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr,
+                     K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, PROLOGUE: tl.constexpr,
+                     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = (K + PER - 1) // PER
+    CHUNKS: tl.constexpr = BLOCK_J // CHUNK
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    m = tl.arange(0, M_PAD)
+    mmask = m < M
+    inv = tl.zeros([M_PAD], tl.float32)
+    if PROLOGUE == 1:
+        inv = inv_rms(x_ptr, res_ptr, m, mmask, stride_x, stride_r, eps, K, M_PAD, 2048 // M_PAD, HAS_RES)
+    # the weight's tensors are [1, CHUNKS, BLOCK_N, CHUNK] or broadcast to it
+    n4 = n[None, None, :, None]
+    nmask4 = nmask[None, None, :, None]
+    first = (tl.arange(0, CHUNKS) * CHUNK)[None, :, None, None]  # each chunk's first word in the tile
+    word = first + tl.arange(0, CHUNK)[None, None, None, :]
+    # x's columns in a tile, and 2^-shift of each (_values_dot)
+    kk = tl.arange(0, BLOCK_J * PER)
+    unshift = 1.0 / (1 << (BITS * ((kk % PER) % (PER // 2))))
+    acc = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
+    for j0 in tl.range(0, WORDS, BLOCK_J, num_stages=STAGES):
+        j = j0 + word
+        words = tl.load(w_ptr + n4 * stride_w + j, mask=nmask4 & (j < WORDS), other=0)
+        g = (j0 + first) * PER // GROUP
+        gmask = nmask4 & (j0 + first < WORDS)
+        s = tl.load(s_ptr + n4 * stride_s + g, mask=gmask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + n4 * stride_z + g, mask=gmask, other=0).to(tl.float32)
+        else:
+            z = tl.full([1, CHUNKS, BLOCK_N, 1], 1 << (BITS - 1), tl.float32)
+        # the tile's x, computed once: [M_PAD, BLOCK_J * PER] -> [M_PAD, CHUNKS, CHUNK, PER]
+        col = j0 * PER + kk
+        cmask = (col < K)[None, :]
+        a = prologue_input(x_ptr, res_ptr, nw_ptr, h_ptr, m[:, None], col[None, :], mmask[:, None] & cmask, cmask,
+                           inv[:, None], pid == 0, stride_x, stride_r, stride_h, K, PROLOGUE, HAS_RES)
+        a = tl.reshape(a * unshift[None, :], [M_PAD, CHUNKS, CHUNK, PER // 2, 2])
+        even, odd = tl.split(a)
+        # each half word's values at bits 0..15, under the float 2^23's exponent bits (0x4B000000)
+        low = words | 0x4B000000
+        high = (words >> 16) | 0x4B000000
+        part = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
+        if PER == 8:
+            a04, a26 = tl.split(tl.reshape(even, [M_PAD, CHUNKS, CHUNK, 2, 2]))
+            a15, a37 = tl.split(tl.reshape(odd, [M_PAD, CHUNKS, CHUNK, 2, 2]))
+            a0, a4 = tl.split(a04)
+            a2, a6 = tl.split(a26)
+            a1, a5 = tl.split(a15)
+            a3, a7 = tl.split(a37)
+            part = _values_dot(part, a0, low, z, BITS, 0)
+            part = _values_dot(part, a1, low, z, BITS, 1)
+            part = _values_dot(part, a2, low, z, BITS, 2)
+            part = _values_dot(part, a3, low, z, BITS, 3)
+            part = _values_dot(part, a4, high, z, BITS, 0)
+            part = _values_dot(part, a5, high, z, BITS, 1)
+            part = _values_dot(part, a6, high, z, BITS, 2)
+            part = _values_dot(part, a7, high, z, BITS, 3)
+        else:
+            a0, a2 = tl.split(even)
+            a1, a3 = tl.split(odd)
+            part = _values_dot(part, a0, low, z, BITS, 0)
+            part = _values_dot(part, a1, low, z, BITS, 1)
+            part = _values_dot(part, a2, high, z, BITS, 0)
+            part = _values_dot(part, a3, high, z, BITS, 1)
+        acc += part * s
+    y = tl.sum(tl.sum(acc, 3), 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def words_kernel_takes(bits: int, group_size: int, k: int, g_idx: torch.Tensor | None) -> bool:
+    """Whether the word kernel takes this weight: groups of whole words in K order (or one group a row)."""
+    return g_idx is None and (group_size >= k or group_size % (32 // bits) == 0)
+
+
+def int_gemv_config(rows: int, n: int, k: int, bits: int, fill_gpu: bool = True) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_J words, num_warps, num_stages). UNTUNED: reasoned from the sm_90 SASS,
+    not measured, until benchmarks/scripts/int4_gemv_bench.py --sweep runs on the GPU (its
+    table replaces this). One row: 16 rows of W a program, 256 words (2048 4-bit values) a
+    step, 8 warps, 3 stages in flight (16 KB of weight a stage; 128 registers a thread, two
+    programs an SM); fewer rows a program (down to 4) while that leaves under two programs an
+    SM of the H100 (132), as at N = 4096. More rows: BLOCK_J halves as rows double, so the
+    [rows, BLOCK_N, BLOCK_J] float32 accumulator and its partial sum keep to the registers.
+    On Triton's interpreter (fill_gpu False) the fewest programs run fastest."""
+    words = triton.next_power_of_2(triton.cdiv(k, 32 // bits))
+    m_pad = triton.next_power_of_2(rows)
+    if not fill_gpu:
+        return 16, min(64, words), 4, 1
+    block_n = 16
+    while block_n > 4 and triton.cdiv(n, block_n) < 264:
+        block_n //= 2
+    return block_n, min(256 // m_pad, words), 8, 3
+
+
+def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+             g_idx: torch.Tensor | None, bits: int, group_size: int, bias: torch.Tensor | None = None,
+             prologue: str = "none", residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+             eps: float = 1e-6, config: tuple[int, int, int, int] | None = None):
+    """x [M <= MAX_ROWS, K] ([M, 2K] for "silu") in a float dtype with contiguous rows, times the
+    integer weight [N, K]^T (+ bias [N]) -> y [M, N] in x's dtype; with prologue "norm" returns
+    (y, h), h = x + residual (a new tensor; x itself when residual is None), as gemv.py's gemv.
+    The word kernel where it takes the weight (words_kernel_takes), else gemv.py's kernel (up to
+    its MAX_ROWS rows)."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
+    k = x.shape[-1] // 2 if prologue == "silu" else x.shape[-1]
+    if not words_kernel_takes(bits, group_size, k, g_idx):
+        return gemv(x, qweight, bias, prologue, residual, norm_weight, eps, weight_scale=scales, weight_zeros=zeros,
+                    g_idx=g_idx, bits=bits, group_size=group_size)
+    width = 2 * k if prologue == "silu" else k
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1 \
+            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be [M, {width}] float with contiguous rows; got {x.dtype} {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    check_int_weight(qweight, scales, zeros, g_idx, bits, group_size, k)
+    n = qweight.shape[0]
+    check_gemv_args(x, n, k, bias, prologue, residual, norm_weight, MAX_ROWS, "the integer GEMV", "wna16_matmul")
+    rows = x.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x) if residual is not None else x
+    block_n, block_j, warps, stages = config or int_gemv_config(rows, n, k, bits, x.is_cuda)
+    single = group_size >= k
+    group_words = group_size // (32 // bits)
+    chunk = block_j if single else min(block_j, group_words & -group_words)  # a power of two dividing a group
+    _int_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, qweight, scales,
+        zeros if zeros is not None else scales, bias if bias is not None else scales, y, h, x.stride(0),
+        residual.stride(0) if residual is not None else 0, qweight.stride(0), scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0, y.stride(0), h.stride(0), n, eps, M=rows,
+        M_PAD=triton.next_power_of_2(rows), K=k, BITS=bits, GROUP=k if single else group_size,
+        HAS_ZEROS=zeros is not None, BLOCK_N=block_n, BLOCK_J=block_j, CHUNK=chunk, PROLOGUE=PROLOGUES[prologue],
+        HAS_RES=residual is not None, HAS_BIAS=bias is not None, STAGES=stages, num_warps=warps)
+    return (y, h) if prologue == "norm" else y
