@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hopper_compile import run_compile_script
 
 pytest.importorskip("triton")
 
@@ -260,3 +261,76 @@ def test_int_weight_in_a_cuda_graph_replays_as_run():
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(y, layer.apply(x), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("zeros", [True, False], ids=["awq", "gptq"])
+def test_word_gemv_at_llama_8b_shapes(n, k, zeros):
+    """int_gemv at 1, 2, 4 and 8 rows, 4 bits in groups of 128, with the prologue decode fuses
+    into each layer (norm before q|k|v and gate|up, SiLU before down, none before o)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    t = int_weight(n, k, 4, 128, zeros, False, device="cuda")
+    args = (t.qweight, t.scales, t.zeros, None, 4, 128)
+    dense = t.dequantize()
+    g = torch.Generator(device="cuda").manual_seed(6)
+    nw = (1 + 0.1 * torch.randn(k, generator=g, device="cuda")).to(torch.bfloat16)
+    for rows in (1, 2, 4, 8):
+        x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+        res = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+        if k == 14336:  # down: x = silu(gate) * up
+            gate_up = torch.randn(rows, 2 * k, generator=g, device="cuda").to(torch.bfloat16)
+            got, a = int_gemv(gate_up, *args, prologue="silu"), silu_and_mul(gate_up)
+        elif n == 4096:  # o
+            got, a = int_gemv(x, *args), x
+        else:
+            norm = RMSNorm(k, 1e-6).cuda()
+            norm.weight.data = nw
+            a, want_res = norm(x, res.clone())
+            got, h = int_gemv(x, *args, prologue="norm", residual=res, norm_weight=nw, eps=1e-6)
+            torch.testing.assert_close(h, want_res, atol=0, rtol=0)
+        torch.testing.assert_close(got.float(), F.linear(a.float(), dense), atol=3e-2, rtol=2e-2)
+
+
+_COMPILE = """
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ember.kernels.int_gemv import _int_gemv_kernel, int_gemv_config
+
+H100_SHARED = 232448  # bytes of shared memory a program may take on the H100 (sm_90)
+names = list(_int_gemv_kernel.arg_names)
+types = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "eps": "fp32"}
+for (n, k), prologue in (((6144, 4096), 1), ((4096, 4096), 0), ((4096, 14336), 2)):
+    for rows in (1, 2, 4, 8):
+        block_n, block_j, warps, stages = int_gemv_config(rows, n, k, 4)
+        constants = dict(M=rows, M_PAD=triton.next_power_of_2(rows), K=k, BITS=4, GROUP=128, HAS_ZEROS=True,
+                         BLOCK_N=block_n, BLOCK_J=block_j, CHUNK=16, PROLOGUE=prologue, HAS_RES=prologue == 1,
+                         HAS_BIAS=False, STAGES=stages)
+        signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+                     for a in names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)  # as a launch specializes them
+                   if a.endswith("_ptr") or a.startswith("stride")}
+        source = ASTSource(_int_gemv_kernel, signature, {(names.index(c),): v for c, v in constants.items()},
+                           attrs=aligned)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        ptx, what = compiled.asm["ptx"], f"the word GEMV at [{n}, {k}], {rows} rows, prologue {prologue}"
+        assert "st.local" not in ptx, f"{what} spills registers to local memory"
+        assert compiled.metadata.shared <= H100_SHARED, f"{what}: {compiled.metadata.shared} bytes of shared memory"
+        assert "cp.async.cg.shared.global" in ptx, f"{what}: the weight's loads are not pipelined"
+        assert not re.search(r"cvt\\.rn\\.f32\\.[su]32", ptx), f"{what} converts 32-bit integers to float"
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_the_word_gemv_compiles_for_hopper():
+    """Triton compiles the word GEMV at Llama-3.1-8B's shapes, 1 to 8 rows, with each prologue,
+    to sm_90 PTX here, without a GPU, at the tiles int_gemv_config picks: no register spills,
+    within the H100's shared memory, the weight read through cp.async (software-pipelined), and
+    no 32-bit integer -> float conversion (only the uint8 zero points convert)."""
+    assert "compiled" in run_compile_script(_COMPILE)
