@@ -38,6 +38,9 @@ from ember.kernels.gemv import PROLOGUES, check_gemv_args, gemv, inv_rms, prolog
 from ember.kernels.wna16 import check_int_weight
 
 MAX_ROWS = 8  # the word kernel's rows (the layers send up to kernel_paths.INT_GEMV_MAX_ROWS)
+# (rows, N, K) -> (BLOCK_N, BLOCK_J, num_warps, num_stages) for 4-bit weights: the TUNED dict that
+# benchmarks/scripts/int4_gemv_bench.py --sweep prints (the H100's), pasted here; empty until it runs
+TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 
 @triton.jit
@@ -132,18 +135,21 @@ def words_kernel_takes(bits: int, group_size: int, k: int, g_idx: torch.Tensor |
 
 
 def int_gemv_config(rows: int, n: int, k: int, bits: int, fill_gpu: bool = True) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_J words, num_warps, num_stages). UNTUNED: reasoned from the sm_90 SASS,
-    not measured, until benchmarks/scripts/int4_gemv_bench.py --sweep runs on the GPU (its
-    table replaces this). One row: 16 rows of W a program, 256 words (2048 4-bit values) a
-    step, 8 warps, 3 stages in flight (16 KB of weight a stage; 128 registers a thread, two
-    programs an SM); fewer rows a program (down to 4) while that leaves under two programs an
-    SM of the H100 (132), as at N = 4096. More rows: BLOCK_J halves as rows double, so the
-    [rows, BLOCK_N, BLOCK_J] float32 accumulator and its partial sum keep to the registers.
-    On Triton's interpreter (fill_gpu False) the fewest programs run fastest."""
+    """(BLOCK_N, BLOCK_J words, num_warps, num_stages): TUNED's entry for the rows (padded to a
+    power of two) and shape where it has one. Otherwise UNTUNED: reasoned from the sm_90 SASS,
+    not measured, until benchmarks/scripts/int4_gemv_bench.py --sweep runs on the GPU. One
+    row: 16 rows of W a program, 256 words (2048 4-bit values) a step, 8 warps, 3 stages in
+    flight (16 KB of weight a stage; 128 registers a thread, two programs an SM); fewer rows a
+    program (down to 4) while that leaves under two programs an SM of the H100 (132), as at
+    N = 4096. More rows: BLOCK_J halves as rows double, so the [rows, BLOCK_N, BLOCK_J] float32
+    accumulator and its partial sum keep to the registers. On Triton's interpreter (fill_gpu
+    False) the fewest programs run fastest."""
     words = triton.next_power_of_2(triton.cdiv(k, 32 // bits))
     m_pad = triton.next_power_of_2(rows)
     if not fill_gpu:
         return 16, min(64, words), 4, 1
+    if bits == 4 and (m_pad, n, k) in TUNED:
+        return TUNED[m_pad, n, k]
     block_n = 16
     while block_n > 4 and triton.cdiv(n, block_n) < 264:
         block_n //= 2

@@ -18,6 +18,7 @@ from hopper_compile import run_compile_script
 pytest.importorskip("triton")
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
+from ember.kernels import int_gemv as int_gemv_module  # noqa: E402
 from ember.kernels.gemv import gemv  # noqa: E402
 from ember.kernels.int_gemv import int_gemv, int_gemv_config, words_kernel_takes  # noqa: E402
 from ember.kernels.wna16 import wna16_config, wna16_matmul  # noqa: E402
@@ -163,9 +164,12 @@ def test_word_gemv_and_each_prologue(device, case, rows):
     torch.testing.assert_close(got.cpu(), ref(silu_and_mul(gate_up)), **_tol(dtype))
 
 
-def test_word_gemv_config_and_what_it_refuses():
+def test_word_gemv_config_and_what_it_refuses(monkeypatch):
     """The tile: BLOCK_J halves as the rows double, BLOCK_N shrinks (to 4) while the programs would
-    not fill the H100 twice; groups that cut a word and act-order go to gemv.py's kernel."""
+    not fill the H100 twice, unless the sweep's TUNED table names one; groups that cut a word and
+    act-order go to gemv.py's kernel."""
+    monkeypatch.setattr(int_gemv_module, "TUNED", {(4, 28672, 4096): (32, 64, 4, 2)})
+    assert int_gemv_config(3, 28672, 4096, 4) == (32, 64, 4, 2) != int_gemv_config(3, 28672, 4096, 8)
     assert int_gemv_config(1, 28672, 4096, 4) == (16, 256, 8, 3)
     assert int_gemv_config(1, 4096, 14336, 4) == (8, 256, 8, 3)
     assert [int_gemv_config(m, 6144, 4096, 4)[1] for m in (1, 2, 3, 4, 8)] == [256, 128, 64, 64, 32]
