@@ -140,8 +140,8 @@ def int_gemv_config(rows: int, n: int, k: int, bits: int, fill_gpu: bool = True)
     not measured, until benchmarks/scripts/int4_gemv_bench.py --sweep runs on the GPU. One
     row: 16 rows of W a program, 256 words (2048 4-bit values) a step, 8 warps, 3 stages in
     flight (16 KB of weight a stage; 128 registers a thread, two programs an SM); fewer rows a
-    program (down to 4) while that leaves under two programs an SM of the H100 (132), as at
-    N = 4096. More rows: BLOCK_J halves as rows double, so the [rows, BLOCK_N, BLOCK_J] float32
+    program (down to 4, and warps with them: 16 words a thread) while that leaves under two
+    programs an SM of the H100 (132), as at N = 4096. More rows: BLOCK_J halves as rows double, so the [rows, BLOCK_N, BLOCK_J] float32
     accumulator and its partial sum keep to the registers. On Triton's interpreter (fill_gpu
     False) the fewest programs run fastest."""
     words = triton.next_power_of_2(triton.cdiv(k, 32 // bits))
@@ -153,7 +153,7 @@ def int_gemv_config(rows: int, n: int, k: int, bits: int, fill_gpu: bool = True)
     block_n = 16
     while block_n > 4 and triton.cdiv(n, block_n) < 264:
         block_n //= 2
-    return block_n, min(256 // m_pad, words), 8, 3
+    return block_n, min(256 // m_pad, words), block_n // 2, 3
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

@@ -165,15 +165,15 @@ def test_word_gemv_and_each_prologue(device, case, rows):
 
 
 def test_word_gemv_config_and_what_it_refuses(monkeypatch):
-    """The tile: BLOCK_J halves as the rows double, BLOCK_N shrinks (to 4) while the programs would
-    not fill the H100 twice, unless the sweep's TUNED table names one; groups that cut a word and
+    """The tile: BLOCK_J halves as the rows double, BLOCK_N and the warps shrink (to 4 and 2) while
+    the programs would not fill the H100 twice, unless the sweep's TUNED table names one; groups that cut a word and
     act-order go to gemv.py's kernel."""
     monkeypatch.setattr(int_gemv_module, "TUNED", {(4, 28672, 4096): (32, 64, 4, 2)})
     assert int_gemv_config(3, 28672, 4096, 4) == (32, 64, 4, 2) != int_gemv_config(3, 28672, 4096, 8)
     assert int_gemv_config(1, 28672, 4096, 4) == (16, 256, 8, 3)
-    assert int_gemv_config(1, 4096, 14336, 4) == (8, 256, 8, 3)
+    assert int_gemv_config(1, 4096, 14336, 4) == (8, 256, 4, 3)
     assert [int_gemv_config(m, 6144, 4096, 4)[1] for m in (1, 2, 3, 4, 8)] == [256, 128, 64, 64, 32]
-    assert int_gemv_config(1, 64, 40, 4) == (4, 8, 8, 3)  # K = 40: 5 words, one tile of 8
+    assert int_gemv_config(1, 64, 40, 4) == (4, 8, 2, 3)  # K = 40: 5 words, one tile of 8
     assert words_kernel_takes(4, 128, 4096, None) and words_kernel_takes(8, 4096, 4096, None)
     assert not words_kernel_takes(4, 20, 4096, None)  # a group of 2.5 words
     assert not words_kernel_takes(4, 128, 4096, torch.zeros(4096, dtype=torch.int32))
