@@ -1,7 +1,7 @@
 """The matmul of float activations and 4- or 8-bit integer weights (W4A16, W8A16: AWQ, GPTQ
 and compressed-tensors checkpoints, read into one layout by layers/quant/int_weight.py),
 dequantized in registers, on tensor cores (tl.dot); a few rows take the GEMV of
-kernels/gemv.py instead.
+kernels/int_gemv.py instead.
 
     qweight  int32 [N, ceil(K / PER)]   PER = 32 / BITS values a word, value k at bits (k % PER) * BITS
     scales   [N, G] float               zeros uint8 [N, G] (none: 2^(BITS - 1))
