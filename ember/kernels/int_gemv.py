@@ -27,8 +27,10 @@ SiLU prologue ~5.7; gemv.py's per-value path at its tile (8 x 1024 values, 4 war
 instructions and 0.5 barriers.
 
 It takes weights whose groups hold whole words (group_size a multiple of PER, or one group a
-row) in K order; act-order weights (g_idx) and groups that cut a word go to gemv.py's kernel,
-which dequantizes each value with its own group's scale (int_gemv does the choosing).
+row) in K order, or sorted so by group (an act-order weight whose groups each hold group_size
+columns: IntWeight sorts it at load, and x's tile is read through the permutation); other
+act-order weights (g_idx) and groups that cut a word go to gemv.py's kernel, which dequantizes
+each value with its own group's scale (int_gemv does the choosing).
 Allocates by shape alone and never syncs with the host: CUDA graphs capture it.
 """
 
@@ -57,11 +59,11 @@ def _values_dot(part, a, half, z, BITS: tl.constexpr, I: tl.constexpr):
 
 
 @triton.jit
-def _int_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, h_ptr, stride_x, stride_r, stride_w,
+def _int_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, y_ptr, h_ptr, stride_x, stride_r, stride_w,
                      stride_s, stride_z, stride_y, stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr,
                      K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, PROLOGUE: tl.constexpr,
-                     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr):
+                     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, STAGES: tl.constexpr):
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = (K + PER - 1) // PER
     CHUNKS: tl.constexpr = BLOCK_J // CHUNK
@@ -94,7 +96,10 @@ def _int_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, 
             z = tl.full([1, CHUNKS, BLOCK_N, 1], 1 << (BITS - 1), tl.float32)
         # the tile's x, computed once: [M_PAD, BLOCK_J * PER] -> [M_PAD, CHUNKS, CHUNK, PER]
         col = j0 * PER + kk
-        cmask = (col < K)[None, :]
+        kmask = col < K
+        if HAS_PERM:  # the weight's columns sorted by group: x's column of each
+            col = tl.load(p_ptr + col, mask=kmask, other=0)
+        cmask = kmask[None, :]
         a = prologue_input(x_ptr, res_ptr, nw_ptr, h_ptr, m[:, None], col[None, :], mmask[:, None] & cmask, cmask,
                            inv[:, None], pid == 0, stride_x, stride_r, stride_h, K, PROLOGUE, HAS_RES)
         a = tl.reshape(a * unshift[None, :], [M_PAD, CHUNKS, CHUNK, PER // 2, 2])
@@ -163,16 +168,19 @@ def int_gemv_config(rows: int, n: int, k: int, bits: int, fill_gpu: bool = True)
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
              g_idx: torch.Tensor | None, bits: int, group_size: int, bias: torch.Tensor | None = None,
              prologue: str = "none", residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-6, config: tuple[int, int, int, int] | None = None):
+             eps: float = 1e-6, perm: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None):
     """x [M <= MAX_ROWS, K] ([M, 2K] for "silu") in a float dtype with contiguous rows, times the
     integer weight [N, K]^T (+ bias [N]) -> y [M, N] in x's dtype; with prologue "norm" returns
     (y, h), h = x + residual (a new tensor; x itself when residual is None), as gemv.py's gemv.
-    The word kernel where it takes the weight (words_kernel_takes), else gemv.py's kernel (up to
-    its MAX_ROWS rows)."""
+    `perm` int32 [K]: the weight's column j multiplies the prologue's column perm[j] (an act-order
+    weight sorted by group at load, IntWeight). The word kernel where it takes the weight
+    (words_kernel_takes), else gemv.py's kernel (up to its MAX_ROWS rows, no perm)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
     k = x.shape[-1] // 2 if prologue == "silu" else x.shape[-1]
     if not words_kernel_takes(bits, group_size, k, g_idx):
+        if perm is not None:
+            raise ValueError("perm goes with weights the word kernel takes (groups of whole words, no g_idx)")
         return gemv(x, qweight, bias, prologue, residual, norm_weight, eps, weight_scale=scales, weight_zeros=zeros,
                     g_idx=g_idx, bits=bits, group_size=group_size)
     width = 2 * k if prologue == "silu" else k
@@ -183,6 +191,8 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     check_int_weight(qweight, scales, zeros, g_idx, bits, group_size, k)
     n = qweight.shape[0]
     check_gemv_args(x, n, k, bias, prologue, residual, norm_weight, MAX_ROWS, "the integer GEMV", "wna16_matmul")
+    if perm is not None and (perm.dtype != torch.int32 or tuple(perm.shape) != (k,)):
+        raise ValueError(f"perm must be int32 [{k}]; got {perm.dtype} {tuple(perm.shape)}")
     rows = x.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty_like(x) if residual is not None else x
@@ -192,10 +202,12 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     chunk = block_j if single else min(block_j, group_words & -group_words)  # a power of two dividing a group
     _int_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, qweight, scales,
-        zeros if zeros is not None else scales, bias if bias is not None else scales, y, h, x.stride(0),
+        zeros if zeros is not None else scales, perm if perm is not None else qweight,
+        bias if bias is not None else scales, y, h, x.stride(0),
         residual.stride(0) if residual is not None else 0, qweight.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, y.stride(0), h.stride(0), n, eps, M=rows,
         M_PAD=triton.next_power_of_2(rows), K=k, BITS=bits, GROUP=k if single else group_size,
         HAS_ZEROS=zeros is not None, BLOCK_N=block_n, BLOCK_J=block_j, CHUNK=chunk, PROLOGUE=PROLOGUES[prologue],
-        HAS_RES=residual is not None, HAS_BIAS=bias is not None, STAGES=stages, num_warps=warps)
+        HAS_RES=residual is not None, HAS_BIAS=bias is not None, HAS_PERM=perm is not None, STAGES=stages,
+        num_warps=warps)
     return (y, h) if prologue == "norm" else y

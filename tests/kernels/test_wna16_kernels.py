@@ -124,24 +124,29 @@ def test_gemv_with_integer_weights_and_each_prologue(device, case, rows):
 
 
 # (case, rows): the word kernel at every group kind (32, 64, 128, one a row, 48 and 40 words
-# of 6 and 5, K = 164 ending mid-word) and 1 to 8 rows; act-order goes to gemv.py's kernel
+# of 6 and 5, K = 164 ending mid-word), act-order sorted by group (x read through the order),
+# and 1 to 8 rows
 WORD_CASES = [((4, 32, False, False), 1), ((4, 64, True, False), 2), ((4, 128, True, False), 3),
               ((4, -1, False, False), 4), ((8, 128, False, False), 2), ((8, -1, True, False), 1),
               ((4, 48, True, False), 4), ((4, 40, False, False), 3), ((8, 32, True, False), 8),
-              ((4, 64, True, True), 1)]
+              ((4, 64, True, True), 1), ((8, 32, False, True), 3)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case,rows", WORD_CASES, ids=[f"{_ids(c)}-{r}rows" for c, r in WORD_CASES])
 def test_word_gemv_and_each_prologue(device, case, rows):
     """int_gemv (what IntWeight's GEMV calls) on the dequantized weight, after the norm (with the
-    residual, which comes back exact) and SiLU prologues; x in float32 at 8 rows."""
+    residual, which comes back exact) and SiLU prologues; x in float32 at 8 rows; an act-order
+    weight sorted by group, with x's columns in the order taken."""
     bits, group, zeros, act = case
     dtype = torch.float32 if rows == 8 else torch.bfloat16
     n, k = 75, 164
     t = int_weight(n, k, bits, group, zeros, act, device=device)
     assert words_kernel_takes(t.bits, t.group_size, k, t.g_idx) == (not act)
-    args = (t.qweight, t.scales, t.zeros, t.g_idx, t.bits, t.group_size)
+    kernel_t, perm = t.sorted_by_group() if act else (t, None)
+    assert words_kernel_takes(kernel_t.bits, kernel_t.group_size, k, kernel_t.g_idx)
+    perm = None if perm is None else perm.to(torch.int32)
+    args = (kernel_t.qweight, kernel_t.scales, kernel_t.zeros, None, bits, kernel_t.group_size)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(rows, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
@@ -149,18 +154,18 @@ def test_word_gemv_and_each_prologue(device, case, rows):
     def ref(a, b=None):
         return _reference(a, t, b).to(dtype)
 
-    got = int_gemv(x.to(device), *args, bias.to(device))
+    got = int_gemv(x.to(device), *args, bias.to(device), perm=perm)
     assert got.dtype == dtype and got.shape == (rows, n)
     torch.testing.assert_close(got.cpu(), ref(x, bias), **_tol(dtype))
     norm = RMSNorm(k, 1e-6)
     norm.weight.data = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
     res = torch.randn(rows, k, generator=g).to(dtype)
     want_h, want_res = norm(x, res.clone())
-    y, h = int_gemv(x.to(device), *args, None, "norm", res.to(device), norm.weight.detach().to(device), 1e-6)
+    y, h = int_gemv(x.to(device), *args, None, "norm", res.to(device), norm.weight.detach().to(device), 1e-6, perm)
     torch.testing.assert_close(h.cpu(), want_res, atol=0, rtol=0)
     torch.testing.assert_close(y.cpu(), ref(want_h), **_tol(dtype))
     gate_up = torch.randn(rows, 2 * k, generator=g).to(dtype)
-    got = int_gemv(gate_up.to(device), *args, None, "silu")
+    got = int_gemv(gate_up.to(device), *args, None, "silu", perm=perm)
     torch.testing.assert_close(got.cpu(), ref(silu_and_mul(gate_up)), **_tol(dtype))
 
 
@@ -184,14 +189,23 @@ def test_word_gemv_config_and_what_it_refuses(monkeypatch):
         int_gemv(torch.randn(2, 64).half().int(), t.qweight, t.scales, t.zeros, None, 4, 32)
     with pytest.raises(ValueError, match=r"scales must be float \[16, 4\]"):  # groups of 16 need 4 scales a row
         int_gemv(torch.randn(1, 64), t.qweight, t.scales, t.zeros, None, 4, 16)
+    with pytest.raises(ValueError, match=r"perm must be int32 \[64\]"):
+        int_gemv(torch.randn(1, 64), t.qweight, t.scales, t.zeros, None, 4, 32, perm=torch.arange(64))
+    with pytest.raises(ValueError, match="perm goes with weights the word kernel takes"):
+        int_gemv(torch.randn(1, 64), t.qweight, t.scales, t.zeros, torch.zeros(64, dtype=torch.int32), 4, 32,
+                 perm=torch.arange(64, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_int_weight_takes_the_path_its_rows_ask_for(device):
+@pytest.mark.parametrize("act", [False, True], ids=["grouped", "actorder"])
+def test_int_weight_takes_the_path_its_rows_ask_for(device, act):
     """Up to 4 rows the GEMV, more the tensor-core matmul; [B, T, K] inputs keep their dims;
-    off the CUDA paths, F.linear on the dequantized weight."""
-    t = int_weight(144, 256, 4, 128, True, False, device=device)
+    off the CUDA paths, F.linear on the dequantized weight. An act-order weight is held sorted
+    by group, its order beside it."""
+    t = int_weight(144, 256, 4, 64 if act else 128, True, act, device=device)
     layer = IntWeight(t)
+    assert (layer.order is not None) == act and layer.tensor.g_idx is None
+    torch.testing.assert_close(layer.dequantize(torch.float32), t.dequantize(), atol=0, rtol=0)
     g = torch.Generator().manual_seed(3)
     bias = torch.randn(144, generator=g).to(device)
     with gemv_on_cpu():
@@ -203,7 +217,7 @@ def test_int_weight_takes_the_path_its_rows_ask_for(device):
     x = torch.randn(3, 256).to(device)
     if device == "cpu":
         torch.testing.assert_close(layer.apply(x), _reference(x, t), rtol=1e-5, atol=1e-5)
-    assert layer.nbytes == t.qweight.nbytes + t.scales.nbytes + t.zeros.nbytes
+    assert layer.nbytes == t.qweight.nbytes + t.scales.nbytes + t.zeros.nbytes + (256 * 4 if act else 0)
 
 
 def test_matmul_config_grows_the_row_tile_and_kernels_refuse_what_does_not_fit():
@@ -308,13 +322,14 @@ from ember.kernels.int_gemv import _int_gemv_kernel, int_gemv_config
 
 H100_SHARED = 232448  # bytes of shared memory a program may take on the H100 (sm_90)
 names = list(_int_gemv_kernel.arg_names)
-types = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "eps": "fp32"}
-for (n, k), prologue in (((6144, 4096), 1), ((4096, 4096), 0), ((4096, 14336), 2)):
+types = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "p_ptr": "*i32", "eps": "fp32"}
+for (n, k), prologue, perm in (((6144, 4096), 1, False), ((4096, 4096), 0, False), ((4096, 14336), 2, False),
+                               ((6144, 4096), 1, True)):
     for rows in (1, 2, 4, 8):
         block_n, block_j, warps, stages = int_gemv_config(rows, n, k, 4)
         constants = dict(M=rows, M_PAD=triton.next_power_of_2(rows), K=k, BITS=4, GROUP=128, HAS_ZEROS=True,
                          BLOCK_N=block_n, BLOCK_J=block_j, CHUNK=16, PROLOGUE=prologue, HAS_RES=prologue == 1,
-                         HAS_BIAS=False, STAGES=stages)
+                         HAS_BIAS=False, HAS_PERM=perm, STAGES=stages)
         signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
                      for a in names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)  # as a launch specializes them
@@ -322,10 +337,10 @@ for (n, k), prologue in (((6144, 4096), 1), ((4096, 4096), 0), ((4096, 14336), 2
         source = ASTSource(_int_gemv_kernel, signature, {(names.index(c),): v for c, v in constants.items()},
                            attrs=aligned)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        ptx, what = compiled.asm["ptx"], f"the word GEMV at [{n}, {k}], {rows} rows, prologue {prologue}"
+        ptx, what = compiled.asm["ptx"], f"the word GEMV at [{n}, {k}], {rows} rows, prologue {prologue}, perm {perm}"
         assert "st.local" not in ptx, f"{what} spills registers to local memory"
         assert compiled.metadata.shared <= H100_SHARED, f"{what}: {compiled.metadata.shared} bytes of shared memory"
-        assert "cp.async.cg.shared.global" in ptx, f"{what}: the weight's loads are not pipelined"
+        assert "cp.async.c" in ptx, f"{what}: no load is software-pipelined (cp.async)"
         assert not re.search(r"cvt\\.rn\\.f32\\.[su]32", ptx), f"{what} converts 32-bit integers to float"
 print("compiled")
 """
@@ -333,8 +348,8 @@ print("compiled")
 
 @pytest.mark.slow
 def test_the_word_gemv_compiles_for_hopper():
-    """Triton compiles the word GEMV at Llama-3.1-8B's shapes, 1 to 8 rows, with each prologue,
-    to sm_90 PTX here, without a GPU, at the tiles int_gemv_config picks: no register spills,
-    within the H100's shared memory, the weight read through cp.async (software-pipelined), and
+    """Triton compiles the word GEMV at Llama-3.1-8B's shapes, 1 to 8 rows, with each prologue
+    (and the norm's through an act-order permutation) to sm_90 PTX here, without a GPU, at the tiles int_gemv_config picks: no register spills,
+    within the H100's shared memory, its loads software-pipelined (cp.async), and
     no 32-bit integer -> float conversion (only the uint8 zero points convert)."""
     assert "compiled" in run_compile_script(_COMPILE)

@@ -127,18 +127,20 @@ def test_the_cuda_kernels_on_the_interpreter_give_the_reference_greedy_tokens(ti
 
 
 @pytest.mark.parametrize("form", ["gptq-int4-asym-actorder-g64-v2", "awq-g128"])
-def test_decode_steps_through_the_gemv_kernels(tiny_llama, form):
-    """Three greedy decode steps of three sequences: the GEMV with its norm and SiLU prologues,
-    gemv.py's per-value one over act-order weights (a g_idx per column), int_gemv.py's word
-    one over AWQ's groups."""
+def test_decode_steps_through_the_gemv_kernel(tiny_llama, form):
+    """Three greedy decode steps of three sequences: int_gemv.py's word GEMV with its norm and
+    SiLU prologues, over AWQ's groups and over act-order weights (a g_idx per column) sorted by
+    group at load, x read through the order."""
     from ember.kernels.int_gemv import words_kernel_takes
 
     path, dequantized = _checkpoint(tiny_llama, form)
     greedy, _ = _reference(dequantized)
     with gemv_on_cpu():
         llm = LLM(str(path), dtype="float32", **ENGINE)
-        t = llm.engine.runner.model.model.layers[0].mlp.down_proj.format.tensor
-        assert words_kernel_takes(t.bits, t.group_size, t.in_features, t.g_idx) == (form == "awq-g128")
+        layer = llm.engine.runner.model.model.layers[0].mlp.down_proj.format
+        t = layer.tensor
+        assert words_kernel_takes(t.bits, t.group_size, t.in_features, t.g_idx)
+        assert (layer.order is not None) == ("actorder" in form)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert [list(o.outputs[0].token_ids) for o in outs] == [toks[:3] for toks in greedy]

@@ -13,7 +13,9 @@ gptq.py, compressed_tensors.py do the reading):
 
     IntTensor     one weight so (narrow for tensor-parallel ranks, stack for merged layers)
     IntWeight     the format on CUDA: the Triton kernels dequantize in registers
-                  (kernels/wna16.py for many rows, kernels/int_gemv.py's GEMV for a few)
+                  (kernels/wna16.py for many rows, kernels/int_gemv.py's GEMV for a few;
+                  act-order weights sorted by group where the GEMV's word kernel then takes
+                  them, x's columns read in the order taken)
     int_format    the format a layer takes: IntWeight on CUDA; on the CPU the same numbers as
                   GGUF blocks where they are exactly one (cpu_blocks), else dequantized at load
 
@@ -329,19 +331,32 @@ def int_format(tensor: IntTensor, dtype: torch.dtype) -> WeightFormat:
 class IntWeight(KernelFormat):
     """x @ W^T with W dequantized in registers: a few rows (decode) through kernels/int_gemv.py
     (weight-only, its prologues fused: layers/fused.py), more through kernels/wna16.py's
-    tensor-core matmul. Off the CUDA paths, F.linear on the dequantized weight (the reference)."""
+    tensor-core matmul. Off the CUDA paths, F.linear on the dequantized weight (the reference).
+    An act-order weight whose groups each hold group_size columns, group_size a whole number of
+    int32 words, is sorted by group here (as on the CPU): `order` [K] names x's column for each
+    of its columns; the GEMV reads x through it, the matmul takes x's columns in that order."""
 
     def __init__(self, tensor: IntTensor) -> None:
+        self.order: torch.Tensor | None = None
+        sorted_ = tensor.sorted_by_group()
+        if sorted_ is not None and sorted_[0].group_size % (32 // tensor.bits) == 0:  # int_gemv's word kernel
+            tensor, order = sorted_
+            self.order = order.to(torch.int32)
         self.tensor = tensor
         self.out_features, self.in_features = tensor.shape
 
     @property
     def nbytes(self) -> int:
         t = self.tensor
-        return sum(x.nbytes for x in (t.qweight, t.scales, t.zeros, t.g_idx) if x is not None)
+        return sum(x.nbytes for x in (t.qweight, t.scales, t.zeros, t.g_idx, self.order) if x is not None)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.tensor.dequantize(dtype)
+        w = self.tensor.dequantize(dtype)
+        if self.order is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.order.long()] = w
+        return out
 
     def uses_gemv(self, x: torch.Tensor) -> bool:
         return uses_int_gemv(x)
@@ -352,10 +367,12 @@ class IntWeight(KernelFormat):
 
         t = self.tensor
         return int_gemv(x, t.qweight, t.scales, t.zeros, t.g_idx, t.bits, t.group_size, bias, prologue, residual,
-                        norm_weight, eps)
+                        norm_weight, eps, self.order)
 
     def matmul(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from ember.kernels.wna16 import wna16_matmul
 
         t = self.tensor
+        if self.order is not None:
+            rows = rows.index_select(1, self.order)
         return wna16_matmul(rows, t.qweight, t.scales, t.zeros, t.g_idx, t.bits, t.group_size, bias)
