@@ -22,7 +22,8 @@ element times scale[n // 128, k // 128] in the tile.
 
 Integer weights (4 or 8 bits with group scales, layers/quant/int_weight.py; the layout is
 kernels/wna16.py's) are unpacked and dequantized to float32 in the tile the same way, each
-column with its group's scale and zero (act-order g_idx too).
+column with its group's scale and zero (act-order g_idx too): what kernels/int_gemv.py's word
+kernel leaves to it (uneven act-order groups, groups that cut an int32 word).
 """
 
 from __future__ import annotations
