@@ -5,8 +5,8 @@ and GPTQ-style (symmetric):
         kernels/gemv.py (up to its 4 rows; at 8 the tensor-core matmul, what more rows take) and
         cuBLAS on the same shape in bf16 (F.linear), with the bandwidth each reaches (the
         weight's bytes, qweight + scales + zeros, over the time);
-    prefill, 512 / 2048 rows: kernels/wna16.py's matmul at its wna16_config against cuBLAS bf16,
-        in TFLOP/s.
+    prefill, 512 / 2048 rows: kernels/wna16.py's matmul at its wna16_config (and through its
+        per-column path, given a g_idx of k // 128) against cuBLAS bf16, in TFLOP/s.
 
 Timed as gemv_bench.py times (a CUDA graph of back-to-back calls over enough weight copies to
 defeat the 50 MB L2). --sweep: the word GEMV at each tile of SWEEP (AWQ-style), and the matmul
@@ -133,14 +133,18 @@ def sweep_decode(shapes: dict, best: dict, start: float) -> None:
 def prefill(name: str, n: int, k: int, sweep: bool, best: dict, start: float) -> None:
     ws = int_weights(n, k, True, 2)
     dense = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5 for _ in range(2)]
+    g_idx = (torch.arange(k, device=DEVICE) // GROUP).to(torch.int32)
     for rows in PREFILL_ROWS:
         x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
         flop = 2 * rows * n * k
         t_int = time_us(lambda i: wna16_matmul(x, *ws[i], None, 4, GROUP), 2, reps=10)
+        # the same weight through the per-column path (a g_idx that is k // GROUP): each column scaled
+        # before the dot, one accumulator, against the grouped path's dot-then-scale into a second one
+        t_col = time_us(lambda i: wna16_matmul(x, *ws[i], g_idx, 4, GROUP), 2, reps=10)
         t_blas = time_us(lambda i: F.linear(x, dense[i]), 2, reps=10)
-        print(f"{name:12s} awq  M={rows}  wna16 {t_int:8.1f} us {flop / t_int / 1e6:6.0f} TFLOP/s | cuBLAS bf16 "
-              f"{t_blas:8.1f} us {flop / t_blas / 1e6:6.0f} TFLOP/s | {t_blas / t_int:5.2f}x cuBLAS  "
-              f"wna16_config {wna16_config(rows)}", flush=True)
+        print(f"{name:12s} awq  M={rows}  wna16 {t_int:8.1f} us {flop / t_int / 1e6:4.0f} TFLOP/s (per-column "
+              f"{t_col:8.1f} us {flop / t_col / 1e6:4.0f}) | cuBLAS bf16 {t_blas:8.1f} us {flop / t_blas / 1e6:4.0f} "
+              f"TFLOP/s | {t_blas / t_int:5.2f}x cuBLAS  wna16_config {wna16_config(rows)}", flush=True)
         if sweep:
             results = [(t_int, wna16_config(rows))]
             for config in MATMUL_SWEEP:
