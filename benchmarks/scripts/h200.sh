@@ -26,6 +26,9 @@
 #                       and Qwen3-30B-A3B's shapes, in CUDA graphs) and of the engine with AWQ / GPTQ Mixtral and
 #                       Qwen3-MoE checkpoints, then moe_tune.py --int 4 at both shapes (--no-write: each choice
 #                       against the heuristic)
+#   int4-kernels        the W4A16 kernels' GPU tests, int4_gemv_bench.py --sweep (the word GEMV and the matmul
+#                       against cuBLAS bf16 at the Llama-3.1-8B shapes; its TUNED dicts go into int_gemv_config /
+#                       wna16_config), then ember AWQ and bf16 one request 128/512 (no vLLM: race-int races it)
 #   race-int [awq|gptq] W4A16 at the Llama-3.1-8B shape with dummy weights under an AWQ (default) or GPTQ
 #                       config (benchmarks/configs/llama-3.1-8b-awq / -gptq): vLLM (its AWQ-Marlin / GPTQ-Marlin,
 #                       vllm_race.py: one request, 512 x 1000/1000), then ember on both, then ember's bf16 one request
@@ -309,6 +312,16 @@ mode_race_int() {  # race-int [awq|gptq]: issue #37's goals, one request >= 1.1x
   bench "llama_${q}_latency" 60 $c $LAT
   bench llama_bf16_latency 60 $L $LAT
   bench "llama_$q" 200 $c $TP
+}
+
+mode_int4_kernels() {
+  local secs
+  gpu_tests 120 tests/kernels/test_wna16_kernels.py tests/kernels/test_gemv.py
+  if secs=$(cap int4_gemv_bench 250); then
+    (cd benchmarks/scripts && timeout "$secs" python3 int4_gemv_bench.py --sweep) 2>&1 | tee "$J/int4_gemv_bench.log"
+  fi
+  bench llama_awq_latency 60 benchmarks/configs/llama-3.1-8b-awq $LAT
+  bench llama_bf16_latency 45 $L $LAT
 }
 
 # gguf_kit: the carried gguf wheel (the device has no GGUF reader) on PYTHONPATH, or say what is missing and fail
@@ -682,6 +695,7 @@ case "$mode" in
   check-int) mode_env; mode_check_int ;;
   check-int-moe) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_check_int_moe ;;
   gguf-cuda) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gguf_cuda ;;
+  int4-kernels) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_int4_kernels ;;
   race-int) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_int "$@" ;;
   w8a8) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_w8a8 "$@" ;;
   kernels-fp8) mode_env; mode_kernels_fp8 ;;

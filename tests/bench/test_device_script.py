@@ -50,7 +50,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
     listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
-                      "check-fp8", "check-int", "check-int-moe", "race-int", "gguf-cuda", "w8a8", "kernels-fp8", "check-moe",
+                      "check-fp8", "check-int", "check-int-moe", "int4-kernels", "race-int", "gguf-cuda", "w8a8", "kernels-fp8", "check-moe",
                       "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
@@ -162,6 +162,18 @@ def test_w8a8_checks_the_kernels_then_runs_the_w8a8_shape_and_races_vllm_on_the_
         f"python3 {BENCH[8:]} {w} {TP} --output-json {out}/llama_w8a8.json [decode_config=]",
         f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {TP} --output-json {out}/llama_bf16.json "
         "[decode_config=]",
+    ]
+
+
+def test_int4_kernels_tests_sweeps_then_runs_awq_and_bf16_one_request(tmp_path):
+    calls, done = run_mode(tmp_path, "int4-kernels")
+    assert done.returncode == 0, done.stderr
+    env = "[decode_config=]"
+    assert calls == [
+        f"python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_wna16_kernels.py tests/kernels/test_gemv.py {env}",
+        f"python3 int4_gemv_bench.py --sweep {env}",
+        f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b-awq {LAT} --output-json {tmp_path}/out/llama_awq_latency.json {env}",
+        f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {LAT} --output-json {tmp_path}/out/llama_bf16_latency.json {env}",
     ]
 
 
