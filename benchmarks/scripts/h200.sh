@@ -121,6 +121,13 @@
 #                       graphs with 4 drafts a step always wrong, then always right (spec_verify_cost.py), at the
 #                       Llama-3.1-8B and Qwen3-0.6B shapes (goal: a verifying step <= 1.15x a decode step); at both,
 #                       a step with an EAGLE-3 head of random weights (--eagle3: the head's 4 forwards + the verify)
+#   spec-race           issue #38's ngram race on real weights: SmolLM2-135M-Instruct (the default model's Q4_1 GGUF,
+#                       staged in parts, dequantized here to bf16 safetensors both engines load: smol_stage.py; vLLM
+#                       0.24 reads no GGUF), one request at a time over benchmarks/spec_ngram_prompts.json, greedy,
+#                       256 out, no speculation then ngram K=4 (lookup 2..4), prefix cache off, a warm-up pass
+#                       (spec_gpu_race.py): vLLM first where staged (else ember alone, saying so; its ngram imports
+#                       numba: staged too, else vLLM's ngram_gpu, saying so), then ember; one RESULT line each
+#                       (decode tok/s of both arms, acceptance, same tokens). The calls: below
 #   frontend            issue #41's programs (`ember bench frontend`: fork-join, few-shot select, multi-turn, JSON) at
 #                       the Llama-3.1-8B shape with dummy weights and SmolLM2's tokenizer (the served model directory,
 #                       carried with the server wheels as serve's): in-process, over HTTP and one by one with `openai`
@@ -148,6 +155,14 @@
 # in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
 # .vllm-s5) in the race call. Without it the race modes run ember alone and say so. vLLM's fp8
 # path also imports compressed-tensors and loguru: add their wheels to the stage for race-fp8.
+#
+# spec-race: ten calls back to back (a machine goes back 30 s after a call; the tree is ~8.4 MiB of each call's 64):
+#     run(command="mkdir -p /root/st && cp .vllm-s0/* /root/st/", carry=[".vllm-s0"])    52 MiB: the same for s1 to s5
+#     run(command="mkdir -p /root/st && cp -r .smol-s0/. /root/st/", carry=[".smol-s0"])  51 MiB (smol_stage.py split)
+#     run(command="mkdir -p /root/st && cp -r .smol-s1/. /root/st/", carry=[".smol-s1"])  50 MiB (with smol-hf/)
+#     run(command="mkdir -p /root/st && cp -r .smol-s2/. /root/st/", carry=[".smol-s2"])  54 MiB (llvmlite, for numba)
+#     run(command="benchmarks/scripts/h200.sh spec-race", carry=[".vllm-s6", ".whl"])    18 + 17 MiB
+# (.whl: the gguf wheel, for ember's GGUF decoder; SMOL_PARTS, default /root/st: where the model's parts lie)
 # race-tp and tp-70b: the copy calls on nvidia-h200-x2 too (a call of another kind is another machine),
 # then the mode in one call, carrying the last part; the NCCL variables are set by the mode. tp-check
 # needs no vLLM: run it first, while the copies wait.
@@ -163,7 +178,8 @@ TP="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --
 HF="--num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 16384 --compare hf --hf-batch-size 256"
 P="python3 benchmarks/scripts/profile_gpu_steps.py"
 KNOBS="--max-num-seqs %s --max-num-batched-tokens %s"  # the defaults mode's flags (seats, budget)
-S=${VLLM_STAGE:-.vllm-s5}
+S=${VLLM_STAGE:-$(ls -d .vllm-s[0-9] 2>/dev/null | tail -1)}  # the carried (last) part of vLLM's stage
+S=${S:-.vllm-s5}
 NO_VLLM=${NO_VLLM:-0}
 DEADLINE=""  # set by a mode that must end within one call: the $SECONDS by which every run has ended
 
@@ -438,6 +454,34 @@ mode_spec() {
   done
 }
 
+mode_spec_race() {  # each engine's arms in processes of their own (spec_gpu_race.py), vLLM's capped to leave ember 200 s
+  local parts=${SMOL_PARTS:-/root/st} m=/tmp/smollm2-bf16 secs
+  local race="benchmarks/scripts/spec_gpu_race.py --model $m --max-tokens 256 --k 4 --lookup 2 4"
+  if [ ! -f "$parts/smol-part0" ] || [ ! -d "$parts/smol-hf" ]; then
+    echo "== spec-race needs the model's parts in $parts: copy .smol-s0 and .smol-s1 first (see the head of this script)"
+    return 0
+  fi
+  gguf_kit || return 0
+  secs=$(cap "the model's bf16 weights" 90) || return 0
+  timeout "$secs" python3 benchmarks/scripts/smol_stage.py unpack "$parts" $m 2>&1 | tail -3 | tee "$J/smol_stage.log"
+  if have_vllm && [ $((DEADLINE - SECONDS - 200)) -ge 60 ]; then
+    local method=ngram  # vLLM's ngram proposer imports numba: the staged wheels (smol_stage.py) where the image lacks it
+    if ! PYTHONPATH=/tmp/vllm-site python3 -c "import numba" 2>/dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vllm-site \
+        "$parts"/numba-*.whl "$parts"/llvmlite-*.whl 2>&1 | tail -2
+      PYTHONPATH=/tmp/vllm-site python3 -c "import numba" \
+        || { method=ngram_gpu; echo "== numba does not import (copy .smol-s0 and .smol-s2): vLLM's ngram_gpu instead"; }
+    fi
+    secs=$((DEADLINE - SECONDS - 200))
+    echo "== vLLM $method race: $race --engine vllm --vllm-method $method"
+    VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm-site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+      timeout "$secs" python3 $race --engine vllm --vllm-method $method 2>&1 | tee "$J/spec_race_vllm.log" | grep -E "^RESULT|Error|error:" || true
+  fi
+  secs=$(cap "ember spec race" 240) || return 0
+  echo "== ember ngram race: $race --engine ember"
+  timeout "$secs" python3 $race --engine ember 2>&1 | tee "$J/spec_race_ember.log" | grep -E "^RESULT|Error|error:" || true
+}
+
 mode_frontend() {  # each arm set in its own process: the in-process engine's GPU memory is gone before the server's
   local m=${SERVED_MODEL:-.serve-model} secs arms
   serve_kit || return 0
@@ -707,6 +751,7 @@ case "$mode" in
   gpt-oss) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpt_oss ;;
   moe-speed) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_moe_speed "$@" ;;
   spec) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_spec ;;
+  spec-race) DEADLINE=$((SECONDS + ${CALL_S:-540})); mode_env; mode_spec_race ;;
   frontend) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_frontend ;;
   kv-tiers) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_kv_tiers "$@" ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;

@@ -54,7 +54,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
                       "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
-                      "serve-race", "race-vl", "serve-sweep", "spec", "frontend", "kv-tiers"]
+                      "serve-race", "race-vl", "serve-sweep", "spec", "spec-race", "frontend", "kv-tiers"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -320,6 +320,35 @@ def test_gguf_cuda_installs_the_gguf_wheel_tests_then_races_a_q4_k_m_file_agains
     alone.mkdir()
     calls, done = run_mode(alone, "gguf-cuda", extra_env={"SERVE_WHEELS": str(alone / "none")})
     assert f"== gguf-cuda needs {alone}/none/gguf-*.whl carried" in done.stdout and calls == []
+
+
+def test_spec_race_unpacks_the_staged_model_then_races_vllm_then_ember_on_it(tmp_path):
+    wheels, parts = tmp_path / "whl", tmp_path / "st"
+    wheels.mkdir()
+    (wheels / "gguf-0.19.0-py3-none-any.whl").write_text("")
+    (parts / "smol-hf").mkdir(parents=True)
+    (parts / "smol-part0").write_text("")
+    env = {"SERVE_WHEELS": str(wheels), "SMOL_PARTS": str(parts)}
+    calls, done = run_mode(tmp_path, "spec-race", record_env=("VLLM_USE_FLASHINFER_SAMPLER",), extra_env=env)
+    assert done.returncode == 0, done.stderr
+    race = "python3 benchmarks/scripts/spec_gpu_race.py --model /tmp/smollm2-bf16 --max-tokens 256 --k 4 --lookup 2 4"
+    gguf = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+            f"{wheels}/gguf-0.19.0-py3-none-any.whl [decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=]")
+    unpack = f"python3 benchmarks/scripts/smol_stage.py unpack {parts} /tmp/smollm2-bf16 [decode_config=] " \
+             "[VLLM_USE_FLASHINFER_SAMPLER=]"
+    assert calls == [gguf, unpack, "run-on-device none [decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=]",
+                     f"{race} --engine vllm --vllm-method ngram [decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=0]",
+                     f"{race} --engine ember [decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=]"]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    calls, done = run_mode(alone, "spec-race", staged=False, record_env=("VLLM_USE_FLASHINFER_SAMPLER",),
+                           extra_env=env)
+    assert "vLLM is not staged here" in done.stdout
+    assert calls == [gguf, unpack, f"{race} --engine ember [decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=]"]
+    unstaged = tmp_path / "unstaged"
+    unstaged.mkdir()
+    calls, done = run_mode(unstaged, "spec-race", extra_env={**env, "SMOL_PARTS": str(unstaged / "none")})
+    assert f"== spec-race needs the model's parts in {unstaged}/none" in done.stdout and calls == []
 
 
 def test_serve_installs_the_carried_wheels_then_tests_serves_and_runs_offline_the_same_load(tmp_path):
