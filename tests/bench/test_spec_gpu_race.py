@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "scripts"
 
 
