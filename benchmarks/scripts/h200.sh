@@ -152,8 +152,8 @@
 # gguf-cuda needs the gguf wheel of that list alone.
 #
 # vLLM, the peer: stage it here first (/work/shared/peers/vllm-gpu/stage), copy its parts into /root/st
-# in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default
-# .vllm-s5) in the race call. Without it the race modes run ember alone and say so. vLLM's fp8
+# in the calls before (as the stage script says), and carry its last part (VLLM_STAGE, default the
+# .vllm-sN folder carried, the last where several are here) in the race call. Without it the race modes run ember alone and say so. vLLM's fp8
 # path also imports compressed-tensors and loguru: add their wheels to the stage for race-fp8.
 #
 # spec-race: ten calls back to back (a machine goes back 30 s after a call; the tree is ~8.4 MiB of each call's 64):

@@ -4,7 +4,7 @@ greedy, on the input-grounded prompts of benchmarks/spec_ngram_prompts.json, for
 benchmarks/scripts/smol_stage.py), one RESULT line (JSON) per engine:
 
     python3 benchmarks/scripts/spec_gpu_race.py --engine ember|vllm --model DIR_OR_GGUF
-        [--max-tokens 256] [--k 4] [--lookup 2 4] [--prompts N] [--repeats 2]
+        [--max-tokens 256] [--k 4] [--lookup 2 4] [--prompts N] [--repeats 2] [--vllm-method ngram]
 
 Each arm (none, then ngram with K drafts, prompt_lookup_min/max) runs in its own process (a
 second vLLM engine in one process cannot have the GPU memory the first holds), prefix cache off,
@@ -14,7 +14,9 @@ spec_ngram.py's: (output tokens - one per request) / (time of the full runs - ti
 max_tokens=1 runs). Acceptance over the timed pass: ember's scheduler counters, vLLM's
 spec_decode counters (LLM.get_metrics, stats on). same_tokens: the ngram arm's outputs are the
 none arm's, token for token; prompt_sha256 hashes every prompt's token ids, so two engines'
-lines say whether they were given the same prompts.
+lines say whether they were given the same prompts. vLLM's `ngram` proposer runs on the CPU
+through numba (smol_stage.py stages its wheels); --vllm-method ngram_gpu is vLLM's GPU prompt
+lookup, for a device where numba will not import (the line's "method" says which ran).
 """
 
 from __future__ import annotations

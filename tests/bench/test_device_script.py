@@ -27,7 +27,8 @@ def run_mode(tmp_path: Path, *args: str, staged: bool = True, record_env: tuple[
     bin_dir.mkdir(exist_ok=True)
     seen = " [" + " ".join(f"{v}=${{{v}:-}}" for v in record_env) + "]" if record_env else ""
     stub = f'#!/bin/bash\necho "$(basename "$0") $* [decode_config=${{EMBER_DECODE_CONFIG:-}}]{seen}" >> {log}\n'
-    (bin_dir / "python3").write_text(stub + 'case "$*" in *decode_sweep*) echo BEST_QWEN=64,2,5;; esac\n')
+    (bin_dir / "python3").write_text(stub + 'case "$*" in *decode_sweep*) echo BEST_QWEN=64,2,5;;\n'
+                                     '  *"import numba"*) [ -z "${NO_NUMBA:-}" ] || exit 1;; esac\n')
     (bin_dir / "nvidia-smi").write_text(stub)
     stage = tmp_path / "stage"
     stage.mkdir(exist_ok=True)
@@ -345,6 +346,18 @@ def test_spec_race_unpacks_the_staged_model_then_races_vllm_then_ember_on_it(tmp
                            extra_env=env)
     assert "vLLM is not staged here" in done.stdout
     assert calls == [gguf, unpack, f"{race} --engine ember [decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=]"]
+    no_numba = tmp_path / "no_numba"  # numba neither in the image nor installable from the parts: ngram_gpu
+    no_numba.mkdir()
+    (parts / "numba-0.65.0-cp312-cp312-manylinux2014_x86_64.whl").write_text("")
+    (parts / "llvmlite-0.47.0-cp312-cp312-manylinux2014_x86_64.whl").write_text("")
+    calls, done = run_mode(no_numba, "spec-race", extra_env={**env, "NO_NUMBA": "1"})
+    assert "numba does not import" in done.stdout
+    assert calls[3:] == [
+        "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vllm-site "
+        f"{parts}/numba-0.65.0-cp312-cp312-manylinux2014_x86_64.whl "
+        f"{parts}/llvmlite-0.47.0-cp312-cp312-manylinux2014_x86_64.whl [decode_config=]",
+        f"{race} --engine vllm --vllm-method ngram_gpu [decode_config=]",
+        f"{race} --engine ember [decode_config=]"]
     unstaged = tmp_path / "unstaged"
     unstaged.mkdir()
     calls, done = run_mode(unstaged, "spec-race", extra_env={**env, "SMOL_PARTS": str(unstaged / "none")})
