@@ -8,18 +8,18 @@ bf16 safetensors in HF's Llama layout, the one set of weights both engines load.
 
 Why this shape (sizes measured):
 - vLLM 0.24 cannot read the GGUF: its wheel has no GGUF loader and no GGUF quantization
-  (model_loader/ has no gguf_loader.py, quantization/ no gguf.py; GGUF support left vLLM before
-  0.24). So both engines load bf16 safetensors dequantized from the Q4_1 blocks (the same
+  (model_loader/ has no gguf_loader.py, quantization/ no gguf.py). So both engines load bf16 safetensors dequantized from the Q4_1 blocks (the same
   weights, bit for bit, in both).
-- A call carries at most 64 MiB with the tracked tree (~9 MiB). The bf16 safetensors are 269 MB
+- A call carries at most 64 MiB with the tracked tree (~8.4 MiB). The bf16 safetensors are 269 MB
   (257 MiB: 5 or 6 parts of <= 52 MiB, each a call), the GGUF 94 MiB (2 parts of 47 MiB), so
   the GGUF travels and the device dequantizes it (ember's decoder, ember/loader/gguf.py: the
-  same float32 values as gguf-py's, Q and K rows put back in HF's order), in ~10 s.
+  same float32 values as gguf-py's, Q and K rows put back in HF's order), in ~4 s on 2 CPU cores
+  (its 272 bf16 tensors are those of transformers' GGUF loader, bit for bit: checked once here;
+  transformers takes 20 s and refuses to save a GGUF-loaded model).
 - The small files (config.json from the GGUF's metadata as ember reads it, SmolLM2's tokenizer
   and chat template as transformers converts them from the GGUF: served_model.py's way, and the
-  GGUF's sha256) are written here into the last part's folder (`smol-hf/`), since the device's
+  GGUF's sha256) are written here into the last GGUF part's folder (.smol-s1/smol-hf/), since the device's
   transformers is not to be relied on for the GGUF tokenizer conversion.
-
 - vLLM's `ngram` proposer imports numba (vLLM 0.24 pins numba 0.65.0, on llvmlite 0.47), which
   vLLM's stage lacks: split also downloads both wheels, numba's (3.6 MiB) beside the first part,
   llvmlite's (53.7 MiB) alone in .smol-s2 (the largest folder, 62.1 MiB with the tree).
