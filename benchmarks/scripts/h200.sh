@@ -454,7 +454,7 @@ mode_spec() {
   done
 }
 
-mode_spec_race() {  # each engine's arms in processes of their own (spec_gpu_race.py), vLLM's capped to leave ember 200 s
+mode_spec_race() {  # each engine's arms in processes of their own (spec_gpu_race.py), vLLM's capped to leave ember 180 s
   local parts=${SMOL_PARTS:-/root/st} m=/tmp/smollm2-bf16 secs
   local race="benchmarks/scripts/spec_gpu_race.py --model $m --max-tokens 256 --k 4 --lookup 2 4"
   if [ ! -f "$parts/smol-part0" ] || [ ! -d "$parts/smol-hf" ]; then
@@ -466,8 +466,8 @@ mode_spec_race() {  # each engine's arms in processes of their own (spec_gpu_rac
   timeout "$secs" python3 benchmarks/scripts/smol_stage.py unpack "$parts" $m 2>&1 | tail -3 | tee "$J/smol_stage.log"
   local vllm=0 method=ngram  # vLLM's ngram proposer imports numba: the staged wheels (smol_stage.py) where the image lacks it
   have_vllm && vllm=1
-  if [ $vllm = 1 ] && [ $((DEADLINE - SECONDS - 200)) -lt 60 ]; then
-    echo "== vLLM spec race: skipped, the call's time is spent (ember's 200 s kept)"
+  if [ $vllm = 1 ] && [ $((DEADLINE - SECONDS - 180)) -lt 60 ]; then
+    echo "== vLLM spec race: skipped, the call's time is spent (ember's 180 s kept)"
   elif [ $vllm = 1 ]; then
     if ! PYTHONPATH=/tmp/vllm-site python3 -c "import numba" 2>/dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vllm-site \
@@ -475,7 +475,7 @@ mode_spec_race() {  # each engine's arms in processes of their own (spec_gpu_rac
       PYTHONPATH=/tmp/vllm-site python3 -c "import numba" \
         || { method=ngram_gpu; echo "== numba does not import (copy .smol-s0 and .smol-s2): vLLM's ngram_gpu instead"; }
     fi
-    secs=$((DEADLINE - SECONDS - 200))
+    secs=$((DEADLINE - SECONDS - 180))
     echo "== vLLM $method race: $race --engine vllm --vllm-method $method"
     VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm-site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
       timeout "$secs" python3 $race --engine vllm --vllm-method $method 2>&1 | tee "$J/spec_race_vllm.log" | grep -E "^RESULT|Error|error:" || true
