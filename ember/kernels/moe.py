@@ -29,7 +29,7 @@ so an intermediate size that is no multiple of 128 keeps each half's blocks its 
 
 Integer experts (IntExperts: AWQ / GPTQ / compressed-tensors W4A16 and W8A16, packed as
 layers/quant/int_weight.py's IntWeight is on CUDA, one such weight an expert) are unpacked in
-registers as kernels/wna16.py's matmul unpacks them: a k-tile lies in one group (BLOCK_K
+registers by kernels/wna16.py's unpack_values: a k-tile lies in one group (BLOCK_K
 divides the group size, or one group spans the row), so the GEMM multiplies x by q - zero
 (a small integer: exact in x's dtype) and scales the tile's float32 sums once a row; the
 GEMV scales each value in float32. 4.25 (8.25) bits a weight at groups of 128 with zeros.

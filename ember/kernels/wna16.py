@@ -8,14 +8,27 @@ kernels/int_gemv.py instead.
     g_idx    int32 [K] (none: k // GROUP)
     W[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)]
 
-Tile (pid_m, pid_n) of y [M, N], K in steps of BLOCK_K; the weight tile [BLOCK_N, BLOCK_K] is
-read as [BLOCK_N, BLOCK_K / PER] words, each repeated PER times and shifted apart:
+Tile (pid_m, pid_n) of y [M, N], K in steps of BLOCK_K, one float32 accumulator:
 
-    grouped (BLOCK_K divides GROUP, or one group a row): a tile's columns share group g, and
-        acc += dot(x[m, k0:k0 + BLOCK_K], (q - z[n, g])^T) * s[n, g]
-        (q - z is a small integer, exact in bf16 / fp16: the weight is never rounded)
-    per column (act-order g_idx, or a group BLOCK_K does not divide):
-        acc += dot(x, ((q - z[n, g(k)]) * s[n, g(k)])^T)    (the weight rounded once to x's dtype)
+    acc = dot(x[m, k0:k0 + BLOCK_K], W[n, k0:k0 + BLOCK_K]^T, acc)
+
+with the weight tile dequantized in registers and rounded once to x's dtype (exact for float32
+x and 16-bit scales: (q - z) * s has at most 20 significant bits), as Marlin-style kernels do:
+
+    grouped (BLOCK_K divides GROUP, or one group a row): a tile's columns share group g, so a
+        scale and a zero a row, and each word, read once as [BLOCK_N, BLOCK_K / PER], is
+        unpacked in place by the thread holding it (dequantize_words: an AND, a subtraction
+        and a multiplication a value, the float 2^23 trick of kernels/int_gemv.py, no int ->
+        float conversion; tl.join keeps a word's values with it);
+    per column (act-order g_idx, or a group no power-of-two tile of 16+ divides): each column's
+        scale and zero gathered ([BLOCK_N, BLOCK_K] loads), the words repeated PER times.
+
+Scaling after the dot (acc += dot(x, (q - z)^T) * s, the weight never rounded) needs a second
+[BLOCK_M, BLOCK_N] float32 tile: at 128 x 128 and 8 warps that is 255 registers a thread and
+spills (sm_90), one program an SM, and the wgmma still waits each step; with one accumulator
+the tile takes 128 registers, and two programs share an SM. sm_90 SASS counts of the loop
+(instructions a weight value a thread, AWQ, K = 4096): 6.6 to 8.4 grouped at wna16_config's
+tiles, 22 to 24 per column, no spills (tests/kernels/test_wna16_kernels.py compiles them).
 
 float32 activations multiply in IEEE float32 (no TF32). Allocates by shape alone and never
 syncs with the host: CUDA graphs capture it.
@@ -28,6 +41,12 @@ import triton
 import triton.language as tl
 
 from ember.kernels.tiles import grouped_tile
+
+SMS = 132  # the H100's streaming multiprocessors: wna16_config fills them
+# (rows padded to a power of two, N, K) -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for 4-bit
+# weights: the MATMUL_TUNED dict that benchmarks/scripts/int4_gemv_bench.py --sweep prints (the H100's),
+# pasted here; empty until it runs
+TUNED: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
 
 
 @triton.jit
@@ -42,6 +61,33 @@ def unpack_values(w_ptr, n, nmask, k0, stride_w, K, BITS: tl.constexpr, BLOCK_N:
                     other=0)
     words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_N, BLOCK_K // PER, PER]), [BLOCK_N, BLOCK_K])
     return (words >> ((tl.arange(0, BLOCK_K) % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _scaled_values(half, z, s, BITS: tl.constexpr, I: tl.constexpr):
+    """(q - z) * s for the values at bits shift = I * BITS of each half word (`half`, under the float
+    2^23's exponent bits 0x4B000000): one AND leaves the float 2^23 + q 2^shift (q 2^shift < 2^16),
+    minus 2^23 + z 2^shift it is (q - z) 2^shift exactly, times s 2^-shift."""
+    f = (half & (0x4B000000 | (((1 << BITS) - 1) << (I * BITS)))).to(tl.float32, bitcast=True)
+    return (f - (z * (1 << (I * BITS)) + 8388608.0)) * (s * (1.0 / (1 << (I * BITS))))
+
+
+@triton.jit
+def dequantize_words(words, z, s, BITS: tl.constexpr):
+    """W = (q - z) * s in float32 of int32 words [R, J] -> [R, J, PER]: each word's values in K
+    order, kept by the thread that holds the word (reshape to [R, J * PER]); z and s float32,
+    broadcast to [R, J]."""
+    low = words | 0x4B000000
+    high = (words >> 16) | 0x4B000000  # the sign bits shifted in are masked off
+    # tl.join's new dim is the last: the innermost join picks the high bit of the value's index
+    if BITS == 4:
+        return tl.join(tl.join(tl.join(_scaled_values(low, z, s, BITS, 0), _scaled_values(high, z, s, BITS, 0)),
+                               tl.join(_scaled_values(low, z, s, BITS, 2), _scaled_values(high, z, s, BITS, 2))),
+                       tl.join(tl.join(_scaled_values(low, z, s, BITS, 1), _scaled_values(high, z, s, BITS, 1)),
+                               tl.join(_scaled_values(low, z, s, BITS, 3), _scaled_values(high, z, s, BITS, 3))))
+    else:
+        return tl.join(tl.join(_scaled_values(low, z, s, BITS, 0), _scaled_values(high, z, s, BITS, 0)),
+                       tl.join(_scaled_values(low, z, s, BITS, 1), _scaled_values(high, z, s, BITS, 1)))
 
 
 @triton.jit
@@ -72,6 +118,8 @@ def _wna16_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, 
                          HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = (K + PER - 1) // PER
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,35 +131,62 @@ def _wna16_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, 
         k = k0 + kk
         kmask = k < K
         a = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        if GROUPED:
-            q = unpack_values(w_ptr, n, nmask, k0, stride_w, K, BITS, BLOCK_N, BLOCK_K)
+        if GROUPED:  # the tile lies in one group: a scale and a zero a row
+            j = k0 // PER + tl.arange(0, BLOCK_K // PER)
+            words = tl.load(w_ptr + n[:, None] * stride_w + j[None, :], mask=nmask[:, None] & (j < WORDS)[None, :],
+                            other=0)
             g = k0 // GROUP
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + n * stride_z + g, mask=nmask, other=0).to(tl.int32)
-                q = q - z[:, None]
-            else:
-                q = q - (1 << (BITS - 1))
             s = tl.load(s_ptr + n * stride_s + g, mask=nmask, other=0.0).to(tl.float32)
-            part = tl.dot(a, tl.trans(q.to(tl.float32).to(a.dtype)), input_precision=PRECISION)
-            acc += part * s[None, :]
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + n * stride_z + g, mask=nmask, other=0).to(tl.float32)
+            else:
+                z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
+            w = tl.reshape(dequantize_words(words, z[:, None], s[:, None], BITS), [BLOCK_N, BLOCK_K])
         else:
             w = unpack_tile(w_ptr, s_ptr, z_ptr, g_ptr, n, nmask, k0, stride_w, stride_s, stride_z, K, BITS, GROUP,
                             HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
-def wna16_config(rows: int, on_gpu: bool = True) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): row tiles from 16 to 128 as M grows.
-    Not tuned: a first guess for the H200 to measure. On Triton's interpreter the fewest
-    programs run fastest."""
+def wna16_config(rows: int, n: int, k: int, bits: int = 4, on_gpu: bool = True) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for x [rows, k] times a weight [n, k]:
+    TUNED's entry for the rows (padded to a power of two) and shape where it has one. Otherwise
+    reasoned from the sm_90 SASS (registers, spills, instructions a weight value; tests/kernels/
+    test_wna16_kernels.py compiles each), not measured, until benchmarks/scripts/
+    int4_gemv_bench.py --sweep runs on the GPU. Up to 64 rows (the weight's bytes bound the
+    time) one row tile, 64 weight rows a program and 128 values of K a step, 4 warps, 4 stages;
+    at 16 rows 32 weight rows a program where 64 would leave under two programs an SM of the
+    H100 (132). More rows: 128 x 128 tiles, 64 of K a step, 8 warps (wgmma by two warp groups;
+    128 registers a thread, so two programs share an SM and one dequantizes while the other's
+    wgmma runs), 128 x 64 with 4 warps where 128 x 128 would leave under two programs an SM.
+    On Triton's interpreter (on_gpu False) the fewest programs run fastest."""
     if not on_gpu:
         return (16 if rows <= 16 else 32), 64, 64, 4, 1
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    return block_m, 128 if block_m >= 64 else 64, 64, 4 if block_m <= 64 else 8, 3
+    m_pad = max(16, triton.next_power_of_2(rows))
+    if bits == 4 and (m_pad, n, k) in TUNED:
+        return TUNED[m_pad, n, k]
+    if m_pad <= 64:
+        return m_pad, 32 if m_pad == 16 and triton.cdiv(n, 64) < 2 * SMS else 64, 128, 4, 4
+    if triton.cdiv(rows, 128) * triton.cdiv(n, 128) < 2 * SMS:
+        return 128, 64, 64, 4, 4
+    return 128, 128, 64, 8, 4
+
+
+def matmul_path(group_size: int, k: int, has_g_idx: bool, block_k: int) -> tuple[bool, int]:
+    """(grouped, BLOCK_K) of the kernel for the weight's groups and the config's BLOCK_K: grouped
+    where a power-of-two tile of at least 16 lies inside one group (BLOCK_K shrinks to it), or
+    one group spans the row; otherwise per column, at most 64 of K a step (its scales and zeros
+    are [BLOCK_N, BLOCK_K] tensors: at 128 they spill at 64 x 64)."""
+    if not has_g_idx and group_size >= k:
+        return True, block_k
+    divides = group_size & -group_size  # the largest power of two dividing the group size
+    if not has_g_idx and divides >= 16:
+        return True, min(block_k, divides)
+    return False, min(block_k, 64)
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -154,12 +229,9 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
-    block_m, block_n, block_k, warps, stages = config or wna16_config(rows, x.is_cuda)
+    block_m, block_n, block_k, warps, stages = config or wna16_config(rows, n, k, bits, x.is_cuda)
     single = g_idx is None and group_size >= k  # one group a row
-    divides = group_size & -group_size  # the largest power of two dividing the group size
-    grouped = single or (g_idx is None and divides >= 16)
-    if grouped and not single:
-        block_k = min(block_k, divides)  # a tile inside one group
+    grouped, block_k = matmul_path(group_size, k, g_idx is not None, block_k)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
     _wna16_matmul_kernel[grid](
         x, qweight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else qweight,

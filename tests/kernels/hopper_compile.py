@@ -23,3 +23,23 @@ def run_compile_script(script: str) -> str:
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def sass_counts(cubin: bytes) -> dict[str, int]:
+    """A compiled kernel's registers a thread (REG), stack frame in bytes (STACK: where ptxas spills
+    registers; the PTX shows no spill) and spill stores and loads (STL, LDL) in its SASS, from the
+    cuobjdump that Triton ships. For scripts run by run_compile_script."""
+    import re
+    import tempfile
+
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = triton.knobs.nvidia.cuobjdump.path
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    counts = {key: int(re.search(rf"\b{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK")}
+    counts.update({op: len(re.findall(rf"\b{op}(?:\.\w+)*\s", sass)) for op in ("STL", "LDL")})
+    return counts
