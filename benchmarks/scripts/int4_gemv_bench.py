@@ -1,17 +1,17 @@
 """Integer (W4A16) weights on the GPU at Llama-3.1-8B's shapes, group 128, AWQ-style (zero points)
 and GPTQ-style (symmetric):
 
-    decode, 1 / 2 / 4 / 8 rows: the word GEMV (kernels/int_gemv.py) against the per-value GEMV of
-        kernels/gemv.py (up to its 4 rows; at 8 the tensor-core matmul, what more rows take) and
-        cuBLAS on the same shape in bf16 (F.linear), with the bandwidth each reaches (the
-        weight's bytes, qweight + scales + zeros, over the time);
+    decode, 1 / 2 / 4 / 8 rows: the word GEMV (kernels/int_gemv.py) against the tensor-core
+        matmul (kernels/wna16.py, what more rows take), the per-value GEMV of kernels/gemv.py (up
+        to its 4 rows) and cuBLAS on the same shape in bf16 (F.linear), with the bandwidth each
+        reaches (the weight's bytes, qweight + scales + zeros, over the time);
     prefill, 512 / 2048 rows: kernels/wna16.py's matmul at its wna16_config (and through its
         per-column path, given a g_idx of k // 128) against cuBLAS bf16, in TFLOP/s.
 
 Timed as gemv_bench.py times (a CUDA graph of back-to-back calls over enough weight copies to
 defeat the 50 MB L2). --sweep: the word GEMV at each tile of SWEEP (AWQ-style), and the matmul
 at each of MATMUL_SWEEP; the best per shape and rows is printed last as a dict to paste into
-int_gemv_config (and the matmul's, to compare with wna16_config). The sweeps stop at BUDGET_S.
+int_gemv_config (and the matmul's into wna16.py's TUNED). The sweeps stop at BUDGET_S.
 `cd benchmarks/scripts && python3 int4_gemv_bench.py [--sweep]`"""
 
 import sys
@@ -34,8 +34,8 @@ GROUP = 128
 SWEEP = [(16, 256, 8, 3), (8, 256, 4, 3), (4, 256, 2, 3), (8, 256, 8, 3), (32, 128, 8, 3), (8, 512, 8, 3),
          (16, 256, 8, 2), (16, 256, 8, 4)]
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-MATMUL_SWEEP = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
-                (128, 128, 128, 8, 3), (128, 64, 64, 4, 4)]
+MATMUL_SWEEP = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                (64, 128, 64, 4, 4), (128, 128, 128, 8, 2), (64, 64, 128, 4, 4)]
 BUDGET_S = (150, 200)  # seconds from the start at which the GEMV and matmul sweeps stop: the run stays < 4 min
 DEVICE = "cuda"
 
@@ -89,18 +89,16 @@ def decode(name: str, n: int, k: int, zeros: bool) -> None:
         err = (int_gemv(x, *ws[0], None, 4, GROUP).float() - F.linear(x.float(), ref)).abs().max().item()
         assert err < 0.05, f"{name} {style} M={rows}: the word GEMV differs from the dequantized weight by {err}"
         t_new = case.word(x)
-        if rows <= 4:
-            old_name = "per-value"
-            t_old = time_us(lambda i: gemv(x, ws[i][0], weight_scale=ws[i][1], weight_zeros=ws[i][2], bits=4,
-                                           group_size=GROUP), len(ws))
-        else:
-            old_name = "matmul"
-            t_old = time_us(lambda i: wna16_matmul(x, *ws[i], None, 4, GROUP), len(ws))
+        # the tensor-core matmul at every row count: where it passes the word GEMV sets
+        # kernel_paths.INT_GEMV_MAX_ROWS (the GEMV fuses the norm / SiLU prologue, the matmul does not)
+        t_mm = time_us(lambda i: wna16_matmul(x, *ws[i], None, 4, GROUP), len(ws))
+        t_val = time_us(lambda i: gemv(x, ws[i][0], weight_scale=ws[i][1], weight_zeros=ws[i][2], bits=4,
+                                       group_size=GROUP), len(ws)) if rows <= 4 else float("nan")
         t_blas = time_us(lambda i: F.linear(x, case.dense[i]), len(case.dense))
-        print(f"{name:12s} {style:4s} M={rows}  word {t_new:7.1f} us {size / t_new / 1e3:5.0f} GB/s | {old_name} "
-              f"{t_old:7.1f} us {size / t_old / 1e3:5.0f} GB/s | cuBLAS bf16 {t_blas:7.1f} us "
-              f"{2 * n * k / t_blas / 1e3:5.0f} GB/s | word {t_old / t_new:5.2f}x {old_name}, {t_blas / t_new:5.2f}x "
-              f"cuBLAS  {int_gemv_config(rows, n, k, 4)}", flush=True)
+        print(f"{name:12s} {style:4s} M={rows}  word {t_new:7.1f} us {size / t_new / 1e3:5.0f} GB/s | matmul "
+              f"{t_mm:7.1f} us {size / t_mm / 1e3:5.0f} GB/s | per-value {t_val:7.1f} us | cuBLAS bf16 {t_blas:7.1f} us "
+              f"{2 * n * k / t_blas / 1e3:5.0f} GB/s | word {t_mm / t_new:5.2f}x matmul, {t_blas / t_new:5.2f}x "
+              f"cuBLAS  {int_gemv_config(rows, n, k, 4)} {wna16_config(rows, n, k)}", flush=True)
 
 
 def sweep_decode(shapes: dict, best: dict, start: float) -> None:
@@ -144,9 +142,9 @@ def prefill(name: str, n: int, k: int, sweep: bool, best: dict, start: float) ->
         t_blas = time_us(lambda i: F.linear(x, dense[i]), 2, reps=10)
         print(f"{name:12s} awq  M={rows}  wna16 {t_int:8.1f} us {flop / t_int / 1e6:4.0f} TFLOP/s (per-column "
               f"{t_col:8.1f} us {flop / t_col / 1e6:4.0f}) | cuBLAS bf16 {t_blas:8.1f} us {flop / t_blas / 1e6:4.0f} "
-              f"TFLOP/s | {t_blas / t_int:5.2f}x cuBLAS  wna16_config {wna16_config(rows)}", flush=True)
+              f"TFLOP/s | {t_blas / t_int:5.2f}x cuBLAS  wna16_config {wna16_config(rows, n, k)}", flush=True)
         if sweep:
-            results = [(t_int, wna16_config(rows))]
+            results = [(t_int, wna16_config(rows, n, k))]
             for config in MATMUL_SWEEP:
                 if time.time() - start > BUDGET_S[1]:
                     print("    (sweep stopped: time budget)")
