@@ -104,7 +104,8 @@ class EngineCore:
         host = HostKVTier(self.runner.num_host_blocks) if config.kv_offload_gib else None
         swap = SwapSpace(self.runner.num_swap_blocks) if config.preemption_mode != "recompute" else None
         self.scheduler = Scheduler(self.block_pool, config, self.prefix_cache,
-                                   shared_window(config.model_config.layer_windows), snapshots, host, swap)
+                                   shared_window(config.model_config.layer_windows), snapshots, host, swap,
+                                   copy_stream=config.device == "cuda")  # runner/kv_copies.py
         self.structured = StructuredOutputManager.for_config(config, tokenizer)
         self.in_flight: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back

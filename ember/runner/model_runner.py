@@ -36,6 +36,7 @@ from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs, PiecewiseGraphs
 from ember.runner.draft_model import DraftCache, DraftModel
 from ember.runner.eagle3 import Eagle3Drafter
+from ember.runner.kv_copies import IssuedCopies, KVCopies
 from ember.runner.kv_heads import rank_kv_heads
 from ember.runner.mrope import MRopePositions
 from ember.runner.multimodal import ImageEmbedder, image_key_ends
@@ -71,6 +72,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its token is void (see launch)
     pooled: dict[str, list[float]] = field(default_factory=dict)  # runner="pooling": prompts that ended
+    kv_load_seconds: float | None = None  # how long its KV copies in from host memory took, where it had any
 
 
 @dataclass
@@ -89,6 +91,7 @@ class LaunchedStep:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why: its sampling row could not be built
     host_invalid: torch.Tensor | None = None  # SamplerOutput.invalid copied to the CPU like host_tokens
     pooled: tuple[list[str], torch.Tensor] | None = None  # (request ids, their vectors) copied like host_tokens
+    copies: IssuedCopies | None = None  # its KV copies to and from host memory (kv_copies.py)
 
 
 @dataclass
@@ -191,13 +194,12 @@ class ModelRunner:
         # zeroed: padded block-table entries and the null block are read (then masked), never NaN
         self.kv_cache = _zeros(shape, config.kv_cache_torch_dtype, self.device)
         self._attach_kv_cache()
-        # the host tier (scheduler/host_tier.py): slots of the same shape in host memory
-        # and preemption by swap (scheduler/swap_space.py)
+        # the host tier (scheduler/host_tier.py) and preemption by swap (scheduler/swap_space.py): host
+        # slots of a block each, and their copies (on CUDA on a copy stream: kv_copies.py)
         block = max(self.kv_bytes_per_block(), 1)
         self.num_host_blocks = int(config.kv_offload_gib * 2**30) // block
         self.num_swap_blocks = int(config.swap_space * 2**30) // block if config.preemption_mode != "recompute" else 0
-        self.host_kv = self._host_blocks(shape, self.num_host_blocks)
-        self.swap_kv = self._host_blocks(shape, self.num_swap_blocks)
+        self.kv_copies = KVCopies(self.kv_cache, self.num_host_blocks, self.num_swap_blocks)
         if self.drafter is not None:  # its own cache over the same block ids
             self.drafter.allocate_cache(self.num_blocks + self.num_null_blocks)
         self.sampler = Sampler(config.seed)
@@ -450,8 +452,7 @@ class ModelRunner:
         sampling; all n samples of a forking request share it. It is called once the forward
         and the LM head are queued, so on CUDA the CPU fills the masks while the GPU computes.
         Logprobs and prompt logprobs are computed here and read back by `collect`."""
-        if plan.kv_offloads or plan.kv_onloads or plan.swap_outs or plan.swap_ins:
-            self._move_kv(plan)
+        copies = self.kv_copies.launch(plan, self.kv_cache)  # host memory's, on CUDA on a copy stream
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         if self.drafter is not None:
@@ -467,6 +468,7 @@ class ModelRunner:
                 self.images.release(req.request_id)
             images = self.images.inputs(plan, input_ids)
         clock("prepare")
+        self.kv_copies.before_forward()
         if images is not None:  # eager: the graphs embed token ids at 1-D positions
             hidden = self.model(input_ids, positions, meta, images.embeds, images.deepstack)
         elif positions.dim() == 2:
@@ -489,7 +491,7 @@ class ModelRunner:
         if self.drafter is not None:  # speculative decoding's drafter: its KV for the step's tokens
             self.drafter.follow(plan, input_ids, positions, meta, aux)
         clock("forward")
-        step = LaunchedStep(plan)
+        step = LaunchedStep(plan, copies=copies)
         if self.pooler is not None:  # no sampling: the prompts that end here give their vectors
             pooled = self.pooler.pool(hidden, plan)
             if pooled:
@@ -548,26 +550,6 @@ class ModelRunner:
         if self.profile_steps:
             self.step_times["steps"] += 1
         return step
-
-    def _host_blocks(self, shape: tuple[int, ...], n: int) -> torch.Tensor | None:
-        """n blocks of the pool's shape in host memory (pinned for the GPU's copies)."""
-        if not n:
-            return None
-        return torch.zeros((*shape[:2], n, *shape[3:]), dtype=self.kv_cache.dtype,
-                           pin_memory=self.device.type == "cuda")
-
-    def _move_kv(self, plan: SchedulerOutput) -> None:
-        """Host memory's copies: blocks out to their slots (the host tier's evicted ones, the
-        swapped-out requests'), before anything writes into the blocks' new owners; then
-        blocks back in (a prefix hit's from the host tier, a resumed request's)."""
-        for pairs, host in ((plan.kv_offloads, self.host_kv), (plan.swap_outs, self.swap_kv)):
-            if pairs:
-                blocks, slots = (list(x) for x in zip(*pairs))
-                host[:, :, slots] = self.kv_cache[:, :, blocks].to("cpu")
-        for pairs, host in ((plan.kv_onloads, self.host_kv), (plan.swap_ins, self.swap_kv)):
-            if pairs:
-                slots, blocks = (list(x) for x in zip(*pairs))
-                self.kv_cache[:, :, blocks] = host[:, :, slots].to(self.device, non_blocking=True)
 
     def _split_aux(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward's hidden states and, for an EAGLE-3 head, the target layers' it returns after them."""
@@ -652,6 +634,7 @@ class ModelRunner:
         if step.pooled is not None:
             out.pooled = dict(zip(step.pooled[0], step.pooled[1].tolist()))
         out.failed = dict(step.failed)
+        out.kv_load_seconds = self.kv_copies.collect(step.copies)
         if step.host_invalid is not None:
             for (req, _), invalid in zip(step.owners, step.host_invalid.tolist()):
                 if invalid:

@@ -44,6 +44,8 @@ class PlanDiff:
     state_saves: list[tuple[str, int]] = field(default_factory=list)
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)  # the host tier's copies, as they are
     kv_onloads: list[tuple[int, int]] = field(default_factory=list)
+    kv_offloads_held: list[tuple[int, int]] = field(default_factory=list)
+    loads_ahead: bool = False
     swap_outs: list[tuple[int, int]] = field(default_factory=list)
     swap_ins: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # SchedulerOutput's, by id
@@ -80,6 +82,7 @@ class PlanEncoder:
     def encode(self, plan: SchedulerOutput) -> PlanDiff:
         diff = PlanDiff(block_copies=plan.block_copies, state_restores=plan.state_restores,
                         state_saves=plan.state_saves, kv_offloads=plan.kv_offloads, kv_onloads=plan.kv_onloads,
+                        kv_offloads_held=plan.kv_offloads_held, loads_ahead=plan.loads_ahead,
                         swap_outs=plan.swap_outs, swap_ins=plan.swap_ins,
                         preempted=[r.request_id for r in plan.preempted])
         if self.images is not None:
@@ -141,6 +144,7 @@ class PlanDecoder:
         self._take(diff.new)
         plan = SchedulerOutput(block_copies=diff.block_copies, state_restores=diff.state_restores,
                                state_saves=diff.state_saves, kv_offloads=diff.kv_offloads, kv_onloads=diff.kv_onloads,
+                               kv_offloads_held=diff.kv_offloads_held, loads_ahead=diff.loads_ahead,
                                swap_outs=diff.swap_outs, swap_ins=diff.swap_ins,
                                preempted=[self.requests[i] for i in diff.preempted if i in self.requests])
         for request_id, num_new, start, samples, pending, outputs, blocks, whole, drafts in diff.chunks:

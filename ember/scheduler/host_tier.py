@@ -7,9 +7,11 @@ offloading).
 Blocks are keyed by a chain hash of their tokens and everything before them (and the request's
 cache_salt), as vLLM's prefix-cache keys are, so a block is found whatever tree node held it.
 The tier is an LRU of `num_slots` host slots. It only keeps the bookkeeping; the runner moves
-the bytes, in the order each plan lists them: `kv_offloads` (device block -> host slot) before
-the step's forward writes into a reused block, then `kv_onloads` (host slot -> device block).
-A slot a plan reads is pinned until the next schedule, so no offload of the same plan overwrites it."""
+the bytes (runner/kv_copies.py), in the order each plan lists them: `kv_offloads` (device block ->
+host slot) before the step's forward writes into a reused block, `kv_offloads_held` (blocks
+evicted ahead of need, held until the step is collected), then `kv_onloads` (host slot -> device
+block). A slot a plan reads is pinned until the next schedule, so no offload of the same plan
+overwrites it; on CUDA all copies run in order on one copy stream, so neither does a later plan's."""
 
 from __future__ import annotations
 
@@ -36,17 +38,19 @@ class HostKVTier:
         self.num_offloaded = 0  # blocks copied to host slots, since start
         self.num_onloaded = 0  # blocks copied back for admitted requests (the scheduler counts them)
 
-    def offload(self, chain_hash: int, block_id: int) -> None:
-        """An evicted block with this chain hash: kept (copied to a slot), unless the tier holds it."""
+    def offload(self, chain_hash: int, block_id: int) -> bool:
+        """An evicted block with this chain hash: kept (copied to a slot), unless the tier holds it.
+        Whether a copy was queued."""
         if chain_hash in self.slots:
             self.slots.move_to_end(chain_hash)
-            return
+            return False
         slot = self._take_slot()
         if slot is None:
-            return
+            return False
         self.slots[chain_hash] = slot
         self.offloads.append((block_id, slot))
         self.num_offloaded += 1
+        return True
 
     def _take_slot(self) -> int | None:
         if self.free:

@@ -80,8 +80,10 @@ class PrefixCache(ABC):
         tokens, `block_ids` is updated in place to it (the caller's copy is freed)."""
 
     @abstractmethod
-    def evict(self, num_blocks: int) -> None:
-        """Free at least `num_blocks` evictable blocks, least recently used leaves first."""
+    def evict(self, num_blocks: int, hold: bool = False) -> list[int]:
+        """Free at least `num_blocks` evictable blocks, least recently used leaves first. With
+        `hold`, those the host tier copies out stay in use instead (their copy is in flight)
+        until the caller frees them; returns those (else [])."""
 
     def insert_partial(self, token_ids: Sequence[int], block_ids: list[int], salt: str | None = None) -> None:
         """Cache a finished request's last, partly filled block `block_ids[-1]`, which holds
@@ -114,7 +116,7 @@ class NullPrefixCache(PrefixCache):
     def insert(self, token_ids: Sequence[int], block_ids: list[int], salt: str | None = None) -> None:
         pass
 
-    def evict(self, num_blocks: int) -> None:
+    def evict(self, num_blocks: int, hold: bool = False) -> list[int]:
         raise AssertionError("nothing is cached, so nothing can be evicted")
 
 
@@ -281,12 +283,12 @@ class RadixPrefixCache(PrefixCache):
         parent.children[first] = node
         return node
 
-    def evict(self, num_blocks: int) -> None:
+    def evict(self, num_blocks: int, hold: bool = False) -> list[int]:
         # finding the candidates walks the whole tree: once the pool is full of cached blocks
         # every allocation evicts, so free a batch at a time to walk it less often
         num_blocks = min(max(num_blocks, self.pool.num_blocks // EVICT_BATCH_DIVISOR), self.pool.num_evictable)
         idle_below: dict[RadixNode, int] = {}  # idle nodes under each node
-        candidates = []
+        candidates, held = [], []
         for node in reversed(self._nodes()):  # children before their parents
             idle_below[node] = sum(idle_below[c] + self._idle(c) for c in node.children.values())
             if self._idle(node) and not idle_below[node]:
@@ -297,7 +299,9 @@ class RadixPrefixCache(PrefixCache):
             k = len(node.block_ids) if node.children else min(num_blocks, len(node.block_ids))
             if self.host is not None and len(node.token_ids) >= self.block_size:  # (not a partial leaf)
                 for h, b in zip(self._chain_hashes(node)[-k:], node.block_ids[-k:]):
-                    self.host.offload(h, b)
+                    if self.host.offload(h, b) and hold:
+                        self.pool.share([b])  # in use until the caller frees it: not reused mid-copy
+                        held.append(b)
             for b in reversed(node.block_ids[-k:]):
                 self.pool.uncache(b)
                 self.on_evict(b)
@@ -320,6 +324,7 @@ class RadixPrefixCache(PrefixCache):
                     heapq.heappush(candidates, (parent.last_access, id(parent), parent))
                 parent = parent.parent
         self.salted = {salt: root for salt, root in self.salted.items() if root.children}  # emptied salts go
+        return held
 
     def _chain_hashes(self, node: RadixNode) -> list[int]:
         """host_tier.block_hashes of each block of `node`, from its tree's root."""

@@ -95,6 +95,7 @@ from ember.scheduler.swap_space import SWAP_MIN_TOKENS, SwapSpace
 
 LPM_MAX_PASSED_OVER = 32
 LPM_MAX_QUEUE = 128  # a longer queue is taken in arrival order: lpm looks up every waiting request
+EVICT_AHEAD_DIVISOR = 32  # with a copy stream, the host tier's evictions keep 1/32 of the pool free (see _evict_ahead)
 
 
 @dataclass
@@ -128,6 +129,12 @@ class SchedulerOutput:
     # then (host slot, device block) kept blocks a request's prefix hit takes back
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)
     kv_onloads: list[tuple[int, int]] = field(default_factory=list)
+    # with a copy stream (`Scheduler.copy_stream`): (device block, host slot) of blocks evicted ahead of
+    # need, held until this step is collected (in free_when_collected), so their copies wait for nothing
+    kv_offloads_held: list[tuple[int, int]] = field(default_factory=list)
+    # its copies in are for requests that it does not run yet (they run from the next step on): its
+    # forward does not wait for them
+    loads_ahead: bool = False
     # preemption by swap (swap_space.py): (device block, slot) of the requests it preempts, (slot,
     # device block) of those it resumes
     swap_outs: list[tuple[int, int]] = field(default_factory=list)
@@ -154,14 +161,19 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_pool: BlockPool, config: EngineConfig, prefix_cache: PrefixCache | None = None,
                  sliding_window: int | None = None, state_snapshots: NoStateSnapshots | None = None,
-                 host_tier: HostKVTier | None = None, swap_space: SwapSpace | None = None) -> None:
+                 host_tier: HostKVTier | None = None, swap_space: SwapSpace | None = None,
+                 copy_stream: bool = False) -> None:
         """`config`: the block size, seats, token budget, max_model_len, policy and (the CPU's)
         `attention_parity_len`: shrink prefill chunks deep in a long context, see `_chunk`.
         `sliding_window`: the largest window when every layer has one
         (`sliding_window.shared_window`), else None. `state_snapshots`: a model with recurrent
         layers' snapshots of their state (state_snapshots.py), which its prefix-cache hits need.
         `host_tier`: where the prefix cache's evicted blocks are kept (host_tier.py).
-        `swap_space`: where preempted requests' blocks go with preemption_mode swap / auto."""
+        `swap_space`: where preempted requests' blocks go with preemption_mode swap / auto.
+        `copy_stream`: the runner copies KV to and from host memory beside the steps (CUDA's copy
+        stream, runner/kv_copies.py): a request whose blocks load runs from the next step on
+        when others run in this one (`_load_ahead`), and the host tier's evictions run ahead of
+        need (`_evict_ahead`)."""
         self.policy = config.scheduling_policy  # one of EngineConfig's (fcfs, priority, lpm)
         self.pool = block_pool
         self.prefix_cache = prefix_cache or NullPrefixCache()
@@ -171,6 +183,7 @@ class Scheduler:
         self.swap = swap_space
         self.preemption_mode = config.preemption_mode
         self.num_swapped = 0  # preemptions by swap (the rest recomputed)
+        self.copy_stream = copy_stream
         if host_tier is not None:
             self.prefix_cache.host = host_tier
         self.block_size = config.block_size
@@ -266,6 +279,7 @@ class Scheduler:
         computing = {key for c in plan.chunks if c.num_new_tokens > 1
                      and (key := self._block_key(c.request, c.start // self.block_size)) is not None}
         deferred: set[str] = set()
+        loading: list[Request] = []  # admitted with blocks to copy in
         while len(self.waiting) > len(deferred) and budget > 0 and not (plan.preempted or plan.short_of_blocks):
             req = self._next_waiting(deferred)
             if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
@@ -294,6 +308,8 @@ class Scheduler:
             if copy is not None:  # the source stays held until the step that copies it is collected
                 plan.block_copies.append(copy)
                 plan.free_when_collected.append(copy[0])
+            if swap_ins or onloads:
+                loading.append(req)
             if swap_ins:
                 plan.swap_ins += swap_ins
                 self.swap.give_back(req.swapped[0])
@@ -315,11 +331,39 @@ class Scheduler:
             if images:
                 self.encoder_budget.spend(images)
             budget -= n
+        if loading and self.copy_stream:
+            self._load_ahead(plan, loading)
         if budget > 0 and not plan.preempted:
             self._add_drafts(plan, budget)
         if self.host is not None:
             plan.kv_offloads = self.host.take_offloads()  # those of evictions since the last plan too
+            if self.copy_stream and plan.chunks:
+                self._evict_ahead(plan)
         return plan
+
+    def _load_ahead(self, plan: SchedulerOutput, loading: list[Request]) -> None:
+        """With a copy stream: requests whose blocks this step copies in run from the next step on,
+        when others run in this one, so the copies overlap those others' forward instead of
+        delaying it (the next step's forward waits for them). They are running already: their
+        seats and blocks are theirs, and a later schedule gives them their chunk as it would any
+        running request's."""
+        ids = {r.request_id for r in loading}
+        if all(c.request.request_id in ids for c in plan.chunks):
+            return  # nobody else to run meanwhile: this step reads them, after its copies
+        plan.chunks = [c for c in plan.chunks if c.request.request_id not in ids]
+        plan.state_saves = [s for s in plan.state_saves if s[0] not in ids]
+        plan.loads_ahead = True
+
+    def _evict_ahead(self, plan: SchedulerOutput) -> None:
+        """With a copy stream and a host tier: once fewer blocks are free than a decode step of the
+        running requests may take (one each) or 1/EVICT_AHEAD_DIVISOR of the pool, evict idle cached
+        blocks into the tier now, held until this step is collected, so that the next steps'
+        allocations find free blocks whose copies are done rather than evict blocks that their own
+        forward then has to wait for."""
+        want = max(len(self.running), self.pool.num_blocks // EVICT_AHEAD_DIVISOR) - self.pool.num_free
+        if want > 0 and self.pool.num_evictable:
+            plan.free_when_collected += self.prefix_cache.evict(want, hold=True)
+            plan.kv_offloads_held = self.host.take_offloads()
 
     def _add_drafts(self, plan: SchedulerOutput, budget: int) -> None:
         """Speculative decoding: each decode chunk takes its request's drafts as far as the step's

@@ -2,7 +2,8 @@
 default model's batch-invariant path: a conversation whose first turn the small device pool
 evicted gets its blocks back from host memory on the next turn, and its tokens and logprobs are
 bit for bit the run without the tier (which recomputes them); the tier's LRU and pins; an abort
-while blocks load leaves nothing held."""
+while blocks load leaves nothing held; the scheduling a copy stream gets (CUDA's), over the CPU's
+copies."""
 
 from __future__ import annotations
 
@@ -80,6 +81,54 @@ def test_an_abort_while_blocks_load_holds_nothing(engines):
     assert req.block_ids == []
     core.check_idle()
     core.prefix_cache.check_integrity()
+
+
+def test_with_a_copy_stream_a_loading_request_waits_a_step_while_others_run(engines):
+    """The scheduling CUDA's copy stream gets (Scheduler.copy_stream; runner/kv_copies.py), over the
+    CPU's in-place copies: the step that admits a request whose blocks load runs the others without
+    it, evictions into the tier run ahead of need with their blocks held until the step is
+    collected, and every token is the plain engine's."""
+    plain, tier = engines
+    conversation(tier)
+    core, tok, sched, pool = tier.engine, tier.get_tokenizer(), tier.engine.scheduler, tier.engine.block_pool
+    for city in ("Oslo", "Lima", "Perth"):  # blocks new to the tier push the conversation out of the pool
+        tier.generate([{"prompt_token_ids": tok.encode(f"Describe the weather in {city}, month by month. " * 9)}],
+                      greedy(4))
+    other = Request("other", tok.encode("Name three rivers and the seas they reach. " * 4), greedy(12, ignore_eos=True))
+    loading = Request("loading", tok.encode(FIRST) + tok.encode(" Who waved?"), greedy(8, ignore_eos=True))
+    sched.copy_stream = True
+    try:
+        core.add_request(other)
+        core.step()
+        core.add_request(loading)
+        hits = sched.host_hit_tokens
+        plan, held = step_by_hand(core)
+        assert sched.host_hit_tokens > hits and plan.kv_onloads and plan.loads_ahead
+        assert [c.request for c in plan.chunks] == [other] and loading.num_computed_tokens == loading.num_cached_tokens
+        assert len(other.output_token_ids) == 2 and not loading.output_token_ids  # the other's token came
+        while not held:  # until a step evicts ahead (fewer than 1 free block)
+            _, held = step_by_hand(core)
+        assert all(pool.ref_counts[b] == 0 for b in held)  # free once the step was collected
+        while core.has_unfinished_requests():
+            core.step()
+    finally:
+        sched.copy_stream = False
+    want = [plain.generate([{"prompt_token_ids": r.prompt_token_ids}], r.sampling_params)[0] for r in (other, loading)]
+    assert [list(o.outputs[0].token_ids) for o in want] == [other.output_token_ids, loading.output_token_ids]
+    core.check_idle()
+    core.prefix_cache.check_integrity()
+
+
+def step_by_hand(core) -> tuple:
+    """EngineCore's step by hand: schedule, launch, collect; the plan and the blocks it evicted ahead
+    of need, each checked to be held (in use, out of the cache) until the step was collected."""
+    plan = core.scheduler.schedule()
+    held = [b for b, _ in plan.kv_offloads_held]
+    assert all(core.block_pool.ref_counts[b] == 1 and not core.block_pool.cached[b] for b in held)
+    core.in_flight.append(core.runner.launch(plan))
+    core.scheduler.mark_launched(plan)
+    core.finish_in_flight()
+    return plan, held
 
 
 def test_the_tier_keeps_the_most_recently_used_and_never_a_slot_a_plan_reads():

@@ -1,0 +1,159 @@
+"""KV blocks copied between the device pool and host slots: the host tier's (scheduler/host_tier.py)
+and the swap space's (scheduler/swap_space.py), as each plan lists them.
+
+Host slots are slot-major, (slot, plane, layer, token, head, dim) in the cache's bytes, so a run of
+consecutive slots is one contiguous stretch, moved by one copy call; the device side is gathered
+into (or scattered from) one contiguous staging tensor by one indexing kernel a list.
+
+On CUDA every copy runs on a copy stream of its own, and the CPU never waits for one (pinned host
+memory, non_blocking copies):
+- the copy stream first waits for the compute stream as the launch finds it, so a copy out reads
+  what the steps before wrote, and a copy in lands after the steps before are done;
+- copies out whose blocks this very step hands to new owners (`kv_offloads`: evictions its
+  allocations made; `swap_outs`) end in an event the compute stream waits for before the step
+  writes anything: the one case left on the step's path;
+- copies out of blocks the scheduler evicted ahead of need (`kv_offloads_held`) are waited for by
+  nobody on the device: their blocks are held until the step is collected, and `collect` makes
+  sure the copies are done first;
+- copies in (a host-tier hit's, a swapped-in request's) end in an event that the forward of the
+  step reading them waits for: this step's, or with `loads_ahead` (the scheduler runs their
+  requests from the next step on) the next launch's, so this step's forward overlaps them.
+On the CPU the copies run in place, in the same order."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ember.runner.sampler import to_device
+from ember.scheduler.scheduler import SchedulerOutput
+
+
+@dataclass
+class IssuedCopies:
+    """A step's copies, until `KVCopies.collect`."""
+
+    done: torch.cuda.Event | None = None  # CUDA: after every copy of the step
+    load_start: torch.cuda.Event | None = None  # CUDA: before its copies in
+    wait_at_collect: bool = False  # held blocks or loads: collect waits for `done`
+    load_seconds: float | None = None  # the CPU's in-place copies in, timed
+
+
+class KVCopies:
+    """The copies of each plan (see the module's docstring), between `kv_cache`'s blocks and the
+    host buffers `host_blocks` makes."""
+
+    def __init__(self, kv_cache: torch.Tensor, tier_slots: int, swap_slots: int) -> None:
+        self.device = kv_cache.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.tier = self.host_blocks(kv_cache, tier_slots)
+        self.swap = self.host_blocks(kv_cache, swap_slots)
+        self._waits_now: list[torch.cuda.Event] = []  # loads this launch's forward waits for
+        self._waits_next: list[torch.cuda.Event] = []  # loads the next launch waits for
+
+    def host_blocks(self, kv_cache: torch.Tensor, n: int) -> torch.Tensor | None:
+        """n slots of one block each in host memory (pinned for the GPU's copies), slot-major."""
+        if not n:
+            return None
+        raw = _raw(kv_cache)
+        return torch.empty((n, *raw.shape[:2], *raw.shape[3:]), dtype=torch.uint8,
+                           pin_memory=self.device.type == "cuda")
+
+    def launch(self, plan: SchedulerOutput, kv_cache: torch.Tensor) -> IssuedCopies | None:
+        """Queue the plan's copies (before its block copies and forward); None when it has none."""
+        outs = [(plan.kv_offloads, self.tier), (plan.swap_outs, self.swap)]
+        held = plan.kv_offloads_held
+        ins = [(plan.kv_onloads, self.tier), (plan.swap_ins, self.swap)]
+        has_outs, has_ins = any(p for p, _ in outs), any(p for p, _ in ins)
+        compute = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        for event in self._waits_next:  # the last launch's loads, before this step touches a block
+            compute.wait_event(event)
+        self._waits_next = []
+        if not (has_outs or held or has_ins):
+            return None
+        raw = _raw(kv_cache)
+        if self.stream is None:
+            for pairs, host in [*outs, (held, self.tier)]:
+                _copy_out(raw, host, pairs)
+            start = time.perf_counter()
+            for pairs, host in ins:
+                _copy_in(raw, host, pairs)
+            return IssuedCopies(load_seconds=time.perf_counter() - start if has_ins else None)
+        issued = IssuedCopies(wait_at_collect=bool(held) or has_ins)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            for pairs, host in outs:
+                _copy_out(raw, host, pairs)
+            if has_outs:  # their blocks' new owners write in this step
+                handed = torch.cuda.Event()
+                handed.record(self.stream)
+                compute.wait_event(handed)
+            _copy_out(raw, self.tier, held)
+            if has_ins:
+                issued.load_start = torch.cuda.Event(enable_timing=True)
+                issued.load_start.record(self.stream)
+            for pairs, host in ins:
+                _copy_in(raw, host, pairs)
+            issued.done = torch.cuda.Event(enable_timing=has_ins)
+            issued.done.record(self.stream)
+        if has_ins:
+            (self._waits_next if plan.loads_ahead else self._waits_now).append(issued.done)
+        return issued
+
+    def before_forward(self) -> None:
+        """The compute stream waits for the loads this step's forward reads."""
+        if self._waits_now:
+            compute = torch.cuda.current_stream(self.device)
+            for event in self._waits_now:
+                compute.wait_event(event)
+            self._waits_now = []
+
+    def collect(self, issued: IssuedCopies | None) -> float | None:
+        """Once the step's copies are done (held blocks may then be reused): the seconds its
+        copies in took, None without any."""
+        if issued is None:
+            return None
+        if issued.done is None:
+            return issued.load_seconds
+        if issued.wait_at_collect:
+            issued.done.synchronize()
+        return issued.load_start.elapsed_time(issued.done) / 1e3 if issued.load_start is not None else None
+
+
+def _raw(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache's bytes (any dtype, fp8 included, indexes and copies as uint8)."""
+    return kv_cache.view(torch.uint8)
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(index into `slots`, first slot, length) of each run of consecutive slots, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, s, 1))
+    return runs
+
+
+def _copy_out(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
+    """Device blocks to host slots, `pairs` (block, slot): one gather, one copy a run of slots."""
+    if not pairs:
+        return
+    blocks, slots = (list(x) for x in zip(*pairs))
+    staged = raw.index_select(2, to_device(blocks, raw.device, torch.int64)).movedim(2, 0).contiguous()
+    for i, first, n in slot_runs(slots):
+        host[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+
+
+def _copy_in(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
+    """Host slots to device blocks, `pairs` (slot, block): one copy a run of slots, one scatter."""
+    if not pairs:
+        return
+    slots, blocks = (list(x) for x in zip(*pairs))
+    staged = torch.empty((len(slots), *host.shape[1:]), dtype=torch.uint8, device=raw.device)
+    for i, first, n in slot_runs(slots):
+        staged[i:i + n].copy_(host[first:first + n], non_blocking=True)
+    raw.index_copy_(2, to_device(blocks, raw.device, torch.int64), staged.movedim(0, 2))

@@ -1,0 +1,128 @@
+"""KV copies between the device pool and host slots (runner/kv_copies.py): on the CPU each block's
+bytes land in its slot and come back to another block, in any cache dtype; `-m gpu`: on CUDA's
+copy stream, the host tier and swap give a big pool's greedy tokens (deterministic mode), a step
+with a load in flight runs the other requests (the loading one from the next step on), and an
+abort while its blocks load leaves nothing held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.request import Request, RequestStatus
+from ember.runner.kv_copies import KVCopies, slot_runs
+from ember.sampling_params import SamplingParams
+from ember.scheduler.scheduler import SchedulerOutput
+
+
+def test_slot_runs():
+    assert slot_runs([4, 5, 6, 2, 3, 9]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1)]
+    assert slot_runs([]) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_blocks_go_to_their_slots_and_come_back(dtype):
+    shape = (2, 3, 6, 4, 2, 8)  # planes, layers, blocks, tokens, heads, dims
+    cache = torch.randn(shape).to(dtype)
+    copies = KVCopies(cache, tier_slots=5, swap_slots=3)
+    want = cache.clone()
+    # outs: blocks 1, 2 to tier slots 3, 4 (one run), held block 5 to slot 0; block 0 to swap slot 2
+    assert copies.launch(SchedulerOutput(kv_offloads=[(1, 3), (2, 4)], kv_offloads_held=[(5, 0)],
+                                         swap_outs=[(0, 2)]), cache).load_seconds is None
+    cache.zero_()
+    # ins: tier slots 4, 0 to blocks 0, 3; swap slot 2 to block 5
+    issued = copies.launch(SchedulerOutput(kv_onloads=[(4, 0), (0, 3)], swap_ins=[(2, 5)]), cache)
+    assert copies.collect(issued) >= 0
+    raw, ref = cache.view(torch.uint8), want.view(torch.uint8)
+    for dst, src in ((0, 2), (3, 5), (5, 0)):
+        assert torch.equal(raw[:, :, dst], ref[:, :, src])
+    assert not raw[:, :, [1, 2, 4]].any()  # nothing else written
+    assert copies.launch(SchedulerOutput(), cache) is None
+
+
+# -- on CUDA (-m gpu) ------------------------------------------------------------------------
+
+CONFIG = "benchmarks/configs/qwen3-0.6b"
+ARGS = dict(load_format="dummy", dtype="bfloat16", seed=0, max_num_seqs=8, deterministic=True, block_size=16,
+            max_model_len=512)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(100, 150000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _tokens(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                               _greedy(n))]
+
+
+@pytest.fixture(scope="module")
+def cuda_engines():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ember import LLM
+
+    big = LLM(CONFIG, num_kv_blocks=256, **ARGS)
+    block = big.engine.runner.kv_bytes_per_block()
+    tier = LLM(CONFIG, num_kv_blocks=40, kv_offload_gib=128 * block / 2**30, **ARGS)
+    swap = LLM(CONFIG, num_kv_blocks=40, preemption_mode="swap", swap_space=128 * block / 2**30, **ARGS)
+    yield big, tier, swap
+
+
+def _evict(llm, seed: int) -> None:
+    """Three prompts, new to it, that fill the small pool with other blocks (earlier turns' go to host memory)."""
+    _tokens(llm, [_prompt(seed + i, 500) for i in range(3)], 4)
+
+
+@pytest.mark.gpu
+def test_the_host_tier_and_swap_on_the_copy_stream_give_a_big_pools_tokens(cuda_engines):
+    big, tier, swap = cuda_engines
+    first = _prompt(1, 400)
+    turns = {}
+    for name, llm in (("big", big), ("tier", tier)):
+        out = _tokens(llm, [first], 24)[0]
+        _evict(llm, 100)
+        second = first + out + _prompt(2, 40)
+        turns[name] = out, _tokens(llm, [second, _prompt(3, 60)], 24)
+    assert turns["tier"] == turns["big"]
+    sched = tier.engine.scheduler
+    assert sched.host_hit_tokens >= 400 // 16 * 16 and tier.engine.kv_loads > 0 and tier.engine.kv_load_seconds > 0
+    tier.engine.check_idle()
+    prompts = [_prompt(10 + i, 150) for i in range(4)]  # four that grow past the 40 blocks: preemptions
+    assert _tokens(swap, prompts, 120) == _tokens(big, prompts, 120)
+    assert swap.engine.scheduler.num_swapped > 0 and swap.engine.kv_loads > 0
+    swap.engine.check_idle()
+
+
+@pytest.mark.gpu
+def test_a_step_with_a_load_in_flight_runs_the_others_and_an_abort_then_holds_nothing(cuda_engines):
+    big, tier, _ = cuda_engines
+    core = tier.engine
+    first = _prompt(20, 400)
+    _tokens(tier, [first], 4)
+    for abort in (False, True):
+        _evict(tier, 200 + 10 * abort)
+        other = Request(f"other-{abort}", _prompt(21, 100), _greedy(16))
+        loading = Request(f"loading-{abort}", first + _prompt(22, 30), _greedy(8))
+        core.add_request(other)
+        while not other.output_token_ids:
+            core.step()
+        hits = core.scheduler.host_hit_tokens
+        core.add_request(loading)
+        core.step()  # admits it: its blocks load on the copy stream while the others' step runs
+        plan = core.scheduler.in_flight[-1]  # (async scheduling: launched, not yet updated)
+        assert core.scheduler.host_hit_tokens > hits and plan.kv_onloads and plan.loads_ahead
+        assert [c.request for c in plan.chunks] == [other]  # the other's token comes in this step
+        assert loading.status is RequestStatus.RUNNING and loading.num_computed_tokens == loading.num_cached_tokens
+        if abort:
+            core.abort_request(loading.request_id)
+        while core.has_unfinished_requests():
+            core.step()
+        assert other.output_token_ids == _tokens(big, [other.prompt_token_ids], 16)[0]
+        if not abort:
+            assert loading.output_token_ids == _tokens(big, [loading.prompt_token_ids], 8)[0]
+        core.check_idle()
