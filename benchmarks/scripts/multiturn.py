@@ -32,7 +32,8 @@ prompts: every history had been evicted), with the tier 18,368, 14,848 of them l
 Per arm one RESULT line (JSON): TTFT p50 / p99 of the returning turns (2 and later) and of the
 first, requests completed and failed, the wall time, and the server's prefix-cache, tier and
 preemption counters from /metrics (ember: prefix_cache_hits_total, kv_offload_hits_total,
-kv_offload_bytes_total; vLLM: prefix_cache_hits_total, external_prefix_cache_hits_total (the
+kv_offload_bytes_total, kv_offload_load_seconds_count / _sum (steps that loaded, their copies'
+seconds); vLLM: prefix_cache_hits_total, external_prefix_cache_hits_total (the
 offloading connector's hits), kv_offload_load_bytes_total / store_bytes_total); all of them in
 DIR/multiturn.json, then the ratios the goal names.
 """
@@ -63,7 +64,8 @@ from ember.bench.serve import (
 from ember.loader.tokenizer_files import load_tokenizer
 
 ARMS = ("vllm", "vllm-offload", "ember", "ember-tier")
-COUNTERS = re.compile(r"^((?:vllm|ember):\w*(?:prefix_cache|offload|preemption)\w*_total)(\{[^}]*\})? (\S+)$", re.M)
+COUNTERS = re.compile(r"^((?:vllm|ember):\w*(?:prefix_cache|offload|preemption)\w*_(?:total|count|sum))(\{[^}]*\})? (\S+)$",
+                      re.M)
 
 
 def arm_flags(arm: str, args: argparse.Namespace) -> list[str]:

@@ -106,6 +106,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_pool, config, self.prefix_cache,
                                    shared_window(config.model_config.layer_windows), snapshots, host, swap,
                                    copy_stream=config.device == "cuda")  # runner/kv_copies.py
+        self.kv_loads = 0  # steps that copied KV in from host memory, since start
+        self.kv_load_seconds = 0.0  # and how long those copies took
         self.structured = StructuredOutputManager.for_config(config, tokenizer)
         self.in_flight: deque[LaunchedStep] = deque()  # queued on the device, not yet collected
         self._failed: list[EngineCoreOutput] = []  # requests failed since the last step, for step() to hand back
@@ -223,13 +225,14 @@ class EngineCore:
                            spec_accepted_per_position=tuple(sched.spec.accepted_per_position),
                            sleep_level=self.sleeping, **self._host_stats())
 
-    def _host_stats(self) -> dict[str, int]:
+    def _host_stats(self) -> dict[str, int | float]:
         host = self.scheduler.host
+        loads = dict(kv_loads=self.kv_loads, kv_load_seconds=self.kv_load_seconds)
         if host is None:
-            return {}
+            return loads
         block = self.runner.kv_cache_bytes // self.runner.num_blocks  # a block of every layer (one rank's)
         return dict(host_hit_tokens=self.scheduler.host_hit_tokens, host_bytes_to_host=host.num_offloaded * block,
-                    host_bytes_to_device=host.num_onloaded * block)
+                    host_bytes_to_device=host.num_onloaded * block, **loads)
 
     # -- operations (the server's /reset_prefix_cache, /start_profile, /sleep, ...) ------------
 
@@ -354,6 +357,9 @@ class EngineCore:
         Requests that left while it ran get nothing, nor do those whose row failed (they fail)."""
         for request_id in result.failed:
             result.sampled.pop(request_id, None)
+        if result.kv_load_seconds is not None:
+            self.kv_loads += 1
+            self.kv_load_seconds += result.kv_load_seconds
         # a verifying chunk appends the run of tokens it accepted, any other one token
         had = {c.request.request_id: len(c.request.output_token_ids) for c in plan.chunks if c.draft_token_ids}
         stepped, finished = self.scheduler.update(plan, result.sampled)

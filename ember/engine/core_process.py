@@ -124,7 +124,7 @@ def stats_row(s: EngineStats) -> tuple:
     return (s.num_running, s.num_waiting, s.num_kv_blocks, s.num_kv_blocks_in_use, s.num_preemptions,
             s.prefix_cache_queries, s.prefix_cache_hits, s.spec_num_drafts, s.spec_num_draft_tokens,
             s.spec_num_accepted_tokens, s.spec_accepted_per_position, s.host_hit_tokens, s.host_bytes_to_host,
-            s.host_bytes_to_device, s.sleep_level)
+            s.host_bytes_to_device, s.kv_loads, s.kv_load_seconds, s.sleep_level)
 
 
 

@@ -39,6 +39,9 @@ class EngineStats:
     host_hit_tokens: int = 0  # prompt tokens it gave back at admission
     host_bytes_to_host: int = 0  # evicted blocks kept
     host_bytes_to_device: int = 0  # kept blocks loaded back
+    # steps that copied KV in from host memory (host-tier hits, swap-ins) and those copies' seconds
+    kv_loads: int = 0
+    kv_load_seconds: float = 0.0
     sleep_level: int = 0  # 0: awake; 1, 2: asleep (/sleep), so every API process refuses generation
 
     @property

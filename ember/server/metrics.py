@@ -7,7 +7,9 @@ scrape time):
     tokens), and with speculative decoding spec_decode_num_drafts_total,
     spec_decode_num_draft_tokens_total, spec_decode_num_accepted_tokens_total,
     spec_decode_num_accepted_tokens_per_pos_total{position}, and with --kv-offload-gib
-    kv_offload_hits_total (tokens), kv_offload_bytes_total{direction}
+    kv_offload_hits_total (tokens), kv_offload_bytes_total{direction}; with a host tier or swap
+    the summary kv_offload_load_seconds (count: steps that copied KV in from host memory, sum:
+    those copies' seconds, timed on the copy stream on CUDA)
 The API process's (fed by `PrometheusStatLogger.record()` on the engine thread after every
 step; prometheus_client is thread-safe):
     counters prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
@@ -24,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from ember.engine.stats import EngineStats, IterationStats
@@ -45,7 +47,7 @@ class _CoreCollector(Collector):
         self.model_name = model_name
         self.stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily]:
         s = self.stats() or EngineStats()
         m = self.model_name
         for name, doc, value in [
@@ -86,6 +88,11 @@ class _CoreCollector(Collector):
             for direction, n in moved:
                 c.add_metric([m, direction], n)
             yield c
+        if s.kv_loads:
+            summary = SummaryMetricFamily("ember:kv_offload_load_seconds", "Copies of KV blocks in from host memory "
+                                          "(host-tier hits, swap-ins): a step's, in seconds.", labels=["model_name"])
+            summary.add_metric([m], count_value=s.kv_loads, sum_value=s.kv_load_seconds)
+            yield summary
 
 
 class PrometheusStatLogger:

@@ -51,6 +51,7 @@ def test_multiturn_returning_turns_hit_the_host_tier(gguf_path, tmp_path):
     hits = m["ember:kv_offload_hits_total"]
     assert hits >= 16 and hits % 16 == 0 and m["ember:prefix_cache_hits_total"] >= hits
     assert m['ember:kv_offload_bytes_total{direction="to_device"}'] > 0
+    assert m["ember:kv_offload_load_seconds_count"] > 0 and m["ember:kv_offload_load_seconds_sum"] > 0
     assert row["ttft_p50_ms_returning"] > 0 and row["ttft_p50_ms_first"] > 0
 
 
