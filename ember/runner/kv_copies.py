@@ -3,7 +3,8 @@ and the swap space's (scheduler/swap_space.py), as each plan lists them.
 
 Host slots are slot-major, (slot, plane, layer, token, head, dim) in the cache's bytes, so a run of
 consecutive slots is one contiguous stretch, moved by one copy call; the device side is gathered
-into (or scattered from) one contiguous staging tensor by one indexing kernel a list.
+into (or scattered from) a contiguous staging tensor by one indexing kernel a batch of at most
+STAGING_BYTES.
 
 On CUDA every copy runs on a copy stream of its own, and the CPU never waits for one (pinned host
 memory, non_blocking copies):
@@ -29,6 +30,10 @@ import torch
 
 from ember.runner.sampler import to_device
 from ember.scheduler.scheduler import SchedulerOutput
+
+# the most device memory a batch of copies stages (on the copy stream: the next batch reuses it),
+# outside the KV pool and the activations' profile
+STAGING_BYTES = 256 << 20
 
 
 @dataclass
@@ -138,22 +143,26 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _batches(raw: torch.Tensor, pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`pairs` cut so that each batch's staging tensor holds at most STAGING_BYTES (one block at least)."""
+    per_batch = max(1, STAGING_BYTES // (raw[:, :, 0].numel()))
+    return [pairs[i:i + per_batch] for i in range(0, len(pairs), per_batch)]
+
+
 def _copy_out(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
-    """Device blocks to host slots, `pairs` (block, slot): one gather, one copy a run of slots."""
-    if not pairs:
-        return
-    blocks, slots = (list(x) for x in zip(*pairs))
-    staged = raw.index_select(2, to_device(blocks, raw.device, torch.int64)).movedim(2, 0).contiguous()
-    for i, first, n in slot_runs(slots):
-        host[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+    """Device blocks to host slots, `pairs` (block, slot): a gather a batch, a copy a run of slots."""
+    for batch in _batches(raw, pairs):
+        blocks, slots = (list(x) for x in zip(*batch))
+        staged = raw.index_select(2, to_device(blocks, raw.device, torch.int64)).movedim(2, 0).contiguous()
+        for i, first, n in slot_runs(slots):
+            host[first:first + n].copy_(staged[i:i + n], non_blocking=True)
 
 
 def _copy_in(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
-    """Host slots to device blocks, `pairs` (slot, block): one copy a run of slots, one scatter."""
-    if not pairs:
-        return
-    slots, blocks = (list(x) for x in zip(*pairs))
-    staged = torch.empty((len(slots), *host.shape[1:]), dtype=torch.uint8, device=raw.device)
-    for i, first, n in slot_runs(slots):
-        staged[i:i + n].copy_(host[first:first + n], non_blocking=True)
-    raw.index_copy_(2, to_device(blocks, raw.device, torch.int64), staged.movedim(0, 2))
+    """Host slots to device blocks, `pairs` (slot, block): a copy a run of slots, a scatter a batch."""
+    for batch in _batches(raw, pairs):
+        slots, blocks = (list(x) for x in zip(*batch))
+        staged = torch.empty((len(slots), *host.shape[1:]), dtype=torch.uint8, device=raw.device)
+        for i, first, n in slot_runs(slots):
+            staged[i:i + n].copy_(host[first:first + n], non_blocking=True)
+        raw.index_copy_(2, to_device(blocks, raw.device, torch.int64), staged.movedim(0, 2))
