@@ -287,6 +287,8 @@ class EngineCore:
         if self.has_unfinished_requests():
             raise ValueError("requests are running or waiting: sleep once they are done")
         self.reset_prefix_cache()
+        if self.scheduler.host is not None:  # the evicted blocks' copies would read the freed pool
+            self.scheduler.host.drop_offloads()
         self.runner.sleep(level)
         self.sleeping = level
 

@@ -80,3 +80,13 @@ class HostKVTier:
     def take_offloads(self) -> list[tuple[int, int]]:
         out, self.offloads = self.offloads, []
         return out
+
+    def drop_offloads(self) -> None:
+        """Forget the blocks queued for a copy that no plan will make (the device pool is being
+        freed: /sleep): their slots hold nothing yet, so their hashes must not be found."""
+        queued = {slot for _, slot in self.offloads}
+        for chain_hash in [h for h, slot in self.slots.items() if slot in queued]:
+            del self.slots[chain_hash]
+        self.free.extend(sorted(queued, reverse=True))
+        self.num_offloaded -= len(self.offloads)
+        self.offloads = []

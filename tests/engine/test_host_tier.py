@@ -146,3 +146,34 @@ def test_the_tier_keeps_the_most_recently_used_and_never_a_slot_a_plan_reads():
     assert tier.lookup([99, 22]) == []  # a run from the first block only
     a, b = block_hashes([1, 2, 3, 4], 2, 2, None), block_hashes([1, 2, 3, 4], 2, 2, "salt")
     assert a[0] != b[0] and block_hashes([9, 9, 3, 4], 2, 2, None)[1] != a[1]  # salts and prefixes part keys
+
+
+def test_blocks_evicted_by_sleep_are_not_kept_and_a_woken_engine_answers_as_before(engines):
+    """/sleep drops the prefix cache, whose evicted blocks the tier would copy at the next step,
+    from a pool that is freed by then: those copies are forgotten, so after wake_up nothing is
+    loaded from slots that never got their bytes, and the answer is the first one."""
+    _, tier = engines
+    prompt = tier.get_tokenizer().encode("Name the planets in order, with one fact about each: " * 6)
+    params = greedy(8, ignore_eos=True, logprobs=0)
+    want = tier.generate([{"prompt_token_ids": prompt}], params)
+    host, sched = tier.engine.scheduler.host, tier.engine.scheduler
+    held, hits = set(host.slots), sched.host_hit_tokens
+    tier.engine.sleep(1)
+    assert host.offloads == [] and set(host.slots) <= held  # the prompt's blocks claim no slot (a full
+    # tier may have given up older ones to them)
+    tier.engine.wake_up()
+    got = tier.generate([{"prompt_token_ids": prompt}], params)
+    assert_same(results(got), results(want), "after sleep")
+    assert sched.host_hit_tokens == hits and got[0].num_cached_tokens == 0
+
+
+def test_dropped_offloads_free_their_slots():
+    tier = HostKVTier(3)
+    tier.offload(11, block_id=5)
+    assert tier.take_offloads() == [(5, 0)]
+    tier.offload(22, block_id=6)
+    tier.offload(33, block_id=7)
+    tier.drop_offloads()
+    assert tier.offloads == [] and set(tier.slots) == {11} and tier.num_offloaded == 1
+    tier.offload(44, block_id=8)  # a freed slot, not 11's
+    assert tier.take_offloads() == [(8, 1)] and set(tier.slots) == {11, 44}
