@@ -63,6 +63,21 @@ def _checkpoint(base: Path, form: str) -> tuple[Path, Path]:
     return path, ct_checkpoints.dequantize_checkpoint(path)
 
 
+@pytest.fixture(scope="module")
+def llama_form(tiny_llama):
+    """form -> (the library's checkpoint of tiny_llama, the reference's greedy tokens, its logits),
+    made once a module: the CPU's test and the kernels' test of a form read the same ones."""
+    made: dict[str, tuple[Path, list[list[int]], list[torch.Tensor]]] = {}
+
+    def get(form: str) -> tuple[Path, list[list[int]], list[torch.Tensor]]:
+        if form not in made:
+            path, dequantized = _checkpoint(tiny_llama, form)
+            made[form] = (path, *_reference(dequantized))
+        return made[form]
+
+    return get
+
+
 def _reference(dequantized: Path, prompts: list[list[int]] = PROMPTS) -> tuple[list[list[int]], list[torch.Tensor]]:
     """transformers' greedy tokens of the prompts, and its logits over each prompt and its tokens but the last."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(dequantized), dtype=torch.float32).eval()
@@ -82,9 +97,8 @@ def _assert_reference(llm: LLM, greedy: list[list[int]], want: list[torch.Tensor
 
 
 @pytest.mark.parametrize("form", ["w4a16-g128", "w4a16-g32", "w4a16-asym-g128", "w8a16-g128", "w8a16-channel"])
-def test_library_checkpoint_runs_as_its_dequantized_weights(tiny_llama, form, forward_logits):
-    path, dequantized = _checkpoint(tiny_llama, form)
-    greedy, want = _reference(dequantized)
+def test_library_checkpoint_runs_as_its_dequantized_weights(llama_form, form, forward_logits):
+    path, greedy, want = llama_form(form)
     llm = LLM(str(path), **ENGINE)
     assert (llm.config.quantization, llm.config.dtype) == ("compressed-tensors", "float32")
     _assert_reference(llm, greedy, want, forward_logits)
@@ -92,9 +106,8 @@ def test_library_checkpoint_runs_as_its_dequantized_weights(tiny_llama, form, fo
 
 
 @pytest.mark.parametrize("form", ["w4a16-g128", "w4a16-asym-g128"])
-def test_the_cuda_kernels_on_the_interpreter_give_the_reference(tiny_llama, form, forward_logits):
-    path, dequantized = _checkpoint(tiny_llama, form)
-    greedy, want = _reference(dequantized)
+def test_the_cuda_kernels_on_the_interpreter_give_the_reference(llama_form, form, forward_logits):
+    path, greedy, want = llama_form(form)
     with gemv_on_cpu():
         llm = LLM(str(path), dtype="float32", **ENGINE)
         qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.format

@@ -84,15 +84,29 @@ def _reference(dequantized: Path, prompts: list[list[int]] = PROMPTS) -> tuple[l
     return greedy, logits
 
 
+@pytest.fixture(scope="module")
+def made():
+    """(base, form) -> (checkpoint, the reference's greedy tokens, its logits), made once a module:
+    the CPU's test, the kernels' test and the GEMV's test of a form read the same ones."""
+    cache: dict[tuple[Path, str], tuple[Path, list[list[int]], list[torch.Tensor]]] = {}
+
+    def get(base: Path, form: str) -> tuple[Path, list[list[int]], list[torch.Tensor]]:
+        if (base, form) not in cache:
+            path, dequantized = _checkpoint(base, form)
+            cache[base, form] = (path, *_reference(dequantized))
+        return cache[base, form]
+
+    return get
+
+
 def _teacher_forced(llm: LLM, greedy: list[list[int]], forward_logits) -> list[torch.Tensor]:
     """Each prompt (the first len(greedy) of PROMPTS) and its greedy tokens but the last, one forward."""
     return forward_logits(llm, [ids + toks[:-1] for ids, toks in zip(PROMPTS, greedy)])
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_checkpoint_runs_as_its_dequantized_weights(base_model, form, forward_logits):
-    path, dequantized = _checkpoint(base_model, form)
-    greedy, want = _reference(dequantized)
+def test_checkpoint_runs_as_its_dequantized_weights(base_model, made, form, forward_logits):
+    path, greedy, want = made(base_model, form)
     # the CPU's default: the integer weights as GGUF blocks, int8 activations
     llm = LLM(str(path), **ENGINE)
     assert (llm.config.quantization, llm.config.dtype) == (FORMS[form][0], "float32")
@@ -112,11 +126,11 @@ def test_checkpoint_runs_as_its_dequantized_weights(base_model, form, forward_lo
 
 
 @pytest.mark.parametrize("form", KERNEL_FORMS)
-def test_the_cuda_kernels_on_the_interpreter_give_the_reference_greedy_tokens(tiny_llama, form, forward_logits):
+def test_the_cuda_kernels_on_the_interpreter_give_the_reference_greedy_tokens(tiny_llama, made, form,
+                                                                             forward_logits):
     """One prefill of each prompt and its 32 reference greedy tokens through kernels/wna16.py:
     ember's argmax at every step is the reference's token."""
-    path, dequantized = _checkpoint(tiny_llama, form)
-    greedy, want = _reference(dequantized)
+    path, greedy, want = made(tiny_llama, form)
     with gemv_on_cpu():
         llm = LLM(str(path), dtype="float32", **ENGINE)
         assert isinstance(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.format, IntWeight)
@@ -127,14 +141,13 @@ def test_the_cuda_kernels_on_the_interpreter_give_the_reference_greedy_tokens(ti
 
 
 @pytest.mark.parametrize("form", ["gptq-int4-asym-actorder-g64-v2", "awq-g128"])
-def test_decode_steps_through_the_gemv_kernel(tiny_llama, form):
+def test_decode_steps_through_the_gemv_kernel(tiny_llama, made, form):
     """Three greedy decode steps of three sequences: int_gemv.py's word GEMV with its norm and
     SiLU prologues, over AWQ's groups and over act-order weights (a g_idx per column) sorted by
     group at load, x read through the order."""
     from ember.kernels.int_gemv import words_kernel_takes
 
-    path, dequantized = _checkpoint(tiny_llama, form)
-    greedy, _ = _reference(dequantized)
+    path, greedy, _ = made(tiny_llama, form)
     with gemv_on_cpu():
         llm = LLM(str(path), dtype="float32", **ENGINE)
         layer = llm.engine.runner.model.model.layers[0].mlp.down_proj.format
