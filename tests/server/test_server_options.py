@@ -12,7 +12,7 @@ import pytest
 from servers import KEY, MODEL, Server, post, running
 
 import ember
-from ember.server.cli import engine_args, parse_args
+from ember.server.cli import engine_args, main, parse_args
 
 ORIGIN = "http://app.example"
 
@@ -74,12 +74,13 @@ def test_config_file_sets_any_flag_and_the_command_line_wins(tmp_path):
     ("enforce-eager: 1\n", "enforce-eager: expected true or false, got 1"),
     ("- a list\n", "the file must hold a mapping of flag names to values"),
 ])
-def test_a_bad_config_file_is_an_error_that_names_the_key(tmp_path, text, message):
+def test_a_bad_config_file_is_an_error_that_names_the_key(tmp_path, capsys, text, message):
     config = tmp_path / "bad.yaml"
     config.write_text(text)
-    done = ember_cli("serve", "--config", str(config))
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == f"ember serve: error: --config {config}: {message}"
+    with pytest.raises(SystemExit) as exit_:  # the command's own main, in this process: it exits before any start
+        main(["serve", "--config", str(config)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"ember serve: error: --config {config}: {message}"
 
 
 @pytest.fixture(scope="module")
