@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv import PROLOGUES, inv_rms, prologue_input
+from ember.kernels.gguf_gemv import WORD_TYPES, gguf_word_gemv
 from ember.kernels.tiles import grouped_tile
 
 # ggml type id -> SPAN (see above)
@@ -245,10 +246,13 @@ def gemv_config(n: int, fill_gpu: bool = True) -> tuple[int, int, int]:
 
 def gguf_gemv(x: torch.Tensor, qtype: int, planes: Planes, n: int, bias: torch.Tensor | None = None,
               prologue: str = "none", residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-              eps: float = 1e-6, config: tuple[int, int, int] | None = None):
+              eps: float = 1e-6, config: tuple[int, ...] | None = None, per_value: bool = False):
     """x [M <= MAX_ROWS, K] ([M, 2K] for "silu") in a float dtype, contiguous rows, times the GGUF
     weight [n, K]^T (+ bias [n]) -> y [M, n] in x's dtype; with prologue "norm" returns (y, h), h =
-    x + residual (a new tensor; x itself when residual is None), as kernels/gemv.py's gemv."""
+    x + residual (a new tensor; x itself when residual is None), as kernels/gemv.py's gemv.
+    The types of gguf_gemv.py's WORD_TYPES go to its word kernel (config: its (BLOCK_N, BLOCK_J,
+    num_warps, num_stages)) unless per_value; the others, and those with per_value, to this
+    file's per-value kernel (config: (BLOCK_N, GROUPS, num_warps))."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {sorted(PROLOGUES)}, got {prologue!r}")
     rows = x.shape[0]
@@ -264,6 +268,8 @@ def gguf_gemv(x: torch.Tensor, qtype: int, planes: Planes, n: int, bias: torch.T
         raise ValueError(f"the norm prologue needs norm_weight [{k}]")
     if residual is not None and (prologue != "norm" or residual.shape != x.shape or residual.stride(1) != 1):
         raise ValueError(f"residual goes with the norm prologue and x's shape {tuple(x.shape)}")
+    if qtype in WORD_TYPES and not per_value:
+        return gguf_word_gemv(x, qtype, planes, n, bias, prologue, residual, norm_weight, eps, config)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty_like(x) if residual is not None else x
     block_n, groups, warps = config or gemv_config(n, x.is_cuda)

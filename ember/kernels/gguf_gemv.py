@@ -1,0 +1,260 @@
+"""The GEMV of GGUF Q4_0, Q4_1, Q4_K and Q6_K weights (a Q4_K_M file's types and the default
+model's Q4_1) for a few rows (decode), word by word, with kernels/gemv.py's prologues fused in.
+kernels/gguf.py holds the planes' layout (layers/quant/gguf_cuda.py splits the file's bytes)
+and the per-value GEMV the other types take; gguf.py's gguf_gemv chooses.
+
+Program p owns outputs [p * BLOCK_N, (p + 1) * BLOCK_N) of every row of x (up to 4: the weight
+is read once for all of them) and streams those rows of the weight in tiles of BLOCK_J int32
+words a row, seen as [CHUNKS, BLOCK_N, CHUNK]: a chunk is the words that share their scales.
+Each word is read once and its values taken in place with kernels/int_gemv.py's float trick
+(an AND leaves the float 2^23 + q 2^shift; minus 2^23 + z 2^shift it is (q - z) 2^shift, exact),
+against x at their columns times 2^-shift. The scales multiply a chunk's partial sum once,
+the minimums the sum of x over their sub-block (the dot factored):
+
+    type  word (chunk)                     a chunk's sum
+    Q4_0  qs: 8 nibbles (4 words: a block)  d * sum x (q - 8)
+    Q4_1  qs: 8 nibbles (4 words: a block)  d * sum x q + m * sum x
+    Q4_K  qs: 8 nibbles (8 words: 64        d sc_lo * sum_lo x q + d sc_hi * sum_hi x q
+          values, sub-blocks lo and hi)       - dmin mn_lo * sum_lo x - dmin mn_hi * sum_hi x
+    Q6_K  qh: 4 bytes of 2-bit pairs, with   sum over i < 4 of d sc_i * sum_i x (q - 32)
+          the 2 words of ql they complete
+          (4 qh words: 4 scales of 16)
+
+A qs word's nibble p (bits 4p) is byte p // 2's low (p even) or high nibble, which a type's
+layout puts at column  SPAN * (w // (SPAN / 8)) + 4 * (w % (SPAN / 8)) + p // 2 + SPAN / 2 * (p % 2)
+of word w (SPAN 32: Q4_0, Q4_1; 64: Q4_K, whose lo nibbles are sub-block 2c and hi 2c + 1 of
+chunk c). Q6_K's qh word u (super-block s, half h = u % 16 // 8, bytes j = 4 (u % 8) + b) holds
+the top two bits of four values of each ql byte pair: ql words a = 32 s + 16 h + u % 8 and a + 8
+give, a byte each,
+
+    v0 = a & 0x0F0F0F0F | (qh << 4) & 0x30303030      value 256 s + 128 h + j       scale 2 i = 0
+    v1 = (a + 8) & 0x0F0F0F0F | (qh << 2) & 0x30303030       ... + 32                    ... + 2
+    v2 = a >> 4 & 0x0F0F0F0F | qh & 0x30303030               ... + 64                    ... + 4
+    v3 = (a + 8) >> 4 & 0x0F0F0F0F | qh >> 2 & 0x30303030    ... + 96                    ... + 6
+
+the 6-bit values in place at bits 8b (scale index 16 s + 8 h + (u % 8) // 4 + 2 i).
+
+The numbers: every product and sum is float32, but the dot is factored (the scales multiply
+sums of x q, not each value), so y is not the float32 matmul over ggml's decoded weight bit for
+bit: it is within a few float32 roundings of sum |x| |w| of it (the tests bound it at 1e-5 of
+the output's scale). x's tile (the prologue applied, times 2^-shift) is computed once a program
+and split into one tensor a value position (Triton moves it into the weight's layout through
+shared memory), as int_gemv's. Allocates by shape alone and never syncs with the host: CUDA
+graphs capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.gemv import PROLOGUES, inv_rms, prologue_input
+
+WORD_TYPES = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+MAX_ROWS = 4
+# (qtype, rows padded to a power of two, N, K) -> (BLOCK_N, BLOCK_J, num_warps, num_stages): the TUNED
+# dict benchmarks/scripts/gguf_gemv_bench.py --sweep prints, pasted here; empty until it runs on the GPU
+TUNED: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
+
+
+@triton.jit
+def _split4(t):
+    """t [..., 2, 2] -> its four [...] slices in the order (0, 0), (0, 1), (1, 0), (1, 1)."""
+    t0, t1 = tl.split(t)
+    t00, t10 = tl.split(t0)
+    t01, t11 = tl.split(t1)
+    return t00, t01, t10, t11
+
+
+@triton.jit
+def _values_dot(part, a, half, z: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr):
+    """part + a * (q - z) for the BITS-bit values q at bit SHIFT (< 16) of each `half` word; a
+    [M_PAD, CHUNKS, CHUNK] broadcast over the weight's rows. The value is moved into a float, not
+    converted: under the exponent bits of 2^(23 - SHIFT) the masked word is the float
+    2^(23 - SHIFT) + q (one LOP3), and minus 2^(23 - SHIFT) + z it is q - z exactly."""
+    exponent: tl.constexpr = (127 + 23 - SHIFT) << 23
+    f = ((half & (((1 << BITS) - 1) << SHIFT)) | exponent).to(tl.float32, bitcast=True)
+    return part + a[:, :, None, :] * (f - ((1 << (23 - SHIFT)) + z))
+
+
+@triton.jit
+def _byte_values_dot(part, a, v, z: tl.constexpr, BITS: tl.constexpr, M_PAD: tl.constexpr, CHUNKS: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """part + the dot of the four BITS-bit values at bits 0, 8, 16, 24 of v (q - z each) with a
+    [M_PAD, CHUNKS, CHUNK, 4] (x at their columns)."""
+    a0, a1, a2, a3 = _split4(tl.reshape(a, [M_PAD, CHUNKS, CHUNK, 2, 2]))
+    high = v >> 16
+    part = _values_dot(part, a0, v, z, BITS, 0)
+    part = _values_dot(part, a1, v, z, BITS, 8)
+    part = _values_dot(part, a2, high, z, BITS, 0)
+    return _values_dot(part, a3, high, z, BITS, 8)
+
+
+@triton.jit
+def _gguf_word_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s_ptr, mn_ptr, b_ptr, y_ptr, hout_ptr,
+                           stride_x, stride_r, stride_y, stride_h, N, eps, M: tl.constexpr, M_PAD: tl.constexpr,
+                           K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+                           PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           STAGES: tl.constexpr):
+    # the words a row: qs (Q6_K: qh) as int32; a chunk's words share their scales
+    PER: tl.constexpr = 16 if QTYPE == 14 else (4 if QTYPE == 8 else 8)  # values a word
+    WORDS: tl.constexpr = K // PER
+    CHUNK: tl.constexpr = 8 if QTYPE == 12 or QTYPE == 8 else 4
+    CHUNKS: tl.constexpr = BLOCK_J // CHUNK
+    SPAN: tl.constexpr = 64 if QTYPE == 12 else 32  # the nibble types' (module docstring)
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    m = tl.arange(0, M_PAD)
+    mmask = m < M
+    inv = tl.zeros([M_PAD], tl.float32)
+    if PROLOGUE == 1:
+        inv = inv_rms(x_ptr, res_ptr, m, mmask, stride_x, stride_r, eps, K, M_PAD, 2048 // M_PAD, HAS_RES)
+    n4 = n.to(tl.int64)[None, None, :, None]
+    nmask4 = nmask[None, None, :, None]
+    first = (tl.arange(0, CHUNKS) * CHUNK)[None, :, None, None]  # each chunk's first word in the tile
+    word = first + tl.arange(0, CHUNK)[None, None, None, :]
+    # x's columns in the first tile (word kk // PER, position kk % PER); tile j0's are PER * j0 further
+    kk = tl.arange(0, BLOCK_J * PER)
+    w = kk // PER
+    p = kk % PER
+    if QTYPE == 14:
+        col0 = 128 * (w // 8) + 4 * (w % 8) + 32 * (p // 4) + p % 4
+    elif QTYPE == 8:
+        col0 = kk
+    else:
+        col0 = SPAN * (w // (SPAN // 8)) + 4 * (w % (SPAN // 8)) + p // 2 + (SPAN // 2) * (p % 2)
+    acc = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
+    acc_min = tl.zeros([M_PAD, CHUNKS, BLOCK_N], tl.float32)  # the minimums' terms (Q4_1, Q4_K)
+    for j0 in tl.range(0, WORDS, BLOCK_J, num_stages=STAGES):
+        j = j0 + word
+        wmask = nmask4 & (j < WORDS)
+        c = (j0 + first) // CHUNK  # the chunks' index in the row
+        cmask4 = nmask4 & (j0 + first < WORDS)
+        col = PER * j0 + col0
+        kmask = (j0 + w < WORDS)[None, :]
+        a = prologue_input(x_ptr, res_ptr, nw_ptr, hout_ptr, m[:, None], col[None, :], mmask[:, None] & kmask,
+                           kmask, inv[:, None], pid == 0, stride_x, stride_r, stride_h, K, PROLOGUE, HAS_RES)
+        if QTYPE == 8:  # int8 q: q + 128 is the byte with its top bit flipped
+            words = tl.load(q_ptr + n4 * WORDS + j, mask=wmask, other=0) ^ -0x7F7F7F80  # 0x80808080
+            d = tl.load(d_ptr + n4 * (K // 32) + c, mask=cmask4, other=0.0).to(tl.float32)
+            part = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
+            acc += _byte_values_dot(part, tl.reshape(a, [M_PAD, CHUNKS, CHUNK, 4]), words, 128.0, 8, M_PAD, CHUNKS,
+                                    CHUNK) * d
+        elif QTYPE == 14:
+            qh = tl.load(h_ptr + n4 * WORDS + j, mask=wmask, other=0)
+            ql = q_ptr + n4 * (K // 8) + 32 * (j // 16) + 16 * ((j % 16) // 8) + j % 8
+            lo = tl.load(ql, mask=wmask, other=0)
+            hi = tl.load(ql + 8, mask=wmask, other=0)
+            v0 = (lo & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
+            v1 = (hi & 0x0F0F0F0F) | ((qh << 2) & 0x30303030)
+            v2 = ((lo >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
+            v3 = ((hi >> 4) & 0x0F0F0F0F) | ((qh >> 2) & 0x30303030)
+            a = tl.reshape(a, [M_PAD, CHUNKS, CHUNK, 2, 2, 4])
+            a = tl.permute(a, [0, 1, 2, 5, 3, 4])  # [..., b, i // 2, i % 2]: split the values' i
+            a0, a1, a2, a3 = _split4(a)
+            zero = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
+            d = tl.load(d_ptr + n4 * (K // 256) + c // 4, mask=cmask4, other=0.0).to(tl.float32)
+            sc = s_ptr + n4 * (K // 16) + 16 * (c // 4) + 8 * ((c % 4) // 2) + c % 2
+            for_v0 = _byte_values_dot(zero, a0, v0, 32.0, 6, M_PAD, CHUNKS, CHUNK)
+            acc += for_v0 * (d * tl.load(sc, mask=cmask4, other=0).to(tl.float32))
+            for_v1 = _byte_values_dot(zero, a1, v1, 32.0, 6, M_PAD, CHUNKS, CHUNK)
+            acc += for_v1 * (d * tl.load(sc + 2, mask=cmask4, other=0).to(tl.float32))
+            for_v2 = _byte_values_dot(zero, a2, v2, 32.0, 6, M_PAD, CHUNKS, CHUNK)
+            acc += for_v2 * (d * tl.load(sc + 4, mask=cmask4, other=0).to(tl.float32))
+            for_v3 = _byte_values_dot(zero, a3, v3, 32.0, 6, M_PAD, CHUNKS, CHUNK)
+            acc += for_v3 * (d * tl.load(sc + 6, mask=cmask4, other=0).to(tl.float32))
+        else:
+            words = tl.load(q_ptr + n4 * WORDS + j, mask=wmask, other=0)
+            if QTYPE != 2:  # sums of x over each chunk's lo (p even) and hi (p odd) nibbles
+                x_lo, x_hi = tl.split(tl.reshape(a, [M_PAD, CHUNKS, CHUNK * 4, 2]))
+                sum_lo = tl.sum(x_lo, 2)[:, :, None, None]
+                sum_hi = tl.sum(x_hi, 2)[:, :, None, None]
+            a = tl.reshape(a, [M_PAD, CHUNKS, CHUNK, 4, 2])
+            a_even, a_odd = tl.split(a)  # p even, odd
+            a0, a2, a4, a6 = _split4(tl.reshape(a_even, [M_PAD, CHUNKS, CHUNK, 2, 2]))
+            a1, a3, a5, a7 = _split4(tl.reshape(a_odd, [M_PAD, CHUNKS, CHUNK, 2, 2]))
+            high = words >> 16
+            z: tl.constexpr = 8.0 if QTYPE == 2 else 0.0
+            part = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
+            part = _values_dot(part, a0, words, z, 4, 0)
+            part = _values_dot(part, a2, words, z, 4, 8)
+            part = _values_dot(part, a4, high, z, 4, 0)
+            part = _values_dot(part, a6, high, z, 4, 8)
+            if QTYPE == 12:  # the hi nibbles are the next sub-block: scales of their own
+                d = tl.load(d_ptr + n4 * (K // 256) + c // 4, mask=cmask4, other=0.0).to(tl.float32)
+                dmin = tl.load(m_ptr + n4 * (K // 256) + c // 4, mask=cmask4, other=0.0).to(tl.float32)
+                sub = s_ptr + n4 * (K // 32) + 2 * c
+                msub = mn_ptr + n4 * (K // 32) + 2 * c
+                acc += part * (d * tl.load(sub, mask=cmask4, other=0).to(tl.float32))
+                part = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
+                part = _values_dot(part, a1, words, z, 4, 4)
+                part = _values_dot(part, a3, words, z, 4, 12)
+                part = _values_dot(part, a5, high, z, 4, 4)
+                part = _values_dot(part, a7, high, z, 4, 12)
+                acc += part * (d * tl.load(sub + 1, mask=cmask4, other=0).to(tl.float32))
+                mn_lo = dmin * tl.load(msub, mask=cmask4, other=0).to(tl.float32)
+                mn_hi = dmin * tl.load(msub + 1, mask=cmask4, other=0).to(tl.float32)
+                acc_min -= tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, 3)
+            else:
+                part = _values_dot(part, a1, words, z, 4, 4)
+                part = _values_dot(part, a3, words, z, 4, 12)
+                part = _values_dot(part, a5, high, z, 4, 4)
+                part = _values_dot(part, a7, high, z, 4, 12)
+                d = tl.load(d_ptr + n4 * (K // 32) + c, mask=cmask4, other=0.0).to(tl.float32)
+                acc += part * d
+                if QTYPE == 3:
+                    mins = tl.load(m_ptr + n4 * (K // 32) + c, mask=cmask4, other=0.0).to(tl.float32)
+                    acc_min += tl.sum(mins * (sum_lo + sum_hi), 3)
+    y = tl.sum(tl.sum(acc, 3), 1) + tl.sum(acc_min, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * stride_y + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def gguf_word_gemv_config(qtype: int, rows: int, n: int, k: int, fill_gpu: bool = True) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_J words, num_warps, num_stages): TUNED's entry where it has one. Otherwise
+    UNTUNED, int_gemv's reasoning (its first guess, not measured here): at one row 16 rows of W a
+    program and 2048 values a step (256 qs words; Q6_K 128 qh words with their 256 ql words),
+    8 warps, 3 stages in flight; fewer rows a program (down to 4, and warps with them) while
+    that leaves under two programs an SM of the H100 (132); BLOCK_J halves as rows double, so
+    the accumulators keep to the registers. On Triton's interpreter (fill_gpu False) the fewest
+    programs run fastest."""
+    per = {8: 4, 14: 16}.get(qtype, 8)
+    words = triton.next_power_of_2(k // per)
+    m_pad = triton.next_power_of_2(rows)
+    if not fill_gpu:
+        return 16, min(64, words), 4, 1
+    if (qtype, m_pad, n, k) in TUNED:
+        return TUNED[qtype, m_pad, n, k]
+    block_n = 16
+    while block_n > 4 and triton.cdiv(n, block_n) < 264:
+        block_n //= 2
+    return block_n, max(8, min(2048 // per // m_pad, words)), block_n // 2, 3
+
+
+def gguf_word_gemv(x: torch.Tensor, qtype: int, planes: tuple, n: int, bias: torch.Tensor | None = None,
+                   prologue: str = "none", residual: torch.Tensor | None = None,
+                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                   config: tuple[int, int, int, int] | None = None):
+    """gguf.py's gguf_gemv for a type of WORD_TYPES, its arguments checked there: x [M <= 4, K]
+    ([M, 2K] for "silu") times the GGUF weight [n, K]^T (+ bias) -> y [M, n] in x's dtype, and h
+    with the norm prologue."""
+    rows = x.shape[0]
+    k = x.shape[-1] // 2 if prologue == "silu" else x.shape[-1]
+    qs, qh, d, m, sc, mn = planes
+    q_words = qs.view(torch.int32)  # [n, K / 8]: contiguous, fresh planes (4-byte aligned)
+    h_words = qh.view(torch.int32) if qtype == 14 else q_words
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x) if residual is not None else x
+    block_n, block_j, warps, stages = config or gguf_word_gemv_config(qtype, rows, n, k, x.is_cuda)
+    _gguf_word_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, q_words, h_words,
+        d, m if m is not None else d, sc if sc is not None else qs, mn if mn is not None else qs,
+        bias if bias is not None else x, y, h, x.stride(0), residual.stride(0) if residual is not None else 0,
+        y.stride(0), h.stride(0), n, eps, M=rows, M_PAD=triton.next_power_of_2(rows), K=k, QTYPE=qtype,
+        BLOCK_N=block_n, BLOCK_J=block_j, PROLOGUE=PROLOGUES[prologue], HAS_RES=residual is not None,
+        HAS_BIAS=bias is not None, STAGES=stages, num_warps=warps)
+    return (y, h) if prologue == "norm" else y
