@@ -1,55 +1,134 @@
-"""GGUF blocks on the GPU at decode: kernels/gguf.py's GEMV (one row) on Q4_K and Q6_K weights
-against cuBLAS on the same weight in bf16, at the Llama-3.1-8B shapes, with the bandwidth each
-reaches (the weight's bytes over the time). Timed as gemv_bench.py times (a CUDA graph of
-back-to-back calls over enough weight copies to defeat L2). --sweep: every (BLOCK_N, GROUPS,
-num_warps) of SWEEP, the best a shape printed last (what gemv_config should pick).
-`python3 benchmarks/scripts/gguf_gemv_bench.py [--sweep]`"""
+"""GGUF blocks on the GPU at decode, Llama-3.1-8B's shapes, 1 / 2 / 4 rows of bf16 x: the word
+GEMV (kernels/gguf_gemv.py) against the per-value GEMV it replaces (kernels/gguf.py, per_value)
+and cuBLAS on the same shape in bf16 (F.linear), for Q4_K and Q6_K (a Q4_K_M file's types) and
+Q4_1 (the default model's), with the bandwidth each reaches (the planes' bytes over the time;
+cuBLAS: the bf16 weight's). Each word GEMV is first checked against the float32 matmul over the
+weight the rows kernel dequantizes. Timed as gemv_bench.py times (a CUDA graph of back-to-back
+calls over enough weight copies to defeat the 50 MB L2).
+
+--sweep: the word GEMV at each tile of SWEEP too; the best a type, shape and rows printed last
+as a TUNED dict to paste into kernels/gguf_gemv.py. The sweep stops at BUDGET_S: the whole run
+stays under 4 minutes.
+`cd benchmarks/scripts && python3 gguf_gemv_bench.py [--sweep]`"""
 
 import sys
+import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+import triton
 from gemv_bench import SHAPES, time_us
 
 from ember.bench.dummy_gguf import random_blocks
-from ember.kernels.gguf import gemv_config, gguf_gemv
-from ember.layers.quant.gguf_blocks import KERNEL_TYPES, BlockTensor
+from ember.kernels.gguf import gguf_gemv
+from ember.kernels.gguf_gemv import gguf_word_gemv_config
+from ember.layers.quant.gguf_blocks import BlockTensor
 from ember.layers.quant.gguf_cuda import GGUFCudaBlocks
 
-TYPES = {"Q4_K": 12, "Q6_K": 14}
-SWEEP = [(1, 32, 4), (2, 32, 4), (4, 32, 4), (8, 32, 4), (16, 32, 4), (4, 64, 4), (8, 64, 4), (8, 16, 4),
-         (16, 16, 4), (8, 32, 8), (16, 32, 8), (32, 16, 8)]
+TYPES = {"Q4_K": 12, "Q6_K": 14, "Q4_1": 3}
+ROWS = (1, 2, 4)
+PER = {8: 4, 14: 16}  # values an int32 word of the word kernel (else 8)
+# (BLOCK_N, values a step at one row, num_warps, num_stages): BLOCK_J = values / PER / rows (padded to
+# a power of two), as gguf_word_gemv_config divides it, so the accumulators keep to the registers
+SWEEP = [(16, 2048, 8, 3), (8, 2048, 4, 3), (4, 2048, 2, 3), (8, 2048, 8, 3), (16, 1024, 4, 3), (32, 1024, 8, 3),
+         (8, 4096, 8, 3), (16, 4096, 8, 3), (16, 2048, 8, 2), (16, 2048, 8, 4), (4, 4096, 4, 3)]
+BUDGET_S = 200
+L2_DEFEAT = 400_000_000  # bytes of weight copies a timing cycles through
+
+
+class Case:
+    """One type and shape: copies of a random weight's planes (enough to defeat L2) and the float32
+    weight the rows kernel dequantizes (the reference)."""
+
+    def __init__(self, name: str, qtype: int, n: int, k: int, rng: np.random.Generator) -> None:
+        self.qtype, self.n, self.k = qtype, n, k
+        raw = torch.from_numpy(random_blocks(rng, name, n, k)).cuda()
+        first = GGUFCudaBlocks(BlockTensor(qtype, (n, k), raw))
+        self.nbytes = first.nbytes
+        copies = max(2, -(-L2_DEFEAT // self.nbytes))
+        self.planes = [first.planes.kernel_args()] + [
+            GGUFCudaBlocks(BlockTensor(qtype, (n, k), raw.clone())).planes.kernel_args() for _ in range(copies - 1)]
+        self.dense = first.dequantize(torch.float32)
+
+    def time(self, x: torch.Tensor, per_value: bool = False, config: tuple | None = None, reps: int = 40) -> float:
+        return time_us(lambda i: gguf_gemv(x, self.qtype, self.planes[i], self.n, config=config, per_value=per_value),
+                       len(self.planes), reps)
+
+
+def decode(shape: str, case: Case, name: str, blas: dict) -> None:
+    for rows in ROWS:
+        x = torch.randn(rows, case.k, device="cuda", dtype=torch.bfloat16)
+        want = F.linear(x.float(), case.dense)
+        got = gguf_gemv(x, case.qtype, case.planes[0], case.n).float()
+        err = (got - want).abs().max().item() / want.abs().max().item()
+        assert err < 1e-2, f"{shape} {name} M={rows}: the word GEMV is {err:.1e} of |y| off the reference"
+        t_new, t_old = case.time(x), case.time(x, per_value=True)
+        size = case.nbytes
+        print(f"{shape:12s} {name} M={rows}  word {t_new:7.1f} us {size / t_new / 1e3:5.0f} GB/s | per-value "
+              f"{t_old:7.1f} us {size / t_old / 1e3:5.0f} GB/s | cuBLAS bf16 {blas[rows]:7.1f} us "
+              f"{2 * case.n * case.k / blas[rows] / 1e3:5.0f} GB/s | word {t_old / t_new:5.2f}x per-value, "
+              f"{blas[rows] / t_new:5.2f}x cuBLAS  {gguf_word_gemv_config(case.qtype, rows, case.n, case.k)}",
+              flush=True)
+
+
+def sweep(shape: str, case: Case, name: str, best: dict, start: float) -> bool:
+    """The word GEMV at each SWEEP tile; False once the budget is spent."""
+    for rows in ROWS:
+        m_pad = triton.next_power_of_2(rows)
+        x = torch.randn(rows, case.k, device="cuda", dtype=torch.bfloat16)
+        default = gguf_word_gemv_config(case.qtype, rows, case.n, case.k)
+        results = [(case.time(x, reps=20), default)]
+        per = PER.get(case.qtype, 8)
+        for block_n, values, warps, stages in SWEEP:
+            config = (block_n, max(8, min(values // per // m_pad, triton.next_power_of_2(case.k // per))), warps,
+                      stages)
+            if config == default:
+                continue
+            if time.time() - start > BUDGET_S:
+                print("    (sweep stopped: time budget)")
+                return False
+            try:
+                results.append((case.time(x, config=config, reps=20), config))
+            except Exception as e:  # out of registers / shared memory
+                print(f"    {config}: {type(e).__name__}")
+        results.sort()
+        print(f"{shape:12s} {name} M={rows} best: " + ", ".join(
+            f"{c}: {us:.1f} us {case.nbytes / us / 1e3:.0f} GB/s" for us, c in results[:3]) + f"  (default {default})",
+            flush=True)
+        best[(case.qtype, m_pad, case.n, case.k)] = results[0]
+    return True
 
 
 def main() -> None:
-    import numpy as np
-
-    sweep = "--sweep" in sys.argv
+    sweeping = "--sweep" in sys.argv
+    start = time.time()
     rng = np.random.default_rng(0)
-    for shape, (n, k) in SHAPES.items():
-        if not shape.startswith("8b"):
-            continue
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(3)]
-        bf16 = time_us(lambda i: F.linear(x, dense[i]), len(dense))
-        print(f"{shape:14s} [{n}, {k}] bf16 cuBLAS {bf16:8.1f} us {2 * n * k / bf16 / 1e3:7.0f} GB/s")
+    torch.manual_seed(0)
+    shapes = {name: nk for name, nk in SHAPES.items() if name.startswith("8b") and "lm_head" not in name}
+    print(f"{torch.cuda.get_device_name()}: GGUF blocks, bf16 activations")
+    best: dict = {}
+    cases = []
+    for shape, (n, k) in shapes.items():
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+                 for _ in range(max(2, -(-L2_DEFEAT // (2 * n * k))))]
+        blas = {rows: time_us(lambda i, x=torch.randn(rows, k, device="cuda", dtype=torch.bfloat16): F.linear(x, dense[i]),
+                              len(dense)) for rows in ROWS}
         dense.clear()
         for name, qtype in TYPES.items():
-            raw = torch.from_numpy(random_blocks(rng, name, n, k))
-            layers = [GGUFCudaBlocks(BlockTensor(qtype, (n, k), raw).to("cuda")) for _ in range(6)]
-            nbytes = layers[0].nbytes
-            configs = SWEEP if sweep else [gemv_config(n)]
-            results = []
-            for config in configs:
-                us = time_us(lambda i, c=config: gguf_gemv(x, qtype, layers[i].planes.kernel_args(), n, config=c),
-                             len(layers))
-                results.append((us, config))
-                print(f"{shape:14s} {name} {config} {us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s "
-                      f"({bf16 / us:.2f}x bf16; {KERNEL_TYPES[qtype][2] * 8 / KERNEL_TYPES[qtype][1]:.2f} bits)")
-            if sweep:
-                us, config = min(results)
-                print(f"BEST {shape} {name} {config} {us:.1f} us")
-            layers.clear()
+            case = Case(name, qtype, n, k, rng)
+            decode(shape, case, name, blas)
+            cases.append((shape, name, qtype, n, k))
+            del case
+            torch.cuda.empty_cache()
+    if sweeping:
+        for shape, name, qtype, n, k in cases:
+            if not sweep(shape, Case(name, qtype, n, k, rng), name, best, start):
+                break
+            torch.cuda.empty_cache()
+        print("\n# gguf_word_gemv_config, measured (qtype, rows, N, K): (BLOCK_N, BLOCK_J, num_warps, num_stages)")
+        print("TUNED = {" + ",\n         ".join(f"{key}: {c}" for key, (_, c) in sorted(best.items())) + "}")
+    print(f"{time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """GGUF block-quantized weights on CUDA (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K),
 dequantized in registers: a GEMV for a few rows (float32 arithmetic, the prologues of
 kernels/gemv.py fused in), a matmul on tensor cores for more (each weight tile dequantized
-to x's dtype, then tl.dot), and a gather of rows (an embedding lookup). Each weight value is
-ggml's decoder's float32 value bit for bit (layers/quant/ggml.py, gguf-py's numpy decoders):
-the same products and the same one rounding.
+to x's dtype, then tl.dot), and a gather of rows (an embedding lookup). In the matmul, the
+gather and this file's per-value GEMV each weight value is ggml's decoder's float32 value bit
+for bit (layers/quant/ggml.py, gguf-py's numpy decoders): the same products and the same one
+rounding. gguf_gemv sends Q4_0, Q4_1, Q8_0, Q4_K and Q6_K to kernels/gguf_gemv.py's word
+GEMV instead (its weight read once for all rows, the dot factored: the scales multiply sums
+of x q once a sub-block, so y is within a few float32 roundings of the matmul over ggml's
+values, not equal to it); Q5_0, Q5_1 and Q5_K (and per_value) take the per-value GEMV here.
 
 The weight is the file's bytes split into planes at load (layers/quant/gguf_cuda.py), each
 [N, per row] with contiguous rows, in the file's order (only the K-quants' packed 6-bit

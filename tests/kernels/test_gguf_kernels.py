@@ -22,6 +22,7 @@ from hopper_compile import run_compile_script  # noqa: E402
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
 from ember.kernels.gguf import gguf_gemv, gguf_matmul, gguf_rows  # noqa: E402
+from ember.kernels.gguf_gemv import WORD_TYPES  # noqa: E402
 from ember.layers.activation import silu_and_mul  # noqa: E402
 from ember.layers.embedding import LMHead, VocabEmbedding  # noqa: E402
 from ember.layers.kernel_paths import gemv_on_cpu  # noqa: E402
@@ -79,8 +80,10 @@ def test_rows_are_ggml_s_values_bit_for_bit(device, qtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_gemv_and_matmul_are_x_times_the_dequantized_weight(device, qtype):
-    """float32 x: the sums' order alone (GEMV: float32 products; matmul: IEEE tl.dot); bfloat16 x
-    (the matmul rounds the weight to bfloat16): 2^-8 of the output's scale."""
+    """float32 x: the sums' order alone (per-value GEMV: float32 products; the word GEMV of
+    gguf_gemv.py's types: float32 but the dot factored, scales once a sub-block; matmul: IEEE
+    tl.dot), 1 to 4 rows; bfloat16 x (the matmul rounds the weight to bfloat16): 2^-8 of the
+    output's scale. The word GEMV's types through the per-value kernel too."""
     n = 37
     k = _k(qtype, 17 if qtype < T.Q4_K else 3)  # 17 or 24 groups: two steps of 16 groups, the last cut short
     g = torch.Generator().manual_seed(int(qtype))
@@ -88,12 +91,17 @@ def test_gemv_and_matmul_are_x_times_the_dequantized_weight(device, qtype):
     w = t.dequantize()
     planes = GGUFPlanes.from_blocks(t).kernel_args()
     bias = torch.randn(n, generator=g)
-    gemv_config = (16, 16, 4) if device == "cpu" else None  # two steps on the interpreter
-    for rows in (1, 3):
+    words = int(qtype) in WORD_TYPES
+    gemv_config = ((16, 16, 4, 1) if words else (16, 16, 4)) if device == "cpu" else None  # several steps
+    for rows in (1, 2, 3, 4) if words else (1, 3):
         x = torch.randn(rows, k, generator=g)
         got = gguf_gemv(x.to(device), int(qtype), planes, n, bias.to(device), config=gemv_config)
         assert got.shape == (rows, n) and got.dtype == torch.float32
         _assert_close(got, F.linear(x, w, bias), 1e-5)
+    if words:
+        got = gguf_gemv(x[:1].to(device), int(qtype), planes, n, bias.to(device), per_value=True,
+                        config=(16, 16, 4) if device == "cpu" else None)
+        _assert_close(got, F.linear(x[:1], w, bias), 1e-5)
     x = torch.randn(33, k, generator=g)
     config = (64, 64, 16, 4, 1) if device == "cpu" else None
     _assert_close(gguf_matmul(x.to(device), int(qtype), planes, n, bias.to(device), config), F.linear(x, w, bias), 1e-5)
@@ -105,11 +113,12 @@ def test_gemv_and_matmul_are_x_times_the_dequantized_weight(device, qtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q5_0, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_gemv_prologues_equal_the_plain_ops_then_the_layer(device, qtype):
-    """The norm (with the residual, which comes back as h) and SiLU fused into the GEMV, as
+    """The norm (with the residual, which comes back as h) and SiLU fused into the GEMV (the
+    per-value kernel: Q5_K, Q5_0; the others the word kernel, its 3 rows in one program), as
     kernels/gemv.py's: the same roundings as layers/norm.py and silu_and_mul."""
-    dtype, n, k = torch.bfloat16, 40, _k(qtype, 2 if qtype == T.Q5_K else 16)
+    dtype, n, k = torch.bfloat16, 40, _k(qtype, 2 if qtype >= T.Q4_K else 16)
     t = blocks(qtype, n, k, 3, device)
     w = t.dequantize()
     planes = GGUFPlanes.from_blocks(t).kernel_args()
@@ -234,12 +243,15 @@ def test_gguf_layer_in_a_cuda_graph_replays_as_run():
 
 
 _COMPILE = """
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ember.kernels.gguf import SPANS, _gguf_gemv_kernel, _gguf_matmul_kernel, _gguf_rows_kernel, gemv_config, \\
     matmul_config
+from ember.kernels.gguf_gemv import WORD_TYPES, _gguf_word_gemv_kernel, gguf_word_gemv_config
 
 H100_SHARED = 232448  # bytes of shared memory a program may take on the H100 (sm_90)
 PLANES = {2: ("*u8", "*u8", "*fp16", "*fp16", "*u8", "*u8"), 3: ("*u8", "*u8", "*fp16", "*fp16", "*u8", "*u8"),
@@ -274,14 +286,39 @@ for qtype, planes in PLANES.items():
             assert "mma" in compiled.asm["ptx"], f"{what}: no tensor-core instruction in the PTX"
         else:  # a program's 16 bytes of qs (Q8_0: 16 values) in one load
             assert "ld.global.v4.b32" in compiled.asm["ptx"], f"{what}: the quants are read a byte at a time"
+names = list(_gguf_word_gemv_kernel.arg_names)
+for qtype in WORD_TYPES:
+    planes = ("*i32", "*i32") + PLANES[qtype][2:]
+    for (n, k), prologue in (((6144, 4096), 1), ((4096, 4096), 0), ((4096, 14336), 2)):
+        for rows in (1, 2, 4):
+            block_n, block_j, warps, stages = gguf_word_gemv_config(qtype, rows, n, k)
+            constants = dict(M=rows, M_PAD=triton.next_power_of_2(rows), K=k, QTYPE=qtype, BLOCK_N=block_n,
+                             BLOCK_J=block_j, PROLOGUE=prologue, HAS_RES=prologue == 1, HAS_BIAS=False, STAGES=stages)
+            types = dict(zip(NAMES, planes), eps="fp32")
+            signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+                         for a in names}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+                       if a.endswith("_ptr") or a.startswith("stride")}
+            source = ASTSource(_gguf_word_gemv_kernel, signature,
+                               {(names.index(c),): v for c, v in constants.items()}, attrs=aligned)
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": warps, "num_stages": stages})
+            ptx, what = compiled.asm["ptx"], f"the word GEMV of type {qtype} at [{n}, {k}], {rows} rows"
+            assert "st.local" not in ptx, f"{what} spills registers to local memory"
+            assert compiled.metadata.shared <= H100_SHARED, f"{what}: {compiled.metadata.shared} bytes of shared"
+            assert "cp.async.c" in ptx, f"{what}: no load is software-pipelined (cp.async)"
+            assert not re.search(r"cvt\\.rn\\.f32\\.[su]32", ptx), f"{what} converts the words to float"
 print("compiled")
 """
 
 
 @pytest.mark.slow
 def test_the_kernels_compile_for_hopper():
-    """Triton compiles the GEMV (with the norm prologue), the matmul and the rows gather of every
-    type at K = 4096 to sm_90 PTX here, without a GPU, at the tiles their wrappers launch: none
-    spills registers, each fits the H100's shared memory, the matmul uses tensor cores, and the
-    GEMV and the gather read the quants 16 bytes a load."""
+    """Triton compiles the per-value GEMV (with the norm prologue), the matmul and the rows gather
+    of every type at K = 4096 to sm_90 PTX here, without a GPU, at the tiles their wrappers
+    launch, and the word GEMV of its types at Llama-3.1-8B's shapes, 1 to 4 rows, each prologue:
+    none spills registers, each fits the H100's shared memory, the matmul uses tensor cores, the
+    per-value GEMV and the gather read the quants 16 bytes a load, the word GEMV's loads are
+    software-pipelined (cp.async) and no 32-bit integer is converted to float (the words' values: the
+    float trick; only the 8-bit scales convert)."""
     assert "compiled" in run_compile_script(_COMPILE)
