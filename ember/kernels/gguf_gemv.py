@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv import PROLOGUES, inv_rms, prologue_input
+from ember.kernels.int_gemv import _values_dot
 
 WORD_TYPES = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 MAX_ROWS = 4
@@ -68,27 +69,26 @@ def _split4(t):
 
 
 @triton.jit
-def _values_dot(part, a, half, z: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr):
-    """part + a * (q - z) for the BITS-bit values q at bit SHIFT (< 16) of each `half` word; a
-    [M_PAD, CHUNKS, CHUNK] broadcast over the weight's rows. The value is moved into a float, not
-    converted: under the exponent bits of 2^(23 - SHIFT) the masked word is the float
-    2^(23 - SHIFT) + q (one LOP3), and minus 2^(23 - SHIFT) + z it is q - z exactly."""
-    exponent: tl.constexpr = (127 + 23 - SHIFT) << 23
-    f = ((half & (((1 << BITS) - 1) << SHIFT)) | exponent).to(tl.float32, bitcast=True)
-    return part + a[:, :, None, :] * (f - ((1 << (23 - SHIFT)) + z))
+def _in_shared(a, M_PAD: tl.constexpr, COLS: tl.constexpr):
+    """a [M_PAD, COLS] as is. A reduction over a new axis of one: Triton would otherwise move x's
+    tile into the weight's layout before its conversion to float32 (and the prologue), and each
+    thread would convert every x value it takes, once for each of its weight's rows; after a
+    reduction the tile is computed once, in its own layout, and goes through shared memory as is."""
+    return tl.sum(tl.reshape(a, [M_PAD, COLS, 1]), 2)
 
 
 @triton.jit
 def _byte_values_dot(part, a, v, z: tl.constexpr, BITS: tl.constexpr, M_PAD: tl.constexpr, CHUNKS: tl.constexpr,
                      CHUNK: tl.constexpr):
     """part + the dot of the four BITS-bit values at bits 0, 8, 16, 24 of v (q - z each) with a
-    [M_PAD, CHUNKS, CHUNK, 4] (x at their columns)."""
+    [M_PAD, CHUNKS, CHUNK, 4] (x at their columns, bytes 1 and 3 times 2^-8)."""
     a0, a1, a2, a3 = _split4(tl.reshape(a, [M_PAD, CHUNKS, CHUNK, 2, 2]))
-    high = v >> 16
-    part = _values_dot(part, a0, v, z, BITS, 0)
-    part = _values_dot(part, a1, v, z, BITS, 8)
+    low = v | 0x4B000000
+    high = (v >> 16) | 0x4B000000
+    part = _values_dot(part, a0, low, z, BITS, 0)
+    part = _values_dot(part, a1, low, z, BITS, 1)
     part = _values_dot(part, a2, high, z, BITS, 0)
-    return _values_dot(part, a3, high, z, BITS, 8)
+    return _values_dot(part, a3, high, z, BITS, 1)
 
 
 @triton.jit
@@ -115,8 +115,13 @@ def _gguf_word_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s
     nmask4 = nmask[None, None, :, None]
     first = (tl.arange(0, CHUNKS) * CHUNK)[None, :, None, None]  # each chunk's first word in the tile
     word = first + tl.arange(0, CHUNK)[None, None, None, :]
-    # x's columns in the first tile (word kk // PER, position kk % PER); tile j0's are PER * j0 further
+    # x's columns in the first tile (word kk // PER, position kk % PER); tile j0's are PER * j0 further;
+    # 2^-shift of each (a byte's value at bit 8 of its half word, a nibble's at 4, 8 or 12: _values_dot)
     kk = tl.arange(0, BLOCK_J * PER)
+    if QTYPE == 14 or QTYPE == 8:
+        unshift = 1.0 / (1 << (8 * (kk % 2)))
+    else:
+        unshift = 1.0 / (1 << (4 * (kk % 4)))
     w = kk // PER
     p = kk % PER
     if QTYPE == 14:
@@ -136,6 +141,11 @@ def _gguf_word_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s
         kmask = (j0 + w < WORDS)[None, :]
         a = prologue_input(x_ptr, res_ptr, nw_ptr, hout_ptr, m[:, None], col[None, :], mmask[:, None] & kmask,
                            kmask, inv[:, None], pid == 0, stride_x, stride_r, stride_h, K, PROLOGUE, HAS_RES)
+        if QTYPE == 3 or QTYPE == 12:  # sums of x over each chunk's lo (p even) and hi (p odd) nibbles
+            x_lo, x_hi = tl.split(tl.reshape(a, [M_PAD, CHUNKS, CHUNK * 4, 2]))
+            sum_lo = tl.sum(x_lo, 2)[:, :, None, None]
+            sum_hi = tl.sum(x_hi, 2)[:, :, None, None]
+        a = _in_shared(a * unshift[None, :], M_PAD, BLOCK_J * PER)
         if QTYPE == 8:  # int8 q: q + 128 is the byte with its top bit flipped
             words = tl.load(q_ptr + n4 * WORDS + j, mask=wmask, other=0) ^ -0x7F7F7F80  # 0x80808080
             d = tl.load(d_ptr + n4 * (K // 32) + c, mask=cmask4, other=0.0).to(tl.float32)
@@ -157,31 +167,28 @@ def _gguf_word_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s
             zero = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
             d = tl.load(d_ptr + n4 * (K // 256) + c // 4, mask=cmask4, other=0.0).to(tl.float32)
             sc = s_ptr + n4 * (K // 16) + 16 * (c // 4) + 8 * ((c % 4) // 2) + c % 2
-            for_v0 = _byte_values_dot(zero, a0, v0, 32.0, 6, M_PAD, CHUNKS, CHUNK)
+            for_v0 = _byte_values_dot(zero, a0, v0, 32.0, 8, M_PAD, CHUNKS, CHUNK)
             acc += for_v0 * (d * tl.load(sc, mask=cmask4, other=0).to(tl.float32))
-            for_v1 = _byte_values_dot(zero, a1, v1, 32.0, 6, M_PAD, CHUNKS, CHUNK)
+            for_v1 = _byte_values_dot(zero, a1, v1, 32.0, 8, M_PAD, CHUNKS, CHUNK)
             acc += for_v1 * (d * tl.load(sc + 2, mask=cmask4, other=0).to(tl.float32))
-            for_v2 = _byte_values_dot(zero, a2, v2, 32.0, 6, M_PAD, CHUNKS, CHUNK)
+            for_v2 = _byte_values_dot(zero, a2, v2, 32.0, 8, M_PAD, CHUNKS, CHUNK)
             acc += for_v2 * (d * tl.load(sc + 4, mask=cmask4, other=0).to(tl.float32))
-            for_v3 = _byte_values_dot(zero, a3, v3, 32.0, 6, M_PAD, CHUNKS, CHUNK)
+            for_v3 = _byte_values_dot(zero, a3, v3, 32.0, 8, M_PAD, CHUNKS, CHUNK)
             acc += for_v3 * (d * tl.load(sc + 6, mask=cmask4, other=0).to(tl.float32))
         else:
             words = tl.load(q_ptr + n4 * WORDS + j, mask=wmask, other=0)
-            if QTYPE != 2:  # sums of x over each chunk's lo (p even) and hi (p odd) nibbles
-                x_lo, x_hi = tl.split(tl.reshape(a, [M_PAD, CHUNKS, CHUNK * 4, 2]))
-                sum_lo = tl.sum(x_lo, 2)[:, :, None, None]
-                sum_hi = tl.sum(x_hi, 2)[:, :, None, None]
             a = tl.reshape(a, [M_PAD, CHUNKS, CHUNK, 4, 2])
             a_even, a_odd = tl.split(a)  # p even, odd
             a0, a2, a4, a6 = _split4(tl.reshape(a_even, [M_PAD, CHUNKS, CHUNK, 2, 2]))
             a1, a3, a5, a7 = _split4(tl.reshape(a_odd, [M_PAD, CHUNKS, CHUNK, 2, 2]))
-            high = words >> 16
+            low = words | 0x4B000000
+            high = (words >> 16) | 0x4B000000
             z: tl.constexpr = 8.0 if QTYPE == 2 else 0.0
             part = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
-            part = _values_dot(part, a0, words, z, 4, 0)
-            part = _values_dot(part, a2, words, z, 4, 8)
+            part = _values_dot(part, a0, low, z, 4, 0)
+            part = _values_dot(part, a2, low, z, 4, 2)
             part = _values_dot(part, a4, high, z, 4, 0)
-            part = _values_dot(part, a6, high, z, 4, 8)
+            part = _values_dot(part, a6, high, z, 4, 2)
             if QTYPE == 12:  # the hi nibbles are the next sub-block: scales of their own
                 d = tl.load(d_ptr + n4 * (K // 256) + c // 4, mask=cmask4, other=0.0).to(tl.float32)
                 dmin = tl.load(m_ptr + n4 * (K // 256) + c // 4, mask=cmask4, other=0.0).to(tl.float32)
@@ -189,19 +196,19 @@ def _gguf_word_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s
                 msub = mn_ptr + n4 * (K // 32) + 2 * c
                 acc += part * (d * tl.load(sub, mask=cmask4, other=0).to(tl.float32))
                 part = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
-                part = _values_dot(part, a1, words, z, 4, 4)
-                part = _values_dot(part, a3, words, z, 4, 12)
-                part = _values_dot(part, a5, high, z, 4, 4)
-                part = _values_dot(part, a7, high, z, 4, 12)
+                part = _values_dot(part, a1, low, z, 4, 1)
+                part = _values_dot(part, a3, low, z, 4, 3)
+                part = _values_dot(part, a5, high, z, 4, 1)
+                part = _values_dot(part, a7, high, z, 4, 3)
                 acc += part * (d * tl.load(sub + 1, mask=cmask4, other=0).to(tl.float32))
                 mn_lo = dmin * tl.load(msub, mask=cmask4, other=0).to(tl.float32)
                 mn_hi = dmin * tl.load(msub + 1, mask=cmask4, other=0).to(tl.float32)
                 acc_min -= tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, 3)
             else:
-                part = _values_dot(part, a1, words, z, 4, 4)
-                part = _values_dot(part, a3, words, z, 4, 12)
-                part = _values_dot(part, a5, high, z, 4, 4)
-                part = _values_dot(part, a7, high, z, 4, 12)
+                part = _values_dot(part, a1, low, z, 4, 1)
+                part = _values_dot(part, a3, low, z, 4, 3)
+                part = _values_dot(part, a5, high, z, 4, 1)
+                part = _values_dot(part, a7, high, z, 4, 3)
                 d = tl.load(d_ptr + n4 * (K // 32) + c, mask=cmask4, other=0.0).to(tl.float32)
                 acc += part * d
                 if QTYPE == 3:
