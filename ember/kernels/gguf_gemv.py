@@ -119,9 +119,10 @@ def _gguf_word_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s
     # 2^-shift of each (a byte's value at bit 8 of its half word, a nibble's at 4, 8 or 12: _values_dot)
     kk = tl.arange(0, BLOCK_J * PER)
     if QTYPE == 14 or QTYPE == 8:
-        unshift = 1.0 / (1 << (8 * (kk % 2)))
+        shift = 8 * (kk % 2)
     else:
-        unshift = 1.0 / (1 << (4 * (kk % 4)))
+        shift = 4 * (kk % 4)
+    unshift = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift, built (no int -> float)
     w = kk // PER
     p = kk % PER
     if QTYPE == 14:
