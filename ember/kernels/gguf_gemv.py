@@ -1,5 +1,6 @@
-"""The GEMV of GGUF Q4_0, Q4_1, Q4_K and Q6_K weights (a Q4_K_M file's types and the default
-model's Q4_1) for a few rows (decode), word by word, with kernels/gemv.py's prologues fused in.
+"""The GEMV of GGUF Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights (a Q4_K_M file's types; the default
+model's Q4_1 layers and Q8_0 embedding / tied LM head) for a few rows (decode), word by word,
+with kernels/gemv.py's prologues fused in.
 kernels/gguf.py holds the planes' layout (layers/quant/gguf_cuda.py splits the file's bytes)
 and the per-value GEMV the other types take; gguf.py's gguf_gemv chooses.
 
@@ -14,6 +15,7 @@ the minimums the sum of x over their sub-block (the dot factored):
     type  word (chunk)                     a chunk's sum
     Q4_0  qs: 8 nibbles (4 words: a block)  d * sum x (q - 8)
     Q4_1  qs: 8 nibbles (4 words: a block)  d * sum x q + m * sum x
+    Q8_0  qs: 4 int8 (8 words: a block)     d * sum x q (q + 128: the byte with its top bit flipped)
     Q4_K  qs: 8 nibbles (8 words: 64        d sc_lo * sum_lo x q + d sc_hi * sum_hi x q
           values, sub-blocks lo and hi)       - dmin mn_lo * sum_lo x - dmin mn_hi * sum_hi x
     Q6_K  qh: 4 bytes of 2-bit pairs, with   sum over i < 4 of d sc_i * sum_i x (q - 32)
@@ -34,13 +36,39 @@ give, a byte each,
 
 the 6-bit values in place at bits 8b (scale index 16 s + 8 h + (u % 8) // 4 + 2 i).
 
-The numbers: every product and sum is float32, but the dot is factored (the scales multiply
-sums of x q, not each value), so y is not the float32 matmul over ggml's decoded weight bit for
-bit: it is within a few float32 roundings of sum |x| |w| of it (the tests bound it at 1e-5 of
-the output's scale). x's tile (the prologue applied, times 2^-shift) is computed once a program
-and split into one tensor a value position (Triton moves it into the weight's layout through
-shared memory), as int_gemv's. Allocates by shape alone and never syncs with the host: CUDA
-graphs capture it.
+The numbers: every product and sum is float32 and each value's q - z exact, but the dot is
+factored (the scales multiply sums of x q, the minimums sums of x), so y is not the float32
+matmul over ggml's decoded weight (each value d sc q - dmin mn rounded once) bit for bit: it
+is within a few float32 roundings of sum_k |x_k| (|d sc q_k| + |dmin mn|) of it (the tests
+bound it at 1e-5 of the output's scale, over random bytes whose terms cancel; greedy decoding
+then follows the CPU's tokens as before: tests/models/test_cuda_gguf.py).
+
+x's tile (the prologue applied, times 2^-shift) is computed once a program in its own layout
+(_in_shared: else Triton converts it in the weight's, once a weight row a thread holds) and
+split into one tensor a value position, which Triton moves into the weight's layout through
+shared memory, as int_gemv's. In the sm_90 SASS (benchmarks/scripts/gguf_gemv_sass.py: N = K
+= 4096, the tiles the config functions pick, no prologue), instructions and barriers a weight
+value in the main loop (all rows' work; the per-value kernel of gguf.py runs a program a row
+of x, so its 4 rows cost 4 times its one), no spills, shared memory within the H100's:
+
+    type  rows   per-value (8 x 1024, 4 warps)   word kernel (tile)
+    Q4_0  1       8.81 ins  0.16 bar              4.55 ins  0.03 bar  (8, 256 words, 4, 3)
+    Q4_0  4      35.25      0.63                 10.69      0.13      (8, 64, 4, 3)
+    Q4_1  1       8.05      0.19                  5.30      0.09
+    Q4_1  4      32.19      0.75                 14.91      0.38
+    Q8_0  1       6.62      0.16                  5.62      0.15      (8, 512, 4, 3)
+    Q8_0  4      26.50      0.63                 13.34      1.09      (8, 128, 4, 3)
+    Q4_K  1       8.81      0.13                  5.77      0.09      (8, 256, 4, 3)
+    Q4_K  4      35.25      0.50                 14.69      0.19      (8, 64, 4, 3)
+    Q6_K  1      13.55      0.22                  5.91      0.05      (8, 128 qh words, 4, 3)
+    Q6_K  4      54.19      0.88                 13.19      0.19      (8, 32, 4, 3)
+
+(16 rows a program and 8 warps, as N = 6144 and up get: Q4_0 4.35, Q4_K 5.43, Q6_K 5.70 at one
+row.) The norm prologue adds ~0.7 at one row. Left on the table: the sums of x for the
+minimums (Q4_1, Q4_K: ~4 instructions a value at 4 rows, through shared memory and shuffles)
+and Q8_0's barriers at 4 rows; reading x in column order and permuting it cut Q4_K's count
+~3% but doubled its barriers, so x is read in the words' order. Allocates by shape alone and
+never syncs with the host: CUDA graphs capture it.
 """
 
 from __future__ import annotations
