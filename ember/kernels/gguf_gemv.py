@@ -39,9 +39,10 @@ the 6-bit values in place at bits 8b (scale index 16 s + 8 h + (u % 8) // 4 + 2 
 The numbers: every product and sum is float32 and each value's q - z exact, but the dot is
 factored (the scales multiply sums of x q, the minimums sums of x), so y is not the float32
 matmul over ggml's decoded weight (each value d sc q - dmin mn rounded once) bit for bit: it
-is within a few float32 roundings of sum_k |x_k| (|d sc q_k| + |dmin mn|) of it (the tests
-bound it at 1e-5 of the output's scale, over random bytes whose terms cancel; greedy decoding
-then follows the CPU's tokens as before: tests/models/test_cuda_gguf.py).
+is within a few float32 roundings of sum_k |x_k| (|d sc q_k| + |dmin mn|) of it. The tests
+hold each output to |y - x w| <= 2^-20 sum_k |x_k| |w_k| against the exact dot (random bytes,
+whose terms cancel, and quantized weights: ~2^-24 seen), and greedy decoding to the CPU's
+tokens as before (tests/models/test_cuda_gguf.py, on the GPU).
 
 x's tile (the prologue applied, times 2^-shift) is computed once a program in its own layout
 (_in_shared: else Triton converts it in the weight's, once a weight row a thread holds) and

@@ -113,6 +113,25 @@ def test_gemv_and_matmul_are_x_times_the_dequantized_weight(device, qtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", [T(q) for q in WORD_TYPES], ids=lambda t: t.name)
+def test_word_gemv_is_within_float32_roundings_of_the_exact_dot(device, qtype):
+    """The word GEMV's contract, each output against the exact (float64) dot over ggml's values:
+    |y - x w| <= 2^-20 sum_k |x_k| |w_k| (the factored dot's few float32 roundings; 2^-24 is one),
+    at 1 to 4 rows, on random bytes (their terms cancel) and gguf-py's quantized weights."""
+    n, k = 37, _k(qtype, 17 if qtype < T.Q4_K else 3)
+    g = torch.Generator().manual_seed(int(qtype) + 2)
+    for quantized in _sources(qtype):
+        t = blocks(qtype, n, k, int(qtype) + 3, device, quantized)
+        w = t.dequantize().double()
+        planes = GGUFPlanes.from_blocks(t).kernel_args()
+        for rows in (1, 4):
+            x = torch.randn(rows, k, generator=g)
+            got = gguf_gemv(x.to(device), int(qtype), planes, n, config=(16, 16, 4, 1) if device == "cpu" else None)
+            bound = 2.0 ** -20 * (x.abs().double() @ w.abs().T)
+            assert ((got.cpu().double() - x.double() @ w.T).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("qtype", [T.Q5_K, T.Q5_0, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_gemv_prologues_equal_the_plain_ops_then_the_layer(device, qtype):
     """The norm (with the residual, which comes back as h) and SiLU fused into the GEMV (the
