@@ -29,6 +29,9 @@
 #   int4-kernels        the W4A16 kernels' GPU tests, int4_gemv_bench.py --sweep (the word GEMV and the matmul
 #                       against cuBLAS bf16 at the Llama-3.1-8B shapes; its TUNED dicts go into int_gemv_config /
 #                       wna16_config), then ember AWQ and bf16 one request 128/512 (no vLLM: race-int races it)
+#   gguf-kernels        the GGUF kernels' GPU tests, gguf_gemv_bench.py --sweep (the word GEMV against the per-value
+#                       one and cuBLAS bf16 at the Llama-3.1-8B shapes, Q4_K / Q6_K / Q4_1, 1 / 2 / 4 rows; its TUNED
+#                       dict goes into kernels/gguf_gemv.py) (needs the gguf wheel carried, as gguf-cuda)
 #   race-int [awq|gptq] W4A16 at the Llama-3.1-8B shape with dummy weights under an AWQ (default) or GPTQ
 #                       config (benchmarks/configs/llama-3.1-8b-awq / -gptq): vLLM (its AWQ-Marlin / GPTQ-Marlin,
 #                       vllm_race.py: one request, 512 x 1000/1000), then ember on both, then ember's bf16 one request
@@ -338,6 +341,15 @@ mode_int4_kernels() {
   fi
   bench llama_awq_latency 60 benchmarks/configs/llama-3.1-8b-awq $LAT
   bench llama_bf16_latency 45 $L $LAT
+}
+
+mode_gguf_kernels() {
+  local secs
+  gguf_kit || return 0
+  gpu_tests 120 tests/kernels/test_gguf_kernels.py
+  if secs=$(cap gguf_gemv_bench 250); then
+    (cd benchmarks/scripts && timeout "$secs" python3 gguf_gemv_bench.py --sweep) 2>&1 | tee "$J/gguf_gemv_bench.log"
+  fi
 }
 
 # gguf_kit: the carried gguf wheel (the device has no GGUF reader) on PYTHONPATH, or say what is missing and fail
@@ -743,6 +755,7 @@ case "$mode" in
   check-int-moe) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_check_int_moe ;;
   gguf-cuda) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gguf_cuda ;;
   int4-kernels) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_int4_kernels ;;
+  gguf-kernels) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gguf_kernels ;;
   race-int) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_int "$@" ;;
   w8a8) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_w8a8 "$@" ;;
   kernels-fp8) mode_env; mode_kernels_fp8 ;;
