@@ -66,9 +66,10 @@ of x, so its 4 rows cost 4 times its one), no spills, shared memory within the H
 
 (16 rows a program and 8 warps, as N = 6144 and up get: Q4_0 4.35, Q4_K 5.43, Q6_K 5.70 at one
 row.) The norm prologue adds ~0.7 at one row. Left on the table: the sums of x for the
-minimums (Q4_1, Q4_K: ~4 instructions a value at 4 rows, through shared memory and shuffles)
-and Q8_0's barriers at 4 rows; reading x in column order and permuting it cut Q4_K's count
-~3% but doubled its barriers, so x is read in the words' order. Allocates by shape alone and
+minimums (Q4_1, Q4_K: ~4 instructions a value at 4 rows, through shared memory and shuffles;
+a pass of their own after the loop cost more at one row: Q4_K 6.33 and 15.38 in all) and
+Q8_0's barriers at 4 rows; reading x in column order and permuting it cut Q4_K's count ~3%
+but doubled its barriers, so x is read in the words' order. Allocates by shape alone and
 never syncs with the host: CUDA graphs capture it.
 """
 
