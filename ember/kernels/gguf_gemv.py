@@ -15,7 +15,8 @@ the minimums the sum of x over their sub-block (the dot factored):
     type  word (chunk)                     a chunk's sum
     Q4_0  qs: 8 nibbles (4 words: a block)  d * sum x (q - 8)
     Q4_1  qs: 8 nibbles (4 words: a block)  d * sum x q + m * sum x
-    Q8_0  qs: 4 int8 (8 words: a block)     d * sum x q (q + 128: the byte with its top bit flipped)
+    Q8_0  qs: 4 int8 (8 words: a block;     d * sum x q (q + 128: the byte with its top bit flipped)
+          2 rows and up: 4)
     Q4_K  qs: 8 nibbles (8 words: 64        d sc_lo * sum_lo x q + d sc_hi * sum_hi x q
           values, sub-blocks lo and hi)       - dmin mn_lo * sum_lo x - dmin mn_hi * sum_hi x
     Q6_K  qh: 4 bytes of 2-bit pairs, with   sum over i < 4 of d sc_i * sum_i x (q - 32)
@@ -58,7 +59,7 @@ of x, so its 4 rows cost 4 times its one), no spills, shared memory within the H
     Q4_1  1       8.05      0.19                  5.30      0.09
     Q4_1  4      32.19      0.75                 14.91      0.38
     Q8_0  1       6.62      0.16                  5.62      0.15      (8, 512, 4, 3)
-    Q8_0  4      26.50      0.63                 13.34      1.09      (8, 128, 4, 3)
+    Q8_0  4      26.50      0.63                 12.06      0.34      (8, 128, 4, 3)
     Q4_K  1       8.81      0.13                  5.77      0.09      (8, 256, 4, 3)
     Q4_K  4      35.25      0.50                 14.69      0.19      (8, 64, 4, 3)
     Q6_K  1      13.55      0.22                  5.91      0.05      (8, 128 qh words, 4, 3)
@@ -67,8 +68,8 @@ of x, so its 4 rows cost 4 times its one), no spills, shared memory within the H
 (16 rows a program and 8 warps, as N = 6144 and up get: Q4_0 4.35, Q4_K 5.43, Q6_K 5.70 at one
 row.) The norm prologue adds ~0.7 at one row. Left on the table: the sums of x for the
 minimums (Q4_1, Q4_K: ~4 instructions a value at 4 rows, through shared memory and shuffles;
-a pass of their own after the loop cost more at one row: Q4_K 6.33 and 15.38 in all) and
-Q8_0's barriers at 4 rows; reading x in column order and permuting it cut Q4_K's count ~3%
+a pass of their own after the loop cost more at one row: Q4_K 6.33 and 15.38 in all); Q8_0's
+chunk of 8 words (a block) at 4 rows took 13.34 and 1.09 barriers a value; reading x in column order and permuting it cut Q4_K's count ~3%
 but doubled its barriers, so x is read in the words' order. Allocates by shape alone and
 never syncs with the host: CUDA graphs capture it.
 """
@@ -130,7 +131,8 @@ def _gguf_word_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s
     # the words a row: qs (Q6_K: qh) as int32; a chunk's words share their scales
     PER: tl.constexpr = 16 if QTYPE == 14 else (4 if QTYPE == 8 else 8)  # values a word
     WORDS: tl.constexpr = K // PER
-    CHUNK: tl.constexpr = 8 if QTYPE == 12 or QTYPE == 8 else 4
+    # Q8_0: a block's 8 words at one row, half a block (fewer barriers where x's tile moves) at more
+    CHUNK: tl.constexpr = 8 if QTYPE == 12 or (QTYPE == 8 and M_PAD == 1) else 4
     CHUNKS: tl.constexpr = BLOCK_J // CHUNK
     SPAN: tl.constexpr = 64 if QTYPE == 12 else 32  # the nibble types' (module docstring)
     pid = tl.program_id(0)
@@ -179,7 +181,7 @@ def _gguf_word_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s
         a = _in_shared(a * unshift[None, :], M_PAD, BLOCK_J * PER)
         if QTYPE == 8:  # int8 q: q + 128 is the byte with its top bit flipped
             words = tl.load(q_ptr + n4 * WORDS + j, mask=wmask, other=0) ^ -0x7F7F7F80  # 0x80808080
-            d = tl.load(d_ptr + n4 * (K // 32) + c, mask=cmask4, other=0.0).to(tl.float32)
+            d = tl.load(d_ptr + n4 * (K // 32) + (j0 + first) // 8, mask=cmask4, other=0.0).to(tl.float32)
             part = tl.zeros([M_PAD, CHUNKS, BLOCK_N, CHUNK], tl.float32)
             acc += _byte_values_dot(part, tl.reshape(a, [M_PAD, CHUNKS, CHUNK, 4]), words, 128.0, 8, M_PAD, CHUNKS,
                                     CHUNK) * d
