@@ -290,6 +290,8 @@ def gguf_word_gemv(x: torch.Tensor, qtype: int, planes: tuple, n: int, bias: tor
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty_like(x) if residual is not None else x
     block_n, block_j, warps, stages = config or gguf_word_gemv_config(qtype, rows, n, k, x.is_cuda)
+    if block_j < 8 or block_j & (block_j - 1):  # a chunk (Q6_K: half a super-block's qh) fits in a tile
+        raise ValueError(f"the word GEMV's BLOCK_J is a power of two of 8 words or more, got {block_j}")
     _gguf_word_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, q_words, h_words,
         d, m if m is not None else d, sc if sc is not None else qs, mn if mn is not None else qs,
