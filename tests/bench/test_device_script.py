@@ -51,7 +51,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
     listed = [line.split()[1] for line in head.splitlines() if line.startswith("#   ") and line[4] != " "
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
-                      "check-fp8", "check-int", "check-int-moe", "int4-kernels", "race-int", "gguf-cuda", "w8a8", "kernels-fp8", "check-moe",
+                      "check-fp8", "check-int", "check-int-moe", "int4-kernels", "gguf-kernels", "race-int", "gguf-cuda", "w8a8", "kernels-fp8", "check-moe",
                       "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
@@ -296,6 +296,21 @@ def test_tp_70b_runs_ember_at_two_ranks_then_vllm_on_the_same_workloads(tmp_path
         f"run-on-device none {env}",
         f"python3 benchmarks/scripts/vllm_race.py --config llama-3.1-70b --tensor-parallel-size 2 throughput128 "
         f"latency {env}",
+    ]
+
+
+def test_gguf_kernels_installs_the_gguf_wheel_tests_then_sweeps_the_word_gemv(tmp_path):
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "gguf-0.19.0-py3-none-any.whl").write_text("")
+    calls, done = run_mode(tmp_path, "gguf-kernels", extra_env={"SERVE_WHEELS": str(wheels)})
+    assert done.returncode == 0, done.stderr
+    env = "[decode_config=]"
+    assert calls == [
+        "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+        f"{wheels}/gguf-0.19.0-py3-none-any.whl {env}",
+        f"python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_gguf_kernels.py {env}",
+        f"python3 gguf_gemv_bench.py --sweep {env}",
     ]
 
 
