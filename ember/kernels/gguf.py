@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.gemv import PROLOGUES, inv_rms, prologue_input
+from ember.kernels.gemv import PROLOGUES, check_gemv_args, inv_rms, prologue_input
 from ember.kernels.gguf_gemv import WORD_TYPES, gguf_word_gemv
 from ember.kernels.tiles import grouped_tile
 
@@ -263,15 +263,8 @@ def gguf_gemv(x: torch.Tensor, qtype: int, planes: Planes, n: int, bias: torch.T
     k = x.shape[-1] // 2 if prologue == "silu" else x.shape[-1]
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be [M, K] float with contiguous rows; got {x.dtype} {tuple(x.shape)}")
-    if not 0 < rows <= MAX_ROWS:
-        raise ValueError(f"the GGUF GEMV takes 1 to {MAX_ROWS} rows, got {rows}: use gguf_matmul")
+    check_gemv_args(x, n, k, bias, prologue, residual, norm_weight, MAX_ROWS, "the GGUF GEMV", "gguf_matmul")
     _check(qtype, n, k, planes)
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    if prologue == "norm" and (norm_weight is None or norm_weight.shape != (k,)):
-        raise ValueError(f"the norm prologue needs norm_weight [{k}]")
-    if residual is not None and (prologue != "norm" or residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError(f"residual goes with the norm prologue and x's shape {tuple(x.shape)}")
     if qtype in WORD_TYPES and not per_value:
         return gguf_word_gemv(x, qtype, planes, n, bias, prologue, residual, norm_weight, eps, config)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
