@@ -43,3 +43,20 @@ def sass_counts(cubin: bytes) -> dict[str, int]:
     counts = {key: int(re.search(rf"\b{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK")}
     counts.update({op: len(re.findall(rf"\b{op}(?:\.\w+)*\s", sass)) for op in ("STL", "LDL")})
     return counts
+
+
+def compile_aligned(kernel, constants: dict, types: dict, options: dict):
+    """`kernel` compiled for sm_90 with `constants`, its arguments typed by `types` (other
+    pointers "*bf16", other scalars "i32"), each pointer and stride 16-aligned as a launch
+    specializes them. For scripts run by run_compile_script."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)
+    signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+                 for a in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+               if a.endswith("_ptr") or a.startswith("stride")}
+    source = ASTSource(kernel, signature, {(names.index(c),): v for c, v in constants.items()}, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -263,10 +263,12 @@ def test_gguf_layer_in_a_cuda_graph_replays_as_run():
 
 _COMPILE = """
 import re
+import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+
+sys.path.insert(0, "tests/kernels")
+from hopper_compile import compile_aligned
 
 from ember.kernels.gguf import SPANS, _gguf_gemv_kernel, _gguf_matmul_kernel, _gguf_rows_kernel, gemv_config, \\
     matmul_config
@@ -290,14 +292,7 @@ for qtype, planes in PLANES.items():
         constants = dict(constants, K=4096, QTYPE=qtype, SPAN=SPANS[qtype])
         if kernel is not _gguf_rows_kernel:
             constants["HAS_BIAS"] = True
-        names = list(kernel.arg_names)
-        types = dict(zip(NAMES, planes), ids_ptr="*i64", eps="fp32")
-        signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
-                     for a in names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)  # as a launch specializes them
-                   if a.endswith("_ptr") or a.startswith("stride")}
-        source = ASTSource(kernel, signature, {(names.index(c),): v for c, v in constants.items()}, attrs=aligned)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        compiled = compile_aligned(kernel, constants, dict(zip(NAMES, planes), ids_ptr="*i64", eps="fp32"), options)
         what = f"{kernel.fn.__name__} on GGML type {qtype}"
         assert "st.local" not in compiled.asm["ptx"], f"{what} spills registers to local memory"
         assert compiled.metadata.shared <= H100_SHARED, f"{what}: {compiled.metadata.shared} bytes of shared memory"
@@ -305,7 +300,6 @@ for qtype, planes in PLANES.items():
             assert "mma" in compiled.asm["ptx"], f"{what}: no tensor-core instruction in the PTX"
         else:  # a program's 16 bytes of qs (Q8_0: 16 values) in one load
             assert "ld.global.v4.b32" in compiled.asm["ptx"], f"{what}: the quants are read a byte at a time"
-names = list(_gguf_word_gemv_kernel.arg_names)
 for qtype in WORD_TYPES:
     planes = ("*i32", "*i32") + PLANES[qtype][2:]
     for (n, k), prologue in (((6144, 4096), 1), ((4096, 4096), 0), ((4096, 14336), 2)):
@@ -313,15 +307,8 @@ for qtype in WORD_TYPES:
             block_n, block_j, warps, stages = gguf_word_gemv_config(qtype, rows, n, k)
             constants = dict(M=rows, M_PAD=triton.next_power_of_2(rows), K=k, QTYPE=qtype, BLOCK_N=block_n,
                              BLOCK_J=block_j, PROLOGUE=prologue, HAS_RES=prologue == 1, HAS_BIAS=False, STAGES=stages)
-            types = dict(zip(NAMES, planes), eps="fp32")
-            signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
-                         for a in names}
-            aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-                       if a.endswith("_ptr") or a.startswith("stride")}
-            source = ASTSource(_gguf_word_gemv_kernel, signature,
-                               {(names.index(c),): v for c, v in constants.items()}, attrs=aligned)
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": warps, "num_stages": stages})
+            compiled = compile_aligned(_gguf_word_gemv_kernel, constants, dict(zip(NAMES, planes), eps="fp32"),
+                                       {"num_warps": warps, "num_stages": stages})
             ptx, what = compiled.asm["ptx"], f"the word GEMV of type {qtype} at [{n}, {k}], {rows} rows"
             assert "st.local" not in ptx, f"{what} spills registers to local memory"
             assert compiled.metadata.shared <= H100_SHARED, f"{what}: {compiled.metadata.shared} bytes of shared"

@@ -326,15 +326,16 @@ def test_word_gemv_at_llama_8b_shapes(n, k, zeros):
 
 _COMPILE = """
 import re
+import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+
+sys.path.insert(0, "tests/kernels")
+from hopper_compile import compile_aligned
 
 from ember.kernels.int_gemv import _int_gemv_kernel, int_gemv_config
 
 H100_SHARED = 232448  # bytes of shared memory a program may take on the H100 (sm_90)
-names = list(_int_gemv_kernel.arg_names)
 types = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "p_ptr": "*i32", "eps": "fp32"}
 for (n, k), prologue, perm in (((6144, 4096), 1, False), ((4096, 4096), 0, False), ((4096, 14336), 2, False),
                                ((6144, 4096), 1, True)):
@@ -343,13 +344,7 @@ for (n, k), prologue, perm in (((6144, 4096), 1, False), ((4096, 4096), 0, False
         constants = dict(M=rows, M_PAD=triton.next_power_of_2(rows), K=k, BITS=4, GROUP=128, HAS_ZEROS=True,
                          BLOCK_N=block_n, BLOCK_J=block_j, CHUNK=16, PROLOGUE=prologue, HAS_RES=prologue == 1,
                          HAS_BIAS=False, HAS_PERM=perm, STAGES=stages)
-        signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
-                     for a in names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)  # as a launch specializes them
-                   if a.endswith("_ptr") or a.startswith("stride")}
-        source = ASTSource(_int_gemv_kernel, signature, {(names.index(c),): v for c, v in constants.items()},
-                           attrs=aligned)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        compiled = compile_aligned(_int_gemv_kernel, constants, types, {"num_warps": warps})
         ptx, what = compiled.asm["ptx"], f"the word GEMV at [{n}, {k}], {rows} rows, prologue {prologue}, perm {perm}"
         assert "st.local" not in ptx, f"{what} spills registers to local memory"
         assert compiled.metadata.shared <= H100_SHARED, f"{what}: {compiled.metadata.shared} bytes of shared memory"
@@ -371,17 +366,12 @@ def test_the_word_gemv_compiles_for_hopper():
 _COMPILE_MATMUL = """
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 sys.path.insert(0, "tests/kernels")
-from hopper_compile import sass_counts
+from hopper_compile import compile_aligned, sass_counts
 
 from ember.kernels.wna16 import _wna16_matmul_kernel, matmul_path, wna16_config
 
 H100_SHARED = 232448  # bytes of shared memory a program may take on the H100 (sm_90)
-names = list(_wna16_matmul_kernel.arg_names)
 types = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "g_ptr": "*i32"}
 configs = {wna16_config(rows, n, k): (n, k) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
            for rows in (2 ** i for i in range(14))}
@@ -392,14 +382,7 @@ for config, (n, k) in sorted(configs.items()):
         grouped, tile_k = matmul_path(128, k, kind == "per column", block_k)
         constants = dict(K=k, BITS=bits, GROUP=128, GROUPED=grouped, HAS_ZEROS=zeros, HAS_G_IDX=not grouped,
                          HAS_BIAS=False, PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=tile_k, GROUP_M=8)
-        signature = {a: "constexpr" if a in constants else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
-                     for a in names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)  # as a launch specializes them
-                   if a.endswith("_ptr") or a.startswith("stride")}
-        source = ASTSource(_wna16_matmul_kernel, signature, {(names.index(c),): v for c, v in constants.items()},
-                           attrs=aligned)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps, "num_stages": stages})
+        compiled = compile_aligned(_wna16_matmul_kernel, constants, types, {"num_warps": warps, "num_stages": stages})
         counts, what = sass_counts(compiled.asm["cubin"]), f"the matmul ({kind}) at {config}"
         assert counts["STACK"] == counts["STL"] == counts["LDL"] == 0, f"{what} spills registers: {counts}"
         assert 2 * counts["REG"] * 32 * warps <= 65536, f"{what}: {counts['REG']} registers, one program an SM"
