@@ -5,7 +5,9 @@ timed inside a CUDA graph of back-to-back calls (as a decode graph replays them)
 over enough weight copies to defeat the 50 MB L2.
 `python3 benchmarks/scripts/gemv_bench.py [--sweep] [--tp2]`"""
 
+import re
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,23 @@ TP2_SHAPES = {  # a rank of two: column-parallel layers keep half the rows, row-
 SWEEP = [(4, 512, 4), (8, 512, 4), (16, 512, 4), (8, 256, 4), (16, 256, 4), (32, 256, 4), (8, 1024, 8),
          (16, 512, 8), (4, 1024, 4), (8, 1024, 4), (16, 1024, 8), (4, 2048, 8), (8, 2048, 8), (2, 2048, 4),
          (32, 512, 8)]  # (BLOCK_N, BLOCK_K, num_warps) at one row; the long tiles are for fp8 weights
+
+
+def write_tuned(source: str, name: str, best: dict) -> None:
+    """Rewrite the `NAME: dict[...] = {...}` line of the ember module `source` (a path from the repo
+    root, e.g. "ember/kernels/int_gemv.py") with the measured {key: config}: `--write` of the
+    sweeps, so a device call can sweep and then run the engine on the tuned tiles (the file is
+    copied to $OUT by h200.sh and committed from there)."""
+    path = Path(__file__).resolve().parents[2] / source
+    text = path.read_text()
+    entries = "".join(f"\n    {key}: {config}," for key, config in sorted(best.items()))
+    body = "{" + entries + ("\n}" if entries else "}")
+    new, count = re.subn(rf"^({name}: dict\[.*?\] = )\{{[^}}]*\}}$", lambda m: m.group(1) + body, text, count=1,
+                         flags=re.M)
+    if count != 1:
+        raise ValueError(f"{source} has no `{name}: dict[...] = {{...}}` line to rewrite")
+    path.write_text(new)
+    print(f"wrote {len(best)} entries into {source}'s {name}")
 
 
 def time_us(fn, copies: int, reps: int = 40) -> float:

@@ -8,8 +8,8 @@ calls over enough weight copies to defeat the 50 MB L2).
 
 --sweep: the word GEMV at each tile of SWEEP too, one row first (each tile compiles once a type,
 rows and K); the best a type, rows and shape printed last as a TUNED dict to paste into
-kernels/gguf_gemv.py. The sweep stops at BUDGET_S: the whole run stays under 4 minutes.
-`cd benchmarks/scripts && python3 gguf_gemv_bench.py [--sweep]`"""
+kernels/gguf_gemv.py (--write writes it there). The sweep stops at BUDGET_S: the whole run stays
+under 4 minutes. `cd benchmarks/scripts && python3 gguf_gemv_bench.py [--sweep [--write]]`"""
 
 import sys
 import time
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
-from gemv_bench import SHAPES, time_us
+from gemv_bench import SHAPES, time_us, write_tuned
 
 from ember.bench.dummy_gguf import random_blocks
 from ember.kernels.gguf import gguf_gemv
@@ -125,6 +125,8 @@ def main() -> None:
     if sweeping:
         print("\n# gguf_word_gemv_config, measured (qtype, rows, N, K): (BLOCK_N, BLOCK_J, num_warps, num_stages)")
         print("TUNED = {" + ",\n         ".join(f"{key}: {c}" for key, (_, c) in sorted(best.items())) + "}")
+        if "--write" in sys.argv:
+            write_tuned("ember/kernels/gguf_gemv.py", "TUNED", {key: c for key, (_, c) in best.items()})
     print(f"{time.time() - start:.0f} s")
 
 

@@ -26,12 +26,14 @@
 #                       and Qwen3-30B-A3B's shapes, in CUDA graphs) and of the engine with AWQ / GPTQ Mixtral and
 #                       Qwen3-MoE checkpoints, then moe_tune.py --int 4 at both shapes (--no-write: each choice
 #                       against the heuristic)
-#   int4-kernels        the W4A16 kernels' GPU tests, int4_gemv_bench.py --sweep (the word GEMV and the matmul
-#                       against cuBLAS bf16 at the Llama-3.1-8B shapes; its TUNED dicts go into int_gemv_config /
-#                       wna16_config), then ember AWQ and bf16 one request 128/512 (no vLLM: race-int races it)
-#   gguf-kernels        the GGUF kernels' GPU tests, gguf_gemv_bench.py --sweep (the word GEMV against the per-value
-#                       one and cuBLAS bf16 at the Llama-3.1-8B shapes, Q4_K / Q6_K / Q4_1, 1 / 2 / 4 rows; its TUNED
-#                       dict goes into kernels/gguf_gemv.py) (needs the gguf wheel carried, as gguf-cuda)
+#   int4-kernels        the W4A16 kernels' GPU tests, int4_gemv_bench.py --sweep --write (the word GEMV and the
+#                       matmul against cuBLAS bf16 at the Llama-3.1-8B shapes; its TUNED dicts written into
+#                       int_gemv.py / wna16.py, both copied to $OUT), then ember AWQ and bf16 one request 128/512
+#                       on those tiles and where AWQ's decode step goes (no vLLM: race-int races it)
+#   gguf-kernels        the GGUF kernels' GPU tests, gguf_gemv_bench.py --sweep --write (the word GEMV against the
+#                       per-value one and cuBLAS bf16 at the Llama-3.1-8B shapes, Q4_K / Q6_K / Q4_1, 1 / 2 / 4 rows;
+#                       its TUNED dict written into kernels/gguf_gemv.py, copied to $OUT) (needs the gguf wheel
+#                       carried, as gguf-cuda)
 #   race-int [awq|gptq] W4A16 at the Llama-3.1-8B shape with dummy weights under an AWQ (default) or GPTQ
 #                       config (benchmarks/configs/llama-3.1-8b-awq / -gptq): vLLM (its AWQ-Marlin / GPTQ-Marlin,
 #                       vllm_race.py: one request, 512 x 1000/1000), then ember on both, then ember's bf16 one request
@@ -337,10 +339,15 @@ mode_int4_kernels() {
   local secs
   gpu_tests 120 tests/kernels/test_wna16_kernels.py tests/kernels/test_gemv.py
   if secs=$(cap int4_gemv_bench 250); then
-    (cd benchmarks/scripts && timeout "$secs" python3 int4_gemv_bench.py --sweep) 2>&1 | tee "$J/int4_gemv_bench.log"
+    (cd benchmarks/scripts && timeout "$secs" python3 int4_gemv_bench.py --sweep --write) 2>&1 | tee "$J/int4_gemv_bench.log"
+    cp ember/kernels/int_gemv.py ember/kernels/wna16.py "$J/"  # the tuned tiles, to commit
   fi
   bench llama_awq_latency 60 benchmarks/configs/llama-3.1-8b-awq $LAT
   bench llama_bf16_latency 45 $L $LAT
+  if secs=$(cap "AWQ decode profile" 90); then
+    timeout "$secs" $P benchmarks/configs/llama-3.1-8b-awq --num-prompts 1 --input-len 128 --output-len 160 --skip 40 \
+      --steps 60 2>&1 | grep -v Warn | tail -30 | tee "$J/profile_awq_1.log"
+  fi
 }
 
 mode_gguf_kernels() {
@@ -348,7 +355,8 @@ mode_gguf_kernels() {
   gguf_kit || return 0
   gpu_tests 120 tests/kernels/test_gguf_kernels.py
   if secs=$(cap gguf_gemv_bench 250); then
-    (cd benchmarks/scripts && timeout "$secs" python3 gguf_gemv_bench.py --sweep) 2>&1 | tee "$J/gguf_gemv_bench.log"
+    (cd benchmarks/scripts && timeout "$secs" python3 gguf_gemv_bench.py --sweep --write) 2>&1 | tee "$J/gguf_gemv_bench.log"
+    cp ember/kernels/gguf_gemv.py "$J/"  # the tuned tiles, to commit
   fi
 }
 

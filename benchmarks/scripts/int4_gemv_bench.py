@@ -11,8 +11,9 @@ and GPTQ-style (symmetric):
 Timed as gemv_bench.py times (a CUDA graph of back-to-back calls over enough weight copies to
 defeat the 50 MB L2). --sweep: the word GEMV at each tile of SWEEP (AWQ-style), and the matmul
 at each of MATMUL_SWEEP; the best per shape and rows is printed last as a dict to paste into
-int_gemv_config (and the matmul's into wna16.py's TUNED). The sweeps stop at BUDGET_S.
-`cd benchmarks/scripts && python3 int4_gemv_bench.py [--sweep]`"""
+int_gemv_config (and the matmul's into wna16.py's TUNED); --write writes them there. The sweeps
+stop at BUDGET_S.
+`cd benchmarks/scripts && python3 int4_gemv_bench.py [--sweep [--write]]`"""
 
 import sys
 import time
@@ -20,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-from gemv_bench import SHAPES, time_us
+from gemv_bench import SHAPES, time_us, write_tuned
 
 from ember.kernels.gemv import gemv
 from ember.kernels.int_gemv import int_gemv, int_gemv_config
@@ -184,6 +185,9 @@ def main() -> None:
         print("# wna16 matmul, measured (rows, N, K): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)")
         print("MATMUL_TUNED = {" + ",\n                ".join(f"{key}: {c}" for key, (_, c) in
                                                           sorted(best_matmul.items())) + "}")
+        if "--write" in sys.argv:
+            write_tuned("ember/kernels/int_gemv.py", "TUNED", {key: c for key, (_, c) in best_gemv.items()})
+            write_tuned("ember/kernels/wna16.py", "TUNED", {key: c for key, (_, c) in best_matmul.items()})
     print(f"{time.time() - start:.0f} s")
 
 
