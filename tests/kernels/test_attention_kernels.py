@@ -19,7 +19,7 @@ from float_order import same_bits  # noqa: E402
 from hopper_compile import run_compile_script  # noqa: E402
 
 from ember.kernels import cpu as cpu_kernels  # noqa: E402
-from ember.kernels.decode_attention import _decode_split_kernel, decode_attention, num_decode_splits  # noqa: E402
+from ember.kernels.decode_attention import _decode_split_kernel, decode_attention, decode_config, num_decode_splits  # noqa: E402
 from ember.kernels.kv_write import kv_write  # noqa: E402
 from ember.kernels.mla_decode import mla_decode, mla_head_blocks  # noqa: E402
 from ember.kernels.prefill_attention import prefill_attention  # noqa: E402
@@ -408,6 +408,41 @@ def test_the_prefill_tiles_fit_hoppers_shared_memory_in_float32_too():
     shared = {tuple(line.split()[:2]): int(line.split()[2]) for line in run_compile_script(_COMPILE_TILES).splitlines()}
     assert set(shared) == {("fp32", "256"), ("fp32", "1024"), ("bf16", "256")}
     assert all(0 < used <= 232448 for used in shared.values()), shared
+
+
+_COMPILE_DECODE_TILES = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ember.kernels.decode_attention import _decode_split_kernel, decode_config
+
+names = list(_decode_split_kernel.arg_names)
+for dtype, size, dim, shared_kv in (("fp32", 4, 256, False), ("fp32", 4, 1024, True), ("bf16", 2, 256, False)):
+    types = {"q_ptr": "*" + dtype, "k_cache_ptr": "*" + dtype, "v_cache_ptr": "*" + dtype, "o_ptr": "*" + dtype,
+             "lse_ptr": "*fp32", "tables_ptr": "*i32", "seq_lens_ptr": "*i32", "k_scale_ptr": "*fp32",
+             "v_scale_ptr": "*fp32", "sinks_ptr": "*" + dtype, "scale_log2": "fp32", "softcap": "fp32"}
+    block_n, warps, stages = decode_config(False, dim, size)
+    constants = dict(GROUP=2, BLOCK_H=16, HEAD_BLOCKS=1, D=dim, BLOCK_D=dim, BLOCK_N=block_n, PAGE=16, NUM_SPLITS=1,
+                     FP8=False, DOT_FP16=False, SLIDING=True, CHUNKED=False, SOFTCAP=False, SHARED_KV=shared_kv,
+                     SINKS=False)
+    signature = {n: types.get(n, "constexpr" if n in constants else "i32") for n in names}
+    source = ASTSource(_decode_split_kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+    options = dict(num_warps=warps, num_stages=stages)
+    print(dtype, dim, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared)
+"""
+
+
+@pytest.mark.slow
+def test_the_decode_tiles_fit_hoppers_shared_memory_in_float32_too():
+    """float32 at Gemma's 256-dim heads (and MLA's 1024 with one shared K/V tile): the tiles
+    decode_config picks compile to sm_90 within its 227 KB of shared memory a block (128 rows of
+    256 float32 dims asked 281 KB: the CUDA Gemma 3 vision test's decode graphs failed to launch)."""
+    out = run_compile_script(_COMPILE_DECODE_TILES)
+    shared = {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()}
+    assert set(shared) == {("fp32", "256"), ("fp32", "1024"), ("bf16", "256")}
+    assert all(0 < used <= 232448 for used in shared.values()), shared
+    assert decode_config(False, 256, 2) == (128, 4, 4) and decode_config(True, 256, 1) == (64, 2, 5)
 
 
 def test_decode_checks_layouts():
