@@ -46,7 +46,16 @@ SMS = 132  # the H100's streaming multiprocessors: wna16_config fills them
 # (rows padded to a power of two, N, K) -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for 4-bit
 # weights: the MATMUL_TUNED dict that benchmarks/scripts/int4_gemv_bench.py --sweep prints (the H100's),
 # pasted here; empty until it runs
-TUNED: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
+TUNED: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
+    (512, 4096, 4096): (128, 64, 64, 4, 4),
+    (512, 4096, 14336): (128, 64, 64, 4, 4),
+    (512, 6144, 4096): (128, 128, 64, 8, 3),
+    (512, 28672, 4096): (128, 128, 64, 8, 3),
+    (2048, 4096, 4096): (128, 128, 64, 8, 4),
+    (2048, 4096, 14336): (128, 128, 64, 8, 4),
+    (2048, 6144, 4096): (128, 128, 64, 8, 3),
+    (2048, 28672, 4096): (128, 128, 64, 8, 3),
+}
 
 
 @triton.jit
@@ -178,13 +187,15 @@ def wna16_config(rows: int, n: int, k: int, bits: int = 4, on_gpu: bool = True) 
 
 def matmul_path(group_size: int, k: int, has_g_idx: bool, block_k: int) -> tuple[bool, int]:
     """(grouped, BLOCK_K) of the kernel for the weight's groups and the config's BLOCK_K: grouped
-    where a power-of-two tile of at least 16 lies inside one group (BLOCK_K shrinks to it), or
+    where a power-of-two tile of at least 32 lies inside one group (BLOCK_K shrinks to it), or
     one group spans the row; otherwise per column, at most 64 of K a step (its scales and zeros
-    are [BLOCK_N, BLOCK_K] tensors: at 128 they spill at 64 x 64)."""
+    are [BLOCK_N, BLOCK_K] tensors: at 128 they spill at 64 x 64). Not 16: groups of 48 through
+    the grouped tile of 16 (two words a row) gave wrong bfloat16 products on the H100 (right on
+    the interpreter and in float32)."""
     if not has_g_idx and group_size >= k:
         return True, block_k
     divides = group_size & -group_size  # the largest power of two dividing the group size
-    if not has_g_idx and divides >= 16:
+    if not has_g_idx and divides >= 32:
         return True, min(block_k, divides)
     return False, min(block_k, 64)
 

@@ -20,12 +20,11 @@ GEMV_MAX_WEIGHT = 1 << 24  # elements: Llama-8B's o_proj; its q|k|v, gate|up and
 # (benchmarks/scripts/fp8_gemm_bench.py) and sets it from there.
 FP8_GEMV_MAX_ROWS = 4
 # integer weights (layers/quant/int_weight.py): rows up to this go to the GEMV (weight-only, its
-# prologues fused), more to kernels/wna16.py's tensor-core matmul. A first guess, as for FP8. The
-# sm_90 SASS (4-bit, [6144, 4096]): the word GEMV's loop takes 4.7 / 6.8 / 10.9 / 21.6 instructions
-# a weight value at 1 / 2 / 4 / 8 rows, the matmul's 16-row tile 7.7 at any of them, so the counts
-# favour the matmul from 3 rows; the GEMV saves the norm / SiLU kernel it fuses, which they do not
-# count. benchmarks/scripts/int4_gemv_bench.py times both at 1 to 8 rows: set it from there.
-INT_GEMV_MAX_ROWS = 4
+# prologues fused), more to kernels/wna16.py's tensor-core matmul. Measured on the H100
+# (benchmarks/scripts/int4_gemv_bench.py, 4-bit, groups of 128, Llama-3.1-8B's shapes, the tuned
+# tiles): at 2 rows the word GEMV takes 8.8-46 us a layer against the matmul's 12.6-45; at 4 rows
+# 15-90 us against 12.5-45 (gate_up: 90 against 45), so 3 and 4 rows go to the matmul.
+INT_GEMV_MAX_ROWS = 2
 # GGUF blocks on CUDA (layers/quant/gguf_cuda.py): rows up to this go to the GEMV, more to the
 # tensor-core matmul of kernels/gguf.py. A first guess, as for integer weights.
 GGUF_GEMV_MAX_ROWS = 4
