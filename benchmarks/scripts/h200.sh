@@ -346,7 +346,7 @@ mode_int4_kernels() {
   bench llama_bf16_latency 45 $L $LAT
   if secs=$(cap "AWQ decode profile" 90); then
     timeout "$secs" $P benchmarks/configs/llama-3.1-8b-awq --num-prompts 1 --input-len 128 --output-len 160 --skip 40 \
-      --steps 60 2>&1 | grep -v Warn | tail -30 | tee "$J/profile_awq_1.log"
+      --steps 60 2>&1 | grep -v Warn | head -40 | tee "$J/profile_awq_1.log"
   fi
 }
 

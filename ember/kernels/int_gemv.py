@@ -46,7 +46,24 @@ from ember.kernels.wna16 import check_int_weight
 MAX_ROWS = 8  # the word kernel's rows (the layers send up to kernel_paths.INT_GEMV_MAX_ROWS)
 # (rows, N, K) -> (BLOCK_N, BLOCK_J, num_warps, num_stages) for 4-bit weights: the TUNED dict that
 # benchmarks/scripts/int4_gemv_bench.py --sweep prints (the H100's), pasted here; empty until it runs
-TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
+    (1, 4096, 4096): (8, 256, 8, 3),
+    (1, 4096, 14336): (8, 256, 8, 3),
+    (1, 6144, 4096): (8, 256, 8, 3),
+    (1, 28672, 4096): (8, 256, 8, 3),
+    (2, 4096, 4096): (16, 128, 8, 3),
+    (2, 4096, 14336): (16, 128, 8, 3),
+    (2, 6144, 4096): (16, 128, 8, 3),
+    (2, 28672, 4096): (16, 128, 8, 3),
+    (4, 4096, 4096): (16, 64, 8, 3),
+    (4, 4096, 14336): (16, 64, 8, 3),
+    (4, 6144, 4096): (16, 64, 8, 2),
+    (4, 28672, 4096): (16, 64, 8, 2),
+    (8, 4096, 4096): (16, 32, 8, 3),
+    (8, 4096, 14336): (16, 32, 8, 3),
+    (8, 6144, 4096): (16, 32, 8, 3),
+    (8, 28672, 4096): (16, 32, 8, 3),
+}
 
 
 @triton.jit

@@ -272,7 +272,7 @@ from hopper_compile import compile_aligned
 
 from ember.kernels.gguf import SPANS, _gguf_gemv_kernel, _gguf_matmul_kernel, _gguf_rows_kernel, gemv_config, \\
     matmul_config
-from ember.kernels.gguf_gemv import WORD_TYPES, _gguf_word_gemv_kernel, gguf_word_gemv_config
+from ember.kernels.gguf_gemv import TUNED, WORD_TYPES, _gguf_word_gemv_kernel, gguf_word_gemv_config
 
 H100_SHARED = 232448  # bytes of shared memory a program may take on the H100 (sm_90)
 PLANES = {2: ("*u8", "*u8", "*fp16", "*fp16", "*u8", "*u8"), 3: ("*u8", "*u8", "*fp16", "*fp16", "*u8", "*u8"),
@@ -312,7 +312,9 @@ for qtype in WORD_TYPES:
             ptx, what = compiled.asm["ptx"], f"the word GEMV of type {qtype} at [{n}, {k}], {rows} rows"
             assert "st.local" not in ptx, f"{what} spills registers to local memory"
             assert compiled.metadata.shared <= H100_SHARED, f"{what}: {compiled.metadata.shared} bytes of shared"
-            assert "cp.async.c" in ptx, f"{what}: no load is software-pipelined (cp.async)"
+            # the reasoned tiles pipeline their loads; a measured one (TUNED) may not: 512 words a step
+            if (qtype, triton.next_power_of_2(rows), n, k) not in TUNED:
+                assert "cp.async.c" in ptx, f"{what}: no load is software-pipelined (cp.async)"
             assert not re.search(r"cvt\\.rn\\.f32\\.[su]32", ptx), f"{what} converts the words to float"
 print("compiled")
 """
@@ -325,6 +327,6 @@ def test_the_kernels_compile_for_hopper():
     launch, and the word GEMV of its types at Llama-3.1-8B's shapes, 1 to 4 rows, each prologue:
     none spills registers, each fits the H100's shared memory, the matmul uses tensor cores, the
     per-value GEMV and the gather read the quants 16 bytes a load, the word GEMV's loads are
-    software-pipelined (cp.async) and no 32-bit integer is converted to float (the words' values: the
+    software-pipelined (cp.async) at the tiles reasoned, not measured, and no 32-bit integer is converted to float (the words' values: the
     float trick; only the 8-bit scales convert)."""
     assert "compiled" in run_compile_script(_COMPILE)
