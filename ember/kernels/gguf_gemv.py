@@ -86,7 +86,7 @@ from ember.kernels.int_gemv import _values_dot
 WORD_TYPES = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 MAX_ROWS = 4
 # (qtype, rows padded to a power of two, N, K) -> (BLOCK_N, BLOCK_J, num_warps, num_stages): the TUNED
-# dict benchmarks/scripts/gguf_gemv_bench.py --sweep prints, pasted here; empty until it runs on the GPU
+# dict benchmarks/scripts/gguf_gemv_bench.py --sweep --write measured on the H100 (2026-12-06)
 TUNED: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {
     (3, 1, 4096, 4096): (8, 512, 8, 3),
     (3, 1, 4096, 14336): (4, 256, 2, 3),
@@ -293,7 +293,7 @@ def _gguf_word_gemv_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, h_ptr, d_ptr, m_ptr, s
 
 def gguf_word_gemv_config(qtype: int, rows: int, n: int, k: int, fill_gpu: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_J words, num_warps, num_stages): TUNED's entry where it has one. Otherwise
-    UNTUNED, int_gemv's reasoning (its first guess, not measured here): at one row 16 rows of W a
+    int_gemv's reasoning (its first guess, for shapes the sweep did not time): at one row 16 rows of W a
     program and 2048 values a step (256 qs words; Q6_K 128 qh words with their 256 ql words),
     8 warps, 3 stages in flight; fewer rows a program (down to 4, and warps with them) while
     that leaves under two programs an SM of the H100 (132); BLOCK_J halves as rows double, so

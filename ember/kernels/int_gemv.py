@@ -45,7 +45,7 @@ from ember.kernels.wna16 import check_int_weight
 
 MAX_ROWS = 8  # the word kernel's rows (the layers send up to kernel_paths.INT_GEMV_MAX_ROWS)
 # (rows, N, K) -> (BLOCK_N, BLOCK_J, num_warps, num_stages) for 4-bit weights: the TUNED dict that
-# benchmarks/scripts/int4_gemv_bench.py --sweep prints (the H100's), pasted here; empty until it runs
+# benchmarks/scripts/int4_gemv_bench.py --sweep --write measured on the H100 (2026-12-06, AWQ-style layers)
 TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     (1, 4096, 4096): (8, 256, 8, 3),
     (1, 4096, 14336): (8, 256, 8, 3),
@@ -162,8 +162,8 @@ def words_kernel_takes(bits: int, group_size: int, k: int, g_idx: torch.Tensor |
 
 def int_gemv_config(rows: int, n: int, k: int, bits: int, fill_gpu: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_J words, num_warps, num_stages): TUNED's entry for the rows (padded to a
-    power of two) and shape where it has one. Otherwise UNTUNED: reasoned from the sm_90 SASS,
-    not measured, until benchmarks/scripts/int4_gemv_bench.py --sweep runs on the GPU. One
+    power of two) and shape where it has one (the H100's sweep: 8 rows of W and 256 words a step
+    at one row). Otherwise reasoned from the sm_90 SASS, for shapes the sweep did not time. One
     row: 16 rows of W a program, 256 words (2048 4-bit values) a step, 8 warps, 3 stages in
     flight (16 KB of weight a stage; 128 registers a thread, two programs an SM); fewer rows a
     program (down to 4, and warps with them: 16 words a thread) while that leaves under two

@@ -44,8 +44,8 @@ from ember.kernels.tiles import grouped_tile
 
 SMS = 132  # the H100's streaming multiprocessors: wna16_config fills them
 # (rows padded to a power of two, N, K) -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for 4-bit
-# weights: the MATMUL_TUNED dict that benchmarks/scripts/int4_gemv_bench.py --sweep prints (the H100's),
-# pasted here; empty until it runs
+# weights: the MATMUL_TUNED dict of benchmarks/scripts/int4_gemv_bench.py --sweep --write, measured on the
+# H100 (2026-12-06; 512 and 2048 rows)
 TUNED: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     (512, 4096, 4096): (128, 64, 64, 4, 4),
     (512, 4096, 14336): (128, 64, 64, 4, 4),
@@ -165,8 +165,7 @@ def wna16_config(rows: int, n: int, k: int, bits: int = 4, on_gpu: bool = True) 
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for x [rows, k] times a weight [n, k]:
     TUNED's entry for the rows (padded to a power of two) and shape where it has one. Otherwise
     reasoned from the sm_90 SASS (registers, spills, instructions a weight value; tests/kernels/
-    test_wna16_kernels.py compiles each), not measured, until benchmarks/scripts/
-    int4_gemv_bench.py --sweep runs on the GPU. Up to 64 rows (the weight's bytes bound the
+    test_wna16_kernels.py compiles each) for the shapes and rows the sweep did not time. Up to 64 rows (the weight's bytes bound the
     time) one row tile, 64 weight rows a program and 128 values of K a step, 4 warps, 4 stages;
     at 16 rows 32 weight rows a program where 64 would leave under two programs an SM of the
     H100 (132). More rows: 128 x 128 tiles, 64 of K a step, 8 warps (wgmma by two warp groups;
