@@ -147,6 +147,8 @@
 #                       width 4, 64 x 128/128 on the served model directory (vLLM's decodes: it needs the tokenizer):
 #                       vLLM (vllm_race.py --model DIR beam), then ember (beam_bench.py) on the same prompts
 #
+# Every kit named below is built by `bash benchmarks/scripts/device_kits.sh [whl serve-model serve-vl vllm smol]`.
+#
 # serve: the device has none of the server's packages and no GGUF reader, so two things are made
 # here and carried: the served model (SERVED_MODEL, default .serve-model:
 # `python3 benchmarks/scripts/served_model.py .serve-model`) and the wheels (SERVE_WHEELS, default

@@ -172,10 +172,14 @@ def test_int4_kernels_tests_sweeps_then_runs_awq_and_bf16_one_request(tmp_path):
     env = "[decode_config=]"
     assert calls == [
         f"python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_wna16_kernels.py tests/kernels/test_gemv.py {env}",
-        f"python3 int4_gemv_bench.py --sweep {env}",
+        f"python3 int4_gemv_bench.py --sweep --write {env}",
         f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b-awq {LAT} --output-json {tmp_path}/out/llama_awq_latency.json {env}",
         f"python3 {BENCH[8:]} benchmarks/configs/llama-3.1-8b {LAT} --output-json {tmp_path}/out/llama_bf16_latency.json {env}",
+        f"python3 benchmarks/scripts/profile_gpu_steps.py benchmarks/configs/llama-3.1-8b-awq --num-prompts 1 "
+        f"--input-len 128 --output-len 160 --skip 40 --steps 60 {env}",
     ]
+    # the sweep's tuned tiles come back with the results, to commit
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.py")) == ["int_gemv.py", "wna16.py"]
 
 
 def test_race_int_races_vllm_on_an_awq_or_gptq_config_then_ember_and_its_bf16_rate(tmp_path):
@@ -310,8 +314,9 @@ def test_gguf_kernels_installs_the_gguf_wheel_tests_then_sweeps_the_word_gemv(tm
         "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
         f"{wheels}/gguf-0.19.0-py3-none-any.whl {env}",
         f"python3 -m pytest -m gpu -q -s -rf --tb=short tests/kernels/test_gguf_kernels.py {env}",
-        f"python3 gguf_gemv_bench.py --sweep {env}",
+        f"python3 gguf_gemv_bench.py --sweep --write {env}",
     ]
+    assert [p.name for p in (tmp_path / "out").glob("*.py")] == ["gguf_gemv.py"]  # the tuned tiles, to commit
 
 
 def test_gguf_cuda_installs_the_gguf_wheel_tests_then_races_a_q4_k_m_file_against_bf16(tmp_path):
