@@ -4,6 +4,7 @@ commands the recorded numbers came from (the script cannot run on this machine f
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -555,3 +556,11 @@ def test_gpu_suite_runs_every_gpu_test_in_one_pytest(tmp_path):
     assert done.returncode == 0, done.stderr
     assert calls == ["python3 -m pytest -m gpu -q -rfs --tb=short --durations=15 --continue-on-collection-errors tests "
                      "[decode_config=]"]
+
+
+def test_device_kits_parses_and_refuses_an_unknown_kit():
+    kits = ROOT / "benchmarks" / "scripts" / "device_kits.sh"
+    subprocess.run(["bash", "-n", str(kits)], check=True)
+    done = subprocess.run(["bash", str(kits), "nonsense"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PY=sys.executable))
+    assert done.returncode == 2 and "unknown kit 'nonsense'" in done.stdout, done.stdout + done.stderr
