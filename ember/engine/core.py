@@ -316,7 +316,7 @@ class EngineCore:
         if self.in_flight and _needs_tokens_first(self.in_flight[-1].plan):
             outputs += self._collect()
         plan = self._timed("schedule", self.scheduler.schedule)
-        if plan.is_empty:
+        if plan.is_empty and not plan.has_copies:
             if self.in_flight:
                 return outputs + self._collect()
             if not outputs:  # only grammars still compiling: wait for one, not spin
@@ -467,13 +467,15 @@ class EngineCore:
 def _needs_tokens_first(plan: SchedulerOutput) -> bool:
     """Whether the next schedule must wait for this launched step's tokens (a synchronous
     step), decided per step: it ran short of KV blocks (the next schedule may preempt,
-    which never happens while a step is in flight), or it samples for a request whose next
-    step needs this token on the CPU: a grammar advances on it (its mask, forced tokens),
+    which never happens while a step is in flight), it swaps requests out (those it
+    preempted for wait for the blocks its collection gives back), or it samples for a
+    request whose next step needs this token on the CPU: a grammar advances on it (its mask, forced tokens),
     penalties, min_tokens, bad words of several tokens and a thinking budget read the output
     so far, and n > 1 forks at the first sample.
     Stop strings, aborts, logprobs and seeds need no fallback: a request that leaves while
     a step computes for it just drops that step's token."""
-    return plan.short_of_blocks or any(_needs_last_token(c.request) for c in plan.chunks if c.samples)
+    return (plan.short_of_blocks or bool(plan.swap_outs)
+            or any(_needs_last_token(c.request) for c in plan.chunks if c.samples))
 
 
 def _needs_last_token(req: Request) -> bool:

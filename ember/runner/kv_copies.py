@@ -11,11 +11,11 @@ memory, non_blocking copies):
 - the copy stream first waits for the compute stream as the launch finds it, so a copy out reads
   what the steps before wrote, and a copy in lands after the steps before are done;
 - copies out whose blocks this very step hands to new owners (`kv_offloads`: evictions its
-  allocations made; `swap_outs`) end in an event the compute stream waits for before the step
-  writes anything: the one case left on the step's path;
-- copies out of blocks the scheduler evicted ahead of need (`kv_offloads_held`) are waited for by
-  nobody on the device: their blocks are held until the step is collected, and `collect` makes
-  sure the copies are done first;
+  allocations made) end in an event the compute stream waits for before the step writes
+  anything: the one case left on the step's path;
+- copies out of blocks the scheduler evicted ahead of need (`kv_offloads_held`) and of the
+  requests it preempted by swap (`swap_outs`) are waited for by nobody on the device: their
+  blocks are held until the step is collected, and `collect` makes sure the copies are done first;
 - copies in (a host-tier hit's, a swapped-in request's) end in an event that the forward of the
   step reading them waits for: this step's, or with `loads_ahead` (the scheduler runs their
   requests from the next step on) the next launch's, so this step's forward overlaps them.
@@ -68,34 +68,34 @@ class KVCopies:
 
     def launch(self, plan: SchedulerOutput, kv_cache: torch.Tensor) -> IssuedCopies | None:
         """Queue the plan's copies (before its block copies and forward); None when it has none."""
-        outs = [(plan.kv_offloads, self.tier), (plan.swap_outs, self.swap)]
-        held = plan.kv_offloads_held
+        outs = plan.kv_offloads  # their blocks' new owners write in this step
+        held = [(plan.kv_offloads_held, self.tier), (plan.swap_outs, self.swap)]  # blocks held until collect
         ins = [(plan.kv_onloads, self.tier), (plan.swap_ins, self.swap)]
-        has_outs, has_ins = any(p for p, _ in outs), any(p for p, _ in ins)
+        has_held, has_ins = any(p for p, _ in held), any(p for p, _ in ins)
         compute = torch.cuda.current_stream(self.device) if self.stream is not None else None
         for event in self._waits_next:  # the last launch's loads, before this step touches a block
             compute.wait_event(event)
         self._waits_next = []
-        if not (has_outs or held or has_ins):
+        if not (outs or has_held or has_ins):
             return None
         raw = _raw(kv_cache)
         if self.stream is None:
-            for pairs, host in [*outs, (held, self.tier)]:
+            for pairs, host in [(outs, self.tier), *held]:
                 _copy_out(raw, host, pairs)
             start = time.perf_counter()
             for pairs, host in ins:
                 _copy_in(raw, host, pairs)
             return IssuedCopies(load_seconds=time.perf_counter() - start if has_ins else None)
-        issued = IssuedCopies(wait_at_collect=bool(held) or has_ins)
-        self.stream.wait_stream(compute)
+        issued = IssuedCopies(wait_at_collect=has_held or has_ins)
+        self.stream.wait_stream(compute)  # after what the steps before wrote (a preempted request's last step)
         with torch.cuda.stream(self.stream):
-            for pairs, host in outs:
-                _copy_out(raw, host, pairs)
-            if has_outs:  # their blocks' new owners write in this step
+            if outs:
+                _copy_out(raw, self.tier, outs)
                 handed = torch.cuda.Event()
                 handed.record(self.stream)
                 compute.wait_event(handed)
-            _copy_out(raw, self.tier, held)
+            for pairs, host in held:
+                _copy_out(raw, host, pairs)
             if has_ins:
                 issued.load_start = torch.cuda.Event(enable_timing=True)
                 issued.load_start.record(self.stream)

@@ -460,12 +460,15 @@ class ModelRunner:
         if self.states is not None:
             for req in plan.preempted:  # recomputed from its first token, into a fresh slot
                 self.states.release(req.request_id)
+        if self.images is not None:
+            for req in plan.preempted:
+                self.images.release(req.request_id)
+        if plan.is_empty:  # copies alone: its running requests wait for the blocks its swap-outs give back
+            return LaunchedStep(plan, copies=copies)
         clock = self._clock()
         input_ids, positions, meta, sample_rows, sampled_chunks = self._prepare(plan)
         images = None
         if self.images is not None:  # a vision-language model: image embeddings where chunks cover images
-            for req in plan.preempted:
-                self.images.release(req.request_id)
             images = self.images.inputs(plan, input_ids)
         clock("prepare")
         self.kv_copies.before_forward()

@@ -136,9 +136,12 @@ class SchedulerOutput:
     # forward does not wait for them
     loads_ahead: bool = False
     # preemption by swap (swap_space.py): (device block, slot) of the requests it preempts, (slot,
-    # device block) of those it resumes
+    # device block) of those it resumes. A swapped-out request's blocks are held until this step is
+    # collected (in free_when_collected), so their copies wait for nothing; `blocks_swapping_out` of
+    # them come back to the pool then, and a request short of blocks that they cover waits for them
     swap_outs: list[tuple[int, int]] = field(default_factory=list)
     swap_ins: list[tuple[int, int]] = field(default_factory=list)
+    blocks_swapping_out: int = 0
     launched: bool = False
     free_when_collected: list[int] = field(default_factory=list)  # blocks of requests that left meanwhile
 
@@ -149,6 +152,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def has_copies(self) -> bool:
+        """Copies that no later plan makes: a step with them is launched even without chunks (one
+        whose running requests all wait for the blocks its swap-outs give back)."""
+        return bool(self.swap_outs or self.kv_offloads or self.block_copies)
 
     @property
     def verifies_drafts(self) -> bool:
@@ -530,8 +539,13 @@ class Scheduler:
                 if other.arrival_time < req.arrival_time:
                     other.times_passed_over += 1
 
-    def _release_blocks(self, req: Request) -> None:
-        self.pool.free(req.block_ids[req.num_released_blocks:])
+    def _release_blocks(self, req: Request, held_by: SchedulerOutput | None = None) -> None:
+        """Give back the request's blocks; with `held_by`, once that plan is collected."""
+        blocks = req.block_ids[req.num_released_blocks:]
+        if held_by is None:
+            self.pool.free(blocks)
+        else:
+            held_by.free_when_collected += blocks
         req.block_ids, req.num_blocks_in_cache, req.num_computed_tokens, req.num_released_blocks = [], 0, 0, 0
 
     def _release_unseen(self, req: Request, position: int) -> None:
@@ -583,12 +597,15 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, plan: SchedulerOutput) -> bool:
         """Make room for `n` more tokens of a running request, preempting the newest running
-        requests if needed. False when `req` itself had to be preempted, or when a step is
-        in flight (no preemption then: `short_of_blocks`)."""
-        while self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids) > self.pool.num_available:
+        requests if needed. False when `req` itself had to be preempted, when a step is
+        in flight (no preemption then: `short_of_blocks`), or when the blocks this step swaps
+        out cover its need (it runs once they are back: from the next step on)."""
+        while (need := self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)) > self.pool.num_available:
             if self.in_flight:
                 plan.short_of_blocks = True
                 return False
+            if need <= self.pool.num_available + plan.blocks_swapping_out:
+                return False  # what this step swaps out covers it: it runs once the copies are collected
             victim = self._victim({c.request.request_id for c in plan.chunks})
             self._preempt(victim, plan)
             plan.preempted.append(victim)
@@ -605,14 +622,19 @@ class Scheduler:
     def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
         assert not req.num_steps_in_flight, "no preemption while a step computes for the request (see _reserve)"
         self.running.remove(req)
+        held_by = None
         if self.swap is not None and (self.preemption_mode == "swap" or req.num_computed_tokens >= SWAP_MIN_TOKENS):
             n = self.blocks_for(req.num_computed_tokens)
             slots = self.swap.take(n) if n else None
-            if slots is not None:  # copied out before this step's forward writes into the blocks' new owners
+            if slots is not None:  # its blocks are held until their copies are collected, not handed on in this step
                 plan.swap_outs += list(zip(req.block_ids[:n], slots))
+                # those only it holds come back to the pool (as free or, cached, evictable blocks)
+                plan.blocks_swapping_out += sum(self.pool.ref_counts[b] == 1
+                                                for b in req.block_ids[req.num_released_blocks:])
                 req.swapped = slots, req.num_computed_tokens
                 self.num_swapped += 1
-        self._release_blocks(req)
+                held_by = plan
+        self._release_blocks(req, held_by)
         self.snapshots.release(req.request_id)
         req.draft_token_ids = []
         req.status = RequestStatus.PREEMPTED
