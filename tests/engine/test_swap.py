@@ -1,7 +1,9 @@
 """Preemption by swap (--preemption-mode swap / auto, --swap-space; scheduler/swap_space.py) on
 the default model's batch-invariant path: a pool too small for the batch preempts, the preempted
 requests' blocks go to host slots and come back, and every token and logprob is the run's with a
-pool big enough; an abort while swapped out gives its slots back; auto recomputes short contexts."""
+pool big enough (float32 too, through requests swapped out and back twice); an abort while
+swapped out, or while its step of copies out is still in flight (async scheduling), gives its
+slots and blocks back; auto recomputes short contexts."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from invariance import assert_same, results
 from sampling import greedy
 
 from ember import LLM
+from ember.engine.core import EngineCore
 from ember.request import Request
 
 pytestmark = pytest.mark.slow
@@ -79,3 +82,82 @@ def test_what_swap_does_not_cover_is_refused(gguf_path, tmp_path):
         LLM(str(gguf_path), swap_space=2)  # with recompute it would change nothing
     with pytest.raises(ValueError, match="preemption_mode must be one of recompute, swap, auto"):
         LLM(str(gguf_path), preemption_mode="sometimes")
+
+
+# float32, dequantized (extra_llm): four requests that grow to 8 blocks of 8 in a pool of 12, some
+# swapped out and back twice
+FP32 = dict(num_kv_blocks=12, max_model_len=96, block_size=8, preemption_mode="swap", swap_space=0.01)
+FP32_TOKENS = 40
+
+
+def fp32_requests(llm: LLM, tag: str) -> list[Request]:
+    return [Request(f"{tag}-{i}", p["prompt_token_ids"][:20], greedy(FP32_TOKENS, ignore_eos=True, logprobs=0))
+            for i, p in enumerate(prompts(llm) + prompts(llm)[:1])]
+
+
+@pytest.fixture(scope="module")
+def fp32_want(extra_llm) -> tuple[LLM, list[tuple[list[int], list[float]]]]:
+    big = extra_llm(num_kv_blocks=64, max_model_len=96, block_size=8)
+    reqs = fp32_requests(big, "want")
+    want = results(big.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs],
+                                greedy(FP32_TOKENS, ignore_eos=True, logprobs=0)))
+    return big, want
+
+
+def run_requests(core: EngineCore, reqs: list[Request], abort_when=None) -> dict[str, tuple[list[int], list[float]]]:
+    """Each request's tokens and their logprobs, from the engine's step outputs; `abort_when(core)`:
+    the request to abort after a step, or None."""
+    got: dict[str, tuple[list[int], list[float]]] = {r.request_id: ([], []) for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.request_id in got:
+                got[out.request_id][0].extend(out.new_token_ids)
+                got[out.request_id][1].extend(lp.logprob for lp in out.logprobs or [])
+        gone = abort_when(core) if abort_when is not None else None
+        if gone is not None:
+            core.abort_request(gone.request_id)
+            abort_when = None
+    return got
+
+
+def test_float32_requests_swapped_out_and_back_twice_give_a_big_pools_tokens_bit_for_bit(extra_llm, fp32_want):
+    _, want = fp32_want
+    swap = extra_llm(**FP32)
+    reqs = fp32_requests(swap, "twice")
+    got = run_requests(swap.engine, reqs)
+    assert_same([got[r.request_id] for r in reqs], want, "swap, float32")
+    sched = swap.engine.scheduler
+    assert max(r.num_preemptions for r in reqs) >= 2  # preempted, resumed, preempted again
+    assert sched.num_swapped == sched.num_preemptions
+    assert sched.swap.num_free == sched.swap.num_slots
+    swap.engine.check_idle()
+
+
+def test_an_abort_while_its_copies_out_are_in_flight_frees_its_blocks_at_their_collection(extra_llm, fp32_want):
+    _, want = fp32_want
+    swap = extra_llm(**FP32, async_scheduling=True)
+    core, sched = swap.engine, swap.engine.scheduler
+    reqs = fp32_requests(swap, "mid")
+    seen = []
+
+    def swapping_out(core: EngineCore) -> Request | None:
+        plan = sched.in_flight[-1] if sched.in_flight else None
+        if plan is None or not plan.swap_outs:
+            return None
+        gone = next(r for r in reqs if r.swapped is not None and set(r.swapped[0]) <= {s for _, s in plan.swap_outs})
+        # launched, not collected: the blocks it copies out are still held, the request holds none
+        blocks = [b for b, _ in plan.swap_outs]
+        assert gone.block_ids == [] and set(blocks) <= set(plan.free_when_collected)
+        assert all(sched.pool.ref_counts[b] > 0 for b in blocks)
+        seen.append(gone)
+        return gone
+
+    got = run_requests(core, reqs, swapping_out)
+    gone = seen[0]
+    assert gone.finish_reason == "abort" and gone.swapped is None
+    assert_same([got[r.request_id] for r in reqs if r is not gone],
+                [w for r, w in zip(reqs, want) if r is not gone], "swap, async, an abort mid-swap")
+    assert sched.swap.num_free == sched.swap.num_slots
+    core.check_idle()

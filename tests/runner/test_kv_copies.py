@@ -1,8 +1,9 @@
 """KV copies between the device pool and host slots (runner/kv_copies.py): on the CPU each block's
 bytes land in its slot and come back to another block, in any cache dtype; `-m gpu`: on CUDA's
 copy stream, the host tier and swap give a big pool's greedy tokens (deterministic mode), a step
-with a load in flight runs the other requests (the loading one from the next step on), and an
-abort while its blocks load leaves nothing held."""
+with a load in flight runs the other requests (the loading one from the next step on), an abort
+while its blocks load leaves nothing held, and a swap-out's blocks stay held (nobody on the device
+waits for their copies) until its step is collected, an abort meanwhile included."""
 
 from __future__ import annotations
 
@@ -126,3 +127,25 @@ def test_a_step_with_a_load_in_flight_runs_the_others_and_an_abort_then_holds_no
         if not abort:
             assert loading.output_token_ids == _tokens(big, [loading.prompt_token_ids], 8)[0]
         core.check_idle()
+
+
+@pytest.mark.gpu
+def test_swap_outs_hold_their_blocks_until_collected_and_an_abort_meanwhile_holds_nothing(cuda_engines):
+    big, _, swap = cuda_engines
+    core, sched = swap.engine, swap.engine.scheduler
+    prompts = [_prompt(30 + i, 150) for i in range(4)]
+    reqs = [Request(f"swap-mid-{i}", p, _greedy(120)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.add_request(r)
+    gone = None
+    while core.has_unfinished_requests():
+        core.step()
+        plan = sched.in_flight[-1] if sched.in_flight else None  # (async scheduling: launched, not yet updated)
+        if gone is None and plan is not None and plan.swap_outs:
+            assert set(b for b, _ in plan.swap_outs) <= set(plan.free_when_collected)
+            gone = next(r for r in reqs if r.swapped is not None and set(r.swapped[0]) <= {s for _, s in plan.swap_outs})
+            core.abort_request(gone.request_id)
+    assert gone is not None and sched.swap.num_free == sched.swap.num_slots
+    want = _tokens(big, [r.prompt_token_ids for r in reqs if r is not gone], 120)
+    assert [r.output_token_ids for r in reqs if r is not gone] == want
+    core.check_idle()
