@@ -555,9 +555,9 @@ def _check_swap(mode: str, gib: float, mc: ModelConfig, spec) -> None:
     if (mc.layer_windows is not None and any(w is not None for w in mc.layer_windows)) or mc.linear_layers is not None:
         raise ValueError(f"preemption_mode {mode!r} is not supported for {mc.architecture}'s sliding-window or "
                          "linear-attention layers yet: use recompute")
-    if spec is not None and spec.method in ("draft_model", "eagle3"):
-        raise ValueError(f"preemption_mode {mode!r} does not swap a drafter's own KV cache yet: use recompute with "
-                         "a draft model or an EAGLE-3 head")
+    if spec is not None and spec.method == "eagle3":  # (a draft model's cache is swapped with the target's)
+        raise ValueError(f"preemption_mode {mode!r} does not keep an EAGLE-3 head's pending features of a swapped-out "
+                         "request yet: use recompute with an EAGLE-3 head")
 
 
 def _check_kv_offload(gib: float, prefix_caching: bool, mc: ModelConfig) -> None:

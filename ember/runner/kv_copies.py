@@ -19,7 +19,11 @@ memory, non_blocking copies):
 - copies in (a host-tier hit's, a swapped-in request's) end in an event that the forward of the
   step reading them waits for: this step's, or with `loads_ahead` (the scheduler runs their
   requests from the next step on) the next launch's, so this step's forward overlaps them.
-On the CPU the copies run in place, in the same order."""
+On the CPU the copies run in place, in the same order.
+
+Every cache over the pool's block ids moves together: the target's, and a draft model's own
+(runner/draft_model.py), each into host slots of its own layout (a slot of the host tier or swap
+space is one block of each)."""
 
 from __future__ import annotations
 
@@ -47,14 +51,14 @@ class IssuedCopies:
 
 
 class KVCopies:
-    """The copies of each plan (see the module's docstring), between `kv_cache`'s blocks and the
-    host buffers `host_blocks` makes."""
+    """The copies of each plan (see the module's docstring), between the blocks of `kv_caches`
+    (the target's first, then a drafter's) and the host buffers `host_blocks` makes for each."""
 
-    def __init__(self, kv_cache: torch.Tensor, tier_slots: int, swap_slots: int) -> None:
-        self.device = kv_cache.device
+    def __init__(self, kv_caches: list[torch.Tensor], tier_slots: int, swap_slots: int) -> None:
+        self.device = kv_caches[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.tier = self.host_blocks(kv_cache, tier_slots)
-        self.swap = self.host_blocks(kv_cache, swap_slots)
+        self.tier = [self.host_blocks(c, tier_slots) for c in kv_caches]
+        self.swap = [self.host_blocks(c, swap_slots) for c in kv_caches]
         self._waits_now: list[torch.cuda.Event] = []  # loads this launch's forward waits for
         self._waits_next: list[torch.cuda.Event] = []  # loads the next launch waits for
 
@@ -66,7 +70,7 @@ class KVCopies:
         return torch.empty((n, *raw.shape[:2], *raw.shape[3:]), dtype=torch.uint8,
                            pin_memory=self.device.type == "cuda")
 
-    def launch(self, plan: SchedulerOutput, kv_cache: torch.Tensor) -> IssuedCopies | None:
+    def launch(self, plan: SchedulerOutput, kv_caches: list[torch.Tensor]) -> IssuedCopies | None:
         """Queue the plan's copies (before its block copies and forward); None when it has none."""
         outs = plan.kv_offloads  # their blocks' new owners write in this step
         held = [(plan.kv_offloads_held, self.tier), (plan.swap_outs, self.swap)]  # blocks held until collect
@@ -78,7 +82,7 @@ class KVCopies:
         self._waits_next = []
         if not (outs or has_held or has_ins):
             return None
-        raw = _raw(kv_cache)
+        raw = [_raw(c) for c in kv_caches]
         if self.stream is None:
             for pairs, host in [(outs, self.tier), *held]:
                 _copy_out(raw, host, pairs)
@@ -149,8 +153,19 @@ def _batches(raw: torch.Tensor, pairs: list[tuple[int, int]]) -> list[list[tuple
     return [pairs[i:i + per_batch] for i in range(0, len(pairs), per_batch)]
 
 
-def _copy_out(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
-    """Device blocks to host slots, `pairs` (block, slot): a gather a batch, a copy a run of slots."""
+def _copy_out(caches: list[torch.Tensor], hosts: list[torch.Tensor | None], pairs: list[tuple[int, int]]) -> None:
+    """Device blocks to host slots, `pairs` (block, slot), of each cache: a gather a batch, a copy a run of slots."""
+    for raw, host in zip(caches, hosts):
+        _copy_out_one(raw, host, pairs)
+
+
+def _copy_in(caches: list[torch.Tensor], hosts: list[torch.Tensor | None], pairs: list[tuple[int, int]]) -> None:
+    """Host slots to device blocks, `pairs` (slot, block), of each cache: a copy a run of slots, a scatter a batch."""
+    for raw, host in zip(caches, hosts):
+        _copy_in_one(raw, host, pairs)
+
+
+def _copy_out_one(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
     for batch in _batches(raw, pairs):
         blocks, slots = (list(x) for x in zip(*batch))
         staged = raw.index_select(2, to_device(blocks, raw.device, torch.int64)).movedim(2, 0).contiguous()
@@ -158,8 +173,7 @@ def _copy_out(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[in
             host[first:first + n].copy_(staged[i:i + n], non_blocking=True)
 
 
-def _copy_in(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
-    """Host slots to device blocks, `pairs` (slot, block): a copy a run of slots, a scatter a batch."""
+def _copy_in_one(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
     for batch in _batches(raw, pairs):
         slots, blocks = (list(x) for x in zip(*batch))
         staged = torch.empty((len(slots), *host.shape[1:]), dtype=torch.uint8, device=raw.device)

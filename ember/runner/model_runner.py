@@ -199,9 +199,9 @@ class ModelRunner:
         block = max(self.kv_bytes_per_block(), 1)
         self.num_host_blocks = int(config.kv_offload_gib * 2**30) // block
         self.num_swap_blocks = int(config.swap_space * 2**30) // block if config.preemption_mode != "recompute" else 0
-        self.kv_copies = KVCopies(self.kv_cache, self.num_host_blocks, self.num_swap_blocks)
         if self.drafter is not None:  # its own cache over the same block ids
             self.drafter.allocate_cache(self.num_blocks + self.num_null_blocks)
+        self.kv_copies = KVCopies(self.kv_caches(), self.num_host_blocks, self.num_swap_blocks)
         self.sampler = Sampler(config.seed)
         if config.runner == "generate":
             self.sampler.warm_up(mc.vocab_size, config.max_num_seqs, config.torch_dtype, self.device)
@@ -341,6 +341,11 @@ class ModelRunner:
         self._attach_kv_cache()
         del self._asleep
 
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The caches over the pool's block ids, whose blocks go to host memory together: the
+        target's, then a drafter's."""
+        return [self.kv_cache] + ([self.drafter.kv_cache] if self.drafter is not None else [])
+
     @property
     def num_kv_layers(self) -> int:
         return _num_kv_layers(self.config.model_config)
@@ -452,7 +457,7 @@ class ModelRunner:
         sampling; all n samples of a forking request share it. It is called once the forward
         and the LM head are queued, so on CUDA the CPU fills the masks while the GPU computes.
         Logprobs and prompt logprobs are computed here and read back by `collect`."""
-        copies = self.kv_copies.launch(plan, self.kv_cache)  # host memory's, on CUDA on a copy stream
+        copies = self.kv_copies.launch(plan, self.kv_caches())  # host memory's, on CUDA on a copy stream
         for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         if self.drafter is not None:

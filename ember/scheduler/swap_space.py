@@ -1,7 +1,8 @@
 """Host slots for the blocks of requests preempted by swap (--preemption-mode swap / auto,
 --swap-space GiB): the scheduler lists (device block, slot) copies in the plan that preempts
-and (slot, device block) copies in the plan that resumes; the runner moves the bytes, every
-plan's copies out before its copies in. A slot a plan reads is given back only when the next
+(its blocks held until that plan is collected) and (slot, device block) copies in the plan that
+resumes; the runner moves the bytes (runner/kv_copies.py), every plan's copies out before its
+copies in. A slot a plan reads is given back only when the next
 schedule starts, so no copy out of the same plan overwrites it first."""
 
 from __future__ import annotations

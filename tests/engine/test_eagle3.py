@@ -193,3 +193,6 @@ def test_heads_that_do_not_fit_the_target_are_refused(target, heads, tmp_path, g
         LLM(str(target[0]), **ENGINE, speculative_config=spec | {"model": str(tmp_path / "two")})
     with pytest.raises(ValueError, match="method 'eagle3' needs \"model\""):
         LLM(str(target[0]), **ENGINE, speculative_config=spec)
+    with pytest.raises(ValueError, match="does not keep an EAGLE-3 head's pending features of a swapped-out request"):
+        LLM(str(target[0]), **ENGINE, speculative_config=spec | {"model": str(heads["random"][0])},
+            preemption_mode="swap", swap_space=0.01)

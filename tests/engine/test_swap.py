@@ -8,6 +8,7 @@ slots and blocks back; auto recomputes short contexts."""
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_steps import abort_one_when
 from invariance import assert_same, results
 from sampling import greedy
@@ -161,3 +162,49 @@ def test_an_abort_while_its_copies_out_are_in_flight_frees_its_blocks_at_their_c
                 [w for r, w in zip(reqs, want) if r is not gone], "swap, async, an abort mid-swap")
     assert sched.swap.num_free == sched.swap.num_slots
     core.check_idle()
+
+
+
+def test_a_draft_models_cache_is_swapped_with_the_targets(gguf_path, live_engines, engines):
+    """The default model drafting for itself: a swapped-out request's KV comes back, the draft
+    model's own cache as the target's (runner/kv_copies.py), at whatever blocks it resumes in;
+    its tokens and logprobs are a big pool's."""
+    big, _ = engines
+    spec = LLM(str(gguf_path), **SMALL, preemption_mode="swap", swap_space=0.01,
+               speculative_config={"model": str(gguf_path), "num_speculative_tokens": 3})
+    live_engines.append(spec)
+    try:
+        core, runner = spec.engine, spec.engine.runner
+        params = greedy(30, ignore_eos=True, logprobs=0)
+        reqs = [Request(f"draft-{i}", p["prompt_token_ids"], params) for i, p in enumerate(prompts(spec))]
+
+        def kv(req: Request, computed: int) -> list:
+            """Its computed positions' KV in the target's cache and the drafter's."""
+            blocks = req.block_ids[:core.scheduler.blocks_for(computed)]
+            return [c[:, :, blocks].flatten(2, 3)[:, :, :computed].clone() for c in runner.kv_caches()]
+
+        saved, compared = {}, 0
+        for r in reqs:
+            core.add_request(r)
+        while core.has_unfinished_requests():
+            before = {r.request_id: (r.swapped, r.block_ids, r.num_computed_tokens) for r in reqs}
+            held = {r.request_id: kv(r, r.num_computed_tokens) for r in reqs if r.block_ids}
+            core.step()
+            for r in reqs:
+                swapped, blocks, computed = before[r.request_id]
+                if swapped is None and r.swapped is not None:  # swapped out in this step: what it held
+                    saved[r.request_id] = r.swapped[1], held[r.request_id]
+                elif swapped is not None and r.swapped is None:  # back in this step
+                    computed, want = saved.pop(r.request_id)
+                    assert all(torch.equal(g, w) for g, w in zip(kv(r, computed), want))
+                    compared += 1
+        assert compared > 0 and len(runner.kv_caches()) == 2
+        assert [r.output_token_ids for r in reqs] == [list(o.outputs[0].token_ids)
+                                                      for o in big.generate(prompts(big), params)]
+        sched = core.scheduler
+        assert sched.num_swapped > 0 and sched.num_swapped == sched.num_preemptions
+        assert sched.spec.num_accepted_tokens / sched.spec.num_draft_tokens > 0.8
+        assert sched.swap.num_free == sched.swap.num_slots
+        core.check_idle()
+    finally:
+        live_engines.remove(spec)

@@ -1,5 +1,6 @@
 """KV copies between the device pool and host slots (runner/kv_copies.py): on the CPU each block's
-bytes land in its slot and come back to another block, in any cache dtype; `-m gpu`: on CUDA's
+bytes land in its slot and come back to another block, in any cache dtype, a draft model's cache
+beside the target's moving with it; `-m gpu`: on CUDA's
 copy stream, the host tier and swap give a big pool's greedy tokens (deterministic mode), a step
 with a load in flight runs the other requests (the loading one from the next step on), an abort
 while its blocks load leaves nothing held, and a swap-out's blocks stay held (nobody on the device
@@ -23,22 +24,24 @@ def test_slot_runs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_blocks_go_to_their_slots_and_come_back(dtype):
-    shape = (2, 3, 6, 4, 2, 8)  # planes, layers, blocks, tokens, heads, dims
-    cache = torch.randn(shape).to(dtype)
-    copies = KVCopies(cache, tier_slots=5, swap_slots=3)
-    want = cache.clone()
+    # planes, layers, blocks, tokens, heads, dims: the target's, and a drafter's over the same block ids
+    caches = [torch.randn(2, 3, 6, 4, 2, 8).to(dtype), torch.randn(2, 1, 6, 4, 1, 16).to(dtype)]
+    copies = KVCopies(caches, tier_slots=5, swap_slots=3)
+    want = [c.clone() for c in caches]
     # outs: blocks 1, 2 to tier slots 3, 4 (one run), held block 5 to slot 0; block 0 to swap slot 2
     assert copies.launch(SchedulerOutput(kv_offloads=[(1, 3), (2, 4)], kv_offloads_held=[(5, 0)],
-                                         swap_outs=[(0, 2)]), cache).load_seconds is None
-    cache.zero_()
+                                         swap_outs=[(0, 2)]), caches).load_seconds is None
+    for c in caches:
+        c.zero_()
     # ins: tier slots 4, 0 to blocks 0, 3; swap slot 2 to block 5
-    issued = copies.launch(SchedulerOutput(kv_onloads=[(4, 0), (0, 3)], swap_ins=[(2, 5)]), cache)
+    issued = copies.launch(SchedulerOutput(kv_onloads=[(4, 0), (0, 3)], swap_ins=[(2, 5)]), caches)
     assert copies.collect(issued) >= 0
-    raw, ref = cache.view(torch.uint8), want.view(torch.uint8)
-    for dst, src in ((0, 2), (3, 5), (5, 0)):
-        assert torch.equal(raw[:, :, dst], ref[:, :, src])
-    assert not raw[:, :, [1, 2, 4]].any()  # nothing else written
-    assert copies.launch(SchedulerOutput(), cache) is None
+    for cache, before in zip(caches, want):
+        raw, ref = cache.view(torch.uint8), before.view(torch.uint8)
+        for dst, src in ((0, 2), (3, 5), (5, 0)):
+            assert torch.equal(raw[:, :, dst], ref[:, :, src])
+        assert not raw[:, :, [1, 2, 4]].any()  # nothing else written
+    assert copies.launch(SchedulerOutput(), caches) is None
 
 
 # -- on CUDA (-m gpu) ------------------------------------------------------------------------
