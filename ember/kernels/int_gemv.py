@@ -21,7 +21,9 @@ prologue applied and scaled by 2^-shift) is computed once a program and split (t
 one tensor a bit position, which Triton moves into the weight's layout through shared memory
 (two barriers each); a thread computing the x values it needs itself would repeat the
 prologue for every thread that shares them. The accumulator keeps float32 partial sums
-[M, CHUNKS, BLOCK_N, CHUNK], summed once at the end. In the sm_90 SASS at one row (16 x 256
+[M, CHUNKS, BLOCK_N, CHUNK], summed once at the end. At one row ptxas's registers are capped
+(int_gemv_registers) so that the kernel with zero points fits as many programs an SM as the
+symmetric one. In the sm_90 SASS at one row (16 x 256
 words, 8 warps) the loop takes ~4.7 instructions and 0.125 barriers a value, with the norm or
 SiLU prologue ~5.7; gemv.py's per-value path at its tile (8 x 1024 values, 4 warps) ~7.6
 instructions and 0.5 barriers.
@@ -44,6 +46,8 @@ from ember.kernels.gemv import PROLOGUES, check_gemv_args, gemv, inv_rms, prolog
 from ember.kernels.wna16 import check_int_weight
 
 MAX_ROWS = 8  # the word kernel's rows (the layers send up to kernel_paths.INT_GEMV_MAX_ROWS)
+REGISTERS_AN_SM = 65536  # sm_80 / sm_90
+PROGRAMS_AN_SM = 3  # at one row (int_gemv_registers)
 # (rows, N, K) -> (BLOCK_N, BLOCK_J, num_warps, num_stages) for 4-bit weights: the TUNED dict that
 # benchmarks/scripts/int4_gemv_bench.py --sweep --write measured on the H100 (2026-12-06, AWQ-style layers)
 TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
@@ -182,6 +186,21 @@ def int_gemv_config(rows: int, n: int, k: int, bits: int, fill_gpu: bool = True)
     return block_n, min(256 // m_pad, words), block_n // 2, 3
 
 
+def int_gemv_registers(rows: int, warps: int, bits: int, perm: bool = False) -> int | None:
+    """ptxas's register cap a thread (maxnreg) for the word GEMV: at one row of 4-bit weights,
+    what lets PROGRAMS_AN_SM programs of `warps` warps share an SM's 64 K registers (80 at 8
+    warps); None (no cap) at more rows, for 8-bit weights, through a permutation (`perm`), or
+    where the cap would exceed the 255 a thread has anyway. Left to itself ptxas gave the kernel with zero points and the norm
+    prologue (AWQ's q|k|v and gate|up) 96 registers at the one-row tiles, two programs an SM,
+    where the symmetric kernel (GPTQ's) took 79 and three; capped, both take three, without a
+    spill (the sm_90 SASS, tests/kernels/test_wna16_kernels.py). At two rows, at 8 bits, and
+    through a permutation with zero points and the norm, the cap would spill: not set there."""
+    if triton.next_power_of_2(rows) != 1 or bits != 4 or perm:
+        return None
+    cap = REGISTERS_AN_SM // (PROGRAMS_AN_SM * warps * 32) // 8 * 8  # ptxas allocates 8 registers at a time
+    return cap if cap < 255 else None
+
+
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
              g_idx: torch.Tensor | None, bits: int, group_size: int, bias: torch.Tensor | None = None,
              prologue: str = "none", residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
@@ -226,5 +245,5 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         M_PAD=triton.next_power_of_2(rows), K=k, BITS=bits, GROUP=k if single else group_size,
         HAS_ZEROS=zeros is not None, BLOCK_N=block_n, BLOCK_J=block_j, CHUNK=chunk, PROLOGUE=PROLOGUES[prologue],
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, HAS_PERM=perm is not None, STAGES=stages,
-        num_warps=warps)
+        num_warps=warps, maxnreg=int_gemv_registers(rows, warps, bits, perm is not None))
     return (y, h) if prologue == "norm" else y

@@ -25,11 +25,7 @@ def run_compile_script(script: str) -> str:
     return done.stdout
 
 
-def sass_counts(cubin: bytes) -> dict[str, int]:
-    """A compiled kernel's registers a thread (REG), stack frame in bytes (STACK: where ptxas spills
-    registers; the PTX shows no spill) and spill stores and loads (STL, LDL) in its SASS, from the
-    cuobjdump that Triton ships. For scripts run by run_compile_script."""
-    import re
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import tempfile
 
     import triton
@@ -37,9 +33,23 @@ def sass_counts(cubin: bytes) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        tool = triton.knobs.nvidia.cuobjdump.path
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([triton.knobs.nvidia.cuobjdump.path, flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def sass_text(cubin: bytes) -> str:
+    """A compiled kernel's SASS, as the cuobjdump that Triton ships prints it. For scripts run by
+    run_compile_script."""
+    return _cuobjdump(cubin, "-sass")
+
+
+def sass_counts(cubin: bytes) -> dict[str, int]:
+    """A compiled kernel's registers a thread (REG), stack frame in bytes (STACK: where ptxas spills
+    registers; the PTX shows no spill) and spill stores and loads (STL, LDL) in its SASS, from the
+    cuobjdump that Triton ships. For scripts run by run_compile_script."""
+    import re
+
+    usage, sass = _cuobjdump(cubin, "-res-usage"), sass_text(cubin)
     counts = {key: int(re.search(rf"\b{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK")}
     counts.update({op: len(re.findall(rf"\b{op}(?:\.\w+)*\s", sass)) for op in ("STL", "LDL")})
     return counts

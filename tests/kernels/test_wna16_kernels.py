@@ -332,25 +332,48 @@ import sys
 import triton
 
 sys.path.insert(0, "tests/kernels")
-from hopper_compile import compile_aligned
+from hopper_compile import compile_aligned, sass_counts
 
-from ember.kernels.int_gemv import _int_gemv_kernel, int_gemv_config
+from ember.kernels.int_gemv import PROGRAMS_AN_SM, _int_gemv_kernel, int_gemv_config, int_gemv_registers
 
 H100_SHARED = 232448  # bytes of shared memory a program may take on the H100 (sm_90)
 types = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "p_ptr": "*i32", "eps": "fp32"}
+
+
+def programs_an_sm(regs, warps):
+    return 65536 // (-(-regs // 8) * 8 * 32 * warps)
+
+
+def compiled(n, k, rows, prologue, perm, zeros, bits=4):
+    block_n, block_j, warps, stages = int_gemv_config(rows, n, k, bits)
+    constants = dict(M=rows, M_PAD=triton.next_power_of_2(rows), K=k, BITS=bits, GROUP=128, HAS_ZEROS=zeros,
+                     BLOCK_N=block_n, BLOCK_J=block_j, CHUNK=min(block_j, 128 * bits // 32),  # a group's words
+                     PROLOGUE=prologue, HAS_RES=prologue == 1, HAS_BIAS=False, HAS_PERM=perm, STAGES=stages)
+    cap = int_gemv_registers(rows, warps, bits, perm)  # as int_gemv launches it
+    options = {"num_warps": warps} | ({"maxnreg": cap} if cap else {})
+    return compile_aligned(_int_gemv_kernel, constants, types, options), warps
+
+
 for (n, k), prologue, perm in (((6144, 4096), 1, False), ((4096, 4096), 0, False), ((4096, 14336), 2, False),
                                ((6144, 4096), 1, True)):
     for rows in (1, 2, 4, 8):
-        block_n, block_j, warps, stages = int_gemv_config(rows, n, k, 4)
-        constants = dict(M=rows, M_PAD=triton.next_power_of_2(rows), K=k, BITS=4, GROUP=128, HAS_ZEROS=True,
-                         BLOCK_N=block_n, BLOCK_J=block_j, CHUNK=16, PROLOGUE=prologue, HAS_RES=prologue == 1,
-                         HAS_BIAS=False, HAS_PERM=perm, STAGES=stages)
-        compiled = compile_aligned(_int_gemv_kernel, constants, types, {"num_warps": warps})
-        ptx, what = compiled.asm["ptx"], f"the word GEMV at [{n}, {k}], {rows} rows, prologue {prologue}, perm {perm}"
-        assert "st.local" not in ptx, f"{what} spills registers to local memory"
-        assert compiled.metadata.shared <= H100_SHARED, f"{what}: {compiled.metadata.shared} bytes of shared memory"
+        kernel, warps = compiled(n, k, rows, prologue, perm, True)
+        ptx, what = kernel.asm["ptx"], f"the word GEMV at [{n}, {k}], {rows} rows, prologue {prologue}, perm {perm}"
+        counts = sass_counts(kernel.asm["cubin"])
+        assert counts["STACK"] == counts["STL"] == counts["LDL"] == 0, f"{what} spills registers: {counts}"
+        assert kernel.metadata.shared <= H100_SHARED, f"{what}: {kernel.metadata.shared} bytes of shared memory"
         assert "cp.async.c" in ptx, f"{what}: no load is software-pipelined (cp.async)"
         assert not re.search(r"cvt\\.rn\\.f32\\.[su]32", ptx), f"{what} converts 32-bit integers to float"
+        if rows == 1 and not perm:  # decode's one request: zero points (AWQ) cost no program an SM (GPTQ's none)
+            symmetric = sass_counts(compiled(n, k, rows, prologue, perm, False)[0].asm["cubin"])
+            awq, gptq = programs_an_sm(counts["REG"], warps), programs_an_sm(symmetric["REG"], warps)
+            assert awq == gptq >= PROGRAMS_AN_SM, f"{what}: {awq} programs an SM ({counts['REG']} registers) " \\
+                f"with zero points, {gptq} ({symmetric['REG']}) without"
+for (n, k), prologue in (((28672, 4096), 1), ((4096, 14336), 2)):  # 8 bits: reasoned tiles, no cap
+    assert int_gemv_registers(1, 8, 8) is None
+    kernel, warps = compiled(n, k, 1, prologue, False, True, bits=8)
+    counts = sass_counts(kernel.asm["cubin"])
+    assert counts["STACK"] == counts["STL"] == counts["LDL"] == 0, f"8 bits at [{n}, {k}] spill: {counts}"
 print("compiled")
 """
 
@@ -358,9 +381,13 @@ print("compiled")
 @pytest.mark.slow
 def test_the_word_gemv_compiles_for_hopper():
     """Triton compiles the word GEMV at Llama-3.1-8B's shapes, 1 to 8 rows, with each prologue
-    (and the norm's through an act-order permutation) to sm_90 PTX here, without a GPU, at the tiles int_gemv_config picks: no register spills,
-    within the H100's shared memory, its loads software-pipelined (cp.async), and
-    no 32-bit integer -> float conversion (only the uint8 zero points convert)."""
+    (and the norm's through an act-order permutation) to sm_90 here, without a GPU, at the tiles
+    int_gemv_config picks and the register cap int_gemv_registers sets: no register spills in the
+    SASS, within the H100's shared memory, its loads software-pipelined (cp.async), and no 32-bit
+    integer -> float conversion (only the uint8 zero points convert). At one row (weights in K
+    order), zero points (AWQ) leave as many programs an SM as the symmetric kernel (GPTQ), and at least
+    PROGRAMS_AN_SM: uncapped, ptxas gave the norm prologue's kernel 96 registers with zero
+    points (two programs of 8 warps an SM) and 79 without (three)."""
     assert "compiled" in run_compile_script(_COMPILE)
 
 
