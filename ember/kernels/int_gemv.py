@@ -21,7 +21,10 @@ prologue applied and scaled by 2^-shift) is computed once a program and split (t
 one tensor a bit position, which Triton moves into the weight's layout through shared memory
 (two barriers each); a thread computing the x values it needs itself would repeat the
 prologue for every thread that shares them. The accumulator keeps float32 partial sums
-[M, CHUNKS, BLOCK_N, CHUNK], summed once at the end. At one row ptxas's registers are capped
+[M, CHUNKS, BLOCK_N, CHUNK], summed once at the end. Zero points (uint8, which cp.async does
+not take) are loaded a tile ahead: the values' loop needs them first thing, where a load of
+the tile's own (issued once the tile's words are in) would stall it; the scales, needed last,
+do not. At one row ptxas's registers are capped
 (int_gemv_registers) so that the kernel with zero points fits as many programs an SM as the
 symmetric one. In the sm_90 SASS at one row (16 x 256
 words, 8 warps) the loop takes ~4.7 instructions and 0.125 barriers a value, with the norm or
@@ -93,13 +96,17 @@ def _int_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, 
     nmask = n < N
     m = tl.arange(0, M_PAD)
     mmask = m < M
-    inv = tl.zeros([M_PAD], tl.float32)
-    if PROLOGUE == 1:
-        inv = inv_rms(x_ptr, res_ptr, m, mmask, stride_x, stride_r, eps, K, M_PAD, 2048 // M_PAD, HAS_RES)
     # the weight's tensors are [1, CHUNKS, BLOCK_N, CHUNK] or broadcast to it
     n4 = n[None, None, :, None]
     nmask4 = nmask[None, None, :, None]
     first = (tl.arange(0, CHUNKS) * CHUNK)[None, :, None, None]  # each chunk's first word in the tile
+    # the zero points a tile ahead: the values' loop needs them first thing, where a load of the
+    # tile's own would stall it (cp.async, which pipelines the words, takes no single bytes)
+    z_next = tl.load(z_ptr + n4 * stride_z + first * PER // GROUP, mask=nmask4 & (first < WORDS), other=0) \
+        if HAS_ZEROS else 0
+    inv = tl.zeros([M_PAD], tl.float32)
+    if PROLOGUE == 1:
+        inv = inv_rms(x_ptr, res_ptr, m, mmask, stride_x, stride_r, eps, K, M_PAD, 2048 // M_PAD, HAS_RES)
     word = first + tl.arange(0, CHUNK)[None, None, None, :]
     # x's columns in a tile, and 2^-shift of each (_values_dot)
     kk = tl.arange(0, BLOCK_J * PER)
@@ -112,7 +119,9 @@ def _int_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, p_ptr, b_ptr, 
         gmask = nmask4 & (j0 + first < WORDS)
         s = tl.load(s_ptr + n4 * stride_s + g, mask=gmask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + n4 * stride_z + g, mask=gmask, other=0).to(tl.float32)
+            z = z_next.to(tl.float32)
+            ahead = j0 + BLOCK_J + first
+            z_next = tl.load(z_ptr + n4 * stride_z + ahead * PER // GROUP, mask=nmask4 & (ahead < WORDS), other=0)
         else:
             z = tl.full([1, CHUNKS, BLOCK_N, 1], 1 << (BITS - 1), tl.float32)
         # the tile's x, computed once: [M_PAD, BLOCK_J * PER] -> [M_PAD, CHUNKS, CHUNK, PER]

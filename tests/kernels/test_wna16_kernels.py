@@ -332,7 +332,7 @@ import sys
 import triton
 
 sys.path.insert(0, "tests/kernels")
-from hopper_compile import compile_aligned, sass_counts
+from hopper_compile import compile_aligned, sass_counts, sass_text
 
 from ember.kernels.int_gemv import PROGRAMS_AN_SM, _int_gemv_kernel, int_gemv_config, int_gemv_registers
 
@@ -364,6 +364,12 @@ for (n, k), prologue, perm in (((6144, 4096), 1, False), ((4096, 4096), 0, False
         assert kernel.metadata.shared <= H100_SHARED, f"{what}: {kernel.metadata.shared} bytes of shared memory"
         assert "cp.async.c" in ptx, f"{what}: no load is software-pipelined (cp.async)"
         assert not re.search(r"cvt\\.rn\\.f32\\.[su]32", ptx), f"{what} converts 32-bit integers to float"
+        # the zero points a tile ahead: the first tile's loaded before the loop (its backward branch's target)
+        sass = sass_text(kernel.asm["cubin"])
+        branches = re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?BRA 0x([0-9a-f]+)", sass)
+        loop = min(int(to, 16) for at, to in branches if int(to, 16) < int(at, 16))
+        zero_loads = [int(a, 16) for a in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?LDG\\.E[.\\w]*\\.U8\\s", sass)]
+        assert zero_loads and min(zero_loads) < loop, f"{what}: the first zero points are loaded in the loop"
         if rows == 1 and not perm:  # decode's one request: zero points (AWQ) cost no program an SM (GPTQ's none)
             symmetric = sass_counts(compiled(n, k, rows, prologue, perm, False)[0].asm["cubin"])
             awq, gptq = programs_an_sm(counts["REG"], warps), programs_an_sm(symmetric["REG"], warps)
