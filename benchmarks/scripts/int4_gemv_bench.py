@@ -9,7 +9,10 @@ and GPTQ-style (symmetric):
         per-column path, given a g_idx of k // 128) against cuBLAS bf16, in TFLOP/s.
 
 Timed as gemv_bench.py times (a CUDA graph of back-to-back calls over enough weight copies to
-defeat the 50 MB L2). --sweep: the word GEMV at each tile of SWEEP (AWQ-style), and the matmul
+defeat the 50 MB L2); the word GEMV alone and with the prologue decode fuses into the layer (the
+norm before q|k|v and gate|up, SiLU before down): at one row ptxas gave AWQ's kernel with the
+norm more registers than GPTQ's (int_gemv_registers), which the plain call did not show.
+--sweep: the word GEMV at each tile of SWEEP (AWQ-style, with the layer's prologue), and the matmul
 at each of MATMUL_SWEEP; the best per shape and rows is printed last as a dict to paste into
 int_gemv_config (and the matmul's into wna16.py's TUNED); --write writes them there. The sweeps
 stop at BUDGET_S.
@@ -76,8 +79,21 @@ class Case:
         self.dense = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k ** 0.5
                       for _ in range(max(2, -(-400_000_000 // (2 * n * k))) if dense else 0)]
 
-    def word(self, x: torch.Tensor, config: tuple | None = None, reps: int = 40) -> float:
-        return time_us(lambda i: int_gemv(x, *self.ws[i], None, 4, GROUP, config=config), len(self.ws), reps)
+    def word(self, x: torch.Tensor, config: tuple | None = None, reps: int = 40, **prologue) -> float:
+        return time_us(lambda i: int_gemv(x, *self.ws[i], None, 4, GROUP, config=config, **prologue), len(self.ws),
+                       reps)
+
+
+def decode_input(name: str, rows: int, k: int) -> tuple[torch.Tensor, dict]:
+    """x and int_gemv's prologue arguments as a decode step calls the layer (layers/fused.py): the
+    norm, with the residual, before q|k|v and gate|up, SiLU before down, none before o."""
+    if name.endswith("down"):
+        return torch.randn(rows, 2 * k, device=DEVICE, dtype=torch.bfloat16), dict(prologue="silu")
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+    if name.endswith(("qkv", "gate_up")):
+        return x, dict(prologue="norm", residual=torch.randn_like(x), eps=1e-5,
+                       norm_weight=torch.ones(k, device=DEVICE, dtype=torch.bfloat16))
+    return x, {}
 
 
 def decode(name: str, n: int, k: int, zeros: bool) -> None:
@@ -90,27 +106,31 @@ def decode(name: str, n: int, k: int, zeros: bool) -> None:
         err = (int_gemv(x, *ws[0], None, 4, GROUP).float() - F.linear(x.float(), ref)).abs().max().item()
         assert err < 0.05, f"{name} {style} M={rows}: the word GEMV differs from the dequantized weight by {err}"
         t_new = case.word(x)
+        x_fused, prologue = decode_input(name, rows, k)
+        t_fused = case.word(x_fused, **prologue)  # what decode runs: the layer's prologue fused in
         # the tensor-core matmul at every row count: where it passes the word GEMV sets
         # kernel_paths.INT_GEMV_MAX_ROWS (the GEMV fuses the norm / SiLU prologue, the matmul does not)
         t_mm = time_us(lambda i: wna16_matmul(x, *ws[i], None, 4, GROUP), len(ws))
         t_val = time_us(lambda i: gemv(x, ws[i][0], weight_scale=ws[i][1], weight_zeros=ws[i][2], bits=4,
                                        group_size=GROUP), len(ws)) if rows <= 4 else float("nan")
         t_blas = time_us(lambda i: F.linear(x, case.dense[i]), len(case.dense))
-        print(f"{name:12s} {style:4s} M={rows}  word {t_new:7.1f} us {size / t_new / 1e3:5.0f} GB/s | matmul "
+        print(f"{name:12s} {style:4s} M={rows}  word {t_new:7.1f} us {size / t_new / 1e3:5.0f} GB/s (with "
+              f"{prologue.get('prologue', 'no')} prologue {t_fused:7.1f} us) | matmul "
               f"{t_mm:7.1f} us {size / t_mm / 1e3:5.0f} GB/s | per-value {t_val:7.1f} us | cuBLAS bf16 {t_blas:7.1f} us "
               f"{2 * n * k / t_blas / 1e3:5.0f} GB/s | word {t_mm / t_new:5.2f}x matmul, {t_blas / t_new:5.2f}x "
               f"cuBLAS  {int_gemv_config(rows, n, k, 4)} {wna16_config(rows, n, k)}", flush=True)
 
 
 def sweep_decode(shapes: dict, best: dict, start: float) -> None:
-    """The word GEMV at each SWEEP tile, AWQ-style, rows 1 first (the budget cuts the last rows)."""
+    """The word GEMV at each SWEEP tile, AWQ-style, with the prologue decode fuses into each layer,
+    rows 1 first (the budget cuts the last rows)."""
     for rows in ROWS:
         m_pad = triton.next_power_of_2(rows)
         for name, (n, k) in shapes.items():
             case = Case(n, k, True, dense=False)
-            x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+            x, prologue = decode_input(name, rows, k)
             default = int_gemv_config(rows, n, k, 4)
-            results = [(case.word(x, reps=20), default)]
+            results = [(case.word(x, reps=20, **prologue), default)]
             for bn, bj, warps, stages in SWEEP:
                 config = (bn, max(16, min(bj // m_pad, triton.next_power_of_2(k // 8))), warps, stages)
                 if config == default:
@@ -119,7 +139,7 @@ def sweep_decode(shapes: dict, best: dict, start: float) -> None:
                     print("    (sweep stopped: time budget)")
                     return
                 try:
-                    results.append((case.word(x, config, reps=20), config))
+                    results.append((case.word(x, config, reps=20, **prologue), config))
                 except Exception as e:  # out of registers / shared memory
                     print(f"    {config}: {type(e).__name__}")
             results.sort()
