@@ -164,7 +164,8 @@ class EngineConfig:
         None, 'speculative decoding (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": K}\' with '
         "optional prompt_lookup_min / prompt_lookup_max (default 5) and disable_by_batch_size: a request's decode "
         "step also verifies K drafted tokens and keeps those the model agrees with (the output is what it would be "
-        "without; steps then run synchronously)", metavar="JSON")
+        "without; with async scheduling a step that verifies drafts or drafts after it runs synchronously, the "
+        "others, above disable_by_batch_size, async)", metavar="JSON")
     # Megatron splits (heads, MLP rows, vocabulary), one worker process a rank (runner/tensor_parallel.py)
     tensor_parallel_size: int = flag(
         1, "split the model's layers over N worker processes (gloo on the CPU, one GPU each on CUDA); the heads "
@@ -233,9 +234,6 @@ class EngineConfig:
                 object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-            if self.async_scheduling:
-                raise ValueError("speculative decoding runs each step synchronously (a request's next drafts need "
-                                 "the tokens its last step accepted): leave async_scheduling unset or False")
         _choice("usage_context", self.usage_context, USAGES)
         object.__setattr__(self, "limit_mm_per_prompt", _mm_limits(self.limit_mm_per_prompt))
         _positive("max_image_pixels", self.max_image_pixels)
@@ -333,8 +331,7 @@ class EngineConfig:
                              f">= 8.9: Ada, Hopper); this one is {torch.cuda.get_device_capability()}: "
                              "use kv_cache_dtype='auto'")
         defaults = scheduling_defaults(device, self.usage_context)
-        async_scheduling = self.async_scheduling if self.async_scheduling is not None else \
-            device == "cuda" and self.speculative_config is None
+        async_scheduling = self.async_scheduling if self.async_scheduling is not None else device == "cuda"
         if self.preemption_mode != "recompute":
             _check_swap(self.preemption_mode, self.swap_space, model_config, self.speculative_config)
         elif self.swap_space != SWAP_SPACE_GIB:

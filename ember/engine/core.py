@@ -7,7 +7,9 @@ request whose last token is pending gets it on the device (see ModelRunner._prep
 seeded generators draw in the same order, and a request that finishes at N drops the
 token N+1 computed for it. Per step the engine falls back to collecting first (a
 synchronous step) when the next schedule needs the in-flight tokens on the CPU: see
-`_needs_tokens_first`.
+`_needs_tokens_first`, and `_drafts_need_tokens` for speculative decoding (a step that
+verifies drafts or whose requests are asked for their next drafts; above
+disable_by_batch_size neither happens and the steps run async).
 
 A failure in one request's own work (its sampling row, its grammar's mask or advance,
 its text in the output processor) fails that request alone: `fail_request` ends it (and
@@ -313,7 +315,8 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         outputs = self._admit_compiled()
-        if self.in_flight and _needs_tokens_first(self.in_flight[-1].plan):
+        if self.in_flight and (_needs_tokens_first(self.in_flight[-1].plan)
+                               or self._drafts_need_tokens(self.in_flight[-1].plan)):
             outputs += self._collect()
         plan = self._timed("schedule", self.scheduler.schedule)
         if plan.is_empty and not plan.has_copies:
@@ -446,16 +449,36 @@ class EngineCore:
         return core_output(req, new_tokens, logprobs=logprobs[:num_sampled] if logprobs is not None else None,
                            prompt_logprobs=result.prompt_logprobs.get(req.request_id))
 
+    def _drafting(self) -> bool:
+        """Whether requests are asked for drafts now: not while more of them run than
+        disable_by_batch_size."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        return limit is None or len(self.scheduler.running) <= limit
+
+    def _drafts_need_tokens(self, plan: SchedulerOutput) -> bool:
+        """Speculative decoding's part of the per-step fallback: a launched step is collected
+        before the next schedule when it verifies drafts (how many tokens it keeps is known at
+        its update only) or when its update asks its requests for their next drafts (a proposer
+        reads the accepted tokens on the CPU). A step of neither (drafting off above
+        disable_by_batch_size) runs async; should the count fall meanwhile, the update asks only
+        the requests no later step computes for (`_propose`).
+        Overlapping the drafting with the step in flight (drafts that follow its placeholder
+        tokens, fixed up on the device) would go here: not done."""
+        if self.proposer is None:
+            return False
+        return any(c.draft_token_ids for c in plan.chunks) or (self._drafting() and any(c.samples for c in plan.chunks))
+
     def _propose(self, stepped: list[Request]) -> None:
         """Speculative decoding: the drafts each running request's next step verifies (a
         constrained one's as far as its grammar accepts them; none while more requests run than
-        disable_by_batch_size)."""
+        disable_by_batch_size, nor for a request a later launched step computes for: its drafts
+        would follow a token not known yet)."""
         spec = self.config.speculative_config
         for req in stepped:
             req.draft_token_ids = []
-        if spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size:
+        if not self._drafting():
             return
-        asking = [req for req in stepped if not req.status.is_finished]
+        asking = [req for req in stepped if not req.status.is_finished and not req.num_steps_in_flight]
         for req in asking:
             self.scheduler.reserve_lookahead(req, spec.lookahead_slots)
         for req, drafts in zip(asking, self.proposer.propose_for(asking) if asking else []):

@@ -7,7 +7,9 @@ token is a prompt or known token; a sampling chunk's last row and its drafted ro
 `pending` (their features, fc of the target's hidden states) until the step's tokens are in.
 Drafting (`propose`, after the update) first runs a request's kept pending rows, the last of
 which guesses the first draft, then one row a draft on the head's own features. Rows a request
-never drafts from (drafting off this step) run at its next step's `follow`."""
+never drafts from (drafting off this step) run at its next step's `follow`; with async
+scheduling that step's input may be the token still pending, which the head then reads on the
+device."""
 
 from __future__ import annotations
 
@@ -115,6 +117,7 @@ class Eagle3Drafter(DraftCache):
         features = self.model.combine(aux)
         runs: list[tuple[Request, int, torch.Tensor]] = []
         table_rows: list[int] = []
+        on_device: dict[int, int] = {}  # run -> the step's row whose input id is its last token (pending)
         row = 0
         for i, chunk in enumerate(plan.chunks):
             req, n, start = chunk.request, chunk.num_new_tokens, chunk.start
@@ -123,6 +126,8 @@ class Eagle3Drafter(DraftCache):
             kept = self._kept(req, start)
             if kept is not None:
                 first, parts = kept[0], [kept[1]]
+                if req.num_pending_tokens:  # async scheduling: token `start` is sampled by the step in flight
+                    on_device[len(runs)] = row
             if known:
                 parts.append(features[row:row + known])
             if chunk.samples:  # a copy: on CUDA the step's output buffer is the next graph replay's
@@ -132,26 +137,36 @@ class Eagle3Drafter(DraftCache):
                 table_rows.append(i)
             row += n
         if runs:
-            self._run(runs, meta.block_tables[to_device(table_rows, self.device, torch.int64)])
+            self._run(runs, meta.block_tables[to_device(table_rows, self.device, torch.int64)],
+                      on_device=(on_device, input_ids) if on_device else None)
 
     def _kept(self, req: Request, end: int) -> tuple[int, torch.Tensor] | None:
         """A request's pending rows before position `end` (the rest were rejected drafts), taken out."""
         return _rows_before(self.pending.pop(req.request_id, None), end)
 
     def _run(self, runs: list[tuple[Request, int, torch.Tensor]], tables: torch.Tensor,
-             tokens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             tokens: list[int] | None = None,
+             on_device: tuple[dict[int, int], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows through the head, each run a request's rows from its position `first` on (token
         p + 1 at position p, unless `tokens` gives them: a draft step, one row a request, which
-        replays a CUDA graph where one is captured); (normed, prenorm) at each run's last row."""
+        replays a CUDA graph where one is captured); (normed, prenorm) at each run's last row.
+        `on_device`: (run -> row, the step's input ids): a run whose last token is not known on
+        the CPU yet takes it from that row of the step's input, gathered on the device."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         ends: list[int] = []
         starts = [0]
-        for req, first, features in runs:
+        dst: list[int] = []
+        src: list[int] = []
+        for j, (req, first, features) in enumerate(runs):
             end = first + len(features)
-            if tokens is None:
+            if on_device is not None and j in on_device[0]:
+                ids += req.all_token_ids[first + 1:end] + [0]
+                dst.append(len(ids) - 1)
+                src.append(on_device[0][j])
+            elif tokens is None:
                 ids += req.all_token_ids[first + 1:end + 1]
             positions += range(first, end)
             slots += [req.block_ids[p // bs] * bs + p % bs for p in range(first, end)]
@@ -161,6 +176,8 @@ class Eagle3Drafter(DraftCache):
         t, n = len(positions), len(runs)
         flat = to_device(ids + positions + slots + ends + starts, self.device, torch.int64)
         ids_t, pos_t, slot_t, lens, starts_t = flat.split([t, t, t, n, n + 1])
+        if dst:
+            ids_t[to_device(dst, self.device, torch.int64)] = on_device[1][to_device(src, self.device, torch.int64)]
         meta = AttentionMetadata(slot_mapping=slot_t, query_start_loc=starts_t.to(torch.int32),
                                  seq_lens=lens.to(torch.int32), block_tables=tables,
                                  query_lens_cpu=[len(f) for _, _, f in runs], seq_lens_cpu=ends)

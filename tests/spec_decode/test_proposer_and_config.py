@@ -66,6 +66,8 @@ def test_what_ember_does_not_do_is_refused_by_name(value, message):
         SpeculativeConfig.parse(value)
 
 
-def test_speculation_refuses_async_scheduling_by_name():
-    with pytest.raises(ValueError, match="speculative decoding runs each step synchronously"):
-        EngineConfig(speculative_config={"num_speculative_tokens": 2}, async_scheduling=True)
+def test_speculation_takes_async_scheduling():
+    """The engine core falls back to a synchronous step where drafts need it
+    (tests/engine/test_spec_async.py)."""
+    config = EngineConfig(speculative_config={"num_speculative_tokens": 2}, async_scheduling=True)
+    assert config.async_scheduling is True and config.speculative_config.num_speculative_tokens == 2
