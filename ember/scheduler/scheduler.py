@@ -41,9 +41,8 @@ and max_model_len. Its update keeps the run of tokens its rows agree with and ro
 KV of the rest: they stop counting as computed and the blocks past the kept tokens go back
 (`_accept_drafts`); only known tokens ever enter the prefix cache, so no draft does. Such a
 step is always synchronous (its update decides how many tokens it keeps), and so is one whose
-requests are then asked for drafts (the engine core's `_drafts_need_tokens`); a request's drafts
-go stale once a step is launched for it without them, and it never gets drafts while its last
-token is pending.
+requests are then asked for drafts (the engine core's `_drafts_need_tokens`); a chunk whose
+last token is pending never takes drafts (any the request holds followed an earlier token).
 
 A step's life: `schedule()` plans it, `mark_launched(plan)` counts its tokens as computed once
 the runner has queued it (each token it samples is a placeholder, `num_pending_tokens`),
@@ -386,7 +385,8 @@ class Scheduler:
             req = chunk.request
             if budget == 0:
                 break
-            if not req.draft_token_ids or chunk.num_new_tokens != 1 or not chunk.samples:
+            # a pending last token (async scheduling): its drafts, if any, followed an earlier one
+            if not req.draft_token_ids or chunk.num_new_tokens != 1 or not chunk.samples or req.num_pending_tokens:
                 continue
             k = min(len(req.draft_token_ids), budget, self.max_model_len - req.num_tokens - 1)
             if req.max_tokens is not None:
@@ -655,8 +655,6 @@ class Scheduler:
             req.num_computed_tokens += chunk.num_new_tokens
             req.num_pending_tokens += chunk.samples
             req.num_steps_in_flight += 1
-            # its drafts followed its last known token: a step launched without them makes them stale
-            req.draft_token_ids = []
             self._cache_full_blocks(req, req.num_known_tokens)
 
     def update(self, plan: SchedulerOutput, sampled: dict[str, list[int]]) -> tuple[list[Request], list[Request]]:

@@ -154,7 +154,7 @@ def small_budget(gguf_path, live_engines):
 def test_drafts_a_full_step_leaves_out_go_stale(small_budget, monkeypatch):
     """"a" and "b" draft when "c" arrives; its prefill takes the budget their drafts would
     have used, so that step verifies none and, three running, the next one is scheduled while
-    it is in flight: the drafts, which followed a token before the pending one, are dropped."""
+    it is in flight: the drafts, which followed a token before the pending one, stay out of it."""
     tok = small_budget["sync"].get_tokenizer()
     got = {}
     for name, llm in small_budget.items():
