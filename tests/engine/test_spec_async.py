@@ -12,6 +12,7 @@ import pytest
 import torch
 from eagle3_heads import reference_drafts
 from sampling import greedy
+from test_speculative import GROUNDED as SPEC_GROUNDED
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.bench.dummy_eagle3 import head_config, random_head, save_head
@@ -22,20 +23,7 @@ pytestmark = pytest.mark.slow
 LIMIT = 2  # disable_by_batch_size: drafts while at most two requests run
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
         "disable_by_batch_size": LIMIT}
-CODE = '''def merge(left, right):
-    out = []
-    i = j = 0
-    while i < len(left) and j < len(right):
-        if left[i] <= right[j]:
-            out.append(left[i])
-            i += 1
-        else:
-            out.append(right[j])
-            j += 1
-    return out + left[i:] + right[j:]
-'''
-GROUNDED = ["Copy this code exactly:\n\n" + CODE + "\nCopy:\n\n" + CODE[:60],
-            "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick"]
+GROUNDED = [SPEC_GROUNDED[0], SPEC_GROUNDED[2]]  # the code to copy, the repeated sentence
 OPEN = ["Write a short story about a robot who learns to paint by the sea.", "The three primary colors of light are"]
 PERSON = '{"name": "Ada Lovelace", "age": 36, "city": "London"}'
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
