@@ -8,7 +8,6 @@ for bit the plain engine's, through forks, a prefix hit, preemption and an abort
 from __future__ import annotations
 
 import pytest
-import torch
 from eagle3_heads import mode_head, reference_drafts, speculators_layout
 from engine_steps import abort_one_when
 from invariance import assert_same, results
@@ -28,18 +27,6 @@ PROMPTS = [[5, 9, 9, 9, 2, 9, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 5
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                      tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("target")
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(path)
-    return path, model.eval()
-
-
-@pytest.fixture(scope="module")
 def heads(tmp_path_factory):
     root = tmp_path_factory.mktemp("heads")
     made = {}
@@ -56,8 +43,8 @@ def heads(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(target, live_engines):
-    llm = LLM(str(target[0]), **ENGINE)
+def plain(eagle3_target, live_engines):
+    llm = LLM(str(eagle3_target[0]), **ENGINE)
     live_engines.append(llm)
     yield llm
     live_engines.remove(llm)
@@ -87,11 +74,11 @@ def drive(llm: LLM, prompts: list[list[int]],
 
 @pytest.mark.parametrize("name, off_above", [("random", None), ("mode", None), ("speculators", None),
                                              ("random", 2)])
-def test_drafts_are_the_reference_heads_and_the_tokens_the_targets(target, heads, plain, live_engines, name,
+def test_drafts_are_the_reference_heads_and_the_tokens_the_targets(eagle3_target, heads, plain, live_engines, name,
                                                                    off_above):
     """off_above 2: no drafts while 3 requests run (the head still follows every row), then drafts."""
     path, config, tensors = heads[name]
-    spec = LLM(str(target[0]), **ENGINE, max_num_batched_tokens=12,  # prompts in chunks
+    spec = LLM(str(eagle3_target[0]), **ENGINE, max_num_batched_tokens=12,  # prompts in chunks
                speculative_config={"method": "eagle3", "model": str(path), "num_speculative_tokens": 3,
                                    "disable_by_batch_size": off_above})
     live_engines.append(spec)
@@ -104,7 +91,7 @@ def test_drafts_are_the_reference_heads_and_the_tokens_the_targets(target, heads
         assert len(proposed) > (10 if off_above else 30)
         assert (off_steps >= 5) if off_above else off_steps == 0  # drafting off while all three ran
         for context, drafts in proposed:
-            assert drafts == reference_drafts(target[1], config, tensors, AUX, context, len(drafts)), context
+            assert drafts == reference_drafts(eagle3_target[1], config, tensors, AUX, context, len(drafts)), context
         counts = spec.engine.scheduler.spec
         if name == "mode":  # the tiny target repeats itself: whole runs of drafts accepted, so a step keeps 4 rows
             assert counts.accepted_per_position[2] > 0
@@ -173,26 +160,26 @@ def test_preempted_and_aborted_requests_hold_no_block(gguf_path, default_head, l
             live_engines.remove(llm)
 
 
-def test_heads_that_do_not_fit_the_target_are_refused(target, heads, tmp_path, gguf_path):
+def test_heads_that_do_not_fit_the_target_are_refused(eagle3_target, heads, tmp_path, gguf_path):
     spec = {"method": "eagle3", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="method 'eagle3' needs an EAGLE-3 head"):
-        LLM(str(target[0]), **ENGINE, speculative_config=spec | {"model": str(target[0])})
+        LLM(str(eagle3_target[0]), **ENGINE, speculative_config=spec | {"model": str(eagle3_target[0])})
     with pytest.raises(ValueError, match="is for a vocabulary of 64 tokens and the target's has 49152"):
         LLM(str(gguf_path), speculative_config=spec | {"model": str(heads["random"][0])})
     wide = head_config(64, 64, 32, AUX, target_hidden=128)
     save_head(tmp_path / "wide", wide, random_head(wide, seed=3, embed=True))
     with pytest.raises(ValueError, match="reads hidden states of 128 and the target's are 64"):
-        LLM(str(target[0]), **ENGINE, speculative_config=spec | {"model": str(tmp_path / "wide")})
+        LLM(str(eagle3_target[0]), **ENGINE, speculative_config=spec | {"model": str(tmp_path / "wide")})
     bad = head_config(64, 64, 32, [1, 4, 8])
     save_head(tmp_path / "bad", bad, random_head(bad, seed=3, embed=True))
     with pytest.raises(ValueError, match=r"names target layers \[1, 4, 8\]"):
-        LLM(str(target[0]), **ENGINE, speculative_config=spec | {"model": str(tmp_path / "bad")})
+        LLM(str(eagle3_target[0]), **ENGINE, speculative_config=spec | {"model": str(tmp_path / "bad")})
     two = heads["random"][1] | {"num_hidden_layers": 2}
     save_head(tmp_path / "two", two, heads["random"][2])
     with pytest.raises(ValueError, match="has 2 layers"):
-        LLM(str(target[0]), **ENGINE, speculative_config=spec | {"model": str(tmp_path / "two")})
+        LLM(str(eagle3_target[0]), **ENGINE, speculative_config=spec | {"model": str(tmp_path / "two")})
     with pytest.raises(ValueError, match="method 'eagle3' needs \"model\""):
-        LLM(str(target[0]), **ENGINE, speculative_config=spec)
+        LLM(str(eagle3_target[0]), **ENGINE, speculative_config=spec)
     with pytest.raises(ValueError, match="does not keep an EAGLE-3 head's pending features of a swapped-out request"):
-        LLM(str(target[0]), **ENGINE, speculative_config=spec | {"model": str(heads["random"][0])},
+        LLM(str(eagle3_target[0]), **ENGINE, speculative_config=spec | {"model": str(heads["random"][0])},
             preemption_mode="swap", swap_space=0.01)

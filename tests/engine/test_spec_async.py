@@ -9,7 +9,6 @@ the plain-torch reference head's: its KV followed the async steps' pending token
 from __future__ import annotations
 
 import pytest
-import torch
 from eagle3_heads import reference_drafts
 from sampling import greedy
 from test_speculative import GROUNDED as SPEC_GROUNDED
@@ -221,19 +220,6 @@ def test_features_beside_requests_crossing_the_limit_equal_sync(engines, monkeyp
         assert got[0].outputs[0].text.strip() == PERSON and got[0].outputs[0].finish_reason == "stop"
 
 
-@pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory):
-    """A random 2-layer Llama of the default model's vocabulary: a draft that is mostly wrong."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                      tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("draft")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("draft", ["itself", "tiny random"])
 def test_a_draft_model_crossing_the_limit_equals_sync(engines, reference, gguf_path, tiny_draft, live_engines,
                                                       monkeypatch, draft):
@@ -263,19 +249,12 @@ TINY_PROMPTS = [[5, 9, 9, 9, 2, 9, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 
 
 
 @pytest.fixture(scope="module")
-def eagle3(tmp_path_factory):
-    """A tiny random Llama target (float32, transformers') and a random EAGLE-3 head for it."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                      tie_word_embeddings=False)
-    target = tmp_path_factory.mktemp("target")
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(target)
+def eagle3(eagle3_target, tmp_path_factory):
+    """The tiny random Llama target (float32, transformers') and a random EAGLE-3 head for it."""
+    target, model = eagle3_target
     head = head_config(64, 64, 32, AUX)
     tensors = random_head(head, seed=1, embed=True)
-    return target, model.eval(), save_head(tmp_path_factory.mktemp("head"), head, tensors), head, tensors
+    return target, model, save_head(tmp_path_factory.mktemp("head"), head, tensors), head, tensors
 
 
 def test_an_eagle3_head_crossing_the_limit_equals_sync(eagle3, live_engines, monkeypatch):

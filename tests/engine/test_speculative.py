@@ -264,22 +264,6 @@ def test_sampled_tokens_keep_the_models_distribution(engines, oracle):
     assert chi2_pvalue(table) < 1e-6
 
 
-@pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory):
-    """A random 2-layer Llama of SmolLM2's vocabulary, saved by transformers: a draft that is
-    mostly wrong."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                      tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("draft")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("draft", ["itself", "tiny random"])
 def test_a_draft_model_drafts_and_the_output_is_the_targets(engines, gguf_path, tiny_draft, live_engines, draft):
     """--speculative-config '{"model": ...}': the default model drafting for itself (its drafts
