@@ -304,10 +304,16 @@ def test_tp_70b_runs_ember_at_two_ranks_then_vllm_on_the_same_workloads(tmp_path
     ]
 
 
-def test_gguf_kernels_installs_the_gguf_wheel_tests_then_sweeps_the_word_gemv(tmp_path):
+def gguf_wheel(tmp_path: Path) -> Path:
+    """A wheels folder holding an (empty) gguf wheel, as gguf_kit looks for it."""
     wheels = tmp_path / "whl"
     wheels.mkdir()
     (wheels / "gguf-0.19.0-py3-none-any.whl").write_text("")
+    return wheels
+
+
+def test_gguf_kernels_installs_the_gguf_wheel_tests_then_sweeps_the_word_gemv(tmp_path):
+    wheels = gguf_wheel(tmp_path)
     calls, done = run_mode(tmp_path, "gguf-kernels", extra_env={"SERVE_WHEELS": str(wheels)})
     assert done.returncode == 0, done.stderr
     env = "[decode_config=]"
@@ -321,9 +327,7 @@ def test_gguf_kernels_installs_the_gguf_wheel_tests_then_sweeps_the_word_gemv(tm
 
 
 def test_gguf_cuda_installs_the_gguf_wheel_tests_then_races_a_q4_k_m_file_against_bf16(tmp_path):
-    wheels = tmp_path / "whl"
-    wheels.mkdir()
-    (wheels / "gguf-0.19.0-py3-none-any.whl").write_text("")
+    wheels = gguf_wheel(tmp_path)
     calls, done = run_mode(tmp_path, "gguf-cuda", extra_env={"SERVE_WHEELS": str(wheels)})
     assert done.returncode == 0, done.stderr
     out, env, f = tmp_path / "out", "[decode_config=]", "/tmp/llama-3.1-8b-q4_k_m.gguf"
