@@ -156,27 +156,19 @@ def _batches(raw: torch.Tensor, pairs: list[tuple[int, int]]) -> list[list[tuple
 def _copy_out(caches: list[torch.Tensor], hosts: list[torch.Tensor | None], pairs: list[tuple[int, int]]) -> None:
     """Device blocks to host slots, `pairs` (block, slot), of each cache: a gather a batch, a copy a run of slots."""
     for raw, host in zip(caches, hosts):
-        _copy_out_one(raw, host, pairs)
+        for batch in _batches(raw, pairs):
+            blocks, slots = (list(x) for x in zip(*batch))
+            staged = raw.index_select(2, to_device(blocks, raw.device, torch.int64)).movedim(2, 0).contiguous()
+            for i, first, n in slot_runs(slots):
+                host[first:first + n].copy_(staged[i:i + n], non_blocking=True)
 
 
 def _copy_in(caches: list[torch.Tensor], hosts: list[torch.Tensor | None], pairs: list[tuple[int, int]]) -> None:
     """Host slots to device blocks, `pairs` (slot, block), of each cache: a copy a run of slots, a scatter a batch."""
     for raw, host in zip(caches, hosts):
-        _copy_in_one(raw, host, pairs)
-
-
-def _copy_out_one(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
-    for batch in _batches(raw, pairs):
-        blocks, slots = (list(x) for x in zip(*batch))
-        staged = raw.index_select(2, to_device(blocks, raw.device, torch.int64)).movedim(2, 0).contiguous()
-        for i, first, n in slot_runs(slots):
-            host[first:first + n].copy_(staged[i:i + n], non_blocking=True)
-
-
-def _copy_in_one(raw: torch.Tensor, host: torch.Tensor | None, pairs: list[tuple[int, int]]) -> None:
-    for batch in _batches(raw, pairs):
-        slots, blocks = (list(x) for x in zip(*batch))
-        staged = torch.empty((len(slots), *host.shape[1:]), dtype=torch.uint8, device=raw.device)
-        for i, first, n in slot_runs(slots):
-            staged[i:i + n].copy_(host[first:first + n], non_blocking=True)
-        raw.index_copy_(2, to_device(blocks, raw.device, torch.int64), staged.movedim(0, 2))
+        for batch in _batches(raw, pairs):
+            slots, blocks = (list(x) for x in zip(*batch))
+            staged = torch.empty((len(slots), *host.shape[1:]), dtype=torch.uint8, device=raw.device)
+            for i, first, n in slot_runs(slots):
+                staged[i:i + n].copy_(host[first:first + n], non_blocking=True)
+            raw.index_copy_(2, to_device(blocks, raw.device, torch.int64), staged.movedim(0, 2))
