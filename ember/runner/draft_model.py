@@ -66,10 +66,6 @@ class DraftCache:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[-1, i]
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        for src, dst in copies:
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
     def release(self, request_id: str) -> None:
         """A request left: what the drafter keeps for it goes."""
 

@@ -153,6 +153,16 @@ def _batches(raw: torch.Tensor, pairs: list[tuple[int, int]]) -> list[list[tuple
     return [pairs[i:i + per_batch] for i in range(0, len(pairs), per_batch)]
 
 
+def copy_blocks(caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """Block dst takes block src's KV, `pairs` (src, dst), in each cache: a gather and a scatter a
+    batch (a copy a block launched hundreds of kernels a beam-search step). Sources are held
+    cached blocks and destinations fresh ones, so no pair reads what another writes."""
+    for raw in map(_raw, caches):
+        for batch in _batches(raw, pairs):
+            src, dst = (to_device(list(x), raw.device, torch.int64) for x in zip(*batch))
+            raw.index_copy_(2, dst, raw.index_select(2, src))
+
+
 def _copy_out(caches: list[torch.Tensor], hosts: list[torch.Tensor | None], pairs: list[tuple[int, int]]) -> None:
     """Device blocks to host slots, `pairs` (block, slot), of each cache: a gather a batch, a copy a run of slots."""
     for raw, host in zip(caches, hosts):

@@ -36,7 +36,7 @@ from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs, PiecewiseGraphs
 from ember.runner.draft_model import DraftCache, DraftModel
 from ember.runner.eagle3 import Eagle3Drafter
-from ember.runner.kv_copies import IssuedCopies, KVCopies
+from ember.runner.kv_copies import IssuedCopies, KVCopies, copy_blocks
 from ember.runner.kv_heads import rank_kv_heads
 from ember.runner.mrope import MRopePositions
 from ember.runner.multimodal import ImageEmbedder, image_key_ends
@@ -458,10 +458,8 @@ class ModelRunner:
         and the LM head are queued, so on CUDA the CPU fills the masks while the GPU computes.
         Logprobs and prompt logprobs are computed here and read back by `collect`."""
         copies = self.kv_copies.launch(plan, self.kv_caches())  # host memory's, on CUDA on a copy stream
-        for src, dst in plan.block_copies:  # forked samples get their own copy of a partial block
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        if self.drafter is not None:
-            self.drafter.copy_blocks(plan.block_copies)
+        if plan.block_copies:  # forked samples and partial-block hits get their own copy of the block
+            copy_blocks(self.kv_caches(), plan.block_copies)
         if self.states is not None:
             for req in plan.preempted:  # recomputed from its first token, into a fresh slot
                 self.states.release(req.request_id)

@@ -33,8 +33,9 @@ Rules that keep the accounting exact (`BlockPool`: free + in use + evictable == 
   copies that block, or the cached whole block agreeing longest, into a block of its own
   (`match_partial`) and computes only the rest: a chat's next turn or a beam's next step
   recomputes nothing, as a token-granular tree would. A partial leaf goes when eviction takes
-  it or a whole block that begins with its tokens is cached beside it (a copy in flight from
-  it keeps its block until the copying step is collected, outside the tree).
+  it or a longer block (whole, or partial: the next beam step's) that begins with its tokens is
+  cached beside it (a copy in flight from it keeps its block until the copying step is
+  collected, outside the tree).
 """
 
 from __future__ import annotations
@@ -187,9 +188,11 @@ class RadixPrefixCache(PrefixCache):
             node = child
             if n < len(child.block_ids):  # the path goes on inside this node: its next block only
                 candidates = [(child, n)]
+        want = tuple(token_ids[start:start + min(bs, max_tokens)])
         if candidates is None:
-            candidates = [(c, 0) for c in node.children.values()]
-        want = token_ids[start:start + min(bs, max_tokens)]
+            exact = node.children.get(want)  # a partial leaf of exactly these tokens: no longer agreement exists
+            candidates = [(exact, 0)] if exact is not None and self._live(exact) else \
+                [(c, 0) for c in node.children.values()]
         best, best_len = None, 0
         for child, n in candidates:
             agree = _common_length(child.token_ids[n * bs:(n + 1) * bs], want)
@@ -274,12 +277,13 @@ class RadixPrefixCache(PrefixCache):
     def _add(self, parent: RadixNode, token_ids: Sequence[int], block_ids: list[int]) -> RadixNode:
         node = RadixNode(tuple(token_ids), block_ids, parent=parent)
         first = node.token_ids[:self.block_size]
-        if len(first) == self.block_size:  # partial leaves this whole block begins like go (a copy
-            for key, leaf in list(parent.children.items()):  # in flight still holds its source)
-                if len(key) < self.block_size and first[:len(key)] == key:
-                    del parent.children[key]
-                    self.pool.uncache(leaf.block_ids[0])
-                    self.on_evict(leaf.block_ids[0])
+        # partial leaves this block begins like go: every lookup they would answer, it answers as
+        # well (a beam's step leaves its parent's tail behind; a copy in flight holds its source)
+        for key, leaf in list(parent.children.items()):
+            if len(key) < len(first) and first[:len(key)] == key and len(key) < self.block_size:
+                del parent.children[key]
+                self.pool.uncache(leaf.block_ids[0])
+                self.on_evict(leaf.block_ids[0])
         parent.children[first] = node
         return node
 
@@ -393,11 +397,20 @@ class RadixPrefixCache(PrefixCache):
         assert len(seen) == sum(self.pool.cached), "the pool marks blocks cached that the tree lacks"
 
 
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < len(a) and n < len(b) and a[n] == b[n]:
-        n += 1
-    return n
+def _common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The length of the common start of two tuples, by bisection over slices compared in C (a
+    token-by-token loop made a beam search's steps slower with every step it took)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 _EMPTY = RadixNode((), [])  # the root of a salt nothing is cached under (never written to)

@@ -291,9 +291,10 @@ class Scheduler:
                      and (key := self._block_key(c.request, c.start // self.block_size)) is not None}
         deferred: set[str] = set()
         loading: list[Request] = []  # admitted with blocks to copy in
+        seats = self._seats_taken()  # counted once, then per admission (a beam search admits hundreds a step)
         while len(self.waiting) > len(deferred) and budget > 0 and not (plan.preempted or plan.short_of_blocks):
             req = self._next_waiting(deferred)
-            if self._seats_taken() + req.num_samples_to_draw > self.max_num_seqs:
+            if seats + req.num_samples_to_draw > self.max_num_seqs:
                 break
             swap_ins = self._swap_in(req) if req.swapped is not None else None
             if swap_ins is None and req.swapped is not None:
@@ -335,6 +336,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
+            seats += req.num_samples_to_draw
             snapshot = self.snapshots.restore(req)
             if snapshot is not None:
                 plan.state_restores.append((req.request_id, snapshot))

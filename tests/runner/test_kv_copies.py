@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ember.request import Request, RequestStatus
-from ember.runner.kv_copies import KVCopies, slot_runs
+from ember.runner import kv_copies
+from ember.runner.kv_copies import KVCopies, copy_blocks, slot_runs
 from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import SchedulerOutput
 
@@ -42,6 +43,20 @@ def test_blocks_go_to_their_slots_and_come_back(dtype):
             assert torch.equal(raw[:, :, dst], ref[:, :, src])
         assert not raw[:, :, [1, 2, 4]].any()  # nothing else written
     assert copies.launch(SchedulerOutput(), caches) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_block_copies_in_batches_equal_one_copy_a_block(dtype, monkeypatch):
+    caches = [torch.randn(2, 3, 8, 4, 2, 8).to(dtype), torch.randn(2, 1, 8, 4, 1, 16).to(dtype)]
+    pairs = [(1, 4), (2, 0), (5, 3), (1, 7), (6, 2)]  # sources held, destinations fresh: disjoint
+    want = [c.clone() for c in caches]
+    for c in want:
+        for src, dst in pairs:
+            c[:, :, dst] = c[:, :, src]
+    monkeypatch.setattr(kv_copies, "STAGING_BYTES", 2 * caches[0].view(torch.uint8)[:, :, 0].numel())
+    copy_blocks(caches, pairs)  # batches of two blocks, one of the target cache's
+    for cache, ref in zip(caches, want):
+        assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
 
 
 # -- on CUDA (-m gpu) ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ember.scheduler.prefix_cache as prefix_cache_module
 import ember.scheduler.scheduler as scheduler_module
 from ember.config import EngineConfig
 from ember.request import Request, RequestStatus
@@ -62,6 +63,40 @@ def test_insert_then_match_splits_a_node_at_the_block_where_tokens_differ():
     assert (hit.block_ids, hit.num_tokens) == ([0, 1], 4)
     assert tree(cache) == [([1, 2, 3, 4], [0, 1], [([5, 6], [2], [])])]
     check(pool, cache)
+
+
+def test_a_longer_partial_leaf_replaces_the_ones_it_begins_with():
+    """A beam's next step caches its tail one token longer: the shorter tail it began with goes
+    (every lookup it answered, the longer one answers as well), so the partial leaves under a
+    node stay as many as the beams that go on, not one more a step."""
+    pool, cache = cache_with(block_size=4)
+    head = pool.allocate(1)  # [0]: 1 2 3 4
+    cache.insert([1, 2, 3, 4], head)
+    first, other = pool.allocate(1), pool.allocate(1)  # [1]: 1 2 3 4 | 5; [2]: 1 2 3 4 | 7
+    cache.insert_partial([1, 2, 3, 4, 5], head + first)
+    cache.insert_partial([1, 2, 3, 4, 7], head + other)
+    pool.free(first + other)
+    pool.share(first)  # a copy from it in flight: the tree lets it go, its user still holds it
+    longer = pool.allocate(1)  # [3]: 1 2 3 4 | 5 6 7
+    cache.insert_partial([1, 2, 3, 4, 5, 6, 7], head + longer)
+    pool.free(longer)
+    assert tree(cache) == [([1, 2, 3, 4], [0], [([5, 6, 7], [3], []), ([7], [2], [])])]
+    check(pool, cache)
+    assert cache.match_partial([1, 2, 3, 4, 5, 0], 1, max_tokens=2) == (3, 1)
+    assert cache.match_partial([1, 2, 3, 4, 5, 6, 7, 8], 1, max_tokens=3) == (3, 3), "the exact tail"
+    assert cache.match_partial([1, 2, 3, 4, 7, 8], 1, max_tokens=1) == (2, 1), "the exact tail, short"
+    pool.free(first + head)  # the copy is done: block 1 is free again, not cached
+    assert (pool.num_free, pool.num_evictable, pool.num_in_use) == (pool.num_blocks - 3, 3, 0)
+    check(pool, cache)
+
+
+def test_common_length_bisects_to_the_first_difference():
+    rng = random.Random(0)
+    for _ in range(500):
+        a = tuple(rng.randrange(3) for _ in range(rng.randrange(12)))
+        b = a[:rng.randrange(len(a) + 1)] + tuple(rng.randrange(3) for _ in range(rng.randrange(12)))
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert prefix_cache_module._common_length(a, b) == want == prefix_cache_module._common_length(b, a)
 
 
 def test_match_stops_at_max_blocks_and_at_a_partial_block():
