@@ -5,18 +5,22 @@
 16384 tokens a step). One tiny beam search warms up; the timed call is the whole list at once.
 
     python3 benchmarks/scripts/beam_bench.py MODEL [--num-prompts 64] [--input-len 128] [--output-len 128]
-        [--beam-width 4] [--load-format dummy] [--dtype auto] [--output-json FILE]
+        [--beam-width 4] [--load-format dummy] [--dtype auto] [--output-json FILE] [--profile FILE]
 
 Throughput as vLLM's `vllm bench throughput` counts a beam run (prompts x max_tokens / s:
 output_tok_s) and as the returned sequences' generated tokens / s (sequence_tok_s, beam_width
 times more with ignore_eos); vllm_race.py prints both the same way. One RESULT line (JSON);
---output-json adds every returned sequence's token ids.
+--output-json adds every returned sequence's token ids. --profile runs the search once more under
+cProfile and writes where the host's time goes (cumulative, then own time) to FILE.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--output-json", type=Path, default=None)
+    ap.add_argument("--profile", type=Path, default=None)
     args = ap.parse_args()
     t0 = time.time()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, seed=0, **LIMITS)
@@ -59,6 +64,14 @@ def main() -> None:
     if args.output_json:
         sequences = [[s.tokens for s in o.sequences] for o in outs]
         args.output_json.write_text(json.dumps(result | {"sequences": sequences}) + "\n")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.runcall(llm.beam_search, prompts, params)
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(25)
+        args.profile.write_text(text.getvalue())
 
 
 if __name__ == "__main__":

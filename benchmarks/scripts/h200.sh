@@ -145,7 +145,8 @@
 #                       128/2000 on 2,840 KV blocks (~1/3 of the requests preempted) with --preemption-mode recompute,
 #                       swap, auto (--swap-space 32): throughput and preemptions (by swap) each. beam: LLM.beam_search,
 #                       width 4, 64 x 128/128 on the served model directory (vLLM's decodes: it needs the tokenizer):
-#                       vLLM (vllm_race.py --model DIR beam), then ember (beam_bench.py) on the same prompts
+#                       vLLM (vllm_race.py --model DIR beam), then ember (beam_bench.py) on the same prompts, then
+#                       ember's search again under cProfile (beam_profile.txt: where the host's time goes)
 #
 # Every kit named below is built by `bash benchmarks/scripts/device_kits.sh [whl serve-model serve-vl vllm smol]`.
 #
@@ -540,7 +541,8 @@ mode_kv_tiers() {  # kv-tiers multiturn|preempt|beam: one part a call
       [ -f "$m/tokenizer.json" ] || { echo "== kv-tiers beam needs $m/ carried (see the head of this script)"; return 0; }
       vllm_race beam 300 --model "$m" beam
       secs=$(cap "ember beam" 200) || return 0
-      timeout "$secs" python3 benchmarks/scripts/beam_bench.py "$m" --output-json "$J/beam_ember.json" 2>&1 \
+      timeout "$secs" python3 benchmarks/scripts/beam_bench.py "$m" --output-json "$J/beam_ember.json" \
+        --profile "$J/beam_profile.txt" 2>&1 \
         | tee "$J/beam_ember.log" | grep -E "^RESULT|Error" || true ;;
     *) echo "kv-tiers takes multiturn, preempt or beam, got '$part'"; exit 2 ;;
   esac

@@ -491,7 +491,8 @@ def test_kv_tiers_runs_each_part_vllm_first_and_ember_alone_without_it(tmp_path)
     calls, done = run_mode(tmp_path, "kv-tiers", "beam", extra_env=kit)
     assert done.returncode == 0, done.stderr
     assert calls == [f"run-on-device none {env}", f"python3 benchmarks/scripts/vllm_race.py --model {model} beam {env}",
-                     f"python3 benchmarks/scripts/beam_bench.py {model} --output-json {out}/beam_ember.json {env}"]
+                     f"python3 benchmarks/scripts/beam_bench.py {model} --output-json {out}/beam_ember.json --profile "
+                     f"{out}/beam_profile.txt {env}"]
     (tmp_path / "calls.log").unlink()
     calls, done = run_mode(tmp_path, "kv-tiers", "preempt")
     assert done.returncode == 0, done.stderr

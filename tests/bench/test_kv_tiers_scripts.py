@@ -61,10 +61,11 @@ def test_beam_bench_gives_beam_searchs_sequences(gguf_path, tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(SCRIPTS))
     monkeypatch.setattr(sys, "argv", ["beam_bench.py", str(gguf_path), "--load-format", "auto", "--num-prompts", "2",
                                       "--input-len", "16", "--output-len", "4", "--beam-width", "2",
-                                      "--output-json", str(out)])
+                                      "--output-json", str(out), "--profile", str(tmp_path / "profile.txt")])
     runpy.run_path(str(SCRIPTS / "beam_bench.py"), run_name="__main__")  # in this process: no second start-up
     got = json.loads(out.read_text())
     assert capsys.readouterr().out.count("RESULT ") == 1 and got["sequence_tokens"] == 2 * 2 * 4
+    assert "beam_search" in (tmp_path / "profile.txt").read_text(), "the profiled run's calls"
     llm = LLM(str(gguf_path), seed=0, max_model_len=2048, max_num_seqs=512, max_num_batched_tokens=16384)
     prompts = random_requests(2, 16, 4, 0.0, llm.config.model_config.vocab_size, [], seed=0)
     want = llm.beam_search([{"prompt_token_ids": r.prompt_token_ids} for r in prompts],
