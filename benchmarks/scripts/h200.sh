@@ -146,7 +146,9 @@
 #                       swap, auto (--swap-space 32): throughput and preemptions (by swap) each. beam: LLM.beam_search,
 #                       width 4, 64 x 128/128 on the served model directory (vLLM's decodes: it needs the tokenizer):
 #                       vLLM (vllm_race.py --model DIR beam), then ember (beam_bench.py) on the same prompts, then
-#                       ember's search again under cProfile (beam_profile.txt: where the host's time goes)
+#                       ember's search again under cProfile (beam_profile.txt: where the host's time goes). cost:
+#                       ember alone, 512 x 1000/1000 at the 8B shape without and with --kv-offload-gib 16 (start-up
+#                       and throughput where no prefix comes back: what a tier on by default would cost)
 #
 # Every kit named below is built by `bash benchmarks/scripts/device_kits.sh [whl serve-model serve-vl vllm smol]`.
 #
@@ -524,7 +526,7 @@ mode_frontend() {  # each arm set in its own process: the in-process engine's GP
 # 266 blocks of 16 tokens: 9 of 24); their swapped blocks take <= 89 x 17 x 16 MiB = 24 GiB of the 32 GiB swap space
 KV_PREEMPT="--num-prompts 256 --input-len 128 --output-len 2000 --max-model-len 2304 --num-kv-blocks 2840"
 
-mode_kv_tiers() {  # kv-tiers multiturn|preempt|beam: one part a call
+mode_kv_tiers() {  # kv-tiers multiturn|preempt|beam|cost: one part a call
   local part=${1:-} m=${SERVED_MODEL:-.serve-model} secs arms=vllm,vllm-offload,ember,ember-tier pm
   case "$part" in
     multiturn)
@@ -544,7 +546,9 @@ mode_kv_tiers() {  # kv-tiers multiturn|preempt|beam: one part a call
       timeout "$secs" python3 benchmarks/scripts/beam_bench.py "$m" --output-json "$J/beam_ember.json" \
         --profile "$J/beam_profile.txt" 2>&1 \
         | tee "$J/beam_ember.log" | grep -E "^RESULT|Error" || true ;;
-    *) echo "kv-tiers takes multiturn, preempt or beam, got '$part'"; exit 2 ;;
+    cost)  # what the tier costs where nothing comes back (every prompt new, the pool churning): the GPU default's question
+      for pm in 0 16; do bench "tier_cost_$pm" 270 $L $TP --kv-offload-gib $pm; done ;;
+    *) echo "kv-tiers takes multiturn, preempt, beam or cost, got '$part'"; exit 2 ;;
   esac
 }
 
