@@ -351,25 +351,27 @@ def compiled(n, k, rows, prologue, perm, zeros, bits=4):
                      PROLOGUE=prologue, HAS_RES=prologue == 1, HAS_BIAS=False, HAS_PERM=perm, STAGES=stages)
     cap = int_gemv_registers(rows, warps, bits, perm)  # as int_gemv launches it
     options = {"num_warps": warps} | ({"maxnreg": cap} if cap else {})
-    return compile_aligned(_int_gemv_kernel, constants, types, options), warps
+    return compile_aligned(_int_gemv_kernel, constants, types, options), warps, -(-(k * bits // 32) // block_j)
 
 
 for (n, k), prologue, perm in (((6144, 4096), 1, False), ((4096, 4096), 0, False), ((4096, 14336), 2, False),
                                ((6144, 4096), 1, True)):
     for rows in (1, 2, 4, 8):
-        kernel, warps = compiled(n, k, rows, prologue, perm, True)
+        kernel, warps, tiles = compiled(n, k, rows, prologue, perm, True)
         ptx, what = kernel.asm["ptx"], f"the word GEMV at [{n}, {k}], {rows} rows, prologue {prologue}, perm {perm}"
         counts = sass_counts(kernel.asm["cubin"])
         assert counts["STACK"] == counts["STL"] == counts["LDL"] == 0, f"{what} spills registers: {counts}"
         assert kernel.metadata.shared <= H100_SHARED, f"{what}: {kernel.metadata.shared} bytes of shared memory"
-        assert "cp.async.c" in ptx, f"{what}: no load is software-pipelined (cp.async)"
         assert not re.search(r"cvt\\.rn\\.f32\\.[su]32", ptx), f"{what} converts 32-bit integers to float"
-        # the zero points a tile ahead: the first tile's loaded before the loop (its backward branch's target)
-        sass = sass_text(kernel.asm["cubin"])
-        branches = re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?BRA 0x([0-9a-f]+)", sass)
-        loop = min(int(to, 16) for at, to in branches if int(to, 16) < int(at, 16))
-        zero_loads = [int(a, 16) for a in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?LDG\\.E[.\\w]*\\.U8\\s", sass)]
-        assert zero_loads and min(zero_loads) < loop, f"{what}: the first zero points are loaded in the loop"
+        if tiles > 1:  # a loop over K (the tuned one-row tiles of K = 4096 take a row's 512 words at once: no loop)
+            assert "cp.async.c" in ptx, f"{what}: no load is software-pipelined (cp.async)"
+            # the zero points a tile ahead: the first tile's loaded before the loop (its backward branch's target)
+            sass = sass_text(kernel.asm["cubin"])
+            branches = re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?BRA 0x([0-9a-f]+)", sass)
+            loop = min(int(to, 16) for at, to in branches if int(to, 16) < int(at, 16))
+            zero_loads = [int(a, 16) for a in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?LDG\\.E[.\\w]*\\.U8\\s",
+                                                         sass)]
+            assert zero_loads and min(zero_loads) < loop, f"{what}: the first zero points are loaded in the loop"
         if rows == 1 and not perm:  # decode's one request: zero points (AWQ) cost no program an SM (GPTQ's none)
             symmetric = sass_counts(compiled(n, k, rows, prologue, perm, False)[0].asm["cubin"])
             awq, gptq = programs_an_sm(counts["REG"], warps), programs_an_sm(symmetric["REG"], warps)
@@ -377,7 +379,7 @@ for (n, k), prologue, perm in (((6144, 4096), 1, False), ((4096, 4096), 0, False
                 f"with zero points, {gptq} ({symmetric['REG']}) without"
 for (n, k), prologue in (((28672, 4096), 1), ((4096, 14336), 2)):  # 8 bits: reasoned tiles, no cap
     assert int_gemv_registers(1, 8, 8) is None
-    kernel, warps = compiled(n, k, 1, prologue, False, True, bits=8)
+    kernel, warps, _ = compiled(n, k, 1, prologue, False, True, bits=8)
     counts = sass_counts(kernel.asm["cubin"])
     assert counts["STACK"] == counts["STL"] == counts["LDL"] == 0, f"8 bits at [{n}, {k}] spill: {counts}"
 print("compiled")
@@ -389,7 +391,7 @@ def test_the_word_gemv_compiles_for_hopper():
     """Triton compiles the word GEMV at Llama-3.1-8B's shapes, 1 to 8 rows, with each prologue
     (and the norm's through an act-order permutation) to sm_90 here, without a GPU, at the tiles
     int_gemv_config picks and the register cap int_gemv_registers sets: no register spills in the
-    SASS, within the H100's shared memory, its loads software-pipelined (cp.async), and no 32-bit
+    SASS, within the H100's shared memory, its loads software-pipelined (cp.async) where it loops over K, and no 32-bit
     integer -> float conversion (only the uint8 zero points convert). At one row (weights in K
     order), zero points (AWQ) leave as many programs an SM as the symmetric kernel (GPTQ), and at least
     PROGRAMS_AN_SM: uncapped, ptxas gave the norm prologue's kernel 96 registers with zero
