@@ -190,7 +190,7 @@ class RadixPrefixCache(PrefixCache):
                 candidates = [(child, n)]
         want = tuple(token_ids[start:start + min(bs, max_tokens)])
         if candidates is None:
-            exact = node.children.get(want)  # a partial leaf of exactly these tokens: no longer agreement exists
+            exact = node.children.get(want)  # a child keyed by exactly these tokens: none agrees longer
             candidates = [(exact, 0)] if exact is not None and self._live(exact) else \
                 [(c, 0) for c in node.children.values()]
         best, best_len = None, 0
