@@ -6,37 +6,33 @@ import pytest
 from ember import LLM
 
 
-@pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory):
-    """A random 2-layer Llama of SmolLM2's vocabulary, saved by transformers: a draft that is
-    mostly wrong."""
+def _saved_llama(tmp_path_factory, name: str, **config):
+    """A random Llama (hidden 64, 4 heads, 2 KV heads, seed 0) saved by transformers: (its directory,
+    the transformers model in eval mode)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                      tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("draft")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **config))
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A random 2-layer Llama of SmolLM2's vocabulary: a draft that is mostly wrong."""
+    return _saved_llama(tmp_path_factory, "draft", vocab_size=49152, num_hidden_layers=2,
+                        max_position_embeddings=8192, tie_word_embeddings=True)[0]
 
 
 @pytest.fixture(scope="module")
 def eagle3_target(tmp_path_factory):
-    """A tiny random 8-layer Llama target of 64 ids (float32) saved by transformers, for EAGLE-3
-    heads: (its directory, the transformers model in eval mode)."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                      tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("target")
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(path)
-    return path, model.eval()
+    """A tiny random 8-layer Llama target of 64 ids (float32), for EAGLE-3 heads: (its directory,
+    the transformers model in eval mode)."""
+    return _saved_llama(tmp_path_factory, "target", vocab_size=64, num_hidden_layers=8,
+                        max_position_embeddings=4096, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")
