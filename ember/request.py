@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from ember.multimodal.inputs import ImageFeature, cache_keys
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import BeamSearchParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -37,6 +37,10 @@ class Request:
     mm_features: list[ImageFeature] | None = None  # its images, in prompt order (their placeholder tokens)
     parent: Request | None = None  # set on the samples 1..n-1 forked from a request with n > 1
     index: int = 0  # which of the parent's n samples this is
+    # beam search (engine/beam_groups.py): the search every beam of the request follows (its beams
+    # are forks of it: `parent`); `held`: a beam whose token of this step waits for its group's others
+    beam: BeamSearchParams | None = None
+    held: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
@@ -120,6 +124,21 @@ class Request:
         child.status = self.status
         child.first_scheduled_time = self.first_scheduled_time
         child.append_token(token_id)
+        return child
+
+    def beam_fork(self, request_id: str, token_id: int) -> Request:
+        """A new beam that continues this one's tokens before its last with `token_id`. The
+        caller gives it its blocks."""
+        root = self.parent if self.parent is not None else self
+        child = Request(request_id, self.prompt_token_ids, self.sampling_params, prompt=self.prompt,
+                        eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time, priority=self.priority,
+                        cache_salt=self.cache_salt, parent=root, mm_features=self.mm_features, beam=self.beam)
+        child.output_token_ids = self.output_token_ids[:-1] + [token_id]
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_blocks_in_cache = self.num_blocks_in_cache
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        child.first_scheduled_time, child.first_token_time = self.first_scheduled_time, self.first_token_time
         return child
 
     def append_token(self, token_id: int) -> None:

@@ -268,5 +268,7 @@ class BeamSearchParams:
             raise ValueError(f"early_stopping must be true, false or \"never\"; got {self.early_stopping!r}")
 
     def step_params(self) -> SamplingParams:
-        """What each beam asks the engine for a step: one token's top-2k log-probabilities."""
-        return SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * self.beam_width, ignore_eos=True)
+        """How each beam samples (engine/beam_groups.py): greedy, with the top 2k log-probabilities;
+        the search decides which beams go on and where they end."""
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, logprobs=2 * self.beam_width,
+                              ignore_eos=True)

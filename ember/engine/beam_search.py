@@ -11,10 +11,9 @@ beam search does (its steps and masks, in float32):
                  at its current length; "never": at max length), when every slot is finished
                  (early_stopping True), or when every candidate ends
 
-The drivers (LLM.beam_search, the server's use_beam_search) ask the engine for each step's
-beams as prompts of one token to generate with 2k logprobs: every beam's full blocks are the
-prefix cache's, shared by the beams that have them (a beam's blocks are written once and read
-by every beam that continues it)."""
+The engine runs each search's beams as requests of its own (engine/beam_groups.py): a beam
+that continues another shares its blocks, as a fork. `beam_search_output` reads a finished
+search's request output (LLM.beam_search, the server's use_beam_search)."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ember.outputs import RequestOutput
 from ember.sampling_params import BeamSearchParams
 
 NEG = np.float32(-1.0e9)  # transformers' "impossible" score
@@ -52,6 +52,7 @@ class BeamSearch:
         # transformers starts with k copies of the prompt, all but the first at -1e9: only the
         # first one's tokens can be chosen first, so it alone is asked about
         self.running: list[tuple[list[int], np.float32]] = [([], np.float32(0.0))]
+        self.parents: list[tuple[int, int]] = []  # each running beam's (beam it continues, its new token)
         # k slots: (tokens, score, filled, summed log-probabilities)
         self.finished: list[tuple[list[int], np.float32, bool, np.float32]] = [([], NEG, False, NEG)] * k
         self.generated = 0
@@ -68,6 +69,7 @@ class BeamSearch:
             token = min(top, key=lambda t: (-top[t], t))
             cum = np.float32(score + np.float32(top[token]))
             self.running, self.generated = [(tokens + [token], cum)], self.generated + 1
+            self.parents = [(0, token)]
             self.done = token in self.eos or self.generated >= p.max_tokens
             if self.done:
                 self.finished = [(tokens + [token], np.float32(cum / np.float32(self.generated ** p.length_penalty)),
@@ -86,6 +88,7 @@ class BeamSearch:
         masked = [(s + NEG if h else s, i) for i, ((s, _, _), h) in enumerate(zip(candidates, hits))]
         order = sorted(range(len(masked)), key=lambda i: (-masked[i][0], i))[:k]
         running = [(seqs[i], np.float32(masked[i][0])) for i in order]
+        self.parents = [candidates[i][1:] for i in order]
         # the finished: the top k candidates that end, scored by length, merged with the best so far (a
         # running score is its beam's summed log-probabilities; the powers in double, as Python's)
         length = np.float32((self.generated + 1) ** p.length_penalty)
@@ -123,3 +126,17 @@ class BeamSearch:
                 decode(tokens) if decode is not None else None,
                 "stop" if tokens and tokens[-1] in self.eos else "length"))
         return out
+
+
+def beam_search_output(out: RequestOutput, params: BeamSearchParams, decode=None) -> BeamSearchOutput:
+    """A finished beam search's sequences, best first, from its request's output (a sample a
+    hypothesis, with its summed log-probabilities; the score as `advance` computes it)."""
+    if out.error is not None:
+        raise RuntimeError(f"the beam search of request {out.request_id} failed: {out.error}")
+    sequences = []
+    for c in out.outputs:
+        cum = np.float32(c.cumulative_logprob)
+        score = np.float32(cum / np.float32(len(c.token_ids) ** params.length_penalty))
+        sequences.append(BeamSearchSequence(list(out.prompt_token_ids) + list(c.token_ids), float(cum), float(score),
+                                            decode(c.token_ids) if decode is not None else None, c.finish_reason))
+    return BeamSearchOutput(sequences)

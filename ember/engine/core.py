@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ember.config import EngineConfig
+from ember.engine.beam_groups import BeamGroups, BeamResult
 from ember.engine.stats import EngineStats
 from ember.loader.tokenizer import Tokenizer
 from ember.request import Request, RequestStatus
@@ -68,6 +69,7 @@ class EngineCoreOutput:
     num_cached_tokens: int | None = None  # its prefix-cache hit at first admission
     scheduled_time: float | None = None  # with finished: when it was first scheduled (time.monotonic())
     first_token_time: float | None = None  # with finished
+    cumulative_logprob: float | None = None  # a beam search's hypothesis: its summed log-probabilities
 
 
 def core_output(req: Request, new_token_ids: list[int], finished: bool | None = None, **fields) -> EngineCoreOutput:
@@ -120,6 +122,7 @@ class EngineCore:
             self.proposer = self.runner  # the drafter runs beside the target (runner/draft_model.py, eagle3.py)
         elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.beams = BeamGroups(self.scheduler)  # the beam searches running (engine/beam_groups.py)
         self.sleeping = 0  # the sleep level (0: awake)
 
     def add_request(self, request: Request) -> None:
@@ -128,20 +131,43 @@ class EngineCore:
             raise ValueError("the engine is asleep: wake it up first (POST /wake_up)")
         if request.request_id in self.scheduler.requests or self.structured.is_compiling(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.scheduler.check_request(request)
+        self.check_request(request)
         if not self.structured.add(request):
             self.scheduler.add_request(request)
+        if request.beam is not None:
+            self.beams.add(request)
 
     def check_request(self, request: Request) -> None:
         """Raise ValueError for a request this engine can never serve; safe from any thread."""
         self.scheduler.check_request(request)
         self.structured.validate(request.sampling_params)
+        if request.beam is not None:
+            self._check_beam_search(request)
+
+    def _check_beam_search(self, request: Request) -> None:
+        """ValueError for a beam search this engine cannot run: all its beams must fit at once."""
+        k, length = request.beam.beam_width, request.num_prompt_tokens + request.beam.max_tokens
+        if self.config.speculative_config is not None:
+            raise ValueError("beam search with speculative decoding is not supported: use an engine without "
+                             "speculative_config")
+        if request.sampling_params.structured_outputs is not None or request.sampling_params.n != 1:
+            raise ValueError("beam search takes no structured output and n 1 (its beam_width is the n)")
+        if k > self.config.max_num_seqs:
+            raise ValueError(f"beam_width {k} is more than the engine's {self.config.max_num_seqs} sequences "
+                             "(max_num_seqs): lower beam_width or raise max_num_seqs")
+        if length > self.config.max_model_len:
+            raise ValueError(f"the prompt's {request.num_prompt_tokens} tokens + max_tokens {request.beam.max_tokens} "
+                             f"are more than max_model_len {self.config.max_model_len}: lower max_tokens")
+        if k * self.scheduler.blocks_for(length) > self.block_pool.num_blocks:
+            raise ValueError(f"{k} beams of {length} tokens need {k * self.scheduler.blocks_for(length)} KV blocks; "
+                             f"the engine has {self.block_pool.num_blocks}: lower beam_width or max_tokens")
 
     def abort_request(self, request_id: str) -> None:
         if self.structured.abort(request_id) is not None:
             return
         for req in self.scheduler.abort(request_id):
             self._release(req.request_id)
+        self.beams.drop(request_id)
 
     def request_ids(self) -> list[str]:
         """Every request it holds: scheduled or waiting (forked samples too), or compiling a grammar."""
@@ -155,9 +181,14 @@ class EngineCore:
         compiling = self.structured.abort(root)
         if compiling is not None:
             self._failed.append(self._failed_output(compiling, message))
-        for r in self.scheduler.abort(root, "error", RequestStatus.FAILED):
+        ended = self.scheduler.abort(root, "error", RequestStatus.FAILED)
+        for r in ended:
             self._release(r.request_id)
-            self._failed.append(self._failed_output(r, message))
+        search = self.beams.groups.pop(root, None)
+        if search is not None:  # one output for the search, not one a beam
+            search.root.finish("error", status=RequestStatus.FAILED)
+            ended = [search.root]
+        self._failed += [self._failed_output(r, message) for r in ended]
 
     @staticmethod
     def _failed_output(req: Request, message: str) -> EngineCoreOutput:
@@ -322,6 +353,8 @@ class EngineCore:
         if plan.is_empty and not plan.has_copies:
             if self.in_flight:
                 return outputs + self._collect()
+            if self.beams.groups and self.beams.unblock():  # held beams took what the waiting need
+                return outputs
             if not outputs:  # only grammars still compiling: wait for one, not spin
                 self.structured.wait(GRAMMAR_WAIT_S)
             return outputs
@@ -379,10 +412,16 @@ class EngineCore:
             self._release(req.request_id)
         for request_id, message in result.failed.items():
             self.fail_request(request_id, message)
+        searched = []
+        if self.beams.groups:
+            results, left = self.beams.step(stepped, result.logprobs)
+            for req in left:
+                self._release(req.request_id)
+            searched = [_beam_output(r) for r in results]
         if self.proposer is not None:
             self._propose(stepped)
-        return pooled + [self._output(req, result, new_tokens[req.request_id], num_sampled[req.request_id])
-                         for req in stepped] + [
+        return pooled + searched + [self._output(req, result, new_tokens[req.request_id], num_sampled[req.request_id])
+                                    for req in stepped if req.beam is None] + [
             core_output(c.request, [], False, prompt_logprobs=result.prompt_logprobs[c.request.request_id])
             for c in plan.chunks if c.request.request_id in result.prompt_logprobs and not c.samples
             and not c.request.status.is_finished]
@@ -501,9 +540,18 @@ def _needs_tokens_first(plan: SchedulerOutput) -> bool:
             or any(_needs_last_token(c.request) for c in plan.chunks if c.samples))
 
 
+def _beam_output(result: BeamResult) -> EngineCoreOutput:
+    """A finished beam search's hypothesis `index`, as the output of that sample of its request."""
+    root, i = result.root, result.index
+    return EngineCoreOutput(root.request_id if i == 0 else root.child_id(i), result.token_ids, True,
+                            parent_id=root.request_id if i else None, index=i, finish_reason=result.finish_reason,
+                            num_cached_tokens=root.num_cached_tokens, scheduled_time=root.first_scheduled_time,
+                            first_token_time=root.first_token_time, cumulative_logprob=result.cumulative_logprob)
+
+
 def _needs_last_token(req: Request) -> bool:
     p = req.sampling_params
-    return (p.structured_outputs is not None or len(req.output_token_ids) < p.min_tokens
+    return (req.beam is not None or p.structured_outputs is not None or len(req.output_token_ids) < p.min_tokens
             or req.num_samples_to_draw > 1 or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
             or p.presence_penalty != 0.0 or any(len(ids) > 1 for ids in p.bad_words_token_ids or ())
             or p.thinking_token_budget is not None)

@@ -117,7 +117,7 @@ def output_row(o: EngineCoreOutput) -> tuple:
     """An output as a plain tuple, EngineCoreOutput's fields in order (pickle's fast path)."""
     return (o.request_id, o.new_token_ids, o.finished, o.logprobs, o.prompt_logprobs, o.pooled, o.parent_id,
             o.index, o.finish_reason, o.stop_reason, o.error, o.num_cached_tokens, o.scheduled_time,
-            o.first_token_time)
+            o.first_token_time, o.cumulative_logprob)
 
 
 def stats_row(s: EngineStats) -> tuple:

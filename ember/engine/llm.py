@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.engine.beam_search import BeamSearch, BeamSearchOutput
+from ember.engine.beam_search import BeamSearchOutput, beam_search_output
 from ember.engine.core_client import ABORT, ADD, InprocCoreClient, MPCoreClient, send_text_verdicts
 from ember.engine.input_processor import Conversation, InputProcessor, PromptType, load_engine_tokenizer
 from ember.engine.output_processor import OutputProcessor
@@ -67,21 +67,16 @@ class LLM:
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Each prompt's beam_width best sequences by transformers' beam search
-        (engine/beam_search.py), in input order. Every step asks the engine about all prompts'
-        running beams at once, as one-token requests over the prefix cache."""
+        (engine/beam_search.py), in input order; every search's beams run in the engine at once
+        (engine/beam_groups.py)."""
         self._require_runner("generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        step = params.step_params()
-        requests = [self._make_request(p, step) for p in prompts]
-        searches = [BeamSearch(r.prompt_token_ids, params, set(r.eos_token_ids)) for r in requests]
-        while live := [s for s in searches if not s.done]:
-            asks = [{"prompt_token_ids": ids} for s in live for ids in s.prompts()]
-            outs = iter(self.generate(asks, step, use_tqdm))
-            for s in live:
-                s.advance([{t: lp.logprob for t, lp in next(outs).outputs[0].logprobs[0].items()} for _ in s.running])
+        requests = [self._make_request(p, params.step_params()) for p in prompts]
+        for req in requests:
+            req.beam = params
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return [s.result(decode) for s in searches]
+        return [beam_search_output(out, params, decode) for out in self._run(requests, use_tqdm)]
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

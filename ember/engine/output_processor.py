@@ -44,10 +44,15 @@ class _Group:
     num_cached_tokens: int = 0
 
     @property
+    def num_samples(self) -> int:
+        """Its n; a beam search's beam_width (its hypotheses)."""
+        return self.request.beam.beam_width if self.request.beam is not None else self.request.sampling_params.n
+
+    @property
     def finished(self) -> bool:
         if self.error is not None:
             return True
-        if len(self.samples) != self.request.sampling_params.n:
+        if len(self.samples) != self.num_samples:
             return False
         for s in self.samples.values():  # a loop, not all(): this runs for every request every step
             if s.finish_reason is None:
@@ -116,6 +121,8 @@ class OutputProcessor:
         sample.token_ids += out.new_token_ids
         if out.logprobs is not None:
             self._add_logprobs(sample, out.logprobs)
+        if out.cumulative_logprob is not None:  # a beam search's hypothesis: its score's sum alone
+            sample.logprobs, sample.cumulative_logprob = None, out.cumulative_logprob
         if self._add_text(sample, out):
             result.stopped.append((out.request_id, sample.stop_reason))
         elif out.finished and sample.finish_reason is None:

@@ -268,8 +268,8 @@ class Scheduler:
         for req in self._by_policy(self.running):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING or req.held:
+                continue  # preempted earlier in this loop, or a beam waiting for its group
             if req.num_pending_tokens and self._ends_on_pending_token(req):
                 continue
             n, images = self._chunk(req, budget), None
@@ -596,9 +596,10 @@ class Scheduler:
                                              req.block_ids[:full + 1], req.cache_salt)
 
     def _victim(self, scheduled: set[str]) -> Request:
-        """The last request in policy order that has no tokens in this step yet. Running
+        """The last request in policy order that has no tokens in this step yet (nor is a beam
+        holding its token for its group: engine/beam_groups.py). Running
         requests are walked in that order, so the victim is never one already planned."""
-        return [r for r in self._by_policy(self.running) if r.request_id not in scheduled][-1]
+        return [r for r in self._by_policy(self.running) if r.request_id not in scheduled and not r.held][-1]
 
     def _reserve(self, req: Request, n: int, plan: SchedulerOutput) -> bool:
         """Make room for `n` more tokens of a running request, preempting the newest running
@@ -623,6 +624,18 @@ class Scheduler:
         need = self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
         if need > 0:
             req.block_ids += self.pool.allocate(need)
+
+    def requeue(self, req: Request) -> None:
+        """Preempt a running request by recompute, to the back of the waiting queue (a held
+        beam making room for the others, engine/beam_groups.py)."""
+        assert not req.num_steps_in_flight
+        self.running.remove(req)
+        self._release_blocks(req)
+        self.snapshots.release(req.request_id)
+        req.status, req.held = RequestStatus.PREEMPTED, False
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(req)
 
     def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
         assert not req.num_steps_in_flight, "no preemption while a step computes for the request (see _reserve)"
@@ -737,7 +750,16 @@ class Scheduler:
             or req.num_tokens >= self.max_model_len
 
     def _fork(self, parent: Request, index: int, token: int) -> Request:
-        child = parent.fork(index, token)
+        return self._place_fork(parent, parent.fork(index, token))
+
+    def fork_beam(self, parent: Request, request_id: str, token: int) -> Request:
+        """A new beam of `parent`'s search (Request.beam_fork), running beside it on its blocks."""
+        return self._place_fork(parent, parent.beam_fork(request_id, token))
+
+    def _place_fork(self, parent: Request, child: Request) -> Request:
+        """Give a fork the parent's full blocks (shared) and a copy of its partial one, and a
+        running slot; or, with no block free for that copy (or a recurrent state to share), a
+        place at the front of the waiting queue, to recompute."""
         full, partial = divmod(parent.num_computed_tokens, self.block_size)
         self.requests[child.request_id] = child
         if self.hold_seats or (partial and not self.pool.num_available):  # (no room for its last block) recompute
@@ -775,7 +797,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if status is not RequestStatus.FAILED:
+        if status is not RequestStatus.FAILED and req.beam is None:  # (a beam's tail: no one goes on from it)
             self._cache_partial_block(req)
         self._free_blocks(req, req.block_ids[req.num_released_blocks:])
         req.block_ids, req.num_released_blocks = [], 0

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ember.engine.async_engine import RequestStream
-from ember.engine.beam_search import BeamSearch
+from ember.engine.beam_search import beam_search_output
 from ember.outputs import RequestOutput
 from ember.request import Request as EngineRequest
 from ember.sampling_params import BeamSearchParams, SamplingParams
@@ -83,37 +83,31 @@ def add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
 async def beam_completion(engine, body: p.CompletionRequest, params: BeamSearchParams, request_id: str, model: str,
                           raw: Request, limits) -> dict:
-    """use_beam_search: each prompt's n best sequences (engine/beam_search.py), every step's
-    beams asked of the engine at once as one-token requests; choices best first per prompt."""
+    """use_beam_search: each prompt's n best sequences (engine/beam_search.py; its beams run in
+    the engine: engine/beam_groups.py); choices best first per prompt."""
     step = params.step_params()
 
     def make() -> list[EngineRequest]:
-        return [engine.inputs.make_request(f"{request_id}-{i}", engine_prompt(engine, prompt, body.add_special_tokens),
-                                           step, body.priority) for i, prompt in enumerate(body.prompts(limits))]
+        requests = [engine.inputs.make_request(f"{request_id}-{i}", engine_prompt(engine, prompt, body.add_special_tokens),
+                                               step, body.priority) for i, prompt in enumerate(body.prompts(limits))]
+        for req in requests:
+            req.beam = params
+        return requests
 
-    heads = await prepare(engine, make)
-    searches = [BeamSearch(r.prompt_token_ids, params, set(r.eos_token_ids)) for r in heads]
-    steps = 0
-    while live := [s for s in searches if not s.done]:
-        asks = [engine.inputs.make_request(f"{request_id}-s{steps}-{j}", {"prompt_token_ids": ids}, step,
-                                           body.priority)
-                for j, ids in enumerate(ids for s in live for ids in s.prompts())]
-        streams = submit(engine, asks)
-        outs = iter(await until_disconnected(raw, final_outputs(streams), streams))
-        for s in live:
-            s.advance([{t: lp.logprob for t, lp in next(outs).outputs[0].logprobs[0].items()} for _ in s.running])
-        steps += 1
+    requests = await prepare(engine, make)
+    streams = submit(engine, requests)
+    finals = await until_disconnected(raw, final_outputs(streams), streams)
     tokenizer = engine.inputs.tokenizer
+    decode = (lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)) if tokenizer is not None else None
     choices, generated = [], 0
-    for i, (search, head) in enumerate(zip(searches, heads)):
-        for j, seq in enumerate(search.result().sequences):
-            tokens = seq.tokens[len(head.prompt_token_ids):]
+    for i, final in enumerate(finals):
+        for j, seq in enumerate(beam_search_output(final, params, decode).sequences):
+            tokens = seq.tokens[len(final.prompt_token_ids):]
             generated += len(tokens)
-            text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
-            choices.append(p.CompletionChoice(index=i * params.beam_width + j, text=text,
+            choices.append(p.CompletionChoice(index=i * params.beam_width + j, text=seq.text or "",
                                               finish_reason=seq.finish_reason,
                                               token_ids=tokens if body.return_token_ids else None))
-    prompt_tokens = sum(len(h.prompt_token_ids) for h in heads)
+    prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
     usage = p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=generated,
                         total_tokens=prompt_tokens + generated)
     return p.CompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump()
