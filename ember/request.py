@@ -24,7 +24,7 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a queue removes the very request, not one of equal fields
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -55,6 +55,7 @@ class BeamGroups:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.groups: dict[str, BeamGroup] = {}  # by the root's id
+        self.num_unblocked = 0  # beams requeued to make room, since start
 
     def add(self, req: Request) -> None:
         self.groups[req.request_id] = BeamGroup(req, BeamSearch(req.prompt_token_ids, req.beam,
@@ -136,5 +137,6 @@ class BeamGroups:
                     beam.output_token_ids.pop()
                     del group.tops[beam.request_id]
                     self.scheduler.requeue(beam)
+                    self.num_unblocked += 1
                     moved = True
         return moved

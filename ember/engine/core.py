@@ -141,26 +141,6 @@ class EngineCore:
         """Raise ValueError for a request this engine can never serve; safe from any thread."""
         self.scheduler.check_request(request)
         self.structured.validate(request.sampling_params)
-        if request.beam is not None:
-            self._check_beam_search(request)
-
-    def _check_beam_search(self, request: Request) -> None:
-        """ValueError for a beam search this engine cannot run: all its beams must fit at once."""
-        k, length = request.beam.beam_width, request.num_prompt_tokens + request.beam.max_tokens
-        if self.config.speculative_config is not None:
-            raise ValueError("beam search with speculative decoding is not supported: use an engine without "
-                             "speculative_config")
-        if request.sampling_params.structured_outputs is not None or request.sampling_params.n != 1:
-            raise ValueError("beam search takes no structured output and n 1 (its beam_width is the n)")
-        if k > self.config.max_num_seqs:
-            raise ValueError(f"beam_width {k} is more than the engine's {self.config.max_num_seqs} sequences "
-                             "(max_num_seqs): lower beam_width or raise max_num_seqs")
-        if length > self.config.max_model_len:
-            raise ValueError(f"the prompt's {request.num_prompt_tokens} tokens + max_tokens {request.beam.max_tokens} "
-                             f"are more than max_model_len {self.config.max_model_len}: lower max_tokens")
-        if k * self.scheduler.blocks_for(length) > self.block_pool.num_blocks:
-            raise ValueError(f"{k} beams of {length} tokens need {k * self.scheduler.blocks_for(length)} KV blocks; "
-                             f"the engine has {self.block_pool.num_blocks}: lower beam_width or max_tokens")
 
     def abort_request(self, request_id: str) -> None:
         if self.structured.abort(request_id) is not None:

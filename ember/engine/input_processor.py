@@ -22,7 +22,7 @@ from ember.loader.tokenizer_files import has_hf_tokenizer, load_tokenizer
 from ember.multimodal.inputs import ImageFeature
 from ember.multimodal.media import MediaLimits, load_image
 from ember.request import Request
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import BeamSearchParams, SamplingParams
 from ember.scheduler.scheduler import check_prompt_length
 
 # "text" or {"prompt_token_ids": [...]} (+ optional "prompt"), or {"prompt": "text"}; a dict may
@@ -152,8 +152,9 @@ class InputProcessor:
         return self.image_processor().process(text, loaded, add_special_tokens, clips, pan_and_scan)
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                     priority: int = 0) -> Request:
-        """Tokenize and check one prompt; ValueError if anything in it is invalid."""
+                     priority: int = 0, beam: BeamSearchParams | None = None) -> Request:
+        """Tokenize and check one prompt; ValueError if anything in it is invalid. `beam`: the
+        request is that beam search (`params`: its step_params())."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams; got {type(params).__name__}")
         text, ids, features = self.tokenize_prompt(prompt)
@@ -166,8 +167,11 @@ class InputProcessor:
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.check_params(params)
+        if beam is not None and self.config.speculative_config is not None:
+            raise ValueError("beam search with speculative decoding is not supported: use an engine without "
+                             "speculative_config")
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, priority=priority,
-                      cache_salt=salt, token_type_ids=types, mm_features=features or None)
+                      cache_salt=salt, token_type_ids=types, mm_features=features or None, beam=beam)
         if self._check_request is not None:
             self._check_request(req)
         return req

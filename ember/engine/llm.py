@@ -72,9 +72,8 @@ class LLM:
         self._require_runner("generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        requests = [self._make_request(p, params.step_params()) for p in prompts]
-        for req in requests:
-            req.beam = params
+        requests = [self.inputs.make_request(str(next(self._ids)), p, params.step_params(), beam=params)
+                    for p in prompts]
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         return [beam_search_output(out, params, decode) for out in self._run(requests, use_tqdm)]
 

@@ -860,12 +860,29 @@ def check_request_fits(req: Request, max_num_seqs: int, max_model_len: int, wind
     max_tokens = max_model_len if req.max_tokens is None else max(req.max_tokens, 1)
     longest = min(req.num_prompt_tokens + max_tokens, max_model_len) - 1
     need = window.most_held(longest)
+    if req.beam is not None:
+        check_beams_fit(req, max_num_seqs, max_model_len, need, num_blocks)
     if need > num_blocks:
         raise ValueError(
             f"request {req.request_id!r} may grow to {longest + 1} tokens, whose KV needs "
             f"{need} blocks, but the whole pool has {num_blocks}: "
             "lower max_tokens or give the KV cache more memory (num_kv_blocks / kv_cache_memory)"
         )
+
+
+def check_beams_fit(req: Request, max_num_seqs: int, max_model_len: int, need: int, num_blocks: int) -> None:
+    """ValueError for a beam search whose beams cannot all run at once (engine/beam_groups.py:
+    a search steps when all its beams have); `need`: the blocks of one beam at its longest."""
+    k, length = req.beam.beam_width, req.num_prompt_tokens + req.beam.max_tokens
+    if k > max_num_seqs:
+        raise ValueError(f"beam_width {k} is more than the engine's {max_num_seqs} sequences (max_num_seqs): "
+                         "lower beam_width or raise max_num_seqs")
+    if length > max_model_len:
+        raise ValueError(f"the prompt's {req.num_prompt_tokens} tokens + max_tokens {req.beam.max_tokens} are more "
+                         f"than max_model_len {max_model_len}: lower max_tokens")
+    if k * need > num_blocks:
+        raise ValueError(f"{k} beams of {length} tokens need {k * need} KV blocks; the engine has {num_blocks}: "
+                         "lower beam_width or max_tokens, or give the KV cache more memory")
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:

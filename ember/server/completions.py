@@ -88,11 +88,8 @@ async def beam_completion(engine, body: p.CompletionRequest, params: BeamSearchP
     step = params.step_params()
 
     def make() -> list[EngineRequest]:
-        requests = [engine.inputs.make_request(f"{request_id}-{i}", engine_prompt(engine, prompt, body.add_special_tokens),
-                                               step, body.priority) for i, prompt in enumerate(body.prompts(limits))]
-        for req in requests:
-            req.beam = params
-        return requests
+        return [engine.inputs.make_request(f"{request_id}-{i}", engine_prompt(engine, prompt, body.add_special_tokens),
+                                           step, body.priority, beam=params) for i, prompt in enumerate(body.prompts(limits))]
 
     requests = await prepare(engine, make)
     streams = submit(engine, requests)

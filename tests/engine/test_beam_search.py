@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember import LLM, BeamSearchParams
+from ember import LLM, BeamSearchParams, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +89,101 @@ def test_bad_beam_params_are_refused():
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
     with pytest.raises(ValueError, match="early_stopping must be"):
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
+
+
+def beam_request(llm, request_id: str, prompt: list[int], params: BeamSearchParams):
+    return llm.inputs.make_request(request_id, {"prompt_token_ids": prompt}, params.step_params(), beam=params)
+
+
+def run_core(core, requests) -> dict[str, list]:
+    """Step an engine core until these requests are done: every output, by request id."""
+    for req in requests:
+        core.add_request(req)
+    got: dict[str, list] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            got.setdefault(out.request_id, []).append(out)
+    return got
+
+
+def test_beams_in_a_small_pool_wait_for_each_other(tiny):
+    """Six searches of 4 beams in a pool that holds about one: beams are preempted, a beam whose
+    token is in waits (held) for its group's others, and held beams make room for the waiting
+    ones when nothing else can run; the sequences and scores stay transformers'."""
+    engine = LLM(str(tiny[0]), dtype="float32", block_size=8, num_kv_blocks=16, max_model_len=256)
+    params = BeamSearchParams(beam_width=4, max_tokens=12)
+    prompts = PROMPTS + [list(range(9, 27)), [20, 21, 22, 23, 24, 25, 26, 27, 28], [44, 45]]
+    outs = engine.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        want = hf_beams(tiny[1], prompt, 4, 12, 1.0, False, False)
+        assert [s.tokens for s in out.sequences] == [strip(row, len(prompt), False) for row, _ in want]
+        torch.testing.assert_close(torch.tensor([s.score for s in out.sequences]),
+                                   torch.tensor([s for _, s in want]), rtol=1e-5, atol=1e-5)
+    assert engine.engine.scheduler.num_preemptions > 0
+    assert engine.engine.beams.num_unblocked > 0
+    assert not engine.engine.beams.groups
+    engine.engine.check_idle()
+
+
+def test_a_beam_search_runs_beside_sampled_requests(llm):
+    """A search's beams decode in the same steps as plain requests: each gets what it gets alone."""
+    params = BeamSearchParams(beam_width=3, max_tokens=10)
+    sampling = SamplingParams(temperature=0.8, seed=7, max_tokens=10)
+    alone_beams = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], params)[0]
+    alone_text = llm.generate([{"prompt_token_ids": PROMPTS[2]}], sampling)[0].outputs[0].token_ids
+    core = llm.engine
+    got = run_core(core, [beam_request(llm, "beams", PROMPTS[0], params),
+                          llm.inputs.make_request("plain", {"prompt_token_ids": PROMPTS[2]}, sampling)])
+    assert [t for o in got["plain"] for t in o.new_token_ids] == alone_text
+    finals = [got["beams"][-1]] + [got[f"beams#{i}"][-1] for i in (1, 2)]
+    assert [PROMPTS[0] + o.new_token_ids for o in finals] == [s.tokens for s in alone_beams.sequences]
+    assert [o.cumulative_logprob for o in finals] == [s.cum_logprob for s in alone_beams.sequences]
+    assert len(got["beams"]) == 1  # the search's outputs come at its end only
+    core.check_idle()
+
+
+def test_beams_share_blocks_and_leave_none(llm):
+    """Beams that continue one another share their full blocks (fewer in use than k copies of
+    the longest); aborting a search, or failing one of its beams, frees every block and gives
+    one output for the search."""
+    core = llm.engine
+    params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
+    core.add_request(beam_request(llm, "a", PROMPTS[2], params))
+    peak, beams = 0, 0
+    for _ in range(8):
+        core.step()
+        peak = max(peak, core.block_pool.num_in_use)
+        beams = max(beams, len(core.beams.groups["a"].beams))
+    assert beams == 4
+    longest = core.scheduler.blocks_for(len(PROMPTS[2]) + 8)
+    assert peak < 4 * longest, (peak, longest)
+    core.abort_request("a")
+    assert not core.beams.groups
+    core.check_idle()
+
+    core.add_request(beam_request(llm, "b", PROMPTS[0], params))
+    for _ in range(4):
+        core.step()
+    member = core.beams.groups["b"].beams[-1].request_id
+    assert member.startswith("b#b")  # a fork's id
+    core.fail_request(member, "a row failed")
+    outs = core.step()
+    assert [(o.request_id, o.finished, o.finish_reason, o.error) for o in outs] == [
+        ("b", True, "error", "a row failed")]
+    assert not core.beams.groups
+    core.check_idle()
+
+
+def test_beam_searches_the_engine_cannot_hold_are_refused(tiny, llm):
+    small = LLM(str(tiny[0]), dtype="float32", block_size=8, num_kv_blocks=8, max_num_seqs=4, max_model_len=64)
+    with pytest.raises(ValueError, match="beam_width 5 is more than the engine's 4 sequences"):
+        small.beam_search([{"prompt_token_ids": [5, 6]}], BeamSearchParams(beam_width=5, max_tokens=4))
+    with pytest.raises(ValueError, match="4 beams of 26 tokens need 16 KV blocks; the engine has 8"):
+        small.beam_search([{"prompt_token_ids": list(range(3, 17))}], BeamSearchParams(beam_width=4, max_tokens=12))
+    with pytest.raises(ValueError, match="are more than max_model_len 64: lower max_tokens"):
+        small.beam_search([{"prompt_token_ids": [5, 6]}], BeamSearchParams(beam_width=2, max_tokens=63))
+    small.engine.check_idle()
+    drafting = LLM(str(tiny[0]), dtype="float32", block_size=8, num_kv_blocks=64, max_model_len=64,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="beam search with speculative decoding is not supported"):
+        drafting.beam_search([{"prompt_token_ids": [5, 6]}], BeamSearchParams(beam_width=2, max_tokens=4))
