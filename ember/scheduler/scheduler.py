@@ -27,7 +27,9 @@ policy: the lowest-priority one) is preempted by recompute: its blocks are freed
 goes back to the front of the waiting queue.
 
 A request with n > 1 samples its n first tokens from one prefill, then forks: each
-sample shares the prompt's full blocks and gets a copy of the partial last one.
+sample shares the prompt's full blocks and gets a copy of the partial last one. A beam
+search's beams fork the same way (`fork_beam`, engine/beam_groups.py); a beam whose token is
+in while others of its search still compute theirs is `held`: neither scheduled nor preempted.
 
 A model with recurrent layers (Qwen3-Next) resumes a hit from a snapshot of their state where
 the hit ends (state_snapshots.py): its hits stop at the last cached block with one, its chunks
