@@ -210,15 +210,15 @@ def main() -> None:
     ap.add_argument("--arm", choices=["none", *METHODS], help=argparse.SUPPRESS)  # one arm, in this process
     ap.add_argument("--arm-json", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if any(b < 1 for b in args.batch):
-        ap.error(f"--batch sizes must be >= 1; got {args.batch}")
+    if any(b < 1 for b in args.batch) or args.repeats < 1:
+        ap.error(f"--batch sizes and --repeats must be >= 1; got {args.batch} and {args.repeats}")
     items = json.loads(PROMPTS.read_text())[:args.prompts]
     if args.arm:
         Path(args.arm_json).write_text(json.dumps(run_arm(args.engine, args.model, arm_spec(args, args.arm), items,
                                                           args.max_tokens, args.repeats, tuple(args.batch))))
         return
-    if set(args.methods) - {"ngram"}:
-        from ember.bench.spec_drafts import write_drafts
+    if any(not (Path(args.drafts_dir) / m / "config.json").is_file() for m in args.methods if m != "ngram"):
+        from ember.bench.spec_drafts import write_drafts  # (where they are there, vLLM's run imports no ember)
 
         write_drafts(args.model, args.drafts_dir, args.draft_layers)
     failed = False
