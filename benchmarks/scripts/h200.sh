@@ -126,13 +126,19 @@
 #                       graphs with 4 drafts a step always wrong, then always right (spec_verify_cost.py), at the
 #                       Llama-3.1-8B and Qwen3-0.6B shapes (goal: a verifying step <= 1.15x a decode step); at both,
 #                       a step with an EAGLE-3 head of random weights (--eagle3: the head's 4 forwards + the verify)
-#   spec-race           issue #38's ngram race on real weights: SmolLM2-135M-Instruct (the default model's Q4_1 GGUF,
+#   spec-race [PART]    issue #38's races on real weights: SmolLM2-135M-Instruct (the default model's Q4_1 GGUF,
 #                       staged in parts, dequantized here to bf16 safetensors both engines load: smol_stage.py; vLLM
-#                       0.24 reads no GGUF), one request at a time over benchmarks/spec_ngram_prompts.json, greedy,
-#                       256 out, no speculation then ngram K=4 (lookup 2..4), prefix cache off, a warm-up pass
-#                       (spec_gpu_race.py): vLLM first where staged (else ember alone, saying so; its ngram imports
-#                       numba: staged too, else vLLM's ngram_gpu, saying so), then ember; one RESULT line each
-#                       (decode tok/s of both arms, acceptance, same tokens). The calls: below
+#                       0.24 reads no GGUF), greedy, 256 out, prefix cache off, a warm-up pass (spec_gpu_race.py):
+#                       vLLM first where staged (else ember alone, saying so), then ember; one RESULT line per
+#                       engine, method and batch size (tok/s and decode tok/s of none and the method, acceptance,
+#                       same tokens, outputs_sha256). PART ngram (the default): one request at a time over
+#                       benchmarks/spec_ngram_prompts.json, none then ngram K=4 (lookup 2..4) (vLLM's ngram imports
+#                       numba: staged too, else vLLM's ngram_gpu, saying so). PART models [METHOD...]: the drafters
+#                       written first into /tmp/spec-drafts (ember/bench/spec_drafts.py: a random EAGLE-3 head, seed 0,
+#                       and the target's first 4 of 30 layers), then none, eagle3 and draft_model (METHODs: a subset)
+#                       K=4, each at batch 1 (one request at a time) and batch 32 (32 prompts in one call); both
+#                       engines load the same drafters, so their outputs_sha256 and accepted_tokens must agree.
+#                       The calls: below
 #   frontend            issue #41's programs (`ember bench frontend`: fork-join, few-shot select, multi-turn, JSON) at
 #                       the Llama-3.1-8B shape with dummy weights and SmolLM2's tokenizer (the served model directory,
 #                       carried with the server wheels as serve's): in-process, over HTTP and one by one with `openai`
@@ -172,6 +178,9 @@
 #     run(command="mkdir -p /root/st && cp -r .smol-s1/. /root/st/", carry=[".smol-s1"])  50 MiB (with smol-hf/)
 #     run(command="mkdir -p /root/st && cp -r .smol-s2/. /root/st/", carry=[".smol-s2"])  54 MiB (llvmlite, for numba)
 #     run(command="benchmarks/scripts/h200.sh spec-race", carry=[".vllm-s6", ".whl"])    18 + 17 MiB
+#     run(command="benchmarks/scripts/h200.sh spec-race models", carry=[".vllm-s6", ".whl"])  (the same copies; no s2:
+#       no numba. Where one call cannot hold three arms of each engine, `spec-race models eagle3` then
+#       `spec-race models draft_model`, back to back on the warm machine)
 # (.whl: the gguf wheel, for ember's GGUF decoder; SMOL_PARTS, default /root/st: where the model's parts lie)
 # race-tp and tp-70b: the copy calls on nvidia-h200-x2 too (a call of another kind is another machine),
 # then the mode in one call, carrying the last part; the NCCL variables are set by the mode. tp-check
@@ -479,9 +488,26 @@ mode_spec() {
   done
 }
 
-mode_spec_race() {  # each engine's arms in processes of their own (spec_gpu_race.py), vLLM's capped to leave ember 180 s
-  local parts=${SMOL_PARTS:-/root/st} m=/tmp/smollm2-bf16 secs
-  local race="benchmarks/scripts/spec_gpu_race.py --model $m --max-tokens 256 --k 4 --lookup 2 4"
+# spec-race [ngram|models [METHOD...]]: each engine's arms in processes of their own (spec_gpu_race.py), vLLM's
+# capped to leave ember its part of the call (ngram: 180 s; models: 90 s and 100 s a method)
+mode_spec_race() {
+  local what=${1:-ngram}; [ $# -gt 0 ] && shift
+  local parts=${SMOL_PARTS:-/root/st} m=/tmp/smollm2-bf16 drafts=/tmp/spec-drafts secs keep=180 methods="" flags="" x
+  case "$what" in
+    ngram) ;;
+    models) methods=${*:-eagle3 draft_model}
+      for x in $methods; do
+        case "$x" in eagle3|draft_model) ;; *) echo "== spec-race models: no method '$x' (eagle3, draft_model)"; return 2 ;; esac
+      done
+      keep=$((90 + 100 * $(echo $methods | wc -w))) ;;
+    *) echo "== spec-race: no part '$what' (ngram, or models [eagle3] [draft_model])"; return 2 ;;
+  esac
+  local race="benchmarks/scripts/spec_gpu_race.py --model $m --max-tokens 256 --k 4"
+  if [ "$what" = ngram ]; then
+    race="$race --lookup 2 4"
+  else
+    race="$race --methods $methods --batch 1 32 --drafts-dir $drafts"
+  fi
   if [ ! -f "$parts/smol-part0" ] || [ ! -d "$parts/smol-hf" ]; then
     echo "== spec-race needs the model's parts in $parts: copy .smol-s0 and .smol-s1 first (see the head of this script)"
     return 0
@@ -489,25 +515,32 @@ mode_spec_race() {  # each engine's arms in processes of their own (spec_gpu_rac
   gguf_kit || return 0
   secs=$(cap "the model's bf16 weights" 90) || return 0
   timeout "$secs" python3 benchmarks/scripts/smol_stage.py unpack "$parts" $m 2>&1 | tail -3 | tee "$J/smol_stage.log"
+  if [ "$what" = models ]; then  # written once (kept where there), loaded by both engines
+    secs=$(cap "the drafts" 60) || return 0
+    timeout "$secs" python3 -m ember.bench.spec_drafts $m $drafts --layers 4 2>&1 | tail -3 | tee "$J/spec_drafts.log"
+  fi
   local vllm=0 method=ngram  # vLLM's ngram proposer imports numba: the staged wheels (smol_stage.py) where the image lacks it
   have_vllm && vllm=1
-  if [ $vllm = 1 ] && [ $((DEADLINE - SECONDS - 180)) -lt 60 ]; then
-    echo "== vLLM spec race: skipped, the call's time is spent (ember's 180 s kept)"
+  if [ $vllm = 1 ] && [ $((DEADLINE - SECONDS - keep)) -lt 60 ]; then
+    echo "== vLLM spec race: skipped, the call's time is spent (ember's $keep s kept)"
   elif [ $vllm = 1 ]; then
-    if ! PYTHONPATH=/tmp/vllm-site python3 -c "import numba" 2>/dev/null; then
+    if [ "$what" = ngram ] && ! PYTHONPATH=/tmp/vllm-site python3 -c "import numba" 2>/dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vllm-site \
         "$parts"/numba-*.whl "$parts"/llvmlite-*.whl 2>&1 | tail -2
       PYTHONPATH=/tmp/vllm-site python3 -c "import numba" \
         || { method=ngram_gpu; echo "== numba does not import (copy .smol-s0 and .smol-s2): vLLM's ngram_gpu instead"; }
     fi
-    secs=$((DEADLINE - SECONDS - 180))
-    echo "== vLLM $method race: $race --engine vllm --vllm-method $method"
+    [ "$what" = ngram ] && flags="--vllm-method $method"
+    secs=$((DEADLINE - SECONDS - keep))
+    echo "== vLLM ${methods:-$method} race: $race --engine vllm${flags:+ $flags}"
     VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm-site:$PWD HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-      timeout "$secs" python3 $race --engine vllm --vllm-method $method 2>&1 | tee "$J/spec_race_vllm.log" | grep -E "^RESULT|Error|error:" || true
+      timeout "$secs" python3 $race --engine vllm $flags 2>&1 | tee "$J/spec_race_vllm${methods:+_models}.log" \
+      | grep -E "^RESULT|Error|error:" || true
   fi
-  secs=$(cap "ember spec race" 240) || return 0
-  echo "== ember ngram race: $race --engine ember"
-  timeout "$secs" python3 $race --engine ember 2>&1 | tee "$J/spec_race_ember.log" | grep -E "^RESULT|Error|error:" || true
+  secs=$(cap "ember spec race" $((keep + 60))) || return 0
+  echo "== ember ${methods:-ngram} race: $race --engine ember"
+  timeout "$secs" python3 $race --engine ember 2>&1 | tee "$J/spec_race_ember${methods:+_models}.log" \
+    | grep -E "^RESULT|Error|error:" || true
 }
 
 mode_frontend() {  # each arm set in its own process: the in-process engine's GPU memory is gone before the server's
@@ -783,7 +816,7 @@ case "$mode" in
   gpt-oss) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpt_oss ;;
   moe-speed) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_moe_speed "$@" ;;
   spec) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_spec ;;
-  spec-race) DEADLINE=$((SECONDS + ${CALL_S:-540})); mode_env; mode_spec_race ;;
+  spec-race) DEADLINE=$((SECONDS + ${CALL_S:-540})); mode_env; mode_spec_race "$@" ;;
   frontend) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_frontend ;;
   kv-tiers) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_kv_tiers "$@" ;;
   sweep-decode) mode_env; mode_sweep_decode "$@" ;;

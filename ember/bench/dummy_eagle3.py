@@ -65,12 +65,14 @@ def save_head(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Pat
     return path
 
 
-def write_head_for(target_config: dict, path: Path, draft_vocab: int = 32000, seed: int = 0) -> Path:
+def write_head_for(target_config: dict, path: Path, draft_vocab: int = 32000, seed: int = 0,
+                   aux_layers: list[int] | None = None) -> Path:
     """A bf16 head at a target's shapes (its config.json as a dict): the target's hidden size,
-    heads and intermediate size, its embeddings shared."""
+    heads and intermediate size, its embeddings shared; `aux_layers` None: no layer ids in its
+    config (each engine takes the target's default)."""
     heads = target_config["num_attention_heads"]
     config = head_config(target_config["hidden_size"], target_config["vocab_size"],
-                         min(draft_vocab, target_config["vocab_size"]), None, heads=heads,
+                         min(draft_vocab, target_config["vocab_size"]), aux_layers, heads=heads,
                          kv_heads=target_config.get("num_key_value_heads", heads),
                          intermediate=target_config["intermediate_size"],
                          head_dim=target_config.get("head_dim"))

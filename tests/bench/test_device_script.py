@@ -389,6 +389,37 @@ def test_spec_race_unpacks_the_staged_model_then_races_vllm_then_ember_on_it(tmp
     assert f"== spec-race needs the model's parts in {unstaged}/none" in done.stdout and calls == []
 
 
+def test_spec_race_models_writes_the_drafts_then_races_vllm_then_ember_on_them(tmp_path):
+    wheels, parts = tmp_path / "whl", tmp_path / "st"
+    wheels.mkdir()
+    (wheels / "gguf-0.19.0-py3-none-any.whl").write_text("")
+    (parts / "smol-hf").mkdir(parents=True)
+    (parts / "smol-part0").write_text("")
+    env = {"SERVE_WHEELS": str(wheels), "SMOL_PARTS": str(parts)}
+    calls, done = run_mode(tmp_path, "spec-race", "models", record_env=("VLLM_USE_FLASHINFER_SAMPLER",),
+                           extra_env=env)
+    assert done.returncode == 0, done.stderr
+    race = ("python3 benchmarks/scripts/spec_gpu_race.py --model /tmp/smollm2-bf16 --max-tokens 256 --k 4 --methods "
+            "eagle3 draft_model --batch 1 32 --drafts-dir /tmp/spec-drafts")
+    no, zero = "[decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=]", "[decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=0]"
+    assert calls[1:] == [  # (the first installs the gguf wheel, as for ngram)
+        f"python3 benchmarks/scripts/smol_stage.py unpack {parts} /tmp/smollm2-bf16 {no}",
+        f"python3 -m ember.bench.spec_drafts /tmp/smollm2-bf16 /tmp/spec-drafts --layers 4 {no}",
+        f"run-on-device none {no}",  # no numba: it is ngram's alone
+        f"{race} --engine vllm {zero}",
+        f"{race} --engine ember {no}"]
+    assert "== vLLM eagle3 draft_model race:" in done.stdout and "== ember eagle3 draft_model race:" in done.stdout
+    one = tmp_path / "one"
+    one.mkdir()
+    calls, done = run_mode(one, "spec-race", "models", "eagle3", extra_env={**env, "CALL_S": "240"})
+    assert calls[-1] == f"{race.replace(' draft_model', '')} --engine ember [decode_config=]"
+    assert "== vLLM spec race: skipped, the call's time is spent (ember's 190 s kept)" in done.stdout
+    for i, (bad, says) in enumerate(((("ngrams",), "no part 'ngrams'"), (("models", "medusa"), "no method 'medusa'"))):
+        (tmp_path / f"bad{i}").mkdir()
+        calls, done = run_mode(tmp_path / f"bad{i}", "spec-race", *bad, extra_env=env)
+        assert done.returncode == 2 and says in done.stdout and calls == []
+
+
 def test_serve_installs_the_carried_wheels_then_tests_serves_and_runs_offline_the_same_load(tmp_path):
     wheels, model = tmp_path / "whl", tmp_path / "served"
     wheels.mkdir()
