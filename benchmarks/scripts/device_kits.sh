@@ -5,7 +5,8 @@
 #   bash benchmarks/scripts/device_kits.sh [KIT ...]     (default: whl serve-model vllm)
 #
 #   whl          .whl: the server's wheels for the device's Python 3.12 at the versions of .venv (fastapi,
-#                uvicorn, openai, pyzmq, ...), gguf, xgrammar with apache-tvm-ffi, compressed-tensors, loguru
+#                uvicorn, openai, pyzmq, ...), gguf, xgrammar with apache-tvm-ffi, compressed-tensors, loguru,
+#                blake3 (vLLM's image hashes)
 #   serve-model  .serve-model: the Llama-3.1-8B shape with SmolLM2's tokenizer (served_model.py)
 #   serve-vl     .serve-vl: the Qwen2.5-VL-7B shape (served_model.py --vl)
 #   vllm         .vllm-s0 ... : vLLM 0.24's stage (../shared/peers/vllm-gpu/stage), cut again into parts of
@@ -30,6 +31,7 @@ kit_whl() {
     specs+=("$p==$(version "$p")")
   done
   specs+=("compressed-tensors==$(version compressed-tensors 0.20.1)" "loguru==$(version loguru 0.7.3)")
+  specs+=("blake3==$(version blake3 1.0.11)")  # vLLM's multimodal hashing (race-vl); its stage lacks it
   mkdir -p .whl
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -712,6 +712,7 @@ mode_race_vl() {
   local m=${VL_MODEL:-.serve-vl} servers=${VL_SERVERS:-vllm,ember} secs
   local flags="--limit-mm-per-prompt '{\"image\": 1, \"video\": 0}'"
   SERVED_MODEL=$m serve_kit || return 0
+  export VLLM_USE_FLASHINFER_SAMPLER=0  # vLLM's sampler would import flashinfer, which the device lacks
   case ",$servers," in *,vllm,*)
     if ! have_vllm || ! vl_processor "$m"; then servers=ember; echo "== race-vl: ember alone"; fi ;;
   esac
