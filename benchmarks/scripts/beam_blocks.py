@@ -1,8 +1,8 @@
-"""Beam search's KV blocks: the most blocks in use at any step of LLM.beam_search (beams share
-their common blocks through the prefix cache) against k unshared copies of the best sequence,
-the tokens the model ran (each beam's step after the first computes one token where the
-prefix cache gives it back everything else), and the wall time, for k = 1, 2, 4, 8 on two
-prompts of the default model (CPU).
+"""Beam search's KV blocks: the most blocks in use at any step of LLM.beam_search (a beam that
+continues another shares its full blocks and copies its last, partly filled one: engine/
+beam_groups.py) against k unshared copies of the best sequence, the tokens the model ran (a
+beam computes one token a step), and the wall time, for k = 1, 2, 4, 8 on two prompts of the
+default model (CPU).
 
     python benchmarks/scripts/beam_blocks.py [--max-tokens 48]
 """

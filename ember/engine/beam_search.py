@@ -42,8 +42,9 @@ class BeamSearchOutput:
 
 
 class BeamSearch:
-    """One prompt's beams. `prompts()`: the running beams' token lists to ask the engine about;
-    `advance(tops)`: each one's {token: log p} of at least 2k tokens; until `done`."""
+    """One prompt's beams. `advance(tops)`: each running beam's {token: log p} of at least 2k
+    tokens; `parents` then says what each new running beam continues; until `done`, when
+    `finished` holds the hypotheses, best first."""
 
     def __init__(self, prompt: list[int], params: BeamSearchParams, eos_token_ids: set[int]) -> None:
         self.prompt, self.params = list(prompt), params
@@ -58,9 +59,6 @@ class BeamSearch:
         self.generated = 0
         self.unsatisfied = True
         self.done = False
-
-    def prompts(self) -> list[list[int]]:
-        return [self.prompt + tokens for tokens, _ in self.running]
 
     def advance(self, tops: list[dict[int, float]]) -> None:
         p, k = self.params, self.params.beam_width
@@ -117,15 +115,6 @@ class BeamSearch:
         self.unsatisfied = self.unsatisfied and any(best > (worst if f else NEG) for _, _, f, _ in self.finished)
         open_beam = not (all(f for _, _, f, _ in self.finished) and p.early_stopping is True)
         self.done = not (self.unsatisfied and open_beam and not all(hits))
-
-    def result(self, decode=None) -> BeamSearchOutput:
-        out = BeamSearchOutput()
-        for tokens, score, _, cum in self.finished:
-            out.sequences.append(BeamSearchSequence(
-                self.prompt + tokens, float(cum), float(score),
-                decode(tokens) if decode is not None else None,
-                "stop" if tokens and tokens[-1] in self.eos else "length"))
-        return out
 
 
 def beam_search_output(out: RequestOutput, params: BeamSearchParams, decode=None) -> BeamSearchOutput:
