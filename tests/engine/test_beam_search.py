@@ -187,3 +187,17 @@ def test_beam_searches_the_engine_cannot_hold_are_refused(tiny, llm):
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     with pytest.raises(ValueError, match="beam search with speculative decoding is not supported"):
         drafting.beam_search([{"prompt_token_ids": [5, 6]}], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_beams_under_async_scheduling(tiny, llm):
+    """With async scheduling (CUDA's default) a step of beams is still collected before the next
+    schedule (the search needs its log-probabilities): the same sequences and scores."""
+    params = BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=0.5)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    engine = LLM(str(tiny[0]), dtype="float32", block_size=8, num_kv_blocks=256, max_model_len=256,
+                 async_scheduling=True)
+    got = engine.beam_search(prompts, params)
+    want = llm.beam_search(prompts, params)
+    assert [[(s.tokens, s.score, s.cum_logprob) for s in o.sequences] for o in got] == \
+        [[(s.tokens, s.score, s.cum_logprob) for s in o.sequences] for o in want]
+    engine.engine.check_idle()
