@@ -93,8 +93,11 @@ class EngineConfig:
         "blocks to --swap-space GiB of host memory and back), auto (swap a context of 512 tokens or more, recompute "
         "a shorter one)")
     swap_space: float = flag(SWAP_SPACE_GIB, "GiB of host memory for --preemption-mode swap / auto (vLLM's swap_space)")
-    kv_offload_gib: float = flag(0.0, "GiB of host memory that keep the KV blocks the prefix cache evicts, so a "
-                                 "later request with that prefix loads them back instead of recomputing (0: off)")
+    kv_offload_gib: float | None = flag(
+        None, "GiB of host memory that keep the KV blocks the prefix cache evicts, so a later request with that "
+        "prefix loads them back instead of recomputing (0: off; default: on CUDA as large as the KV pool, at most "
+        "1/4 of the host's memory shared by the engines of this host, its pinned buffers made after start-up; off "
+        "on the CPU and where the tier is not supported)")
     num_state_snapshots: int | None = flag(
         None, "models with linear-attention layers (Qwen3-Next): snapshots of their recurrent state kept at block "
         "boundaries for prefix-cache hits (default: as many as a quarter of the cache memory holds, at most one a "
@@ -337,7 +340,7 @@ class EngineConfig:
         elif self.swap_space != SWAP_SPACE_GIB:
             raise ValueError(f"swap_space ({self.swap_space!r} GiB) holds the blocks of requests preempted by swap: "
                              "set preemption_mode 'swap' or 'auto' with it, or leave it out")
-        if self.kv_offload_gib:
+        if self.kv_offload_gib is not None:  # None: the runner sizes it (defaults.host_tier_default)
             _check_kv_offload(self.kv_offload_gib, self.enable_prefix_caching and runner == "generate", model_config)
         if self.speculative_config is not None and runner != "generate":
             raise ValueError("speculative_config applies to runner='generate' only: a pooling model samples nothing")
@@ -560,15 +563,24 @@ def _check_swap(mode: str, gib: float, mc: ModelConfig, spec) -> None:
 def _check_kv_offload(gib: float, prefix_caching: bool, mc: ModelConfig) -> None:
     if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib < 1 << 20:
         raise ValueError(f"kv_offload_gib must be a number of GiB >= 0; got {gib!r}")
+    refused = kv_offload_refusal(prefix_caching, mc)
+    if gib and refused is not None:
+        raise ValueError(f"kv_offload_gib {refused}: leave it 0 (or unset)")
+
+
+def kv_offload_refusal(prefix_caching: bool, mc: ModelConfig) -> str | None:
+    """Why this engine cannot keep a host tier (what follows "kv_offload_gib" or "the tier" in a
+    sentence), None where it can."""
     if not prefix_caching:
-        raise ValueError("kv_offload_gib keeps the blocks the prefix cache evicts: it needs the prefix cache "
-                         "(enable_prefix_caching, a generating model)")
+        return ("keeps the blocks the prefix cache evicts: it needs the prefix cache (enable_prefix_caching, "
+                "a generating model)")
     if mc.layer_windows is not None and any(w is not None for w in mc.layer_windows):
-        raise ValueError(f"kv_offload_gib is not supported for {mc.architecture}'s sliding-window layers yet "
-                         "(their cache gives back blocks a window passed): leave it 0")
+        return (f"is not supported for {mc.architecture}'s sliding-window layers yet (their cache gives back "
+                "blocks a window passed)")
     if mc.linear_layers is not None:
-        raise ValueError(f"kv_offload_gib is not supported for {mc.architecture}'s linear-attention layers yet "
-                         "(a hit also needs their recurrent state): leave it 0")
+        return (f"is not supported for {mc.architecture}'s linear-attention layers yet (a hit also needs their "
+                "recurrent state)")
+    return None
 
 
 def _resolve_eagle3(spec: SpeculativeConfig, target: ModelConfig, download_dir: str | None) -> SpeculativeConfig:

@@ -75,7 +75,8 @@ def arm_flags(arm: str, args: argparse.Namespace) -> list[str]:
         return flags + (["--kv-offloading-size", str(args.tier_gib), "--kv-offloading-backend", "native"]
                         if arm == "vllm-offload" else [])
     flags = ["--num-kv-blocks", str(args.pool_tokens // args.ember_block_size), *shlex.split(args.ember_flags)]
-    return flags + (["--kv-offload-gib", str(args.tier_gib)] if arm == "ember-tier" else [])
+    # the plain arm turns the tier off: on CUDA it is on by default
+    return flags + ["--kv-offload-gib", str(args.tier_gib) if arm == "ember-tier" else "0"]
 
 
 async def converse(base_url: str, model: str, system: list[int], conversations: list[list[RandomRequest]],

@@ -105,7 +105,7 @@ class EngineCore:
         snapshots = None
         if config.enable_prefix_caching and config.model_config.linear_layers is not None:
             snapshots = StateSnapshots(self.runner.num_state_snapshots, config.block_size)
-        host = HostKVTier(self.runner.num_host_blocks) if config.kv_offload_gib else None
+        host = HostKVTier(self.runner.num_host_blocks) if self.runner.num_host_blocks else None  # the host tier
         swap = SwapSpace(self.runner.num_swap_blocks) if config.preemption_mode != "recompute" else None
         self.scheduler = Scheduler(self.block_pool, config, self.prefix_cache,
                                    shared_window(config.model_config.layer_windows), snapshots, host, swap,

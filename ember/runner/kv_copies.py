@@ -21,6 +21,12 @@ memory, non_blocking copies):
   requests from the next step on) the next launch's, so this step's forward overlaps them.
 On the CPU the copies run in place, in the same order.
 
+The host tier's buffers (as large as the KV pool by default on CUDA: pinning takes ~0.4 s a GiB) are
+made by a thread of their own that the runner starts once its start-up is done (`start_host_tier`:
+after the CUDA graphs are captured, as a host allocation during a capture would break it), so the
+engine is ready without waiting for them; the first launch that copies waits for them. The swap
+space's, asked for by a flag of their own, are made at once.
+
 Every cache over the pool's block ids moves together: the target's, and a draft model's own
 (runner/draft_model.py), each into host slots of its own layout (a slot of the host tier or swap
 space is one block of each)."""
@@ -28,6 +34,7 @@ space is one block of each)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +64,10 @@ class KVCopies:
     def __init__(self, kv_caches: list[torch.Tensor], tier_slots: int, swap_slots: int) -> None:
         self.device = kv_caches[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.tier = [self.host_blocks(c, tier_slots) for c in kv_caches]
+        self._tier_slots = tier_slots
+        self._tier_caches = [c.to("meta") for c in kv_caches]  # their shapes, for the tier's buffers
+        self._tier_made: Future[list[torch.Tensor | None]] | None = None  # start_host_tier's
+        self._tier: list[torch.Tensor | None] | None = None if tier_slots else [None] * len(kv_caches)
         self.swap = [self.host_blocks(c, swap_slots) for c in kv_caches]
         self._waits_now: list[torch.cuda.Event] = []  # loads this launch's forward waits for
         self._waits_next: list[torch.cuda.Event] = []  # loads the next launch waits for
@@ -70,11 +80,35 @@ class KVCopies:
         return torch.empty((n, *raw.shape[:2], *raw.shape[3:]), dtype=torch.uint8,
                            pin_memory=self.device.type == "cuda")
 
+    def start_host_tier(self) -> None:
+        """Make the host tier's buffers in a thread of their own (the first copy waits for them)."""
+        if self._tier_made is not None or self._tier is not None:
+            return
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-host-tier")
+        self._tier_made = pool.submit(self._make_tier)
+        pool.shutdown(wait=False)  # its thread ends once the buffers are made
+
+    def _make_tier(self) -> list[torch.Tensor | None]:
+        if self.device.type == "cuda":  # a new thread's device is the first: pin with this rank's context
+            torch.cuda.set_device(self.device)
+        return [self.host_blocks(c, self._tier_slots) for c in self._tier_caches]
+
+    @property
+    def tier(self) -> list[torch.Tensor | None]:
+        """The host tier's buffers, one a cache: made now if start_host_tier was not called, else
+        once its thread is done (an error there is raised here)."""
+        if self._tier is None:
+            self.start_host_tier()
+            self._tier, self._tier_made = self._tier_made.result(), None
+        return self._tier
+
     def launch(self, plan: SchedulerOutput, kv_caches: list[torch.Tensor]) -> IssuedCopies | None:
         """Queue the plan's copies (before its block copies and forward); None when it has none."""
         outs = plan.kv_offloads  # their blocks' new owners write in this step
-        held = [(plan.kv_offloads_held, self.tier), (plan.swap_outs, self.swap)]  # blocks held until collect
-        ins = [(plan.kv_onloads, self.tier), (plan.swap_ins, self.swap)]
+        # (a plan without the tier's copies does not wait for its buffers)
+        tier = self.tier if outs or plan.kv_offloads_held or plan.kv_onloads else []
+        held = [(plan.kv_offloads_held, tier), (plan.swap_outs, self.swap)]  # blocks held until collect
+        ins = [(plan.kv_onloads, tier), (plan.swap_ins, self.swap)]
         has_held, has_ins = any(p for p, _ in held), any(p for p, _ in ins)
         compute = torch.cuda.current_stream(self.device) if self.stream is not None else None
         for event in self._waits_next:  # the last launch's loads, before this step touches a block
@@ -84,7 +118,7 @@ class KVCopies:
             return None
         raw = [_raw(c) for c in kv_caches]
         if self.stream is None:
-            for pairs, host in [(outs, self.tier), *held]:
+            for pairs, host in [(outs, tier), *held]:
                 _copy_out(raw, host, pairs)
             start = time.perf_counter()
             for pairs, host in ins:
@@ -94,7 +128,7 @@ class KVCopies:
         self.stream.wait_stream(compute)  # after what the steps before wrote (a preempted request's last step)
         with torch.cuda.stream(self.stream):
             if outs:
-                _copy_out(raw, self.tier, outs)
+                _copy_out(raw, tier, outs)
                 handed = torch.cuda.Event()
                 handed.record(self.stream)
                 compute.wait_event(handed)

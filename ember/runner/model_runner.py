@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ember.config import CPU_KV_CACHE_MEMORY, EngineConfig
-from ember.defaults import seats_that_fit
+from ember.config import CPU_KV_CACHE_MEMORY, EngineConfig, kv_offload_refusal
+from ember.defaults import engines_on_host, host_memory_bytes, host_tier_default, seats_that_fit
 from ember.distributed.parallel_state import min_over_ranks
 from ember.layers.attention import AttentionMetadata
 from ember.layers.batch_invariant import make_batch_invariant
@@ -197,7 +197,7 @@ class ModelRunner:
         # the host tier (scheduler/host_tier.py) and preemption by swap (scheduler/swap_space.py): host
         # slots of a block each, and their copies (on CUDA on a copy stream: kv_copies.py)
         block = max(self.kv_bytes_per_block(), 1)
-        self.num_host_blocks = int(config.kv_offload_gib * 2**30) // block
+        self.num_host_blocks = int(self._host_tier_gib(block) * 2**30) // block
         self.num_swap_blocks = int(config.swap_space * 2**30) // block if config.preemption_mode != "recompute" else 0
         if self.drafter is not None:  # its own cache over the same block ids
             self.drafter.allocate_cache(self.num_blocks + self.num_null_blocks)
@@ -233,6 +233,9 @@ class ModelRunner:
             tokens = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
             self.piecewise = PiecewiseGraphs(self.model, tokens, config.torch_dtype, self.device, self.graphs.pool)
             self.piecewise.capture()
+        # the tier's host buffers, in the background from here (after every capture: a host allocation
+        # during a stream capture would break it); the first copy waits for them
+        self.kv_copies.start_host_tier()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             logger.info("memory (GiB): total %.2f x utilization %.2f = %.2f; weights %.2f, peak activations %.2f, "
@@ -251,6 +254,23 @@ class ModelRunner:
                         self.weight_bytes / max(1, self.file_tensor_bytes), self.file_tensor_bytes / 2**20,
                         self.kv_cache.nbytes / 2**20, _dtype_name(self.kv_cache.dtype),
                         self.num_blocks, config.block_size, self.num_blocks * config.block_size)
+
+    def _host_tier_gib(self, block: int) -> float:
+        """GiB of the host tier: kv_offload_gib, or unset, the default (defaults.host_tier_default) for
+        this device, KV pool (the blocks of every cache that moves to host slots) and host."""
+        config = self.config
+        if config.kv_offload_gib is not None:
+            return config.kv_offload_gib
+        default = host_tier_default(self.device.type, self.num_blocks * block, host_memory_bytes(),
+                                    engines_on_host(config.tensor_parallel_size),
+                                    kv_offload_refusal(config.enable_prefix_caching, config.model_config))
+        log = logger.info if self.device.type == "cuda" else logger.debug
+        if default.gib:
+            log("kv_offload_gib=%.2f (default %s): a host tier of %d blocks, its buffers made in the background "
+                "after start-up", default.gib, default.why, int(default.gib * 2**30) // block)
+        else:
+            log("kv_offload_gib=0 (default %s)", default.why)
+        return default.gib
 
     def _recurrent_states(self) -> RecurrentStates:
         """A slot of state for each of max_num_seqs requests (runner/recurrent_state.py); on the CPU a

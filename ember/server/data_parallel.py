@@ -24,6 +24,7 @@ import time
 
 import httpx
 
+from ember.defaults import ENGINES_ON_HOST_VARIABLE
 from ember.distributed.parallel_state import free_port
 
 logger = logging.getLogger("ember.server")
@@ -51,8 +52,9 @@ def replica_argv(argv: list[str], port: int, host: str = "127.0.0.1") -> list[st
 
 def replica_env(index: int, size: int, device: str, gpus_per_replica: int = 1) -> dict[str, str]:
     """The environment of replica `index` of `size`: its GPUs (`gpus_per_replica` of those
-    visible, the index-th run of them), or its share of the CPU's threads."""
-    env = dict(os.environ)
+    visible, the index-th run of them), or its share of the CPU's threads; and the count of
+    replicas that share the host's memory (the default host tier's share, defaults.py)."""
+    env = dict(os.environ) | {ENGINES_ON_HOST_VARIABLE: str(size)}
     if device == "cuda":
         visible = env.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(size * gpus_per_replica)]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from typing import Any
 
+from ember.defaults import ENGINES_ON_HOST_VARIABLE
 from ember.distributed.parallel_state import free_port
 from ember.server.data_parallel import die_with_parent, replica_argv, replica_env, stop_processes, wait_ready
 
@@ -31,13 +32,15 @@ STOP_TIMEOUT_S = 60  # for a replica to drain and exit before its actor is kille
 class Replica:
     """A Ray actor: one replica's `ember serve`, a child process that dies with the actor."""
 
-    def __init__(self, argv: list[str], index: int, threads: int) -> None:
+    def __init__(self, argv: list[str], index: int, threads: int, size: int) -> None:
         import ray
 
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         self.index, self.url = index, f"http://{host}:{port}"
-        env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+        # every replica counts as one of this host's (the default host tier's share, defaults.py): SPREAD
+        # may place several on a node
+        env = os.environ | {"OMP_NUM_THREADS": str(threads), ENGINES_ON_HOST_VARIABLE: str(size)}
         # the actor's methods run on its main thread: the child's parent-death signal fires
         # when the actor's process ends, not when a call returns
         self.proc = subprocess.Popen([sys.executable, "-m", "ember.server.cli", *replica_argv(argv, port, host)],
@@ -84,7 +87,7 @@ def run_ray_replicas(argv: list[str], size: int, device: str, tensor_parallel_si
         replica = ray.remote(Replica)
         actors = [replica.options(num_cpus=threads, num_gpus=bundle.get("GPU", 0),
                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                      group, placement_group_bundle_index=i)).remote(argv, i, threads)
+                                      group, placement_group_bundle_index=i)).remote(argv, i, threads, size)
                   for i in range(size)]
         try:
             replicas = ray.get([a.wait_ready.remote(ready_timeout) for a in actors])

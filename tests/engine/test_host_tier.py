@@ -26,7 +26,7 @@ OTHERS = [f"Write a list of {n} fruits and their colours, one per line, starting
 
 @pytest.fixture(scope="module")
 def engines(gguf_path, live_engines):
-    plain = LLM(str(gguf_path), **SMALL)
+    plain = LLM(str(gguf_path), **SMALL, kv_offload_gib=0)  # (on CUDA the tier is on by default)
     block = plain.engine.runner.kv_bytes_per_block()
     tier = LLM(str(gguf_path), **SMALL, kv_offload_gib=64 * block / 2**30)  # 64 host blocks
     live_engines += [plain, tier]

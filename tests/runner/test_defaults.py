@@ -1,6 +1,7 @@
 """The scheduling defaults per device and use (defaults.py) and the start log of where each
 tuning knob's value came from: a flag, the --config file, an LLM argument, or the default
-for the device and use."""
+for the device and use; the host tier's default size (on CUDA: the KV pool, at most a quarter
+of the host's memory over its engines; off on the CPU), and its refusals for an explicit size."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from ember.config import EngineConfig
 from ember.defaults import LARGE_GPU_BYTES, scheduling_defaults
+from ember.sampling_params import SamplingParams
 from ember.server.cli import engine_args, parse_args
 
 
@@ -79,3 +81,81 @@ def test_a_large_gpu_offline_runs_the_seats_its_kv_pool_holds():
     del llm
     by_hand = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", max_model_len=3072, max_num_seqs=512)
     assert by_hand.engine.scheduler.max_num_seqs == 512
+
+
+def test_the_host_tier_default_is_the_pool_at_most_a_quarter_of_the_host_over_its_engines():
+    from ember.defaults import HostTierDefault, host_tier_default
+
+    gib = 1 << 30
+    assert host_tier_default("cpu", 20 * gib, 2048 * gib, 1, None) == HostTierDefault(
+        0.0, "off on the CPU, whose KV pool is in host memory already")
+    assert host_tier_default("cuda", 20 * gib, 2048 * gib, 1, "needs X") == HostTierDefault(0.0, "off: the tier needs X")
+    assert host_tier_default("cuda", 20 * gib, 2048 * gib, 8, None) == HostTierDefault(
+        20.0, "on CUDA: the KV pool's size, 20.00 GiB")  # 2048 / 4 / 8 = 64 GiB a GPU: the pool is less
+    assert host_tier_default("cuda", 60 * gib, 128 * gib, 1, None) == HostTierDefault(
+        32.0, "on CUDA: 1/4 of the host's 128.0 GiB over 1 engine, less than the KV pool's 60.00 GiB")
+    assert host_tier_default("cuda", 60 * gib, 128 * gib, 8, None).gib == 4.0
+    assert host_tier_default("cuda", 60 * gib, 100 * gib, 3, None).gib == 8947848533 / gib  # (100 GiB // 4) // 3
+    assert host_tier_default("cuda", 60 * gib, 100 * gib, 0, None).gib == 25.0  # at least one engine
+
+
+def test_the_engines_on_a_host_are_the_replicas_times_their_ranks(monkeypatch):
+    from ember.defaults import engines_on_host
+
+    monkeypatch.delenv("EMBER_ENGINES_ON_HOST", raising=False)
+    assert (engines_on_host(1), engines_on_host(2)) == (1, 2)
+    monkeypatch.setenv("EMBER_ENGINES_ON_HOST", "4")  # ember serve --data-parallel-size 4 sets it
+    assert (engines_on_host(1), engines_on_host(2)) == (4, 8)
+
+
+def test_the_host_tier_is_off_by_default_on_the_cpu_and_never_refused_by_default(gguf_path):
+    """Unset, kv_offload_gib resolves to the runner's default (0 on the CPU); the refusals stay for
+    an explicit size only, and an explicit 0 is off everywhere."""
+    import dataclasses
+
+    from ember import LLM
+    from ember.config import _check_kv_offload
+
+    assert EngineConfig().kv_offload_gib is None
+    unset = LLM(str(gguf_path), num_kv_blocks=16, max_model_len=128)
+    assert unset.config.kv_offload_gib is None
+    assert (unset.engine.runner.num_host_blocks, unset.engine.scheduler.host) == (0, None)
+    block = unset.engine.runner.kv_bytes_per_block()
+    del unset
+    # prefix caching off: unset is no error (the tier stays off); a size is refused, with the fix
+    assert EngineConfig(model=str(gguf_path), enable_prefix_caching=False).resolve().kv_offload_gib is None
+    assert EngineConfig(model=str(gguf_path), enable_prefix_caching=False, kv_offload_gib=0).resolve() \
+        .kv_offload_gib == 0
+    with pytest.raises(ValueError, match=r"kv_offload_gib keeps the blocks the prefix cache evicts: it needs the "
+                                         r"prefix cache \(enable_prefix_caching, a generating model\): leave it 0"):
+        EngineConfig(model=str(gguf_path), enable_prefix_caching=False, kv_offload_gib=1).resolve()
+    with pytest.raises(ValueError, match="kv_offload_gib must be a number of GiB >= 0; got -1"):
+        EngineConfig(model=str(gguf_path), kv_offload_gib=-1).resolve()
+    mc = EngineConfig(model=str(gguf_path)).resolve().model_config
+    windows = dataclasses.replace(mc, layer_windows=(None,) * (mc.num_layers - 1) + (64,))
+    with pytest.raises(ValueError, match=r"kv_offload_gib is not supported for llama's sliding-window layers yet "
+                                         r"\(their cache gives back blocks a window passed\): leave it 0 \(or unset\)"):
+        _check_kv_offload(1.0, True, windows)
+    _check_kv_offload(0.0, True, windows)  # off: nothing to refuse
+    # an explicit size is kept: its blocks, made by the thread the runner started
+    sized = LLM(str(gguf_path), num_kv_blocks=16, max_model_len=128, kv_offload_gib=8 * block / 2**30)
+    assert (sized.config.kv_offload_gib, sized.engine.runner.num_host_blocks) == (8 * block / 2**30, 8)
+    assert sized.engine.scheduler.host.num_slots == 8 and sized.engine.runner.kv_copies.tier[0].shape[0] == 8
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_host_tier_is_on_by_default_and_its_pinned_buffers_come_after_start_up():
+    from ember import LLM
+    from ember.defaults import engines_on_host, host_memory_bytes, host_tier_default
+
+    llm = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", max_model_len=1024, num_kv_blocks=64)
+    runner = llm.engine.runner
+    block = runner.kv_bytes_per_block()
+    want = host_tier_default("cuda", 64 * block, host_memory_bytes(), engines_on_host(1), None)
+    assert want.gib == 64 * block / 2**30  # a small pool: the tier holds every block of it
+    assert runner.num_host_blocks == llm.engine.scheduler.host.num_slots == 64
+    assert llm.config.kv_offload_gib is None and runner.kv_copies._tier_made is not None  # started, not waited for
+    tier = runner.kv_copies.tier[0]
+    assert tier.is_pinned() and tier.shape[0] == 64
+    out = llm.generate([{"prompt_token_ids": list(range(100, 400))}], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -1,12 +1,15 @@
 """KV copies between the device pool and host slots (runner/kv_copies.py): on the CPU each block's
 bytes land in its slot and come back to another block, in any cache dtype, a draft model's cache
-beside the target's moving with it; `-m gpu`: on CUDA's
+beside the target's moving with it, the tier's buffers made in the background (the first copy into
+them waits); `-m gpu`: on CUDA's
 copy stream, the host tier and swap give a big pool's greedy tokens (deterministic mode), a step
 with a load in flight runs the other requests (the loading one from the next step on), an abort
 while its blocks load leaves nothing held, and a swap-out's blocks stay held (nobody on the device
 waits for their copies) until its step is collected, an abort meanwhile included."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -43,6 +46,42 @@ def test_blocks_go_to_their_slots_and_come_back(dtype):
             assert torch.equal(raw[:, :, dst], ref[:, :, src])
         assert not raw[:, :, [1, 2, 4]].any()  # nothing else written
     assert copies.launch(SchedulerOutput(), caches) is None
+
+
+def test_the_tier_buffers_are_made_in_the_background_and_the_first_tier_copy_waits_for_them(monkeypatch):
+    """start_host_tier (the runner calls it at the end of its start-up) makes the tier's buffers in a
+    thread; a plan without tier copies does not wait for it, the first one with them does."""
+    release, made = threading.Event(), []
+    real = KVCopies.host_blocks
+
+    def slow(self, kv_cache, n):  # the tier's 4 slots take until `release`; the swap space's 2 come at once
+        if n == 4:
+            assert threading.current_thread() is not threading.main_thread()
+            assert release.wait(10)
+            made.append(n)
+        return real(self, kv_cache, n)
+
+    monkeypatch.setattr(KVCopies, "host_blocks", slow)
+    caches = [torch.randn(2, 3, 6, 4, 2, 8)]
+    want = caches[0].clone()
+    copies = KVCopies(caches, tier_slots=4, swap_slots=2)
+    copies.start_host_tier()
+    copies.launch(SchedulerOutput(swap_outs=[(1, 0)]), caches)  # swap only: no wait
+    assert made == []
+    threading.Timer(0.2, release.set).start()
+    copies.launch(SchedulerOutput(kv_offloads=[(2, 3)]), caches)  # waits for the tier's buffers
+    assert made == [4]
+    caches[0].zero_()
+    copies.launch(SchedulerOutput(kv_onloads=[(3, 4)], swap_ins=[(0, 5)]), caches)
+    assert torch.equal(caches[0][:, :, 4], want[:, :, 2]) and torch.equal(caches[0][:, :, 5], want[:, :, 1])
+    assert not caches[0][:, :, :4].any()
+
+
+def test_without_start_host_tier_the_first_tier_copy_makes_the_buffers():
+    caches = [torch.randn(2, 1, 3, 4, 1, 8)]
+    copies = KVCopies(caches, tier_slots=2, swap_slots=0)
+    assert copies.tier[0].shape == (2, 2, 1, 4, 1, 32) and copies.swap == [None]
+    assert KVCopies(caches, tier_slots=0, swap_slots=0).tier == [None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
@@ -85,10 +124,11 @@ def cuda_engines():
         pytest.skip("needs CUDA")
     from ember import LLM
 
-    big = LLM(CONFIG, num_kv_blocks=256, **ARGS)
+    big = LLM(CONFIG, num_kv_blocks=256, kv_offload_gib=0, **ARGS)  # (the tier is on by default on CUDA)
     block = big.engine.runner.kv_bytes_per_block()
     tier = LLM(CONFIG, num_kv_blocks=40, kv_offload_gib=128 * block / 2**30, **ARGS)
-    swap = LLM(CONFIG, num_kv_blocks=40, preemption_mode="swap", swap_space=128 * block / 2**30, **ARGS)
+    swap = LLM(CONFIG, num_kv_blocks=40, preemption_mode="swap", swap_space=128 * block / 2**30, kv_offload_gib=0,
+               **ARGS)
     yield big, tier, swap
 
 

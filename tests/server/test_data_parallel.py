@@ -48,6 +48,8 @@ def test_a_replica_gets_its_gpu_or_its_share_of_the_threads(monkeypatch):
     assert [replica_env(i, 3, "cuda", 2)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["1,3", "4,5", "6,7"]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert replica_env(0, 2, "cpu")["OMP_NUM_THREADS"] == "3"
+    # the replicas share the host's memory: the default host tier's share of each (defaults.py)
+    assert replica_env(1, 3, "cuda")["EMBER_ENGINES_ON_HOST"] == "3"
 
 
 def test_too_few_gpus_for_the_replicas_and_their_ranks_is_refused_before_any_starts(monkeypatch):
