@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,8 @@ HOST_TIER_SHARE = 4
 # set by `ember serve --data-parallel-size N` in each replica's environment: the engines of
 # this launch that share the host's memory (server/data_parallel.py)
 ENGINES_ON_HOST_VARIABLE = "EMBER_ENGINES_ON_HOST"
+# a container's memory limit, which the default host tier's share is of where it is less than the host's
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
 @dataclass(frozen=True)
@@ -106,9 +109,17 @@ def host_tier_default(device: str, pool_bytes: int, host_bytes: int, engines: in
                            f"{pool_bytes / 2**30:.2f} GiB")
 
 
-def host_memory_bytes() -> int:
-    """The host's physical memory."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def host_memory_bytes(limits: Sequence[str] = CGROUP_MEMORY_LIMITS) -> int:
+    """The host's physical memory, or a container's memory limit where that is less (the first of
+    `limits` that holds a number: cgroup v2's, else v1's; "max" where there is none)."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in limits:
+        try:
+            limit = Path(path).read_text().strip()
+        except OSError:
+            continue
+        return min(memory, int(limit)) if limit.isdigit() else memory
+    return memory
 
 
 def engines_on_host(tensor_parallel_size: int) -> int:

@@ -33,8 +33,9 @@ space is one block of each)."""
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -84,9 +85,16 @@ class KVCopies:
         """Make the host tier's buffers in a thread of their own (the first copy waits for them)."""
         if self._tier_made is not None or self._tier is not None:
             return
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-host-tier")
-        self._tier_made = pool.submit(self._make_tier)
-        pool.shutdown(wait=False)  # its thread ends once the buffers are made
+        made = self._tier_made = Future()
+
+        def make() -> None:
+            try:
+                made.set_result(self._make_tier())
+            except BaseException as e:  # raised where the buffers are first used
+                made.set_exception(e)
+
+        # a daemon: a process that ends meanwhile does not wait for the pinning
+        threading.Thread(target=make, name="ember-host-tier", daemon=True).start()
 
     def _make_tier(self) -> list[torch.Tensor | None]:
         if self.device.type == "cuda":  # a new thread's device is the first: pin with this rank's context

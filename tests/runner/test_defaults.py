@@ -99,6 +99,24 @@ def test_the_host_tier_default_is_the_pool_at_most_a_quarter_of_the_host_over_it
     assert host_tier_default("cuda", 60 * gib, 100 * gib, 0, None).gib == 25.0  # at least one engine
 
 
+def test_the_host_memory_is_a_containers_limit_where_that_is_less(tmp_path):
+    import os
+
+    from ember.defaults import host_memory_bytes
+
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    assert host_memory_bytes([str(v2), str(v1)]) == physical  # neither file: not in a container
+    v1.write_text("9223372036854771712\n")  # cgroup v1 without a limit
+    assert host_memory_bytes([str(v2), str(v1)]) == physical
+    v1.write_text(f"{physical // 3}\n")
+    assert host_memory_bytes([str(v2), str(v1)]) == physical // 3
+    v2.write_text("max\n")  # cgroup v2 without a limit: the first file found decides
+    assert host_memory_bytes([str(v2), str(v1)]) == physical
+    v2.write_text("1073741824\n")
+    assert host_memory_bytes([str(v2), str(v1)]) == 1 << 30
+
+
 def test_the_engines_on_a_host_are_the_replicas_times_their_ranks(monkeypatch):
     from ember.defaults import engines_on_host
 
