@@ -96,7 +96,8 @@ class EngineConfig:
     kv_offload_gib: float | None = flag(
         None, "GiB of host memory that keep the KV blocks the prefix cache evicts, so a later request with that "
         "prefix loads them back instead of recomputing (0: off; default: on CUDA as large as the KV pool, at most "
-        "1/4 of the host's memory shared by the engines of this host, its pinned buffers made after start-up; off "
+        "1/4 of the host's memory shared by the engines of this host, down to a power of two of bytes, its pinned "
+        "buffers made after start-up; off "
         "on the CPU and where the tier is not supported)")
     num_state_snapshots: int | None = flag(
         None, "models with linear-attention layers (Qwen3-Next): snapshots of their recurrent state kept at block "

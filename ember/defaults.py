@@ -103,10 +103,14 @@ def host_tier_default(device: str, pool_bytes: int, host_bytes: int, engines: in
     engines = max(1, engines)
     share = host_bytes // HOST_TIER_SHARE // engines
     if pool_bytes <= share:
-        return HostTierDefault(pool_bytes / 2**30, f"on CUDA: the KV pool's size, {pool_bytes / 2**30:.2f} GiB")
-    return HostTierDefault(share / 2**30, f"on CUDA: 1/{HOST_TIER_SHARE} of the host's {host_bytes / 2**30:.1f} "
-                           f"GiB over {engines} engine{'s' if engines > 1 else ''}, less than the KV pool's "
-                           f"{pool_bytes / 2**30:.2f} GiB")
+        size, why = pool_bytes, f"the KV pool's size, {pool_bytes / 2**30:.2f} GiB"
+    else:
+        size, why = share, (f"1/{HOST_TIER_SHARE} of the host's {host_bytes / 2**30:.1f} GiB over {engines} "
+                            f"engine{'s' if engines > 1 else ''}, less than the KV pool's {pool_bytes / 2**30:.2f} GiB")
+    # torch's caching host allocator pins the next power of two of what it is asked for (up to 2x):
+    # a power of two asked pins no more than that
+    floor = 1 << (size.bit_length() - 1) if size else 0
+    return HostTierDefault(floor / 2**30, f"on CUDA: {why}, down to a power of two")
 
 
 def host_memory_bytes(limits: Sequence[str] = CGROUP_MEMORY_LIMITS) -> int:

@@ -91,12 +91,15 @@ def test_the_host_tier_default_is_the_pool_at_most_a_quarter_of_the_host_over_it
         0.0, "off on the CPU, whose KV pool is in host memory already")
     assert host_tier_default("cuda", 20 * gib, 2048 * gib, 1, "needs X") == HostTierDefault(0.0, "off: the tier needs X")
     assert host_tier_default("cuda", 20 * gib, 2048 * gib, 8, None) == HostTierDefault(
-        20.0, "on CUDA: the KV pool's size, 20.00 GiB")  # 2048 / 4 / 8 = 64 GiB a GPU: the pool is less
+        16.0, "on CUDA: the KV pool's size, 20.00 GiB, down to a power of two")  # 2048 / 4 / 8 = 64 GiB a GPU
     assert host_tier_default("cuda", 60 * gib, 128 * gib, 1, None) == HostTierDefault(
-        32.0, "on CUDA: 1/4 of the host's 128.0 GiB over 1 engine, less than the KV pool's 60.00 GiB")
+        32.0, "on CUDA: 1/4 of the host's 128.0 GiB over 1 engine, less than the KV pool's 60.00 GiB, down to a "
+        "power of two")
     assert host_tier_default("cuda", 60 * gib, 128 * gib, 8, None).gib == 4.0
-    assert host_tier_default("cuda", 60 * gib, 100 * gib, 3, None).gib == 8947848533 / gib  # (100 GiB // 4) // 3
-    assert host_tier_default("cuda", 60 * gib, 100 * gib, 0, None).gib == 25.0  # at least one engine
+    assert host_tier_default("cuda", 60 * gib, 100 * gib, 3, None).gib == 8.0  # (100 GiB // 4) // 3 = 8.33 GiB
+    assert host_tier_default("cuda", 60 * gib, 100 * gib, 0, None).gib == 16.0  # at least one engine: 25 GiB
+    # a pool of 9 MiB: 8 asked for (torch would pin 16 MiB for 9)
+    assert host_tier_default("cuda", 9 << 20, 128 * gib, 1, None).gib == (8 << 20) / gib
 
 
 def test_the_host_memory_is_a_containers_limit_where_that_is_less(tmp_path):
@@ -170,10 +173,11 @@ def test_on_cuda_the_host_tier_is_on_by_default_and_its_pinned_buffers_come_afte
     runner = llm.engine.runner
     block = runner.kv_bytes_per_block()
     want = host_tier_default("cuda", 64 * block, host_memory_bytes(), engines_on_host(1), None)
-    assert want.gib == 64 * block / 2**30  # a small pool: the tier holds every block of it
-    assert runner.num_host_blocks == llm.engine.scheduler.host.num_slots == 64
+    slots = int(want.gib * 2**30) // block  # a small pool: the tier holds it, down to a power of two of bytes
+    assert 32 <= slots <= 64 and (1 << (64 * block).bit_length() - 1) == want.gib * 2**30
+    assert runner.num_host_blocks == llm.engine.scheduler.host.num_slots == slots
     assert llm.config.kv_offload_gib is None and runner.kv_copies._tier_made is not None  # started, not waited for
     tier = runner.kv_copies.tier[0]
-    assert tier.is_pinned() and tier.shape[0] == 64
+    assert tier.is_pinned() and tier.shape[0] == slots
     out = llm.generate([{"prompt_token_ids": list(range(100, 400))}], SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
