@@ -71,9 +71,9 @@ class BeamGroups:
         hypotheses and the beams it finished (their blocks freed)."""
         ready: dict[str, BeamGroup] = {}
         for req in stepped:
-            if req.beam is None:
-                continue
-            group = self.group_of(req)
+            group = self.group_of(req) if req.beam is not None else None
+            if group is None:
+                continue  # not a beam, or its search failed while this step was applied (fail_request)
             top = logprobs[req.request_id][0]
             group.tops[req.request_id] = dict(zip(top.top_ids, top.top_logprobs))
             req.held = True

@@ -174,6 +174,34 @@ def test_beams_share_blocks_and_leave_none(llm):
     core.check_idle()
 
 
+def test_a_beam_whose_row_fails_fails_its_search_alone(llm, monkeypatch):
+    """A beam's sampling row that fails while a step runs: the search ends with one error output
+    (its other beams stepped in that step are passed over), another search and a plain request
+    beside it go on."""
+    core, runner = llm.engine, llm.engine.runner
+    generator = runner._generator
+
+    def failing(req, index):
+        if req.request_id == "d#b2":
+            raise RuntimeError("injected")
+        return generator(req, index)
+
+    monkeypatch.setattr(runner, "_generator", failing)
+    params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    want = llm.generate([{"prompt_token_ids": PROMPTS[1]}], plain)[0].outputs[0].token_ids
+    beams = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], params)[0]
+    got = run_core(core, [beam_request(llm, "d", PROMPTS[2], params), beam_request(llm, "f", PROMPTS[0], params),
+                          llm.inputs.make_request("e", {"prompt_token_ids": PROMPTS[1]}, plain)])
+    assert [(o.finished, o.finish_reason, o.error) for o in got["d"]] == [
+        (True, "error", "its sampling parameters could not be applied (RuntimeError)")]
+    assert [t for o in got["e"] for t in o.new_token_ids] == want
+    finals = [got["f"][-1]] + [got[f"f#{i}"][-1] for i in (1, 2, 3)]
+    assert [PROMPTS[0] + o.new_token_ids for o in finals] == [s.tokens for s in beams.sequences]
+    assert not core.beams.groups
+    core.check_idle()
+
+
 def test_beam_searches_the_engine_cannot_hold_are_refused(tiny, llm):
     small = LLM(str(tiny[0]), dtype="float32", block_size=8, num_kv_blocks=8, max_num_seqs=4, max_model_len=64)
     with pytest.raises(ValueError, match="beam_width 5 is more than the engine's 4 sequences"):
