@@ -2,19 +2,25 @@
 PNG / JPEG / WebP bytes, or a `file://` path under the allowed local media folder (vLLM's
 --allowed-local-media-path). Nothing is fetched over the network. Each is checked against the
 pixel limit from its header, before its pixels are decoded; every failure is a ValueError
-that names the problem."""
+that names the problem. Decoded images are kept by their encoded bytes' hash (DECODED_CACHE_BYTES
+of pixels, shared by every prompt of the process), so the same image sent again is not decoded
+again: a cached image is shared, and nothing that reads it may change it."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from ember.multimodal.cache import BytesLRU
+
 FORMATS = ("PNG", "JPEG", "WEBP")
+DECODED_CACHE_BYTES = 64 << 20  # decoded images' pixels kept for the same bytes sent again
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,11 @@ def _local_file_bytes(url: str, limits: MediaLimits) -> bytes:
 def _decode(data: bytes, limits: MediaLimits, what: str) -> Any:
     from PIL import Image, UnidentifiedImageError
 
+    key = hashlib.blake2b(data, digest_size=16).digest()
+    image = DECODED.get(key)
+    if image is not None:
+        _check_pixels(image.size, limits)
+        return image
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
     except (UnidentifiedImageError, OSError, ValueError):
@@ -84,7 +95,15 @@ def _decode(data: bytes, limits: MediaLimits, what: str) -> Any:
         image.load()
     except (OSError, ValueError, Image.DecompressionBombError):
         raise ValueError(f"{what} is truncated or corrupt: its pixels cannot be decoded") from None
+    DECODED.put(key, image)
     return image
+
+
+def _pixel_bytes(image: Any) -> int:
+    return image.width * image.height * len(image.getbands())
+
+
+DECODED: BytesLRU[Any] = BytesLRU(DECODED_CACHE_BYTES, _pixel_bytes)
 
 
 def _check_pixels(size: tuple[int, int], limits: MediaLimits) -> None:

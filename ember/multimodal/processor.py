@@ -7,33 +7,60 @@ expansion its family does (Gemma 3's <start_of_image> into its image tokens betw
 image processor and tokenizer, see `_process_grids`; for Pixtral and Mistral 3 its image
 processor and PixtralProcessor's layout, see `_process_rows`); ember only finds where each
 image's tokens landed.
-Slow (PIL and numpy): the server runs it on its input pool, off the event loop."""
+Slow (PIL and numpy): the server runs it on its input pool, off the event loop, on as many
+images at once as the pool has threads: each thread works with its own copy of the processor
+(and tokenizer), as transformers does not say its processors are thread-safe. An image's
+patches, grid and hash (Qwen2-VL's family, Pixtral's) are kept by its content (cache.py's
+image_digest) in a cache of PROCESSED_CACHE_BYTES, so the same image again skips the processor:
+its prompt comes out the same, ids, features and hashes."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from ember.models.llava_next import feature_count, num_views
 from ember.models.pixtral import row_tokens
 from ember.models.vision_config import VisionConfig
+from ember.multimodal.cache import BytesLRU, image_digest
 from ember.multimodal.inputs import ImageFeature, pixels_hash
 from ember.multimodal.video import VideoPatches, VideoProcessor, frame_times
 
 if TYPE_CHECKING:
     from ember.loader.tokenizer import Tokenizer
 
+PROCESSED_CACHE_BYTES = 256 << 20  # processed images' patches kept for the same image sent again
+
+
+class Processed(NamedTuple):
+    """One image as its prompt's features take it: its patches [h * w, ...] (read-only: every
+    prompt of the image shares them), its grid (t, h, w) in patches, and its hash."""
+    patches: np.ndarray
+    grid: tuple[int, int, int]
+    hash: str
+
+
+class _Parts(NamedTuple):
+    """One thread's copies of the model's processor, tokenizer and video processor."""
+    processor: Any
+    tokenizer: Any
+    videos: VideoProcessor | None
+
 
 class ImageProcessor:
-    def __init__(self, model_dir: str | Path, vision: VisionConfig, tokenizer: Tokenizer | None = None) -> None:
-        """`tokenizer`: the engine's, which Pixtral's expanded prompts are tokenized with (the
-        other families' processors carry their own)."""
+    def __init__(self, model_dir: str | Path, vision: VisionConfig, tokenizer: Tokenizer | None = None,
+                 cache_bytes: int = PROCESSED_CACHE_BYTES) -> None:
+        """`tokenizer`: the engine's, which Pixtral's and the GGUFs' expanded prompts are
+        tokenized with (the other families' processors carry their own). `cache_bytes`: the
+        processed images kept (0: none). `processor`, `tokenizer` and `videos` are the loaded
+        ones, which each thread copies (`_own`) before it processes anything."""
         import transformers
 
         self.vision = vision
@@ -43,7 +70,9 @@ class ImageProcessor:
         # Gemma 3 from its HF directory: whether its processor config has pan-and-scan on (a
         # request's mm_processor_kwargs may turn it on or off); None: the processor has none
         self.pan_and_scan: bool | None = None
-        self._lock = threading.Lock()  # a transformers processor is not known to be thread-safe
+        self.cache: BytesLRU[Processed] = BytesLRU(cache_bytes, lambda p: p.patches.nbytes)
+        self._local = threading.local()
+        self._copying = threading.Lock()  # the loaded parts are read by one copy at a time
         if vision.row_tokens:
             self._init_rows(Path(model_dir), tokenizer)
             return
@@ -57,7 +86,7 @@ class ImageProcessor:
                 # processor's expansion of each image token into grid t * h * w / merge^2 of them here
                 self.processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
                 self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-                self.encode = lambda text, special: self.tokenizer(text, add_special_tokens=special)["input_ids"]
+                self.encode = lambda text, special: self._own().tokenizer(text, add_special_tokens=special)["input_ids"]
                 self.image_token: str = self.tokenizer.convert_ids_to_tokens(vision.image_token_id)
                 self.video_token: str = self.tokenizer.convert_ids_to_tokens(vision.video_token_id)
                 self.vision_marks = tuple(getattr(self.tokenizer, name, default) for name, default in (
@@ -100,22 +129,41 @@ class ImageProcessor:
         if self.vision.row_tokens:
             return self._process_rows(text, images, add_special_tokens)
         if self.expanded is not None:  # Gemma 3 from a GGUF
-            with self._lock:
-                pixels = np.asarray(self.processor(images=images, return_tensors="np")["pixel_values"], np.float32)
+            pixels = np.asarray(self._own().processor(images=images, return_tensors="np")["pixel_values"], np.float32)
             ids = self.encode(text.replace(self.image_token, self.expanded), add_special_tokens)
             return ids, self._features(ids, list(pixels))
         if self.pan_and_scan is not None:
             return self._pan_and_scan(text, images, add_special_tokens,
                                       self.pan_and_scan if pan_and_scan is None else pan_and_scan)
-        with self._lock:
-            enc = self.processor(text=[text], images=images, add_special_tokens=add_special_tokens,
-                                 return_tensors="np")
+        enc = self._own().processor(text=[text], images=images, add_special_tokens=add_special_tokens,
+                                    return_tensors="np")
         ids = [int(t) for t in enc["input_ids"][0]]
         pixels = np.asarray(enc["pixel_values"], dtype=np.float32)
         if self.vision.kind == "llava_next":  # each image's views (padded to the most views of the prompt's) and size
             sizes = [(int(h), int(w)) for h, w in enc["image_sizes"]]
             return ids, self._features(ids, [p[:num_views(s, self.vision)] for p, s in zip(pixels, sizes)], sizes)
         return ids, self._features(ids, list(pixels))
+
+    def _own(self) -> _Parts:
+        """This thread's processor, tokenizer and video processor: copies of the loaded ones,
+        made on its first image."""
+        own = getattr(self._local, "parts", None)
+        if own is None:
+            with self._copying:
+                own = self._local.parts = _Parts(*copy.deepcopy((self.processor, self.tokenizer, self.videos)))
+        return own
+
+    def _cached(self, image: Any, process: Callable[[Any], Processed]) -> Processed:
+        """`process(image)`, or what it gave for an image of the same content before. The key is
+        the content alone: each ImageProcessor has its own cache, and the families that use it
+        take no per-prompt processor settings."""
+        key = image_digest(image)
+        done = self.cache.get(key)
+        if done is None:
+            done = process(image)
+            done.patches.flags.writeable = False
+            self.cache.put(key, done)
+        return done
 
     def _pan_and_scan(self, text: str, images: list[Any], add_special_tokens: bool, on: bool
                       ) -> tuple[list[int], list[ImageFeature]]:
@@ -127,9 +175,8 @@ class ImageProcessor:
         cost), the prompt-level image count (limit_mm_per_prompt) still one an image. The hash
         of every view made with pan-and-scan on carries the setting, so the same image with and
         without never shares the encoder cache or prefix-cache blocks."""
-        with self._lock:
-            enc = self.processor(text=[text], images=images, add_special_tokens=add_special_tokens,
-                                 do_pan_and_scan=on, return_tensors="np")
+        enc = self._own().processor(text=[text], images=images, add_special_tokens=add_special_tokens,
+                                    do_pan_and_scan=on, return_tensors="np")
         ids = [int(t) for t in enc["input_ids"][0]]
         pixels = list(np.asarray(enc["pixel_values"], dtype=np.float32))
         return ids, self._features(ids, pixels, tag=PAN_AND_SCAN if on else None)
@@ -142,11 +189,10 @@ class ImageProcessor:
         Qwen3VLProcessor does: each temporal patch its time, then its own run between
         <|vision_start|> and <|vision_end|> (the template's wrapper around the video token dropped)."""
         unit, qwen3 = self.vision.merge_size ** 2, self.vision.kind == "qwen3_vl"
-        with self._lock:
-            enc = self.processor(images=images, return_tensors="np") if images else {"image_grid_thw": []}
-            clips = [self.videos.process(frames, fps) for frames, fps in videos]
-        grids = [tuple(int(x) for x in g) for g in enc["image_grid_thw"]]
-        counts = [t * h * w // unit for t, h, w in grids]
+        own = self._own()
+        done = [self._cached(image, lambda image: _grid_patches(own.processor, image)) for image in images]
+        clips = [own.videos.process(frames, fps) for frames, fps in videos]
+        counts = [t * h * w // unit for _, (t, h, w), _ in done]
         vstart, vend = self.vision_marks
         video = re.escape(self.video_token)
         wrapped = f"{re.escape(vstart)}{video}{re.escape(vend)}|" if qwen3 else ""
@@ -158,17 +204,12 @@ class ImageProcessor:
             else:
                 expanded.append(self._video_text(next(next_video), vstart, vend))
             expanded.append(after)
-        with self._lock:
-            ids = [int(t) for t in self.encode("".join(expanded), add_special_tokens)]
-        pixels = np.split(np.asarray(enc["pixel_values"], dtype=np.float32),
-                          np.cumsum([t * h * w for t, h, w in grids])[:-1]) if images else []
+        ids = [int(t) for t in self.encode("".join(expanded), add_special_tokens)]
         image_runs = _runs_of(ids, self.vision.image_token_id)
         if [n for _, n in image_runs] != counts:
             raise ValueError(f"the processor placed image tokens in runs of {[n for _, n in image_runs]} for images "
                              f"of {counts}: the image token {self.image_token!r} in the text itself is not allowed")
-        # the hash sees the grid too (the patches' shape alone would not tell 2 x 8 from 8 x 2)
-        features = [ImageFeature(start, n, pixels_hash(p.reshape(*g, -1)), p, g)
-                    for (start, n), p, g in zip(image_runs, pixels, grids)]
+        features = [ImageFeature(start, n, d.hash, d.patches, d.grid) for (start, n), d in zip(image_runs, done)]
         video_runs = iter(_runs_of(ids, self.vision.video_token_id))
         for clip in clips:
             features += self._video_features(clip, video_runs)
@@ -285,9 +326,9 @@ class ImageProcessor:
         image token expanded into rows of tokens, as PixtralProcessor does; its pixels as
         patches [h * w, C * p * p] and its grid (1, h, w) in patches."""
         p, unit = self.vision.patch_size, self.vision.patch_size * self.vision.merge_size
-        with self._lock:
-            enc = self.processor(images=images, patch_size={"height": unit, "width": unit}, return_tensors="np")
-        sizes = [(int(h), int(w)) for h, w in enc["image_sizes"]]
+        processor = self._own().processor
+        done = [self._cached(image, lambda image: _row_patches(processor, image, p, unit)) for image in images]
+        sizes = [(g[1] * p, g[2] * p) for _, g, _ in done]
         token, (image, row_break, end) = self.vision.image_token_id, self.row_names
         runs = [row_tokens(h // unit, w // unit, *self.row_ids) for h, w in sizes]
         parts = text.split(image)
@@ -296,18 +337,14 @@ class ImageProcessor:
         ids = self.encode(text, add_special_tokens=add_special_tokens)
         positions = [i for i, t in enumerate(ids) if t == token]
         features, cut = [], 0
-        for run, (h, w), pixels in zip(runs, sizes, enc["pixel_values"]):
+        for run, d in zip(runs, done):
             start = positions[cut] if cut < len(positions) else len(ids)
             if ids[start:start + len(run)] != run:
                 raise ValueError(f"the prompt's image tokens are not each image's rows: the image tokens "
                                  f"({self.image_token!r} and its break and end tokens) in the text itself are not "
                                  "allowed")
             cut += run.count(token)
-            grid = (1, h // p, w // p)
-            patches = (np.asarray(pixels[:, :h, :w], dtype=np.float32).reshape(-1, grid[1], p, grid[2], p)
-                       .transpose(1, 3, 0, 2, 4).reshape(grid[1] * grid[2], -1))
-            features.append(ImageFeature(start, len(run), pixels_hash(patches.reshape(grid[1], grid[2], -1)),
-                                         patches, grid))
+            features.append(ImageFeature(start, len(run), d.hash, d.patches, d.grid))
         if cut != len(positions):
             raise ValueError(f"the prompt has {len(positions) - cut} image tokens ({self.image_token!r}) of no image: "
                              "the image token in the text itself is not allowed")
@@ -341,6 +378,27 @@ class ImageProcessor:
 
 
 PAN_AND_SCAN = "pan-and-scan"  # in the hash of every view of an image processed with pan-and-scan on
+
+
+def _grid_patches(processor: Any, image: Any) -> Processed:
+    """Qwen2-VL's family: one image's patches [t * h * w, C * tps * p * p] and grid (t, h, w), as
+    its image processor makes them (each image of a batch on its own)."""
+    enc = processor(images=[image], return_tensors="np")
+    grid = tuple(int(x) for x in enc["image_grid_thw"][0])
+    patches = np.asarray(enc["pixel_values"], dtype=np.float32)
+    # the hash sees the grid too (the patches' shape alone would not tell 2 x 8 from 8 x 2)
+    return Processed(patches, grid, pixels_hash(patches.reshape(*grid, -1)))
+
+
+def _row_patches(processor: Any, image: Any, p: int, unit: int) -> Processed:
+    """Pixtral / Mistral 3: one image resized to whole tokens (`unit` pixels), its pixels as
+    patches [h * w, C * p * p] and its grid (1, h, w) in patches."""
+    enc = processor(images=[image], patch_size={"height": unit, "width": unit}, return_tensors="np")
+    h, w = (int(x) for x in enc["image_sizes"][0])
+    grid = (1, h // p, w // p)
+    patches = (np.asarray(enc["pixel_values"][0][:, :h, :w], dtype=np.float32).reshape(-1, grid[1], p, grid[2], p)
+               .transpose(1, 3, 0, 2, 4).reshape(grid[1] * grid[2], -1))
+    return Processed(patches, grid, pixels_hash(patches.reshape(grid[1], grid[2], -1)))
 
 
 def _runs_of(ids: list[int], token: int) -> list[tuple[int, int]]:
