@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -93,7 +94,9 @@ class RequestFailedError(RuntimeError):
     message is safe to show its client: the traceback is in the log."""
 
 
-INPUT_THREADS = 2  # threads that tokenize, render templates and check grammars for the event loop
+# threads that tokenize, render templates, check grammars and process images for the event loop:
+# one a CPU up to 8 (image processing, PIL and numpy, runs mostly without the GIL), at least 2
+INPUT_THREADS = min(8, max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2))
 T = TypeVar("T")
 
 

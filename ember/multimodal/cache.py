@@ -27,6 +27,11 @@ class BytesLRU(Generic[V]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
+
     def get(self, key: Hashable) -> V | None:
         with self._lock:
             entry = self._entries.get(key)

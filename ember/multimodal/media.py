@@ -38,10 +38,13 @@ def load_image(source: Any, limits: MediaLimits) -> Any:
         return source
     if not isinstance(source, str):
         raise ValueError(f"an image is a PIL image or a URL string; got {type(source).__name__}")
-    if source.startswith("data:"):
-        return _decode(_data_url_bytes(source), limits, "the data: URL's image")
-    if source.startswith("file:"):
-        return _decode(_local_file_bytes(source, limits), limits, source[:200])
+    if source.startswith("data:"):  # kept by the URL's text: the same URL again is not even base64-decoded
+        key = _key(b"url", source.encode())
+        return _decoded(key, limits) or _decode(_data_url_bytes(source), limits, "the data: URL's image", key)
+    if source.startswith("file:"):  # kept by the file's bytes, which may change under the same name
+        data = _local_file_bytes(source, limits)
+        key = _key(b"file", data)
+        return _decoded(key, limits) or _decode(data, limits, source[:200], key)
     if source.startswith(("http://", "https://")):
         raise ValueError("image URLs over http(s) are not fetched: ember has no --allowed-media-domains yet; send "
                          "the image as a data: URL (base64), or a file:// path under --allowed-local-media-path")
@@ -78,14 +81,23 @@ def _local_file_bytes(url: str, limits: MediaLimits) -> bytes:
     return path.read_bytes()
 
 
-def _decode(data: bytes, limits: MediaLimits, what: str) -> Any:
-    from PIL import Image, UnidentifiedImageError
+def _key(kind: bytes, data: bytes) -> bytes:
+    """What a decoded image is kept by: the hash of a data: URL's text or of a file's bytes."""
+    return hashlib.blake2b(data, digest_size=16, person=kind).digest()
 
-    key = hashlib.blake2b(data, digest_size=16).digest()
+
+def _decoded(key: bytes, limits: MediaLimits) -> Any:
+    """The image decoded before from the source of `key`, or None."""
     image = DECODED.get(key)
     if image is not None:
         _check_pixels(image.size, limits)
-        return image
+    return image
+
+
+def _decode(data: bytes, limits: MediaLimits, what: str, key: bytes) -> Any:
+    """`data` decoded, and kept by `key`."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
     except (UnidentifiedImageError, OSError, ValueError):
