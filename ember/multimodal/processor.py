@@ -155,9 +155,9 @@ class ImageProcessor:
 
     def _cached(self, image: Any, process: Callable[[Any], Processed]) -> Processed:
         """`process(image)`, or what it gave for an image of the same content before. The key is
-        the content alone: each ImageProcessor has its own cache, and the families that use it
-        take no per-prompt processor settings."""
-        key = image_digest(image)
+        the family and the content: the families that use it take no per-prompt processor
+        settings, and each ImageProcessor (one model's processor files) has its own cache."""
+        key = (self.vision.kind, image_digest(image))
         done = self.cache.get(key)
         if done is None:
             done = process(image)
