@@ -53,6 +53,7 @@ from ember.engine.core_process import (
     stats_row,
 )
 from ember.engine.output_processor import ProcessedOutputs
+from ember.engine.pixel_link import PixelSender
 from ember.engine.stats import EngineStats
 from ember.loader.tokenizer import Tokenizer
 from ember.request import Request
@@ -170,6 +171,7 @@ class MPCoreClient:
         for sock in (self._input, self._output):
             sock.setsockopt(zmq.LINGER, 0)
         self._send_lock = threading.Lock()
+        self._pixels = PixelSender()
         self.process: multiprocessing.process.BaseProcess | None = None
         if connection is None:
             directory = tempfile.mkdtemp(prefix="ember-core-")
@@ -236,6 +238,11 @@ class MPCoreClient:
         self._checker.structured.warm_up()  # the core warmed its own before it said ready
 
     def send(self, message: tuple) -> None:
+        if message[0] == ADD and message[1].mm_features:  # its images' pixels once each (pixel_link.py)
+            with self._send_lock:  # stripped in the order sent: the core's receiver follows it
+                message = (ADD, self._pixels.strip(message[1]))
+                self._input.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+            return
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:  # a ZMQ socket is not thread-safe
             self._input.send(data, copy=False)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore, EngineCoreOutput
+from ember.engine.pixel_link import PixelReceiver
 from ember.engine.stats import EngineStats
 from ember.request import Request
 
@@ -66,7 +67,11 @@ class CoreService:
             kind = message[0]
             if kind == ADD:
                 self.num_added += 1
-                outputs += self._add(message[1])
+                if len(message) > 2:  # its images' pixels could not be put back (ClientTable.take)
+                    outputs.append(EngineCoreOutput(message[1].request_id, [], True, finish_reason="error",
+                                                    error=message[2]))
+                else:
+                    outputs += self._add(message[1])
             elif kind == SHUTDOWN:
                 return outputs, True
             elif kind == CALL:
@@ -196,6 +201,7 @@ class _Client:
         self.pidfd: int | None = None  # readable once its process has exited
         self.num_added = 0
         self.gone = False  # it left (SHUTDOWN) or its process died
+        self.pixels = PixelReceiver()  # the images' pixels it sent once (engine/pixel_link.py)
 
     @property
     def connected(self) -> bool:
@@ -237,6 +243,11 @@ class ClientTable:
                 client.num_added += 1
                 if prefix:
                     message[1].request_id = prefix + message[1].request_id
+                try:
+                    client.pixels.fill(message[1])
+                except ValueError as e:
+                    logger.error("request %s: %s", message[1].request_id, e)
+                    message = (ADD, message[1], str(e))
             elif kind in (ABORT, FINISH, FAIL):
                 if prefix:
                     message = (kind, prefix + message[1], *message[2:])
