@@ -153,8 +153,9 @@
 #                       width 4, 64 x 128/128 on the served model directory (vLLM's decodes: it needs the tokenizer):
 #                       vLLM (vllm_race.py --model DIR beam), then ember (beam_bench.py) on the same prompts, then
 #                       ember's search again under cProfile (beam_profile.txt: where the host's time goes). cost:
-#                       ember alone, 512 x 1000/1000 at the 8B shape without and with --kv-offload-gib 16 (start-up
-#                       and throughput where no prefix comes back: what a tier on by default would cost)
+#                       ember alone, 512 x 1000/1000 at the 8B shape with --kv-offload-gib 0, then at the default
+#                       (on CUDA: the pool's size, at most 1/4 of the host, pinned after start-up): start-up and
+#                       throughput where no prefix comes back
 #
 # Every kit named below is built by `bash benchmarks/scripts/device_kits.sh [whl serve-model serve-vl vllm smol]`.
 #
@@ -579,8 +580,10 @@ mode_kv_tiers() {  # kv-tiers multiturn|preempt|beam|cost: one part a call
       timeout "$secs" python3 benchmarks/scripts/beam_bench.py "$m" --output-json "$J/beam_ember.json" \
         --profile "$J/beam_profile.txt" 2>&1 \
         | tee "$J/beam_ember.log" | grep -E "^RESULT|Error" || true ;;
-    cost)  # what the tier costs where nothing comes back (every prompt new, the pool churning): the GPU default's question
-      for pm in 0 16; do bench "tier_cost_$pm" 270 $L $TP --kv-offload-gib $pm; done ;;
+    cost)  # what the tier costs where nothing comes back (every prompt new, the pool churning): off, then the
+      # default (on CUDA: the pool's size, at most 1/4 of the host's memory, pinned after start-up)
+      bench tier_cost_0 270 $L $TP --kv-offload-gib 0
+      bench tier_cost_default 270 $L $TP ;;
     *) echo "kv-tiers takes multiturn, preempt, beam or cost, got '$part'"; exit 2 ;;
   esac
 }
