@@ -348,13 +348,18 @@ def test_gguf_cuda_installs_the_gguf_wheel_tests_then_races_a_q4_k_m_file_agains
     assert f"== gguf-cuda needs {alone}/none/gguf-*.whl carried" in done.stdout and calls == []
 
 
-def test_spec_race_unpacks_the_staged_model_then_races_vllm_then_ember_on_it(tmp_path):
+def _smol_kit(tmp_path):
+    """spec-race's kit: the gguf wheel and the model's staged parts; (wheels, parts, env)."""
     wheels, parts = tmp_path / "whl", tmp_path / "st"
     wheels.mkdir()
     (wheels / "gguf-0.19.0-py3-none-any.whl").write_text("")
     (parts / "smol-hf").mkdir(parents=True)
     (parts / "smol-part0").write_text("")
-    env = {"SERVE_WHEELS": str(wheels), "SMOL_PARTS": str(parts)}
+    return wheels, parts, {"SERVE_WHEELS": str(wheels), "SMOL_PARTS": str(parts)}
+
+
+def test_spec_race_unpacks_the_staged_model_then_races_vllm_then_ember_on_it(tmp_path):
+    wheels, parts, env = _smol_kit(tmp_path)
     calls, done = run_mode(tmp_path, "spec-race", record_env=("VLLM_USE_FLASHINFER_SAMPLER",), extra_env=env)
     assert done.returncode == 0, done.stderr
     race = "python3 benchmarks/scripts/spec_gpu_race.py --model /tmp/smollm2-bf16 --max-tokens 256 --k 4 --lookup 2 4"
@@ -390,12 +395,7 @@ def test_spec_race_unpacks_the_staged_model_then_races_vllm_then_ember_on_it(tmp
 
 
 def test_spec_race_models_writes_the_drafts_then_races_vllm_then_ember_on_them(tmp_path):
-    wheels, parts = tmp_path / "whl", tmp_path / "st"
-    wheels.mkdir()
-    (wheels / "gguf-0.19.0-py3-none-any.whl").write_text("")
-    (parts / "smol-hf").mkdir(parents=True)
-    (parts / "smol-part0").write_text("")
-    env = {"SERVE_WHEELS": str(wheels), "SMOL_PARTS": str(parts)}
+    wheels, parts, env = _smol_kit(tmp_path)
     calls, done = run_mode(tmp_path, "spec-race", "models", record_env=("VLLM_USE_FLASHINFER_SAMPLER",),
                            extra_env=env)
     assert done.returncode == 0, done.stderr
