@@ -31,9 +31,9 @@ Rules that keep the accounting exact (`BlockPool`: free + in use + evictable == 
   block_size tokens, one block, keyed by all its tokens (so a whole-block lookup never lands
   on it). A later request whose next tokens begin the same way, after its whole-block hit,
   copies that block, or the cached whole block agreeing longest, into a block of its own
-  (`match_partial`) and computes only the rest: a chat's next turn or a beam's next step
+  (`match_partial`) and computes only the rest: a chat's next turn
   recomputes nothing, as a token-granular tree would. A partial leaf goes when eviction takes
-  it or a longer block (whole, or partial: the next beam step's) that begins with its tokens is
+  it or a longer block (whole, or partial: a later turn's) that begins with its tokens is
   cached beside it (a copy in flight from it keeps its block until the copying step is
   collected, outside the tree).
 """
@@ -278,7 +278,7 @@ class RadixPrefixCache(PrefixCache):
         node = RadixNode(tuple(token_ids), block_ids, parent=parent)
         first = node.token_ids[:self.block_size]
         # partial leaves this block begins like go: every lookup they would answer, it answers as
-        # well (a beam's step leaves its parent's tail behind; a copy in flight holds its source)
+        # well (a request that went on from a tail leaves that tail behind; a copy in flight holds its source)
         for key, leaf in list(parent.children.items()):
             if len(key) < len(first) and first[:len(key)] == key and len(key) < self.block_size:
                 del parent.children[key]
@@ -399,7 +399,7 @@ class RadixPrefixCache(PrefixCache):
 
 def _common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """The length of the common start of two tuples, by bisection over slices compared in C (a
-    token-by-token loop made a beam search's steps slower with every step it took)."""
+    token-by-token loop grew with every token a long match had)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

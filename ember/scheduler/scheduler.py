@@ -293,7 +293,7 @@ class Scheduler:
                      and (key := self._block_key(c.request, c.start // self.block_size)) is not None}
         deferred: set[str] = set()
         loading: list[Request] = []  # admitted with blocks to copy in
-        seats = self._seats_taken()  # counted once, then per admission (a beam search admits hundreds a step)
+        seats = self._seats_taken()  # counted once, then per admission (a step may admit hundreds)
         while len(self.waiting) > len(deferred) and budget > 0 and not (plan.preempted or plan.short_of_blocks):
             req = self._next_waiting(deferred)
             if seats + req.num_samples_to_draw > self.max_num_seqs:
@@ -587,7 +587,7 @@ class Scheduler:
 
     def _cache_partial_block(self, req: Request) -> None:
         """A leaving request's last, partly filled block goes to the prefix cache, so a request
-        that goes on from its tokens (a chat's next turn, a beam's next step) copies it."""
+        that goes on from its tokens (a chat's next turn) copies it."""
         if not self.partial_hits:
             return
         # its tokens whose KV a launched step writes; not the last known one (a step in flight for
