@@ -135,7 +135,8 @@
 #                       benchmarks/spec_ngram_prompts.json, none then ngram K=4 (lookup 2..4) (vLLM's ngram imports
 #                       numba: staged too, else vLLM's ngram_gpu, saying so). PART models [METHOD...]: the drafters
 #                       written first into /tmp/spec-drafts (ember/bench/spec_drafts.py: a random EAGLE-3 head, seed 0,
-#                       and the target's first 4 of 30 layers), then none, eagle3 and draft_model (METHODs: a subset)
+#                       and the target's first DRAFT_LAYERS (default 4) of 30 layers: 30 is the target itself, whose
+#                       drafts a greedy verify keeps nearly all of), then none, eagle3 and draft_model (METHODs: a subset)
 #                       K=4, each at batch 1 (one request at a time) and batch 32 (32 prompts in one call); both
 #                       engines load the same drafters, so their outputs_sha256 and accepted_tokens must agree.
 #                       The calls: below
@@ -518,7 +519,7 @@ mode_spec_race() {
   timeout "$secs" python3 benchmarks/scripts/smol_stage.py unpack "$parts" $m 2>&1 | tail -3 | tee "$J/smol_stage.log"
   if [ "$what" = models ]; then  # written once (kept where there), loaded by both engines
     secs=$(cap "the drafts" 60) || return 0
-    timeout "$secs" python3 -m ember.bench.spec_drafts $m $drafts --layers 4 2>&1 | tail -3 | tee "$J/spec_drafts.log"
+    timeout "$secs" python3 -m ember.bench.spec_drafts $m $drafts --layers ${DRAFT_LAYERS:-4} 2>&1 | tail -3 | tee "$J/spec_drafts.log"
   fi
   local vllm=0 method=ngram  # vLLM's ngram proposer imports numba: the staged wheels (smol_stage.py) where the image lacks it
   have_vllm && vllm=1

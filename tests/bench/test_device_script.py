@@ -414,6 +414,10 @@ def test_spec_race_models_writes_the_drafts_then_races_vllm_then_ember_on_them(t
     calls, done = run_mode(one, "spec-race", "models", "eagle3", extra_env={**env, "CALL_S": "240"})
     assert calls[-1] == f"{race.replace(' draft_model', '')} --engine ember [decode_config=]"
     assert "== vLLM spec race: skipped, the call's time is spent (ember's 190 s kept)" in done.stdout
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    calls, done = run_mode(whole, "spec-race", "models", "draft_model", extra_env={**env, "DRAFT_LAYERS": "30"})
+    assert "python3 -m ember.bench.spec_drafts /tmp/smollm2-bf16 /tmp/spec-drafts --layers 30 [decode_config=]" in calls
     for i, (bad, says) in enumerate(((("ngrams",), "no part 'ngrams'"), (("models", "medusa"), "no method 'medusa'"))):
         (tmp_path / f"bad{i}").mkdir()
         calls, done = run_mode(tmp_path / f"bad{i}", "spec-race", *bad, extra_env=env)
