@@ -27,6 +27,7 @@ from torch import nn
 
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import apply_rotary
+from ember.layers.transfer import to_device
 from ember.models.clip import vision_activation
 from ember.models.llava import LlavaMultiModalProjector, image_side_name
 from ember.models.qwen2_vl import Segments, segment_attention, segments_of
@@ -107,7 +108,8 @@ class PixtralVisionTower(nn.Module):
     def _rope(self, grids: list[Grid], device: torch.device) -> torch.Tensor:
         """[N, head_dim]: cos | sin of each patch's angles, its row's (even) frequencies then its column's (odd)."""
         pos = torch.cat([torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")).flatten(1).T
-                         for _, h, w in grids]).to(device)
+                         for _, h, w in grids])
+        pos = to_device(pos, device)
         angles = (pos[..., None].float() * self.inv_freq.to(device)).flatten(1)  # [N, head_dim / 2]
         return torch.cat([angles.cos(), angles.sin()], dim=-1)
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import apply_rotary
+from ember.layers.transfer import to_device
 from ember.models.clip import vision_activation
 from ember.models.vision_config import VisionConfig
 
@@ -73,7 +74,7 @@ def segments_of(runs: list[tuple[int, int]], device: torch.device) -> Segments:
     by_length: dict[int, list[int]] = {}
     for start, end in runs:
         by_length.setdefault(end - start, []).append(start)
-    return [(len(starts), length, (torch.tensor(starts)[:, None] + torch.arange(length)).flatten().to(device))
+    return [(len(starts), length, to_device((torch.tensor(starts)[:, None] + torch.arange(length)).flatten(), device))
             for length, starts in by_length.items()]
 
 
@@ -155,14 +156,14 @@ class Qwen2VisionTower(nn.Module):
         if cfg.window_size:  # window-major order of merge blocks: each window's rows consecutive
             order, runs = _window_order(grids, cfg.window_size // cfg.merge_size // cfg.patch_size, cfg.merge_size)
             windows = segments_of(runs, x.device)
-            rows = (torch.from_numpy(order).to(x.device)[:, None] * unit + torch.arange(unit, device=x.device)).flatten()
+            rows = (to_device(order, x.device)[:, None] * unit + torch.arange(unit, device=x.device)).flatten()
             x, rope = x[rows], rope[rows]
         for i, block in enumerate(self.blocks):
             full = not cfg.window_size or i in cfg.full_attention_blocks
             x = block(x, rope, frames if full else windows)
         merged = self.merger(x)
         if order is not None:
-            merged = merged[torch.from_numpy(np.argsort(order)).to(x.device)]
+            merged = merged[to_device(np.argsort(order), x.device)]
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
 
@@ -181,7 +182,7 @@ def axial_rope(grids: list[Grid], merge: int, inv_freq: torch.Tensor, device: to
     for t, h, w in grids:
         for pos, out in zip(merge_order(h, w, merge), (rows, cols)):
             out.append(np.tile(pos, t))
-    pos = torch.from_numpy(np.stack([np.concatenate(rows), np.concatenate(cols)], axis=1)).to(device)
+    pos = to_device(np.stack([np.concatenate(rows), np.concatenate(cols)], axis=1), device)
     angles = (pos[..., None].float() * inv_freq.to(device)).flatten(1)  # [N, head_dim / 2]
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 

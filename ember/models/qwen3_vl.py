@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.layers.transfer import to_device
 from ember.models.qwen2_vl import (
     Grid,
     PatchEmbed,
@@ -88,7 +89,7 @@ class Qwen3VisionTower(nn.Module):
         out = []
         for t, h, w in grids:
             grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]  # [hidden, h, w]
-            rows, cols = (torch.from_numpy(pos).to(grid.device) for pos in merge_order(h, w, self.config.merge_size))
+            rows, cols = (to_device(pos, grid.device) for pos in merge_order(h, w, self.config.merge_size))
             out.append(grid[:, rows, cols].t().repeat(t, 1))
         return torch.cat(out)
 

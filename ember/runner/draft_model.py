@@ -24,11 +24,11 @@ from ember.config import EngineConfig
 from ember.layers.attention import AttentionMetadata
 from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
+from ember.layers.transfer import to_device
 from ember.loader.model_files import load_model, locate_model
 from ember.models.config import ModelConfig
 from ember.request import Request
 from ember.runner.kv_heads import rank_kv_heads
-from ember.runner.sampler import to_device
 from ember.scheduler.scheduler import SchedulerOutput
 
 # a drafting step's pick: (logits [n, vocab] of its n requests, their indices in the requests
@@ -113,7 +113,7 @@ class DraftModel(DraftCache):
             ids, pos_t, slot_t, lens, starts = flat.split([n, n, n, n, n + 1])
             meta = AttentionMetadata(
                 slot_mapping=slot_t, query_start_loc=starts.to(torch.int32), seq_lens=lens.to(torch.int32),
-                block_tables=torch.from_numpy(np.stack([tables[i][:width] for i in active])).to(self.device),
+                block_tables=to_device(np.stack([tables[i][:width] for i in active]), self.device),
                 query_lens_cpu=[1] * n, seq_lens_cpu=[p + 1 for p in pos])
             hidden = self.model(ids, pos_t, meta)
             for i, token in zip(active, draw(self.model.compute_logits(hidden), active)):

@@ -20,6 +20,7 @@ from torch import nn
 from ember.config import EngineConfig
 from ember.layers.attention import AttentionMetadata, get_attention_backend
 from ember.layers.quant import model_weight_bytes
+from ember.layers.transfer import to_device
 from ember.loader.model_files import locate_model
 from ember.loader.safetensors import iter_pt, iter_safetensors
 from ember.loader.weights import load_weights
@@ -27,7 +28,6 @@ from ember.models.eagle3 import Eagle3Head, default_aux_layers, head_tensor_name
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs
 from ember.runner.draft_model import DraftCache, DrawDrafts
-from ember.runner.sampler import to_device
 from ember.scheduler.scheduler import SchedulerOutput
 
 
@@ -212,7 +212,7 @@ class Eagle3Drafter(DraftCache):
         if not runs:
             return drafts
         width = max(len(requests[i].block_ids) for i in active)
-        table = torch.from_numpy(np.stack([tables[i][:width] for i in active])).to(self.device)
+        table = to_device(np.stack([tables[i][:width] for i in active]), self.device)
         normed, feature = self._run(runs, table)
         vocab = self.vocab_size
         token = draw(self.model.target_logits(normed, vocab), active)

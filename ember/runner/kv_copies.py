@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.runner.sampler import to_device
+from ember.layers.transfer import to_device
 from ember.scheduler.scheduler import SchedulerOutput
 
 # the most device memory a batch of copies stages (on the copy stream: the next batch reuses it),

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ember.layers.transfer import to_device
 from ember.models.llama import Deepstack
 from ember.multimodal.inputs import ImageFeature
 from ember.scheduler.scheduler import SchedulerOutput
@@ -185,13 +186,13 @@ class ImageEmbedder:
         self.num_encoder_steps += 1
         dtype = next(self.vision.parameters()).dtype
         if getattr(self.vision, "packed", False):  # Qwen2-VL: images of any sizes in one call, patches concatenated
-            patches = torch.from_numpy(np.concatenate([f.pixel_values for f in missing])).to(self.device, dtype)
+            patches = to_device(np.concatenate([f.pixel_values for f in missing]), self.device, dtype)
             for f, out in zip(missing, self.vision(patches, [f.grid_thw for f in missing])):
                 self.cache.put(f.hash, out.clone())  # its own memory, which the cache's byte count sees
             self.num_encoded += len(missing)
             return
         if getattr(self.vision, "tiled", False):  # LLaVA-NeXT: every view of every image in one batch
-            views = torch.from_numpy(np.concatenate([f.pixel_values for f in missing])).to(self.device, dtype)
+            views = to_device(np.concatenate([f.pixel_values for f in missing]), self.device, dtype)
             for f, out in zip(missing, self.vision(views, [f.image_size for f in missing])):
                 self.cache.put(f.hash, out)
             self.num_encoded += len(missing)
@@ -200,7 +201,7 @@ class ImageEmbedder:
         for f in missing:
             by_shape.setdefault(f.pixel_values.shape, []).append(f)
         for group in by_shape.values():
-            pixels = torch.stack([torch.from_numpy(f.pixel_values) for f in group]).to(self.device, dtype)
+            pixels = to_device(np.stack([f.pixel_values for f in group]), self.device, dtype)
             for f, out in zip(group, self.vision(pixels)):
                 self.cache.put(f.hash, out)
             self.num_encoded += len(group)

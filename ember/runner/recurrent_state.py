@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ember.layers.transfer import to_device
 from ember.models.gated_deltanet import GatedDeltaNet
 
 
@@ -105,7 +106,7 @@ class RecurrentStates:
         self.snapshot_recurrent[:, snapshots] = self.recurrent[:, slots]
 
     def _index(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.int64, device=self.conv.device)
+        return to_device(ids, self.conv.device, torch.int64)
 
     def release(self, request_id: str) -> None:
         slot = self.slots.pop(request_id, None)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ember.layers.transfer import to_device
 from ember.sampling_params import SamplingParams
 
 
@@ -269,13 +270,6 @@ def verify_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: tor
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p.scatter(1, at, 0.0), residual)
     return torch.where(keep, drafts, _inverse_cdf(residual, v))
-
-
-def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small tensor on `device`, copied from pinned memory so that the CPU does not wait
-    for the device's queue (a plain torch.tensor(..., device="cuda") does)."""
-    pin = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> PendingLogprobs:

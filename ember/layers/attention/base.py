@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from ember.layers.transfer import to_device
+
 
 @dataclass
 class AttentionMetadata:
@@ -89,8 +91,8 @@ class AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping,
             query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True),
-            block_tables=self.block_tables.index_select(0, torch.tensor(owner).to(device, non_blocking=True)),
+            seq_lens=to_device(lens, device, torch.int32),
+            block_tables=self.block_tables.index_select(0, to_device(owner, device)),
             query_lens_cpu=[1] * len(lens), seq_lens_cpu=lens)
 
 

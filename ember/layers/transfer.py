@@ -1,0 +1,22 @@
+"""Host -> device copies that do not stall the CPU. A blocking copy (`torch.tensor(...,
+device="cuda")`, `.to("cuda")` of pageable memory) waits for every kernel queued before it,
+which undoes async scheduling's overlap of the host's next step with the device's current one;
+from pinned memory with non_blocking the copy queues behind those kernels and the CPU goes on.
+torch's caching host allocator keeps the pinned buffer until the copy has run."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(values: list | np.ndarray | torch.Tensor, device: torch.device,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` (a list, an array or a CPU tensor) on `device` as `dtype` (a list: converted on
+    the host; an array or tensor: on the device, so that the copy moves its own bytes)."""
+    pin = device.type == "cuda"
+    if isinstance(values, list):
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+    host = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
+    out = (host.pin_memory() if pin else host).to(device, non_blocking=True)
+    return out if dtype is None else out.to(dtype)
