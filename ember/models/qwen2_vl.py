@@ -18,6 +18,8 @@ Math only, under transformers' names (the hub checkpoints' `visual.*`); the load
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -121,6 +123,20 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+@dataclass
+class TowerPlan:
+    """What a packed tower's forward derives from the images' grids alone (built once, on the
+    device): the run of the blocks over their patches reads nothing else."""
+
+    rope: torch.Tensor  # [N, head_dim] cos | sin, in the order the blocks see the patches
+    frames: Segments  # each frame's rows
+    sizes: list[int]  # each image's output rows
+    windows: Segments | None = None  # Qwen2.5-VL: each window's rows (window-major order)
+    rows: torch.Tensor | None = None  # Qwen2.5-VL: the patches in window-major order
+    unorder: torch.Tensor | None = None  # Qwen2.5-VL: the merged rows back in the processor's order
+    positions: torch.Tensor | None = None  # Qwen3-VL: each patch's learned position [N, hidden]
+
+
 class PatchMerger(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -148,23 +164,36 @@ class Qwen2VisionTower(nn.Module):
         self.register_buffer("inv_freq", axial_inv_freq(cfg), persistent=False)
 
     def forward(self, patches: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
+        return self.run(patches, self.plan(grids, patches.device))
+
+    def plan(self, grids: list[Grid], device: torch.device) -> TowerPlan:
+        """Every tensor the forward derives from the grids, on `device` (runner/tower_graphs.py
+        keeps one alive beside the CUDA graph that reads it)."""
         cfg, unit = self.config, self.config.merge_size ** 2
-        x = self.patch_embed(patches)
-        rope = axial_rope(grids, cfg.merge_size, self.inv_freq, x.device)
-        frames = frame_segments(grids, x.device)
-        order = None
+        plan = TowerPlan(axial_rope(grids, cfg.merge_size, self.inv_freq, device), frame_segments(grids, device),
+                         [t * h * w // unit for t, h, w in grids])
         if cfg.window_size:  # window-major order of merge blocks: each window's rows consecutive
             order, runs = _window_order(grids, cfg.window_size // cfg.merge_size // cfg.patch_size, cfg.merge_size)
-            windows = segments_of(runs, x.device)
-            rows = (to_device(order, x.device)[:, None] * unit + torch.arange(unit, device=x.device)).flatten()
-            x, rope = x[rows], rope[rows]
+            plan.windows = segments_of(runs, device)
+            plan.rows = (to_device(order, device)[:, None] * unit + torch.arange(unit, device=device)).flatten()
+            plan.rope = plan.rope[plan.rows]
+            plan.unorder = to_device(np.argsort(order), device)
+        return plan
+
+    def run(self, patches: torch.Tensor, plan: TowerPlan) -> list[torch.Tensor]:
+        """The forward over the patches of the images `plan` was made for (no host work: it
+        replays as a CUDA graph)."""
+        cfg = self.config
+        x = self.patch_embed(patches)
+        if plan.rows is not None:
+            x = x[plan.rows]
         for i, block in enumerate(self.blocks):
-            full = not cfg.window_size or i in cfg.full_attention_blocks
-            x = block(x, rope, frames if full else windows)
+            full = plan.windows is None or i in cfg.full_attention_blocks
+            x = block(x, plan.rope, plan.frames if full else plan.windows)
         merged = self.merger(x)
-        if order is not None:
-            merged = merged[to_device(np.argsort(order), x.device)]
-        return list(merged.split([t * h * w // unit for t, h, w in grids]))
+        if plan.unorder is not None:
+            merged = merged[plan.unorder]
+        return list(merged.split(plan.sizes))
 
 
 def axial_inv_freq(cfg: VisionConfig) -> torch.Tensor:

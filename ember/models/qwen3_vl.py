@@ -25,6 +25,7 @@ from ember.layers.transfer import to_device
 from ember.models.qwen2_vl import (
     Grid,
     PatchEmbed,
+    TowerPlan,
     VisionBlock,
     axial_inv_freq,
     axial_rope,
@@ -69,18 +70,27 @@ class Qwen3VisionTower(nn.Module):
         self.register_buffer("inv_freq", axial_inv_freq(cfg), persistent=False)
 
     def forward(self, patches: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
+        return self.run(patches, self.plan(grids, patches.device))
+
+    def plan(self, grids: list[Grid], device: torch.device) -> TowerPlan:
+        """Every tensor the forward derives from the grids (the learned positions too), on `device`."""
+        cfg = self.config
+        return TowerPlan(axial_rope(grids, cfg.merge_size, self.inv_freq, device), frame_segments(grids, device),
+                         [t * h * w // cfg.merge_size ** 2 for t, h, w in grids], positions=self._positions(grids))
+
+    def run(self, patches: torch.Tensor, plan: TowerPlan) -> list[torch.Tensor]:
+        """The forward over the patches of the images `plan` was made for (no host work: it
+        replays as a CUDA graph)."""
         cfg = self.config
         x = self.patch_embed(patches)
-        x = x + self._positions(grids).to(x.dtype)
-        rope = axial_rope(grids, cfg.merge_size, self.inv_freq, x.device)
-        frames = frame_segments(grids, x.device)
+        x = x + plan.positions.to(x.dtype)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, frames)
+            x = block(x, plan.rope, plan.frames)
             if i in cfg.deepstack_blocks:
                 deepstack.append(self.deepstack_merger_list[cfg.deepstack_blocks.index(i)](x))
         merged = torch.cat([self.merger(x), *deepstack], dim=-1)
-        return list(merged.split([t * h * w // cfg.merge_size ** 2 for t, h, w in grids]))
+        return list(merged.split(plan.sizes))
 
     def _positions(self, grids: list[Grid]) -> torch.Tensor:
         """[N, hidden]: each patch's learned position, the table resized to its frame's grid."""
