@@ -119,6 +119,9 @@
 #                       random-mm client at the same sizes (random-mm, the cross-check); first transformers' AutoProcessor
 #                       on the directory in vLLM's environment (VL_WORKLOADS, VL_SERVERS: subsets). Carry the server
 #                       wheels (.whl, as serve's), the directory and vLLM's last stage part
+#   vision-graphs       the GPU tests of the vision towers' CUDA graphs (replays against eager: Qwen2.5-VL, Qwen3-VL,
+#                       Gemma 3's SigLIP at padded batches; the engine's tokens against --enforce-eager) and of
+#                       the vision families on CUDA (Qwen2.5-VL / Qwen3-VL, Gemma 3, which now run with them)
 #   serve-sweep [FLAGS...]  ember serve alone on the burst and the 16/s workload (SWEEP_WORKLOADS) at each
 #                       seat/budget pair
 #                       ("S B" strings; default: the serving defaults, 512/8192, 1024/8192, 256/8192, 512/4096)
@@ -712,6 +715,10 @@ p = transformers.AutoProcessor.from_pretrained(sys.argv[1]); \
 print('== AutoProcessor:', type(p).__name__, type(p.image_processor).__name__, p.image_token, p.image_token_id)" "$1"
 }
 
+mode_vision_graphs() {
+  gpu_tests 540 tests/runner/test_tower_graphs.py tests/models/test_cuda_qwen_vl.py tests/models/test_cuda_gemma3_vision.py
+}
+
 mode_race_vl() {
   local m=${VL_MODEL:-.serve-vl} servers=${VL_SERVERS:-vllm,ember} secs
   local flags="--limit-mm-per-prompt '{\"image\": 1, \"video\": 0}'"
@@ -832,6 +839,7 @@ case "$mode" in
   serve) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve ;;
   serve-race) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve_race ;;
   race-vl) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_race_vl ;;
+  vision-graphs) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_vision_graphs ;;
   serve-sweep) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_serve_sweep "$@" ;;
   deterministic) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_deterministic ;;
   gpu-suite) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_gpu_suite ;;

@@ -52,6 +52,7 @@ from ember.runner.sampler import (
     to_host,
     token_logprobs,
 )
+from ember.runner.tower_graphs import tower_graphs
 from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import SchedulerOutput
 from ember.scheduler.sliding_window import shared_window
@@ -171,6 +172,12 @@ class ModelRunner:
         self.encoder = mc.bidirectional  # whole prompts, no KV cache, no decode step to capture
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and not self.encoder
         self.graph_reserve = GRAPH_POOL_RESERVE if use_graphs else 0
+        # the vision tower's graphs: a fixed-shape tower's captured now (the KV pool sees their memory as
+        # used), a packed tower's bytes kept out of the KV pool for its captures later (runner/tower_graphs.py)
+        self.tower_graph_reserve = 0
+        if use_graphs and self.images is not None:
+            self.images.graphs, self.tower_graph_reserve = tower_graphs(
+                self.images.vision, config.max_num_encoder_input_tokens, config.torch_dtype, self.device)
         # when every layer has a window, the scheduler gives back blocks no window reaches and
         # their table entries point at one block past the pool (BlockPool.null_block)
         self.num_null_blocks = 0 if shared_window(mc.layer_windows) is None else 1
@@ -405,7 +412,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             return int(c.gpu_memory_utilization * total - (total - free) - self.activation_bytes - self.graph_reserve
-                       - self.draft_probs_bytes)
+                       - self.tower_graph_reserve - self.draft_probs_bytes)
         return CPU_KV_CACHE_MEMORY
 
     def _num_kv_blocks(self, memory: int) -> int:

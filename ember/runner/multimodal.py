@@ -30,6 +30,7 @@ from torch import nn
 from ember.layers.transfer import to_device
 from ember.models.llama import Deepstack
 from ember.multimodal.inputs import ImageFeature
+from ember.runner.tower_graphs import FixedTowerGraphs, PackedTowerGraphs
 from ember.scheduler.scheduler import SchedulerOutput
 
 ENCODER_CACHE_BYTES = 256 << 20  # image embeddings kept for reuse beyond those running requests still need
@@ -142,6 +143,10 @@ class ImageEmbedder:
         self.cache = EncoderCache(max_bytes)
         self.num_encoded = 0  # images the vision model ran for (tests, stats)
         self.num_encoder_steps = 0  # steps in which it ran (the scheduler's encoder budget spreads images over more)
+        # CUDA graphs of the tower (runner/tower_graphs.py; set by the runner on CUDA unless eager)
+        self.graphs: PackedTowerGraphs | FixedTowerGraphs | None = None
+        self.num_tower_replays = 0  # tower calls replayed as a CUDA graph
+        self.num_tower_eager = 0  # tower calls run eagerly (every one without graphs)
 
     def inputs(self, plan: SchedulerOutput, input_ids: torch.Tensor) -> ImageInputs | None:
         """None when no chunk of the step covers an image token."""
@@ -187,12 +192,19 @@ class ImageEmbedder:
         dtype = next(self.vision.parameters()).dtype
         if getattr(self.vision, "packed", False):  # Qwen2-VL: images of any sizes in one call, patches concatenated
             patches = to_device(np.concatenate([f.pixel_values for f in missing]), self.device, dtype)
-            for f, out in zip(missing, self.vision(patches, [f.grid_thw for f in missing])):
+            grids = [f.grid_thw for f in missing]
+            if self.graphs is not None:
+                outs, replayed = self.graphs(patches, grids)
+            else:
+                outs, replayed = self.vision(patches, grids), False
+            self._count(replayed)
+            for f, out in zip(missing, outs):
                 self.cache.put(f.hash, out.clone())  # its own memory, which the cache's byte count sees
             self.num_encoded += len(missing)
             return
         if getattr(self.vision, "tiled", False):  # LLaVA-NeXT: every view of every image in one batch
             views = to_device(np.concatenate([f.pixel_values for f in missing]), self.device, dtype)
+            self._count(False)
             for f, out in zip(missing, self.vision(views, [f.image_size for f in missing])):
                 self.cache.put(f.hash, out)
             self.num_encoded += len(missing)
@@ -202,9 +214,17 @@ class ImageEmbedder:
             by_shape.setdefault(f.pixel_values.shape, []).append(f)
         for group in by_shape.values():
             pixels = to_device(np.stack([f.pixel_values for f in group]), self.device, dtype)
-            for f, out in zip(group, self.vision(pixels)):
-                self.cache.put(f.hash, out)
+            outs = self.graphs(pixels) if self.graphs is not None else None
+            self._count(outs is not None)
+            for f, out in zip(group, self.vision(pixels) if outs is None else outs):
+                self.cache.put(f.hash, out.clone())  # its own memory, not a view of the batch's (or the graph's)
             self.num_encoded += len(group)
+
+    def _count(self, replayed: bool) -> None:
+        if replayed:
+            self.num_tower_replays += 1
+        else:
+            self.num_tower_eager += 1
 
 
 def image_spans(plan: SchedulerOutput) -> list[_Span]:

@@ -56,7 +56,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
                       "race-moe", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
-                      "serve-race", "race-vl", "serve-sweep", "spec", "spec-race", "frontend", "kv-tiers"]
+                      "serve-race", "race-vl", "vision-graphs", "serve-sweep", "spec", "spec-race", "frontend", "kv-tiers"]
     for mode in listed:
         assert f"\n  {mode}) " in text, mode
 
@@ -503,6 +503,13 @@ def test_race_vl_races_vllm_then_ember_on_the_vision_workloads_under_one_client(
     calls, done = run_mode(tmp_path / "subset", "race-vl", extra_env=kit | {"VL_SERVERS": "ember", "VL_WORKLOADS": "images"})
     assert calls[1:] == [(race.replace(str(out), str(tmp_path / "subset" / "out")) % "ember").replace(
         "images,images-shared,random-mm", "images")]
+
+
+def test_vision_graphs_runs_the_tower_graphs_and_vision_families_gpu_tests(tmp_path):
+    calls, done = run_mode(tmp_path, "vision-graphs")
+    assert done.returncode == 0, done.stderr
+    assert calls == ["python3 -m pytest -m gpu -q -s -rf --tb=short tests/runner/test_tower_graphs.py "
+                     "tests/models/test_cuda_qwen_vl.py tests/models/test_cuda_gemma3_vision.py [decode_config=]"]
 
 
 def test_frontend_runs_the_programs_bench_on_the_served_model_with_its_wheels(tmp_path):
