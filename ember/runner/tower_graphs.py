@@ -75,11 +75,6 @@ class GraphLRU:
         self.nbytes += nbytes
         return "capture", evicted
 
-    def forget(self, key: Hashable) -> None:
-        """A capture that was not made after all (it would outgrow the memory reserved)."""
-        self.nbytes -= self.captured.pop(key, 0)
-
-
 @dataclass
 class _Entry:
     graph: torch.cuda.CUDAGraph
@@ -111,13 +106,13 @@ class PackedTowerGraphs:
         key = (tuple(grids), patches.dtype)
         tokens = sum(math.prod(g) for g in grids) // self.unit
         action = "eager"
-        if tokens <= self.max_tokens:
+        full = self.pool_bytes + self.policy.nbytes > self.reserve  # captures stop; what is captured replays
+        if tokens <= self.max_tokens and (key in self.entries or not full):
             action, evicted = self.policy.decide(key, patches.nbytes + tokens * self.row_bytes * patches.element_size())
             for old in evicted:
                 del self.entries[old]
-        if action == "capture" and not self._capture(key, patches, grids):
-            self.policy.forget(key)
-            action = "eager"
+        if action == "capture":
+            self._capture(key, patches, grids)
         if action == "eager":
             return self.vision(patches, grids), False
         entry = self.entries[key]
@@ -125,9 +120,7 @@ class PackedTowerGraphs:
         entry.graph.replay()
         return entry.outputs, True
 
-    def _capture(self, key: Hashable, patches: torch.Tensor, grids: list) -> bool:
-        if self.pool_bytes + self.policy.nbytes > self.reserve:
-            return False
+    def _capture(self, key: Hashable, patches: torch.Tensor, grids: list) -> None:
         start = time.perf_counter()
         plan = self.vision.plan(grids, patches.device)
         static = patches.clone()
@@ -144,7 +137,6 @@ class PackedTowerGraphs:
         if self.pool_bytes + self.policy.nbytes > self.reserve:
             logger.warning("the vision tower graphs' memory (%.1f MiB) passed its reserve (%.1f MiB): no further "
                            "grids are captured", (self.pool_bytes + self.policy.nbytes) / 2**20, self.reserve / 2**20)
-        return True
 
 
 def graph_pool_bytes(pool: tuple) -> int:

@@ -106,8 +106,6 @@ def test_graph_lru_keeps_its_static_bytes_under_the_bound():
     assert lru.decide("c", 30) == ("capture", ["a"])  # 40 + 40 + 30 > 100
     assert lru.nbytes == 70
     assert [lru.decide("big", 101)[0] for _ in range(3)] == ["eager"] * 3  # its buffers alone pass the bound
-    lru.forget("c")  # a capture not made
-    assert list(lru.captured) == ["b"] and lru.nbytes == 40
 
 
 def test_graph_lru_remembers_a_bounded_number_of_keys_seen_once():
@@ -175,7 +173,7 @@ def test_replayed_siglip_tower_equals_eager_at_padded_batches_on_cuda():
             got = graphs(pixels).clone()
             padded = torch.cat([pixels, graphs.pixels[n:next(s for s in graphs.sizes if s >= n)]])
             assert torch.equal(got, vision(padded)[:n])
-            torch.testing.assert_close(got, vision(pixels), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, vision(pixels), rtol=1e-4, atol=1e-4)
     assert graphs(torch.zeros(5, 3, 64, 64, device="cuda")) is None  # more images than captured: eager
 
 
@@ -187,18 +185,19 @@ def test_the_engine_replays_the_tower_and_its_tokens_equal_eager_on_cuda(tmp_pat
     pytest.importorskip("transformers")
     pytest.importorskip("PIL")
     from llava_model import image, word_tokenizer_dir
-    from qwen_vl_model import ONE, save_tiny_qwen_vl
+    from qwen_vl_model import V, save_tiny_qwen_vl
 
     from ember import LLM, SamplingParams
 
     model_dir = save_tiny_qwen_vl(word_tokenizer_dir(tmp_path_factory.mktemp("words")),
                                   tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    asks = [{"prompt": ONE, "multi_modal_data": {"image": [image((40 * i, 200 - 30 * i, 90), (60, 45))]}}
+    asks = [{"prompt": f"USER What is in the picture ? {V} ASSISTANT", "multi_modal_data": {"image": [image((40 * i, 200 - 30 * i, 90), (60, 45))]}}
             for i in range(4)]
     tokens = {}
     for eager in (True, False):
-        llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=512, enforce_eager=eager)
+        llm = LLM(str(model_dir), dtype="float32", quantization="none", max_model_len=512, num_kv_blocks=16,
+                  enforce_eager=eager)
         tokens[eager] = [llm.generate(ask, greedy)[0].outputs[0].token_ids for ask in asks]
         images = llm.engine.runner.images
         if eager:
