@@ -177,7 +177,8 @@ class ModelRunner:
         self.tower_graph_reserve = 0
         if use_graphs and self.images is not None:
             self.images.graphs, self.tower_graph_reserve = tower_graphs(
-                self.images.vision, config.max_num_encoder_input_tokens, config.torch_dtype, self.device)
+                self.images.vision, config.max_num_encoder_input_tokens, next(self.images.vision.parameters()).dtype,
+                self.device)
         # when every layer has a window, the scheduler gives back blocks no window reaches and
         # their table entries point at one block past the pool (BlockPool.null_block)
         self.num_null_blocks = 0 if shared_window(mc.layer_windows) is None else 1
