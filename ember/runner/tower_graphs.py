@@ -95,6 +95,7 @@ class PackedTowerGraphs:
         self.entries: dict[Hashable, _Entry] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.pool_bytes = 0  # the pool's size, measured after each capture
+        self.failed = False  # a capture raised: every call runs eagerly from then on
         self.unit = vision.config.merge_size ** 2
         self.row_bytes = vision.config.text_hidden_size * (1 + getattr(vision, "deepstack_layers", 0))
 
@@ -107,12 +108,17 @@ class PackedTowerGraphs:
         tokens = sum(math.prod(g) for g in grids) // self.unit
         action = "eager"
         full = self.pool_bytes + self.policy.nbytes > self.reserve  # captures stop; what is captured replays
-        if tokens <= self.max_tokens and (key in self.entries or not full):
+        if not self.failed and tokens <= self.max_tokens and (key in self.entries or not full):
             action, evicted = self.policy.decide(key, patches.nbytes + tokens * self.row_bytes * patches.element_size())
             for old in evicted:
                 del self.entries[old]
         if action == "capture":
-            self._capture(key, patches, grids)
+            try:
+                self._capture(key, patches, grids)
+            except Exception as e:  # a graph is an optimization: its failure must not fail the step's requests
+                logger.warning("capturing the vision tower's CUDA graph for grids %s failed (%s: %s): the tower runs "
+                               "eagerly from now on", grids, type(e).__name__, e)
+                self.failed, self.entries, action = True, {}, "eager"
         if action == "eager":
             return self.vision(patches, grids), False
         entry = self.entries[key]
@@ -233,5 +239,9 @@ def tower_graphs(vision: nn.Module, max_tokens: int, dtype: torch.dtype,
     with torch.inference_mode():
         tokens = vision(torch.zeros(1, *shape, dtype=dtype, device=device)).shape[1]
     graphs = FixedTowerGraphs(vision, shape, max(1, max_tokens // tokens), dtype, device)
-    graphs.capture()
+    try:
+        graphs.capture()
+    except Exception as e:  # a graph is an optimization: the tower runs eagerly without it
+        logger.warning("capturing the vision tower's CUDA graphs failed (%s: %s): it runs eagerly", type(e).__name__, e)
+        return None, 0
     return graphs, 0
