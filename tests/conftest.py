@@ -103,6 +103,7 @@ def _forward_logits(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
     try:
         plan = SchedulerOutput([ScheduledChunk(r, r.num_tokens) for r in reqs])
         input_ids, positions, meta, _, _ = core.runner._prepare(plan)
+        meta.eager = True  # as the runner's eager forwards
         with torch.inference_mode():
             logits = core.runner.model.compute_logits(core.runner.model(input_ids, positions, meta)).float()
     finally:

@@ -15,10 +15,24 @@ of r + rope dims, whose values are that entry's first r dims. The attention back
 as multi-query attention over the latent: the cache is one plane (kv_planes 1: the layer's
 k_cache and v_cache are the same tensor, so a value row is its key row), and the layer asks
 for the first r dims of the values alone (`value_dim`, layers/attention/base.py): the
-output is the weighted c. Prefill and decode both take this path: the cache holds nothing
-else. On CUDA the decode rows run a kernel made for it (kernels/mla_decode.py: the r latent
-and the rope dims apart, a block of heads over each cache tile); the prefill rows run the
-generic prefill kernel over the r + rope dims, of which the backend keeps the first r.
+output is the weighted c. Decode rows always take this path: on CUDA a kernel made for it
+(kernels/mla_decode.py: the r latent and the rope dims apart, a block of heads over each
+cache tile).
+
+Prefill rows absorbed would be multi-query attention over r + rope dims (576 for V2-Lite/V3),
+3-4x the FLOPs of the expanded form and poor tiles. So on CUDA, in a step the runner runs
+eagerly (`AttentionMetadata.eager`: more tokens than the piecewise graphs take, or no graphs),
+the sequences after the step's leading decode rows run non-absorbed: every row's [c | k_pe] is
+written to the cache, the decode rows attend absorbed over their own sub-step, and each
+prefill sequence's whole context (prefix-cache hits and earlier chunks included) is gathered
+from the cache and expanded by kv_b_proj into per-head keys [W_UK_h c | k_pe] and values
+W_UV_h c (padded to the key's width), laid out as a paged cache of consecutive blocks a
+sequence, and attended by the backend as plain multi-head attention of nope + rope dims in one
+call (causal offsets as for any chunk over a cached prefix). A step whose prefill contexts pass
+`EXPANDED_CONTEXT_LIMIT` tokens stays absorbed (logged once), bounding the buffer. On the CPU
+and in deterministic mode every row stays absorbed: there a decode row must get the bits the
+same token gets in a prefill, which two different computations cannot give
+(`expanded_prefill` forces the path on, for tests on the CPU).
 
 The checkpoint's RoPE dims are interleaved pairs; the loader reorders their rows to ember's
 rotate-half layout (loader/weights.py), which leaves every q_pe . k_pe unchanged.
@@ -26,21 +40,87 @@ rotate-half layout (loader/weights.py), which leaves every q_pe . k_pe unchanged
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import nn
 
 from ember.distributed.parallel_state import tp_rank, tp_size
 from ember.distributed.sharding import split_evenly
 from ember.layers.attention import AttentionBackend, AttentionMetadata
+from ember.layers.attention.torch_ref import FP8, dequantize_kv
+from ember.layers.attention.triton_backend import leading_decodes
 from ember.layers.linear import Linear, MergedLinear, RowParallelLinear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import apply_rotary
+from ember.layers.transfer import to_device
 from ember.models.config import ModelConfig
 
+logger = logging.getLogger(__name__)
+
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV2/V3RMSNorm default for q_a and kv_a's norms
+# context tokens (whole blocks) a step may expand a layer: V2-Lite's 16 heads of 192-dim keys and
+# values take 12 KiB a token in bfloat16, so ~200 MiB, reused layer after layer
+EXPANDED_CONTEXT_LIMIT = 16384
+
+
+@dataclass(frozen=True)
+class _ExpandedPlan:
+    """A step's split for the non-absorbed prefill, built once and shared by every layer."""
+    decode_tokens: int  # the leading decode rows, tokens 0 .. decode_tokens-1 (absorbed)
+    decode: AttentionMetadata | None  # their sub-step; None without any
+    prefill: AttentionMetadata  # the other sequences over the expanded buffer's blocks
+    slots: torch.Tensor  # [buffer rows] int64: the cache slot each row's latent is read from
+
+
+_logged_limit = False
+
+
+def expanded_plan(meta: AttentionMetadata, block_size: int, limit: int) -> _ExpandedPlan | None:
+    """The sequences after the step's leading decode rows, their contexts in consecutive blocks
+    of a buffer (sequence i's from block starts[i]); rows past a context repeat its last token
+    (never attended: past its seq_len). None when their blocks pass `limit` tokens."""
+    global _logged_limit
+    n = leading_decodes(meta.query_lens_cpu)
+    lens = np.asarray(meta.seq_lens_cpu[n:], dtype=np.int64)
+    blocks = -(-lens // block_size)
+    if int(blocks.sum()) * block_size > limit:
+        if not _logged_limit:
+            _logged_limit = True
+            logger.info("a prefill step over %d context tokens passes MLA's expanded limit of %d: it runs absorbed",
+                        int(lens.sum()), limit)
+        return None
+    rows = blocks * block_size
+    seq = np.repeat(np.arange(n, meta.num_seqs), rows)
+    pos = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
+    pos = np.minimum(pos, np.repeat(lens - 1, rows))
+    device = meta.seq_lens.device
+    seq_t, pos_t = to_device(seq, device), to_device(pos, device)
+    slots = meta.block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
+    starts = np.cumsum(blocks) - blocks
+    width = np.arange(int(blocks.max()))
+    tables = np.where(width[None, :] < blocks[:, None], starts[:, None] + width[None, :], 0)
+    prefill = AttentionMetadata(  # the leading decode rows are tokens 0 .. n-1
+        slot_mapping=meta.slot_mapping[n:], query_start_loc=meta.query_start_loc[n:] - n,
+        seq_lens=meta.seq_lens[n:], block_tables=to_device(tables, device, torch.int32),
+        query_lens_cpu=meta.query_lens_cpu[n:], seq_lens_cpu=meta.seq_lens_cpu[n:], eager=True)
+    decode = None
+    if n:
+        decode = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[:n], query_start_loc=meta.query_start_loc[:n + 1],
+            seq_lens=meta.seq_lens[:n], block_tables=meta.block_tables[:n], query_lens_cpu=meta.query_lens_cpu[:n],
+            seq_lens_cpu=meta.seq_lens_cpu[:n], eager=True)
+    return _ExpandedPlan(n, decode, prefill, slots)
 
 
 class LatentAttention(nn.Module):
+    # the non-absorbed prefill (the module's note): None: on CUDA outside deterministic mode; True
+    # forces it on (the CPU's tests), False off
+    expanded_prefill: bool | None = None
+    expanded_limit = EXPANDED_CONTEXT_LIMIT
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         h, heads = cfg.hidden_size, cfg.num_heads
@@ -82,13 +162,60 @@ class LatentAttention(nn.Module):
         q_pe, k_pe, _ = apply_rotary(q_pe.contiguous(), k_pe.contiguous().view(tokens, 1, self.rope), rope)
         w_uk, w_uv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank).split(
             [self.nope, self.v_dim], dim=1)
+        key = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + rope]
+        plan = self._expanded_plan(meta, x)
+        if plan is None:
+            o_latent = self._absorbed(q_nope, q_pe, key, w_uk, meta, kv_written=False)  # [T, H, r]
+            out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        else:
+            out = self._expanded(q_nope, q_pe, key, w_uk, w_uv, plan, meta)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, key: torch.Tensor, w_uk: torch.Tensor,
+                  meta: AttentionMetadata, kv_written: bool) -> torch.Tensor:
+        """The weighted latents [T, H, r] of queries through W_UK over the cache's [c | k_pe]."""
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
         query = torch.cat([q_latent, q_pe], dim=-1)
-        key = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + rope]
-        o_latent = self.backend.forward(query, key, key, self.k_cache, self.v_cache, meta, self.scale,
-                                        self.k_scale, self.v_scale, value_dim=self.rank)  # [T, H, r]
-        out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
+        return self.backend.forward(query, key, key, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
+                                    self.v_scale, kv_written=kv_written, value_dim=self.rank)
+
+    def _expanded_plan(self, meta: AttentionMetadata, x: torch.Tensor) -> _ExpandedPlan | None:
+        on = self.expanded_prefill
+        if on is None:
+            on = x.is_cuda and not self.backend.batch_invariant
+        if not on or not meta.eager or max(meta.query_lens_cpu) == 1 or self.v_dim > self.nope + self.rope:
+            return None
+        if "mla-expanded" not in meta.plans:  # None too: the step stays absorbed in every layer
+            meta.plans["mla-expanded"] = expanded_plan(meta, self.k_cache.shape[1], self.expanded_limit)
+        return meta.plans["mla-expanded"]
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, key: torch.Tensor, w_uk: torch.Tensor,
+                  w_uv: torch.Tensor, plan: _ExpandedPlan, meta: AttentionMetadata) -> torch.Tensor:
+        """[T, H, v]: the leading decode rows absorbed, the other sequences over their contexts'
+        expanded keys and values (the module's note)."""
+        self.backend.write_kv(key, key, self.k_cache, self.v_cache, meta, self.k_scale, self.v_scale)
+        n, heads, dtype = plan.decode_tokens, self.num_heads, q_nope.dtype
+        outs = []
+        if n:
+            o_latent = self._absorbed(q_nope[:n], q_pe[:n], key[:n], w_uk, plan.decode, kv_written=True)
+            outs.append(torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1))
+        cache = self.k_cache.view(-1, self.rank + self.rope)
+        if cache.dtype == FP8:  # no float8 gather kernel: gather the bytes
+            cached = cache.view(torch.uint8)[plan.slots].view(FP8)
+        else:
+            cached = cache[plan.slots]
+        cached = dequantize_kv(cached, self.k_scale).to(dtype)
+        latent, k_pe = cached.split([self.rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(latent).view(-1, heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        width = self.nope + self.rope
+        block_size = self.k_cache.shape[1]
+        keys = torch.cat([k_nope, k_pe[:, None].expand(-1, heads, -1)], dim=-1).view(-1, block_size, heads, width)
+        values = nn.functional.pad(v, (0, width - self.v_dim)).view(-1, block_size, heads, width)
+        query = torch.cat([q_nope[n:], q_pe[n:]], dim=-1)
+        o = self.backend.forward(query, query, query, keys, values, plan.prefill, self.scale, kv_written=True)
+        outs.append(o[..., :self.v_dim])
+        return torch.cat(outs) if n else outs[0]
 
     def _load_kv_b(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
         """kv_b_proj's rows of this rank's heads ([W_UK_h; W_UV_h] a head, in head order)."""

@@ -457,7 +457,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             block_tables=torch.arange(per_seq * len(lens), dtype=torch.int32, device=dev).view(len(lens), per_seq),
-            query_lens_cpu=lens, seq_lens_cpu=lens)
+            query_lens_cpu=lens, seq_lens_cpu=lens, eager=True)  # the peak of an eager step's forward
         if self.states is not None:
             meta.state_slots_cpu = [i % self.states.num_slots for i in range(len(lens))]
             meta.state_slots = torch.tensor(meta.state_slots_cpu, dtype=torch.int64, device=dev)
@@ -504,8 +504,10 @@ class ModelRunner:
         clock("prepare")
         self.kv_copies.before_forward()
         if images is not None:  # eager: the graphs embed token ids at 1-D positions
+            meta.eager = True
             hidden = self.model(input_ids, positions, meta, images.embeds, images.deepstack)
         elif positions.dim() == 2:
+            meta.eager = True
             hidden = self.model(input_ids, positions, meta)
         elif self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
             hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
@@ -518,6 +520,7 @@ class ModelRunner:
         elif self.encoder:
             hidden = self.model(input_ids, positions, meta, self._token_type_ids(plan))
         else:
+            meta.eager = True
             hidden = self.model(input_ids, positions, meta)
         hidden, aux = self._split_aux(hidden)
         if plan.state_saves:  # states where chunks ended on a block boundary, for the prefix cache

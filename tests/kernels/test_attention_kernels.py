@@ -1034,3 +1034,57 @@ def test_mla_decode_checks_layouts():
         backend.forward(q, k, k, cache, cache.clone(), meta, 1.0, value_dim=64)
     with pytest.raises(ValueError, match="no sliding window"):
         backend.forward(q, k, k, cache, cache, meta, 1.0, sliding_window=4, value_dim=64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mla_expanded_prefill_on_the_triton_backend(device):
+    """MLA's non-absorbed prefill (models/mla.py) at DeepSeek's head dims (keys 128 + 64 = 192,
+    values 128) on a mixed step: a decode row (absorbed, mla_decode), a prefill and a chunk over
+    a cached prefix, the last two over the expanded keys and values in their synthetic blocks
+    through the prefill kernel. The layer on the Triton backend equals the same layer, absorbed
+    throughout, on the torch backend."""
+    from ember.layers.rotary import RotaryEmbedding
+    from ember.models.config import ModelConfig
+    from ember.models.mla import LatentAttention
+
+    torch.manual_seed(0)
+    heads, rank, block = (2, 32, 8) if device == "cpu" else (16, 512, 16)
+    cfg = ModelConfig.from_hf_config({
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 64,
+        "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "kv_lora_rank": rank, "q_lora_rank": None,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "rope_theta": 10000.0})
+    dtype = _dtype(device)
+    cached, new = [6, 0, 11], [1, 13, 5]  # a decode row leads
+    lens = [c + n for c, n in zip(cached, new)]
+    per_seq = -(-max(lens) // block)
+    tables = torch.randperm(len(lens) * per_seq).view(len(lens), per_seq).int()
+    slots = [tables[i, p // block].item() * block + p % block for i in range(len(lens)) for p in range(lens[i])]
+    new_slots = [s for i, n in enumerate(new) for s in slots[sum(lens[:i]) + cached[i]:sum(lens[:i + 1])]]
+    positions = torch.tensor([p for c, n in zip(cached, new) for p in range(c, c + n)], device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(new_slots, device=device),
+        query_start_loc=torch.tensor([0, 1, 14, 19], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_tables=tables.to(device),
+        query_lens_cpu=new, seq_lens_cpu=lens)
+    rope = RotaryEmbedding(64, 128, 10000.0, None).to(device).lookup(positions)
+    weights = LatentAttention(cfg, get_attention_backend("torch")).state_dict()
+    for w in weights.values():
+        w.normal_(std=0.1)
+    x = torch.randn(sum(new), 64, dtype=dtype, device=device)
+    cache = torch.randn(len(lens) * per_seq, block, 1, rank + 64, dtype=dtype, device=device)
+    outs = []
+    for name, expanded in (("torch", False), ("triton", True)):
+        layer = LatentAttention(cfg, get_attention_backend(name))
+        layer.load_state_dict(weights)
+        layer.to(device, dtype).expanded_prefill = expanded
+        layer.k_cache = layer.v_cache = cache.clone()
+        step = AttentionMetadata(**{f: getattr(meta, f) for f in ("slot_mapping", "query_start_loc", "seq_lens",
+                                                                   "block_tables", "query_lens_cpu", "seq_lens_cpu")},
+                                 eager=True)
+        outs.append(layer(rope.clone(), x, step))
+        assert (step.plans.get("mla-expanded") is not None) == expanded
+        if expanded:
+            assert step.plans["mla-expanded"].decode_tokens == 1
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), **_tol(device))

@@ -222,3 +222,50 @@ def test_q8_0_gguf_keeps_its_blocks(converted, gguf_convert):
     assert isinstance(attn.kv_a_proj_with_mqa.format, GGUFBlocks) and attn.kv_b_proj.weight.is_floating_point()
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert out[0].outputs[0].token_ids[:4] == hf_greedy(hf, PROMPTS[0])[:4]
+
+
+# The non-absorbed prefill (models/mla.py): on CUDA by default, forced on here on the CPU. Each
+# forward's split is recorded (the real function, called through) so a test knows it ran.
+@pytest.fixture
+def expanded(monkeypatch):
+    from ember.models import mla
+
+    plans = []
+
+    def recorded(*args):
+        plans.append(real(*args))
+        return plans[-1]
+
+    real = mla.expanded_plan
+    monkeypatch.setattr(mla, "expanded_plan", recorded)
+    monkeypatch.setattr(mla.LatentAttention, "expanded_prefill", True)
+    return plans
+
+
+def test_expanded_prefill_matches_hf(variant, forward_logits, expanded):
+    _, _, path, hf, _, expected = variant
+    llm = LLM(str(path), **ENGINE)
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert len(expanded) == 1 and expanded[0].prefill.query_lens_cpu == [13, 1, 27]  # every row expanded
+    assert greedy_tokens(llm) == expected
+    assert all(p is not None for p in expanded)
+
+
+def test_expanded_prefill_chunked_cached_and_mixed(variant, expanded):
+    """5-token chunks: the later prompts' chunks share steps with the first's decode rows
+    (absorbed) and read their earlier chunks, then whole prompts' blocks, from the cache."""
+    _, _, path, _, _, expected = variant
+    assert_chunked_and_cached(str(path), expected)
+    assert any(p.decode_tokens and p.prefill.num_seqs for p in expanded)  # a mixed step
+    cached = [p for p in expanded if any(s > q for s, q in zip(p.prefill.seq_lens_cpu, p.prefill.query_lens_cpu))]
+    assert cached  # a chunk over a context before it
+
+
+def test_expanded_prefill_past_its_limit_stays_absorbed(variant, expanded, monkeypatch):
+    from ember.models import mla
+
+    _, _, path, _, _, expected = variant
+    monkeypatch.setattr(mla.LatentAttention, "expanded_limit", 16)  # two 8-token blocks
+    llm = LLM(str(path), **(ENGINE | dict(max_num_batched_tokens=5)))
+    assert greedy_tokens(llm) == expected
+    assert None in expanded and any(p is not None for p in expanded)

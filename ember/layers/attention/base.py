@@ -73,6 +73,10 @@ class AttentionMetadata:
     # Gemma 3's images: [num_tokens] int32 on the device, each query row's end of the keys it
     # sees (exclusive; see the module's note); None: causal
     key_ends: torch.Tensor | None = None
+    # the runner runs this step's forward eagerly: no CUDA graph captures or replays it, so a layer
+    # may launch work whose shapes follow the step's sequences (MLA's non-absorbed prefill:
+    # models/mla.py); False in every graph's capture
+    eager: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -103,6 +107,12 @@ class AttentionBackend(ABC):
     # deterministic mode (layers/batch_invariant.py): a row's output may not depend on the
     # other rows of its step; a backend that is not so by construction changes kernels
     batch_invariant = False
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+        """The KV write alone (what `forward` does first unless `kv_written`)."""
+        raise NotImplementedError(f"the {self.name} attention backend has no KV write of its own")
 
     @abstractmethod
     def forward(

@@ -78,13 +78,17 @@ class _Group:
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 kv_written: bool = False, sliding_window: int | None = None,
                 logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
                 attention_chunk: int | None = None, value_dim: int | None = None) -> torch.Tensor:
         if not kv_written:
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+            self.write_kv(k, v, k_cache, v_cache, meta, k_scale, v_scale)
         out = self._attend_all(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window, logit_softcap,
                                sinks, attention_chunk)
         return out if value_dim is None else out[..., :value_dim]  # MLA: the weighted latents, not their k_pe

@@ -69,13 +69,17 @@ class TritonBackend(AttentionBackend):
                                                  self._num_splits(rows, parallel) if rows else 1)
         return plan
 
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+        self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                 kv_written: bool = False, sliding_window: int | None = None,
                 logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
                 attention_chunk: int | None = None, value_dim: int | None = None) -> torch.Tensor:
         if not kv_written:
-            self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+            self.write_kv(k, v, k_cache, v_cache, meta, k_scale, v_scale)
         if value_dim is not None:
             return self._latent(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window, logit_softcap,
                                 sinks, value_dim)
