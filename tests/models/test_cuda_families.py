@@ -206,3 +206,30 @@ GREEDY_FLOOR = {"mixtral": 0.90, "qwen2_moe": 0.90, "qwen3_moe": 0.90, "deepseek
 def test_greedy_generation_agrees_with_hf(models):
     name, llm, hf = models
     assert greedy_agreement(name, llm, hf, _prompts(1)) >= GREEDY_FLOOR.get(name, 0.95)
+
+
+def test_deepseek_expanded_prefill_agrees_with_hf(models, forward_logits, monkeypatch):
+    """MLA's non-absorbed prefill (models/mla.py), on by default on CUDA in eager steps: with no
+    piecewise graphs every prefill and mixed step runs eagerly and so takes it (decode steps stay
+    absorbed in their graphs), at the floors of the default engine above."""
+    from ember import LLM
+    from ember.models import mla
+
+    name, default, hf = models
+    if name not in DEEPSEEK:
+        pytest.skip("multi-head latent attention only")
+    plans = []
+
+    def recorded(*args):
+        plans.append(real(*args))
+        return plans[-1]
+
+    real = mla.expanded_plan
+    monkeypatch.setattr(mla, "expanded_plan", recorded)
+    llm = LLM(default.config.model, max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.7,  # beside `default`
+              mixed_graph_max_tokens=0, max_num_batched_tokens=256)  # chunks: mixed steps
+    assert llm.engine.runner.piecewise is None
+    assert logits_agreement(name, llm, hf, _prompts(0), forward_logits) >= LOGITS_FLOOR.get(name, 0.95)
+    assert plans and all(p is not None for p in plans)
+    assert greedy_agreement(name, llm, hf, _prompts(1)) >= GREEDY_FLOOR.get(name, 0.95)
+    assert any(p.decode_tokens and p.prefill.num_seqs for p in plans[1:])  # a mixed step: decodes absorbed
