@@ -208,7 +208,7 @@ def test_greedy_generation_agrees_with_hf(models):
     assert greedy_agreement(name, llm, hf, _prompts(1)) >= GREEDY_FLOOR.get(name, 0.95)
 
 
-def test_deepseek_expanded_prefill_agrees_with_hf(models, forward_logits, monkeypatch):
+def test_mla_expanded_prefill_agrees_with_hf(models, forward_logits, monkeypatch):
     """MLA's non-absorbed prefill (models/mla.py), on by default on CUDA in eager steps: with no
     piecewise graphs every prefill and mixed step runs eagerly and so takes it (decode steps stay
     absorbed in their graphs), at the floors of the default engine above."""
