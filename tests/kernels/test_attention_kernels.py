@@ -1037,12 +1037,14 @@ def test_mla_decode_checks_layouts():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_mla_expanded_prefill_on_the_triton_backend(device):
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache-dtype", "cache-fp8"])
+def test_mla_expanded_prefill_on_the_triton_backend(device, fp8):
     """MLA's non-absorbed prefill (models/mla.py) at DeepSeek's head dims (keys 128 + 64 = 192,
     values 128) on a mixed step: a decode row (absorbed, mla_decode), a prefill and a chunk over
     a cached prefix, the last two over the expanded keys and values in their synthetic blocks
     through the prefill kernel. The layer on the Triton backend equals the same layer, absorbed
-    throughout, on the torch backend."""
+    throughout, on the torch backend; over an fp8 cache (a scale of 0.5) the expanded path
+    dequantizes the gathered latents as the absorbed one reads them."""
     from ember.layers.rotary import RotaryEmbedding
     from ember.models.config import ModelConfig
     from ember.models.mla import LatentAttention
@@ -1074,11 +1076,16 @@ def test_mla_expanded_prefill_on_the_triton_backend(device):
         w.normal_(std=0.1)
     x = torch.randn(sum(new), 64, dtype=dtype, device=device)
     cache = torch.randn(len(lens) * per_seq, block, 1, rank + 64, dtype=dtype, device=device)
+    if fp8:
+        cache = quantize_kv(cache, FP8, torch.tensor([0.5], device=device))
     outs = []
     for name, expanded in (("torch", False), ("triton", True)):
         layer = LatentAttention(cfg, get_attention_backend(name))
         layer.load_state_dict(weights)
         layer.to(device, dtype).expanded_prefill = expanded
+        if fp8:
+            layer.k_scale.fill_(0.5)
+            layer.v_scale.fill_(0.5)
         layer.k_cache = layer.v_cache = cache.clone()
         step = AttentionMetadata(**{f: getattr(meta, f) for f in ("slot_mapping", "query_start_loc", "seq_lens",
                                                                    "block_tables", "query_lens_cpu", "seq_lens_cpu")},
