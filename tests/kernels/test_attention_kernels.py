@@ -1083,9 +1083,8 @@ def test_mla_expanded_prefill_on_the_triton_backend(device, fp8):
         layer = LatentAttention(cfg, get_attention_backend(name))
         layer.load_state_dict(weights)
         layer.to(device, dtype).expanded_prefill = expanded
-        if fp8:
-            layer.k_scale.fill_(0.5)
-            layer.v_scale.fill_(0.5)
+        # the cache's scales stay one float32 each, as the runner keeps them (.to(dtype) casts buffers too)
+        layer.k_scale, layer.v_scale = (torch.full((1,), 0.5 if fp8 else 1.0, device=device) for _ in range(2))
         layer.k_cache = layer.v_cache = cache.clone()
         step = AttentionMetadata(**{f: getattr(meta, f) for f in ("slot_mapping", "query_start_loc", "seq_lens",
                                                                    "block_tables", "query_lens_cpu", "seq_lens_cpu")},
@@ -1094,4 +1093,12 @@ def test_mla_expanded_prefill_on_the_triton_backend(device, fp8):
         assert (step.plans.get("mla-expanded") is not None) == expanded
         if expanded:
             assert step.plans["mla-expanded"].decode_tokens == 1
-    torch.testing.assert_close(outs[1].float(), outs[0].float(), **_tol(device))
+    got, want = outs[1].float(), outs[0].float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **_tol(device))
+    else:  # bf16: the two forms round at different places (q W_UK against W_UK c): compare in bulk, a wrong head
+        # or offset is off by the values' own size
+        diff = (got - want).abs()
+        print(f"mla expanded vs absorbed in bf16: mean |diff| {diff.mean():.4f}, max {diff.max():.4f}, "
+              f"mean |value| {want.abs().mean():.4f}")
+        assert diff.mean() <= 0.03 * want.abs().mean() and diff.max() <= 0.25 * want.abs().max()

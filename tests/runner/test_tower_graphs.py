@@ -173,7 +173,8 @@ def test_replayed_siglip_tower_equals_eager_at_padded_batches_on_cuda():
             got = graphs(pixels).clone()
             padded = torch.cat([pixels, graphs.pixels[n:next(s for s in graphs.sizes if s >= n)]])
             assert torch.equal(got, vision(padded)[:n])
-            torch.testing.assert_close(got, vision(pixels), rtol=1e-4, atol=1e-4)
+            # an eager batch of n runs the matmuls at another row count: the kernels may differ in the last bits
+            torch.testing.assert_close(got, vision(pixels), rtol=1e-3, atol=1e-3)
     assert graphs(torch.zeros(5, 3, 64, 64, device="cuda")) is None  # more images than captured: eager
 
 
