@@ -107,8 +107,8 @@ def host_tier_default(device: str, pool_bytes: int, host_bytes: int, engines: in
     else:
         size, why = share, (f"1/{HOST_TIER_SHARE} of the host's {host_bytes / 2**30:.1f} GiB over {engines} "
                             f"engine{'s' if engines > 1 else ''}, less than the KV pool's {pool_bytes / 2**30:.2f} GiB")
-    # torch's caching host allocator pins the next power of two of what it is asked for (up to 2x):
-    # a power of two asked pins no more than that
+    # down to a power of two: the sizes the default's cost was measured at (BENCHMARKS.md, 2026-12-06);
+    # the tier's buffers (runner/kv_copies.py HostSlots) would pin any size as asked
     floor = 1 << (size.bit_length() - 1) if size else 0
     return HostTierDefault(floor / 2**30, f"on CUDA: {why}, down to a power of two")
 

@@ -2,9 +2,9 @@
 and the swap space's (scheduler/swap_space.py), as each plan lists them.
 
 Host slots are slot-major, (slot, plane, layer, token, head, dim) in the cache's bytes, so a run of
-consecutive slots is one contiguous stretch, moved by one copy call; the device side is gathered
-into (or scattered from) a contiguous staging tensor by one indexing kernel a batch of at most
-STAGING_BYTES.
+consecutive slots is one contiguous stretch, moved by one copy call (two where it crosses from one
+of HostSlots' pieces to the next); the device side is gathered into (or scattered from) a
+contiguous staging tensor by one indexing kernel a batch of at most STAGING_BYTES.
 
 On CUDA every copy runs on a copy stream of its own, and the CPU never waits for one (pinned host
 memory, non_blocking copies):
@@ -33,6 +33,7 @@ space is one block of each)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -58,6 +59,40 @@ class IssuedCopies:
     load_seconds: float | None = None  # the CPU's in-place copies in, timed
 
 
+class HostSlots:
+    """n slots of one block each ([n, *slot_shape] bytes) in host memory, pinned for the GPU's
+    copies, in pieces of just under a power of two bytes each: torch's caching host allocator
+    pins the next power of two of any ask, so one buffer of n slots could pin up to twice what
+    was asked (`--swap-space 24` pinned 32 GiB); the pieces pin what was asked, less than a slot
+    over a piece (a piece takes over half of what is left: ~log2 pieces)."""
+
+    def __init__(self, slot_shape: tuple[int, ...], num_slots: int, pin: bool) -> None:
+        self.slot_shape, self.num_slots = tuple(slot_shape), num_slots
+        slot_bytes = math.prod(slot_shape)
+        self.pieces: list[torch.Tensor] = []
+        self.starts: list[int] = []  # each piece's first slot
+        first = 0
+        while first < num_slots:
+            left = num_slots - first
+            n = min(left, max(1, (1 << (left * slot_bytes).bit_length() - 1) // slot_bytes))
+            self.pieces.append(torch.empty((n, *slot_shape), dtype=torch.uint8, pin_memory=pin))
+            self.starts.append(first)
+            first += n
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_slots, *self.slot_shape))
+
+    def spans(self, first: int, n: int) -> list[tuple[torch.Tensor, int]]:
+        """Slots first .. first + n - 1 as (a view of a piece, its offset into the run), in order."""
+        out = []
+        for start, piece in zip(self.starts, self.pieces):
+            lo, hi = max(first, start), min(first + n, start + len(piece))
+            if lo < hi:
+                out.append((piece[lo - start:hi - start], lo - first))
+        return out
+
+
 class KVCopies:
     """The copies of each plan (see the module's docstring), between the blocks of `kv_caches`
     (the target's first, then a drafter's) and the host buffers `host_blocks` makes for each."""
@@ -67,19 +102,18 @@ class KVCopies:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._tier_slots = tier_slots
         self._tier_caches = [c.to("meta") for c in kv_caches]  # their shapes, for the tier's buffers
-        self._tier_made: Future[list[torch.Tensor | None]] | None = None  # start_host_tier's
-        self._tier: list[torch.Tensor | None] | None = None if tier_slots else [None] * len(kv_caches)
+        self._tier_made: Future[list[HostSlots | None]] | None = None  # start_host_tier's
+        self._tier: list[HostSlots | None] | None = None if tier_slots else [None] * len(kv_caches)
         self.swap = [self.host_blocks(c, swap_slots) for c in kv_caches]
         self._waits_now: list[torch.cuda.Event] = []  # loads this launch's forward waits for
         self._waits_next: list[torch.cuda.Event] = []  # loads the next launch waits for
 
-    def host_blocks(self, kv_cache: torch.Tensor, n: int) -> torch.Tensor | None:
+    def host_blocks(self, kv_cache: torch.Tensor, n: int) -> HostSlots | None:
         """n slots of one block each in host memory (pinned for the GPU's copies), slot-major."""
         if not n:
             return None
         raw = _raw(kv_cache)
-        return torch.empty((n, *raw.shape[:2], *raw.shape[3:]), dtype=torch.uint8,
-                           pin_memory=self.device.type == "cuda")
+        return HostSlots((*raw.shape[:2], *raw.shape[3:]), n, pin=self.device.type == "cuda")
 
     def start_host_tier(self) -> None:
         """Make the host tier's buffers in a thread of their own (the first copy waits for them)."""
@@ -96,13 +130,13 @@ class KVCopies:
         # a daemon: a process that ends meanwhile does not wait for the pinning
         threading.Thread(target=make, name="ember-host-tier", daemon=True).start()
 
-    def _make_tier(self) -> list[torch.Tensor | None]:
+    def _make_tier(self) -> list[HostSlots | None]:
         if self.device.type == "cuda":  # a new thread's device is the first: pin with this rank's context
             torch.cuda.set_device(self.device)
         return [self.host_blocks(c, self._tier_slots) for c in self._tier_caches]
 
     @property
-    def tier(self) -> list[torch.Tensor | None]:
+    def tier(self) -> list[HostSlots | None]:
         """The host tier's buffers, one a cache: made now if start_host_tier was not called, else
         once its thread is done (an error there is raised here)."""
         if self._tier is None:
@@ -205,22 +239,24 @@ def copy_blocks(caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> Non
             raw.index_copy_(2, dst, raw.index_select(2, src))
 
 
-def _copy_out(caches: list[torch.Tensor], hosts: list[torch.Tensor | None], pairs: list[tuple[int, int]]) -> None:
+def _copy_out(caches: list[torch.Tensor], hosts: list[HostSlots | None], pairs: list[tuple[int, int]]) -> None:
     """Device blocks to host slots, `pairs` (block, slot), of each cache: a gather a batch, a copy a run of slots."""
     for raw, host in zip(caches, hosts):
         for batch in _batches(raw, pairs):
             blocks, slots = (list(x) for x in zip(*batch))
             staged = raw.index_select(2, to_device(blocks, raw.device, torch.int64)).movedim(2, 0).contiguous()
             for i, first, n in slot_runs(slots):
-                host[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+                for view, j in host.spans(first, n):
+                    view.copy_(staged[i + j:i + j + len(view)], non_blocking=True)
 
 
-def _copy_in(caches: list[torch.Tensor], hosts: list[torch.Tensor | None], pairs: list[tuple[int, int]]) -> None:
+def _copy_in(caches: list[torch.Tensor], hosts: list[HostSlots | None], pairs: list[tuple[int, int]]) -> None:
     """Host slots to device blocks, `pairs` (slot, block), of each cache: a copy a run of slots, a scatter a batch."""
     for raw, host in zip(caches, hosts):
         for batch in _batches(raw, pairs):
             slots, blocks = (list(x) for x in zip(*batch))
-            staged = torch.empty((len(slots), *host.shape[1:]), dtype=torch.uint8, device=raw.device)
+            staged = torch.empty((len(slots), *host.slot_shape), dtype=torch.uint8, device=raw.device)
             for i, first, n in slot_runs(slots):
-                staged[i:i + n].copy_(host[first:first + n], non_blocking=True)
+                for view, j in host.spans(first, n):
+                    staged[i + j:i + j + len(view)].copy_(view, non_blocking=True)
             raw.index_copy_(2, to_device(blocks, raw.device, torch.int64), staged.movedim(0, 2))

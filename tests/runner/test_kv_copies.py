@@ -16,7 +16,7 @@ import torch
 
 from ember.request import Request, RequestStatus
 from ember.runner import kv_copies
-from ember.runner.kv_copies import KVCopies, copy_blocks, slot_runs
+from ember.runner.kv_copies import HostSlots, KVCopies, copy_blocks, slot_runs
 from ember.sampling_params import SamplingParams
 from ember.scheduler.scheduler import SchedulerOutput
 
@@ -207,3 +207,15 @@ def test_swap_outs_hold_their_blocks_until_collected_and_an_abort_meanwhile_hold
     want = _tokens(big, [r.prompt_token_ids for r in reqs if r is not gone], 120)
     assert [r.output_token_ids for r in reqs if r is not gone] == want
     core.check_idle()
+
+
+def test_host_slots_pin_what_was_asked_in_pieces_under_powers_of_two():
+    slots = HostSlots((3, 5), 10, pin=False)  # 15 bytes a slot, 150 asked: one buffer would pin 256
+    assert [len(p) for p in slots.pieces] == [8, 1, 1] and slots.starts == [0, 8, 9]
+    # what torch's caching host allocator pins for each piece: the next power of two of its bytes
+    assert [1 << (p.numel() - 1).bit_length() for p in slots.pieces] == [128, 16, 16]
+    assert slots.shape == (10, 3, 5)
+    spans = slots.spans(6, 4)  # slots 6 .. 9 cross both boundaries
+    assert [(v.data_ptr(), len(v), j) for v, j in spans] == [
+        (slots.pieces[0][6:].data_ptr(), 2, 0), (slots.pieces[1].data_ptr(), 1, 2), (slots.pieces[2].data_ptr(), 1, 3)]
+    assert [len(HostSlots((1,), n, pin=False).pieces) for n in (1, 2, 3, 4, 7, 8, 1000)] == [1, 1, 2, 1, 3, 1, 6]
