@@ -239,3 +239,20 @@ def bpe_tokenizer_dir(tmp_path_factory) -> Path:
     hf = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     hf.save_pretrained(str(root))
     return root
+
+
+@pytest.fixture
+def mla_expanded_plans(monkeypatch) -> list:
+    """Each forward's split for MLA's non-absorbed prefill (models/mla.py expanded_plan, called
+    through), so a test knows the path ran: None where a step stayed absorbed."""
+    from ember.models import mla
+
+    plans: list = []
+    real = mla.expanded_plan
+
+    def recorded(*args):
+        plans.append(real(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(mla, "expanded_plan", recorded)
+    return plans

@@ -208,24 +208,16 @@ def test_greedy_generation_agrees_with_hf(models):
     assert greedy_agreement(name, llm, hf, _prompts(1)) >= GREEDY_FLOOR.get(name, 0.95)
 
 
-def test_mla_expanded_prefill_agrees_with_hf(models, forward_logits, monkeypatch):
+def test_mla_expanded_prefill_agrees_with_hf(models, forward_logits, mla_expanded_plans):
     """MLA's non-absorbed prefill (models/mla.py), on by default on CUDA in eager steps: with no
     piecewise graphs every prefill and mixed step runs eagerly and so takes it (decode steps stay
     absorbed in their graphs), at the floors of the default engine above."""
     from ember import LLM
-    from ember.models import mla
 
     name, default, hf = models
     if name not in DEEPSEEK:
         pytest.skip("multi-head latent attention only")
-    plans = []
-
-    def recorded(*args):
-        plans.append(real(*args))
-        return plans[-1]
-
-    real = mla.expanded_plan
-    monkeypatch.setattr(mla, "expanded_plan", recorded)
+    plans = mla_expanded_plans
     llm = LLM(default.config.model, max_model_len=1024, max_num_seqs=16, gpu_memory_utilization=0.7,  # beside `default`
               mixed_graph_max_tokens=0, max_num_batched_tokens=256)  # chunks: mixed steps
     assert llm.engine.runner.piecewise is None

@@ -227,19 +227,11 @@ def test_q8_0_gguf_keeps_its_blocks(converted, gguf_convert):
 # The non-absorbed prefill (models/mla.py): on CUDA by default, forced on here on the CPU. Each
 # forward's split is recorded (the real function, called through) so a test knows it ran.
 @pytest.fixture
-def expanded(monkeypatch):
+def expanded(monkeypatch, mla_expanded_plans):
     from ember.models import mla
 
-    plans = []
-
-    def recorded(*args):
-        plans.append(real(*args))
-        return plans[-1]
-
-    real = mla.expanded_plan
-    monkeypatch.setattr(mla, "expanded_plan", recorded)
     monkeypatch.setattr(mla.LatentAttention, "expanded_prefill", True)
-    return plans
+    return mla_expanded_plans
 
 
 def test_expanded_prefill_matches_hf(variant, forward_logits, expanded):
