@@ -46,6 +46,7 @@ from ember.distributed.sharding import split_evenly
 from ember.layers.attention import AttentionMetadata
 from ember.layers.kernel_paths import cuda_paths
 from ember.layers.linear import MergedLinear, RowParallelLinear
+from ember.layers.transfer import to_device
 from ember.models.config import ModelConfig
 
 L2NORM_EPS = 1e-6  # transformers' (and the fla library's) eps inside the q / k norms
@@ -325,10 +326,8 @@ class _Chunks:
         valid = token < starts[seqs + 1][owner][:, None]
         gather = np.where(valid, token, starts[-1]).reshape(-1)
         rows = np.flatnonzero(valid)
-        flat = torch.from_numpy(np.concatenate([gather, gather[rows], rows, chunk_starts, seqs]).astype(np.int64))
-        if device.type == "cuda":  # from pinned memory: the CPU does not wait for the device's queue
-            flat = flat.pin_memory()
-        gather, tokens, rows, chunk_starts, seqs = flat.to(device, non_blocking=True).split(
+        flat = to_device(np.concatenate([gather, gather[rows], rows, chunk_starts, seqs]).astype(np.int64), device)
+        gather, tokens, rows, chunk_starts, seqs = flat.split(
             [len(gather), len(rows), len(rows), len(chunk_starts), len(seqs)])
         return _Chunks(gather, tokens, rows, chunk_starts.to(torch.int32), meta.state_slots[seqs])
 

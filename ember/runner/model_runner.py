@@ -30,6 +30,7 @@ from ember.layers.attention import AttentionMetadata
 from ember.layers.batch_invariant import make_batch_invariant
 from ember.layers.quant import model_weight_bytes
 from ember.layers.quant.unquantized import cpu_packing_supported
+from ember.layers.transfer import to_device
 from ember.loader.model_files import load_model, load_vision_model, locate_model
 from ember.models.config import ModelConfig
 from ember.request import Request
@@ -48,7 +49,6 @@ from ember.runner.sampler import (
     Sampler,
     SamplingRow,
     TokenLogprobs,
-    to_device,
     to_host,
     token_logprobs,
 )
@@ -870,7 +870,7 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             query_start_loc=starts.to(torch.int32),
             seq_lens=lens.to(torch.int32),
-            block_tables=(block_tables.pin_memory() if self.pin else block_tables).to(dev, non_blocking=True),
+            block_tables=to_device(block_tables, dev),
             query_lens_cpu=[c.num_new_tokens for c in plan.chunks],
             seq_lens_cpu=seq_lens,
         )
