@@ -334,7 +334,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU with fp8 (compute capability "
                              f">= 8.9: Ada, Hopper); this one is {torch.cuda.get_device_capability()}: "
                              "use kv_cache_dtype='auto'")
-        defaults = scheduling_defaults(device, self.usage_context)
+        defaults = scheduling_defaults(device, self.usage_context, images=model_config.vision is not None)
         async_scheduling = self.async_scheduling if self.async_scheduling is not None else device == "cuda"
         if self.preemption_mode != "recompute":
             _check_swap(self.preemption_mode, self.swap_space, model_config, self.speculative_config)

@@ -27,6 +27,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 USAGES = ("offline", "serve")
+# a vision model's serving budget on a GPU (vLLM's serving default): 2048 held two ~1,000-token
+# images a step and starved the Qwen2.5-VL-7B race (BENCHMARKS.md, 2026-12-06)
+SERVING_IMAGE_BUDGET = 8192
 LARGE_GPU_BYTES = 70 << 30  # H100 80 GB, H200, B200: room for 512 seats' KV at 8B shapes
 # a defaulted seat count is lowered to the sequences whose whole context the KV pool holds
 # (seats_that_fit), but not below this: with long max_model_len most requests are far shorter
@@ -48,7 +51,7 @@ class SchedulingDefaults:
     why: str  # the device class and use they were chosen for
 
 
-def scheduling_defaults(device: str, usage: str) -> SchedulingDefaults:
+def scheduling_defaults(device: str, usage: str, images: bool = False) -> SchedulingDefaults:
     if usage not in USAGES:
         raise ValueError(f"usage_context must be one of {', '.join(USAGES)}; got {usage!r}")
     if device != "cuda":
@@ -60,6 +63,8 @@ def scheduling_defaults(device: str, usage: str) -> SchedulingDefaults:
     if usage == "offline":
         return SchedulingDefaults(512, 16384, f"offline on {gpu}") if large else \
             SchedulingDefaults(256, 8192, f"offline on {gpu}")
+    if images:  # a step holds whole images (~1,000 tokens each at 1024x768): 2048 admits two a step
+        return SchedulingDefaults(256, SERVING_IMAGE_BUDGET, f"serving a vision model on {gpu}")
     return SchedulingDefaults(256, 2048, f"serving on {gpu}")
 
 

@@ -23,7 +23,8 @@ def _settings_line(caplog) -> str:
 
 
 def test_the_cpu_defaults_are_the_same_offline_and_serving():
-    assert scheduling_defaults("cpu", "offline") == scheduling_defaults("cpu", "serve")
+    assert scheduling_defaults("cpu", "offline") == scheduling_defaults("cpu", "serve") \
+        == scheduling_defaults("cpu", "serve", images=True)
     assert (scheduling_defaults("cpu", "serve").max_num_seqs, scheduling_defaults("cpu", "serve")
             .max_num_batched_tokens) == (256, 512)
     with pytest.raises(ValueError, match="usage_context must be one of offline, serve; got 'batch'"):
@@ -55,6 +56,9 @@ def test_a_large_gpu_batches_offline_and_keeps_serving_steps_short():
     offline, serve = scheduling_defaults("cuda", "offline"), scheduling_defaults("cuda", "serve")
     assert (offline.max_num_seqs, offline.max_num_batched_tokens) == (512, 16384)
     assert (serve.max_num_seqs, serve.max_num_batched_tokens) == (256, 2048)
+    images = scheduling_defaults("cuda", "serve", images=True)  # a step holds whole images
+    assert (images.max_num_seqs, images.max_num_batched_tokens) == (256, 8192)
+    assert images.why.startswith("serving a vision model on a GPU of ")
 
 
 def test_a_defaulted_seat_count_is_what_the_kv_pool_holds_at_max_model_len(gguf_path):
