@@ -28,8 +28,9 @@ prefill sequence's whole context (prefix-cache hits and earlier chunks included)
 from the cache and expanded by kv_b_proj into per-head keys [W_UK_h c | k_pe] and values
 W_UV_h c (padded to the key's width), laid out as a paged cache of consecutive blocks a
 sequence, and attended by the backend as plain multi-head attention of nope + rope dims in one
-call (causal offsets as for any chunk over a cached prefix). A step whose prefill contexts pass
-`EXPANDED_CONTEXT_LIMIT` tokens stays absorbed (logged once), bounding the buffer. On the CPU
+call (causal offsets as for any chunk over a cached prefix). The sequences go in groups whose
+contexts take at most `EXPANDED_CONTEXT_LIMIT` tokens, one call a group, bounding the buffer; a
+step with one context longer than that stays absorbed (logged once). On the CPU
 and in deterministic mode every row stays absorbed: there a decode row must get the bits the
 same token gets in a prefill, which two different computations cannot give
 (`expanded_prefill` forces the path on, for tests on the CPU).
@@ -61,9 +62,19 @@ from ember.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV2/V3RMSNorm default for q_a and kv_a's norms
-# context tokens (whole blocks) a step may expand a layer: V2-Lite's 16 heads of 192-dim keys and
-# values take 12 KiB a token in bfloat16, so ~200 MiB, reused layer after layer
+# context tokens (whole blocks) expanded at once, a group of a step's prefills: V2-Lite's 16 heads of
+# 192-dim keys and values take 12 KiB a token in bfloat16, so ~200 MiB, reused group after group
+# (one budget of 16,384 tokens in ~1,000-token prompts spans 17 sequences' blocks: it used to leave
+# such a step absorbed, 45 % of its GPU time in the absorbed attention; BENCHMARKS.md, 2026-12-06)
 EXPANDED_CONTEXT_LIMIT = 16384
+
+
+@dataclass(frozen=True)
+class _PrefillGroup:
+    """Consecutive sequences of a step whose contexts are expanded together (one buffer)."""
+    tokens: slice  # their query rows in the step
+    prefill: AttentionMetadata  # those sequences over the expanded buffer's blocks
+    slots: torch.Tensor  # [buffer rows] int64: the cache slot each row's latent is read from
 
 
 @dataclass(frozen=True)
@@ -71,48 +82,64 @@ class _ExpandedPlan:
     """A step's split for the non-absorbed prefill, built once and shared by every layer."""
     decode_tokens: int  # the leading decode rows, tokens 0 .. decode_tokens-1 (absorbed)
     decode: AttentionMetadata | None  # their sub-step; None without any
-    prefill: AttentionMetadata  # the other sequences over the expanded buffer's blocks
-    slots: torch.Tensor  # [buffer rows] int64: the cache slot each row's latent is read from
+    groups: list[_PrefillGroup]  # the other sequences, in groups of at most `limit` context tokens
 
 
 _logged_limit = False
 
 
 def expanded_plan(meta: AttentionMetadata, block_size: int, limit: int) -> _ExpandedPlan | None:
-    """The sequences after the step's leading decode rows, their contexts in consecutive blocks
-    of a buffer (sequence i's from block starts[i]); rows past a context repeat its last token
-    (never attended: past its seq_len). None when their blocks pass `limit` tokens."""
+    """The sequences after the step's leading decode rows, in groups whose contexts take at most
+    `limit` tokens of whole blocks, each group's contexts in consecutive blocks of a buffer;
+    rows past a context repeat its last token (never attended: past its seq_len). None when one
+    sequence's context alone passes `limit`."""
     global _logged_limit
     n = leading_decodes(meta.query_lens_cpu)
     lens = np.asarray(meta.seq_lens_cpu[n:], dtype=np.int64)
     blocks = -(-lens // block_size)
-    if int(blocks.sum()) * block_size > limit:
+    if int(blocks.max()) * block_size > limit:
         if not _logged_limit:
             _logged_limit = True
-            logger.info("a prefill step over %d context tokens passes MLA's expanded limit of %d: it runs absorbed",
-                        int(lens.sum()), limit)
+            logger.info("a prefill over %d context tokens passes MLA's expanded limit of %d: its step runs absorbed",
+                        int(lens.max()), limit)
         return None
-    rows = blocks * block_size
-    seq = np.repeat(np.arange(n, meta.num_seqs), rows)
-    pos = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
-    pos = np.minimum(pos, np.repeat(lens - 1, rows))
-    device = meta.seq_lens.device
-    seq_t, pos_t = to_device(seq, device), to_device(pos, device)
-    slots = meta.block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
-    starts = np.cumsum(blocks) - blocks
-    width = np.arange(int(blocks.max()))
-    tables = np.where(width[None, :] < blocks[:, None], starts[:, None] + width[None, :], 0)
-    prefill = AttentionMetadata(  # the leading decode rows are tokens 0 .. n-1
-        slot_mapping=meta.slot_mapping[n:], query_start_loc=meta.query_start_loc[n:] - n,
-        seq_lens=meta.seq_lens[n:], block_tables=to_device(tables, device, torch.int32),
-        query_lens_cpu=meta.query_lens_cpu[n:], seq_lens_cpu=meta.seq_lens_cpu[n:], eager=True)
+    starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)])
+    groups, first, taken = [], 0, 0
+    for i, b in enumerate(blocks.tolist() + [None]):
+        if b is None or (taken + b) * block_size > limit:
+            groups.append(_group(meta, block_size, n + first, n + i, lens[first:i], blocks[first:i], starts))
+            first, taken = i, 0
+        if b is not None:
+            taken += b
     decode = None
     if n:
         decode = AttentionMetadata(
             slot_mapping=meta.slot_mapping[:n], query_start_loc=meta.query_start_loc[:n + 1],
             seq_lens=meta.seq_lens[:n], block_tables=meta.block_tables[:n], query_lens_cpu=meta.query_lens_cpu[:n],
             seq_lens_cpu=meta.seq_lens_cpu[:n], eager=True)
-    return _ExpandedPlan(n, decode, prefill, slots)
+    return _ExpandedPlan(n, decode, groups)
+
+
+def _group(meta: AttentionMetadata, block_size: int, a: int, b: int, lens: np.ndarray, blocks: np.ndarray,
+           starts: np.ndarray) -> _PrefillGroup:
+    """Sequences a .. b-1 of the step (contexts `lens`, in `blocks` blocks each) over a buffer of
+    their blocks; `starts`: each sequence's first query row in the step."""
+    rows = blocks * block_size
+    seq = np.repeat(np.arange(a, b), rows)
+    pos = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
+    pos = np.minimum(pos, np.repeat(lens - 1, rows))
+    device = meta.seq_lens.device
+    seq_t, pos_t = to_device(seq, device), to_device(pos, device)
+    slots = meta.block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
+    first = np.cumsum(blocks) - blocks
+    width = np.arange(int(blocks.max()))
+    tables = np.where(width[None, :] < blocks[:, None], first[:, None] + width[None, :], 0)
+    t0, t1 = int(starts[a]), int(starts[b])
+    prefill = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[t0:t1], query_start_loc=meta.query_start_loc[a:b + 1] - t0,
+        seq_lens=meta.seq_lens[a:b], block_tables=to_device(tables, device, torch.int32),
+        query_lens_cpu=meta.query_lens_cpu[a:b], seq_lens_cpu=meta.seq_lens_cpu[a:b], eager=True)
+    return _PrefillGroup(slice(t0, t1), prefill, slots)
 
 
 class LatentAttention(nn.Module):
@@ -194,16 +221,24 @@ class LatentAttention(nn.Module):
         """[T, H, v]: the leading decode rows absorbed, the other sequences over their contexts'
         expanded keys and values (the module's note)."""
         self.backend.write_kv(key, key, self.k_cache, self.v_cache, meta, self.k_scale, self.v_scale)
-        n, heads, dtype = plan.decode_tokens, self.num_heads, q_nope.dtype
+        n, dtype = plan.decode_tokens, q_nope.dtype
         outs = []
         if n:
             o_latent = self._absorbed(q_nope[:n], q_pe[:n], key[:n], w_uk, plan.decode, kv_written=True)
             outs.append(torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1))
         cache = self.k_cache.view(-1, self.rank + self.rope)
+        for group in plan.groups:
+            outs.append(self._expanded_group(q_nope[group.tokens], q_pe[group.tokens], cache, group, dtype))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _expanded_group(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, group: _PrefillGroup,
+                        dtype: torch.dtype) -> torch.Tensor:
+        """[group tokens, H, v]: a group's queries over its contexts' expanded keys and values."""
+        heads = self.num_heads
         if cache.dtype == FP8:  # no float8 gather kernel: gather the bytes
-            cached = cache.view(torch.uint8)[plan.slots].view(FP8)
+            cached = cache.view(torch.uint8)[group.slots].view(FP8)
         else:
-            cached = cache[plan.slots]
+            cached = cache[group.slots]
         cached = dequantize_kv(cached, self.k_scale).to(dtype)
         latent, k_pe = cached.split([self.rank, self.rope], dim=-1)
         kv = self.kv_b_proj(latent).view(-1, heads, self.nope + self.v_dim)
@@ -212,10 +247,9 @@ class LatentAttention(nn.Module):
         block_size = self.k_cache.shape[1]
         keys = torch.cat([k_nope, k_pe[:, None].expand(-1, heads, -1)], dim=-1).view(-1, block_size, heads, width)
         values = nn.functional.pad(v, (0, width - self.v_dim)).view(-1, block_size, heads, width)
-        query = torch.cat([q_nope[n:], q_pe[n:]], dim=-1)
-        o = self.backend.forward(query, query, query, keys, values, plan.prefill, self.scale, kv_written=True)
-        outs.append(o[..., :self.v_dim])
-        return torch.cat(outs) if n else outs[0]
+        query = torch.cat([q_nope, q_pe], dim=-1)
+        o = self.backend.forward(query, query, query, keys, values, group.prefill, self.scale, kv_written=True)
+        return o[..., :self.v_dim]
 
     def _load_kv_b(self, param: nn.Parameter, loaded: torch.Tensor, shard: None = None) -> None:
         """kv_b_proj's rows of this rank's heads ([W_UK_h; W_UV_h] a head, in head order)."""

@@ -238,7 +238,8 @@ def test_expanded_prefill_matches_hf(variant, forward_logits, expanded):
     _, _, path, hf, _, expected = variant
     llm = LLM(str(path), **ENGINE)
     assert_logits_match(llm, hf, PROMPTS, forward_logits)
-    assert len(expanded) == 1 and expanded[0].prefill.query_lens_cpu == [13, 1, 27]  # every row expanded
+    assert len(expanded) == 1  # every row expanded, in one group
+    assert [g.prefill.query_lens_cpu for g in expanded[0].groups] == [[13, 1, 27]]
     assert greedy_tokens(llm) == expected
     assert all(p is not None for p in expanded)
 
@@ -248,9 +249,23 @@ def test_expanded_prefill_chunked_cached_and_mixed(variant, expanded):
     (absorbed) and read their earlier chunks, then whole prompts' blocks, from the cache."""
     _, _, path, _, _, expected = variant
     assert_chunked_and_cached(str(path), expected)
-    assert any(p.decode_tokens and p.prefill.num_seqs for p in expanded)  # a mixed step
-    cached = [p for p in expanded if any(s > q for s, q in zip(p.prefill.seq_lens_cpu, p.prefill.query_lens_cpu))]
+    assert any(p.decode_tokens and p.groups for p in expanded)  # a mixed step
+    cached = [p for p in expanded for g in p.groups
+              if any(s > q for s, q in zip(g.prefill.seq_lens_cpu, g.prefill.query_lens_cpu))]
     assert cached  # a chunk over a context before it
+
+
+def test_expanded_prefill_in_groups_under_its_limit(variant, forward_logits, expanded, monkeypatch):
+    """Contexts of 2 + 1 + 4 blocks of 8 under a limit of 4 blocks: two groups, one call each."""
+    from ember.models import mla
+
+    _, _, path, hf, _, expected = variant
+    monkeypatch.setattr(mla.LatentAttention, "expanded_limit", 32)
+    llm = LLM(str(path), **ENGINE)
+    assert_logits_match(llm, hf, PROMPTS, forward_logits)
+    assert [[g.prefill.query_lens_cpu for g in p.groups] for p in expanded] == [[[13, 1], [27]]]
+    assert [(g.tokens.start, g.tokens.stop, g.slots.numel()) for g in expanded[0].groups] == [(0, 14, 24), (14, 41, 32)]
+    assert greedy_tokens(llm) == expected
 
 
 def test_expanded_prefill_past_its_limit_stays_absorbed(variant, expanded, monkeypatch):
