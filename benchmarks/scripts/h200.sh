@@ -715,6 +715,14 @@ p = transformers.AutoProcessor.from_pretrained(sys.argv[1]); \
 print('== AutoProcessor:', type(p).__name__, type(p.image_processor).__name__, p.image_token, p.image_token_id)" "$1"
 }
 
+# vllm_blake3: vLLM's image hashing imports blake3, which its stage lacks: the carried wheel into its site
+vllm_blake3() {
+  PYTHONPATH=/tmp/vllm-site python3 -c "import blake3" 2>/dev/null && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vllm-site \
+    "${SERVE_WHEELS:-.whl}"/blake3-*.whl && PYTHONPATH=/tmp/vllm-site python3 -c "import blake3" \
+    || { echo "== race-vl: vLLM needs blake3 (.whl/blake3-*.whl: device_kits.sh whl)"; return 1; }
+}
+
 mode_vision_graphs() {
   gpu_tests 540 tests/runner/test_tower_graphs.py tests/models/test_cuda_qwen_vl.py tests/models/test_cuda_gemma3_vision.py
 }
@@ -725,7 +733,7 @@ mode_race_vl() {
   SERVED_MODEL=$m serve_kit || return 0
   export VLLM_USE_FLASHINFER_SAMPLER=0  # vLLM's sampler would import flashinfer, which the device lacks
   case ",$servers," in *,vllm,*)
-    if ! have_vllm || ! vl_processor "$m"; then servers=ember; echo "== race-vl: ember alone"; fi ;;
+    if ! have_vllm || ! vllm_blake3 || ! vl_processor "$m"; then servers=ember; echo "== race-vl: ember alone"; fi ;;
   esac
   secs=$(cap "race-vl" 540) || return 0
   timeout "$secs" python3 benchmarks/scripts/serve_race.py "$m" --out "$J" --servers "$servers" \

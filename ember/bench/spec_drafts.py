@@ -4,7 +4,8 @@ models):
 
     INTO/draft_model   the target cut to its first N layers: the same embeddings, final norm,
                        lm_head and tokenizer files, config.json's num_hidden_layers N (its drafts are
-                       the target's early guess, so some are kept and some are not)
+                       the target's early guess, so some are kept and some are not; N = all of them:
+                       the target itself, whose drafts are nearly all kept)
     INTO/eagle3        an EAGLE-3 head of random weights at the target's shapes (dummy_eagle3.py),
                        its aux layers the target's default (2, L/2, L-3) written into its config
 
@@ -40,9 +41,9 @@ def truncated_draft(target: Path, out: Path, layers: int) -> Path:
 
     config = json.loads((target / "config.json").read_text())
     total = config.get("num_hidden_layers")
-    if not isinstance(layers, int) or not 1 <= layers < (total or 0):
-        raise ValueError(f"a truncated draft keeps 1 to {(total or 1) - 1} of the target's {total} layers; got "
-                         f"{layers!r}")
+    # every layer kept: the target as its own draft, whose drafts a greedy verify keeps nearly all of
+    if not isinstance(layers, int) or not 1 <= layers <= (total or 0):
+        raise ValueError(f"a truncated draft keeps 1 to {total} of the target's {total} layers; got {layers!r}")
 
     def keep(name: str) -> str | None:
         if name.startswith(LAYER):

@@ -129,8 +129,10 @@ def test_the_drafts_are_the_targets_first_layers_and_a_random_head(tiny_target, 
     assert write_drafts(tiny_target, tmp_path / "drafts", layers=3) == drafts  # there already: kept as it is
     assert (drafts["eagle3"] / "model.safetensors").stat().st_mtime_ns == stamp
     assert json.loads((drafts["draft_model"] / "config.json").read_text())["num_hidden_layers"] == 2
-    with pytest.raises(ValueError, match="keeps 1 to 7 of the target's 8 layers; got 8"):
-        write_drafts(tiny_target, tmp_path / "other", layers=8)
+    with pytest.raises(ValueError, match="keeps 1 to 8 of the target's 8 layers; got 9"):
+        write_drafts(tiny_target, tmp_path / "other", layers=9)
+    whole = write_drafts(tiny_target, tmp_path / "whole", layers=8)["draft_model"]  # the target as its own draft
+    assert json.loads((whole / "config.json").read_text()) == target_config
     assert not (tmp_path / "other" / "draft_model").exists()
 
 
