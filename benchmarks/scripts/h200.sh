@@ -183,9 +183,9 @@
 #     run(command="mkdir -p /root/st && cp -r .smol-s1/. /root/st/", carry=[".smol-s1"])  50 MiB (with smol-hf/)
 #     run(command="mkdir -p /root/st && cp -r .smol-s2/. /root/st/", carry=[".smol-s2"])  54 MiB (llvmlite, for numba)
 #     run(command="benchmarks/scripts/h200.sh spec-race", carry=[".vllm-s6", ".whl"])    18 + 17 MiB
-#     run(command="benchmarks/scripts/h200.sh spec-race models", carry=[".vllm-s6", ".whl"])  (the same copies; no s2:
-#       no numba. Where one call cannot hold three arms of each engine, `spec-race models eagle3` then
-#       `spec-race models draft_model`, back to back on the warm machine)
+#     run(command="benchmarks/scripts/h200.sh spec-race models eagle3", carry=[".vllm-s6", ".whl"])  (the same
+#       copies; no s2: no numba), then `spec-race models draft_model` back to back on the warm machine: one call
+#       does not hold vLLM's three arms (~75 s of start-up each on an H100) beside ember's
 # (.whl: the gguf wheel, for ember's GGUF decoder; SMOL_PARTS, default /root/st: where the model's parts lie)
 # race-tp and tp-70b: the copy calls on nvidia-h200-x2 too (a call of another kind is another machine),
 # then the mode in one call, carrying the last part; the NCCL variables are set by the mode. tp-check
@@ -511,7 +511,7 @@ mode_spec_race() {
   if [ "$what" = ngram ]; then
     race="$race --lookup 2 4"
   else
-    race="$race --methods $methods --batch 1 32 --drafts-dir $drafts"
+    race="$race --methods $methods --batch 1 32 --drafts-dir $drafts --draft-layers ${DRAFT_LAYERS:-4}"
   fi
   if [ ! -f "$parts/smol-part0" ] || [ ! -d "$parts/smol-hf" ]; then
     echo "== spec-race needs the model's parts in $parts: copy .smol-s0 and .smol-s1 first (see the head of this script)"

@@ -400,7 +400,7 @@ def test_spec_race_models_writes_the_drafts_then_races_vllm_then_ember_on_them(t
                            extra_env=env)
     assert done.returncode == 0, done.stderr
     race = ("python3 benchmarks/scripts/spec_gpu_race.py --model /tmp/smollm2-bf16 --max-tokens 256 --k 4 --methods "
-            "eagle3 draft_model --batch 1 32 --drafts-dir /tmp/spec-drafts")
+            "eagle3 draft_model --batch 1 32 --drafts-dir /tmp/spec-drafts --draft-layers 4")
     no, zero = "[decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=]", "[decode_config=] [VLLM_USE_FLASHINFER_SAMPLER=0]"
     assert calls[1:] == [  # (the first installs the gguf wheel, as for ngram)
         f"python3 benchmarks/scripts/smol_stage.py unpack {parts} /tmp/smollm2-bf16 {no}",
@@ -418,6 +418,7 @@ def test_spec_race_models_writes_the_drafts_then_races_vllm_then_ember_on_them(t
     whole.mkdir()
     calls, done = run_mode(whole, "spec-race", "models", "draft_model", extra_env={**env, "DRAFT_LAYERS": "30"})
     assert "python3 -m ember.bench.spec_drafts /tmp/smollm2-bf16 /tmp/spec-drafts --layers 30 [decode_config=]" in calls
+    assert calls[-1].endswith("--drafts-dir /tmp/spec-drafts --draft-layers 30 --engine ember [decode_config=]")
     for i, (bad, says) in enumerate(((("ngrams",), "no part 'ngrams'"), (("models", "medusa"), "no method 'medusa'"))):
         (tmp_path / f"bad{i}").mkdir()
         calls, done = run_mode(tmp_path / f"bad{i}", "spec-race", *bad, extra_env=env)
