@@ -51,6 +51,18 @@ def pixels_hash(pixel_values: np.ndarray, extra: object = None) -> str:
     return h.hexdigest()
 
 
+def content_hash(kind: str, digest: bytes, grid: tuple[int, int, int]) -> str:
+    """The hash of an image a family's processor turns into patches by its content alone (no
+    per-prompt settings: Qwen2-VL's family, Pixtral's): the family, the image's content digest
+    (multimodal/cache.py image_digest) and its grid. In one engine its patches follow from these,
+    so this keys them as pixels_hash would, without reading the ~8x larger float32 patches
+    (~55 ms of a 1024 x 768 image's ~115 of preparation on a 2-vCPU EPYC)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{kind}{grid}".encode())
+    h.update(digest)
+    return h.hexdigest()
+
+
 def cache_keys(token_ids: Sequence[int], features: Sequence[ImageFeature]) -> list[int]:
     """The prompt as the prefix cache keys it: each image's placeholder tokens replaced by its
     cache key, so the same image in two prompts shares blocks and two images never do."""

@@ -30,7 +30,7 @@ from ember.models.llava_next import feature_count, num_views
 from ember.models.pixtral import row_tokens
 from ember.models.vision_config import VisionConfig
 from ember.multimodal.cache import BytesLRU, image_digest
-from ember.multimodal.inputs import ImageFeature, pixels_hash
+from ember.multimodal.inputs import ImageFeature, content_hash, pixels_hash
 from ember.multimodal.video import VideoPatches, VideoProcessor, frame_times
 
 if TYPE_CHECKING:
@@ -153,15 +153,17 @@ class ImageProcessor:
                 own = self._local.parts = _Parts(*copy.deepcopy((self.processor, self.tokenizer, self.videos)))
         return own
 
-    def _cached(self, image: Any, process: Callable[[Any], Processed]) -> Processed:
-        """`process(image)`, or what it gave for an image of the same content before. The key is
-        the family and the content: the families that use it take no per-prompt processor
-        settings, and each ImageProcessor (one model's processor files) has its own cache."""
+    def _cached(self, image: Any, process: Callable[[Any], tuple[np.ndarray, tuple[int, int, int]]]) -> Processed:
+        """`process(image)`'s patches and grid, hashed by the image's content (inputs.py
+        content_hash), or what it gave for an image of the same content before. The key is the
+        family and the content: the families that use it take no per-prompt processor settings,
+        and each ImageProcessor (one model's processor files) has its own cache."""
         key = (self.vision.kind, image_digest(image))
         done = self.cache.get(key)
         if done is None:
-            done = process(image)
-            done.patches.flags.writeable = False
+            patches, grid = process(image)
+            patches.flags.writeable = False
+            done = Processed(patches, grid, content_hash(*key, grid))
             self.cache.put(key, done)
         return done
 
@@ -380,17 +382,15 @@ class ImageProcessor:
 PAN_AND_SCAN = "pan-and-scan"  # in the hash of every view of an image processed with pan-and-scan on
 
 
-def _grid_patches(processor: Any, image: Any) -> Processed:
+def _grid_patches(processor: Any, image: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Qwen2-VL's family: one image's patches [t * h * w, C * tps * p * p] and grid (t, h, w), as
     its image processor makes them (each image of a batch on its own)."""
     enc = processor(images=[image], return_tensors="np")
     grid = tuple(int(x) for x in enc["image_grid_thw"][0])
-    patches = np.asarray(enc["pixel_values"], dtype=np.float32)
-    # the hash sees the grid too (the patches' shape alone would not tell 2 x 8 from 8 x 2)
-    return Processed(patches, grid, pixels_hash(patches.reshape(*grid, -1)))
+    return np.asarray(enc["pixel_values"], dtype=np.float32), grid
 
 
-def _row_patches(processor: Any, image: Any, p: int, unit: int) -> Processed:
+def _row_patches(processor: Any, image: Any, p: int, unit: int) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Pixtral / Mistral 3: one image resized to whole tokens (`unit` pixels), its pixels as
     patches [h * w, C * p * p] and its grid (1, h, w) in patches."""
     enc = processor(images=[image], patch_size={"height": unit, "width": unit}, return_tensors="np")
@@ -398,7 +398,7 @@ def _row_patches(processor: Any, image: Any, p: int, unit: int) -> Processed:
     grid = (1, h // p, w // p)
     patches = (np.asarray(enc["pixel_values"][0][:, :h, :w], dtype=np.float32).reshape(-1, grid[1], p, grid[2], p)
                .transpose(1, 3, 0, 2, 4).reshape(grid[1] * grid[2], -1))
-    return Processed(patches, grid, pixels_hash(patches.reshape(grid[1], grid[2], -1)))
+    return patches, grid
 
 
 def _runs_of(ids: list[int], token: int) -> list[tuple[int, int]]:

@@ -25,7 +25,7 @@ from ember.loader.tokenizer_files import load_tokenizer  # noqa: E402
 from ember.models.config import ModelConfig  # noqa: E402
 from ember.multimodal import media  # noqa: E402
 from ember.multimodal.cache import BytesLRU, image_digest  # noqa: E402
-from ember.multimodal.inputs import pixels_hash  # noqa: E402
+from ember.multimodal.inputs import content_hash  # noqa: E402
 from ember.multimodal.processor import ImageProcessor  # noqa: E402
 
 RED, BLUE = image((200, 30, 30), (84, 56)), image((20, 40, 220), (100, 60))
@@ -52,7 +52,7 @@ def processor(model_dir, cache_bytes: int | None = None) -> ImageProcessor:
 
 def reference(model_dir, family: str, images: list) -> tuple[list[int], list[tuple]]:
     """transformers' processor on the prompt's images at once: the ids, and each image's
-    patches (as the tower takes them), grid and hash."""
+    patches (as the tower takes them), grid and hash (of its content and grid)."""
     enc = FAMILIES[family].hf_inputs(model_dir, FAMILIES[family].TWO, images)
     ids = enc["input_ids"][0].tolist()
     if FAMILIES[family] is qwen_vl_model:
@@ -65,8 +65,8 @@ def reference(model_dir, family: str, images: list) -> tuple[list[int], list[tup
             grids.append((1, h // p, w // p))
             patches.append(pixels[:, :h, :w].reshape(-1, h // p, p, w // p, p).transpose(1, 3, 0, 2, 4)
                            .reshape((h // p) * (w // p), -1))
-    shape = (lambda g: g) if FAMILIES[family] is qwen_vl_model else (lambda g: g[1:])  # Qwen's (t, h, w), Pixtral's (h, w)
-    return ids, [(x, g, pixels_hash(x.reshape(*shape(g), -1))) for x, g in zip(patches, grids)]
+    kind = ModelConfig.from_hf_dir(model_dir).vision.kind  # the hash: the family, the image's content, its grid
+    return ids, [(x, g, content_hash(kind, image_digest(i), g)) for x, g, i in zip(patches, grids, images)]
 
 
 def check(got, want) -> None:
