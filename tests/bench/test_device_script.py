@@ -29,7 +29,8 @@ def run_mode(tmp_path: Path, *args: str, staged: bool = True, record_env: tuple[
     seen = " [" + " ".join(f"{v}=${{{v}:-}}" for v in record_env) + "]" if record_env else ""
     stub = f'#!/bin/bash\necho "$(basename "$0") $* [decode_config=${{EMBER_DECODE_CONFIG:-}}]{seen}" >> {log}\n'
     (bin_dir / "python3").write_text(stub + 'case "$*" in *decode_sweep*) echo BEST_QWEN=64,2,5;;\n'
-                                     '  *"import numba"*) [ -z "${NO_NUMBA:-}" ] || exit 1;; esac\n')
+                                     '  *"import numba"*) [ -z "${NO_NUMBA:-}" ] || exit 1;;\n'
+                                     '  *"import blake3"*) [ -z "${NO_BLAKE3:-}" ] || exit 1;; esac\n')
     (bin_dir / "nvidia-smi").write_text(stub)
     stage = tmp_path / "stage"
     stage.mkdir(exist_ok=True)
@@ -504,6 +505,13 @@ def test_race_vl_races_vllm_then_ember_on_the_vision_workloads_under_one_client(
     calls, done = run_mode(tmp_path / "subset", "race-vl", extra_env=kit | {"VL_SERVERS": "ember", "VL_WORKLOADS": "images"})
     assert calls[1:] == [(race.replace(str(out), str(tmp_path / "subset" / "out")) % "ember").replace(
         "images,images-shared,random-mm", "images")]
+    # vLLM's image hashing imports blake3: the carried wheel goes into its site; where it still fails, ember alone
+    (tmp_path / "blake3").mkdir()
+    calls, done = run_mode(tmp_path / "blake3", "race-vl", extra_env=kit | {"NO_BLAKE3": "1"})
+    assert calls[2] == ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "
+                        f"/tmp/vllm-site {kit['SERVE_WHEELS']}/blake3-*.whl {env}")
+    assert "== race-vl: vLLM needs blake3" in done.stdout and "== race-vl: ember alone" in done.stdout
+    assert calls[-1] == race.replace(str(out), str(tmp_path / "blake3" / "out")) % "ember"
 
 
 def test_vision_graphs_runs_the_tower_graphs_and_vision_families_gpu_tests(tmp_path):
