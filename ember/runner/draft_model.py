@@ -102,19 +102,26 @@ class DraftModel(DraftCache):
         tokens = [r.all_token_ids[-1] for r in requests]
         positions = [r.num_computed_tokens for r in requests]
         bs = self.block_size
-        for step in range(max(limits, default=0)):
-            active = [i for i, limit in enumerate(limits) if limit > step]
+        active = [i for i, limit in enumerate(limits) if limit > 0]
+        if not active:
+            return drafts
+        # the block tables go to the device once, not once a draft position (as the EAGLE-3 head's
+        # do): a request that stops drafting drops its row on the device
+        width = max(len(requests[i].block_ids) for i in active)
+        table = to_device(np.stack([tables[i][:width] for i in active]), self.device)
+        for step in range(max(limits[i] for i in active)):
+            keep = [j for j, i in enumerate(active) if limits[i] > step]
+            if len(keep) < len(active):
+                active, table = [active[j] for j in keep], table[to_device(keep, self.device, torch.int64)]
             pos = [positions[i] + step for i in active]
             slots = [requests[i].block_ids[p // bs] * bs + p % bs for i, p in zip(active, pos)]
-            width = max(len(requests[i].block_ids) for i in active)
             n = len(active)
             flat = to_device([tokens[i] for i in active] + pos + slots + [p + 1 for p in pos] + list(range(n + 1)),
                              self.device, torch.int64)
             ids, pos_t, slot_t, lens, starts = flat.split([n, n, n, n, n + 1])
             meta = AttentionMetadata(
                 slot_mapping=slot_t, query_start_loc=starts.to(torch.int32), seq_lens=lens.to(torch.int32),
-                block_tables=to_device(np.stack([tables[i][:width] for i in active]), self.device),
-                query_lens_cpu=[1] * n, seq_lens_cpu=[p + 1 for p in pos])
+                block_tables=table, query_lens_cpu=[1] * n, seq_lens_cpu=[p + 1 for p in pos])
             hidden = self.model(ids, pos_t, meta)
             for i, token in zip(active, draw(self.model.compute_logits(hidden), active)):
                 drafts[i].append(token)
