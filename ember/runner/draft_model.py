@@ -28,6 +28,7 @@ from ember.layers.transfer import to_device
 from ember.loader.model_files import load_model, locate_model
 from ember.models.config import ModelConfig
 from ember.request import Request
+from ember.runner.cuda_graph import DecodeGraphs
 from ember.runner.kv_heads import rank_kv_heads
 from ember.scheduler.scheduler import SchedulerOutput
 
@@ -85,12 +86,31 @@ class DraftModel(DraftCache):
                 if hasattr(module, "pack_for_cpu"):
                     module.pack_for_cpu()
         self.weight_bytes = model_weight_bytes(self.model)
+        self.graphs: DecodeGraphs | None = None  # its one-row-a-request steps, on CUDA
+
+    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """CUDA graphs of a step of one row a request at the decode batch sizes (after the cache
+        exists), as the target's: each draft position of `propose`, and `follow` over a decode step
+        or a verifying one (a token a row). Eager, a 4-layer draft's 5 forwards a step were ~15 ms
+        of kernel launches at SmolLM2's size on an H100 (BENCHMARKS.md, 2026-12-06)."""
+        self.graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks_per_seq, self.device)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def follow(self, plan: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                aux: torch.Tensor | None) -> None:
-        """The step's tokens through the draft, for its KV at their positions (its own plans:
-        a backend's plan depends on the model's heads)."""
+        """The step's tokens through the draft, for its KV at their positions: in its decode graphs
+        where the step is a row a request or verifies drafts (a token a row, as the target's), else
+        eagerly under its own plans (a backend's plan depends on the model's heads)."""
+        graphs, tokens = self.graphs, len(input_ids)
+        if graphs is not None and positions.dim() == 1 and tokens <= graphs.max_batch:
+            if tokens == meta.num_seqs:
+                graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+                return
+            if plan.verifies_drafts:
+                rows = meta.as_decode_rows()
+                graphs.run(input_ids, positions, rows.slot_mapping, rows.seq_lens, rows.block_tables)
+                return
         self.model(input_ids, positions, dataclasses.replace(meta, plans={}))
 
     @torch.inference_mode()
@@ -119,10 +139,13 @@ class DraftModel(DraftCache):
             flat = to_device([tokens[i] for i in active] + pos + slots + [p + 1 for p in pos] + list(range(n + 1)),
                              self.device, torch.int64)
             ids, pos_t, slot_t, lens, starts = flat.split([n, n, n, n, n + 1])
-            meta = AttentionMetadata(
-                slot_mapping=slot_t, query_start_loc=starts.to(torch.int32), seq_lens=lens.to(torch.int32),
-                block_tables=table, query_lens_cpu=[1] * n, seq_lens_cpu=[p + 1 for p in pos])
-            hidden = self.model(ids, pos_t, meta)
+            if self.graphs is not None and n <= self.graphs.max_batch:
+                hidden = self.graphs.run(ids, pos_t, slot_t, lens, table)
+            else:
+                meta = AttentionMetadata(
+                    slot_mapping=slot_t, query_start_loc=starts.to(torch.int32), seq_lens=lens.to(torch.int32),
+                    block_tables=table, query_lens_cpu=[1] * n, seq_lens_cpu=[p + 1 for p in pos])
+                hidden = self.model(ids, pos_t, meta)
             for i, token in zip(active, draw(self.model.compute_logits(hidden), active)):
                 drafts[i].append(token)
                 tokens[i] = token

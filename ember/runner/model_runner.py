@@ -231,7 +231,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq, self.device,
                                        state_slots=self.states is not None)
             self.graphs.capture()
-            if isinstance(self.drafter, Eagle3Drafter):  # its draft steps are decode-shaped too
+            if isinstance(self.drafter, (Eagle3Drafter, DraftModel)):  # its draft steps are decode-shaped too
                 self.drafter.capture_graphs(config.max_num_seqs, config.max_blocks_per_seq)
         self.piecewise: PiecewiseGraphs | None = None
         if use_graphs and self.states is not None:

@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA (-m gpu): a tiny random Llama target, float32. A random EAGLE-3 head
-in vLLM's layout: its draft steps replayed as CUDA graphs draft exactly what the eager head
-drafts, and the tokens are the same either way. Prompt lookup: the steps verifying drafts run in
-the decode graphs (a token a row), with the tokens of an eager run without speculation."""
+in vLLM's layout, and a draft model (the target's first layers): their draft steps replayed as
+CUDA graphs draft exactly what eager ones draft, and the tokens are the same either way. Prompt
+lookup: the steps verifying drafts run in the decode graphs (a token a row), with the tokens of an
+eager run without speculation."""
 
 from __future__ import annotations
 
@@ -69,3 +70,23 @@ def test_graphed_draft_steps_draft_what_eager_ones_do(tmp_path):
     eager = LLM(str(tmp_path / "target"), enforce_eager=True, **args)
     tokens, proposals = drafted(graphed)
     assert (tokens, proposals) == drafted(eager) and len(proposals) > 40
+
+
+def test_graphed_draft_model_steps_draft_what_eager_ones_do(tmp_path, monkeypatch):
+    from ember.bench.spec_drafts import truncated_draft
+
+    _target(tmp_path / "target")
+    truncated_draft(tmp_path / "target", tmp_path / "draft", 3)
+    spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    args = dict(dtype="float32", num_kv_blocks=64, max_model_len=256, seed=0, speculative_config=spec)
+    graphed = LLM(str(tmp_path / "target"), **args)
+    graphs, rows = graphed.engine.runner.drafter.graphs, []
+    assert graphs is not None
+    replay = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda ids, *a, **k: rows.append(len(ids)) or replay(ids, *a, **k))
+    eager = LLM(str(tmp_path / "target"), enforce_eager=True, **args)
+    assert eager.engine.runner.drafter.graphs is None
+    tokens, proposals = drafted(graphed)
+    assert (tokens, proposals) == drafted(eager) and len(proposals) > 40
+    assert len(PROMPTS) in rows  # draft positions (and decode steps): a row a request
+    assert max(rows) > len(PROMPTS)  # steps verifying drafts: a token a row
