@@ -86,8 +86,10 @@ def test_what_swap_does_not_cover_is_refused(gguf_path, tmp_path):
 
 
 # float32, dequantized (extra_llm): four requests that grow to 8 blocks of 8 in a pool of 12, some
-# swapped out and back twice
-FP32 = dict(num_kv_blocks=12, max_model_len=96, block_size=8, preemption_mode="swap", swap_space=0.01)
+# swapped out and back twice. Deterministic: the dense float32 matmuls' bits follow the row count
+# otherwise (oneDNN on an AVX-512 CPU), and preemption changes what shares a step
+INVARIANT = dict(max_model_len=96, block_size=8, deterministic=True)
+FP32 = dict(num_kv_blocks=12, preemption_mode="swap", swap_space=0.01, **INVARIANT)
 FP32_TOKENS = 40
 
 
@@ -98,7 +100,7 @@ def fp32_requests(llm: LLM, tag: str) -> list[Request]:
 
 @pytest.fixture(scope="module")
 def fp32_want(extra_llm) -> tuple[LLM, list[tuple[list[int], list[float]]]]:
-    big = extra_llm(num_kv_blocks=64, max_model_len=96, block_size=8)
+    big = extra_llm(num_kv_blocks=64, **INVARIANT)
     reqs = fp32_requests(big, "want")
     want = results(big.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs],
                                 greedy(FP32_TOKENS, ignore_eos=True, logprobs=0)))
