@@ -53,9 +53,9 @@
 #                       says what FP8_GEMV_MAX_ROWS in ember/layers/kernel_paths.py should be)
 #   check-moe           the GPU tests of the MoE kernels and families, moe_tune.py (writes
 #                       ember/kernels/moe_configs.json, copied to $OUT), one request at each MoE shape
-#   race-moe SHAPE      vLLM (vllm_race.py --config SHAPE), then ember: 512 x 1000/1000, one request
-#                       128/512, and where the decode step goes at batch 1 and 512 (profile_gpu_steps.py);
-#                       SHAPE: qwen3-30b-a3b | mixtral-8x7b
+#   race-moe SHAPE      vLLM (vllm_race.py --config SHAPE), then ember: 512 x 1000/1000, its prefills alone
+#                       (512 x 1000/1), one request 128/512, and where the decode step goes at batch 1 and 512
+#                       (profile_gpu_steps.py); SHAPE: qwen3-30b-a3b | mixtral-8x7b | deepseek-v2-lite
 #   families            the GPU tests of the Gemma / GeGLU paths, then the Gemma-2-9B and Phi-4 shapes at
 #                       512 x 1000/1000 (no peer)
 #   new-families        the GPU tests of the families from issue #36 (GPT-2, OPT, Phi-2 at a non-power-of-two
@@ -199,6 +199,7 @@ NANO="--num-prompts 256 --input-len 562 --output-len 562 --range-ratio 0.822 --m
 LAT="--num-prompts 1 --input-len 128 --output-len 512 --max-model-len 2048"
 TP128="--num-prompts 128 --input-len 1000 --output-len 1000 --max-model-len 2048"  # what a 70B call holds
 TP="--num-prompts 512 --input-len 1000 --output-len 1000 --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
+TP_PREFILL="${TP/--output-len 1000/--output-len 1}"  # its prefills alone (vllm_race.py's prefill)
 HF="--num-prompts 256 --input-len 512 --output-len 256 --max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 16384 --compare hf --hf-batch-size 256"
 P="python3 benchmarks/scripts/profile_gpu_steps.py"
 KNOBS="--max-num-seqs %s --max-num-batched-tokens %s"  # the defaults mode's flags (seats, budget)
@@ -439,8 +440,9 @@ mode_race_moe() {
   local shape=${1:-}
   local c=benchmarks/configs/$shape
   [ -n "$shape" ] && [ -d "$c" ] || { echo "race-moe SHAPE: no shape '$shape' under benchmarks/configs"; exit 2; }
-  vllm_race "$shape" "${VLLM_TIMEOUT:-300}" --config "$shape" throughput latency
+  vllm_race "$shape" "${VLLM_TIMEOUT:-300}" --config "$shape" throughput prefill latency
   bench "$shape" 200 $c $TP
+  bench "${shape}_prefill" 90 $c $TP_PREFILL
   bench "${shape}_latency" 60 $c $LAT
   timeout 90 $P $c --num-prompts 1 --input-len 128 --output-len 160 --skip 40 --steps 60 2>&1 | tail -30 \
     > "$J/profile_${shape}_1.log"

@@ -69,8 +69,10 @@ def test_race_moe_runs_vllm_first_then_ember_on_the_same_workloads(tmp_path):
     c = "benchmarks/configs/mixtral-8x7b"
     assert calls == [
         "run-on-device none [decode_config=]",
-        "python3 benchmarks/scripts/vllm_race.py --config mixtral-8x7b throughput latency [decode_config=]",
+        "python3 benchmarks/scripts/vllm_race.py --config mixtral-8x7b throughput prefill latency [decode_config=]",
         f"python3 {BENCH[8:]} {c} {TP} --output-json {out}/mixtral-8x7b.json [decode_config=]",
+        f"python3 {BENCH[8:]} {c} {TP.replace('--output-len 1000', '--output-len 1')} --output-json "
+        f"{out}/mixtral-8x7b_prefill.json [decode_config=]",
         f"python3 {BENCH[8:]} {c} {LAT} --output-json {out}/mixtral-8x7b_latency.json [decode_config=]",
         f"python3 benchmarks/scripts/profile_gpu_steps.py {c} --num-prompts 1 --input-len 128 --output-len 160 "
         "--skip 40 --steps 60 [decode_config=]",
