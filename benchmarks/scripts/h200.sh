@@ -55,7 +55,9 @@
 #                       ember/kernels/moe_configs.json, copied to $OUT), one request at each MoE shape
 #   race-moe SHAPE      vLLM (vllm_race.py --config SHAPE), then ember: 512 x 1000/1000, its prefills alone
 #                       (512 x 1000/1), one request 128/512, and where the decode step goes at batch 1 and 512
-#                       (profile_gpu_steps.py); SHAPE: qwen3-30b-a3b | mixtral-8x7b | deepseek-v2-lite
+#                       (profile_gpu_steps.py); SHAPE: qwen3-30b-a3b | mixtral-8x7b | deepseek-v2-lite |
+#                       qwen3-next-30b-a3b (Qwen3-Next's layers at Qwen3-30B-A3B's experts: ~58 GB of weights and
+#                       ~76 MB of linear-attention state a seat, so an H200)
 #   families            the GPU tests of the Gemma / GeGLU paths, then the Gemma-2-9B and Phi-4 shapes at
 #                       512 x 1000/1000 (no peer)
 #   new-families        the GPU tests of the families from issue #36 (GPT-2, OPT, Phi-2 at a non-power-of-two

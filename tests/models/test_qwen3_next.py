@@ -11,6 +11,7 @@ outlives its request. And the GGUFs llama.cpp's converter writes (qwen3next), fl
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,11 @@ def test_config_reads_qwen3_nexts_options():
         ((True,) * 48, 512, 10, 512)
     with pytest.raises(ValueError, match="layer_types must list 'linear_attention' or 'full_attention'"):
         ModelConfig.from_hf_config(QWEN3_NEXT | {"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]})
+    # the race's shape (h200.sh race-moe): the released layers and linear attention, Qwen3-30B-A3B's experts
+    bench = ModelConfig.from_hf_dir(Path(__file__).parents[2] / "benchmarks/configs/qwen3-next-30b-a3b")
+    assert (bench.linear_layers, bench.linear_conv_dim, bench.num_experts, bench.num_experts_per_tok,
+            bench.moe_intermediate_size, bench.shared_expert_intermediate_size) == \
+        ((True, True, True, False) * 12, 8192, 128, 8, 768, 512)
 
 
 def test_logits_and_greedy_tokens_match_transformers(qwen3_next, forward_logits):
