@@ -105,12 +105,12 @@ def expanded_plan(meta: AttentionMetadata, block_size: int, limit: int) -> _Expa
         return None
     starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)])
     groups, first, taken = [], 0, 0
-    for i, b in enumerate(blocks.tolist() + [None]):
-        if b is None or (taken + b) * block_size > limit:
+    for i, b in enumerate(blocks.tolist()):
+        if (taken + b) * block_size > limit:
             groups.append(_group(meta, block_size, n + first, n + i, lens[first:i], blocks[first:i], starts))
             first, taken = i, 0
-        if b is not None:
-            taken += b
+        taken += b
+    groups.append(_group(meta, block_size, n + first, n + len(blocks), lens[first:], blocks[first:], starts))
     decode = None
     if n:
         decode = AttentionMetadata(
