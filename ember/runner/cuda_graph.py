@@ -114,6 +114,23 @@ class DecodeGraphs:
         return self.outputs[bs][:n]
 
 
+    def replay_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    verifies_drafts: bool) -> torch.Tensor | None:
+        """A step's hidden states from these graphs where it fits them: a row a sequence, or a step
+        verifying drafts as a token a row (AttentionMetadata.as_decode_rows); None where it does
+        not (the caller runs it another way)."""
+        n = len(input_ids)
+        if n > self.max_batch:
+            return None
+        if n == meta.num_seqs:
+            return self.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
+                            meta.state_slots)
+        if verifies_drafts:
+            rows = meta.as_decode_rows()
+            return self.run(input_ids, positions, rows.slot_mapping, rows.seq_lens, rows.block_tables)
+        return None
+
+
 def piecewise_token_counts(max_tokens: int) -> list[int]:
     """16, 32, 48, 64, then every 32 to 256, then every 64: a step pads to the next one."""
     sizes = list(range(16, 64, 16)) + list(range(64, 256, 32)) + list(range(256, max_tokens, 64))

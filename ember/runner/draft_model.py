@@ -102,15 +102,9 @@ class DraftModel(DraftCache):
         """The step's tokens through the draft, for its KV at their positions: in its decode graphs
         where the step is a row a request or verifies drafts (a token a row, as the target's), else
         eagerly under its own plans (a backend's plan depends on the model's heads)."""
-        graphs, tokens = self.graphs, len(input_ids)
-        if graphs is not None and positions.dim() == 1 and tokens <= graphs.max_batch:
-            if tokens == meta.num_seqs:
-                graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
-                return
-            if plan.verifies_drafts:
-                rows = meta.as_decode_rows()
-                graphs.run(input_ids, positions, rows.slot_mapping, rows.seq_lens, rows.block_tables)
-                return
+        if self.graphs is not None and positions.dim() == 1 \
+                and self.graphs.replay_step(input_ids, positions, meta, plan.verifies_drafts) is not None:
+            return
         self.model(input_ids, positions, dataclasses.replace(meta, plans={}))
 
     @torch.inference_mode()

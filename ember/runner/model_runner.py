@@ -503,25 +503,23 @@ class ModelRunner:
             images = self.images.inputs(plan, input_ids)
         clock("prepare")
         self.kv_copies.before_forward()
+        hidden = None
         if images is not None:  # eager: the graphs embed token ids at 1-D positions
             meta.eager = True
             hidden = self.model(input_ids, positions, meta, images.embeds, images.deepstack)
         elif positions.dim() == 2:
             meta.eager = True
             hidden = self.model(input_ids, positions, meta)
-        elif self.graphs is not None and meta.num_seqs <= self.graphs.max_batch and len(input_ids) == meta.num_seqs:
-            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
-                                     meta.state_slots)
-        elif self.graphs is not None and plan.verifies_drafts and len(input_ids) <= self.graphs.max_batch:
-            rows = meta.as_decode_rows()  # a token a decode row: the verifying step in the decode graphs
-            hidden = self.graphs.run(input_ids, positions, rows.slot_mapping, rows.seq_lens, rows.block_tables)
-        elif self.piecewise is not None and len(input_ids) <= self.piecewise.max_tokens:
-            hidden = self.piecewise.run(input_ids, positions, meta)
-        elif self.encoder:
-            hidden = self.model(input_ids, positions, meta, self._token_type_ids(plan))
-        else:
-            meta.eager = True
-            hidden = self.model(input_ids, positions, meta)
+        elif self.graphs is not None:  # a decode step, or one verifying drafts (a token a decode row)
+            hidden = self.graphs.replay_step(input_ids, positions, meta, plan.verifies_drafts)
+        if hidden is None:
+            if self.piecewise is not None and len(input_ids) <= self.piecewise.max_tokens:
+                hidden = self.piecewise.run(input_ids, positions, meta)
+            elif self.encoder:
+                hidden = self.model(input_ids, positions, meta, self._token_type_ids(plan))
+            else:
+                meta.eager = True
+                hidden = self.model(input_ids, positions, meta)
         hidden, aux = self._split_aux(hidden)
         if plan.state_saves:  # states where chunks ended on a block boundary, for the prefix cache
             self.states.save(plan.state_saves)

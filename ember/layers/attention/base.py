@@ -89,15 +89,18 @@ class AttentionMetadata:
         verifies drafts runs the decode CUDA graphs (one row a token). Causal steps only: no
         key_ends, no recurrent states."""
         assert self.key_ends is None and self.state_slots is None, "decode rows hold causal attention only"
+        if "decode-rows" in self.plans:  # built once a step: the target and a drafter both replay them
+            return self.plans["decode-rows"]
         owner = [i for i, q in enumerate(self.query_lens_cpu) for _ in range(q)]
         lens = [s - q + 1 + j for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu) for j in range(q)]
         device = self.seq_lens.device
-        return AttentionMetadata(
+        rows = self.plans["decode-rows"] = AttentionMetadata(
             slot_mapping=self.slot_mapping,
             query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32, device=device),
             seq_lens=to_device(lens, device, torch.int32),
             block_tables=self.block_tables.index_select(0, to_device(owner, device)),
             query_lens_cpu=[1] * len(lens), seq_lens_cpu=lens)
+        return rows
 
 
 class AttentionBackend(ABC):
