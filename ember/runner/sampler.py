@@ -291,6 +291,19 @@ def _processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return apply_grammar_masks(logits, rows)
 
 
+def edits_logits(row: SamplingRow, ahead: int = 1) -> bool:
+    """Whether `_processed` could edit the row's logits at one of its next `ahead` positions, its
+    output one token longer at each (whatever the tokens): False means a greedy row takes the
+    raw argmax there. Conservative: a row with bad words, say, counts as edited."""
+    p, out = row.params, row.output_ids
+    budget = p.thinking_token_budget
+    # a budget forces the end of thinking once reached, until the output holds that end
+    thinking = budget is not None and len(out) + ahead > budget \
+        and (len(out) < budget or thinking_end_next(row) is not None)
+    return (bool(p.logit_bias) or len(out) < p.min_tokens or p.allowed_token_ids is not None
+            or bool(p.bad_words_token_ids) or thinking or _penalised(p) or row.allowed is not None)
+
+
 def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     biased = [(i, r.bias or LogitBias.of(r.params.logit_bias, logits.device))
               for i, r in enumerate(rows) if r.params.logit_bias]
@@ -399,18 +412,19 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow], fill: flo
     return logits
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    def used(p: SamplingParams) -> bool:
-        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
-    if not any(used(r.params) for r in rows):
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    if not any(_penalised(r.params) for r in rows):
         return logits
     num_rows, vocab = logits.shape
     dev = logits.device
     counts = torch.zeros(num_rows, vocab + 1, device=dev)  # column `vocab` takes the padding
     seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=dev)
     for i, r in enumerate(rows):
-        if used(r.params):
+        if _penalised(r.params):
             if r.output_ids:
                 counts[i].index_add_(0, to_device(r.output_ids, dev), torch.ones(len(r.output_ids), device=dev))
             seen[i, to_device(r.prompt_ids + r.output_ids, dev, torch.int64)] = True

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ember.runner.sampler import Sampler, SamplingRow
+from ember.runner.sampler import Sampler, SamplingRow, _processed, edits_logits
 from ember.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -211,3 +211,41 @@ def test_a_spent_thinking_budget_forces_the_end_of_the_reasoning_token_by_token(
     assert Sampler(0)(logits(L), [row(p, output=[9, 6, 1, 1])]).token_ids == [3]  # it ended on its own
     with pytest.raises(ValueError, match="thinking_end_token_ids"):
         SamplingParams(thinking_token_budget=2)
+
+
+THINK = dict(thinking_token_budget=5, thinking_end_token_ids=[9, 6])
+
+
+@pytest.mark.parametrize("params, output, ahead, edits", [
+    (dict(temperature=0), (), 4, False),
+    (dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.1, seed=3, logprobs=2), (), 4, False),  # after _processed
+    (dict(logit_bias={3: 1.0}), (), 1, True),
+    (dict(min_tokens=3), (4, 5), 4, True),
+    (dict(min_tokens=3), (4, 5, 7), 4, False),  # met: the drafts only add to the output
+    (dict(allowed_token_ids=[1, 2]), (), 1, True),
+    (dict(bad_words_token_ids=[[4, 5]]), (), 1, True),  # whether or not the output ends with 4
+    (dict(repetition_penalty=1.2), (), 1, True),
+    (dict(frequency_penalty=0.5), (), 1, True),
+    (dict(presence_penalty=-0.5), (), 1, True),
+    (THINK, (1, 2), 3, False),  # positions 2, 3, 4: under the budget of 5
+    (THINK, (1, 2), 4, True),  # position 5 reaches it
+    (THINK, (1, 2, 3, 4, 5), 1, True),  # spent: the end is forced
+    (THINK, (1, 9, 6, 4, 5, 7), 4, False),  # it ended already
+    (THINK, (1, 2, 3, 4, 5, 9), 1, True),  # half the end written
+])
+def test_edits_logits_says_whether_the_sampler_edits_a_rows_logits(params, output, ahead, edits):
+    """The predicate, and where it says no the sampler's edits leave the logits as they are at
+    each of the `ahead` positions, whatever tokens the output grows by."""
+    r = row(SamplingParams(**params), output=output)
+    assert edits_logits(r, ahead) == edits
+    if not edits:
+        for j in range(ahead):
+            for token in (0, 3, 9, 6):
+                grown = row(r.params, output=list(output) + [token] * j)
+                assert torch.equal(_processed(logits(L), [grown]), logits(L))
+
+
+def test_a_grammar_row_edits_its_logits():
+    r = row(SamplingParams(temperature=0))
+    r.allowed = torch.full((1,), -1, dtype=torch.int32)
+    assert edits_logits(r) and not edits_logits(row(SamplingParams(temperature=0)))
