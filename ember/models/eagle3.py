@@ -161,3 +161,18 @@ class Eagle3Head(nn.Module):
         logits = self.lm_head(normed)
         full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
         return full.index_copy_(1, torch.arange(logits.shape[1], device=logits.device) + self.d2t, logits)
+
+    def target_argmax(self, normed: torch.Tensor, vocab_size: int, ascending: bool) -> torch.Tensor:
+        """target_logits(normed, vocab_size).argmax(dim=-1) (ties: the first). `ascending`
+        (`ascending_d2t`): the draft vocabulary's own first maximum, mapped, is the target row's
+        (where every draft logit is -inf, the target row's first id, 0), without building that row."""
+        if not ascending:
+            return self.target_logits(normed, vocab_size).argmax(dim=-1)
+        best, at = self.lm_head(normed).max(dim=-1)
+        return torch.where(best == float("-inf"), 0, at + self.d2t[at])
+
+    def ascending_d2t(self, vocab_size: int) -> bool:
+        """Whether the target ids of draft ids 0, 1, ... ascend within [0, vocab_size) (the published
+        heads': their d2t comes from t2d's sorted ids), so that argmaxes map with their ties."""
+        ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0 and int(ids[-1]) < vocab_size
