@@ -6,7 +6,8 @@ dims), so the scheduler's block tables, slots, prefix-cache hits, forks and roll
 every step the draft runs the same tokens at the same positions as the target (`follow`), and
 after the step's tokens are known it drafts K more for each decoding request, one batched
 forward a position (`propose`; the runner's `draw` picks each draft from the logits: a draw
-from q under the request's sampling parameters, or the argmax), writing its KV into the blocks
+from q under the request's sampling parameters, or the argmax; without `draw` every draft is the
+argmax, kept on the device until the last position), writing its KV into the blocks
 the request holds (the scheduler reserves them beforehand, `reserve_lookahead`, where blocks are
 free; without them the drafts stop where the request's last block ends). A rejected draft's KV
 is overwritten when the position is computed again, in both caches."""
@@ -35,6 +36,38 @@ from ember.scheduler.scheduler import SchedulerOutput
 # a drafting step's pick: (logits [n, vocab] of its n requests, their indices in the requests
 # drafted for) -> one draft each (the runner's: it samples and keeps the drafter's q)
 DrawDrafts = Callable[[torch.Tensor, list[int]], list[int]]
+# a draft position's ids, one a request drafting: drawn on the host, or argmaxes on the device
+DraftIds = list[int] | torch.Tensor
+
+
+def kept_rows(ids: DraftIds, keep: list[int], index: torch.Tensor) -> DraftIds:
+    """The rows `keep` (on the device: `index`) of a position's ids."""
+    return ids[index] if isinstance(ids, torch.Tensor) else [ids[j] for j in keep]
+
+
+class Drafted:
+    """A propose's drafts as its positions pick them: drawn on the host, or argmaxes left on the
+    device (`draw` None) and read back together at the end, one wait for the device a propose."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.drafts: list[list[int]] = [[] for _ in range(num_requests)]
+        self.on_device: list[tuple[list[int], torch.Tensor]] = []
+
+    def add(self, active: list[int], ids: DraftIds) -> None:
+        if isinstance(ids, torch.Tensor):
+            self.on_device.append((active, ids))
+        else:
+            for i, t in zip(active, ids):
+                self.drafts[i].append(t)
+
+    def result(self) -> list[list[int]]:
+        if self.on_device:
+            ids = iter(torch.cat([t for _, t in self.on_device]).tolist())
+            for active, _ in self.on_device:
+                for i in active:
+                    self.drafts[i].append(next(ids))
+            self.on_device = []
+        return self.drafts
 
 
 class DraftCache:
@@ -109,16 +142,17 @@ class DraftModel(DraftCache):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], limits: list[int], tables: list[np.ndarray],
-                draw: DrawDrafts) -> list[list[int]]:
+                draw: DrawDrafts | None) -> list[list[int]]:
         """Up to limits[i] drafts for requests[i], whose last token (its KV not yet computed)
-        starts them, each picked by `draw`; `tables`: each request's block-table row."""
-        drafts: list[list[int]] = [[] for _ in requests]
-        tokens = [r.all_token_ids[-1] for r in requests]
+        starts them, each picked by `draw` (None: the argmax, fed to the next position on the
+        device); `tables`: each request's block-table row."""
+        drafted = Drafted(len(requests))
         positions = [r.num_computed_tokens for r in requests]
         bs = self.block_size
         active = [i for i, limit in enumerate(limits) if limit > 0]
         if not active:
-            return drafts
+            return drafted.result()
+        token: DraftIds = [requests[i].all_token_ids[-1] for i in active]
         # the block tables go to the device once, not once a draft position (as the EAGLE-3 head's
         # do): a request that stops drafting drops its row on the device
         width = max(len(requests[i].block_ids) for i in active)
@@ -126,13 +160,16 @@ class DraftModel(DraftCache):
         for step in range(max(limits[i] for i in active)):
             keep = [j for j, i in enumerate(active) if limits[i] > step]
             if len(keep) < len(active):
-                active, table = [active[j] for j in keep], table[to_device(keep, self.device, torch.int64)]
+                index = to_device(keep, self.device, torch.int64)
+                active, table, token = [active[j] for j in keep], table[index], kept_rows(token, keep, index)
             pos = [positions[i] + step for i in active]
             slots = [requests[i].block_ids[p // bs] * bs + p % bs for i, p in zip(active, pos)]
             n = len(active)
-            flat = to_device([tokens[i] for i in active] + pos + slots + [p + 1 for p in pos] + list(range(n + 1)),
-                             self.device, torch.int64)
-            ids, pos_t, slot_t, lens, starts = flat.split([n, n, n, n, n + 1])
+            host = token if isinstance(token, list) else []
+            flat = to_device(host + pos + slots + [p + 1 for p in pos] + list(range(n + 1)), self.device, torch.int64)
+            ids, pos_t, slot_t, lens, starts = flat.split([len(host), n, n, n, n + 1])
+            if isinstance(token, torch.Tensor):
+                ids = token
             if self.graphs is not None and n <= self.graphs.max_batch:
                 hidden = self.graphs.run(ids, pos_t, slot_t, lens, table)
             else:
@@ -140,7 +177,7 @@ class DraftModel(DraftCache):
                     slot_mapping=slot_t, query_start_loc=starts.to(torch.int32), seq_lens=lens.to(torch.int32),
                     block_tables=table, query_lens_cpu=[1] * n, seq_lens_cpu=[p + 1 for p in pos])
                 hidden = self.model(ids, pos_t, meta)
-            for i, token in zip(active, draw(self.model.compute_logits(hidden), active)):
-                drafts[i].append(token)
-                tokens[i] = token
-        return drafts
+            logits = self.model.compute_logits(hidden)
+            token = logits.argmax(dim=-1) if draw is None else draw(logits, active)
+            drafted.add(active, token)
+        return drafted.result()

@@ -27,7 +27,7 @@ from ember.loader.weights import load_weights
 from ember.models.eagle3 import Eagle3Head, default_aux_layers, head_tensor_name
 from ember.request import Request
 from ember.runner.cuda_graph import DecodeGraphs
-from ember.runner.draft_model import DraftCache, DrawDrafts
+from ember.runner.draft_model import DraftCache, Drafted, DraftIds, DrawDrafts, kept_rows
 from ember.scheduler.scheduler import SchedulerOutput
 
 
@@ -79,6 +79,7 @@ class Eagle3Drafter(DraftCache):
         self.embed = self.model.model.embed_tokens if head.has_embedding else target.model.embed_tokens
         self.aux_layers = tuple(sorted(head.aux_layer_ids or default_aux_layers(config.model_config.num_layers)))
         self.vocab_size = config.model_config.vocab_size  # the target's: drafts and q are over its ids
+        self.ascending_d2t = self.model.ascending_d2t(self.vocab_size)
         self.attach(target)
         self.weight_bytes = model_weight_bytes(self.model)
         # request id -> (the position of its first row not through the head, those rows' features)
@@ -145,11 +146,12 @@ class Eagle3Drafter(DraftCache):
         return _rows_before(self.pending.pop(req.request_id, None), end)
 
     def _run(self, runs: list[tuple[Request, int, torch.Tensor]], tables: torch.Tensor,
-             tokens: list[int] | None = None,
+             tokens: DraftIds | None = None,
              on_device: tuple[dict[int, int], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows through the head, each run a request's rows from its position `first` on (token
-        p + 1 at position p, unless `tokens` gives them: a draft step, one row a request, which
-        replays a CUDA graph where one is captured); (normed, prenorm) at each run's last row.
+        p + 1 at position p, unless `tokens` gives them, on the host or the device: a draft step,
+        one row a request, which replays a CUDA graph where one is captured); (normed, prenorm)
+        at each run's last row.
         `on_device`: (run -> row, the step's input ids): a run whose last token is not known on
         the CPU yet takes it from that row of the step's input, gathered on the device."""
         bs = self.block_size
@@ -172,10 +174,13 @@ class Eagle3Drafter(DraftCache):
             slots += [req.block_ids[p // bs] * bs + p % bs for p in range(first, end)]
             ends.append(end)
             starts.append(starts[-1] + len(features))
-        ids = tokens if tokens is not None else ids
+        if tokens is not None:
+            ids = tokens if isinstance(tokens, list) else []
         t, n = len(positions), len(runs)
         flat = to_device(ids + positions + slots + ends + starts, self.device, torch.int64)
-        ids_t, pos_t, slot_t, lens, starts_t = flat.split([t, t, t, n, n + 1])
+        ids_t, pos_t, slot_t, lens, starts_t = flat.split([len(ids), t, t, n, n + 1])
+        if isinstance(tokens, torch.Tensor):
+            ids_t = tokens
         if dst:
             ids_t[to_device(dst, self.device, torch.int64)] = on_device[1][to_device(src, self.device, torch.int64)]
         meta = AttentionMetadata(slot_mapping=slot_t, query_start_loc=starts_t.to(torch.int32),
@@ -192,11 +197,12 @@ class Eagle3Drafter(DraftCache):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], limits: list[int], tables: list[np.ndarray],
-                draw: DrawDrafts) -> list[list[int]]:
+                draw: DrawDrafts | None) -> list[list[int]]:
         """Up to limits[i] drafts for requests[i], each picked by `draw` from the head's logits
-        over the target's vocabulary: its kept pending rows through the head give the first,
-        then one row a draft; `tables`: each request's block-table row."""
-        drafts: list[list[int]] = [[] for _ in requests]
+        over the target's vocabulary (None: their argmax, fed to the next position on the
+        device): its kept pending rows through the head give the first, then one row a draft;
+        `tables`: each request's block-table row."""
+        drafted = Drafted(len(requests))
         runs, active = [], []
         parents = {r.parent.request_id: self.pending.get(r.parent.request_id) for r in requests if r.parent is not None}
         for i, (req, limit) in enumerate(zip(requests, limits)):
@@ -210,26 +216,30 @@ class Eagle3Drafter(DraftCache):
             runs.append((req, *kept))
             active.append(i)
         if not runs:
-            return drafts
+            return drafted.result()
         width = max(len(requests[i].block_ids) for i in active)
         table = to_device(np.stack([tables[i][:width] for i in active]), self.device)
         normed, feature = self._run(runs, table)
-        vocab = self.vocab_size
-        token = draw(self.model.target_logits(normed, vocab), active)
+        token = self._pick(normed, active, draw)
         for step in range(1, max(limits[i] for i in active)):
-            for i, t in zip(active, token):
-                drafts[i].append(t)
+            drafted.add(active, token)
             keep = [j for j, i in enumerate(active) if limits[i] > step]
             if not keep:
-                return drafts
+                return drafted.result()
             if len(keep) < len(active):
                 index = to_device(keep, self.device, torch.int64)
                 active, table, feature = [active[j] for j in keep], table[index], feature[index]
-                token = [token[j] for j in keep]
+                token = kept_rows(token, keep, index)
             reqs = [requests[i] for i in active]
             step_runs = [(r, r.num_computed_tokens + step - 1, f) for r, f in zip(reqs, feature.split(1))]
             normed, feature = self._run(step_runs, table, token)
-            token = draw(self.model.target_logits(normed, vocab), active)
-        for i, t in zip(active, token):
-            drafts[i].append(t)
-        return drafts
+            token = self._pick(normed, active, draw)
+        drafted.add(active, token)
+        return drafted.result()
+
+    def _pick(self, normed: torch.Tensor, active: list[int], draw: DrawDrafts | None) -> DraftIds:
+        """A draft position's drafts: drawn by `draw` from the target vocabulary's logits, or their
+        argmax on the device."""
+        if draw is not None:
+            return draw(self.model.target_logits(normed, self.vocab_size), active)
+        return self.model.target_argmax(normed, self.vocab_size, self.ascending_d2t)

@@ -49,6 +49,7 @@ from ember.runner.sampler import (
     Sampler,
     SamplingRow,
     TokenLogprobs,
+    edits_logits,
     to_host,
     token_logprobs,
 )
@@ -125,6 +126,13 @@ GRAPH_POOL_RESERVE = 512 << 20  # kept out of the KV pool for the decode graphs'
 # snapshot of Qwen3-Next-80B's 36 linear layers is 74 MiB, the KV of ~3,000 tokens of its 12
 # attention layers, so a cached prefix of a few thousand tokens costs about as much in each
 STATE_SNAPSHOT_SHARE = 0.25
+
+
+def _raw_argmax(req: Request, num_drafts: int) -> bool:
+    """Whether each of a request's next `num_drafts` drafts is the raw argmax of the drafter's
+    logits: greedy, and the sampler edits none of them (its drafting rows have no grammar mask)."""
+    row = SamplingRow(req.sampling_params, None, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids)
+    return req.sampling_params.greedy and not edits_logits(row, num_drafts)
 
 
 def _return_freed_heap() -> None:
@@ -611,7 +619,9 @@ class ModelRunner:
         draft from the drafter's distribution q under its own sampling parameters (its seed's
         generator included) and keeps q for the step that verifies them (`draft_probs`); a
         greedy one drafts the argmax. sample=False: every request drafts the raw argmax, kept
-        or not as a point mass (a drafter without probabilities; for comparisons)."""
+        or not as a point mass (a drafter without probabilities; for comparisons). Where every
+        draft is a raw argmax (sample=False, or only greedy requests whose logits the sampler
+        leaves as they are), the drafts stay on the device until the last position."""
         k, c = self.config.speculative_config.num_speculative_tokens, self.config
         limits = []
         for r in requests:
@@ -620,6 +630,11 @@ class ModelRunner:
             if r.max_tokens is not None:
                 limit = min(limit, r.max_tokens - len(r.output_token_ids) - 1)
             limits.append(max(limit, 0))
+        tables = [self._table_row(r) for r in requests]
+        if not sample or all(_raw_argmax(r, limit) for r, limit in zip(requests, limits) if limit > 0):
+            for req in requests:
+                self.draft_probs.pop(req.request_id, None)
+            return self.drafter.propose(requests, limits, tables, None)
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor | None]] = [[] for _ in requests]
 
@@ -632,7 +647,7 @@ class ModelRunner:
                 probs[i].append(q_row)
             return tokens
 
-        self.drafter.propose(requests, limits, [self._table_row(r) for r in requests], draw)
+        self.drafter.propose(requests, limits, tables, draw)
         for req, drafted, q in zip(requests, drafts, probs):
             self.draft_probs.pop(req.request_id, None)
             if drafted and q[0] is not None:
