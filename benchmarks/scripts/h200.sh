@@ -121,6 +121,9 @@
 #                       random-mm client at the same sizes (random-mm, the cross-check); first transformers' AutoProcessor
 #                       on the directory in vLLM's environment (VL_WORKLOADS, VL_SERVERS: subsets). Carry the server
 #                       wheels (.whl, as serve's), the directory and vLLM's last stage part
+#                       (where an image step's GPU time goes, offline, no mode: python3 benchmarks/scripts/
+#                       profile_gpu_steps.py .serve-vl --images --num-prompts 256 --input-len 128 --output-len 128
+#                       --skip 4 --steps 16 --max-num-batched-tokens 8192 [--no-warmup])
 #   vision-graphs       the GPU tests of the vision towers' CUDA graphs (replays against eager: Qwen2.5-VL, Qwen3-VL,
 #                       Gemma 3's SigLIP at padded batches; the engine's tokens against --enforce-eager) and of
 #                       the vision families on CUDA (Qwen2.5-VL / Qwen3-VL, Gemma 3, which now run with them)

@@ -1,12 +1,27 @@
 """Where a decode step's GPU time goes: torch.profiler over a window of engine steps (after
 the prefills), kernels grouped by name, in µs per step, with the window's wall time per
-step. Kernels replayed from CUDA graphs are listed like launched ones.
+step. Kernels replayed from CUDA graphs are listed like launched ones. With --per-step (on with
+--images) the steps before the window and each step in it get lines of their own: the step's
+wall time (its engine step call) and tokens, and in the window its kernel time, so a
+first-shape cost (a Triton compile, a tower's first shape) shows as a step far slower than a
+later one of the same size.
 
     python3 benchmarks/scripts/profile_gpu_steps.py benchmarks/configs/qwen3-0.6b \
         --num-prompts 1 --input-len 128 --output-len 160 --skip 40 --steps 60 [--kv-cache-dtype fp8]
+
+--images: each prompt a chat message of one random --image-size image (ember bench serve's
+--dataset images, a JPEG data: URL) and --input-len tokens of text, through LLM.chat; on a
+Qwen2.5-VL directory (issue #39's race: vision tower kernels against the LM's prefill ones):
+
+    python3 benchmarks/scripts/served_model.py --vl .serve-vl     # here; carried to the device
+    python3 benchmarks/scripts/profile_gpu_steps.py .serve-vl --images --num-prompts 256 \
+        --input-len 128 --output-len 128 --skip 4 --steps 16 --max-num-batched-tokens 8192 [--no-warmup]
+
+On a machine without CUDA the "kernels" are the CPU's ops, each its self time (the tests' path).
 """
 
 import argparse
+import bisect
 import time
 from collections import defaultdict
 
@@ -14,8 +29,18 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from ember import LLM
+from ember.bench.image_requests import image_requests
 from ember.bench.throughput import random_requests
 from ember.sampling_params import SamplingParams
+
+
+def image_prompts(llm: LLM, num_prompts: int, input_len: int, output_len: int, size: str,
+                  seed: int = 0) -> list[list[dict]]:
+    """`num_prompts` conversations of one user message: a random `size` ("WxH") JPEG as an
+    image_url data: URL, then `input_len` tokens of text (ember bench serve's --dataset images)."""
+    width, height = (int(v) for v in size.lower().split("x"))
+    reqs = image_requests(num_prompts, input_len, output_len, width, height, llm.tokenizer, seed)
+    return [r.messages for r in reqs]
 
 
 def main() -> None:
@@ -29,45 +54,91 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--images", action="store_true", help="chat prompts of one random image and --input-len tokens")
+    ap.add_argument("--image-size", default="1024x768", help="with --images: WxH")
+    ap.add_argument("--no-warmup", action="store_true", help="no warm-up request first (its first-shape costs "
+                    "then fall in the steps before the window)")
+    ap.add_argument("--per-step", action="store_true", help="a line for each step (on with --images)")
     ns = ap.parse_args()
     if ns.skip + 2 + ns.steps >= ns.output_len:
         ap.error("--skip + 2 + --steps must stay below --output-len (the window must end before the run)")
     longest = ns.input_len + ns.output_len
+    if ns.images:  # the image's merged 28 x 28 patches and the chat template's tokens
+        w, h = (int(v) for v in ns.image_size.lower().split("x"))
+        longest += -(-w // 28) * -(-h // 28) + 64
     llm = LLM(ns.model, load_format="dummy", seed=0, kv_cache_dtype=ns.kv_cache_dtype,
               max_model_len=max(2048, longest), max_num_seqs=max(ns.num_prompts, 1),
               max_num_batched_tokens=ns.max_num_batched_tokens)
-    reqs = random_requests(ns.num_prompts, ns.input_len, ns.output_len, 0.0, llm.config.model_config.vocab_size,
-                           [], 0)
     params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=ns.output_len)
-    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs[:1]], params)  # compile, warm up
+    if ns.images:
+        convs = image_prompts(llm, ns.num_prompts, ns.input_len, ns.output_len, ns.image_size)
+        if not ns.no_warmup:  # compile, warm up: an image of its own (no cache hit)
+            llm.chat(image_prompts(llm, 1, ns.input_len, ns.output_len, ns.image_size, seed=1), params)
+    else:
+        reqs = random_requests(ns.num_prompts, ns.input_len, ns.output_len, 0.0,
+                               llm.config.model_config.vocab_size, [], 0)
+        if not ns.no_warmup:
+            llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs[:1]], params)  # compile, warm up
 
     core = llm.engine
-    step = core.step
+    step, plan = core.step, core.scheduler.schedule
     marks: list[float] = []
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+    walls: list[float] = []  # each step call's own
+    tokens: list[int] = []  # each step's scheduled tokens
+    cuda = torch.cuda.is_available()
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
                    schedule=schedule(wait=ns.skip, warmup=2, active=ns.steps, repeat=1))
 
+    def counted_plan():
+        out = plan()
+        tokens[-1] += out.num_tokens
+        return out
+
     def profiled_step():
+        tokens.append(0)
+        start = time.perf_counter()
         out = step()
+        walls.append(time.perf_counter() - start)
         prof.step()
         marks.append(time.perf_counter())
         return out
 
-    core.step = profiled_step
+    core.step, core.scheduler.schedule = profiled_step, counted_plan
     with prof:
-        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params)
-    core.step = step
+        if ns.images:
+            llm.chat(convs, params)
+        else:
+            llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params)
+    core.step, core.scheduler.schedule = step, plan
     first = ns.skip + 2
     wall = (marks[first + ns.steps - 1] - marks[first - 1]) / ns.steps
+    # the window's steps' ranges (ProfilerStep#k, in order); a kernel counts in the step its start falls in
+    bounds = sorted(ev.time_range.start for ev in prof.events() if ev.name.startswith("ProfilerStep"))
+    step_time = [0.0] * ns.steps
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("ProfilerStep"):
+        if ev.name.startswith("ProfilerStep"):
+            continue
+        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
             t = getattr(ev, "device_time", None) or ev.cuda_time
-            k = per_kernel[ev.name[:90]]
-            k[0] += 1
-            k[1] += t
+        elif not cuda and ev.device_type == torch.autograd.DeviceType.CPU:
+            t = ev.self_cpu_time_total  # an op's own time, its children's apart
+        else:
+            continue
+        k = per_kernel[ev.name[:90]]
+        k[0] += 1
+        k[1] += t
+        i = bisect.bisect_right(bounds, ev.time_range.start) - 1
+        step_time[min(max(i, 0), ns.steps - 1)] += t
     total = sum(v[1] for v in per_kernel.values()) / ns.steps
-    print(f"== {ns.model} x{ns.num_prompts} in {ns.input_len} out {ns.output_len} kv {ns.kv_cache_dtype}: "
+    what = f"images {ns.image_size} + " if ns.images else ""
+    if ns.per_step or ns.images:
+        print("  steps before the window: wall ms (tokens): "
+              + " ".join(f"{w * 1e3:.1f} ({n})" for w, n in zip(walls[:first], tokens[:first])))
+    for i in range(ns.steps if ns.per_step or ns.images else 0):
+        print(f"  step {first + i:4d}: wall {walls[first + i] * 1e3:9.3f} ms  kernels {step_time[i] / 1e3:9.3f} ms  "
+              f"tokens {tokens[first + i]}")
+    print(f"== {ns.model} x{ns.num_prompts} in {what}{ns.input_len} out {ns.output_len} kv {ns.kv_cache_dtype}: "
           f"wall {wall * 1e3:.3f} ms/step, GPU kernels {total / 1e3:.3f} ms/step "
           f"({sum(v[0] for v in per_kernel.values()) / ns.steps:.0f} per step)")
     for name, (calls, t) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:ns.top]:
