@@ -9,6 +9,7 @@ or with EMBER_CPU_KERNELS=0, `ops()` is None and the callers use plain torch.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -88,21 +89,34 @@ def _load():
 
 
 def _build() -> Path:
-    from torch.utils import cpp_extension
-
     from ember.paths import cache_dir
 
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     key = hashlib.sha256()
     objects = _objects()
+    # the sources by content and name, not by where the checkout is: a second checkout (a worktree,
+    # a CI runner's fresh path) of the same sources uses the same build
+    named = [(src.name, name, extra) for src, name, extra in objects]
     for part in [p.read_bytes() for p in sorted({src for src, _, _ in objects}) + HEADERS] + [
-            torch.__version__.encode(), repr([FLAGS, abi, objects]).encode(), _cpu_flags().encode()]:
+            torch.__version__.encode(), repr([FLAGS, abi, named]).encode(), _cpu_flags().encode()]:
         key.update(part)
     folder = cache_dir() / "cpu_kernels"
     lib = folder / f"ember_cpu_{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     folder.mkdir(parents=True, exist_ok=True)
+    # one build at a time: processes that start together (pytest -n workers, tensor-parallel ranks)
+    # wait for the first one's library instead of each compiling it beside the others on the same CPUs
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        return _compile(objects, abi, folder, lib)
+
+
+def _compile(objects: list[tuple[Path, str, list[str]]], abi: str, folder: Path, lib: Path) -> Path:
+    from torch.utils import cpp_extension
+
     compiler = os.environ.get("CXX", "c++")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then renamed: safe for parallel builds
