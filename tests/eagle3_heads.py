@@ -5,8 +5,35 @@ engine's drafts are held to."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+TINY_AUX = [1, 4, 6]  # write_tiny_drafters' head reads these of its target's 8 layers
+
+
+def write_tiny_drafters(root: Path) -> None:
+    """A random Llama of 64 tokens and 8 layers whose next-token distributions are peaked (weights
+    of std 0.3), saved by transformers in root/target, and its drafters: its own first 2 layers
+    with its embeddings, final norm and head (an early exit, root/early_exit), and a random
+    EAGLE-3 head over half of its vocabulary reading TINY_AUX (root/eagle3)."""
+    import transformers
+
+    from ember.bench.dummy_eagle3 import head_config, random_head, save_head
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                      tie_word_embeddings=False, initializer_range=0.3)
+    target = transformers.LlamaForCausalLM(config)
+    target.save_pretrained(root / "target")
+    early = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_dict() | {"num_hidden_layers": 2}))
+    early.load_state_dict({k: v for k, v in target.state_dict().items()
+                           if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2})
+    early.save_pretrained(root / "early_exit")
+    head = head_config(64, 64, 32, TINY_AUX)
+    save_head(root / "eagle3", head, random_head(head, seed=1, embed=True))
 
 
 def mode_head(config: dict) -> dict[str, torch.Tensor]:

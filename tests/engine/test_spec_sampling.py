@@ -11,12 +11,11 @@ first drafted position are distributed as without speculation."""
 from __future__ import annotations
 
 import pytest
-import torch
+from eagle3_heads import write_tiny_drafters
 from invariance import results
 from sampling import chi2_pvalue
 
 from ember import LLM, SamplingParams
-from ember.bench.dummy_eagle3 import head_config, random_head, save_head
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +55,6 @@ def test_the_default_model_drafting_for_itself_keeps_every_draft(gguf_path, live
         live_engines.remove(spec)
 
 
-AUX = [1, 4, 6]  # the EAGLE-3 head's layers of the tiny target's 8
 ENGINE = dict(dtype="float32", block_size=8, num_kv_blocks=1024, max_model_len=16, max_num_seqs=256,
               max_num_batched_tokens=2048)  # every request in one step, drafts and all
 N = 240  # seeded requests a run
@@ -64,23 +62,10 @@ N = 240  # seeded requests a run
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A random Llama of 64 tokens and 8 layers whose next-token distributions are peaked (weights
-    of std 0.3: a drafter that ignores p is told apart), and its drafters: its own first 2 layers
-    with its embeddings, final norm and head (an early exit), and a random EAGLE-3 head over half
-    of its vocabulary."""
+    """eagle3_heads.write_tiny_drafters' target (peaked distributions: a drafter that ignores p
+    is told apart) and drafters."""
     root = tmp_path_factory.mktemp("tiny-spec")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                      tie_word_embeddings=False, initializer_range=0.3)
-    target = transformers.LlamaForCausalLM(config)
-    target.save_pretrained(root / "target")
-    early = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_dict() | {"num_hidden_layers": 2}))
-    early.load_state_dict({k: v for k, v in target.state_dict().items()
-                           if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2})
-    early.save_pretrained(root / "early_exit")
-    head = head_config(64, 64, 32, AUX)
-    save_head(root / "eagle3", head, random_head(head, seed=1, embed=True))
+    write_tiny_drafters(root)
     return root
 
 

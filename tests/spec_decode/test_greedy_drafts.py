@@ -8,41 +8,29 @@ a batch with a penalised or sampling request takes the per-position path."""
 from __future__ import annotations
 
 import pytest
-import torch
+from eagle3_heads import write_tiny_drafters
 
 from ember import LLM, SamplingParams
-from ember.bench.dummy_eagle3 import head_config, random_head, save_head
 from ember.runner import model_runner
 
-AUX = [1, 4, 6]  # the EAGLE-3 head's layers of the target's 8
 ENGINE = dict(dtype="float32", block_size=8, num_kv_blocks=128, max_model_len=64)
 PROMPTS = [[5, 9, 9, 2, 7, 1], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [7], [3, 4] * 6]
+DRAFTS = {"draft_model": "early_exit", "eagle3": "eagle3"}  # write_tiny_drafters' directories
 MAX_TOKENS = [6, 11, 17, 24]  # the requests stop drafting at different steps: limits differ in one propose
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("greedy-drafts")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                      tie_word_embeddings=False, initializer_range=0.3)
-    target = transformers.LlamaForCausalLM(config)
-    target.save_pretrained(root / "target")
-    early = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_dict() | {"num_hidden_layers": 2}))
-    early.load_state_dict({k: v for k, v in target.state_dict().items()
-                           if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2})
-    early.save_pretrained(root / "draft_model")
-    head = head_config(64, 64, 32, AUX)
-    save_head(root / "eagle3", head, random_head(head, seed=1, embed=True))
+    write_tiny_drafters(root)
     return root
 
 
 @pytest.fixture(scope="module", params=["draft_model", "eagle3"])
 def spec(request, tiny):
     method = request.param
-    return LLM(str(tiny / "target"), **ENGINE, speculative_config={"method": method, "model": str(tiny / method),
+    return LLM(str(tiny / "target"), **ENGINE, speculative_config={"method": method, "model": str(tiny / DRAFTS[method]),
                                                                    "num_speculative_tokens": 4})
 
 
