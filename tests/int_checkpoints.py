@@ -255,3 +255,19 @@ def write_checkpoint(source: Path, out: Path, method: str, bits: int, group_size
         (path / "config.json").write_text(json.dumps(cfg))
         save_file({n: t.contiguous() for n, t in weights.items()}, str(path / "model.safetensors"))
     return qdir, ddir
+
+
+def int_gemv_rows(monkeypatch) -> list[int]:
+    """The row count of each call of kernels/int_gemv.py's GEMV from here on (the integer layers
+    import it at each call): which steps the GEMV ran, not the tensor-core matmul."""
+    import ember.kernels.int_gemv as module
+
+    rows: list[int] = []
+    real = module.int_gemv
+
+    def counted(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(module, "int_gemv", counted)
+    return rows

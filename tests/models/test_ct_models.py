@@ -10,7 +10,7 @@ float32 rounding:
   reference's logits, and its 32 greedy tokens free-running;
 - the CUDA kernels (kernels/wna16.py, the GEMV of kernels/gemv.py; zero points where
   asymmetric) run by Triton's interpreter: the reference's logits, its greedy tokens ember's
-  argmax at every step (teacher-forced), three decode steps through the GEMV free-running;
+  argmax at every step (teacher-forced), two decode steps of two sequences through the GEMV free-running;
 - a mixture of experts (Qwen3-MoE) whose experts the library quantized one by one: packed in
   FusedMoE through the fused MoE kernels on the interpreter, the same checks.
 
@@ -26,7 +26,7 @@ import pytest
 import torch
 import triton_interpreter  # noqa: F401  (the fused MoE kernels' loops on Triton's interpreter)
 from family_checks import greedy_tokens, hf_greedy
-from int_checkpoints import SIZES
+from int_checkpoints import SIZES, int_gemv_rows
 
 from ember import LLM, SamplingParams
 from ember.layers.kernel_paths import gemv_on_cpu
@@ -106,16 +106,18 @@ def test_library_checkpoint_runs_as_its_dequantized_weights(llama_form, form, fo
 
 
 @pytest.mark.parametrize("form", ["w4a16-g128", "w4a16-asym-g128"])
-def test_the_cuda_kernels_on_the_interpreter_give_the_reference(llama_form, form, forward_logits):
+def test_the_cuda_kernels_on_the_interpreter_give_the_reference(llama_form, form, forward_logits, monkeypatch):
     path, greedy, want = llama_form(form)
     with gemv_on_cpu():
         llm = LLM(str(path), dtype="float32", **ENGINE)
         qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.format
         assert isinstance(qkv, IntWeight) and (qkv.tensor.zeros is not None) == ("asym" in form)
         _assert_reference(llm, greedy, want, forward_logits)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+        gemv_rows = int_gemv_rows(monkeypatch)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],  # decode steps of 2 rows: the GEMV's
                             SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    assert [list(o.outputs[0].token_ids) for o in outs] == [toks[:3] for toks in greedy]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [toks[:3] for toks in greedy[:2]]
+    assert gemv_rows and set(gemv_rows) == {2}
 
 
 @pytest.mark.parametrize("form", ["w4a16-g128", "w4a16-asym-g128"])
