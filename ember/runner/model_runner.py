@@ -443,7 +443,9 @@ class ModelRunner:
     def _profile_activations(self) -> int:
         """Peak memory of one forward over `max_num_batched_tokens` tokens (as sequences of
         at most max_model_len) plus sampling `max_num_seqs` rows, measured before the KV
-        pool exists. It also compiles the prefill-path Triton kernels."""
+        pool exists; a vision-language model's as a step over images, its tower run first over
+        the encoder budget's worth (ImageEmbedder.profile_inputs). It also compiles the
+        prefill-path Triton kernels."""
         c, mc = self.config, self.config.model_config
         tokens = c.max_num_batched_tokens
         seq = min(tokens, c.max_model_len)
@@ -469,14 +471,21 @@ class ModelRunner:
         if self.states is not None:
             meta.state_slots_cpu = [i % self.states.num_slots for i in range(len(lens))]
             meta.state_slots = torch.tensor(meta.state_slots_cpu, dtype=torch.int64, device=dev)
-        hidden = self._split_aux(self.model(torch.zeros(tokens, dtype=torch.int64, device=dev), positions, meta))[0]
+        ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        images = None
+        if self.images is not None:  # the tower at its budget first, its embeddings then in the forward's rows
+            images = self.images.profile_inputs(ids, c.max_num_encoder_input_tokens or tokens)
+        if self.mrope is not None:  # image rows turn by (t, h, w): the [3, T] path
+            positions = positions.expand(3, -1)
+        hidden = self._split_aux(self.model(ids, positions, meta, *((images.embeds, images.deepstack)
+                                                                    if images is not None else ())))[0]
         logits = hidden
         if c.runner == "generate":
             logits = self.model.compute_logits(hidden[: min(tokens, c.max_num_seqs)]).float()
             logits.softmax(-1).cumsum(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del hidden, cache, logits
+        del hidden, cache, logits, images
         torch.cuda.empty_cache()
         return peak
 

@@ -19,6 +19,7 @@ prefix hit whose cached blocks hold the image's first tokens, computed seeing al
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -167,6 +168,39 @@ class ImageEmbedder:
             if s.stop == s.feature.length:
                 self.cache.done(s.request_id, s.feature.hash)
         deepstack = (torch.cat(rows), torch.cat(stacked).transpose(0, 1)) if rows else None
+        return ImageInputs(x, deepstack)
+
+    @torch.inference_mode()
+    def profile_inputs(self, input_ids: torch.Tensor, max_tokens: int) -> ImageInputs | None:
+        """A full step's inputs as if its rows were image tokens encoded in that step: the tower
+        run over dummy images of up to `max_tokens` tokens (the encoder budget) and its
+        embeddings placed over the first rows, as `inputs` places a step's. For the runner's
+        start-up profile, which so measures the tower's peak at its budget (an eager call: its
+        graphs cover smaller ones) and runs its kernels once before the first request. None for
+        a tiled tower (LLaVA-NeXT: views of each image's own size)."""
+        dtype = next(self.vision.parameters()).dtype
+        cfg = self.vision.config
+        if getattr(self.vision, "packed", False):  # images of about 1,024 tokens each, as many as fit
+            merge, width = cfg.merge_size, cfg.num_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+            counts = [1024] * (max_tokens // 1024) + ([max_tokens % 1024] if max_tokens % 1024 else [])
+            grids = [(1, merge * min(n, 32), merge * (n // min(n, 32))) for n in counts]  # a x b <= n tokens
+            patches = to_device(np.zeros((sum(math.prod(g) for g in grids), width), np.float32), self.device, dtype)
+            out = torch.cat(self.vision(patches, grids))
+        elif getattr(self.vision, "tiled", False):
+            return None
+        else:  # fixed-shape: as many images as the budget holds
+            shape = (cfg.num_channels, cfg.image_size, cfg.image_size)
+            per_image = self.vision(torch.zeros(1, *shape, dtype=dtype, device=self.device)).shape[1]
+            pixels = to_device(np.zeros((max(1, max_tokens // per_image), *shape), np.float32), self.device, dtype)
+            out = self.vision(pixels).flatten(0, 1)
+        x = self.embed(input_ids)
+        rows = min(len(out), len(x))
+        hidden = x.shape[-1]
+        x[:rows] = out[:rows, :hidden].to(x.dtype)
+        deepstack = None
+        if self.deepstack_layers:
+            deepstack = (torch.arange(rows, device=x.device),
+                         out[:rows, hidden:].reshape(rows, self.deepstack_layers, hidden).transpose(0, 1))
         return ImageInputs(x, deepstack)
 
     def release(self, request_id: str) -> None:

@@ -2,7 +2,8 @@
 run split (a plan, made once from the grids, serves any patches of those grids: what a graph
 replays) and GraphLRU's policy. On CUDA (`-m gpu`): a replayed tower's output equals the eager
 one bit for bit (the same kernels), for Qwen2.5-VL's windows, Qwen3-VL's deepstack and Gemma 3's
-SigLIP at padded batches; the engine's tokens with the graphs equal --enforce-eager's."""
+SigLIP at padded batches; the engine's tokens with the graphs equal --enforce-eager's. And the
+start-up profile's tower run at the encoder budget (ImageEmbedder.profile_inputs), on the CPU."""
 
 from __future__ import annotations
 
@@ -114,6 +115,48 @@ def test_graph_lru_remembers_a_bounded_number_of_keys_seen_once():
         lru.decide(key, 1)
     assert list(lru.seen) == ["b", "c"]
     assert lru.decide("a", 1)[0] == "eager"
+
+
+def _gemma3_tower() -> torch.nn.Module:
+    torch.manual_seed(0)
+    vision = Gemma3Vision(GEMMA3)
+    with torch.no_grad():
+        for p in vision.parameters():
+            p.normal_(0, 0.2)
+    return vision.eval()
+
+
+@pytest.mark.parametrize("kind", [*CONFIGS, "gemma3"])
+def test_the_start_up_profile_runs_the_tower_over_its_budget_and_places_its_rows(kind):
+    """ImageEmbedder.profile_inputs (the runner's start-up profile on CUDA) with a budget of 1,100
+    tokens: a packed tower over an image of 32 x 32 merged patches (1,024 tokens) and one of the
+    rest's (76: 32 x 2, its sides at most 32), a fixed-shape one over as many images as fit
+    (1,100 // 16 = 68); their embeddings over the first rows, the tokens' own after; Qwen3-VL's
+    deepstack rows [layers, rows, hidden]."""
+    from ember.runner.multimodal import ImageEmbedder
+
+    vision = _gemma3_tower() if kind == "gemma3" else tower(kind)
+    hidden = vision.config.text_hidden_size
+    embed = torch.nn.Embedding(16, hidden)
+    images = ImageEmbedder(vision, embed, torch.device("cpu"), (0,))
+    ids = torch.arange(1200) % 16
+    got = images.profile_inputs(ids, 1100)
+    with torch.inference_mode():
+        if kind == "gemma3":
+            rows = 68 * 16
+            want = vision(torch.zeros(68, 3, 64, 64)).flatten(0, 1)
+        else:
+            rows = 1024 + 64
+            want = torch.cat(vision(torch.zeros(4096 + 256, 3 * 2 * vision.config.patch_size ** 2),
+                                    [(1, 64, 64), (1, 64, 4)]))
+        assert torch.equal(got.embeds[:rows], want[:, :hidden])
+        assert torch.equal(got.embeds[rows:], embed(ids[rows:]))
+    if kind == "qwen3_vl":
+        assert got.deepstack[1].shape == (2, rows, hidden)
+        assert torch.equal(got.deepstack[0], torch.arange(rows))
+        assert torch.equal(got.deepstack[1][1], want[:, 2 * hidden:])
+    else:
+        assert got.deepstack is None
 
 
 # ---- CUDA ----
