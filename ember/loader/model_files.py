@@ -315,7 +315,7 @@ def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, d
         generator = torch.Generator().manual_seed(seed)
         for param in params.values():
             param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-        return model.eval()
+        return _finish_loading(model)
     if mmproj is not None:
         from ember.loader.mmproj import iter_mmproj_weights
 
@@ -338,4 +338,13 @@ def load_vision_model(files: ModelFiles, cfg: ModelConfig, dtype: torch.dtype, d
     if missing := sorted(set(params) - done):
         raise ValueError(f"{source}: the checkpoint lacks the image side's tensors {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}")
+    return _finish_loading(model)
+
+
+def _finish_loading(model: nn.Module) -> nn.Module:
+    """The loaded image side in eval mode, each module with a `finish_loading` (layouts the
+    weights take once read: qwen2_vl.VisionMLP's) told that its weights are in."""
+    for module in list(model.modules()):
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
     return model.eval()

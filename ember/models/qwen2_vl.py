@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.layers.activation import silu_and_mul
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import apply_rotary
 from ember.layers.transfer import to_device
@@ -32,6 +33,7 @@ from ember.models.clip import vision_activation
 from ember.models.vision_config import VisionConfig
 
 Grid = tuple[int, int, int]  # an image's (t, h, w) in patches
+MLP_PAD = 64  # VisionMLP.finish_loading's multiple of columns
 
 
 def _norm(cfg: VisionConfig, size: int) -> nn.Module:
@@ -93,19 +95,49 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
 
 
 class VisionMLP(nn.Module):
-    """Qwen2-VL: fc2(act(fc1(x))); Qwen2.5-VL: down(act(gate(x)) * up(x)), every projection biased."""
+    """Qwen2-VL: fc2(act(fc1(x))); Qwen2.5-VL: down(act(gate(x)) * up(x)), every projection biased.
+    Once loaded (`finish_loading`), Qwen2.5-VL's gate and up are one matmul whose halves are padded
+    to a multiple of MLP_PAD columns with zeros, down's inputs likewise: the same sums. Its 3,420
+    columns are 6,840 bytes a bf16 row, not a multiple of 16, and cuBLAS then ran Ampere's kernels
+    for 2-element alignment on the H100: 30 % of a 7-image prefill step's GPU time."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.act, self.gated = cfg.hidden_act, cfg.kind == "qwen2_5_vl"
         size, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up: nn.Linear | None = None  # Qwen2.5-VL once loaded: [gate | up], each padded
         if self.gated:
             self.gate_proj, self.up_proj = nn.Linear(size, inter), nn.Linear(size, inter)
             self.down_proj = nn.Linear(inter, size)
         else:
             self.fc1, self.fc2 = nn.Linear(size, inter), nn.Linear(inter, size)
 
+    @torch.no_grad()
+    def finish_loading(self) -> None:
+        if not self.gated or self.gate_up is not None:
+            return
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        inter, size = gate.weight.shape
+        padded = -(-inter // MLP_PAD) * MLP_PAD
+        self.gate_up = nn.Linear(size, 2 * padded, device=gate.weight.device, dtype=gate.weight.dtype)
+        self.gate_up.weight.zero_()
+        self.gate_up.bias.zero_()
+        for half, linear in enumerate((gate, up)):
+            self.gate_up.weight[half * padded:half * padded + inter] = linear.weight
+            self.gate_up.bias[half * padded:half * padded + inter] = linear.bias
+        self.down_proj = nn.Linear(padded, size, device=down.weight.device, dtype=down.weight.dtype)
+        self.down_proj.weight.zero_()
+        self.down_proj.weight[:, :inter] = down.weight
+        self.down_proj.bias.copy_(down.bias)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate_up = self.gate_up(x)
+            if self.act == "silu":
+                return self.down_proj(silu_and_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(vision_activation(self.act, gate) * up)
         if self.gated:
             return self.down_proj(vision_activation(self.act, self.gate_proj(x)) * self.up_proj(x))
         return self.fc2(vision_activation(self.act, self.fc1(x)))

@@ -20,6 +20,7 @@ from llava_model import ember_logits, image, make_llm, prompt, tokens_and_logpro
 from qwen_vl_model import FAMILIES, HF_CLASSES, ONE, TWO, V, hf_inputs, hf_media_inputs, save_tiny_qwen_vl  # noqa: E402
 
 from ember import LLM, SamplingParams  # noqa: E402
+from ember.models.qwen2_vl import MLP_PAD  # noqa: E402
 
 # 84 x 56 pixels: 4 x 6 patches, 6 tokens; 100 x 60: resized to 4 x 8 patches, 8 tokens (Qwen3-VL's
 # 16-pixel patches: both 4 x 6, 6 tokens)
@@ -71,6 +72,34 @@ def test_positions_logits_and_greedy_tokens_match_transformers(llm, hf, model_di
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     assert llm.generate(prompt(text, images), greedy)[0].outputs[0].token_ids == expected.tolist()
     llm.engine.check_idle()
+    mlp = llm.engine.runner.images.vision.blocks[0].mlp
+    if family == "qwen2_5_vl":  # the loaded MLP (VisionMLP.finish_loading): gate and up one matmul, padded
+        assert mlp.gate_up.weight.shape == (2 * MLP_PAD, mlp.down_proj.weight.shape[0])
+        assert mlp.down_proj.weight.shape[1] == MLP_PAD
+    else:
+        assert mlp.gate_up is None
+
+
+@torch.inference_mode()
+def test_qwen2_5_vl_mlp_padded_to_whole_tiles_gives_the_unfused_sums():
+    """VisionMLP.finish_loading: [gate | up] in one matmul, each half 45 -> 64 columns (zeros), down's
+    inputs likewise: the unfused MLP's output, in float64 to the last bits' rounding."""
+    from ember.models.qwen2_vl import VisionMLP
+    from ember.models.vision_config import VisionConfig
+
+    cfg = VisionConfig(kind="qwen2_5_vl", image_token_id=0, hidden_size=24, intermediate_size=45, num_layers=1,
+                       num_heads=2, patch_size=14, num_channels=3, layer_norm_eps=1e-6, hidden_act="silu",
+                       text_hidden_size=32)
+    torch.manual_seed(0)
+    mlp = VisionMLP(cfg).double()
+    for p in mlp.parameters():
+        p.normal_()
+    x = torch.randn(7, 24, dtype=torch.float64)
+    want = mlp(x)
+    mlp.finish_loading()
+    assert mlp.gate_up.weight.shape == (128, 24) and mlp.down_proj.weight.shape == (24, 64)
+    assert not hasattr(mlp, "gate_proj") and mlp.gate_up.weight[45:64].abs().sum() == 0
+    torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
 
 
 def test_a_text_prompt_turns_by_plain_positions(llm, hf):
