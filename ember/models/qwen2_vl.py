@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ember.layers.activation import silu_and_mul
 from ember.layers.norm import RMSNorm
@@ -70,6 +71,9 @@ class VisionAttention(nn.Module):
 
 
 # runs of rows that attend only to each other, grouped by length: (count, length, their rows [count * length])
+# not cuDNN's attention, PyTorch's first choice on Hopper: it builds a plan for each new shape (tenths of a
+# second), and a step's segments take new counts whenever its mix of images changes
+SEGMENT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 Segments = list[tuple[int, int, torch.Tensor]]
 
 
@@ -87,10 +91,11 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
     """Bidirectional attention within each segment of rows ([N, heads, dim] each); the segments
     of one length as one batch."""
     out = torch.empty_like(q)
-    for count, length, rows in segments:
-        qs, ks, vs = (t[rows].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-        out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
+    with sdpa_kernel(SEGMENT_BACKENDS):
+        for count, length, rows in segments:
+            qs, ks, vs = (t[rows].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+            out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
 
 
