@@ -30,6 +30,9 @@ CONFIGS = {
 # an image of 6 x 10 patches (Qwen2.5-VL: windows of 2 x 2 merged patches, the last column of windows
 # narrower), then it beside one of 4 x 4 and a two-frame video of 4 x 6
 GRIDS = [[(1, 6, 10)], [(1, 6, 10), (1, 4, 4)], [(2, 4, 6), (1, 4, 4)]]
+GEMMA3 = VisionConfig(kind="gemma3", image_token_id=0, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      patch_size=8, num_channels=3, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh",
+                      text_hidden_size=96, image_size=64, mm_tokens_per_image=16)
 
 
 def tower(kind: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -117,38 +120,61 @@ def test_graph_lru_remembers_a_bounded_number_of_keys_seen_once():
     assert lru.decide("a", 1)[0] == "eager"
 
 
-def _gemma3_tower() -> torch.nn.Module:
+SMALL_TOWER = dict(image_token_id=0, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2, num_channels=3,
+                   layer_norm_eps=1e-6, text_hidden_size=64)
+OTHER_TOWERS = {  # kind -> (config, the dummy input the budget of 1,100 tokens makes, the rows it fills)
+    "gemma3": (GEMMA3, lambda: torch.zeros(68, 3, 64, 64), 68 * 16),  # 1,100 // 16 images of 16 tokens
+    "llava": (VisionConfig(kind="llava", patch_size=8, hidden_act="quick_gelu", image_size=32, drop_cls=True,
+                           **SMALL_TOWER), lambda: torch.zeros(68, 3, 32, 32), 68 * 16),
+    # 32 x 32 tokens, then 32 x 2 of the rest's 76; Pixtral: a break token after each row
+    "pixtral": (VisionConfig(kind="pixtral", patch_size=4, hidden_act="silu", **SMALL_TOWER),
+                lambda: ([(1, 32, 32), (1, 32, 2)], 3 * 16), 32 * 33 + 32 * 3),
+    "mistral3": (VisionConfig(kind="mistral3", patch_size=4, hidden_act="silu", merge_size=2, **SMALL_TOWER),
+                 lambda: ([(1, 64, 64), (1, 64, 4)], 3 * 16), 32 * 33 + 32 * 3),
+}
+
+
+def _other_tower(kind: str) -> torch.nn.Module:
+    from ember.models.llava import LlavaVision
+    from ember.models.pixtral import PixtralVision
+
     torch.manual_seed(0)
-    vision = Gemma3Vision(GEMMA3)
+    cfg = OTHER_TOWERS[kind][0]
+    vision = {"gemma3": Gemma3Vision, "llava": LlavaVision}.get(kind, PixtralVision)(cfg)
     with torch.no_grad():
         for p in vision.parameters():
             p.normal_(0, 0.2)
     return vision.eval()
 
 
-@pytest.mark.parametrize("kind", [*CONFIGS, "gemma3"])
+@pytest.mark.parametrize("kind", [*CONFIGS, *OTHER_TOWERS])
 def test_the_start_up_profile_runs_the_tower_over_its_budget_and_places_its_rows(kind):
     """ImageEmbedder.profile_inputs (the runner's start-up profile on CUDA) with a budget of 1,100
     tokens: a packed tower over an image of 32 x 32 merged patches (1,024 tokens) and one of the
-    rest's (76: 32 x 2, its sides at most 32), a fixed-shape one over as many images as fit
-    (1,100 // 16 = 68); their embeddings over the first rows, the tokens' own after; Qwen3-VL's
-    deepstack rows [layers, rows, hidden]."""
+    rest's (76: 32 x 2, its sides at most 32), a fixed-shape one over as many images as fit; their
+    embeddings over the first rows, the tokens' own after; Qwen3-VL's deepstack rows [layers, rows,
+    hidden]."""
     from ember.runner.multimodal import ImageEmbedder
 
-    vision = _gemma3_tower() if kind == "gemma3" else tower(kind)
+    vision = tower(kind) if kind in CONFIGS else _other_tower(kind)
     hidden = vision.config.text_hidden_size
     embed = torch.nn.Embedding(16, hidden)
     images = ImageEmbedder(vision, embed, torch.device("cpu"), (0,))
-    ids = torch.arange(1200) % 16
+    ids = torch.arange(1300) % 16
     got = images.profile_inputs(ids, 1100)
     with torch.inference_mode():
-        if kind == "gemma3":
-            rows = 68 * 16
-            want = vision(torch.zeros(68, 3, 64, 64)).flatten(0, 1)
-        else:
+        if kind in CONFIGS:
             rows = 1024 + 64
             want = torch.cat(vision(torch.zeros(4096 + 256, 3 * 2 * vision.config.patch_size ** 2),
                                     [(1, 64, 64), (1, 64, 4)]))
+        elif kind in ("gemma3", "llava"):
+            rows = OTHER_TOWERS[kind][2]
+            want = vision(OTHER_TOWERS[kind][1]()).flatten(0, 1)
+        else:
+            grids, width = OTHER_TOWERS[kind][1]()
+            rows = OTHER_TOWERS[kind][2]
+            want = torch.cat(vision(torch.zeros(sum(math.prod(g) for g in grids), width), grids))
+        assert want.shape[0] == rows
         assert torch.equal(got.embeds[:rows], want[:, :hidden])
         assert torch.equal(got.embeds[rows:], embed(ids[rows:]))
     if kind == "qwen3_vl":
@@ -189,10 +215,6 @@ def test_replayed_packed_tower_equals_eager_on_cuda(kind, dtype):
         outs, replayed = graphs(x, GRIDS[0])
         assert replayed and all(torch.equal(a, b) for a, b in zip(outs, vision(x, GRIDS[0])))
 
-
-GEMMA3 = VisionConfig(kind="gemma3", image_token_id=0, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      patch_size=8, num_channels=3, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh",
-                      text_hidden_size=96, image_size=64, mm_tokens_per_image=16)
 
 
 @pytest.mark.gpu
