@@ -71,10 +71,10 @@ class VisionAttention(nn.Module):
 
 
 # runs of rows that attend only to each other, grouped by length: (count, length, their rows [count * length])
+Segments = list[tuple[int, int, torch.Tensor]]
 # not cuDNN's attention, PyTorch's first choice on Hopper: it builds a plan for each new shape (tenths of a
 # second), and a step's segments take new counts whenever its mix of images changes
 SEGMENT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-Segments = list[tuple[int, int, torch.Tensor]]
 
 
 def segments_of(runs: list[tuple[int, int]], device: torch.device) -> Segments:
