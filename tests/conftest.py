@@ -3,6 +3,7 @@ llama.cpp's own converter and tokenizer, and tokenizer files for tiny models to 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -211,12 +212,17 @@ def spm_tokenizer_dir(tmp_path_factory) -> Path:
     spm = pytest.importorskip("sentencepiece")
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("spm")
+    # written by the trainer to memory, not to a model_prefix: the model then holds no path of
+    # this run's temp dir, so its bytes (and the GGUF files converted with it, which
+    # tests/gguf_convert.py keeps by their inputs' hash) are the same on every run
+    model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_SPM_CORPUS.splitlines()), model_prefix=str(root / "tokenizer"), vocab_size=512,
+        sentence_iterator=iter(_SPM_CORPUS.splitlines()), model_writer=model, vocab_size=512,
         model_type="bpe", byte_fallback=True, character_coverage=1.0, split_digits=True,
         normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
     )
+    (root / "tokenizer.model").write_bytes(model.getvalue())
     # legacy=True: a "▁" in front of the text after each special token, as llama.cpp and
     # SentencePiece do (transformers' default, False, puts none there)
     config = json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",

@@ -8,10 +8,17 @@ from the llama-cpp-python source package on PyPI, fetched once into the cache fo
 
 The tests use it through the `gguf_convert` fixture (tests/conftest.py), which caches each
 converted file for the session and skips the test where the converter cannot be fetched.
+Each file the converter writes is also kept under ember's cache dir, named by a hash of what
+the converter reads (the HF directory's name and every file in it, the flags) and of the
+versions that write it: the same tiny seeded model is converted once, not again on each run
+(a conversion is a process that imports torch: 3-6 s).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -63,6 +70,10 @@ def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", vocab_only: bool 
     write the vision tower and projector of a vision-language model (--mmproj), not its text model."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")
+    kept = cache_dir() / "converted" / f"{_conversion_key(Path(hf_dir), outtype, vocab_only, mmproj)}.gguf"
+    if kept.is_file():
+        shutil.copyfile(kept, outfile)  # a copy: a test may write its own file next to it, never this one
+        return outfile
     script = converter_dir() / "convert_hf_to_gguf.py"
     cmd = [sys.executable, str(script), str(hf_dir), "--outfile", str(outfile), "--outtype", outtype]
     if vocab_only:
@@ -73,7 +84,28 @@ def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", vocab_only: bool 
     if done.returncode != 0 or not outfile.is_file():
         tail = "\n".join((done.stderr or done.stdout).splitlines()[-15:])
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} (exit {done.returncode}):\n{tail}")
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=kept.parent, suffix=".part", delete=False) as tmp:  # written aside, renamed
+        with open(outfile, "rb") as f:
+            shutil.copyfileobj(f, tmp)
+    os.replace(tmp.name, kept)
     return outfile
+
+
+def _conversion_key(hf_dir: Path, outtype: str, vocab_only: bool, mmproj: bool) -> str:
+    """A hash of all the converter reads and of what writes it: the directory's name (the GGUF's
+    general.name comes from it), each file's path and bytes, the flags, the converter's version,
+    and the versions of Python and of the libraries it computes with."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256(repr((VERSION, outtype, vocab_only, mmproj, hf_dir.name, sys.version,
+                             [version(p) for p in ("torch", "numpy", "transformers", "safetensors")])).encode())
+    for f in sorted(p for p in hf_dir.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(hf_dir)).encode() + b"\0" + str(f.stat().st_size).encode() + b"\0")
+        with open(f, "rb") as data:
+            for chunk in iter(lambda: data.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def rewrite_metadata(src: Path, dst: Path, **overrides: str) -> Path:
