@@ -237,13 +237,33 @@ def spm_tokenizer_dir(tmp_path_factory) -> Path:
 def bpe_tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer as HF files, built by transformers from the default GGUF (one
     llama.cpp's converter recognises: its pre-tokenizer comes out as "smollm")."""
+    import hashlib
+    import shutil
+    from importlib.metadata import version
+
     from ember.loader.default_model import fetch_default_model
+    from ember.paths import cache_dir
 
     transformers = pytest.importorskip("transformers")
     gguf_path = fetch_default_model()
     root = tmp_path_factory.mktemp("bpe")
-    hf = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    hf.save_pretrained(str(root))
+    # transformers builds it from the GGUF's vocabulary in 10-15 s: the files it saves are kept
+    # under ember's cache dir, by a hash of the GGUF and the versions of what builds and saves them
+    h = hashlib.sha256(repr([version(p) for p in ("transformers", "tokenizers")]).encode())
+    with open(gguf_path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    kept = cache_dir() / "bpe-tokenizer" / h.hexdigest()
+    if not kept.is_dir():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        made = Path(tempfile.mkdtemp(dir=kept.parent, prefix=".part-"))
+        hf = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        hf.save_pretrained(str(made))
+        try:
+            made.rename(kept)  # whole or not at all; another worker's, if it got there first
+        except OSError:
+            shutil.rmtree(made, ignore_errors=True)
+    shutil.copytree(kept, root, dirs_exist_ok=True)
     return root
 
 
