@@ -16,9 +16,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_compile_script(script: str) -> str:
     """Runs `script` (which calls triton.compile for GPUTarget("cuda", 90, 32)) in a process of its
-    own, off the interpreter, from the repository root; fails the test on an error; its stdout."""
+    own, off the interpreter, from the repository root; fails the test on an error; its stdout.
+    Triton's own cache of compiled kernels is kept under ember's cache dir (unless
+    TRITON_CACHE_DIR says where): Triton names each entry by a hash of the kernel's source and
+    what it calls, its constants, signature and options, the target and Triton's own build, so an
+    unchanged kernel is not compiled again on each run (ptxas on a cold cache: seconds a kernel)."""
+    from ember.paths import cache_dir
+
     pytest.importorskip("triton.backends.nvidia")
     env = dict(os.environ, TRITON_INTERPRET="0")
+    env.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
