@@ -182,11 +182,13 @@ def int_gemv_config(rows: int, n: int, k: int, bits: int, fill_gpu: bool = True)
     program (down to 4, and warps with them: 16 words a thread) while that leaves under two
     programs an SM of the H100 (132), as at N = 4096. More rows: BLOCK_J halves as rows double, so the [rows, BLOCK_N, BLOCK_J] float32
     accumulator and its partial sum keep to the registers. On Triton's interpreter (fill_gpu
-    False) the fewest programs run fastest."""
+    False) the fewest programs run fastest (each costs the interpreter's tile setup, whatever its
+    size): half of N, a power of two, at least 16 rows of W a program, so that still two or more
+    programs run, the last one masked where N is no power of two, as on the GPU."""
     words = triton.next_power_of_2(triton.cdiv(k, 32 // bits))
     m_pad = triton.next_power_of_2(rows)
     if not fill_gpu:
-        return 16, min(64, words), 4, 1
+        return max(16, triton.next_power_of_2(n) // 2), min(64, words), 4, 1
     if bits == 4 and (m_pad, n, k) in TUNED:
         return TUNED[m_pad, n, k]
     block_n = 16
