@@ -17,13 +17,15 @@ import torch.distributed as dist
 _group: dist.ProcessGroup | None = None
 _rank = 0
 _size = 1
+STORE_SCHEME = "store://"
 _peer = None  # PeerAllReduce: the small all-reduces, where the ranks' GPUs map each other's memory
 
 
 def init_tensor_parallel(rank: int, world_size: int, backend: str = "gloo", init_method: str = "env://",
                          timeout_s: float = 600.0) -> None:
-    """Join the group of `world_size` ranks as `rank`. init_method: "tcp://host:port",
-    "file:///path" or "env://" (MASTER_ADDR / MASTER_PORT)."""
+    """Join the group of `world_size` ranks as `rank`. init_method: "store://host:port" (a store
+    that `host_rendezvous` keeps), "tcp://host:port", "file:///path" or "env://" (MASTER_ADDR /
+    MASTER_PORT)."""
     global _group, _rank, _size
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
@@ -31,9 +33,24 @@ def init_tensor_parallel(rank: int, world_size: int, backend: str = "gloo", init
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     if _group is not None or dist.is_initialized():
         raise ValueError("tensor parallelism is initialized already in this process: call destroy() first")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if init_method.startswith(STORE_SCHEME):
+        host, port = init_method[len(STORE_SCHEME):].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     _group, _rank, _size = dist.group.WORLD, rank, world_size
+
+
+def host_rendezvous(host: str = "127.0.0.1") -> tuple[dist.TCPStore, str]:
+    """A store for the ranks this process starts to meet at, and its address for
+    `init_tensor_parallel` ("store://host:port"). The store binds a port the OS picks as it
+    listens: a port found free and bound later by rank 0 can be taken in between (another
+    engine's group did, failing a start with EADDRINUSE). Keep the store while the group lives:
+    NCCL meets through it again when a communicator starts."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    return store, f"{STORE_SCHEME}{host}:{store.port}"
 
 
 def destroy() -> None:

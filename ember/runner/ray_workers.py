@@ -1,7 +1,7 @@
 """Tensor-parallel workers as Ray actors (`distributed_executor_backend="ray"`): the ranks
 of runner/tensor_parallel.py's Worker, placed by a placement group (one bundle per rank,
-PACK: on one node where it fits, else over several), joined over gloo or NCCL at rank 0's
-node address.
+PACK: on one node where it fits, else over several), joined over gloo or NCCL at a store the
+engine keeps on its node.
 
 The engine joins the Ray cluster that RAY_ADDRESS (or `ray.init` before it) names, else
 starts one on this machine. Each step's message is put into Ray's object store once, and
@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Any
 
 from ember.config import EngineConfig
+from ember.distributed.parallel_state import host_rendezvous
 from ember.runner.tensor_parallel import (
     READY_TIMEOUT_S,
     TensorParallelRunner,
@@ -30,14 +31,6 @@ from ember.runner.tensor_parallel import (
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120  # for the cluster to find room for every rank
-
-
-def _free_address() -> tuple[str, int]:
-    import ray
-
-    from ember.distributed.parallel_state import free_port
-
-    return ray.util.get_node_ip_address(), free_port("")
 
 
 class RayTensorParallelRunner(TensorParallelRunner):
@@ -70,11 +63,12 @@ class RayTensorParallelRunner(TensorParallelRunner):
             def on(rank: int) -> PlacementGroupSchedulingStrategy:
                 return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
 
-            host, port = ray.get(ray.remote(_free_address).options(num_cpus=0, scheduling_strategy=on(0)).remote())
+            # the driver keeps the ranks' meeting point (on its node: the actors reach it as they reach Ray)
+            self.rendezvous, init_method = host_rendezvous(ray.util.get_node_ip_address())
             actor = ray.remote(Worker)
             # one CPU (thread) per rank, as its bundle reserves; on CUDA Ray shows each actor its one GPU as 0
             self.actors = [actor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=on(rank))
-                           .remote(worker_config(config), rank, size, f"tcp://{host}:{port}", 1, 0)
+                           .remote(worker_config(config), rank, size, init_method, 1, 0)
                            for rank in range(size)]
             ready = self._get([a.sizes.remote() for a in self.actors], READY_TIMEOUT_S, "starting")[0]
         except BaseException:
@@ -120,6 +114,7 @@ class RayTensorParallelRunner(TensorParallelRunner):
         if getattr(self, "group", None) is not None:
             remove_placement_group(self.group)
             self.group = None
+        self.rendezvous = None
 
 
 def _failed(ref) -> bool:

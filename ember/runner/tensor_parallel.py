@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ember.config import EngineConfig
-from ember.distributed.parallel_state import free_port, gather_to_first
+from ember.distributed.parallel_state import gather_to_first, host_rendezvous
 from ember.distributed.shm_broadcast import ShmBroadcast
 from ember.runner.plan_diff import PlanDecoder, PlanEncoder
 
@@ -76,7 +76,7 @@ class TensorParallelRunner:
         ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no CUDA or thread state forked
         self.bus = ShmBroadcast(readers=size, slots=8, slot_bytes=4 << 20)
         self.results, child = ctx.Pipe(duplex=False)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.rendezvous, init_method = host_rendezvous()
         threads = max(1, torch.get_num_threads() // size)
         args = (worker_config(config), size, init_method, self.bus.handle(), child, threads, os.getpid())
         self.procs = [ctx.Process(target=_worker, name=f"ember-tp{rank}", daemon=True, args=(rank, *args))
@@ -162,6 +162,7 @@ class TensorParallelRunner:
                 p.kill()
                 p.join(5)
         self.bus.close()
+        self.rendezvous = None
         self._dead = self._dead or "shut down"
 
     # -- plumbing ----------------------------------------------------------------------------

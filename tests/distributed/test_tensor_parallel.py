@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -121,15 +122,17 @@ def run_ranks(world: int, model_path: str, tmp_path: Path, quantization: str = "
     return run_task(world, tmp_path, prefill_logits, (model_path, PROMPTS, quantization, load_format))
 
 
-def run_task(world: int, tmp_path: Path, task: Callable, args: tuple, backend: str = "gloo") -> list:
-    """What task(*args) returns on each of `world` ranks (over NCCL: rank r on GPU r). The first
-    rank to fail (an exception, or an exit without a report) fails the call with its error, and
-    every process is ended: none is left behind."""
+def run_task(world: int, tmp_path: Path, task: Callable, args: tuple, backend: str = "gloo",
+             init: str | None = None) -> list:
+    """What task(*args) returns on each of `world` ranks (over NCCL: rank r on GPU r), met at
+    `init` (default: a file in tmp_path). The first rank to fail (an exception, or an exit
+    without a report) fails the call with its error, and every process is ended: none is left
+    behind."""
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     out = tmp_path / f"{task.__name__}-{world}"
     out.mkdir()
-    init = f"file://{out / 'rendezvous'}"
+    init = init or f"file://{out / 'rendezvous'}"
     procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(out), reports, task, args, backend),
                          daemon=True) for r in range(world)]
     for p in procs:
@@ -686,6 +689,18 @@ def test_collectives_over_three_ranks(tmp_path):
         assert torch.equal(got["sum"], y[0] + y[1] + y[2]) and torch.equal(got["all"], torch.cat(y, -1))
         assert got["size"].item() == 3 and got["peer"] == "not a group of GPUs"
         assert torch.equal(got["to_0"], torch.cat(y, -1)) if r == 0 else got["to_0"] is None
+
+
+def test_ranks_meet_at_a_store_this_process_keeps_on_a_port_it_never_lets_go(tmp_path):
+    store, init = parallel_state.host_rendezvous()
+    host, port = init.removeprefix("store://").rsplit(":", 1)
+    assert (host, int(port)) == ("127.0.0.1", store.port)
+    with socket.socket() as other, pytest.raises(OSError, match="Address already in use"):
+        other.bind(("127.0.0.1", store.port))  # listening from the start: no other group can take it
+    ranks = run_task(2, tmp_path, _collectives, (), init=init)
+    y = [torch.arange(4.0).view(2, 2) + 10 * r for r in range(2)]
+    assert [torch.equal(got["sum"], y[0] + y[1]) for got in ranks] == [True, True]
+    assert [got["size"].item() for got in ranks] == [2, 2]
 
 
 def test_without_a_group_this_process_is_rank_0_of_1():
