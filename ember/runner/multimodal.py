@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ember.layers.transfer import to_device
+from ember.layers.transfer import join_to_device
 from ember.models.llama import Deepstack
 from ember.multimodal.inputs import ImageFeature
-from ember.runner.tower_graphs import FixedTowerGraphs, PackedTowerGraphs
+from ember.runner.tower_graphs import FixedTowerGraphs, PackedTowerGraphs, fixed_tokens, patch_width
 from ember.scheduler.scheduler import SchedulerOutput
 
 ENCODER_CACHE_BYTES = 256 << 20  # image embeddings kept for reuse beyond those running requests still need
@@ -181,17 +181,18 @@ class ImageEmbedder:
         dtype = next(self.vision.parameters()).dtype
         cfg = self.vision.config
         if getattr(self.vision, "packed", False):  # images of about 1,024 tokens each, as many as fit
-            merge, width = cfg.merge_size, cfg.num_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+            merge = cfg.merge_size
             counts = [1024] * (max_tokens // 1024) + ([max_tokens % 1024] if max_tokens % 1024 else [])
             grids = [(1, merge * min(n, 32), merge * (n // min(n, 32))) for n in counts]  # a x b <= n tokens
-            patches = to_device(np.zeros((sum(math.prod(g) for g in grids), width), np.float32), self.device, dtype)
+            patches = torch.zeros(sum(math.prod(g) for g in grids), patch_width(self.vision), dtype=dtype,
+                                  device=self.device)
             out = torch.cat(self.vision(patches, grids))
         elif getattr(self.vision, "tiled", False):
             return None
         else:  # fixed-shape: as many images as the budget holds
-            shape = (cfg.num_channels, cfg.image_size, cfg.image_size)
-            per_image = self.vision(torch.zeros(1, *shape, dtype=dtype, device=self.device)).shape[1]
-            pixels = to_device(np.zeros((max(1, max_tokens // per_image), *shape), np.float32), self.device, dtype)
+            images = max(1, max_tokens // fixed_tokens(self.vision, dtype, self.device))
+            pixels = torch.zeros(images, cfg.num_channels, cfg.image_size, cfg.image_size, dtype=dtype,
+                                 device=self.device)
             out = self.vision(pixels).flatten(0, 1)
         x = self.embed(input_ids)
         rows = min(len(out), len(x))
@@ -225,7 +226,7 @@ class ImageEmbedder:
         self.num_encoder_steps += 1
         dtype = next(self.vision.parameters()).dtype
         if getattr(self.vision, "packed", False):  # Qwen2-VL: images of any sizes in one call, patches concatenated
-            patches = to_device(np.concatenate([f.pixel_values for f in missing]), self.device, dtype)
+            patches = join_to_device([f.pixel_values for f in missing], self.device, dtype)
             grids = [f.grid_thw for f in missing]
             if self.graphs is not None:
                 outs, replayed = self.graphs(patches, grids)
@@ -237,7 +238,7 @@ class ImageEmbedder:
             self.num_encoded += len(missing)
             return
         if getattr(self.vision, "tiled", False):  # LLaVA-NeXT: every view of every image in one batch
-            views = to_device(np.concatenate([f.pixel_values for f in missing]), self.device, dtype)
+            views = join_to_device([f.pixel_values for f in missing], self.device, dtype)
             self._count(False)
             for f, out in zip(missing, self.vision(views, [f.image_size for f in missing])):
                 self.cache.put(f.hash, out)
@@ -247,7 +248,7 @@ class ImageEmbedder:
         for f in missing:
             by_shape.setdefault(f.pixel_values.shape, []).append(f)
         for group in by_shape.values():
-            pixels = to_device(np.stack([f.pixel_values for f in group]), self.device, dtype)
+            pixels = join_to_device([f.pixel_values for f in group], self.device, dtype, stack=True)
             outs = self.graphs(pixels) if self.graphs is not None else None
             self._count(outs is not None)
             for f, out in zip(group, self.vision(pixels) if outs is None else outs):

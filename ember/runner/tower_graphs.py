@@ -195,6 +195,20 @@ class FixedTowerGraphs:
         return self.outputs[bs][:n]
 
 
+def patch_width(vision: nn.Module) -> int:
+    """A packed tower's (Qwen2-VL's) row of pixels: channels x temporal patch x patch area."""
+    cfg = vision.config
+    return cfg.num_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+
+
+def fixed_tokens(vision: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """A fixed-shape tower's tokens an image (one call over one blank image)."""
+    cfg = vision.config
+    with torch.inference_mode():
+        return vision(torch.zeros(1, cfg.num_channels, cfg.image_size, cfg.image_size, dtype=dtype,
+                                  device=device)).shape[1]
+
+
 def packed_reserve(vision: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device) -> int:
     """Peak bytes of one eager call of a packed tower over one image of about `max_tokens`
     tokens (a frame of merge x merge blocks, nearly square): what the largest capture's share of
@@ -202,8 +216,7 @@ def packed_reserve(vision: nn.Module, max_tokens: int, dtype: torch.dtype, devic
     merge = vision.config.merge_size
     side = max(1, math.isqrt(max_tokens))
     grid = (1, merge * side, merge * max(1, max_tokens // side))
-    width = vision.config.num_channels * vision.config.temporal_patch_size * vision.config.patch_size ** 2
-    patches = torch.zeros(math.prod(grid), width, dtype=dtype, device=device)
+    patches = torch.zeros(math.prod(grid), patch_width(vision), dtype=dtype, device=device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -226,8 +239,7 @@ def tower_graphs(vision: nn.Module, max_tokens: int, dtype: torch.dtype,
         if not hasattr(vision, "plan"):
             return None, 0
         # room for two of the largest entries' static buffers (patches and outputs)
-        width = cfg.num_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
-        row = width * cfg.merge_size ** 2 + cfg.text_hidden_size * (1 + getattr(vision, "deepstack_layers", 0))
+        row = patch_width(vision) * cfg.merge_size ** 2 + cfg.text_hidden_size * (1 + getattr(vision, "deepstack_layers", 0))
         max_bytes = 2 * max_tokens * row * dtype.itemsize
         reserve = packed_reserve(vision, max_tokens, dtype, device) + max_bytes
         logger.info("vision tower CUDA graphs: calls of up to %d image tokens, %.1f MiB kept for them", max_tokens,
@@ -236,9 +248,7 @@ def tower_graphs(vision: nn.Module, max_tokens: int, dtype: torch.dtype,
     if getattr(vision, "tiled", False) or not cfg.image_size:
         return None, 0
     shape = (cfg.num_channels, cfg.image_size, cfg.image_size)
-    with torch.inference_mode():
-        tokens = vision(torch.zeros(1, *shape, dtype=dtype, device=device)).shape[1]
-    graphs = FixedTowerGraphs(vision, shape, max(1, max_tokens // tokens), dtype, device)
+    graphs = FixedTowerGraphs(vision, shape, max(1, max_tokens // fixed_tokens(vision, dtype, device)), dtype, device)
     try:
         graphs.capture()
     except Exception as e:  # a graph is an optimization: the tower runs eagerly without it
