@@ -119,8 +119,9 @@
 #                       driven by ember's client (serve_race.py): 256 chat requests at once, each one 1024x768 random
 #                       image then 128 text tokens, 128 out (images), the same image in all (images-shared), then vLLM's
 #                       random-mm client at the same sizes (random-mm, the cross-check); first transformers' AutoProcessor
-#                       on the directory in vLLM's environment (VL_WORKLOADS, VL_SERVERS: subsets). Carry the server
-#                       wheels (.whl, as serve's), the directory and vLLM's last stage part
+#                       on the directory in vLLM's environment (VL_WORKLOADS, VL_SERVERS: subsets; VL_EMBER_FLAGS:
+#                       more of ember's flags). Carry the server wheels (.whl, as serve's), the directory and vLLM's
+#                       last stage part
 #                       (where an image step's GPU time goes, offline, no mode: python3 benchmarks/scripts/
 #                       profile_gpu_steps.py .serve-vl --images --num-prompts 256 --input-len 128 --output-len 128
 #                       --skip 4 --steps 16 --max-num-batched-tokens 8192 [--no-warmup])
@@ -745,7 +746,7 @@ mode_race_vl() {
   secs=$(cap "race-vl" 540) || return 0
   timeout "$secs" python3 benchmarks/scripts/serve_race.py "$m" --out "$J" --servers "$servers" \
     --workloads "${VL_WORKLOADS:-images,images-shared,random-mm}" --max-model-len 2048 \
-    --ember-flags "$flags" --vllm-flags "$flags" --deadline $((secs - 10)) \
+    --ember-flags "$flags ${VL_EMBER_FLAGS:-}" --vllm-flags "$flags" --deadline $((secs - 10)) \
     2>&1 | tee "$J/race_vl.log" | grep -E "^RESULT|^==|Error" || true
 }
 
