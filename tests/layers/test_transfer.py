@@ -10,8 +10,12 @@ from ember.layers.transfer import join_to_device
 
 
 def _arrays() -> list[np.ndarray]:
+    """Read-only, as the image processor's cache keeps its patches."""
     rng = np.random.default_rng(0)
-    return [rng.standard_normal((n, 6)).astype(np.float32) for n in (3, 1, 5)]
+    arrays = [rng.standard_normal((n, 6)).astype(np.float32) for n in (3, 1, 5)]
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
 
 
 def _same_shape() -> list[np.ndarray]:
@@ -20,6 +24,7 @@ def _same_shape() -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.filterwarnings("error")
 def test_joined_arrays_arrive_as_numpy_joins_them(device):
     dev = torch.device(device)
     joined = join_to_device(_arrays(), dev)
