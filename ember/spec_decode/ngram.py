@@ -7,7 +7,6 @@ code in the prompt)."""
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ember.spec_decode.proposer import Proposer
 
@@ -26,11 +25,19 @@ class NgramProposer(Proposer):
         if k <= 0 or n_tokens <= self.lookup_min:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.lookup_max, n_tokens - 1), self.lookup_min - 1, -1):
-            # windows starting before the suffix itself: an occurrence at i is followed by i + n
-            windows = sliding_window_view(tokens[: n_tokens - 1], n)
-            hits = np.flatnonzero((windows == tokens[n_tokens - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return token_ids[start: start + k]
-        return []
+        longest = min(self.lookup_max, n_tokens - 1)
+        # alive[e]: tokens ending at e (before the last one) match the context's suffix of the
+        # length reached so far; a longer match holds every shorter one, so the longest length
+        # with a match is found by growing it, and its latest end gives the drafts
+        alive = tokens[:-1] == tokens[-1]
+        end = -1
+        for n in range(1, longest + 1):
+            if n > 1:
+                alive[:n - 1] = False
+                alive[n - 1:] &= tokens[:n_tokens - n] == tokens[n_tokens - n]
+            hits = np.flatnonzero(alive)
+            if not hits.size:
+                break
+            if n >= self.lookup_min:
+                end = int(hits[-1])
+        return token_ids[end + 1: end + 1 + k] if end >= 0 else []
