@@ -88,6 +88,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] (0 <= start, 0 <= end) without building all_token_ids: a
+        step's few tokens of a long context."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt):end - len(prompt)]
+        return prompt[start:] + self.output_token_ids[:end - len(prompt)]
+
     @property
     def cache_token_ids(self) -> list[int]:
         """all_token_ids as the prefix cache keys them: an image's placeholder tokens by its hash."""

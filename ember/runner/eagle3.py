@@ -165,11 +165,11 @@ class Eagle3Drafter(DraftCache):
         for j, (req, first, features) in enumerate(runs):
             end = first + len(features)
             if on_device is not None and j in on_device[0]:
-                ids += req.all_token_ids[first + 1:end] + [0]
+                ids += req.token_slice(first + 1, end) + [0]
                 dst.append(len(ids) - 1)
                 src.append(on_device[0][j])
             elif tokens is None:
-                ids += req.all_token_ids[first + 1:end + 1]
+                ids += req.token_slice(first + 1, end + 1)
             positions += range(first, end)
             slots += [req.block_ids[p // bs] * bs + p % bs for p in range(first, end)]
             ends.append(end)

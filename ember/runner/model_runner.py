@@ -847,7 +847,7 @@ class ModelRunner:
             else:
                 assert not req.num_pending_tokens, "a pending token is its request's only new token"
                 drafts = chunk.draft_token_ids  # speculative decoding: verified after the last known token
-                ids += req.all_token_ids[start:end - len(drafts)] + drafts if drafts else req.all_token_ids[start:end]
+                ids += req.token_slice(start, end - len(drafts)) + drafts if drafts else req.token_slice(start, end)
                 if mrope is None:
                     positions += range(start, end)
                 else:  # M-RoPE: the request's own positions; (t, h, w) apart where the chunk covers an image
