@@ -92,11 +92,12 @@ class Request:
         """all_token_ids[start:end] (0 <= start, 0 <= end) without building all_token_ids: a
         step's few tokens of a long context."""
         prompt = self.prompt_token_ids
-        if end <= len(prompt):
+        n = len(prompt)
+        if end <= n:
             return prompt[start:end]
-        if start >= len(prompt):
-            return self.output_token_ids[start - len(prompt):end - len(prompt)]
-        return prompt[start:] + self.output_token_ids[:end - len(prompt)]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return prompt[start:] + self.output_token_ids[:end - n]
 
     @property
     def cache_token_ids(self) -> list[int]:
