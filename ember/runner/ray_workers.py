@@ -1,7 +1,7 @@
 """Tensor-parallel workers as Ray actors (`distributed_executor_backend="ray"`): the ranks
 of runner/tensor_parallel.py's Worker, placed by a placement group (one bundle per rank,
-PACK: on one node where it fits, else over several), joined over gloo or NCCL at a store the
-engine keeps on its node.
+PACK: on one node where it fits, else over several), joined over gloo or NCCL at a store
+kept by an actor on rank 0's node.
 
 The engine joins the Ray cluster that RAY_ADDRESS (or `ray.init` before it) names, else
 starts one on this machine. Each step's message is put into Ray's object store once, and
@@ -31,6 +31,19 @@ from ember.runner.tensor_parallel import (
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120  # for the cluster to find room for every rank
+
+
+class Rendezvous:
+    """The ranks' meeting point as an actor on rank 0's node (where the ranks meet without Ray,
+    and which every rank reaches, as NCCL needs): its store, kept while the actor lives."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self.store, self.init_method = host_rendezvous(ray.util.get_node_ip_address())
+
+    def address(self) -> str:
+        return self.init_method
 
 
 class RayTensorParallelRunner(TensorParallelRunner):
@@ -63,8 +76,8 @@ class RayTensorParallelRunner(TensorParallelRunner):
             def on(rank: int) -> PlacementGroupSchedulingStrategy:
                 return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
 
-            # the driver keeps the ranks' meeting point (on its node: the actors reach it as they reach Ray)
-            self.rendezvous, init_method = host_rendezvous(ray.util.get_node_ip_address())
+            self.rendezvous = ray.remote(Rendezvous).options(num_cpus=0, scheduling_strategy=on(0)).remote()
+            init_method = self._get([self.rendezvous.address.remote()], READY_TIMEOUT_S, "starting")[0]
             actor = ray.remote(Worker)
             # one CPU (thread) per rank, as its bundle reserves; on CUDA Ray shows each actor its one GPU as 0
             self.actors = [actor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=on(rank))
@@ -114,7 +127,9 @@ class RayTensorParallelRunner(TensorParallelRunner):
         if getattr(self, "group", None) is not None:
             remove_placement_group(self.group)
             self.group = None
-        self.rendezvous = None
+        if getattr(self, "rendezvous", None) is not None:
+            ray.kill(self.rendezvous)
+            self.rendezvous = None
 
 
 def _failed(ref) -> bool:
