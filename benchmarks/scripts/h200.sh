@@ -746,7 +746,7 @@ mode_race_vl() {
   secs=$(cap "race-vl" 540) || return 0
   timeout "$secs" python3 benchmarks/scripts/serve_race.py "$m" --out "$J" --servers "$servers" \
     --workloads "${VL_WORKLOADS:-images,images-shared,random-mm}" --max-model-len 2048 \
-    --ember-flags "$flags ${VL_EMBER_FLAGS:-}" --vllm-flags "$flags" --deadline $((secs - 10)) \
+    --ember-flags "$flags${VL_EMBER_FLAGS:+ $VL_EMBER_FLAGS}" --vllm-flags "$flags" --deadline $((secs - 10)) \
     2>&1 | tee "$J/race_vl.log" | grep -E "^RESULT|^==|Error" || true
 }
 

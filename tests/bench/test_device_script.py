@@ -507,6 +507,10 @@ def test_race_vl_races_vllm_then_ember_on_the_vision_workloads_under_one_client(
     calls, done = run_mode(tmp_path / "subset", "race-vl", extra_env=kit | {"VL_SERVERS": "ember", "VL_WORKLOADS": "images"})
     assert calls[1:] == [(race.replace(str(out), str(tmp_path / "subset" / "out")) % "ember").replace(
         "images,images-shared,random-mm", "images")]
+    (tmp_path / "flags").mkdir()
+    calls, done = run_mode(tmp_path / "flags", "race-vl", extra_env=kit | {"VL_EMBER_FLAGS": "--api-server-count 4"})
+    assert calls[-1] == (race.replace(str(out), str(tmp_path / "flags" / "out")) % "vllm,ember").replace(
+        """'{"image": 1, "video": 0}' --vllm""", """'{"image": 1, "video": 0}' --api-server-count 4 --vllm""")
     # vLLM's image hashing imports blake3: the carried wheel goes into its site; where it still fails, ember alone
     (tmp_path / "blake3").mkdir()
     calls, done = run_mode(tmp_path / "blake3", "race-vl", extra_env=kit | {"NO_BLAKE3": "1"})
