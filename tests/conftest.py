@@ -282,3 +282,42 @@ def mla_expanded_plans(monkeypatch) -> list:
 
     monkeypatch.setattr(mla, "expanded_plan", recorded)
     return plans
+
+
+
+# `make test` runs `pytest -n 2 --dist loadgroup`. xdist's own loadgroup groups nothing on pytest 9
+# (it renames the node id, which pytest 9 no longer reads: pytest-dev/pytest-xdist#1386), and its
+# default `load` deals a module's tests to both workers, so a module-scoped server, multi-process
+# group or engine was made twice. Under `--dist loadgroup` the scheduler below keeps each module
+# that has a module-, class- or package-scoped fixture (its own, or one of a conftest.py's it
+# names) on one worker; the tests of the other modules are still dealt one by one. Larger units go
+# first (xdist's loadscope order), so the single tests even out the end.
+_SHARED_SCOPE = r'scope="(?:module|class|package)"'
+
+
+def _shares_a_fixture(path: Path, _cache: dict = {}) -> bool:  # noqa: B006 (the cache)
+    import re
+
+    if "names" not in _cache:
+        defs = re.compile(r"@pytest\.fixture\(" + _SHARED_SCOPE + r"[^)]*\)\s*def (\w+)")
+        names = {n for c in Path(__file__).parent.rglob("conftest.py") for n in defs.findall(c.read_text())}
+        _cache["names"] = re.compile(_SHARED_SCOPE + (r"|\b(?:" + "|".join(sorted(names)) + r")\b" if names else ""))
+    if path not in _cache:
+        _cache[path] = path.is_file() and bool(_cache["names"].search(path.read_text(errors="replace")))
+    return _cache[path]
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # run without xdist: nothing to schedule
+    pass
+else:
+    class _ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if _shares_a_fixture(Path(self.config.rootpath) / module) else nodeid
+
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") == "loadgroup":
+            return _ModuleGroups(config, log)
+        return None
