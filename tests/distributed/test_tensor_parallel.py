@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import shutil
 import socket
 import time
 import traceback
@@ -122,16 +123,114 @@ def run_ranks(world: int, model_path: str, tmp_path: Path, quantization: str = "
     return run_task(world, tmp_path, prefill_logits, (model_path, PROMPTS, quantization, load_format))
 
 
+def _pool_rank_main(rank: int, world: int, init_method: str, tasks: mp.Queue, reports: mp.Queue) -> None:
+    """One rank of a _RankPool: join the group once, then run each (out_dir, task, args) sent,
+    save what it returns and report None or the traceback, until None comes."""
+    try:
+        torch.set_num_threads(1)
+        parallel_state.init_tensor_parallel(rank, world, "gloo", init_method, timeout_s=JOIN_TIMEOUT_S)
+        while (job := tasks.get()) is not None:
+            out_dir, task, args = job
+            try:
+                torch.save(task(*args), Path(out_dir) / f"rank{rank}.pt")
+                reports.put((rank, None))
+            except BaseException:
+                reports.put((rank, traceback.format_exc()))
+    except BaseException:
+        reports.put((rank, traceback.format_exc()))
+    finally:
+        parallel_state.destroy()
+
+
+class _RankPool:
+    """`world` ranks started once (each start imports torch and ember: seconds) that run
+    prefill_logits for one test after another in the same gloo group; a failure ends them all."""
+
+    def __init__(self, world: int) -> None:
+        import tempfile
+
+        ctx = mp.get_context("spawn")
+        self.reports = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.dir = Path(tempfile.mkdtemp(prefix="tp-pool-"))
+        init = f"file://{self.dir / 'rendezvous'}"
+        self.procs = [ctx.Process(target=_pool_rank_main, args=(r, world, init, self.tasks[r], self.reports),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, out: Path, task: Callable, args: tuple) -> None:
+        for q in self.tasks:
+            q.put((str(out), task, args))
+        _wait_reports(self.procs, self.reports)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_POOLS: dict[int, _RankPool] = {}
+
+
+def _close_rank_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _rank_pools():
+    yield
+    _close_rank_pools()
+
+
+def _wait_reports(procs: list, reports: mp.Queue) -> None:
+    """Until every rank reported success; the first failure (a report, or an exit without one)
+    or JOIN_TIMEOUT_S raises."""
+    world = len(procs)
+    done: set[int] = set()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while len(done) < world:
+        try:
+            rank, error = reports.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} and no report")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - done)} did not finish in {JOIN_TIMEOUT_S} s")
+            continue
+        if error is not None:
+            raise RuntimeError(f"rank {rank} of {world} failed:\n{error}")
+        done.add(rank)
+
+
 def run_task(world: int, tmp_path: Path, task: Callable, args: tuple, backend: str = "gloo",
              init: str | None = None) -> list:
     """What task(*args) returns on each of `world` ranks (over NCCL: rank r on GPU r), met at
     `init` (default: a file in tmp_path). The first rank to fail (an exception, or an exit
     without a report) fails the call with its error, and every process is ended: none is left
-    behind."""
-    ctx = mp.get_context("spawn")
-    reports = ctx.Queue()
+    behind. prefill_logits over gloo runs on the module's ranks of that world size (_RankPool),
+    started at its first call; the other tasks on ranks of their own."""
     out = tmp_path / f"{task.__name__}-{world}"
     out.mkdir()
+    if task is prefill_logits and backend == "gloo" and init is None:
+        pool = _POOLS.get(world) or _POOLS.setdefault(world, _RankPool(world))
+        try:
+            pool.run(out, task, args)
+        except BaseException:
+            del _POOLS[world]
+            pool.close(kill=True)
+            raise
+        return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    ctx = mp.get_context("spawn")
+    reports = ctx.Queue()
     init = init or f"file://{out / 'rendezvous'}"
     procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(out), reports, task, args, backend),
                          daemon=True) for r in range(world)]
@@ -139,21 +238,7 @@ def run_task(world: int, tmp_path: Path, task: Callable, args: tuple, backend: s
         p.start()
     finished = False
     try:
-        done: set[int] = set()
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while len(done) < world:
-            try:
-                rank, error = reports.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} and no report")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - done)} did not finish in {JOIN_TIMEOUT_S} s")
-                continue
-            if error is not None:
-                raise RuntimeError(f"rank {rank} of {world} failed:\n{error}")
-            done.add(rank)
+        _wait_reports(procs, reports)
         finished = True
     finally:
         for p in procs:  # after a failure the others may wait in a collective for good: end them
@@ -668,6 +753,7 @@ def _rank_1_fails() -> None:
 
 
 def test_a_failing_rank_ends_the_run_at_once_and_leaves_no_process(tmp_path):
+    _close_rank_pools()  # the module's ranks (run_task) are this process's children too
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed:.*ValueError: rank 1 broke"):
         run_task(2, tmp_path, _rank_1_fails, ())
