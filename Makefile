@@ -27,7 +27,7 @@ serve: setup
 
 test: setup
 	$(VENV)/bin/ruff check ember tests benchmarks
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2
 
 demo: setup
 	$(VENV)/bin/ember chat -m "What is the capital of France?"
