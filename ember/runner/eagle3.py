@@ -116,6 +116,11 @@ class Eagle3Drafter(DraftCache):
         for req in plan.preempted:  # recomputed from the start: its rows come again
             self.pending.pop(req.request_id, None)
         features = self.model.combine(aux)
+        # a copy: on CUDA the step's output buffer is the next graph replay's; where every row
+        # waits (decode and verifying chunks only), one copy of them all, else each chunk's own
+        # (a view would keep a prefill's rows alive)
+        waiting = features.clone() if all(c.samples and c.num_new_tokens == len(c.draft_token_ids) + 1
+                                           for c in plan.chunks) else None
         runs: list[tuple[Request, int, torch.Tensor]] = []
         table_rows: list[int] = []
         on_device: dict[int, int] = {}  # run -> the step's row whose input id is its last token (pending)
@@ -131,8 +136,9 @@ class Eagle3Drafter(DraftCache):
                     on_device[len(runs)] = row
             if known:
                 parts.append(features[row:row + known])
-            if chunk.samples:  # a copy: on CUDA the step's output buffer is the next graph replay's
-                self.pending[req.request_id] = (start + known, features[row + known:row + n].clone())
+            if chunk.samples:
+                rows = waiting[row:row + n] if waiting is not None else features[row + known:row + n].clone()
+                self.pending[req.request_id] = (start + known, rows)
             if parts:
                 runs.append((req, first, torch.cat(parts) if len(parts) > 1 else parts[0]))
                 table_rows.append(i)
@@ -146,12 +152,9 @@ class Eagle3Drafter(DraftCache):
         return _rows_before(self.pending.pop(req.request_id, None), end)
 
     def _run(self, runs: list[tuple[Request, int, torch.Tensor]], tables: torch.Tensor,
-             tokens: DraftIds | None = None,
              on_device: tuple[dict[int, int], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows through the head, each run a request's rows from its position `first` on (token
-        p + 1 at position p, unless `tokens` gives them, on the host or the device: a draft step,
-        one row a request, which replays a CUDA graph where one is captured); (normed, prenorm)
-        at each run's last row.
+        p + 1 at position p); (normed, prenorm) at each run's last row.
         `on_device`: (run -> row, the step's input ids): a run whose last token is not known on
         the CPU yet takes it from that row of the step's input, gathered on the device."""
         bs = self.block_size
@@ -159,38 +162,35 @@ class Eagle3Drafter(DraftCache):
         positions: list[int] = []
         slots: list[int] = []
         ends: list[int] = []
+        lengths: list[int] = []
         starts = [0]
         dst: list[int] = []
         src: list[int] = []
         for j, (req, first, features) in enumerate(runs):
-            end = first + len(features)
+            rows = features.shape[0]
+            end = first + rows
             if on_device is not None and j in on_device[0]:
                 ids += req.token_slice(first + 1, end) + [0]
                 dst.append(len(ids) - 1)
                 src.append(on_device[0][j])
-            elif tokens is None:
+            else:
                 ids += req.token_slice(first + 1, end + 1)
             positions += range(first, end)
             slots += [req.block_ids[p // bs] * bs + p % bs for p in range(first, end)]
             ends.append(end)
-            starts.append(starts[-1] + len(features))
-        if tokens is not None:
-            ids = tokens if isinstance(tokens, list) else []
+            lengths.append(rows)
+            starts.append(starts[-1] + rows)
         t, n = len(positions), len(runs)
         flat = to_device(ids + positions + slots + ends + starts, self.device, torch.int64)
         ids_t, pos_t, slot_t, lens, starts_t = flat.split([len(ids), t, t, n, n + 1])
-        if isinstance(tokens, torch.Tensor):
-            ids_t = tokens
         if dst:
             ids_t[to_device(dst, self.device, torch.int64)] = on_device[1][to_device(src, self.device, torch.int64)]
         meta = AttentionMetadata(slot_mapping=slot_t, query_start_loc=starts_t.to(torch.int32),
                                  seq_lens=lens.to(torch.int32), block_tables=tables,
-                                 query_lens_cpu=[len(f) for _, _, f in runs], seq_lens_cpu=ends)
+                                 query_lens_cpu=lengths, seq_lens_cpu=ends)
         features = torch.cat([f for _, _, f in runs]) if n > 1 else runs[0][2]
-        if tokens is not None and self.graphs is not None and n <= self.graphs.max_batch:
-            self.step.feature[:n].copy_(features)
-            out = self.graphs.run(ids_t, pos_t, slot_t, meta.seq_lens, tables)
-            return out[:, :features.shape[1]].contiguous(), out[:, features.shape[1]:]
+        if self.graphs is not None and t == n <= self.graphs.max_batch:  # a row a run (no draft was kept)
+            return self._replay(ids_t, pos_t, slot_t, meta.seq_lens, tables, features)
         normed, prenorm = self.model(self.embed(ids_t), features, pos_t, meta)
         last = starts_t[1:] - 1
         return normed[last], prenorm[last]
@@ -221,7 +221,12 @@ class Eagle3Drafter(DraftCache):
         table = to_device(np.stack([tables[i][:width] for i in active]), self.device)
         normed, feature = self._run(runs, table)
         token = self._pick(normed, active, draw)
-        for step in range(1, max(limits[i] for i in active)):
+        steps = max(limits[i] for i in active)
+        if steps > 1:
+            computed = [requests[i].num_computed_tokens for i in active]
+            rows = self._draft_rows(computed, steps - 1, table)
+            starts = torch.arange(len(active) + 1, dtype=torch.int32, device=self.device)
+        for step in range(1, steps):
             drafted.add(active, token)
             keep = [j for j, i in enumerate(active) if limits[i] > step]
             if not keep:
@@ -229,13 +234,50 @@ class Eagle3Drafter(DraftCache):
             if len(keep) < len(active):
                 index = to_device(keep, self.device, torch.int64)
                 active, table, feature = [active[j] for j in keep], table[index], feature[index]
+                rows = tuple(r[:, index] for r in rows)
+                computed = [computed[j] for j in keep]
                 token = kept_rows(token, keep, index)
-            reqs = [requests[i] for i in active]
-            step_runs = [(r, r.num_computed_tokens + step - 1, f) for r, f in zip(reqs, feature.split(1))]
-            normed, feature = self._run(step_runs, table, token)
+            normed, feature = self._draft_step(token, *(r[step - 1] for r in rows), [c + step for c in computed],
+                                               table, feature, starts[:len(active) + 1])
             token = self._pick(normed, active, draw)
         drafted.add(active, token)
         return drafted.result()
+
+    def _draft_rows(self, computed: list[int], steps: int,
+                    table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft steps' rows, built once a propose on the device: (positions, slots, seq_lens),
+        each [steps, requests], step s of request j at position computed[j] + s, its slot read from
+        the block table (a position past a request's blocks, of a step it does not draft in, reads
+        the table's last column: never used)."""
+        bs = self.block_size
+        positions = to_device(computed, self.device, torch.int64)[None, :] \
+            + torch.arange(steps, device=self.device, dtype=torch.int64)[:, None]
+        blocks = table.gather(1, (positions // bs).clamp_(max=table.shape[1] - 1).T).T
+        slots = (blocks.to(torch.int64) * bs + positions % bs).contiguous()
+        return positions, slots, (positions + 1).to(torch.int32)
+
+    def _draft_step(self, tokens: DraftIds, positions: torch.Tensor, slot_t: torch.Tensor, lens: torch.Tensor,
+                    seq_lens: list[int], table: torch.Tensor, feature: torch.Tensor,
+                    starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft row a request: token `tokens[j]` at `positions[j]` (slot `slot_t[j]`, seq_len
+        `lens[j]`, on the device; `seq_lens` on the host) over the request's blocks (`table[j]`)
+        after the head's own `feature[j]`; (normed, prenorm) a row, from a CUDA graph where one is
+        captured."""
+        ids_t = tokens if isinstance(tokens, torch.Tensor) else to_device(tokens, self.device, torch.int64)
+        n = len(seq_lens)
+        if self.graphs is not None and n <= self.graphs.max_batch:
+            return self._replay(ids_t, positions, slot_t, lens, table, feature)
+        meta = AttentionMetadata(slot_mapping=slot_t, query_start_loc=starts, seq_lens=lens, block_tables=table,
+                                 query_lens_cpu=[1] * n, seq_lens_cpu=seq_lens)
+        return self.model(self.embed(ids_t), feature, positions, meta)
+
+    def _replay(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                tables: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row a request through the head's CUDA graph (the draft step's); (normed, prenorm)."""
+        n = ids.shape[0]
+        self.step.feature[:n].copy_(feature)
+        out = self.graphs.run(ids, positions, slots, seq_lens, tables)
+        return out[:, :feature.shape[1]].contiguous(), out[:, feature.shape[1]:]
 
     def _pick(self, normed: torch.Tensor, active: list[int], draw: DrawDrafts | None) -> DraftIds:
         """A draft position's drafts: drawn by `draw` from the target vocabulary's logits, or their
