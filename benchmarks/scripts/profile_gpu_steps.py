@@ -17,17 +17,31 @@ Qwen2.5-VL directory (issue #39's race: vision tower kernels against the LM's pr
     python3 benchmarks/scripts/profile_gpu_steps.py .serve-vl --images --num-prompts 256 \
         --input-len 128 --output-len 128 --skip 4 --steps 16 --max-num-batched-tokens 8192 [--no-warmup]
 
+--gaps: where the device waits for the host. The engine's phases (schedule, launch, prepare, images,
+pixel join, encode, forward, sample, collect, wait, update, propose, ...) are marked as ranges, and
+each stretch of the window in which no kernel or copy runs on the GPU is charged to the host phases
+open at its middle (outer > inner): the GPU's idle ms a step and what the host was doing meanwhile.
+--speculative-config JSON: the engine's (an EAGLE-3 head of random weights for a dummy target:
+`python -m ember.bench.dummy_eagle3 TARGET/config.json HEAD`), to see a drafting step's host cost:
+
+    python3 benchmarks/scripts/profile_gpu_steps.py SMOL_DIR --num-prompts 32 --gaps \
+        --speculative-config '{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 4}'
+
 On a machine without CUDA the "kernels" are the CPU's ops, each its self time (the tests' path).
 """
 
 import argparse
 import bisect
+import functools
+import inspect
+import json
 import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+import ember.runner.multimodal as multimodal
 from ember import LLM
 from ember.bench.image_requests import image_requests
 from ember.bench.throughput import random_requests
@@ -41,6 +55,78 @@ def image_prompts(llm: LLM, num_prompts: int, input_len: int, output_len: int, s
     width, height = (int(v) for v in size.lower().split("x"))
     reqs = image_requests(num_prompts, input_len, output_len, width, height, llm.tokenizer, seed)
     return [r.messages for r in reqs]
+
+
+def _timed(owner: object, attr: str, name: str) -> None:
+    """owner.attr (a function, or a callable object such as the sampler, whose other attributes
+    stay readable) run inside record_function("host:" + name)."""
+    fn = getattr(owner, attr, None)
+    if fn is None:
+        return
+
+    def timed(*args, **kwargs):
+        with record_function("host:" + name):
+            return fn(*args, **kwargs)
+
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        setattr(owner, attr, functools.wraps(fn)(timed))
+    else:
+        setattr(owner, attr, type("Timed", (), {"__call__": lambda self, *a, **k: timed(*a, **k),
+                                                "__getattr__": lambda self, n: getattr(fn, n)})())
+
+
+def mark_phases(core) -> None:
+    """The engine's phases as ranges in the trace (`--gaps`)."""
+    runner = core.runner
+    for owner, attr, name in [(core, "_collect", "collect"), (core, "_apply", "update"), (core, "_propose", "propose"),
+                              (core.scheduler, "schedule", "schedule"), (runner, "launch", "launch"),
+                              (runner, "_prepare", "prepare"), (runner, "collect", "wait"),
+                              (runner, "propose_for", "drafter"), (runner, "sampler", "sample"),
+                              (getattr(runner, "images", None), "inputs", "images"),
+                              (getattr(runner, "images", None), "_encode", "encode"),
+                              (multimodal, "join_to_device", "pixel join"),
+                              (getattr(runner, "graphs", None), "replay_step", "graph replay"),
+                              (getattr(runner, "drafter", None), "follow", "drafter follow"),
+                              (getattr(runner, "drafter", None), "propose", "drafter propose")]:
+        if owner is not None:
+            _timed(owner, attr, name)
+    forward = runner.model.forward
+
+    def timed_forward(*args, **kwargs):
+        with record_function("host:forward"):
+            return forward(*args, **kwargs)
+
+    runner.model.forward = timed_forward
+
+
+def idle_by_phase(events, steps: int) -> None:
+    """Print the GPU's idle time in the window a step and the host phases open meanwhile (`--gaps`)."""
+    window = [(ev.time_range.start, ev.time_range.end) for ev in events if ev.name.startswith("ProfilerStep")]
+    lo, hi = min(s for s, _ in window), max(e for _, e in window)
+    busy = sorted((ev.time_range.start, ev.time_range.end) for ev in events
+                  if ev.device_type == torch.autograd.DeviceType.CUDA and lo <= ev.time_range.start < hi)
+    phases = sorted((ev.time_range.start, ev.time_range.end, ev.name[5:]) for ev in events
+                    if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("host:"))
+    gaps, last = [], lo
+    for start, end in busy:
+        if start > last:
+            gaps.append((last, start))
+        last = max(last, end)
+    if hi > last:
+        gaps.append((last, hi))
+    charged: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for start, end in gaps:
+        mid = (start + end) / 2
+        open_ = [name for s, e, name in phases[:bisect.bisect_right(phases, (mid, float("inf"), ""))] if e > mid]
+        inside = any(s <= mid < e for s, e in window)
+        key = " > ".join(open_) if open_ else ("(in a step, no phase)" if inside else "(between steps)")
+        charged[key][0] += 1
+        charged[key][1] += end - start
+    idle = sum(t for _, t in charged.values())
+    print(f"  GPU idle {idle / steps / 1e3:.3f} ms a step of {(hi - lo) / steps / 1e3:.3f} "
+          f"({len(gaps) / steps:.0f} gaps a step); the host meanwhile:")
+    for key, (count, t) in sorted(charged.items(), key=lambda kv: -kv[1][1])[:20]:
+        print(f"  {t / steps / 1e3:9.3f} ms {count / steps:7.1f} gaps/step  {key}")
 
 
 def main() -> None:
@@ -59,6 +145,8 @@ def main() -> None:
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up request first (its first-shape costs "
                     "then fall in the steps before the window)")
     ap.add_argument("--per-step", action="store_true", help="a line for each step (on with --images)")
+    ap.add_argument("--gaps", action="store_true", help="the GPU's idle time and the host phases open meanwhile")
+    ap.add_argument("--speculative-config", type=json.loads, default=None, help="the engine's, as JSON")
     ns = ap.parse_args()
     if ns.skip + 2 + ns.steps >= ns.output_len:
         ap.error("--skip + 2 + --steps must stay below --output-len (the window must end before the run)")
@@ -68,7 +156,7 @@ def main() -> None:
         longest += -(-w // 28) * -(-h // 28) + 64
     llm = LLM(ns.model, load_format="dummy", seed=0, kv_cache_dtype=ns.kv_cache_dtype,
               max_model_len=max(2048, longest), max_num_seqs=max(ns.num_prompts, 1),
-              max_num_batched_tokens=ns.max_num_batched_tokens)
+              max_num_batched_tokens=ns.max_num_batched_tokens, speculative_config=ns.speculative_config)
     params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=ns.output_len)
     if ns.images:
         convs = image_prompts(llm, ns.num_prompts, ns.input_len, ns.output_len, ns.image_size)
@@ -104,6 +192,8 @@ def main() -> None:
         return out
 
     core.step, core.scheduler.schedule = profiled_step, counted_plan
+    if ns.gaps:
+        mark_phases(core)
     with prof:
         if ns.images:
             llm.chat(convs, params)
@@ -152,6 +242,8 @@ def main() -> None:
     print(f"  host: self CPU time a step, top {ns.top}")
     for name, (calls, t) in sorted(per_op.items(), key=lambda kv: -kv[1][1])[:ns.top]:
         print(f"  {t / ns.steps:9.1f} us  {calls / ns.steps:6.1f}/step  {name}")
+    if ns.gaps and cuda:
+        idle_by_phase(prof.events(), ns.steps)
 
 
 if __name__ == "__main__":
