@@ -20,6 +20,7 @@ from int_checkpoints import (
 )
 
 from ember.layers.linear import MergedLinear, RowParallelLinear
+from ember.layers.quant import int_weight
 from ember.layers.quant.awq import awq_tensor
 from ember.layers.quant.compressed_tensors import pack_quantized_tensor
 from ember.layers.quant.gguf_blocks import GGUFBlocks
@@ -220,7 +221,8 @@ def test_cpu_blocks_name_what_they_cannot_hold():
     assert cpu_blocks(fp32) == "torch.float32 scales that are not float16 values"
 
 
-def test_cpu_format_is_blocks_permuted_blocks_or_dequantized(caplog):
+def test_cpu_format_is_blocks_permuted_blocks_or_dequantized(caplog, monkeypatch):
+    monkeypatch.setattr(int_weight, "_logged", set())  # each reason is logged once a process: not yet here
     x = torch.randn(5, 256)
     for t, kind in [(_int_tensor(), GGUFBlocks), (_int_tensor(act=True), PermutedInput),
                     (_int_tensor(8, 32, zeros=True), Dense)]:

@@ -74,15 +74,21 @@ def core_rss_mb(server) -> float:
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024
 
 
-@pytest.mark.parametrize("level,freed_mb", [(1, 100), (2, 400)])  # the filled KV pool, ~190 MB; + weights, ~540 MB
-def test_sleep_frees_the_engine_until_wake_up_and_then_it_answers_as_before(server, level, freed_mb):
+# a KV block of SmolLM2 in float32 on the CPU: 30 layers x (k, v) x 3 KV heads x 64 dims x 16 tokens x 4 bytes
+BLOCK_MB = 30 * 2 * 3 * 64 * 16 * 4 / 2**20
+
+
+@pytest.mark.parametrize("level,weights_mb", [(1, 0), (2, 300)])  # level 2 frees the weights too, ~540 MB
+def test_sleep_frees_the_engine_until_wake_up_and_then_it_answers_as_before(server, level, weights_mb):
     before = complete(server, FRANCE)
-    # the pool's pages are the kernel's only once written: fill ~100 blocks (~0.7 MB each)
-    assert complete(server, f"Round {level}: " + "The quick brown fox jumps over the lazy dog. " * 150)["usage"][
-        "prompt_tokens"] > 1500
+    # the pool's pages are the kernel's only once written: this prompt writes ~100 blocks; what the
+    # module's other tests wrote before comes on top (how much depends on which ran here first)
+    tokens = complete(server, f"Round {level}: " + "The quick brown fox jumps over the lazy dog. " * 150)["usage"][
+        "prompt_tokens"]
+    assert tokens > 1500
     awake = core_rss_mb(server)
     assert call(server, "POST", f"/sleep?level={level}").status_code == 200
-    assert core_rss_mb(server) < awake - freed_mb
+    assert awake - core_rss_mb(server) > 0.9 * tokens // 16 * BLOCK_MB + weights_mb
     assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": True}
     error = assert_openai_error(call(server, "POST", "/v1/completions", json={"model": MODEL, "prompt": "x"}), 503,
                                 "asleep", "/wake_up")
