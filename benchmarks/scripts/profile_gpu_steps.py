@@ -127,6 +127,12 @@ def idle_by_phase(events, steps: int) -> None:
           f"({len(gaps) / steps:.0f} gaps a step); the host meanwhile:")
     for key, (count, t) in sorted(charged.items(), key=lambda kv: -kv[1][1])[:20]:
         print(f"  {t / steps / 1e3:9.3f} ms {count / steps:7.1f} gaps/step  {key}")
+    spent: dict[str, float] = defaultdict(float)
+    for start, end, name in phases:
+        if lo <= start < hi:
+            spent[name] += end - start
+    print("  each phase's host time a step (nested phases inside their outer ones' too): "
+          + ", ".join(f"{name} {t / steps / 1e3:.3f}" for name, t in sorted(spent.items(), key=lambda kv: -kv[1])))
 
 
 def main() -> None:

@@ -73,4 +73,6 @@ def test_gaps_charge_the_gpus_idle_time_to_the_host_phases_open_meanwhile(capsys
     assert lines == ["  GPU idle 0.125 ms a step of 1.000 (2 gaps a step); the host meanwhile:",
                      "      0.090 ms     0.5 gaps/step  launch > prepare",
                      "      0.020 ms     0.5 gaps/step  update",
-                     "      0.015 ms     0.5 gaps/step  (in a step, no phase)"]
+                     "      0.015 ms     0.5 gaps/step  (in a step, no phase)",
+                     "  each phase's host time a step (nested phases inside their outer ones' too): "
+                     "launch 0.300, prepare 0.125, update 0.075"]
