@@ -24,7 +24,7 @@ open at its middle (outer > inner): the GPU's idle ms a step and what the host w
 --speculative-config JSON: the engine's (an EAGLE-3 head of random weights for a dummy target:
 `python -m ember.bench.dummy_eagle3 TARGET/config.json HEAD`), to see a drafting step's host cost:
 
-    python3 benchmarks/scripts/profile_gpu_steps.py SMOL_DIR --num-prompts 32 --gaps \
+    python3 benchmarks/scripts/profile_gpu_steps.py SMOL_DIR --num-prompts 32 --gaps --temperature 0 \
         --speculative-config '{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 4}'
 
 On a machine without CUDA the "kernels" are the CPU's ops, each its self time (the tests' path).
@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--per-step", action="store_true", help="a line for each step (on with --images)")
     ap.add_argument("--gaps", action="store_true", help="the GPU's idle time and the host phases open meanwhile")
     ap.add_argument("--speculative-config", type=json.loads, default=None, help="the engine's, as JSON")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy (as the speculative races run)")
     ns = ap.parse_args()
     if ns.skip + 2 + ns.steps >= ns.output_len:
         ap.error("--skip + 2 + --steps must stay below --output-len (the window must end before the run)")
@@ -163,7 +164,7 @@ def main() -> None:
     llm = LLM(ns.model, load_format="dummy", seed=0, kv_cache_dtype=ns.kv_cache_dtype,
               max_model_len=max(2048, longest), max_num_seqs=max(ns.num_prompts, 1),
               max_num_batched_tokens=ns.max_num_batched_tokens, speculative_config=ns.speculative_config)
-    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=ns.output_len)
+    params = SamplingParams(temperature=ns.temperature, ignore_eos=True, max_tokens=ns.output_len)
     if ns.images:
         convs = image_prompts(llm, ns.num_prompts, ns.input_len, ns.output_len, ns.image_size)
         if not ns.no_warmup:  # compile, warm up: an image of its own (no cache hit)
