@@ -99,12 +99,23 @@ def mark_phases(core) -> None:
     runner.model.forward = timed_forward
 
 
+def _marks(ev) -> bool:
+    """A range the profiler or `--gaps` marks (a step, a host phase): on the GPU's timeline too (a
+    user annotation over the kernels launched inside it), where it is neither a kernel nor busy."""
+    return ev.name.startswith(("ProfilerStep", "host:"))
+
+
+def _steps(events) -> list:
+    """The window's steps (ProfilerStep#k), as the host ran them."""
+    return [ev for ev in events if ev.name.startswith("ProfilerStep") and ev.device_type == torch.autograd.DeviceType.CPU]
+
+
 def idle_by_phase(events, steps: int) -> None:
     """Print the GPU's idle time in the window a step and the host phases open meanwhile (`--gaps`)."""
-    window = [(ev.time_range.start, ev.time_range.end) for ev in events if ev.name.startswith("ProfilerStep")]
+    window = [(ev.time_range.start, ev.time_range.end) for ev in _steps(events)]
     lo, hi = min(s for s, _ in window), max(e for _, e in window)
     busy = sorted((ev.time_range.start, ev.time_range.end) for ev in events
-                  if ev.device_type == torch.autograd.DeviceType.CUDA and lo <= ev.time_range.start < hi)
+                  if ev.device_type == torch.autograd.DeviceType.CUDA and not _marks(ev) and lo <= ev.time_range.start < hi)
     phases = sorted((ev.time_range.start, ev.time_range.end, ev.name[5:]) for ev in events
                     if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("host:"))
     gaps, last = [], lo
@@ -210,11 +221,11 @@ def main() -> None:
     first = ns.skip + 2
     wall = (marks[first + ns.steps - 1] - marks[first - 1]) / ns.steps
     # the window's steps' ranges (ProfilerStep#k, in order); a kernel counts in the step its start falls in
-    bounds = sorted(ev.time_range.start for ev in prof.events() if ev.name.startswith("ProfilerStep"))
+    bounds = sorted(ev.time_range.start for ev in _steps(prof.events()))
     step_time = [0.0] * ns.steps
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
-        if ev.name.startswith("ProfilerStep"):
+        if _marks(ev):
             continue
         if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
             t = getattr(ev, "device_time", None) or ev.cuda_time

@@ -66,7 +66,9 @@ def test_gaps_charge_the_gpus_idle_time_to_the_host_phases_open_meanwhile(capsys
               _event("gemm", 0, 300, cuda=True), _event("norm", 280, 320, cuda=True),  # overlapping: one busy stretch
               _event("gemm", 500, 1000, cuda=True), _event("gemm", 1000, 1900, cuda=True),
               _event("sample", 1930, 1960, cuda=True),
-              _event("gemm", 2500, 2600, cuda=True)]  # after the window: not counted
+              _event("gemm", 2500, 2600, cuda=True),  # after the window: not counted
+              # the ranges' annotations on the GPU's timeline, over the kernels launched inside them: not busy
+              _event("host:launch", 0, 1000, cuda=True), _event("ProfilerStep#2", 1000, 2050, cuda=True)]
     script.idle_by_phase(events, 2)
     lines = capsys.readouterr().out.splitlines()
     # idle: 320-500 (mid 410: launch > prepare), 1900-1930 (mid 1915: no phase), 1960-2000 (mid 1980: update)
