@@ -189,6 +189,8 @@ class Eagle3Drafter(DraftCache):
                                  seq_lens=lens.to(torch.int32), block_tables=tables,
                                  query_lens_cpu=lengths, seq_lens_cpu=ends)
         features = torch.cat([f for _, _, f in runs]) if n > 1 else runs[0][2]
+        if self.graphs is not None and t == n <= self.graphs.max_batch:  # a row a run (no draft was kept)
+            return self._replay(ids_t, pos_t, slot_t, meta.seq_lens, tables, features)
         normed, prenorm = self.model(self.embed(ids_t), features, pos_t, meta)
         last = starts_t[1:] - 1
         return normed[last], prenorm[last]
