@@ -70,29 +70,44 @@ class VisionAttention(nn.Module):
         return self.proj(segment_attention(q, k, v, segments, self.head_dim ** -0.5).reshape(n, -1))
 
 
-# runs of rows that attend only to each other, grouped by length: (count, length, their rows [count * length])
-Segments = list[tuple[int, int, torch.Tensor]]
+@dataclass
+class Segments:
+    """Runs of consecutive rows that attend only to each other (a frame, a window, an image), in
+    two forms: their bounds, for one varlen flash-attention call over all of them on CUDA in half
+    precision (no rows gathered or scattered: ~470 gather and scatter kernels of a step of seven
+    images were the tower's before), and grouped by length, (count, length, their rows
+    [count * length]), each group one batched SDPA call, elsewhere."""
+
+    groups: list[tuple[int, int, torch.Tensor]]
+    bounds: torch.Tensor  # [runs + 1] int32 row offsets, on the device
+    longest: int
+
+
 # not cuDNN's attention, PyTorch's first choice on Hopper: it builds a plan for each new shape (tenths of a
 # second), and a step's segments take new counts whenever its mix of images changes
 SEGMENT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def segments_of(runs: list[tuple[int, int]], device: torch.device) -> Segments:
-    """(start, end) runs as Segments, built once a forward for every block."""
+    """(start, end) runs (consecutive, from row 0) as Segments, built once a forward for every block."""
     by_length: dict[int, list[int]] = {}
     for start, end in runs:
         by_length.setdefault(end - start, []).append(start)
-    return [(len(starts), length, to_device((torch.tensor(starts)[:, None] + torch.arange(length)).flatten(), device))
-            for length, starts in by_length.items()]
+    groups = [(len(starts), length, to_device((torch.tensor(starts)[:, None] + torch.arange(length)).flatten(), device))
+              for length, starts in by_length.items()]
+    bounds = to_device([0] + [end for _, end in runs], device, torch.int32)
+    return Segments(groups, bounds, max(by_length))
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
                       scale: float) -> torch.Tensor:
-    """Bidirectional attention within each segment of rows ([N, heads, dim] each); the segments
-    of one length as one batch."""
+    """Bidirectional attention within each segment of rows ([N, heads, dim] each)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        return torch.ops.aten._flash_attention_forward(q, k, v, segments.bounds, segments.bounds, segments.longest,
+                                                       segments.longest, 0.0, False, False, scale=scale)[0]
     out = torch.empty_like(q)
     with sdpa_kernel(SEGMENT_BACKENDS):
-        for count, length, rows in segments:
+        for count, length, rows in segments.groups:
             qs, ks, vs = (t[rows].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
             out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
