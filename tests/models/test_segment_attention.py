@@ -24,8 +24,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 
 def qkv(dtype: torch.dtype, device: str, dim: int = 80) -> tuple[torch.Tensor, ...]:
+    """q, k, v as the towers pass them: views of one [N, 3, heads, dim] projection (v's rows strided)."""
     g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(RUNS[-1][1], 4, dim, generator=g).to(device, dtype) for _ in range(3))
+    return torch.randn(RUNS[-1][1], 3, 4, dim, generator=g).to(device, dtype).unbind(1)
 
 
 def test_segments_hold_their_bounds_and_their_rows_by_length():
