@@ -76,7 +76,8 @@ def test_qwen2_5_vl_plans_window_rows_and_their_inverse():
     assert sorted(blocks.tolist()) == list(range(15))
     assert torch.equal(blocks[plan.unorder], torch.arange(15))
     # windows of 2 x 2 merge blocks over 3 x 5 of them: 2 x 2, 2 x 2, 2 x 1, then 1 x 2, 1 x 2, 1 x 1
-    assert [(count, length) for count, length, _ in plan.windows] == [(2, 16), (3, 8), (1, 4)]
+    assert [(count, length) for count, length, _ in plan.windows.groups] == [(2, 16), (3, 8), (1, 4)]
+    assert plan.windows.bounds.tolist() == [0, 16, 32, 40, 48, 56, 60] and plan.windows.longest == 16
     assert tower("qwen2_vl").plan([(1, 6, 10)], torch.device("cpu")).rows is None
     assert tower("qwen3_vl").plan([(1, 6, 10)], torch.device("cpu")).positions.shape == (60, 32)
 
