@@ -87,16 +87,10 @@ def mark_phases(core) -> None:
                               (multimodal, "join_to_device", "pixel join"),
                               (getattr(runner, "graphs", None), "replay_step", "graph replay"),
                               (getattr(runner, "drafter", None), "follow", "drafter follow"),
-                              (getattr(runner, "drafter", None), "propose", "drafter propose")]:
+                              (getattr(runner, "drafter", None), "propose", "drafter propose"),
+                              (runner.model, "forward", "forward")]:
         if owner is not None:
             _timed(owner, attr, name)
-    forward = runner.model.forward
-
-    def timed_forward(*args, **kwargs):
-        with record_function("host:forward"):
-            return forward(*args, **kwargs)
-
-    runner.model.forward = timed_forward
 
 
 def _marks(ev) -> bool:
