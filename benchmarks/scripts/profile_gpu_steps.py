@@ -159,6 +159,9 @@ def main() -> None:
     ap.add_argument("--gaps", action="store_true", help="the GPU's idle time and the host phases open meanwhile")
     ap.add_argument("--speculative-config", type=json.loads, default=None, help="the engine's, as JSON")
     ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy (as the speculative races run)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engine's (default --num-prompts; the decode graphs' largest batch: a step verifying "
+                         "drafts needs num_prompts x (K + 1) rows in them)")
     ns = ap.parse_args()
     if ns.skip + 2 + ns.steps >= ns.output_len:
         ap.error("--skip + 2 + --steps must stay below --output-len (the window must end before the run)")
@@ -167,7 +170,7 @@ def main() -> None:
         w, h = (int(v) for v in ns.image_size.lower().split("x"))
         longest += -(-w // 28) * -(-h // 28) + 64
     llm = LLM(ns.model, load_format="dummy", seed=0, kv_cache_dtype=ns.kv_cache_dtype,
-              max_model_len=max(2048, longest), max_num_seqs=max(ns.num_prompts, 1),
+              max_model_len=max(2048, longest), max_num_seqs=ns.max_num_seqs or max(ns.num_prompts, 1),
               max_num_batched_tokens=ns.max_num_batched_tokens, speculative_config=ns.speculative_config)
     params = SamplingParams(temperature=ns.temperature, ignore_eos=True, max_tokens=ns.output_len)
     if ns.images:

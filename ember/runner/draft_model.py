@@ -51,21 +51,28 @@ class Drafted:
 
     def __init__(self, num_requests: int) -> None:
         self.drafts: list[list[int]] = [[] for _ in range(num_requests)]
-        self.on_device: list[tuple[list[int], torch.Tensor]] = []
+        # (requests, their ids on the device: [n] one position, or [n, m] the next m positions, of which
+        # request j keeps its first counts[j])
+        self.on_device: list[tuple[list[int], torch.Tensor, list[int] | None]] = []
 
-    def add(self, active: list[int], ids: DraftIds) -> None:
+    def add(self, active: list[int], ids: DraftIds, counts: list[int] | None = None) -> None:
         if isinstance(ids, torch.Tensor):
-            self.on_device.append((active, ids))
+            self.on_device.append((active, ids, counts))
         else:
             for i, t in zip(active, ids):
                 self.drafts[i].append(t)
 
     def result(self) -> list[list[int]]:
         if self.on_device:
-            ids = iter(torch.cat([t for _, t in self.on_device]).tolist())
-            for active, _ in self.on_device:
-                for i in active:
-                    self.drafts[i].append(next(ids))
+            ids = iter(torch.cat([t.reshape(-1) for _, t, _ in self.on_device]).tolist())
+            for active, t, counts in self.on_device:
+                if counts is None:
+                    for i in active:
+                        self.drafts[i].append(next(ids))
+                    continue
+                for i, count in zip(active, counts):
+                    row = [next(ids) for _ in range(t.shape[1])]
+                    self.drafts[i] += row[:count]
             self.on_device = []
         return self.drafts
 

@@ -55,6 +55,43 @@ class _DraftStep(nn.Module):
         return torch.cat([normed, prenorm], dim=-1)
 
 
+class _DraftLoop(nn.Module):
+    """A greedy propose's draft steps after its first, all in one module, so that one CUDA graph a
+    batch size replays them (as DecodeGraphs captures a model): step s of row j runs the head at
+    position positions[j] + s on the token step s - 1 picked (the first: input_ids) after the
+    stream it left (the first: `feature`); out: [rows, steps] drafts. Row j writes its KV in its
+    first limit[j] steps only (a slot of -1 after, as a graph's padding rows: positions its blocks
+    may not hold; its later drafts are dropped); rows of seq_len 0 are the graph's padding."""
+
+    def __init__(self, head: Eagle3Head, embed: nn.Module, steps: int, block_size: int, vocab_size: int,
+                 ascending_d2t: bool, max_rows: int) -> None:
+        super().__init__()
+        self.head, self.embed, self.steps, self.block_size = head, embed, steps, block_size
+        self.vocab_size, self.ascending_d2t = vocab_size, ascending_d2t
+        self.max_position = head.model.rotary.cos_sin.shape[0] - 1  # a row past its limit may pass the table
+        weight = head.model.norm.weight
+        self.feature = torch.zeros(max_rows, head.config.hidden_size, dtype=weight.dtype, device=weight.device)
+        self.limit = torch.zeros(max_rows, dtype=torch.int64, device=weight.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n, bs = input_ids.shape[0], self.block_size
+        live = meta.seq_lens > 0
+        limit, table = self.limit[:n], meta.block_tables
+        ids, feature, drafts = input_ids, self.feature[:n], []
+        for s in range(self.steps):
+            pos = (positions + s).clamp(max=self.max_position)
+            blocks = table.gather(1, (pos // bs).clamp(max=table.shape[1] - 1)[:, None])[:, 0].to(torch.int64)
+            slots = torch.where(live & (limit > s), blocks * bs + pos % bs, -1)
+            step = AttentionMetadata(slot_mapping=slots, query_start_loc=meta.query_start_loc,
+                                     seq_lens=torch.where(live, pos + 1, 0).to(torch.int32), block_tables=table,
+                                     query_lens_cpu=meta.query_lens_cpu,
+                                     seq_lens_cpu=[length + s for length in meta.seq_lens_cpu])
+            normed, feature = self.head(self.embed(ids), feature, pos, step)
+            ids = self.head.target_argmax(normed, self.vocab_size, self.ascending_d2t)
+            drafts.append(ids)
+        return torch.stack(drafts, dim=1)
+
+
 class Eagle3Drafter(DraftCache):
     drafts_without_kv = 1  # the first draft comes from the last kept row, which the request's blocks hold
 
@@ -86,12 +123,20 @@ class Eagle3Drafter(DraftCache):
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}
         self.graphs: DecodeGraphs | None = None  # the draft steps (one row a request), on CUDA
         self.step: _DraftStep | None = None
+        # a greedy propose's steps after its first, in one module (one graph a batch size on CUDA)
+        steps = spec.num_speculative_tokens - 1
+        self.loop = _DraftLoop(self.model, self.embed, steps, self.block_size, self.vocab_size, self.ascending_d2t,
+                               config.max_num_seqs) if steps else None
+        self.loop_graphs: DecodeGraphs | None = None
 
     def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """CUDA graphs of a draft step at the decode batch sizes (after the cache exists)."""
         self.step = _DraftStep(self.model, self.embed, max_num_seqs)
         self.graphs = DecodeGraphs(self.step, max_num_seqs, max_blocks_per_seq, self.device)
         self.graphs.capture()
+        if self.loop is not None:
+            self.loop_graphs = DecodeGraphs(self.loop, max_num_seqs, max_blocks_per_seq, self.device)
+            self.loop_graphs.capture()
 
     def _weights(self, tensors):
         for name, tensor in tensors:
@@ -222,8 +267,13 @@ class Eagle3Drafter(DraftCache):
         normed, feature = self._run(runs, table)
         token = self._pick(normed, active, draw)
         steps = max(limits[i] for i in active)
+        computed = [requests[i].num_computed_tokens for i in active]
+        writes = [limits[i] - 1 for i in active]  # each request's draft steps after the first
+        if draw is None and steps > 1 and self._loops(writes):
+            drafted.add(active, token)
+            drafted.add(active, self._draft_loop(token, feature, computed, writes, table), writes)
+            return drafted.result()
         if steps > 1:
-            computed = [requests[i].num_computed_tokens for i in active]
             rows = self._draft_rows(computed, steps - 1, table)
             starts = torch.arange(len(active) + 1, dtype=torch.int32, device=self.device)
         for step in range(1, steps):
@@ -242,6 +292,30 @@ class Eagle3Drafter(DraftCache):
             token = self._pick(normed, active, draw)
         drafted.add(active, token)
         return drafted.result()
+
+    def _loops(self, writes: list[int]) -> bool:
+        """Whether `_DraftLoop` takes these requests' draft steps: on CUDA any (a step past a request's
+        own steps writes no KV), elsewhere where each takes them all (the CPU's KV write has no slot -1)."""
+        if self.loop is None or len(writes) > self.loop.limit.shape[0]:
+            return False
+        return self.device.type == "cuda" or all(w == self.loop.steps for w in writes)
+
+    def _draft_loop(self, token: torch.Tensor, feature: torch.Tensor, computed: list[int], writes: list[int],
+                    table: torch.Tensor) -> torch.Tensor:
+        """The draft steps after the first through `_DraftLoop`, from its CUDA graph where one is
+        captured: [n, K - 1] drafts; request j's first step at position computed[j], its KV written
+        in its first writes[j] steps."""
+        n = len(computed)
+        positions, limit = to_device(computed + writes, self.device, torch.int64).split([n, n])
+        self.loop.feature[:n].copy_(feature)
+        self.loop.limit[:n].copy_(limit)
+        lens = (positions + 1).to(torch.int32)
+        if self.loop_graphs is not None and n <= self.loop_graphs.max_batch:
+            return self.loop_graphs.run(token, positions, positions, lens, table)  # slots: the loop's own
+        meta = AttentionMetadata(slot_mapping=positions, query_start_loc=torch.arange(
+            n + 1, dtype=torch.int32, device=self.device), seq_lens=lens, block_tables=table,
+            query_lens_cpu=[1] * n, seq_lens_cpu=[c + 1 for c in computed])
+        return self.loop(token, positions, meta)
 
     def _draft_rows(self, computed: list[int], steps: int,
                     table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
