@@ -128,12 +128,12 @@ class DraftModel(DraftCache):
         self.weight_bytes = model_weight_bytes(self.model)
         self.graphs: DecodeGraphs | None = None  # its one-row-a-request steps, on CUDA
 
-    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-        """CUDA graphs of a step of one row a request at the decode batch sizes (after the cache
+    def capture_graphs(self, max_rows: int, max_blocks_per_seq: int) -> None:
+        """CUDA graphs of a step of one row a request at the decode batch sizes up to `max_rows` (after the cache
         exists), as the target's: each draft position of `propose`, and `follow` over a decode step
         or a verifying one (a token a row). Eager, a step with a 4-layer draft took 14.9 ms against a
         decode step's 0.87 at SmolLM2's size on an H100 (BENCHMARKS.md, 2026-12-06)."""
-        self.graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks_per_seq, self.device)
+        self.graphs = DecodeGraphs(self.model, max_rows, max_blocks_per_seq, self.device)
         self.graphs.capture()
 
     @torch.inference_mode()

@@ -121,6 +121,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 _GREEDY = SamplingParams(temperature=0)  # the stand-in row of a request whose own row failed
 _ARGMAX = SamplingRow(_GREEDY, None, [], [], frozenset())  # a drafting row that takes the raw argmax
+VERIFY_GRAPH_MAX_ROWS = 512  # vLLM's largest captured size with speculative decoding
+
+
+def decode_graph_rows(config: EngineConfig) -> int:
+    """The target's decode graphs' largest batch: max_num_seqs rows, and with speculative decoding
+    enough for a step verifying K drafts of each request (K + 1 rows a request, as decode rows), up
+    to 512 rows and max_num_batched_tokens; a larger verify step runs the piecewise graphs."""
+    spec = config.speculative_config
+    if spec is None:
+        return config.max_num_seqs
+    rows = min(config.max_num_seqs * (spec.num_speculative_tokens + 1), VERIFY_GRAPH_MAX_ROWS,
+               config.max_num_batched_tokens)
+    return max(rows, config.max_num_seqs)
+
+
 GRAPH_POOL_RESERVE = 512 << 20  # kept out of the KV pool for the decode graphs' memory (logged as measured)
 # of the cache memory, what recurrent-state snapshots get by default (the KV pool the rest): one
 # snapshot of Qwen3-Next-80B's 36 linear layers is 74 MiB, the KV of ~3,000 tokens of its 12
@@ -236,11 +251,13 @@ class ModelRunner:
         self.step_times: dict[str, float] = defaultdict(float)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
-            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.max_blocks_per_seq, self.device,
+            self.graphs = DecodeGraphs(self.model, decode_graph_rows(config), config.max_blocks_per_seq, self.device,
                                        state_slots=self.states is not None)
             self.graphs.capture()
-            if isinstance(self.drafter, (Eagle3Drafter, DraftModel)):  # its draft steps are decode-shaped too
+            if isinstance(self.drafter, Eagle3Drafter):  # its draft steps are decode-shaped too (a row a request)
                 self.drafter.capture_graphs(config.max_num_seqs, config.max_blocks_per_seq)
+            elif isinstance(self.drafter, DraftModel):  # it also follows the verify steps, as the target does
+                self.drafter.capture_graphs(decode_graph_rows(config), config.max_blocks_per_seq)
         self.piecewise: PiecewiseGraphs | None = None
         if use_graphs and self.states is not None:
             # a linear-attention layer's prefill follows the step's sequences on the host (its chunks)

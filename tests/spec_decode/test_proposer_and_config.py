@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ember.config import EngineConfig
+from ember.runner.model_runner import decode_graph_rows
 from ember.spec_decode.config import SpeculativeConfig
 from ember.spec_decode.ngram import NgramProposer
 
@@ -71,3 +72,14 @@ def test_speculation_takes_async_scheduling():
     (tests/engine/test_spec_async.py)."""
     config = EngineConfig(speculative_config={"num_speculative_tokens": 2}, async_scheduling=True)
     assert config.async_scheduling is True and config.speculative_config.num_speculative_tokens == 2
+
+
+def test_the_decode_graphs_hold_a_step_verifying_every_requests_drafts():
+    """K + 1 decode rows a request, up to 512 rows (vLLM's cap) and the step's token budget."""
+    def rows(k: int | None, seqs: int, tokens: int = 8192) -> int:
+        spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k}
+        return decode_graph_rows(EngineConfig(speculative_config=spec, max_num_seqs=seqs,
+                                              max_num_batched_tokens=tokens))
+
+    assert [rows(None, 256), rows(4, 1), rows(4, 32), rows(4, 256), rows(7, 100), rows(4, 64, tokens=200),
+            rows(4, 600)] == [256, 5, 160, 512, 512, 200, 600]
