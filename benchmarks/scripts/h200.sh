@@ -148,6 +148,8 @@
 #                       drafts a greedy verify keeps nearly all of), then none, eagle3 and draft_model (METHODs: a subset)
 #                       K=4, each at batch 1 (one request at a time) and batch 32 (32 prompts in one call); both
 #                       engines load the same drafters, so their outputs_sha256 and accepted_tokens must agree.
+#                       SPEC_ENGINES=vllm | ember: that engine alone (default vllm,ember; vLLM's eagle3 arm takes
+#                       ~110 s to start, so with ember's beside it a 540-s call cut it off)
 #                       The calls: below
 #   frontend            issue #41's programs (`ember bench frontend`: fork-join, few-shot select, multi-turn, JSON) at
 #                       the Llama-3.1-8B shape with dummy weights and SmolLM2's tokenizer (the served model directory,
@@ -515,6 +517,8 @@ mode_spec_race() {
       keep=$((90 + 100 * $(echo $methods | wc -w))) ;;
     *) echo "== spec-race: no part '$what' (ngram, or models [eagle3] [draft_model])"; return 2 ;;
   esac
+  local engines=",${SPEC_ENGINES:-vllm,ember},"  # one engine a call where both do not fit (vLLM's eagle3: ~110 s to start)
+  [[ $engines == *,ember,* ]] || keep=0
   local race="benchmarks/scripts/spec_gpu_race.py --model $m --max-tokens 256 --k 4"
   if [ "$what" = ngram ]; then
     race="$race --lookup 2 4"
@@ -533,7 +537,7 @@ mode_spec_race() {
     timeout "$secs" python3 -m ember.bench.spec_drafts $m $drafts --layers ${DRAFT_LAYERS:-4} 2>&1 | tail -3 | tee "$J/spec_drafts.log"
   fi
   local vllm=0 method=ngram  # vLLM's ngram proposer imports numba: the staged wheels (smol_stage.py) where the image lacks it
-  have_vllm && vllm=1
+  [[ $engines == *,vllm,* ]] && have_vllm && vllm=1
   if [ $vllm = 1 ] && [ $((DEADLINE - SECONDS - keep)) -lt 60 ]; then
     echo "== vLLM spec race: skipped, the call's time is spent (ember's $keep s kept)"
   elif [ $vllm = 1 ]; then
@@ -550,6 +554,7 @@ mode_spec_race() {
       timeout "$secs" python3 $race --engine vllm $flags 2>&1 | tee "$J/spec_race_vllm${methods:+_models}.log" \
       | grep -E "^RESULT|Error|error:" || true
   fi
+  [[ $engines == *,ember,* ]] || return 0
   secs=$(cap "ember spec race" $((keep + 60))) || return 0
   echo "== ember ${methods:-ngram} race: $race --engine ember"
   timeout "$secs" python3 $race --engine ember 2>&1 | tee "$J/spec_race_ember${methods:+_models}.log" \

@@ -417,6 +417,11 @@ def test_spec_race_models_writes_the_drafts_then_races_vllm_then_ember_on_them(t
     calls, done = run_mode(one, "spec-race", "models", "eagle3", extra_env={**env, "CALL_S": "240"})
     assert calls[-1] == f"{race.replace(' draft_model', '')} --engine ember [decode_config=]"
     assert "== vLLM spec race: skipped, the call's time is spent (ember's 190 s kept)" in done.stdout
+    for engine in ("vllm", "ember"):  # one engine a call
+        (tmp_path / engine).mkdir()
+        calls, done = run_mode(tmp_path / engine, "spec-race", "models", "eagle3",
+                               extra_env={**env, "CALL_S": "240", "SPEC_ENGINES": engine})
+        assert [c.split(" --engine ")[1].split(" ")[0] for c in calls if "spec_gpu_race.py" in c] == [engine]
     whole = tmp_path / "whole"
     whole.mkdir()
     calls, done = run_mode(whole, "spec-race", "models", "draft_model", extra_env={**env, "DRAFT_LAYERS": "30"})
