@@ -39,6 +39,13 @@ def _rows_before(entry: tuple[int, torch.Tensor] | None, end: int) -> tuple[int,
     return (first, features[:end - first]) if 0 < end - first <= len(features) else None
 
 
+def _table_slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slots of positions [n, m] of the requests whose block-table rows are table [n, W]
+    (a position past the table reads its last column: the caller masks or never uses it)."""
+    blocks = table.gather(1, (positions // block_size).clamp(max=table.shape[1] - 1))
+    return blocks.to(torch.int64) * block_size + positions % block_size
+
+
 class _DraftStep(nn.Module):
     """A draft step as DecodeGraphs captures a model: the features come from a static buffer;
     out: normed | prenorm."""
@@ -80,8 +87,7 @@ class _DraftLoop(nn.Module):
         ids, feature, drafts = input_ids, self.feature[:n], []
         for s in range(self.steps):
             pos = (positions + s).clamp(max=self.max_position)
-            blocks = table.gather(1, (pos // bs).clamp(max=table.shape[1] - 1)[:, None])[:, 0].to(torch.int64)
-            slots = torch.where(live & (limit > s), blocks * bs + pos % bs, -1)
+            slots = torch.where(live & (limit > s), _table_slots(table, pos[:, None], bs)[:, 0], -1)
             step = AttentionMetadata(slot_mapping=slots, query_start_loc=meta.query_start_loc,
                                      seq_lens=torch.where(live, pos + 1, 0).to(torch.int32), block_tables=table,
                                      query_lens_cpu=meta.query_lens_cpu,
@@ -326,8 +332,7 @@ class Eagle3Drafter(DraftCache):
         bs = self.block_size
         positions = to_device(computed, self.device, torch.int64)[None, :] \
             + torch.arange(steps, device=self.device, dtype=torch.int64)[:, None]
-        blocks = table.gather(1, (positions // bs).clamp_(max=table.shape[1] - 1).T).T
-        slots = (blocks.to(torch.int64) * bs + positions % bs).contiguous()
+        slots = _table_slots(table, positions.T, bs).T.contiguous()
         return positions, slots, (positions + 1).to(torch.int32)
 
     def _draft_step(self, tokens: DraftIds, positions: torch.Tensor, slot_t: torch.Tensor, lens: torch.Tensor,

@@ -251,13 +251,14 @@ class ModelRunner:
         self.step_times: dict[str, float] = defaultdict(float)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
-            self.graphs = DecodeGraphs(self.model, decode_graph_rows(config), config.max_blocks_per_seq, self.device,
+            rows = decode_graph_rows(config)
+            self.graphs = DecodeGraphs(self.model, rows, config.max_blocks_per_seq, self.device,
                                        state_slots=self.states is not None)
             self.graphs.capture()
             if isinstance(self.drafter, Eagle3Drafter):  # its draft steps are decode-shaped too (a row a request)
                 self.drafter.capture_graphs(config.max_num_seqs, config.max_blocks_per_seq)
             elif isinstance(self.drafter, DraftModel):  # it also follows the verify steps, as the target does
-                self.drafter.capture_graphs(decode_graph_rows(config), config.max_blocks_per_seq)
+                self.drafter.capture_graphs(rows, config.max_blocks_per_seq)
         self.piecewise: PiecewiseGraphs | None = None
         if use_graphs and self.states is not None:
             # a linear-attention layer's prefill follows the step's sequences on the host (its chunks)
