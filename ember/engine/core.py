@@ -481,8 +481,9 @@ class EngineCore:
         reads the accepted tokens on the CPU). A step of neither (drafting off above
         disable_by_batch_size) runs async; should the count fall meanwhile, the update asks only
         the requests no later step computes for (`_propose`).
-        Overlapping the drafting with the step in flight (drafts that follow its placeholder
-        tokens, fixed up on the device) would go here: not done."""
+        Drafting inside the step (vLLM's padded drafting: one wait a step) was built and measured
+        slower at SmolLM2's size, where the host's operations a step, not its waits, set the pace
+        (benchmarks/BENCHMARKS.md, 2026-12-07 last; the branch spec-inlaunch keeps it)."""
         if self.proposer is None:
             return False
         return any(c.draft_token_ids for c in plan.chunks) or (self._drafting() and any(c.samples for c in plan.chunks))
