@@ -14,9 +14,10 @@
 
 With `core_process=True` (what `ember serve` runs) the core is in its own process
 (core_client.MPCoreClient, core_process.py): scheduling, the model's launches and sampling
-never wait for this interpreter. With `core_connection` (each API process of `ember serve
---api-server-count N`) that process is one another process started, shared with the others. Otherwise (InprocCoreClient) the output thread runs the
-core's steps itself, as one process.
+never wait for this interpreter. With `core_connection` that process is one another process
+started: shared with the others (a CoreConnection: each API process of `ember serve
+--api-server-count N`), or this engine's own, started early (a StartedCore: `ember serve`).
+Otherwise (InprocCoreClient) the output thread runs the core's steps itself, as one process.
 
 The event loop never runs per-request work that grows with the input: `prepare` runs it
 on a small thread pool (INPUT_THREADS), so a 1 MB prompt or a deep JSON schema does not
@@ -65,6 +66,7 @@ from ember.engine.core_client import (
     CoreStep,
     InprocCoreClient,
     MPCoreClient,
+    StartedCore,
     send_text_verdicts,
 )
 from ember.engine.input_processor import InputProcessor, PromptType, load_engine_tokenizer
@@ -183,11 +185,12 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None,
                  stat_loggers: list[StatLogger] | None = None,
                  on_dead: Callable[[BaseException], None] | None = None, log_requests: bool = False,
-                 core_process: bool = False, core_connection: CoreConnection | None = None) -> None:
+                 core_process: bool = False, core_connection: CoreConnection | StartedCore | None = None) -> None:
         """`on_dead(error)` is called on the output thread if the engine dies; `log_requests`:
         log each submitted request's id, prompt length and sampling parameters at INFO;
-        `core_process`: run the engine core in its own process; `core_connection`: use the
-        engine core process another process started (with other clients) instead."""
+        `core_process`: run the engine core in its own process; `core_connection`: the core process
+        to use instead of starting one: shared with other clients (CoreConnection), or this
+        engine's own, started early (StartedCore)."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 (or None: no limit); got {max_waiting_requests}")
         self.config = config if config.model_config is not None else config.resolve()

@@ -65,8 +65,8 @@ logger = logging.getLogger(__name__)
 
 # the message kinds and wire rows are the core process's (core_process.py); its clients speak them
 __all__ = ["ABORT", "ADD", "CALL", "FAIL", "FINISH", "SHUTDOWN", "CoreConnection", "CoreDeadError", "CoreStep",
-           "InprocCoreClient", "MPCoreClient",
-           "RequestChecker", "output_row", "send_text_verdicts", "stats_row"]
+           "InprocCoreClient", "MPCoreClient", "RequestChecker", "StartedCore", "output_row", "send_text_verdicts",
+           "start_core_process", "stats_row"]
 
 START_TIMEOUT_S = 600.0  # loading a model (and compiling kernels) before the core reports ready
 POLL_MS = 100  # how long get_step waits for the core before it gives the caller a turn
@@ -133,15 +133,40 @@ class RequestChecker:
     """What the core would refuse at once, checked in the API process (the input pool's
     threads): sizes and a grammar that cannot compile."""
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, structured: StructuredOutputManager) -> None:
         self.config, self.num_kv_blocks = config, num_kv_blocks
         self.window = make_window_blocks(config.block_size, shared_window(config.model_config.layer_windows))
-        self.structured = StructuredOutputManager.for_config(config, tokenizer)
+        self.structured = structured
 
     def __call__(self, req: Request) -> None:
         check_request_fits(req, self.config.max_num_seqs, self.config.max_model_len, self.window,
                            self.num_kv_blocks)
         self.structured.validate(req.sampling_params)
+
+
+@dataclass(frozen=True)
+class StartedCore:
+    """An engine core process for one client, started before the client: `ember serve` starts
+    it before importing its web stack, so the model loads meanwhile (MPCoreClient adopts it)."""
+
+    process: multiprocessing.process.BaseProcess
+    addresses: tuple[str, str]  # (input, output): the ZMQ sockets the core binds
+    directory: str  # where the sockets are
+
+    def stop(self) -> None:
+        """Kill the core if no client stopped it (the server failed before it adopted it)."""
+        _stop_process(self.process, None, self.directory)
+
+
+def start_core_process(config: EngineConfig) -> StartedCore:
+    """Spawn the engine core process of `config` (resolved) for one client."""
+    directory = tempfile.mkdtemp(prefix="ember-core-")
+    addresses = (f"ipc://{directory}/input", f"ipc://{directory}/output")
+    spawn = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
+    process = spawn.Process(target=run_core_process, args=(config, [addresses]),
+                            name="ember-core", daemon=False)  # it starts TP workers of its own
+    process.start()
+    return StartedCore(process, addresses, directory)
 
 
 @dataclass(frozen=True)
@@ -157,11 +182,11 @@ class CoreConnection:
 
 class MPCoreClient:
     """The core in its own process (ember/engine/core_process.py), over two ZMQ sockets: one
-    it starts for this client alone, or, given a CoreConnection, one it shares with other
-    clients (each its own requests; see ClientTable)."""
+    for this client alone (it starts it, or adopts a StartedCore), or, given a CoreConnection,
+    one it shares with other clients (each its own requests; see ClientTable)."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None,
-                 connection: CoreConnection | None = None) -> None:
+                 connection: CoreConnection | StartedCore | None = None) -> None:
         import zmq
 
         self._zmq = zmq
@@ -173,16 +198,13 @@ class MPCoreClient:
         self._send_lock = threading.Lock()
         self._pixels = PixelSender()
         self.process: multiprocessing.process.BaseProcess | None = None
-        if connection is None:
-            directory = tempfile.mkdtemp(prefix="ember-core-")
-            addresses = (f"ipc://{directory}/input", f"ipc://{directory}/output")
-            spawn = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
-            self.process = spawn.Process(target=run_core_process, args=(config, [addresses]),
-                                         name="ember-core", daemon=False)  # it starts TP workers of its own
-            self.process.start()
+        if not isinstance(connection, CoreConnection):
+            started = connection or start_core_process(config)
+            self.process = started.process
+            addresses = started.addresses
             self.pid = self.process.pid  # the process the core runs in
             self._core_fd = self.process.sentinel
-            self._finalizer = weakref.finalize(self, _stop_process, self.process, self._context, directory)
+            self._finalizer = weakref.finalize(self, _stop_process, self.process, self._context, started.directory)
         else:
             addresses = (connection.input_address, connection.output_address)
             self.pid = connection.pid
@@ -197,6 +219,11 @@ class MPCoreClient:
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._poller.register(self._core_fd, zmq.POLLIN)
+        # this process's grammar backend (imports, vocabulary tables: ~1.5 s) is built while the core
+        # loads the model, not after it; the core changes no field it reads (only max_num_seqs)
+        structured = StructuredOutputManager.for_config(config, tokenizer)
+        self._warming = threading.Thread(target=structured.warm_up, name="ember-grammar-warm-up", daemon=True)
+        self._warming.start()
         try:
             self.send((HELLO, os.getpid()))
             ready = self._wait_ready()
@@ -204,7 +231,7 @@ class MPCoreClient:
             self.shutdown()
             raise
         self.config, self.num_kv_blocks = ready
-        self._checker = RequestChecker(self.config, self.num_kv_blocks, tokenizer)
+        self._checker = RequestChecker(self.config, self.num_kv_blocks, structured)
 
     def _wait_ready(self) -> tuple[EngineConfig, int]:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -235,7 +262,7 @@ class MPCoreClient:
         self._checker(req)
 
     def warm_up(self) -> None:
-        self._checker.structured.warm_up()  # the core warmed its own before it said ready
+        self._warming.join()  # the core warmed its own before it said ready
 
     def send(self, message: tuple) -> None:
         if message[0] == ADD and message[1].mm_features:  # its images' pixels once each (pixel_link.py)
@@ -292,7 +319,8 @@ def _stop_process(process, context, directory: str) -> None:
     if process.is_alive():
         process.kill()
         process.join(5)
-    context.destroy(linger=0)
+    if context is not None:
+        context.destroy(linger=0)
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -8,9 +8,14 @@ import logging
 import sys
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ember.config import EngineConfig
 from ember.engine_args import add_engine_args, engine_args
+
+if TYPE_CHECKING:
+    from ember.engine.core_client import StartedCore
+    from ember.server.launch_flags import LaunchSettings
 
 
 def _json_list(value: str) -> list[str]:
@@ -96,11 +101,7 @@ def cmd_chat(ns: argparse.Namespace) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
-    from ember.server.api_servers import check_api_server_count
-    from ember.server.launch_flags import launch_settings
-    from ember.server.limits import RequestLimits
-    from ember.server.openai_api import run_server
-    from ember.server.serving import CORSOptions
+    from ember.server.launch_flags import check_api_server_count, launch_settings
 
     logging.getLogger("ember").setLevel(logging.INFO)
     launch = launch_settings(ns)  # a refused flag fails here, before a model loads
@@ -112,6 +113,29 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                              "--data-parallel-size the router is what clients reach; put TLS or a path prefix in "
                              "front of it")
         sys.exit(_serve_data_parallel(ns))
+    engine_config = EngineConfig(**engine_args(ns), usage_context="serve")
+    started_core = None
+    if ns.api_server_count == 1 and not ns.no_core_process:
+        from ember.engine.core_client import start_core_process
+
+        engine_config = engine_config.resolve()  # a bad model path or flag fails here, before a process starts
+        # the core loads the model while this process imports the web stack (~1-2 s of a start)
+        started_core = start_core_process(engine_config)
+        logging.getLogger("ember.server").info("the engine core starts in process %d", started_core.process.pid)
+    try:
+        code = _run_server(ns, launch, engine_config, started_core)
+    finally:
+        if started_core is not None:
+            started_core.stop()  # stopped already unless the server failed before it took the core
+    sys.exit(code)
+
+
+def _run_server(ns: argparse.Namespace, launch: LaunchSettings, engine_config: EngineConfig,
+                started_core: StartedCore | None) -> int:
+    from ember.server.limits import RequestLimits
+    from ember.server.openai_api import run_server
+    from ember.server.serving import CORSOptions
+
     limits = RequestLimits(max_n=ns.max_n, max_prompts=ns.max_prompts_per_request, max_logit_bias=ns.max_logit_bias,
                            max_stop=ns.max_stop_strings, max_choices=ns.max_choices,
                            max_body_bytes=ns.max_request_body_bytes, max_logprobs=ns.max_logprobs)
@@ -119,7 +143,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     if ns.allowed_origins is not None:
         cors = CORSOptions(tuple(ns.allowed_origins), tuple(ns.allowed_methods), tuple(ns.allowed_headers),
                            ns.allow_credentials)
-    code = run_server(EngineConfig(**engine_args(ns), usage_context="serve"), host=ns.host, port=ns.port,
+    return run_server(engine_config, host=ns.host, port=ns.port,
                       api_keys=launch.api_keys, served_model_names=launch.served_model_names,
                       max_waiting_requests=ns.max_waiting_requests, shutdown_timeout=ns.shutdown_timeout,
                       log_level=ns.uvicorn_log_level, limits=limits, metrics_public=ns.metrics_public,
@@ -130,8 +154,8 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                       default_chat_template_kwargs=launch.default_chat_template_kwargs, log_stats=launch.log_stats,
                       return_tokens_as_token_ids=launch.return_tokens_as_token_ids,
                       trust_request_chat_template=launch.trust_request_chat_template,
-                      profiler_dir=launch.profiler_dir, api_server_count=ns.api_server_count)
-    sys.exit(code)
+                      profiler_dir=launch.profiler_dir, api_server_count=ns.api_server_count,
+                      started_core=started_core)
 
 
 def _serve_data_parallel(ns: argparse.Namespace) -> int:

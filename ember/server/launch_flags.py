@@ -23,6 +23,27 @@ _TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
 _CONTENT_FORMATS = ("auto", "string", "openai")
 
 
+def check_api_server_count(count: int, *, data_parallel_size: int = 1, core_process: bool = True,
+                           executor_backend: str | None = None) -> None:
+    """ValueError, naming the fix, for an API server count this server cannot run."""
+    if count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {count}")
+    if count == 1:
+        return
+    if data_parallel_size != 1:
+        raise ValueError("--api-server-count with --data-parallel-size is not supported: each data-parallel replica "
+                         "runs one API process behind the router; give one of the two flags")
+    if not core_process:
+        raise ValueError("--api-server-count N runs N API processes in front of one engine core process: drop "
+                         "--no-core-process")
+    if executor_backend == "ray":
+        raise ValueError("--api-server-count with --distributed-executor-backend ray is not supported: use the mp "
+                         "backend, or one API server")
+    if not hasattr(os, "pidfd_open"):
+        raise ValueError("--api-server-count N needs Linux (the core watches its API processes with pidfd_open): "
+                         "run one API server")
+
+
 def _json_object(value: str) -> dict[str, Any]:
     try:
         parsed = json.loads(value)

@@ -45,11 +45,13 @@ from fastapi.responses import PlainTextResponse, Response
 import ember
 from ember.config import EngineConfig
 from ember.engine.async_engine import AsyncEngine
+from ember.engine.core_client import StartedCore
 from ember.engine.stats import LoggingStatLogger
 from ember.server import protocol as p
-from ember.server.api_servers import check_api_server_count, run_api_servers
+from ember.server.api_servers import run_api_servers
 from ember.server.chat import add_chat_routes, add_messages_routes, add_stored_response_routes
 from ember.server.completions import add_completion_routes
+from ember.server.launch_flags import check_api_server_count
 from ember.server.metrics import ServerMetrics
 from ember.server.middleware import (
     OPEN_PATHS,
@@ -183,20 +185,22 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
                force_include_usage: bool = False, default_chat_template_kwargs: Mapping[str, Any] | None = None,
                log_stats: bool = True, return_tokens_as_token_ids: bool = False,
                trust_request_chat_template: bool = False, profiler_dir: str | None = None,
-               api_server_count: int = 1) -> int:
+               api_server_count: int = 1, started_core: StartedCore | None = None) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit code: 0 after a graceful stop, 1 if
     the model failed to load or the engine loop died (a supervisor should restart it).
     `uvicorn_options`: uvicorn.Config's root_path and ssl_* (launch_flags.py);
-    `api_server_count`: API processes in front of one engine core process (api_servers.py)."""
+    `api_server_count`: API processes in front of one engine core process (api_servers.py);
+    `started_core`: the core process of `engine_config` (resolved), started already (`ember serve`)."""
     check_api_server_count(api_server_count, core_process=core_process,
                            executor_backend=engine_config.distributed_executor_backend)
     names = tuple(served_model_names) or (default_model_name(engine_config.model),)
-    resolved = engine_config.resolve()  # a bad model path or flag fails here, before listening
+    # a bad model path or flag fails here, before listening
+    resolved = engine_config if engine_config.model_config is not None else engine_config.resolve()
     config = ServerConfig(resolved, names, tuple(api_keys), max_waiting_requests, shutdown_timeout,
                           limits or p.RequestLimits(), metrics_public, cors, log_requests, tool_call_parser,
                           reasoning_parser, core_process, force_include_usage,
                           dict(default_chat_template_kwargs or {}), log_stats, return_tokens_as_token_ids,
-                          trust_request_chat_template, profiler_dir, api_server_count)
+                          trust_request_chat_template, profiler_dir, api_server_count, started_core=started_core)
     # uvicorn's own wait for connections comes after state.drain(): only the last bytes are left
     options = dict(host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **(uvicorn_options or {}))
     logger.info("serving %s (%s) on http://%s:%d", names[0], Path(resolved.model).name, host, port)

@@ -29,7 +29,7 @@ from ember.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
-from ember.engine.core_client import CoreConnection
+from ember.engine.core_client import CoreConnection, StartedCore
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.request import Request as EngineRequest
 from ember.sampling_params import SamplingParams
@@ -74,6 +74,7 @@ class ServerConfig:
     profiler_dir: str | None = None  # where /stop_profile writes traces (None: profiling off)
     api_server_count: int = 1  # API processes in front of one engine core (--api-server-count)
     core_connection: CoreConnection | None = None  # with several: the core the launcher started, this one's sockets
+    started_core: StartedCore | None = None  # with one: its core, started before the app (run_server)
 
     @property
     def model_name(self) -> str:
@@ -173,7 +174,8 @@ class ServerState:
         try:
             engine = AsyncEngine(self.config.engine, self.config.max_waiting_requests, self.stat_loggers,
                                  on_dead=lambda e: self.engine_died(loop), log_requests=self.config.log_requests,
-                                 core_process=self.config.core_process, core_connection=self.config.core_connection)
+                                 core_process=self.config.core_process,
+                                 core_connection=self.config.core_connection or self.config.started_core)
             engine.warm_up()
         except BaseException as e:
             logger.exception("the model failed to load")

@@ -15,6 +15,7 @@ import os
 import random
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -302,3 +303,18 @@ def test_sigterm_stops_both_processes_and_leaves_none_behind(gguf_path, tmp_path
     assert gone(started, 5), [p for p in started if alive(p)]
     log = s.log.read_text()
     assert "Traceback" not in log and "killing it" not in log, log
+
+
+def test_a_server_that_cannot_listen_stops_the_core_it_started(gguf_path, tmp_path_factory):
+    """The core starts before the web stack is imported (it loads the model meanwhile): a port in
+    use ends the command with uvicorn's error, and the core goes with it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        s = make_server(gguf_path, tmp_path_factory, "--port", str(taken.getsockname()[1]))
+        assert s.proc.wait(120) == 3, s.log_tail()  # uvicorn's exit code for a failed start
+    log = s.log.read_text()
+    assert "address already in use" in log, log
+    found = re.search(r"the engine core starts in process (\d+)", log)
+    assert found, log
+    assert gone([int(found.group(1))], 10)
