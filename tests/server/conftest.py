@@ -13,12 +13,18 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def server(gguf_path, tmp_path_factory):
+def traces(tmp_path_factory):
+    """Where the main server's profiler writes (--profiler-dir: test_operations.py)."""
+    return tmp_path_factory.mktemp("traces")
+
+
+@pytest.fixture(scope="session")
+def server(gguf_path, tmp_path_factory, traces):
     """One server for the whole run (each start costs seconds): a test leaves it as it found
     it (no block held, it still answers: `still_serving`), and reads counters as deltas."""
     from servers import serving
 
-    yield from serving(gguf_path, tmp_path_factory)
+    yield from serving(gguf_path, tmp_path_factory, "--profiler-dir", str(traces))
 
 
 @pytest.fixture(scope="session")

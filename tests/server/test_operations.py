@@ -1,6 +1,6 @@
-"""The operations routes on a real server (server/operations.py), each run by the engine
-core in its own process: /ping, /reset_prefix_cache, the profiler, and sleep / wake-up at
-both levels, after which the server answers as before."""
+"""The operations routes on the main server (server/operations.py; its --profiler-dir is
+`traces`), each run by the engine core in its own process: /ping, /reset_prefix_cache, the
+profiler, and sleep / wake-up at both levels, after which the server answers as before."""
 
 from __future__ import annotations
 
@@ -8,23 +8,13 @@ import json
 import re
 
 import pytest
-from servers import FRANCE, KEY, MODEL, assert_openai_error, serving
+from servers import FRANCE, KEY, MODEL, assert_openai_error
 
 httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("still_serving")]
 
 LONG = FRANCE + " and this prompt runs on long enough to fill a few blocks of the prefix cache, twice over."
-
-
-@pytest.fixture(scope="module")
-def traces(tmp_path_factory):
-    return tmp_path_factory.mktemp("traces")
-
-
-@pytest.fixture(scope="module")
-def server(gguf_path, tmp_path_factory, traces):
-    yield from serving(gguf_path, tmp_path_factory, "--profiler-dir", str(traces))
 
 
 def call(server, method: str, path: str, key: str = KEY, **kw) -> httpx.Response:
@@ -82,7 +72,7 @@ BLOCK_MB = 30 * 2 * 3 * 64 * 16 * 4 / 2**20
 def test_sleep_frees_the_engine_until_wake_up_and_then_it_answers_as_before(server, level, weights_mb):
     before = complete(server, FRANCE)
     # the pool's pages are the kernel's only once written: this prompt writes ~100 blocks; what the
-    # module's other tests wrote before comes on top (how much depends on which ran here first)
+    # server's other tests wrote before comes on top (how much depends on which ran here first)
     tokens = complete(server, f"Round {level}: " + "The quick brown fox jumps over the lazy dog. " * 150)["usage"][
         "prompt_tokens"]
     assert tokens > 1500
