@@ -22,12 +22,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "benchmarks" / "scripts"
 
 
-@pytest.mark.parametrize("gaps", [False, True])
-def test_images_mode_prints_each_steps_wall_and_kernel_time(tmp_path, gaps):
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    model = tmp_path / "vl"
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory) -> Path:
+    model = tmp_path_factory.mktemp("vl")
     subprocess.run([sys.executable, str(SCRIPTS / "served_model.py"), "--vl", "--tiny", str(model)], check=True,
-                   env=env)
+                   env=os.environ | {"PYTHONPATH": str(ROOT)})
+    return model
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+def test_images_mode_prints_each_steps_wall_and_kernel_time(tiny_vl, gaps):
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    model = tiny_vl
     done = subprocess.run([sys.executable, str(SCRIPTS / "profile_gpu_steps.py"), str(model), "--images",
                            "--num-prompts", "2", "--image-size", "56x56", "--input-len", "8", "--output-len", "8",
                            "--skip", "1", "--steps", "3", "--top", "3", "--max-num-batched-tokens", "4096",
