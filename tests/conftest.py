@@ -74,15 +74,70 @@ def llm(gguf_path):
     return LLM(str(gguf_path), **EXACT)
 
 
+def _kept(name: str, gguf_path: Path, packages: tuple[str, ...]) -> Path:
+    """Where files built from the GGUF are kept under ember's cache dir: by a hash of its bytes
+    and of the versions of the packages that build and read them."""
+    import hashlib
+    from importlib.metadata import version
+
+    from ember.paths import cache_dir
+
+    h = hashlib.sha256(repr([version(p) for p in packages]).encode())
+    with open(gguf_path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return cache_dir() / name / h.hexdigest()
+
+
+def _keep(kept: Path, save) -> None:
+    """save(directory) once: written to a temp dir, renamed whole (another worker's, if it got
+    there first)."""
+    import shutil
+
+    if kept.is_dir():
+        return
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(dir=kept.parent, prefix=".part-"))
+    save(made)
+    try:
+        made.rename(kept)
+    except OSError:
+        shutil.rmtree(made, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def hf_model(gguf_path):
-    """HF transformers' own GGUF loading (dequantized to float32): the reference."""
+    """HF transformers' own GGUF loading (dequantized to float32): the reference.
+
+    transformers reads and dequantizes the GGUF in ~24 CPU-s; the float32 model it made is kept
+    under ember's cache dir (save_pretrained, by a hash of the GGUF and the versions of what
+    reads and writes it) and loaded from there in a fraction of a second: the same weights'
+    bits, the same config, the same logits' bits (checked when it was written)."""
     transformers = pytest.importorskip("transformers")
+    kept = _kept("hf-gguf-model", gguf_path, ("transformers", "torch", "gguf", "safetensors"))
+
+    def save(made: Path) -> None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        ).eval()
+        # dequantized already: what makes save_pretrained refuse a GGUF-loaded model is its marker
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(made))
+        again = transformers.AutoModelForCausalLM.from_pretrained(str(made), dtype=torch.float32).eval()
+        ours, theirs = again.state_dict(), model.state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k].view(torch.int32), theirs[k].view(torch.int32))
+                                                    for k in ours)
+        config = [{k: v for k, v in m.config.to_dict().items() if k != "_name_or_path"} for m in (again, model)]
+        assert config[0] == config[1]
+        ids = torch.tensor([list(range(1, 200, 7))])
+        with torch.no_grad():
+            assert torch.equal(again(ids).logits, model(ids).logits)
+
+    _keep(kept, save)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(kept), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -237,32 +292,18 @@ def spm_tokenizer_dir(tmp_path_factory) -> Path:
 def bpe_tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer as HF files, built by transformers from the default GGUF (one
     llama.cpp's converter recognises: its pre-tokenizer comes out as "smollm")."""
-    import hashlib
     import shutil
-    from importlib.metadata import version
 
     from ember.loader.default_model import fetch_default_model
-    from ember.paths import cache_dir
 
     transformers = pytest.importorskip("transformers")
     gguf_path = fetch_default_model()
     root = tmp_path_factory.mktemp("bpe")
     # transformers builds it from the GGUF's vocabulary in 10-15 s: the files it saves are kept
     # under ember's cache dir, by a hash of the GGUF and the versions of what builds and saves them
-    h = hashlib.sha256(repr([version(p) for p in ("transformers", "tokenizers")]).encode())
-    with open(gguf_path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    kept = cache_dir() / "bpe-tokenizer" / h.hexdigest()
-    if not kept.is_dir():
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        made = Path(tempfile.mkdtemp(dir=kept.parent, prefix=".part-"))
-        hf = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        hf.save_pretrained(str(made))
-        try:
-            made.rename(kept)  # whole or not at all; another worker's, if it got there first
-        except OSError:
-            shutil.rmtree(made, ignore_errors=True)
+    kept = _kept("bpe-tokenizer", gguf_path, ("transformers", "tokenizers"))
+    _keep(kept, lambda made: transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(made)))
     shutil.copytree(kept, root, dirs_exist_ok=True)
     return root
 

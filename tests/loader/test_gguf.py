@@ -35,13 +35,11 @@ def model(model_path: Path) -> GGUFFile:
 
 
 @pytest.fixture(scope="module")
-def hf_state(model_path: Path) -> dict[str, torch.Tensor]:
-    """HF transformers' own reading of the same GGUF file (dequantized, un-permuted)."""
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
-    return {k: v.detach() for k, v in hf.state_dict().items()}
+def hf_state(model_path: Path, gguf_path: Path, hf_model) -> dict[str, torch.Tensor]:
+    """HF transformers' own reading of the same GGUF file (dequantized, un-permuted): the
+    session's `hf_model` (tests/conftest.py), on the same file."""
+    assert model_path == gguf_path
+    return {k: v.detach() for k, v in hf_model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")

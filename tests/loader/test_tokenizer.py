@@ -44,19 +44,16 @@ CHATS = {"single_user": CONVERSATION[3:], "system_user_assistant_user": CONVERSA
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return fetch_default_model()
-
-
-@pytest.fixture(scope="module")
 def tok(gguf_path: Path) -> Tokenizer:
     return load_tokenizer(gguf_path)
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path: Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+def hf(gguf_path: Path, hf_tokenizer):
+    """transformers' AutoTokenizer built from the default GGUF: the session's `hf_tokenizer`
+    (tests/conftest.py), ~5 CPU-s to build, shared with the engine tests' chat checks."""
+    assert gguf_path == fetch_default_model()
+    return hf_tokenizer
 
 
 # -- ids -------------------------------------------------------------------------------

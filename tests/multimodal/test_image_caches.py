@@ -45,14 +45,31 @@ def model_dir(bpe_tokenizer_dir, tmp_path_factory, family):
     return pixtral_model.save_tiny_pixtral(bpe_tokenizer_dir, tmp_path_factory.mktemp(family), family)
 
 
+# Each model directory's tokenizer loads in ~0.5 s (a 49k vocabulary); ember's tokenizer is only
+# read (encode), so a fresh ImageProcessor (its own cache, its own transformers parts) shares it
+TOKENIZERS: dict = {}
+# transformers' processors are deterministic: one reference per (directory, images' contents, by
+# their bytes, not by the image_digest under test)
+REFERENCES: dict = {}
+
+
 def processor(model_dir, cache_bytes: int | None = None) -> ImageProcessor:
     kw = {} if cache_bytes is None else {"cache_bytes": cache_bytes}
-    return ImageProcessor(model_dir, ModelConfig.from_hf_dir(model_dir).vision, load_tokenizer(model_dir), **kw)
+    if model_dir not in TOKENIZERS:
+        TOKENIZERS[model_dir] = load_tokenizer(model_dir)
+    return ImageProcessor(model_dir, ModelConfig.from_hf_dir(model_dir).vision, TOKENIZERS[model_dir], **kw)
 
 
 def reference(model_dir, family: str, images: list) -> tuple[list[int], list[tuple]]:
     """transformers' processor on the prompt's images at once: the ids, and each image's
     patches (as the tower takes them), grid and hash (of its content and grid)."""
+    key = (model_dir, family, tuple((i.mode, i.size, i.tobytes(), repr(i.info), tuple(i.getpalette() or ())) for i in images))
+    if key not in REFERENCES:
+        REFERENCES[key] = _reference(model_dir, family, images)
+    return REFERENCES[key]
+
+
+def _reference(model_dir, family: str, images: list) -> tuple[list[int], list[tuple]]:
     enc = FAMILIES[family].hf_inputs(model_dir, FAMILIES[family].TWO, images)
     ids = enc["input_ids"][0].tolist()
     if FAMILIES[family] is qwen_vl_model:
