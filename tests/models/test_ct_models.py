@@ -120,14 +120,19 @@ def test_the_cuda_kernels_on_the_interpreter_give_the_reference(llama_form, form
     assert gemv_rows and set(gemv_rows) == {2}
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE both forms quantize, saved once a module."""
+    return _save_tiny("qwen3_moe", tmp_path_factory, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                      decoder_sparse_step=1)
+
+
 @pytest.mark.parametrize("form", ["w4a16-g128", "w4a16-asym-g128"])
-def test_moe_experts_the_library_quantized_stay_packed(tmp_path_factory, form, forward_logits):
+def test_moe_experts_the_library_quantized_stay_packed(tiny_qwen3_moe, form, forward_logits):
     """Qwen3-MoE, every expert's projections quantized by the library: FusedMoE holds them packed
     (int32 w13 / w2, zero points where asymmetric) and the fused MoE kernels on the interpreter
     give the reference's logits and greedy tokens."""
-    base = _save_tiny("qwen3_moe", tmp_path_factory, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                      decoder_sparse_step=1)
-    path, dequantized = _checkpoint(base, form)
+    path, dequantized = _checkpoint(tiny_qwen3_moe, form)
     greedy, want = _reference(dequantized, PROMPTS[:2])
     with gemv_on_cpu():
         llm = LLM(str(path), dtype="float32", **ENGINE)

@@ -226,7 +226,7 @@ def test_moe_experts_stay_packed_through_the_fused_kernels(tiny_moe, family, for
     assert list(decode[0].outputs[0].token_ids) == greedy[0][:3]
 
 
-def test_quantized_experts_are_dequantized_at_load_on_the_cpu(tmp_path_factory, caplog):
+def test_quantized_experts_are_dequantized_at_load_on_the_cpu(tiny_moe, caplog):
     """A GPTQ mixture of experts (Qwen3-MoE) on the CPU: FusedMoE's torch path multiplies dense
     experts (GGUF ones too), so the stacked experts load dequantized (logged with the reason:
     their values are exactly the checkpoint's) beside the attention kept as GGUF blocks; the
@@ -235,7 +235,7 @@ def test_quantized_experts_are_dequantized_at_load_on_the_cpu(tmp_path_factory, 
     arithmetic is tests/models/test_moe.py's.)"""
     from safetensors.torch import load_file
 
-    base = _save_tiny_moe("qwen3_moe", tmp_path_factory)
+    base = tiny_moe("qwen3_moe")  # the fused kernels' test's model, saved once
     path, dequantized = write_checkpoint(base, base.parent / "tiny-qwen3-moe-gptq", "gptq", 4, 64)
     with caplog.at_level(logging.INFO, logger="ember.loader"):
         llm = LLM(str(path), **ENGINE)
