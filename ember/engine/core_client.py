@@ -262,7 +262,7 @@ class MPCoreClient:
         self._checker(req)
 
     def warm_up(self) -> None:
-        self._warming.join()  # the core warmed its own before it said ready
+        self._warming.join()  # this process's backend, built while the core loaded (the core warmed its own)
 
     def send(self, message: tuple) -> None:
         if message[0] == ADD and message[1].mm_features:  # its images' pixels once each (pixel_link.py)
