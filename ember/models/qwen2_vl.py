@@ -66,7 +66,7 @@ class VisionAttention(nn.Module):
         to each other (a frame, or a window)."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k, _ = apply_rotary(q.contiguous(), k.contiguous(), rope)
+        q, k, _ = apply_rotary(q, k, rope)  # in place on qkv's views (last dim contiguous): no copies
         return self.proj(segment_attention(q, k, v, segments, self.head_dim ** -0.5).reshape(n, -1))
 
 
@@ -171,8 +171,15 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: Segments) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, segments)
-        return x + self.mlp(self.norm2(x))
+        """Takes `x` over (Qwen2.5-VL's RMSNorm adds the attention's output into it in place, in
+        the norm's kernel: one add kernel fewer a block)."""
+        h = self.attn(self.norm1(x), rope, segments)
+        if isinstance(self.norm2, RMSNorm):
+            normed, x = self.norm2(h, x)
+        else:
+            x = x + h
+            normed = self.norm2(x)
+        return x + self.mlp(normed)
 
 
 @dataclass
