@@ -171,15 +171,17 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: Segments) -> torch.Tensor:
-        """Takes `x` over (Qwen2.5-VL's RMSNorm adds the attention's output into it in place, in
-        the norm's kernel: one add kernel fewer a block)."""
-        h = self.attn(self.norm1(x), rope, segments)
-        if isinstance(self.norm2, RMSNorm):
-            normed, x = self.norm2(h, x)
-        else:
-            x = x + h
-            normed = self.norm2(x)
-        return x + self.mlp(normed)
+        x = x + self.attn(self.norm1(x), rope, segments)
+        return x + self.mlp(self.norm2(x))
+
+    def fused(self, h: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
+              segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with RMSNorms, the residual stream apart: the block's input is residual + h
+        (h alone where residual is None), its output the returned mlp output + residual. Each add
+        runs inside the next norm's kernel (in place on `residual`), none in a kernel of its own."""
+        normed, residual = (self.norm1(h), h) if residual is None else self.norm1(h, residual)
+        normed, residual = self.norm2(self.attn(normed, rope, segments), residual)
+        return self.mlp(normed), residual
 
 
 @dataclass
@@ -204,8 +206,10 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged), nn.GELU(),
                                  nn.Linear(self.merged, cfg.text_hidden_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.merged))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The merged rows of x (of x + residual, the add inside the norm's kernel, where given)."""
+        normed = self.ln_q(x) if residual is None else self.ln_q(x, residual)[0]
+        return self.mlp(normed.view(-1, self.merged))
 
 
 class Qwen2VisionTower(nn.Module):
@@ -246,10 +250,16 @@ class Qwen2VisionTower(nn.Module):
         x = self.patch_embed(patches)
         if plan.rows is not None:
             x = x[plan.rows]
+        fused = isinstance(self.merger.ln_q, RMSNorm)  # Qwen2.5-VL: the residual adds inside the norms
+        residual = None
         for i, block in enumerate(self.blocks):
             full = plan.windows is None or i in cfg.full_attention_blocks
-            x = block(x, plan.rope, plan.frames if full else plan.windows)
-        merged = self.merger(x)
+            segments = plan.frames if full else plan.windows
+            if fused:
+                x, residual = block.fused(x, residual, plan.rope, segments)
+            else:
+                x = block(x, plan.rope, segments)
+        merged = self.merger(x, residual)
         if plan.unorder is not None:
             merged = merged[plan.unorder]
         return list(merged.split(plan.sizes))
