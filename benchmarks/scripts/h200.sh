@@ -58,6 +58,9 @@
 #                       (profile_gpu_steps.py); SHAPE: qwen3-30b-a3b | mixtral-8x7b | deepseek-v2-lite |
 #                       qwen3-next-30b-a3b (Qwen3-Next's layers at Qwen3-30B-A3B's experts: ~58 GB of weights and
 #                       ~76 MB of linear-attention state a seat, so an H200)
+#   race-gpt-oss        vLLM (vllm_race.py --config gpt-oss-120b latency throughput256), then ember: the gpt-oss-120b
+#                       shape with dummy MXFP4 experts, one request 128/512 and 256 x 1000/1000 at vLLM's limits
+#                       (512 seats, 16,384 tokens a step, max_model_len 2048); vLLM takes ~170 s to start on an H100
 #   families            the GPU tests of the Gemma / GeGLU paths, then the Gemma-2-9B and Phi-4 shapes at
 #                       512 x 1000/1000 (no peer)
 #   new-families        the GPU tests of the families from issue #36 (GPT-2, OPT, Phi-2 at a non-power-of-two
@@ -458,6 +461,13 @@ mode_race_moe() {
     | tail -28 > "$J/profile_${shape}_512.log"
 }
 
+mode_race_gpt_oss() {
+  local G=benchmarks/configs/gpt-oss-120b
+  vllm_race gpt_oss_120b "${VLLM_TIMEOUT:-330}" --config gpt-oss-120b latency throughput256
+  bench gpt_oss_120b_latency 60 $G $LAT
+  bench gpt_oss_120b_256x1000 240 $G ${TP/--num-prompts 512/--num-prompts 256}
+}
+
 mode_families() {
   gpu_tests 200 tests/kernels/test_fused_ops.py tests/models/test_cuda_families.py -k "gemma or gelu"
   for m in gemma-2-9b phi-4; do
@@ -843,6 +853,7 @@ case "$mode" in
   kernels-fp8) mode_env; mode_kernels_fp8 ;;
   check-moe) mode_env; mode_check_moe ;;
   race-moe) mode_env; mode_race_moe "$@" ;;
+  race-gpt-oss) DEADLINE=$((SECONDS + ${CALL_S:-585})); mode_env; mode_race_gpt_oss ;;
   families) mode_env; mode_families ;;
   new-families) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_new_families ;;
   mla-decode) DEADLINE=$((SECONDS + ${CALL_S:-570})); mode_env; mode_mla_decode ;;

@@ -4,6 +4,7 @@ since the config directory has no tokenizer), at a shape from benchmarks/configs
 
     throughput     512 x 1000/1000
     throughput128  128 x 1000/1000 (a 70B shape's KV pool and a device call's time hold no more)
+    throughput256  256 x 1000/1000 (issue #36's gpt-oss-120b workload)
     prefill        512 x 1000/1: the throughput workload's prefills alone (its seconds: the prefill time)
     latency        one request, 128 in / 512 out
     beam           LLM.beam_search, width 4, 64 x 128/128, ignore_eos (issue #40; ember's side:
@@ -42,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # ember's random_requests, for the same prompts a
 WORKLOADS = {  # name: ember bench flags as numbers
     "throughput": dict(num_prompts=512, input_len=1000, output_len=1000),
     "throughput128": dict(num_prompts=128, input_len=1000, output_len=1000),
+    "throughput256": dict(num_prompts=256, input_len=1000, output_len=1000),
     "prefill": dict(num_prompts=512, input_len=1000, output_len=1),  # the throughput workload's prefills alone
     "latency": dict(num_prompts=1, input_len=128, output_len=512),
     "beam": dict(num_prompts=64, input_len=128, output_len=128, beam_width=4),
