@@ -284,7 +284,10 @@ class EngineConfig:
         self.__dict__.update(state, sampling_defaults=MappingProxyType(state["sampling_defaults"]))
 
     def resolve(self) -> EngineConfig:
-        """Fill every 'auto' and None from the model and the machine."""
+        """Fill every 'auto' and None from the model and the machine; a resolved config (its
+        model_config set) is returned as it is."""
+        if self.model_config is not None:
+            return self
         from ember.loader.model_files import locate_model, locate_tokenizer
         from ember.loader.tokenizer_files import load_chat_template
 

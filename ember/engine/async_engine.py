@@ -193,7 +193,7 @@ class AsyncEngine:
         engine's own, started early (StartedCore)."""
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 (or None: no limit); got {max_waiting_requests}")
-        self.config = config if config.model_config is not None else config.resolve()
+        self.config = config.resolve()
         self.max_waiting_requests = max_waiting_requests
         self.log_requests = log_requests
         self.tokenizer = load_engine_tokenizer(self.config)

@@ -48,6 +48,10 @@ def test_the_log_names_flags_the_config_file_arguments_and_defaults(gguf_path, t
     assert (resolved.max_num_seqs, resolved.max_num_batched_tokens) == (256, 128)
     assert _settings_line(caplog).startswith(
         "settings: max_num_seqs=256 (default for the CPU), max_num_batched_tokens=128 (argument), ")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ember.defaults"):
+        assert resolved.resolve() is resolved  # resolved once: nothing read or logged again
+    assert caplog.records == []
 
 
 @pytest.mark.gpu
