@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 from dataclasses import dataclass, field
 
 from ember.config import EngineConfig
@@ -154,7 +155,9 @@ def run_core_process(config: EngineConfig, clients: list[tuple[str, str]], paren
         from ember.engine.input_processor import load_engine_tokenizer
 
         core = EngineCore(config, load_engine_tokenizer(config))
-        core.structured.warm_up()
+        # the grammar package's imports and vocabulary tables (~1.3 s) on a thread: ready does not
+        # wait for them; a constrained request that comes first waits in the backend's lock
+        threading.Thread(target=core.structured.warm_up, name="ember-grammar-warm-up", daemon=True).start()
     except BaseException as e:
         logger.exception("the engine core could not start")
         table.broadcast(("failed", f"{type(e).__name__}: {e}"))
