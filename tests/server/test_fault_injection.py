@@ -116,18 +116,21 @@ class _Health:
     """Polls /health every 20 ms: every answer must be 200, within HEALTH_LIMIT_S."""
 
     def __init__(self, server: Server) -> None:
-        self.server, self.samples, self.proc = server, [], None
+        self.server, self.samples, self.proc, self.first = server, [], None, ""
 
     def start(self) -> None:
+        """Returns once the poller has its first answer: on a loaded machine its start alone can
+        outlast the block it watches."""
         self.proc = subprocess.Popen([sys.executable, "-c", _POLLER, self.server.url], stdout=subprocess.PIPE,
                                      text=True)
+        self.first = self.proc.stdout.readline()
 
     def stop(self) -> None:
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=30)
-        lines = out.splitlines()
         # the last line may be cut short by terminate(): only the lines before it count
-        self.samples = [(int(code), float(t)) for code, t in (line.split() for line in lines[:-1])]
+        lines = [self.first.strip()] + out.splitlines()[:-1]
+        self.samples = [(int(code), float(t)) for code, t in (line.split() for line in lines if line)]
 
 
 @contextmanager
