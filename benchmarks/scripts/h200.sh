@@ -60,7 +60,8 @@
 #                       ~76 MB of linear-attention state a seat, so an H200)
 #   race-gpt-oss        vLLM (vllm_race.py --config gpt-oss-120b latency throughput256), then ember: the gpt-oss-120b
 #                       shape with dummy MXFP4 experts, one request 128/512 and 256 x 1000/1000 at vLLM's limits
-#                       (512 seats, 16,384 tokens a step, max_model_len 2048); vLLM takes ~170 s to start on an H100
+#                       (512 seats, 16,384 tokens a step, max_model_len 2048); vLLM takes ~190 s to start and ~140 s
+#                       for the 256 on an H100, so ember's part gets what is left of the call (VLLM_TIMEOUT, default 420)
 #   families            the GPU tests of the Gemma / GeGLU paths, then the Gemma-2-9B and Phi-4 shapes at
 #                       512 x 1000/1000 (no peer)
 #   new-families        the GPU tests of the families from issue #36 (GPT-2, OPT, Phi-2 at a non-power-of-two
@@ -463,7 +464,7 @@ mode_race_moe() {
 
 mode_race_gpt_oss() {
   local G=benchmarks/configs/gpt-oss-120b
-  vllm_race gpt_oss_120b "${VLLM_TIMEOUT:-330}" --config gpt-oss-120b latency throughput256
+  vllm_race gpt_oss_120b "${VLLM_TIMEOUT:-420}" --config gpt-oss-120b latency throughput256
   bench gpt_oss_120b_latency 60 $G $LAT
   bench gpt_oss_120b_256x1000 240 $G ${TP/--num-prompts 512/--num-prompts 256}
 }

@@ -54,7 +54,7 @@ def test_the_script_parses_and_every_listed_mode_has_a_branch():
               and "/" not in line.split()[1]]
     assert listed == ["env", "smoke", "tests", "race-nano", "race-llama", "race-latency", "hf", "all", "race-fp8",
                       "check-fp8", "check-int", "check-int-moe", "int4-kernels", "gguf-kernels", "race-int", "gguf-cuda", "w8a8", "kernels-fp8", "check-moe",
-                      "race-moe", "families", "new-families",
+                      "race-moe", "race-gpt-oss", "families", "new-families",
                       "mla-decode", "gpt-oss", "moe-speed", "sweep-decode",
                       "defaults", "tp-check", "race-tp", "tp-70b", "deterministic", "gpu-suite", "serve",
                       "serve-race", "race-vl", "vision-graphs", "serve-sweep", "spec", "spec-race", "frontend", "kv-tiers"]
@@ -78,6 +78,20 @@ def test_race_moe_runs_vllm_first_then_ember_on_the_same_workloads(tmp_path):
         "--skip 40 --steps 60 [decode_config=]",
         f"python3 benchmarks/scripts/profile_gpu_steps.py {c} --num-prompts 512 --input-len 1000 --output-len 80 "
         "--skip 45 --steps 20 --top 20 [decode_config=]",
+    ]
+
+
+def test_race_gpt_oss_runs_vllm_first_then_ember_on_the_same_workloads(tmp_path):
+    calls, done = run_mode(tmp_path, "race-gpt-oss")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    c = "benchmarks/configs/gpt-oss-120b"
+    assert calls == [
+        "run-on-device none [decode_config=]",
+        "python3 benchmarks/scripts/vllm_race.py --config gpt-oss-120b latency throughput256 [decode_config=]",
+        f"python3 {BENCH[8:]} {c} {LAT} --output-json {out}/gpt_oss_120b_latency.json [decode_config=]",
+        f"python3 {BENCH[8:]} {c} {TP.replace('--num-prompts 512', '--num-prompts 256')} --output-json "
+        f"{out}/gpt_oss_120b_256x1000.json [decode_config=]",
     ]
 
 
