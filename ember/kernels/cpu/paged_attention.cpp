@@ -11,7 +11,7 @@
 //                                                   d = l, l + 16, ... in order (one fma
 //                                                   each), then one fixed tree across them
 //   m    = max of s_j over the keys it sees         (max is exact in any order)
-//   e_j  = exp(s_j - m)                             exp16: one polynomial, lane by lane
+//   e_j  = exp(s_j - m)                             expv: one polynomial, lane by lane
 //   sum  = e_j summed in 16 lanes by j % 16, from key 0's group up, then the fixed tree
 //   o[d] = (sum over j, in key order, of e_j * v_j[d]) / sum
 // The loops around that (tiles of rows, chunks of keys, threads) only choose what runs when.
@@ -42,7 +42,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -119,7 +119,6 @@ inline void transpose16(const float* const* rows, int64_t col, v16 out[16]) {
   }
   for (int i = 0; i < 16; ++i) out[i] = x[i];
 }
-const v16 kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // lane j: the sum of a[j]'s 16 lanes, each by the same tree (halves, then quarters, ...)
 inline v16 sums16(const v16 a[16]) {
@@ -146,39 +145,60 @@ inline float sum_lanes(v16 a) {
   return p0 + p1;
 }
 
-inline float max_lanes(v16 a) {
-  float m = a[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, a[i]);
-  return m;
+// The softmax's vectors: 16 lanes, or on AVX2 8 (a ymm register: 16-lane vectors went lane by
+// lane through the stack there, ~19 % of a long prefill); each lane's arithmetic is the same.
+#if !defined(__AVX512F__) && defined(__FMA__)
+typedef v8 VS;
+typedef int32_t IS __attribute__((vector_size(32)));
+inline VS fmav(VS a, VS b, VS c) {
+  return reinterpret_cast<VS>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c)));
 }
+#else
+typedef v16 VS;
+typedef i16 IS;
+inline VS fmav(VS a, VS b, VS c) { return fma16(a, b, c); }
+#endif
+constexpr int64_t kSoftmaxLanes = sizeof(VS) / sizeof(float);
+inline VS splatv(float x) {
+  VS v;
+  for (int64_t i = 0; i < kSoftmaxLanes; ++i) v[i] = x;
+  return v;
+}
+inline VS loadv(const float* p) {
+  VS v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storev(float* p, VS v) { std::memcpy(p, &v, sizeof(v)); }
 
 // e^x lane by lane for x <= 0 (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r,
 // times 2^n); below -87 (e^x < 2^-125) it is 0
-inline v16 exp16(v16 x) {
-  const v16 xc = x < splat(-87.f) ? splat(-87.f) : x;
-  const v16 t = xc * 1.44269504088896341f + 12582912.f;  // round to nearest: 1.5 * 2^23
-  const v16 n = t - 12582912.f;
-  v16 r = xc - n * 0.693359375f;
+inline VS expv(VS x) {
+  const VS xc = x < splatv(-87.f) ? splatv(-87.f) : x;
+  const VS t = xc * 1.44269504088896341f + 12582912.f;  // round to nearest: 1.5 * 2^23
+  const VS n = t - 12582912.f;
+  VS r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
-  p = fma16(p, r, splat(1.3981999507e-3f));
-  p = fma16(p, r, splat(8.3334519073e-3f));
-  p = fma16(p, r, splat(4.1665795894e-2f));
-  p = fma16(p, r, splat(1.6666665459e-1f));
-  p = fma16(p, r, splat(5.0000001201e-1f));
-  const v16 y = fma16(p, r * r, r) + 1.f;
-  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-  const v16 out = y * __builtin_bit_cast(v16, bits);
-  return x < splat(-87.f) ? splat(0.f) : out;
+  VS p = splatv(1.9875691500e-4f);
+  p = fmav(p, r, splatv(1.3981999507e-3f));
+  p = fmav(p, r, splatv(8.3334519073e-3f));
+  p = fmav(p, r, splatv(4.1665795894e-2f));
+  p = fmav(p, r, splatv(1.6666665459e-1f));
+  p = fmav(p, r, splatv(5.0000001201e-1f));
+  const VS y = fmav(p, r * r, r) + 1.f;
+  const IS bits = (__builtin_convertvector(n, IS) + 127) << 23;
+  const VS out = y * __builtin_bit_cast(VS, bits);
+  return x < splatv(-87.f) ? splatv(0.f) : out;
 }
 
 // c * tanh(s / c), from e^(-2|s / c|)
-inline v16 softcap16(v16 s, float cap, float inv_cap) {
-  const v16 y = s * inv_cap;
-  const v16 a = y < splat(0.f) ? -y : y;
-  const v16 e = exp16(a * -2.f);
-  const v16 th = (1.f - e) / (1.f + e);
-  return (y < splat(0.f) ? -th : th) * cap;
+inline VS softcapv(VS s, float cap, float inv_cap) {
+  const VS y = s * inv_cap;
+  const VS a = y < splatv(0.f) ? -y : y;
+  const VS e = expv(a * -2.f);
+  const VS th = (1.f - e) / (1.f + e);
+  return (y < splatv(0.f) ? -th : th) * cap;
 }
 
 // `count` cache rows, `stride` bytes apart, as float32 rows of `padded` values into dst
@@ -320,6 +340,29 @@ __attribute__((noinline)) void scores_by_keys(const float* q, int64_t vectors, c
 template <int NC, int B>
 __attribute__((noinline)) void values_block(const float* const* e, const float* const* rows, int64_t count,
                                             float* const* o) {
+#if !defined(__AVX512F__) && defined(__FMA__)
+  // AVX2: one query vector and at most 8 of its ymm halves at a time, so the sums stay in the
+  // 16 registers (B vectors of v16 sums went through the stack each key: 35 % of a 1,524-token
+  // prefill); each lane takes the same fmas in the same key order as below
+  constexpr int kHalves = 2 * NC;
+  constexpr int kHeld = [] {  // the most halves, at most 8, that divide a vector's
+    int held = 8;
+    while (kHalves % held) --held;
+    return held;
+  }();
+  for (int b = 0; b < B; ++b) {
+    for (int h0 = 0; h0 < kHalves; h0 += kHeld) {
+      __m256 sum[kHeld];
+      for (int h = 0; h < kHeld; ++h) sum[h] = _mm256_loadu_ps(o[b] + (h0 + h) * 8);
+      for (int64_t j = 0; j < count; ++j) {
+        const __m256 w = _mm256_broadcast_ss(e[b] + j);
+        const float* x = rows[j] + h0 * 8;
+        for (int h = 0; h < kHeld; ++h) sum[h] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + h * 8), sum[h]);
+      }
+      for (int h = 0; h < kHeld; ++h) _mm256_storeu_ps(o[b] + (h0 + h) * 8, sum[h]);
+    }
+  }
+#else
   v16 sum[B][NC];
   for (int b = 0; b < B; ++b)
     for (int c = 0; c < NC; ++c) sum[b][c] = load16(o[b] + c * kLanes);
@@ -333,6 +376,7 @@ __attribute__((noinline)) void values_block(const float* const* e, const float* 
   }
   for (int b = 0; b < B; ++b)
     for (int c = 0; c < NC; ++c) store16(o[b] + c * kLanes, sum[b][c]);
+#endif
 }
 
 // One item. Every query vector of the tile (its rows x the KV head's query heads) runs over
@@ -413,24 +457,29 @@ void attend(const Args& a, const Item& it) {
   for (int64_t vi = 0; vi < vectors; ++vi) {  // softmax numerators in place, and their sums
     const int64_t r = vi / group, f = first(r), p = last(r);
     float* s = scores.data() + vi * span;
-    const v16 lo_v = splat(static_cast<float>(f - lo)), hi_v = splat(static_cast<float>(p - lo));
-    v16 top = splat(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < span; j += kLanes) {
-      v16 x = load16(s + j);
-      if (a.cap > 0) x = softcap16(x, a.cap, a.inv_cap);
-      const v16 idx = kIota + static_cast<float>(j);
-      x = (idx >= lo_v) & (idx <= hi_v) ? x : splat(-std::numeric_limits<float>::infinity());
-      store16(s + j, x);
+    const VS lo_v = splatv(static_cast<float>(f - lo)), hi_v = splatv(static_cast<float>(p - lo));
+    VS top = splatv(-std::numeric_limits<float>::infinity()), iota;
+    for (int64_t i = 0; i < kSoftmaxLanes; ++i) iota[i] = static_cast<float>(i);
+    for (int64_t j = 0; j < span; j += kSoftmaxLanes) {
+      VS x = loadv(s + j);
+      if (a.cap > 0) x = softcapv(x, a.cap, a.inv_cap);
+      const VS idx = iota + static_cast<float>(j);
+      x = (idx >= lo_v) & (idx <= hi_v) ? x : splatv(-std::numeric_limits<float>::infinity());
+      storev(s + j, x);
       top = top > x ? top : x;
     }
-    const float sink = a.sinks ? a.sinks[it.kv_head * group + vi % group] : -std::numeric_limits<float>::infinity();
-    const float m = std::max(max_lanes(top), sink);
-    v16 total = splat(0.f);
-    for (int64_t j = 0; j < span; j += kLanes) {
-      const v16 e = exp16(load16(s + j) - m);  // hidden keys: -inf - m -> 0
-      store16(s + j, e);
-      total += e;
+    float m = a.sinks ? a.sinks[it.kv_head * group + vi % group] : -std::numeric_limits<float>::infinity();
+    const float sink = m;
+    for (int64_t i = 0; i < kSoftmaxLanes; ++i) m = std::max(m, top[i]);
+    VS totals[kLanes / kSoftmaxLanes];  // lane j % 16 of the 16 sums, as one 16-lane vector would hold them
+    for (auto& t : totals) t = splatv(0.f);
+    for (int64_t j = 0; j < span; j += kSoftmaxLanes) {
+      const VS e = expv(loadv(s + j) - m);  // hidden keys: -inf - m -> 0
+      storev(s + j, e);
+      totals[j % kLanes / kSoftmaxLanes] += e;
     }
+    v16 total;
+    std::memcpy(&total, totals, sizeof(total));
     inv_totals[vi] = 1.f / (sum_lanes(total) + (a.sinks ? std::exp(sink - m) : 0.f));
   }
   for (int64_t c0 = lo; c0 < end; c0 += kKeyChunk) {  // values, key by key, up to 4 query vectors at a time
