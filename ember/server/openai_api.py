@@ -194,8 +194,7 @@ def run_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int =
     check_api_server_count(api_server_count, core_process=core_process,
                            executor_backend=engine_config.distributed_executor_backend)
     names = tuple(served_model_names) or (default_model_name(engine_config.model),)
-    # a bad model path or flag fails here, before listening
-    resolved = engine_config.resolve()
+    resolved = engine_config.resolve()  # a bad model path or flag fails here, before listening
     config = ServerConfig(resolved, names, tuple(api_keys), max_waiting_requests, shutdown_timeout,
                           limits or p.RequestLimits(), metrics_public, cors, log_requests, tool_call_parser,
                           reasoning_parser, core_process, force_include_usage,

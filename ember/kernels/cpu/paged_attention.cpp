@@ -45,6 +45,10 @@
 #if defined(__F16C__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
+// AVX2 without AVX-512: 16 ymm registers of 8 floats, where 16-lane vectors go through the stack
+#if !defined(__AVX512F__) && defined(__FMA__)
+#define EMBER_YMM_ONLY 1
+#endif
 
 #include "convert.h"
 #include "pool.h"
@@ -147,7 +151,7 @@ inline float sum_lanes(v16 a) {
 
 // The softmax's vectors: 16 lanes, or on AVX2 8 (a ymm register: 16-lane vectors went lane by
 // lane through the stack there, ~19 % of a long prefill); each lane's arithmetic is the same.
-#if !defined(__AVX512F__) && defined(__FMA__)
+#if defined(EMBER_YMM_ONLY)
 typedef v8 VS;
 typedef int32_t IS __attribute__((vector_size(32)));
 inline VS fmav(VS a, VS b, VS c) {
@@ -171,6 +175,11 @@ inline VS loadv(const float* p) {
   return v;
 }
 inline void storev(float* p, VS v) { std::memcpy(p, &v, sizeof(v)); }
+const VS kSoftmaxIota = [] {
+  VS v;
+  for (int64_t i = 0; i < kSoftmaxLanes; ++i) v[i] = static_cast<float>(i);
+  return v;
+}();
 
 // e^x lane by lane for x <= 0 (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r,
 // times 2^n); below -87 (e^x < 2^-125) it is 0
@@ -340,7 +349,7 @@ __attribute__((noinline)) void scores_by_keys(const float* q, int64_t vectors, c
 template <int NC, int B>
 __attribute__((noinline)) void values_block(const float* const* e, const float* const* rows, int64_t count,
                                             float* const* o) {
-#if !defined(__AVX512F__) && defined(__FMA__)
+#if defined(EMBER_YMM_ONLY)
   // AVX2: one query vector and at most 8 of its ymm halves at a time, so the sums stay in the
   // 16 registers (B vectors of v16 sums went through the stack each key: 35 % of a 1,524-token
   // prefill); each lane takes the same fmas in the same key order as below
@@ -458,18 +467,17 @@ void attend(const Args& a, const Item& it) {
     const int64_t r = vi / group, f = first(r), p = last(r);
     float* s = scores.data() + vi * span;
     const VS lo_v = splatv(static_cast<float>(f - lo)), hi_v = splatv(static_cast<float>(p - lo));
-    VS top = splatv(-std::numeric_limits<float>::infinity()), iota;
-    for (int64_t i = 0; i < kSoftmaxLanes; ++i) iota[i] = static_cast<float>(i);
+    VS top = splatv(-std::numeric_limits<float>::infinity());
     for (int64_t j = 0; j < span; j += kSoftmaxLanes) {
       VS x = loadv(s + j);
       if (a.cap > 0) x = softcapv(x, a.cap, a.inv_cap);
-      const VS idx = iota + static_cast<float>(j);
+      const VS idx = kSoftmaxIota + static_cast<float>(j);
       x = (idx >= lo_v) & (idx <= hi_v) ? x : splatv(-std::numeric_limits<float>::infinity());
       storev(s + j, x);
       top = top > x ? top : x;
     }
-    float m = a.sinks ? a.sinks[it.kv_head * group + vi % group] : -std::numeric_limits<float>::infinity();
-    const float sink = m;
+    const float sink = a.sinks ? a.sinks[it.kv_head * group + vi % group] : -std::numeric_limits<float>::infinity();
+    float m = sink;
     for (int64_t i = 0; i < kSoftmaxLanes; ++i) m = std::max(m, top[i]);
     VS totals[kLanes / kSoftmaxLanes];  // lane j % 16 of the 16 sums, as one 16-lane vector would hold them
     for (auto& t : totals) t = splatv(0.f);
